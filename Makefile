@@ -1,0 +1,34 @@
+# Set-up and the two quick-start targets. Everything installs into .venv (python3.11 here).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first: a bare "torch" requirement would pull a multi-GB CUDA build
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,s3]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job on the shipped ZeRO-2 bf16 Trainer checkpoint: inspect, verify, merge to safetensors.
+demo: setup
+	$(BIN)/zckpt info fixtures/trainer/checkpoint-4
+	$(BIN)/zckpt verify fixtures/trainer/checkpoint-4
+	$(BIN)/zckpt merge fixtures/trainer/checkpoint-4 --to safetensors -o out/demo-model --overwrite
+	@echo "merged model written to out/demo-model:" && ls -l out/demo-model
+
+test: setup
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: setup
+	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_merge.py
+
+clean:
+	rm -rf $(VENV) out .bench

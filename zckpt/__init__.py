@@ -1,0 +1,54 @@
+"""zckpt: a toolkit for DeepSpeed ZeRO checkpoints.
+
+Public API (imported lazily, so ``import zckpt`` is cheap)::
+
+    zckpt.open_checkpoint(path, tag=None) -> Checkpoint   # metadata only, no tensor bytes
+    zckpt.merge(path, out, fmt="safetensors", dtype="fp32", ...)
+    zckpt.iter_tensors(path, dtype="fp32") -> iterator of (name, tensor)
+    zckpt.load_state_dict(path, dtype="fp32") -> dict
+    zckpt.load_into_module(module, path, strict=True)
+    zckpt.reshard(path, out, world_size=..., stage=None, ...)
+    zckpt.estimate(...)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "open_checkpoint": "zckpt.deepspeed.layout",
+    "Checkpoint": "zckpt.deepspeed.layout",
+    "verify": "zckpt.verify",
+    "merge": "zckpt.merge",
+    "iter_tensors": "zckpt.merge",
+    "load_state_dict": "zckpt.merge",
+    "load_into_module": "zckpt.merge",
+    "reshard": "zckpt.reshard",
+    "estimate": "zckpt.estimate",
+    "push": "zckpt.push",
+    "Pusher": "zckpt.push",
+}
+
+from zckpt.errors import (  # noqa: E402
+    CheckpointNotFound,
+    CorruptFile,
+    IncompleteCheckpoint,
+    InvalidArgument,
+    OutputExists,
+    StorageError,
+    UnsafePickle,
+    UnsupportedLayout,
+    ZckptError,
+)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zckpt' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -1,0 +1,74 @@
+"""zckpt's exception hierarchy.
+
+Every error zckpt raises on purpose is a :class:`ZckptError`. Subclasses also inherit the matching builtin
+(a missing shard is a ``FileNotFoundError`` too) so callers can catch what they already know. Each carries the
+path it is about and a hint for what to do; the CLI prints ``str(err)`` as one line.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class ZckptError(Exception):
+    """Base class. ``path``: the file or folder concerned; ``hint``: what the user can do about it."""
+
+    default_hint = ""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None):
+        self.message = message
+        self.path = os.fspath(path) if path is not None else None
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        text = f"{self.path}: {self.message}" if self.path else self.message
+        if self.hint:
+            text += f" ({self.hint})"
+        return text
+
+    # builtin OSError subclasses take (errno, strerror); keep our own constructor everywhere
+    def __reduce__(self):
+        return (self.__class__, (self.message, self.path, self.hint))
+
+
+class CheckpointNotFound(ZckptError, FileNotFoundError):
+    """A path, tag or rank file that should exist does not."""
+
+    default_hint = "check the path and --tag"
+
+
+class IncompleteCheckpoint(ZckptError, FileNotFoundError):
+    """Rank files are missing or disagree: a save was interrupted or overwritten."""
+
+    default_hint = "the save may have been interrupted; use an earlier tag with --tag"
+
+
+class CorruptFile(ZckptError, ValueError):
+    """A file is truncated, damaged, or not what its name says."""
+
+    default_hint = "the file is damaged or truncated; re-copy it or use an earlier tag"
+
+
+class UnsafePickle(ZckptError, ValueError):
+    """A pickle names a global outside the allow-list: zckpt refuses it without running anything."""
+
+    default_hint = "zckpt never runs code from checkpoints; this file is not a plain DeepSpeed checkpoint"
+
+
+class UnsupportedLayout(ZckptError, NotImplementedError):
+    """A real checkpoint layout zckpt does not handle (yet): pipeline, tensor parallel, MoE ..."""
+
+
+class InvalidArgument(ZckptError, ValueError):
+    """A bad option or combination of options."""
+
+
+class OutputExists(ZckptError, FileExistsError):
+    """The output location holds something zckpt will not overwrite."""
+
+    default_hint = "pass --overwrite or choose another -o"
+
+
+class StorageError(ZckptError, OSError):
+    """A storage backend (local disk, S3, the Hub) failed."""
