@@ -1,0 +1,365 @@
+"""A DeepSpeed checkpoint described from metadata alone: every tensor, and where each slice of it lives.
+
+:func:`open_checkpoint` locates the files (:mod:`zckpt.deepspeed.discover`), unpickles every rank file's
+metadata safely (:mod:`zckpt.safeload`, no tensor bytes read) and hands them to the reader of the optimizer
+flavour it finds (:mod:`zckpt.deepspeed.zero12` for ZeRO-1/2 and the BF16 optimizer, :mod:`zckpt.deepspeed.zero3`).
+The result, :class:`Checkpoint`, lists :class:`TensorRecord` s in the model's ``state_dict`` order; each holds
+``Piece`` lists (file, byte offset, element count, dtype) for its value and, for trainable parameters, the fp32
+master and both Adam moments. Concatenating a list's pieces gives the flat tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from zckpt import safeload, storage
+from zckpt.deepspeed.discover import Location, RankFile, locate
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
+from zckpt.safeload import LazyTensor
+
+log = logging.getLogger(__name__)
+
+KINDS = ("trainable", "frozen", "buffer", "tied")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``."""
+
+    path: str
+    offset: int
+    numel: int
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * safeload.DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class TensorRecord:
+    """One entry of the model's state dict.
+
+    kind: ``trainable`` (value = fp32 master), ``frozen`` (value in the training dtype), ``buffer``, or
+    ``tied`` (an alias of ``tied_to``; no pieces of its own).
+    """
+
+    name: str
+    shape: tuple
+    kind: str
+    dtype: str  # dtype of ``value`` pieces as stored
+    value: list[Piece] = field(default_factory=list)
+    exp_avg: list[Piece] = field(default_factory=list)
+    exp_avg_sq: list[Piece] = field(default_factory=list)
+    group: int | None = None  # optimizer param group (trainable)
+    tied_to: str | None = None
+    lp_dtype: str | None = None  # the training (low-precision) dtype of a parameter
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class GroupInfo:
+    """One optimizer param group (ZeRO-3: one per user group, spanning its sub-groups)."""
+
+    index: int
+    hyperparams: dict
+    step: Any  # float or int, read from the step tensor(s)
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoint:
+    location: Location
+    stage: int  # 1, 2 or 3 (the BF16 optimizer counts as 1)
+    flavour: str  # "zero" (DeepSpeedZeroOptimizer), "bf16_optimizer", "zero3"
+    precision: str  # "bf16", "fp16" or "fp32"
+    world_size: int
+    records: list[TensorRecord]
+    groups: list[GroupInfo]
+    model_state: dict  # rank-0 model-states metadata (module tensors as LazyTensor)
+    optim_states: list[dict]  # per dp rank: the optimizer file's metadata
+    model_states: list[dict]  # per model file (ZeRO-3: per dp rank)
+    offload: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    # convenience --------------------------------------------------------------------------------
+    @property
+    def tag(self) -> str:
+        return self.location.tag
+
+    @property
+    def ds_version(self) -> str | None:
+        return self.model_state.get("ds_version")
+
+    @property
+    def ds_config(self) -> dict:
+        cfg = self.model_state.get("ds_config")
+        return cfg if isinstance(cfg, dict) else {}
+
+    def by_name(self) -> dict[str, TensorRecord]:
+        return {r.name: r for r in self.records}
+
+    def of_kind(self, kind: str) -> list[TensorRecord]:
+        return [r for r in self.records if r.kind == kind]
+
+    @property
+    def files(self) -> list[RankFile]:
+        return self.location.model_files + self.location.optim_files
+
+    @property
+    def loss_scaler(self) -> dict | None:
+        osd = self.optim_states[0].get("optimizer_state_dict", {}) if self.optim_states else {}
+        scaler = osd.get("loss_scaler")
+        if scaler is None:
+            return None
+        state = {k: v for k, v in vars(scaler).items() if not k.startswith("_")}
+        return {"class": getattr(scaler, "_qualname", type(scaler).__name__).rsplit(".", 1)[-1], **state}
+
+    @property
+    def client_state(self) -> dict:
+        return {k: v for k, v in self.model_state.items() if k not in MODEL_STATE_KEYS}
+
+
+MODEL_STATE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers", "folding", "iteration",
+}
+
+
+# ------------------------------------------------------------------------------------------ piece helpers
+
+def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[Piece]:
+    """Pieces for elements [start, start+length) of ``t`` in row-major order."""
+    n = t.numel
+    length = n - start if length is None else length
+    if start < 0 or length < 0 or start + length > n:
+        raise CorruptFile(f"slice [{start}, {start + length}) outside a tensor of {n} elements",
+                          path=t.storage.path)
+    if length == 0:
+        return []
+    size = t.itemsize
+    if t.is_contiguous():
+        return [Piece(t.storage.path, t.byte_offset + start * size, length, t.dtype)]
+    # rare: a strided tensor in a state dict; describe it element run by element run
+    out: list[Piece] = []
+    shape, stride = t.shape, t.stride
+    for flat in range(start, start + length):
+        idx, rem = 0, flat
+        for dim, st in zip(reversed(shape), reversed(stride)):
+            idx += (rem % dim) * st
+            rem //= dim
+        off = t.storage.offset + (t.storage_offset + idx) * size
+        if out and out[-1].offset + out[-1].nbytes == off:
+            last = out[-1]
+            out[-1] = Piece(last.path, last.offset, last.numel + 1, last.dtype)
+        else:
+            out.append(Piece(t.storage.path, off, 1, t.dtype))
+    return out
+
+
+class FlatView:
+    """Several 1-D tensors of one rank seen as one flat buffer (ZeRO-3 sub-groups, or one ZeRO-1/2 group)."""
+
+    def __init__(self, tensors: list[LazyTensor]):
+        self.tensors = tensors
+        self.starts = []
+        total = 0
+        for t in tensors:
+            self.starts.append(total)
+            total += t.numel
+        self.numel = total
+
+    def pieces(self, start: int, length: int) -> list[Piece]:
+        if start < 0 or start + length > self.numel:
+            path = self.tensors[0].storage.path if self.tensors else "?"
+            raise CorruptFile(f"partition holds {self.numel} elements, a parameter needs [{start}, "
+                              f"{start + length})", path=path)
+        out = []
+        for t, s in zip(self.tensors, self.starts):
+            lo, hi = max(start, s), min(start + length, s + t.numel)
+            if lo < hi:
+                out.extend(pieces_of(t, lo - s, hi - lo))
+        return out
+
+
+def scalar_value(t) -> Any:
+    """Read a 0-d (or 1-element) tensor such as Adam's ``step``."""
+    if not isinstance(t, LazyTensor):
+        return t
+    if t.numel != 1:
+        raise CorruptFile(f"expected a scalar, got shape {list(t.shape)}", path=t.storage.path)
+    import numpy as np
+    raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize)
+    np_dtype = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32}.get(t.dtype)
+    if np_dtype is None or len(raw) != t.itemsize:
+        raise CorruptFile(f"cannot read a {t.dtype} scalar", path=t.storage.path)
+    value = np.frombuffer(raw, dtype=np_dtype)[0].item()
+    return int(value) if float(value).is_integer() else value
+
+
+def precision_of(model_state: dict, module: dict | None) -> str:
+    cfg = model_state.get("ds_config") or {}
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        sub = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(sub, dict) and sub.get("enabled") is True:
+            return name
+    if module:
+        for t in module.values():
+            if isinstance(t, LazyTensor) and t.dtype in ("bfloat16", "float16"):
+                return "bf16" if t.dtype == "bfloat16" else "fp16"
+    return "fp32"
+
+
+LP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+# ---------------------------------------------------------------------------------------- open_checkpoint
+
+def _load_all(files: list[RankFile]) -> list[dict]:
+    def one(f: RankFile):
+        obj = safeload.load(f.path)
+        if not isinstance(obj, dict):
+            raise CorruptFile(f"expected a dict at the top level, found {type(obj).__name__}", path=f.path)
+        return obj
+
+    if len(files) > 2 and storage.is_url(files[0].path):
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(one, files))
+    return [one(f) for f in files]
+
+
+def open_checkpoint(path: str, tag: str | None = None) -> Checkpoint:
+    """Describe the checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or URL)."""
+    loc = locate(path, tag)
+    for f in loc.model_files + loc.optim_files:
+        try:
+            f.size = storage.size(f.path)
+        except ZckptError:
+            raise
+        except OSError as exc:
+            raise CorruptFile(f"cannot stat ({exc})", path=f.path) from None
+    if not loc.model_files:
+        raise IncompleteCheckpoint("no *_model_states.pt file in the tag folder", path=loc.tag_dir)
+    model_states = _load_all(loc.model_files)
+    optim_states = _load_all(loc.optim_files)
+    ms0 = model_states[0]
+    for f, ms in zip(loc.model_files, model_states):
+        if "module" not in ms and "param_shapes" not in ms:
+            raise CorruptFile("not a DeepSpeed model-states file (no 'module' or 'param_shapes')", path=f.path)
+    if ms0.get("module") is None and "module" in ms0:
+        raise UnsupportedLayout("model-states file has module=None: a pipeline-parallel checkpoint",
+                                path=loc.model_files[0].path)
+    if int(ms0.get("mp_world_size") or 1) > 1:
+        raise UnsupportedLayout(f"model-parallel checkpoint (mp_world_size={ms0['mp_world_size']})",
+                                path=loc.model_files[0].path)
+    if ms0.get("num_experts") or ms0.get("ds_autoep_layers"):
+        raise UnsupportedLayout("mixture-of-experts checkpoint", path=loc.model_files[0].path)
+    if not optim_states:
+        if ms0.get("optimizer") is not None or ms0.get("param_shapes") is None:
+            raise UnsupportedLayout("ZeRO stage 0 checkpoint (no ZeRO optimizer files); its weights are "
+                                    "in mp_rank_00_model_states.pt", path=loc.tag_dir)
+        raise IncompleteCheckpoint("no *_optim_states.pt files in the tag folder", path=loc.tag_dir)
+    for f, st in zip(loc.optim_files, optim_states):
+        if not isinstance(st.get("optimizer_state_dict"), dict):
+            raise CorruptFile("not a DeepSpeed optimizer-states file (no 'optimizer_state_dict')", path=f.path)
+
+    osd0 = optim_states[0]["optimizer_state_dict"]
+    stage = osd0.get("zero_stage")
+    if stage is not None and int(stage) == 3:
+        from zckpt.deepspeed import zero3
+        return zero3.build(loc, model_states, optim_states)
+    if stage is not None and int(stage) not in (1, 2):
+        raise UnsupportedLayout(f"zero_stage {int(stage)} is not a ZeRO optimizer checkpoint",
+                                path=loc.optim_files[0].path)
+    if stage is None and "single_partition_of_fp32_groups" not in osd0:
+        raise CorruptFile("optimizer file has neither zero_stage nor fp32 partitions", path=loc.optim_files[0].path)
+    from zckpt.deepspeed import zero12
+    return zero12.build(loc, model_states, optim_states)
+
+
+def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> None:
+    """Every data-parallel rank 0..world_size-1 has its optimizer (and, ZeRO-3, model) file, and no extras."""
+    want = set(range(world_size))
+    have = [f.dp_rank for f in loc.optim_files]
+    if sorted(have) != sorted(want):
+        missing = sorted(want - set(have))
+        extra = sorted(set(have) - want)
+        detail = []
+        if missing:
+            detail.append("missing optimizer files for rank(s) " + ", ".join(map(str, missing)))
+        if extra:
+            detail.append("unexpected rank(s) " + ", ".join(map(str, extra)))
+        raise IncompleteCheckpoint(f"partition_count says {world_size} ranks but " + "; ".join(detail),
+                                   path=loc.tag_dir)
+    prefixes = {OPTIM_PREFIX(f.name) for f in loc.optim_files}
+    if len(prefixes) > 1:
+        raise IncompleteCheckpoint("optimizer files of two precisions (bf16_ and plain) in one tag", path=loc.tag_dir,
+                                   hint="remove the stale files of the older save")
+    if per_rank_model_files:
+        mranks = sorted(f.dp_rank for f in loc.model_files if f.dp_rank is not None)
+        if mranks != sorted(want):
+            missing = sorted(want - set(mranks))
+            raise IncompleteCheckpoint("ZeRO-3 model-states files missing for rank(s) " + ", ".join(map(str, missing))
+                                       if missing else "unexpected ZeRO-3 model-states files", path=loc.tag_dir)
+
+
+def OPTIM_PREFIX(name: str) -> str:
+    return name.split("zero_pp_rank_")[0]
+
+
+def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord], frozen: dict[str, TensorRecord],
+                   lp_dtype: str, module_has_params: bool = True) -> list[TensorRecord]:
+    """Assemble the final record list in ``module`` order: buffers and params from their sources, tied aliases,
+    and (ZeRO-1 / BF16 optimizer) frozen weights that exist only in ``module``."""
+    module = ms0.get("module") or {}
+    buffer_names = list(ms0.get("buffer_names") or [])
+    shared = dict(ms0.get("shared_params") or {})
+    records: dict[str, TensorRecord] = {}
+    mpath = loc.model_files[0].path
+
+    def module_record(name, kind):
+        t = module.get(name)
+        if not isinstance(t, LazyTensor):
+            raise CorruptFile(f"'{name}' is listed but has no tensor in 'module'", path=mpath)
+        return TensorRecord(name, tuple(t.shape), kind, t.dtype, pieces_of(t),
+                            lp_dtype=t.dtype if kind == "frozen" else None)
+
+    order = list(module.keys())
+    for extra in list(trainable) + list(frozen) + list(shared) + buffer_names:
+        if extra not in module:
+            order.append(extra)
+    for name in order:
+        if name in trainable:
+            records[name] = trainable[name]
+        elif name in frozen:
+            records[name] = frozen[name]
+        elif name in shared:
+            src = shared[name]
+            if src not in trainable and src not in frozen and src not in module:
+                raise CorruptFile(f"tied parameter '{name}' points to unknown '{src}'", path=mpath)
+            records[name] = None  # filled below, once the source is known
+        elif name in buffer_names:
+            records[name] = module_record(name, "buffer")
+        elif name in module and module_has_params:
+            # in module but in no optimizer group: a frozen weight of ZeRO-1 / BF16 optimizer (or a zero-size param)
+            records[name] = module_record(name, "frozen")
+    for name, rec in list(records.items()):
+        if rec is None:
+            src = shared[name]
+            while src in shared and shared[src] != src:  # chains of aliases
+                src = shared[src]
+            base = records.get(src)
+            shape = base.shape if base is not None else tuple(module[src].shape)
+            records[name] = TensorRecord(name, shape, "tied", base.dtype if base else lp_dtype, tied_to=src,
+                                         lp_dtype=base.lp_dtype if base else lp_dtype)
+    return list(records.values())

@@ -1,0 +1,130 @@
+"""ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): every parameter partitioned on its own.
+
+A parameter of n elements is split into ws slices of ceil(n/ws); the last rank's slice ends with
+(ws - n % ws) % ws zeros. Rank r's optimizer file holds, per sub-group s (``sub_group_size``)::
+
+    fp32_flat_groups[s]                          concat over the sub-group's params (``param_shapes[s]`` order)
+                                                 of rank r's ceil(n/ws) slice
+    optimizer_state_dict.state[s]                {step, exp_avg, exp_avg_sq}, laid out like fp32_flat_groups[s]
+    optimizer_state_dict.param_groups[k].params  the sub-group ids of user param group k
+    partition_count                              ws (an int)
+
+Every rank writes ``zero_pp_rank_R_mp_rank_00_model_states.pt`` whose ``module`` has 0-element placeholders for
+params, real buffers, and ``frozen_param_fragments``: rank r's ceil(n/ws) slice of each frozen param.
+``shared_params`` is filled only in rank 0's file.
+"""
+
+from __future__ import annotations
+
+import math
+
+from zckpt.deepspeed.discover import Location
+from zckpt.deepspeed.layout import (
+    LP_DTYPES, Checkpoint, FlatView, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
+    precision_of, scalar_value,
+)
+from zckpt.errors import CorruptFile, IncompleteCheckpoint
+from zckpt.safeload import LazyTensor
+
+
+def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
+    osds = [s["optimizer_state_dict"] for s in optim_states]
+    opath = [f.path for f in loc.optim_files]
+    ws = osds[0].get("partition_count")
+    if isinstance(ws, (list, tuple)):
+        ws = max(ws)
+    if not isinstance(ws, int) or ws < 1:
+        raise CorruptFile(f"invalid partition_count {ws!r}", path=opath[0])
+    check_ranks(loc, ws, per_rank_model_files=True)
+    ms0 = model_states[0]
+    mpath = loc.model_files[0].path
+    param_shapes = ms0.get("param_shapes")
+    if not isinstance(param_shapes, list):
+        raise CorruptFile("no param_shapes list", path=mpath)
+    nsub = len(param_shapes)
+    precision = precision_of(ms0, ms0.get("module"))
+    module = ms0.get("module") or {}
+
+    flats, moments = [], []
+    for r, osd in enumerate(osds):
+        fl = osd.get("fp32_flat_groups")
+        if not isinstance(fl, list) or len(fl) != nsub or not all(isinstance(t, LazyTensor) for t in fl):
+            raise CorruptFile(f"fp32_flat_groups should list {nsub} sub-groups", path=opath[r])
+        flats.append(fl)
+        inner = osd.get("optimizer_state_dict") or {}
+        state = inner.get("state") or {}
+        ea = [(state.get(s) or {}).get("exp_avg") for s in range(nsub)]
+        eas = [(state.get(s) or {}).get("exp_avg_sq") for s in range(nsub)]
+        moments.append((ea, eas))
+    has_moments = all(isinstance(t, LazyTensor) for ea, eas in moments for t in ea + eas)
+
+    trainable: dict[str, TensorRecord] = {}
+    sub_of: dict[str, int] = {}
+    for s in range(nsub):
+        need = sum(math.ceil(math.prod(shape) / ws) for shape in param_shapes[s].values())
+        for r in range(ws):
+            if flats[r][s].numel != need:
+                raise CorruptFile(f"sub-group {s}: fp32 partition has {flats[r][s].numel} elements, its params "
+                                  f"need {need}", path=opath[r], hint="param_shapes and the optimizer files disagree")
+            if has_moments and (moments[r][0][s].numel != need or moments[r][1][s].numel != need):
+                raise CorruptFile(f"sub-group {s}: Adam moments do not match the fp32 partition", path=opath[r])
+        off = 0
+        for name, shape in param_shapes[s].items():
+            shape = tuple(int(d) for d in shape)
+            n = math.prod(shape)
+            part = math.ceil(n / ws)
+            fp, ea, eas = [], [], []
+            for r in range(ws):
+                take = max(0, min(part, n - r * part))
+                if take:
+                    fp += pieces_of(flats[r][s], off, take)
+                    if has_moments:
+                        ea += pieces_of(moments[r][0][s], off, take)
+                        eas += pieces_of(moments[r][1][s], off, take)
+            lp = module[name].dtype if isinstance(module.get(name), LazyTensor) else LP_DTYPES[precision]
+            trainable[name] = TensorRecord(name, shape, "trainable", "float32", fp, ea, eas, lp_dtype=lp)
+            sub_of[name] = s
+            off += part
+
+    # user param groups: which sub-groups each one owns (param_groups[k]['params'] lists sub-group ids)
+    inner0 = osds[0].get("optimizer_state_dict") or {}
+    pgroups = inner0.get("param_groups") or [{"params": list(range(nsub))}]
+    groups = []
+    for k, pg in enumerate(pgroups):
+        subs = [int(x) for x in pg.get("params", [])]
+        names = [n for n, s in sub_of.items() if s in subs]
+        for n in names:
+            trainable[n].group = k
+        step = None
+        if subs and isinstance((inner0.get("state") or {}).get(subs[0]), dict):
+            step = scalar_value(inner0["state"][subs[0]].get("step"))
+        groups.append(GroupInfo(k, {a: b for a, b in pg.items() if a != "params"}, step, names))
+    for n, rec in trainable.items():
+        if rec.group is None:
+            raise CorruptFile(f"sub-group of '{n}' belongs to no param group", path=opath[0])
+
+    frozen: dict[str, TensorRecord] = {}
+    fshapes = ms0.get("frozen_param_shapes") or {}
+    for name, shape in fshapes.items():
+        shape = tuple(int(d) for d in shape)
+        n = math.prod(shape)
+        part = math.ceil(n / ws)
+        pieces, dtype = [], None
+        for r, ms in enumerate(model_states):
+            frag = (ms.get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(frag, LazyTensor) or frag.numel != part:
+                raise IncompleteCheckpoint(f"rank {r} has no {part}-element fragment of frozen '{name}'",
+                                           path=loc.model_files[r].path)
+            dtype = frag.dtype
+            take = max(0, min(part, n - r * part))
+            pieces += pieces_of(frag, 0, take)
+        frozen[name] = TensorRecord(name, shape, "frozen", dtype or LP_DTYPES[precision], pieces, lp_dtype=dtype)
+
+    records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision], module_has_params=False)
+    cfg = ms0.get("ds_config") or {}
+    zcfg = (cfg.get("zero_optimization") or {}) if isinstance(cfg, dict) else {}
+    off_cfg = zcfg.get("offload_optimizer") if isinstance(zcfg, dict) else None
+    offload = isinstance(off_cfg, dict) and off_cfg.get("device") in ("cpu", "nvme")
+    ckpt = Checkpoint(loc, 3, "zero3", precision, ws, records, groups, ms0, optim_states, model_states,
+                      offload=offload)
+    return ckpt

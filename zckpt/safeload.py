@@ -1,0 +1,513 @@
+"""Reading torch ``.pt`` files without running pickle code and without loading tensor bytes.
+
+A file written by ``torch.save`` (the zip format, default since torch 1.6) looks like::
+
+    <archive>/data.pkl            the pickled object; tensors appear as persistent ids ('storage', type, key, ...)
+    <archive>/byteorder           'little'
+    <archive>/data/<key>          raw bytes of storage <key>, stored uncompressed (64-byte aligned by torch)
+    <archive>/version, .format_version, .storage_alignment, .data/serialization_id
+    ... zip central directory at the end
+
+:func:`load` reads the central directory, unpickles ``data.pkl`` with an unpickler whose ``find_class`` only
+answers an allow-list of globals (mapped to inert stand-ins: no DeepSpeed, no torch needed) and returns the
+object with every tensor replaced by a :class:`LazyTensor`: dtype, shape, stride and the absolute byte offset
+of its storage in the file. Bytes are read later, only for the ranges asked for.
+
+Any other global is refused with :class:`~zckpt.errors.UnsafePickle` naming it; a damaged zip, a truncated
+file or a storage that lies outside the file is a :class:`~zckpt.errors.CorruptFile`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Callable
+
+from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout
+
+MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
+
+# dtype name -> bytes per element
+DTYPE_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+}
+FLOATING = {"float64", "float32", "float16", "bfloat16",
+            "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "UntypedStorage": "uint8",
+}
+_TORCH_DTYPES = {
+    "float64": "float64", "double": "float64", "float32": "float32", "float": "float32",
+    "float16": "float16", "half": "float16", "bfloat16": "bfloat16", "int64": "int64", "long": "int64",
+    "int32": "int32", "int": "int32", "int16": "int16", "short": "int16", "int8": "int8", "uint8": "uint8",
+    "bool": "bool", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+    "complex64": "complex64", "complex128": "complex128",
+    "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz", "float8_e5m2fnuz": "float8_e5m2fnuz",
+}
+
+
+# ----------------------------------------------------------------------------------------------- data model
+
+@dataclass(frozen=True)
+class StorageRef:
+    """One storage of a .pt file: where its bytes are (absolute offset in ``path``) and how many."""
+
+    path: str
+    key: str
+    dtype: str
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class LazyTensor:
+    """A tensor described, not loaded: its storage, element offset, shape, stride and dtype."""
+
+    storage: StorageRef
+    storage_offset: int
+    shape: tuple
+    stride: tuple
+    dtype: str
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for dim, st in zip(reversed(self.shape), reversed(self.stride)):
+            if dim != 1 and st != expected:
+                return False
+            expected *= dim
+        return True
+
+    @property
+    def byte_offset(self) -> int:
+        """Absolute file offset of the first element (for contiguous tensors)."""
+        return self.storage.offset + self.storage_offset * self.itemsize
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.dtype}, shape={list(self.shape)}, file={os.path.basename(self.storage.path)})"
+
+
+class Inert:
+    """Stand-in for an allow-listed class (e.g. DeepSpeed's ``LossScaler``): keeps the pickled state, runs nothing."""
+
+    _qualname = "?"
+
+    def __init__(self, *args, **kwargs):
+        self.__dict__["_args"] = args
+        if kwargs:
+            self.__dict__.update(kwargs)
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
+        if isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        else:
+            self.__dict__["_state"] = state
+
+    def get(self, key, default=None):
+        return self.__dict__.get(key, default)
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return f"{self._qualname}({fields})"
+
+
+class EnumValue(int):
+    """Stand-in for an IntEnum member such as ``ZeroStageEnum.gradients`` (an int that remembers its class)."""
+
+    _qualname = "?"
+
+    def __repr__(self) -> str:
+        return f"{self._qualname}({int(self)})"
+
+
+class TorchDtype(str):
+    """Stand-in for a pickled ``torch.<dtype>`` object: its canonical name."""
+
+
+class TorchDevice(str):
+    """Stand-in for a pickled ``torch.device``."""
+
+
+def _inert_class(qualname: str) -> type:
+    return type(qualname.rsplit(".", 1)[-1], (Inert,), {"_qualname": qualname})
+
+
+def _enum_class(qualname: str) -> Callable:
+    cls = type(qualname.rsplit(".", 1)[-1], (EnumValue,), {"_qualname": qualname})
+    return lambda value: cls(value)
+
+
+def _size(*args):
+    return tuple(args[0]) if args else ()
+
+
+def _device(*args):
+    return TorchDevice(":".join(str(a) for a in args if a is not None))
+
+
+def _ordered_dict(*args):
+    import collections
+    return collections.OrderedDict(*args)
+
+
+def _codecs_encode(obj, encoding="utf-8", errors="strict"):
+    # protocol-2 pickles store bytes as _codecs.encode(str, 'latin1'); nothing else is needed
+    if not isinstance(obj, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise UnsafePickle(f"pickle calls _codecs.encode with {type(obj).__name__}/{encoding!r}")
+    return obj.encode(encoding, errors)
+
+
+def _defaultdict(factory=None, *args):
+    import collections
+    return collections.defaultdict(factory if factory in (list, dict, int, float, set, str) else None, *args)
+
+
+def _numpy_allowed(name: str):
+    import numpy as np
+    if name in ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar"):
+        def scalar(dtype, data=None):
+            if not isinstance(dtype, np.dtype) or dtype.hasobject:
+                raise UnsafePickle("numpy scalar of object dtype")
+            return np.frombuffer(data, dtype=dtype, count=1)[0] if data is not None else dtype.type()
+        return scalar
+    if name in ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"):
+        def reconstruct(cls, shape, dtype):
+            if cls is not np.ndarray:
+                raise UnsafePickle("numpy array subclass")
+            return _SafeNdarray(shape, dtype)
+        return reconstruct
+    if name == "numpy.ndarray":
+        return np.ndarray
+    if name == "numpy.dtype":
+        def dtype(spec, align=False, copy=False):
+            if not isinstance(spec, str) or spec.startswith("O"):
+                raise UnsafePickle(f"numpy dtype {spec!r}")
+            return _SafeDtype(np.dtype(spec))
+        return dtype
+    return None
+
+
+class _SafeDtype:
+    """numpy dtype under construction: BUILD gives its state; object dtypes are refused."""
+
+    def __init__(self, dt):
+        self.dt = dt
+
+    def __setstate__(self, state):
+        # (version, byteorder, subarray, names, fields, elsize, alignment, flags)
+        if isinstance(state, tuple) and len(state) >= 2 and state[1] in ("<", ">", "=", "|"):
+            if state[3] is not None or state[2] is not None:
+                raise UnsafePickle("structured numpy dtype")
+            self.dt = self.dt.newbyteorder(state[1]) if state[1] in "<>" else self.dt
+        if self.dt.hasobject:
+            raise UnsafePickle("numpy object dtype")
+
+
+class _SafeNdarray:
+    """numpy array under construction; BUILD supplies (version, shape, dtype, fortran, raw bytes)."""
+
+    def __init__(self, shape, dtype):
+        self.value = None
+
+    def __setstate__(self, state):
+        import numpy as np
+        _, shape, dtype, fortran, raw = state
+        dt = dtype.dt if isinstance(dtype, _SafeDtype) else dtype
+        if not isinstance(dt, np.dtype) or dt.hasobject or not isinstance(raw, (bytes, bytearray)):
+            raise UnsafePickle("numpy array with object data")
+        arr = np.frombuffer(bytes(raw), dtype=dt).reshape(shape, order="F" if fortran else "C")
+        self.value = arr
+
+
+_TENSOR_REBUILDS = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"}
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                    *rest):
+    if not isinstance(storage, _PendingStorage):
+        raise CorruptFile("tensor rebuilt from something that is not a storage")
+    dtype = storage.dtype
+    if rest and isinstance(rest[0], TorchDtype):  # _rebuild_tensor_v3(..., dtype, metadata)
+        dtype = str(rest[0])
+    return storage.tensor(int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    if isinstance(data, LazyTensor) and isinstance(state, dict):
+        data.attrs.update({str(k): v for k, v in state.items() if isinstance(v, (int, float, str, bool))})
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state=None):
+    result = func(*args)
+    return _rebuild_parameter(result, False, None, state if isinstance(state, dict) else None)
+
+
+def _tensor_class(*args):
+    raise UnsafePickle("pickle constructs a torch.Tensor directly")
+
+
+_ALLOWED: dict[str, Any] = {
+    "collections.OrderedDict": _ordered_dict,
+    "collections.defaultdict": _defaultdict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.bytearray": bytearray,
+    "builtins.complex": complex,
+    "builtins.slice": slice,
+    "builtins.list": list,
+    "builtins.dict": dict,
+    "builtins.int": int,
+    "builtins.float": float,
+    "builtins.str": str,
+    "builtins.tuple": tuple,
+    "_codecs.encode": _codecs_encode,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+    "torch.Tensor": _tensor_class,
+    "torch.nn.parameter.Parameter": _tensor_class,
+    "torch.Size": _size,
+    "torch.device": _device,
+    # DeepSpeed classes seen in real checkpoints (0.6 .. 0.19.8)
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": _inert_class("deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler":
+        _inert_class("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    "deepspeed.runtime.fp16.loss_scaler.LossScalerBase":
+        _inert_class("deepspeed.runtime.fp16.loss_scaler.LossScalerBase"),
+    "deepspeed.utils.tensor_fragment.fragment_address": _inert_class("deepspeed.utils.tensor_fragment.fragment_address"),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": _enum_class("deepspeed.runtime.zero.config.ZeroStageEnum"),
+    "deepspeed.runtime.zero.stage_1_and_2.ZeroStageEnum": _enum_class("deepspeed.runtime.zero.config.ZeroStageEnum"),
+    "argparse.Namespace": _inert_class("argparse.Namespace"),  # Megatron-DeepSpeed client state
+}
+for _name in _STORAGE_DTYPES:
+    _ALLOWED[f"torch.{_name}"] = ("storage", _STORAGE_DTYPES[_name])
+_ALLOWED["torch.storage.UntypedStorage"] = ("storage", "uint8")
+for _name, _dt in _TORCH_DTYPES.items():
+    _ALLOWED[f"torch.{_name}"] = TorchDtype(_dt)
+
+ALLOWED_GLOBALS = frozenset(_ALLOWED) | {
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar", "numpy.core.multiarray._reconstruct",
+    "numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
+}
+
+
+class _PendingStorage:
+    """A storage seen in the pickle; becomes a :class:`StorageRef` once its zip entry is located."""
+
+    def __init__(self, reader: "_Archive", key: str, dtype: str):
+        self.reader, self.key, self.dtype = reader, key, dtype
+        self.ref = reader.storage_ref(key, dtype)
+
+    def tensor(self, storage_offset, shape, stride, dtype):
+        if dtype != self.dtype and self.dtype != "uint8":
+            raise CorruptFile(f"tensor dtype {dtype} disagrees with its storage dtype {self.dtype}")
+        ref = self.ref if dtype == self.ref.dtype else StorageRef(self.ref.path, self.ref.key, dtype,
+                                                                    self.ref.offset, self.ref.nbytes)
+        if any(d < 0 for d in shape) or any(s < 0 for s in stride) or storage_offset < 0:
+            raise CorruptFile("tensor with negative shape, stride or offset")
+        span = 1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0
+        if span and (storage_offset + span) * DTYPE_SIZES[dtype] > ref.nbytes:
+            raise CorruptFile(f"tensor of shape {list(shape)} overruns its storage {self.key} "
+                              f"({ref.nbytes} bytes)")
+        return LazyTensor(ref, storage_offset, shape, stride, dtype)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, archive: "_Archive"):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.archive = archive
+        self.storages: dict[str, _PendingStorage] = {}
+
+    def find_class(self, module, name):
+        qual = f"{module}.{name}"
+        if qual in _ALLOWED:
+            value = _ALLOWED[qual]
+            return value
+        if qual in ALLOWED_GLOBALS:
+            value = _numpy_allowed(qual)
+            if value is not None:
+                return value
+        raise UnsafePickle(f"pickle names the global '{qual}', which is not on zckpt's allow-list",
+                           path=self.archive.path)
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise CorruptFile(f"unexpected persistent id {str(pid)[:80]!r}")
+        stype, key = pid[1], str(pid[2])
+        if not (isinstance(stype, tuple) and stype[0] == "storage"):
+            raise CorruptFile(f"storage of unknown type {str(stype)[:80]!r}")
+        if key not in self.storages:
+            self.storages[key] = _PendingStorage(self.archive, key, stype[1])
+        return self.storages[key]
+
+
+def _unwrap(obj, depth=0):
+    """Replace construction helpers (numpy placeholders, pending storages) by their final values."""
+    if depth > 200:
+        raise CorruptFile("pickle nests deeper than 200 levels")
+    if isinstance(obj, _SafeNdarray):
+        return obj.value
+    if isinstance(obj, _SafeDtype):
+        return obj.dt
+    if isinstance(obj, _PendingStorage):
+        return obj.ref
+    if isinstance(obj, dict):
+        for k in list(obj):
+            obj[k] = _unwrap(obj[k], depth + 1)
+        return obj
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            obj[i] = _unwrap(v, depth + 1)
+        return obj
+    if isinstance(obj, tuple):
+        return type(obj)(_unwrap(v, depth + 1) for v in obj) if not hasattr(obj, "_fields") else obj
+    if isinstance(obj, Inert):
+        for k, v in list(obj.__dict__.items()):
+            obj.__dict__[k] = _unwrap(v, depth + 1)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------- the archive
+
+class _Archive:
+    """The zip directory of one torch file, and where each entry's bytes start."""
+
+    def __init__(self, path: str, fileobj: BinaryIO, size: int):
+        self.path, self.f, self.size = path, fileobj, size
+        try:
+            self.zf = zipfile.ZipFile(fileobj)
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+            raise CorruptFile(f"not a readable torch zip archive ({exc})", path=path) from None
+        self.entries = {}
+        for info in self.zf.infolist():
+            self.entries[info.filename] = info
+        pkls = [n for n in self.entries if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise CorruptFile("zip archive has no torch data.pkl: not a torch checkpoint", path=path)
+        self.prefix = pkls[0][: -len("data.pkl")]
+        order = self.entries.get(self.prefix + "byteorder")
+        if order is not None and self.read_entry(order, 16).strip() not in (b"little", b""):
+            raise UnsupportedLayout("big-endian torch files are not supported", path=path)
+
+    def data_offset(self, info: zipfile.ZipInfo) -> int:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptFile(f"entry {info.filename} is compressed; torch writes stored entries", path=self.path)
+        self.f.seek(info.header_offset)
+        header = self.f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise CorruptFile(f"damaged local header for {info.filename}", path=self.path)
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > self.size:
+            raise CorruptFile(f"entry {info.filename} runs past the end of the file (truncated?)", path=self.path)
+        return start
+
+    def read_entry(self, info: zipfile.ZipInfo, limit: int) -> bytes:
+        if info.file_size > limit:
+            raise CorruptFile(f"entry {info.filename} is {info.file_size} bytes, over the {limit} limit",
+                              path=self.path)
+        start = self.data_offset(info)
+        self.f.seek(start)
+        data = self.f.read(info.file_size)
+        if len(data) != info.file_size:
+            raise CorruptFile(f"entry {info.filename} is truncated", path=self.path)
+        return data
+
+    def storage_ref(self, key: str, dtype: str) -> StorageRef:
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedLayout(f"storage dtype {dtype} is not supported", path=self.path)
+        info = self.entries.get(f"{self.prefix}data/{key}")
+        if info is None:
+            raise CorruptFile(f"storage {key} named in the pickle is missing from the archive", path=self.path)
+        return StorageRef(self.path, key, dtype, self.data_offset(info), info.file_size)
+
+
+def _default_opener(path: str) -> BinaryIO:
+    if "://" in str(path):
+        from zckpt import storage
+        return storage.open_input(path)
+    return open(path, "rb")
+
+
+def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
+    """Unpickle a torch zip file's metadata safely. Tensors become :class:`LazyTensor`; no bytes are loaded.
+
+    ``opener`` opens ``path`` for binary random access (defaults to zckpt's storage layer, which handles URLs).
+    """
+    if opener is None:
+        opener = _default_opener
+    try:
+        f = opener(path)
+    except FileNotFoundError:
+        from zckpt.errors import CheckpointNotFound
+        raise CheckpointNotFound("file not found", path=path) from None
+    with f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(0)
+        magic = f.read(4)
+        if magic != b"PK\x03\x04":
+            if magic[:2] == b"\x80\x02" or (magic and magic[0] == 0x80):
+                raise UnsupportedLayout("legacy (non-zip) torch serialization is not supported; re-save with "
+                                        "checkpoint_serialization enabled", path=path)
+            raise CorruptFile("not a torch checkpoint (no zip signature)" if size else "file is empty", path=path)
+        archive = _Archive(path, f, size)
+        data = archive.read_entry(archive.entries[archive.prefix + "data.pkl"], MAX_PICKLE_BYTES)
+        unpickler = _Unpickler(data, archive)
+        try:
+            obj = unpickler.load()
+        except (UnsafePickle, CorruptFile, UnsupportedLayout):
+            raise
+        except RecursionError:
+            raise CorruptFile("pickle nests too deeply", path=path) from None
+        except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
+            raise CorruptFile(f"damaged pickle in data.pkl ({type(exc).__name__}: {exc})"[:300], path=path) from None
+        return _unwrap(obj)
+
+
+def iter_tensors(obj, prefix=""):
+    """Yield (dotted path, LazyTensor) for every tensor inside a loaded object."""
+    if isinstance(obj, LazyTensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))

@@ -1,0 +1,95 @@
+"""Reading the bytes that :class:`~zckpt.deepspeed.layout.Piece` lists point to.
+
+Local files are read with ``os.pread`` on descriptors kept open per thread-safe :class:`Reader`; URLs go through
+the storage layer, one ranged read per piece. Bytes land directly in a caller's buffer: nothing is read twice.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from zckpt import storage
+from zckpt.errors import CorruptFile
+
+TORCH_DTYPES = None
+
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, name)
+
+
+class Reader:
+    """Reads pieces into buffers; caches one file descriptor per local file."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    self._fds[path] = fd
+        return fd
+
+    def read_into(self, piece, buf: memoryview) -> None:
+        """Fill ``buf`` (exactly ``piece.nbytes`` long) with the piece's bytes."""
+        n = piece.nbytes
+        if storage.is_url(piece.path):
+            data = storage.read_range(piece.path, piece.offset, n)
+            if len(data) != n:
+                raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
+            buf[:n] = data
+            return
+        fd = self._fd(piece.path)
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [buf[done:n]], piece.offset + done)
+            if got <= 0:
+                raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
+            done += got
+
+    def read_pieces(self, pieces, buf: memoryview) -> int:
+        pos = 0
+        for p in pieces:
+            self.read_into(p, buf[pos:pos + p.nbytes])
+            pos += p.nbytes
+        return pos
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load_pieces(pieces, dtype: str, shape, reader: Reader | None = None):
+    """A new torch tensor of ``shape`` holding the concatenated pieces (all of ``dtype``)."""
+    import math
+    import torch
+    numel = math.prod(shape)
+    have = sum(p.numel for p in pieces)
+    if have != numel:
+        raise CorruptFile(f"pieces hold {have} elements, shape {list(shape)} needs {numel}",
+                          path=pieces[0].path if pieces else None)
+    out = torch.empty(numel, dtype=torch_dtype(dtype))
+    if numel:
+        own = reader is None
+        reader = reader or Reader()
+        try:
+            reader.read_pieces(pieces, memoryview(out.view(torch.uint8).numpy()))
+        finally:
+            if own:
+                reader.close()
+    return out.view(shape) if shape else out.reshape(())
