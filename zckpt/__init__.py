@@ -14,6 +14,8 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 __version__ = "0.1.0"
 
@@ -46,8 +48,24 @@ from zckpt.errors import (  # noqa: E402
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'zckpt' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Keeps ``zckpt.merge`` (and friends) the API function even after ``import zckpt.merge``: the import system
+    sets a parent attribute to each submodule it loads, which would otherwise hide the function of the same name.
+    Import submodules with ``from zckpt.merge import ...`` (or ``sys.modules``); ``zckpt.merge`` is the function."""
+
+    def __setattr__(self, name, value):
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():

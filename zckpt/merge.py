@@ -1,0 +1,522 @@
+"""Consolidating ZeRO shards into ordinary weights: read metadata, plan, stream bytes, publish atomically.
+
+1. :func:`plan_merge` turns a :class:`~zckpt.deepspeed.layout.Checkpoint` into a :class:`MergePlan`: the output
+   files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
+   each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
+2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
+   bytes in chunks of at most ``CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
+   offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space.
+   Casts use torch's own ``Tensor.to`` on each chunk, so rounding is exactly torch's.
+3. Files are written into a temporary sibling folder which is renamed into place at the end (the index is
+   written last); an interrupted merge leaves the previous output, or nothing, where the output belongs.
+   For URL outputs each shard is uploaded as soon as it is complete and the index is uploaded last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from zckpt import storage
+from zckpt.deepspeed.layout import Checkpoint, Piece, TensorRecord, open_checkpoint
+from zckpt.errors import InvalidArgument, OutputExists, ZckptError
+from zckpt.safeload import DTYPE_SIZES, FLOATING
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 16 << 20
+DTYPE_ALIASES = {
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16", "uint32": "U32",
+    "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}
+FORMATS = {
+    "safetensors": ("model.safetensors", "model-{:05d}-of-{:05d}.safetensors", "model.safetensors.index.json"),
+    "pt": ("pytorch_model.bin", "pytorch_model-{:05d}-of-{:05d}.bin", "pytorch_model.bin.index.json"),
+}
+TRAINER_COPY = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json", "README.md",
+)
+
+
+def parse_size(text) -> int:
+    """'5GB' -> 5*10**9, '200MiB' -> 200*2**20, 1000 -> 1000 (bytes)."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10,
+             "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            try:
+                value = float(s[: -len(unit)])
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return int(value * mult)
+    if s.isdigit() and int(s) > 0:
+        return int(s)
+    raise InvalidArgument(f"cannot read size {text!r}", hint="use e.g. 5GB, 500MB or 2GiB")
+
+
+def out_dtype_name(dtype: str) -> str:
+    if dtype not in DTYPE_ALIASES:
+        raise InvalidArgument(f"unknown dtype {dtype!r}", hint="use fp32, bf16 or fp16")
+    return DTYPE_ALIASES[dtype]
+
+
+# ------------------------------------------------------------------------------------------------- plan
+
+@dataclass
+class OutTensor:
+    name: str
+    dtype: str  # output dtype
+    shape: tuple
+    src_dtype: str
+    pieces: list[Piece]
+    offset: int = 0  # byte offset in its file (absolute)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+@dataclass
+class ShardPlan:
+    filename: str
+    tensors: list[OutTensor]
+    header: bytes = b""  # safetensors: 8-byte length + JSON; pt: filled by the zip writer
+    size: int = 0
+
+
+@dataclass
+class MergePlan:
+    fmt: str
+    dtype: str
+    shards: list[ShardPlan]
+    index_name: str | None
+    index: dict | None
+    total_size: int
+    skipped_tied: dict = field(default_factory=dict)  # alias -> source (stored once, under the source)
+
+    def summary(self) -> dict:
+        return {
+            "format": self.fmt, "dtype": self.dtype, "total_bytes": self.total_size,
+            "tensors": sum(len(s.tensors) for s in self.shards),
+            "files": [{"name": s.filename, "bytes": s.size, "tensors": len(s.tensors)} for s in self.shards]
+            + ([{"name": self.index_name, "bytes": None, "tensors": 0}] if self.index_name else []),
+            "tied": self.skipped_tied,
+        }
+
+
+def output_tensors(ckpt: Checkpoint, dtype: str, exclude_frozen: bool = False,
+                   keep_tied: bool = False) -> tuple[list[OutTensor], dict]:
+    """The tensors of the consolidated state dict, in model order: floating ones cast to ``dtype``."""
+    target = out_dtype_name(dtype)
+    byname = ckpt.by_name()
+    out, tied = [], {}
+    for rec in ckpt.records:
+        if rec.kind == "frozen" and exclude_frozen:
+            continue
+        src = rec
+        if rec.kind == "tied":
+            src = byname.get(rec.tied_to)
+            if src is None or (src.kind == "frozen" and exclude_frozen):
+                continue
+            if not keep_tied:
+                tied[rec.name] = rec.tied_to
+                continue
+        dt = target if src.dtype in FLOATING else src.dtype
+        out.append(OutTensor(rec.name, dt, tuple(src.shape), src.dtype, src.value))
+    return out, tied
+
+
+def plan_merge(ckpt: Checkpoint, fmt: str = "safetensors", dtype: str = "fp32", max_shard_size="5GB",
+               exclude_frozen: bool = False, keep_tied: bool = False) -> MergePlan:
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"unknown output format {fmt!r}", hint="use safetensors or pt")
+    limit = parse_size(max_shard_size)
+    tensors, tied = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
+    groups: list[list[OutTensor]] = []
+    current, size = [], 0
+    for t in tensors:  # greedy, like huggingface_hub's split_state_dict_into_shards_factory
+        if current and size + t.nbytes > limit:
+            groups.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not groups:
+        groups.append(current)
+    single, pattern, index_name = FORMATS[fmt]
+    n = len(groups)
+    shards = [ShardPlan(single if n == 1 else pattern.format(i + 1, n), g) for i, g in enumerate(groups)]
+    for shard in shards:
+        if fmt == "safetensors":
+            layout_safetensors(shard)
+        else:
+            from zckpt import torchzip
+            torchzip.layout_state_dict(shard)
+    total = sum(t.nbytes for s in shards for t in s.tensors)
+    index = None
+    if n > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: s.filename for s in shards for t in s.tensors}}
+    return MergePlan(fmt, out_dtype_name(dtype), shards, index_name if n > 1 else None, index, total, tied)
+
+
+def layout_safetensors(shard: ShardPlan) -> None:
+    header, pos = {}, 0
+    for t in shard.tensors:
+        if t.dtype not in ST_DTYPES:
+            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use --to pt")
+        header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.header = struct.pack("<Q", len(raw)) + raw
+    pos = len(shard.header)
+    for t in shard.tensors:
+        t.offset = pos
+        pos += t.nbytes
+    shard.size = pos
+
+
+# ---------------------------------------------------------------------------------------------- execute
+
+def slice_pieces(pieces: list[Piece], start: int, length: int) -> list[Piece]:
+    """Elements [start, start+length) of the concatenation of ``pieces``."""
+    out, pos = [], 0
+    end = start + length
+    for p in pieces:
+        lo, hi = max(start, pos), min(end, pos + p.numel)
+        if lo < hi:
+            size = DTYPE_SIZES[p.dtype]
+            out.append(Piece(p.path, p.offset + (lo - pos) * size, hi - lo, p.dtype))
+        pos += p.numel
+        if pos >= end:
+            break
+    return out
+
+
+@dataclass
+class _Job:
+    fd: int
+    offset: int
+    pieces: list[Piece]
+    src_dtype: str
+    dtype: str
+    numel: int
+    crc_key: object = None
+
+
+def _jobs_for(shard: ShardPlan, fd: int) -> list[_Job]:
+    jobs = []
+    for t in shard.tensors:
+        per = max(1, CHUNK_BYTES // max(DTYPE_SIZES[t.dtype], DTYPE_SIZES[t.src_dtype]))
+        for start in range(0, t.numel, per):
+            n = min(per, t.numel - start)
+            jobs.append(_Job(fd, t.offset + start * DTYPE_SIZES[t.dtype], slice_pieces(t.pieces, start, n),
+                             t.src_dtype, t.dtype, n))
+    return jobs
+
+
+class _Worker:
+    """Runs copy jobs; one reusable buffer per thread."""
+
+    def __init__(self):
+        import threading
+        from zckpt.tensors import Reader
+        self.reader = Reader()
+        self.local = threading.local()
+        self.use_cfr = hasattr(os, "copy_file_range")
+
+    def _buf(self, nbytes: int):
+        import torch
+        buf = getattr(self.local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+            self.local.buf = buf
+        return buf
+
+    def run(self, job: _Job) -> int:
+        import torch
+        from zckpt.tensors import torch_dtype
+        src_size = DTYPE_SIZES[job.src_dtype]
+        if job.src_dtype == job.dtype and self.use_cfr and not any(storage.is_url(p.path) for p in job.pieces):
+            pos = job.offset
+            for p in job.pieces:
+                self._copy_range(p, job.fd, pos)
+                pos += p.nbytes
+            return job.numel * DTYPE_SIZES[job.dtype]
+        buf = self._buf(job.numel * src_size)
+        self.reader.read_pieces(job.pieces, memoryview(buf.numpy())[: job.numel * src_size])
+        src = buf[: job.numel * src_size].view(torch_dtype(job.src_dtype))
+        out = src if job.src_dtype == job.dtype else src.to(torch_dtype(job.dtype))
+        data = memoryview(out.view(torch.uint8).numpy())
+        _pwrite_all(job.fd, data, job.offset)
+        return len(data)
+
+    def _copy_range(self, p: Piece, fd_out: int, pos: int) -> None:
+        fd_in = self.reader._fd(p.path)
+        left, src = p.nbytes, p.offset
+        while left:
+            try:
+                n = os.copy_file_range(fd_in, fd_out, left, src, pos)
+            except OSError:
+                self.use_cfr = False
+                n = 0
+            if n <= 0:  # not supported here, or EOF (a truncated input): fall back to read + write
+                buf = self._buf(left)
+                view = memoryview(buf.numpy())[:left]
+                self.reader.read_into(Piece(p.path, src, left, "uint8"), view)
+                _pwrite_all(fd_out, view, pos)
+                return
+            left, src, pos = left - n, src + n, pos + n
+
+    def close(self):
+        self.reader.close()
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, progress) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, shard.size)
+        if fmt == "safetensors":
+            _pwrite_all(fd, memoryview(shard.header), 0)
+            for n in pool.map(worker.run, _jobs_for(shard, fd)):
+                progress(n)
+        else:
+            from zckpt import torchzip
+            torchzip.write_state_dict(shard, fd, pool, worker, progress)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class MergeResult:
+    output: str
+    plan: MergePlan
+    seconds: float = 0.0
+    copied: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
+                "copied": self.copied, **self.plan.summary()}
+
+
+def _prepare_out(out: str, overwrite: bool) -> None:
+    if storage.is_url(out):
+        if storage.exists(out) and storage.listdir(out) and not overwrite:
+            raise OutputExists("output location is not empty", path=out)
+        return
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise OutputExists("output exists and is not a folder", path=out)
+        if os.listdir(out) and not overwrite:
+            raise OutputExists("output folder is not empty", path=out)
+
+
+def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
+            extra_files: dict[str, bytes] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> None:
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically."""
+    _prepare_out(out, overwrite)
+    workers = workers or min(8, os.cpu_count() or 2)
+    done = [0]
+
+    def step(n):
+        done[0] += n
+        if progress:
+            progress(done[0], plan.total_size)
+
+    worker = _Worker()
+    remote = storage.is_url(out)
+    parent = tempfile.gettempdir() if remote else os.path.dirname(os.path.abspath(out)) or "."
+    if not remote:
+        os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/')) or 'merge'}.zckpt-tmp-", dir=parent)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for shard in plan.shards:
+                local = os.path.join(tmp, shard.filename)
+                _write_shard(shard, local, plan.fmt, pool, worker, step)
+                if remote:
+                    storage.put_file(local, storage.join(out, shard.filename))
+                    os.remove(local)
+        files = dict(extra_files or {})
+        if plan.index is not None:
+            files[plan.index_name] = (json.dumps(plan.index, indent=2) + "\n").encode()
+        if remote:
+            for name, data in sorted(files.items(), key=lambda kv: kv[0] == plan.index_name):
+                storage.write_bytes_atomic(storage.join(out, name), data)  # index last
+        else:
+            for name, data in files.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(data)
+                    os.fsync(f.fileno())
+            _publish_dir(tmp, out)
+    finally:
+        worker.close()
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish_dir(tmp: str, out: str) -> None:
+    """Move the finished folder ``tmp`` to ``out``; an old ``out`` is moved aside first and removed after."""
+    os.chmod(tmp, 0o755)
+    if os.path.isdir(out):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/'))}.zckpt-old-",
+                               dir=os.path.dirname(os.path.abspath(out)))
+        os.rmdir(old)
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+    try:
+        dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
+        os.fsync(dfd)
+        os.close(dfd)
+    except OSError:
+        pass
+
+
+def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
+    """config, generation config and tokenizer files of a Trainer checkpoint, config dtype set to ``dtype``."""
+    src = ckpt.location.trainer_dir
+    if not src:
+        return {}
+    names = set(storage.listdir(src))
+    out = {}
+    for name in TRAINER_COPY:
+        if name in names and storage.isfile(storage.join(src, name)):
+            out[name] = storage.read_bytes(storage.join(src, name))
+    if "config.json" in out:
+        try:
+            cfg = json.loads(out["config.json"])
+        except ValueError:
+            log.warning("config.json of %s is not valid JSON; copied as is", src)
+        else:
+            name = out_dtype_name(dtype)
+            keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+            for k in keys:
+                cfg[k] = name
+            out["config.json"] = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
+    return out
+
+
+def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: str = "fp32", tag: str | None = None,
+          max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
+          dry_run: bool = False, overwrite: bool = False,
+          progress: Callable[[int, int], None] | None = None) -> MergeResult:
+    """Consolidate the checkpoint at ``path`` into ``out`` (default: ``<path>/merged-<dtype>``).
+
+    ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
+    ``progress(done_bytes, total_bytes)`` is called as data is written.
+    """
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(path, tag)
+    if out is None:
+        out = storage.join(str(path), f"merged-{dtype}")
+    plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
+    extra = trainer_files(ckpt, dtype)
+    result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
+    if dry_run:
+        _prepare_out(str(out), overwrite)
+        return result
+    execute(plan, str(out), workers, overwrite, extra, progress)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# ----------------------------------------------------------------------------------------- Python loaders
+
+def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False,
+                 keep_tied: bool = True) -> Iterator[tuple[str, "object"]]:
+    """Yield ``(name, torch.Tensor)`` one at a time (only one tensor in memory), in model order.
+
+    Tied aliases are yielded too (as a separate tensor equal to the source) unless ``keep_tied=False``.
+    """
+    from zckpt.tensors import Reader, load_pieces, torch_dtype
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+    tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
+    with Reader() as reader:
+        for t in tensors:
+            value = load_pieces(t.pieces, t.src_dtype, t.shape, reader)
+            if t.dtype != t.src_dtype:
+                value = value.to(torch_dtype(t.dtype))
+            yield t.name, value
+
+
+def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False) -> dict:
+    """The consolidated state dict (tied aliases share one tensor, as in the model)."""
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+    sd = dict(iter_tensors(ckpt, dtype, exclude_frozen=exclude_frozen, keep_tied=False))
+    for rec in ckpt.of_kind("tied"):
+        if rec.tied_to in sd:
+            sd[rec.name] = sd[rec.tied_to]
+    order = [r.name for r in ckpt.records if r.name in sd]
+    return {k: sd[k] for k in order}
+
+
+def load_into_module(module, path: str, tag: str | None = None, strict: bool = True) -> "object":
+    """Fill ``module``'s parameters and buffers from the checkpoint, strictly by default.
+
+    Missing or unexpected keys raise :class:`~zckpt.errors.InvalidArgument` (DeepSpeed's own loader uses
+    ``strict=False`` and hides them). Values are cast to each destination tensor's dtype.
+    """
+    import torch
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+    target = module.state_dict(keep_vars=True)
+    names = {r.name for r in ckpt.records}
+    missing = sorted(set(target) - names)
+    unexpected = sorted(names - set(target))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing in checkpoint: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if unexpected:
+            parts.append(f"not in module: {', '.join(unexpected[:8])}{' ...' if len(unexpected) > 8 else ''}")
+        raise InvalidArgument("state dict does not match the module (" + "; ".join(parts) + ")",
+                              path=ckpt.location.input_path, hint="pass strict=False to load what matches")
+    with torch.no_grad():
+        for name, value in iter_tensors(ckpt, "fp32", keep_tied=True):
+            dest = target.get(name)
+            if dest is None:
+                continue
+            if tuple(dest.shape) != tuple(value.shape):
+                raise InvalidArgument(f"'{name}' has shape {list(value.shape)} in the checkpoint, "
+                                      f"{list(dest.shape)} in the module", path=ckpt.location.input_path)
+            dest.copy_(value.to(dest.dtype))
+    return module
