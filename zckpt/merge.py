@@ -107,8 +107,13 @@ class OutTensor:
 class ShardPlan:
     filename: str
     tensors: list[OutTensor]
-    header: bytes = b""  # safetensors: 8-byte length + JSON; pt: filled by the zip writer
+    header: bytes = b""  # safetensors: 8-byte length + JSON
     size: int = 0
+    archive: object = None  # pt: the planned torch zip (zckpt.torchzip.Archive)
+
+
+def _strip_ext(filename: str) -> str:
+    return filename.rsplit(".", 1)[0]
 
 
 @dataclass
