@@ -1,0 +1,29 @@
+"""``zckpt info``: what a checkpoint holds, from metadata alone."""
+
+from __future__ import annotations
+
+import click
+
+from zckpt.cli._common import apply_storage_options, emit_json, json_option, storage_option, tag_option
+
+
+@click.command(epilog="""\b
+Examples:
+  zckpt info checkpoint-400
+  zckpt info outputs/ds_ckpt --tag global_step1200 --json
+  zckpt info s3://bucket/run1/checkpoint-400""")
+@click.argument("path")
+@tag_option
+@json_option
+@storage_option
+def info(path, tag, as_json, storage_options):
+    """Show a checkpoint's ZeRO stage, precision, world size, parameters, steps and files.
+
+    PATH is a DeepSpeed save folder (with 'latest'), a tag folder (global_stepN) or a Hugging Face Trainer
+    checkpoint-N folder, local or a URL (s3://, hf://). Only metadata is read: no tensor bytes, no code run.
+    """
+    from zckpt.info import info as run, render
+
+    apply_storage_options(storage_options)
+    result = run(path, tag)
+    emit_json(result) if as_json else click.echo(render(result))

@@ -1,0 +1,68 @@
+"""``zckpt merge``: ZeRO shards to ordinary safetensors / .bin weights."""
+
+from __future__ import annotations
+
+import click
+
+from zckpt.cli._common import (
+    Progress, apply_storage_options, emit_json, json_option, quiet_option, storage_option, tag_option,
+)
+
+
+@click.command(epilog="""\b
+Examples:
+  zckpt merge checkpoint-400 --to safetensors -o model/
+  zckpt merge checkpoint-400 --dtype bf16 -o model-bf16/ --max-shard-size 2GB
+  zckpt merge ds_ckpt/ --tag global_step900 --to pt -o weights/
+  zckpt merge checkpoint-400 -o s3://bucket/models/run1 --dtype bf16
+  zckpt merge checkpoint-400 --dry-run --json""")
+@click.argument("path")
+@click.option("--to", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True,
+              help="Output format (Hugging Face layout: model.safetensors or pytorch_model.bin, sharded with an "
+                   "index when larger than --max-shard-size).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="dtype of floating tensors (fp32 masters are cast with torch's rounding).")
+@click.option("-o", "--output", "out", default=None, metavar="OUT",
+              help="Output folder (local or URL). Default: PATH/merged-DTYPE.")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file, e.g. 5GB, 500MB.")
+@tag_option
+@click.option("--exclude-frozen", is_flag=True, help="Leave out frozen (requires_grad=False) parameters.")
+@click.option("--keep-tied", is_flag=True,
+              help="Also write tied aliases (e.g. lm_head.weight) as copies; by default each tied tensor is "
+                   "stored once under its source name, as save_pretrained does.")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes) and write nothing.")
+@json_option
+@quiet_option
+@storage_option
+def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, dry_run,
+          as_json, quiet, storage_options):
+    """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
+
+    Trainable parameters come from the fp32 masters; frozen parameters and buffers are included. A Trainer
+    checkpoint-N also gets its config.json (dtype set), generation config and tokenizer files copied, so the
+    output folder loads with AutoModel*.from_pretrained. Bytes stream through a fixed-size buffer; the output
+    appears atomically.
+    """
+    from zckpt.info import human_bytes
+    from zckpt.merge import merge as run
+
+    apply_storage_options(storage_options)
+    with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
+        result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
+                     exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
+                     overwrite=overwrite, progress=bar)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    s = result.plan.summary()
+    for f in s["files"]:
+        click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} "
+                   f"{human_bytes(f['bytes']) if f['bytes'] is not None else '':>10}  {f['tensors'] or ''}")
+    for name in result.copied:
+        click.echo(f"{'would copy' if dry_run else 'copied'} {name}")
+    tied = ", ".join(f"{a} -> {b}" for a, b in s["tied"].items())
+    click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
+               f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")
+               + (f"; tied stored once: {tied}" if tied else ""))

@@ -1,0 +1,42 @@
+"""``zckpt verify``: exit 0 only for a complete, consistent checkpoint."""
+
+from __future__ import annotations
+
+import click
+
+from zckpt.cli._common import (
+    Progress, apply_storage_options, emit_json, json_option, quiet_option, storage_option, tag_option,
+)
+
+
+@click.command(epilog="""\b
+Examples:
+  zckpt verify checkpoint-400
+  zckpt verify checkpoint-400 --deep          # also read every byte (CRC of every entry)
+  zckpt verify s3://bucket/run1/checkpoint-400 --json""")
+@click.argument("path")
+@tag_option
+@click.option("--deep", is_flag=True, help="Read every byte: check the CRC of every zip entry and any manifest.")
+@json_option
+@quiet_option
+@storage_option
+def verify(path, tag, deep, as_json, quiet, storage_options):
+    """Check that a checkpoint is complete and consistent.
+
+    Every rank file present and readable, partition_count agrees with the files, partitions agree with
+    param_shapes, versions agree, 'latest' names an existing tag. Exit status 0 when all checks pass, 1 otherwise.
+    """
+    from zckpt.verify import verify as run
+
+    apply_storage_options(storage_options)
+    with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
+        report = run(path, tag, deep=deep, progress=bar)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        for c in report.checks:
+            click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name}: {c.detail}")
+        click.echo(f"{path}: {'complete and consistent' if report.ok else 'NOT consistent'}"
+                   + (f" ({report.bytes_read:,} bytes read)" if deep else ""))
+    if not report.ok:
+        raise SystemExit(1)

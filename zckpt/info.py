@@ -1,0 +1,115 @@
+"""What a checkpoint holds, from metadata alone (``zckpt info``)."""
+
+from __future__ import annotations
+
+from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.safeload import Inert
+
+FLAVOURS = {
+    "zero": "DeepSpeedZeroOptimizer",
+    "bf16_optimizer": "BF16_Optimizer (ZeRO-1, fp32 gradient accumulation)",
+    "zero3": "DeepSpeedZeroOptimizer_Stage3",
+}
+
+
+def _plain(value, depth=0):
+    """JSON-friendly copy of metadata (stand-ins become dicts, tensors become descriptions)."""
+    from zckpt.safeload import LazyTensor
+    if depth > 20:
+        return "..."
+    if isinstance(value, LazyTensor):
+        return {"tensor": value.dtype, "shape": list(value.shape)}
+    if isinstance(value, Inert):
+        return {k: _plain(v, depth + 1) for k, v in vars(value).items() if not k.startswith("_")}
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def describe(ckpt: Checkpoint) -> dict:
+    counts, numels = {}, {}
+    for kind in ("trainable", "frozen", "tied", "buffer"):
+        recs = ckpt.of_kind(kind)
+        counts[kind] = len(recs)
+        numels[kind] = sum(r.numel for r in recs)
+    ms = ckpt.model_state
+    loc = ckpt.location
+    sched = ms.get("lr_scheduler")
+    return {
+        "path": loc.input_path,
+        "save_dir": loc.save_dir,
+        "tag": loc.tag,
+        "trainer_checkpoint": loc.trainer_dir is not None,
+        "zero_stage": ckpt.stage,
+        "optimizer": ckpt.flavour,
+        "optimizer_class": FLAVOURS[ckpt.flavour],
+        "precision": ckpt.precision,
+        "dp_world_size": ckpt.world_size,
+        "mp_world_size": int(ms.get("mp_world_size") or 1),
+        "offload_optimizer": ckpt.offload,
+        "counts": counts,
+        "numel": numels,
+        "parameters": numels["trainable"] + numels["frozen"],
+        "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step,
+                          "lr": g.hyperparams.get("lr")} for g in ckpt.groups],
+        "global_steps": ms.get("global_steps"),
+        "global_samples": ms.get("global_samples"),
+        "skipped_steps": ms.get("skipped_steps"),
+        "loss_scaler": _plain(ckpt.loss_scaler),
+        "lr_scheduler": _plain(sched) if sched is not None else None,
+        "client_state_keys": sorted(ckpt.client_state),
+        "ds_version": ckpt.ds_version,
+        "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
+        "total_bytes": sum(f.size for f in ckpt.files),
+    }
+
+
+def info(path: str, tag: str | None = None) -> dict:
+    return describe(open_checkpoint(path, tag))
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def render(d: dict) -> str:
+    c, n = d["counts"], d["numel"]
+    lines = [
+        f"checkpoint   {d['path']}" + ("  (Trainer checkpoint)" if d["trainer_checkpoint"] else ""),
+        f"tag          {d['tag']}",
+        f"optimizer    ZeRO-{d['zero_stage']}, {d['optimizer_class']}"
+        + (", optimizer offload" if d["offload_optimizer"] else ""),
+        f"precision    {d['precision']}",
+        f"world size   {d['dp_world_size']} data-parallel x {d['mp_world_size']} model-parallel",
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
+        f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "
+        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
+        f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
+        f"skipped={d['skipped_steps']}; optimizer step "
+        + ", ".join(f"group {g['index']}: {g['step']}" for g in d["param_groups"]),
+        f"loss scaler  {d['loss_scaler']}" if d["loss_scaler"] else "loss scaler  none",
+        f"scheduler    {'saved' if d['lr_scheduler'] else 'none'}",
+        f"client state {', '.join(d['client_state_keys']) or 'none'}",
+        f"deepspeed    {d['ds_version']}",
+        f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
+    ]
+    lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    return "\n".join(lines)
+

@@ -1,0 +1,168 @@
+"""Is a checkpoint complete and consistent? Checks from metadata, and with ``deep=True`` every byte.
+
+Metadata checks (reading only the pickles): every rank file present and readable, ``partition_count`` agrees
+with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
+names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
+Deep checks: the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is caught), and the hashes of a
+``zckpt-manifest.json`` when one is present (written by ``zckpt push``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from zckpt import storage
+from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.errors import CorruptFile, ZckptError
+from zckpt.safeload import LazyTensor
+
+MANIFEST = "zckpt-manifest.json"
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    checks: list[Check] = field(default_factory=list)
+    bytes_read: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append(Check(name, bool(ok), detail))
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "bytes_read": self.bytes_read,
+                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]}
+
+
+def verify(path: str, tag: str | None = None, deep: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+    """Verify the checkpoint at ``path``. Structural failures raise :class:`~zckpt.errors.ZckptError`
+    (the checkpoint cannot even be read); inconsistencies are reported as failed checks."""
+    ckpt = open_checkpoint(path, tag)
+    report = VerifyReport(str(path))
+    check_metadata(ckpt, report)
+    if deep:
+        check_bytes(ckpt, report, progress)
+    return report
+
+
+def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
+    loc = ckpt.location
+    report.add("rank files", True, f"{len(loc.optim_files)} optimizer + {len(loc.model_files)} model-states files "
+                                   f"for world size {ckpt.world_size}")
+    if loc.has_latest:
+        report.add("latest", True, f"names existing tag {loc.tag}")
+    versions = {s.get("ds_version") for s in ckpt.model_states + ckpt.optim_states}
+    report.add("versions agree", len(versions) == 1, ", ".join(sorted(str(v) for v in versions)))
+    dp = {ms.get("dp_world_size") for ms in ckpt.model_states}
+    dp.discard(None)
+    report.add("dp_world_size", dp <= {ckpt.world_size},
+               f"model files say {sorted(dp)}, optimizer partitions {ckpt.world_size}")
+    module = ckpt.model_state.get("module") or {}
+    bad = []
+    for rec in ckpt.records:
+        t = module.get(rec.name)
+        if ckpt.stage < 3 and isinstance(t, LazyTensor) and rec.kind != "tied" and tuple(t.shape) != tuple(rec.shape):
+            bad.append(f"{rec.name} {list(t.shape)} vs {list(rec.shape)}")
+        have = sum(p.numel for p in rec.value)
+        if rec.kind != "tied" and have != math.prod(rec.shape):
+            bad.append(f"{rec.name}: {have} elements for shape {list(rec.shape)}")
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or f"{len(ckpt.records)} tensors")
+    moments = [r for r in ckpt.of_kind("trainable") if not r.exp_avg or not r.exp_avg_sq]
+    report.add("optimizer state", not moments or len(moments) == len(ckpt.of_kind("trainable")),
+               "Adam moments present" if not moments else f"no moments for {len(moments)} params")
+    steps = {g.step for g in ckpt.groups}
+    report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
+
+
+def _crc_file(path: str) -> tuple[int, list[str]]:
+    """Check every zip entry's CRC; returns (bytes read, damaged entry names)."""
+    bad, total = [], 0
+    with storage.open_input(path) as f:
+        try:
+            zf = zipfile.ZipFile(f)
+        except zipfile.BadZipFile as exc:
+            return 0, [f"zip directory ({exc})"]
+        for info in zf.infolist():
+            f.seek(info.header_offset)
+            header = f.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                bad.append(info.filename)
+                continue
+            start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(
+                header[28:30], "little")
+            f.seek(start)
+            crc, left = 0, info.file_size
+            while left:
+                chunk = f.read(min(left, 8 << 20))
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+                total += len(chunk)
+            if left or crc != info.CRC:
+                bad.append(info.filename)
+    return total, bad
+
+
+def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
+    files = [f.path for f in ckpt.files]
+    total = sum(max(f.size, 0) for f in ckpt.files)
+    done = 0
+    damaged = []
+    with ThreadPoolExecutor(4) as pool:
+        for path, (n, bad) in zip(files, pool.map(_crc_file, files)):
+            done += n
+            report.bytes_read += n
+            if progress:
+                progress(done, total)
+            damaged += [f"{storage.basename(path)}:{b}" for b in bad]
+    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
+    check_manifest(ckpt.location.input_path, report)
+
+
+def check_manifest(folder: str, report: VerifyReport) -> None:
+    """Check files against ``zckpt-manifest.json`` (size and sha256), if the folder has one."""
+    mpath = storage.join(folder, MANIFEST)
+    if not storage.exists(mpath):
+        return
+    try:
+        manifest = json.loads(storage.read_bytes(mpath))
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        report.add("manifest", False, f"{MANIFEST} is not a valid manifest")
+        return
+    bad = []
+    items = entries.items() if isinstance(entries, dict) else ((e.get("path"), e) for e in entries)
+    for rel, meta in items:
+        p = storage.join(folder, rel)
+        try:
+            if storage.size(p) != int(meta["size"]):
+                bad.append(f"{rel}: size")
+                continue
+            h = hashlib.sha256()
+            with storage.open_input(p) as f:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+            if h.hexdigest() != meta["sha256"]:
+                bad.append(f"{rel}: sha256")
+        except (OSError, ZckptError, KeyError):
+            bad.append(f"{rel}: missing")
+    report.add("manifest", not bad, "; ".join(bad[:5]) or f"{len(list(entries))} files match {MANIFEST}")
