@@ -19,6 +19,7 @@ file or a storage that lies outside the file is a :class:`~zckpt.errors.CorruptF
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import math
 import os
@@ -276,6 +277,16 @@ def _rebuild_from_type_v2(func, new_type, args, state=None):
     return _rebuild_parameter(result, False, None, state if isinstance(state, dict) else None)
 
 
+def _reconstructor(cls, base, state=None):
+    """``copyreg._reconstructor`` limited to stand-in classes (protocol 0/1 style plain objects)."""
+    if not (isinstance(cls, type) and issubclass(cls, Inert)) or base is not object:
+        raise UnsafePickle("copyreg._reconstructor of a class outside the allow-list")
+    obj = cls()
+    if isinstance(state, dict):
+        obj.__setstate__(state)
+    return obj
+
+
 def _tensor_class(*args):
     raise UnsafePickle("pickle constructs a torch.Tensor directly")
 
@@ -295,6 +306,8 @@ _ALLOWED: dict[str, Any] = {
     "builtins.str": str,
     "builtins.tuple": tuple,
     "_codecs.encode": _codecs_encode,
+    "copyreg._reconstructor": _reconstructor,
+    "builtins.object": object,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
     "torch._utils._rebuild_tensor_v3": _rebuild_tensor,
     "torch._utils._rebuild_parameter": _rebuild_parameter,
@@ -355,6 +368,11 @@ class _Unpickler(pickle.Unpickler):
         self.storages: dict[str, _PendingStorage] = {}
 
     def find_class(self, module, name):
+        # protocol-2 pickles (torch's default) use Python 2 names: __builtin__.set, copy_reg ...
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         qual = f"{module}.{name}"
         if qual in _ALLOWED:
             value = _ALLOWED[qual]

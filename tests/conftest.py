@@ -1,0 +1,46 @@
+"""Shared test fixtures: the committed DeepSpeed checkpoints under fixtures/ and their expected answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def fixture_dirs() -> list[Path]:
+    """Committed fixture folders (each has expected/spec.json)."""
+    return sorted(p for p in FIXTURES.iterdir() if (p / "expected" / "spec.json").exists()) if FIXTURES.exists() else []
+
+
+def checkpoint_path(fixture: Path) -> Path:
+    """The path a user would pass: the save folder (or checkpoint-N for the Trainer fixture)."""
+    spec = json.loads((fixture / "expected" / "spec.json").read_text())
+    if spec.get("kind") == "trainer":
+        return fixture / "checkpoint-4"
+    for cand in (fixture / "checkpoint", fixture):
+        if (cand / "latest").exists():
+            return cand
+    raise FileNotFoundError(f"no save folder in {fixture}")
+
+
+FIXTURE_DIRS = fixture_dirs()
+FIXTURE_IDS = [p.name for p in FIXTURE_DIRS]
+
+
+@pytest.fixture(params=FIXTURE_DIRS, ids=FIXTURE_IDS)
+def fixture_dir(request) -> Path:
+    return request.param
+
+
+@pytest.fixture
+def ckpt_path(fixture_dir) -> Path:
+    return checkpoint_path(fixture_dir)

@@ -1,0 +1,174 @@
+"""The safe loader: real torch files read lazily; hostile and broken ones refused without running code."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from zckpt import safeload
+from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
+from zckpt.tensors import load_pieces
+from zckpt.deepspeed.layout import pieces_of
+
+MARKER = "/tmp/zckpt-pwned-marker"
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {MARKER}",))
+
+
+class EvilExec:
+    def __reduce__(self):
+        return (exec, ("open('/tmp/zckpt-pwned-marker','w').close()",))
+
+
+def _read(t):
+    return load_pieces(pieces_of(t), t.dtype, t.shape)
+
+
+def test_reads_tensors_lazily_and_exactly(tmp_path):
+    sd = OrderedDict(a=torch.randn(3, 5), b=torch.arange(7, dtype=torch.int64),
+                     c=torch.randn(4, 4).to(torch.bfloat16), d=torch.tensor(3.0), e=torch.randn(2, 3).half())
+    sd["view"] = sd["a"][1]  # a view into a's storage
+    sd["t"] = sd["a"].t()  # non-contiguous
+    path = tmp_path / "x.pt"
+    torch.save({"sd": sd, "n": 5, "s": {1, 2}, "bytes": b"\x00\xff", "np": np.arange(3)}, path)
+    obj = safeload.load(str(path))
+    assert obj["n"] == 5 and obj["s"] == {1, 2} and obj["bytes"] == b"\x00\xff"
+    assert np.array_equal(obj["np"], np.arange(3))
+    for k, v in sd.items():
+        lt = obj["sd"][k]
+        assert isinstance(lt, safeload.LazyTensor)
+        assert tuple(lt.shape) == tuple(v.shape) and lt.dtype == str(v.dtype).split(".")[1]
+        assert torch.equal(_read(lt), v.contiguous())
+
+
+def test_parameters_and_mmap_format(tmp_path):
+    p = torch.nn.Parameter(torch.randn(4))
+    path = tmp_path / "p.pt"
+    torch.save({"p": p, "lin": torch.nn.Linear(2, 3).state_dict()}, path)
+    obj = safeload.load(str(path))
+    assert torch.equal(_read(obj["p"]), p.detach())
+    assert tuple(obj["lin"]["weight"].shape) == (3, 2)
+
+
+@pytest.mark.parametrize("payload", [Evil(), EvilExec()], ids=["os.system", "exec"])
+def test_code_running_pickle_is_refused_and_not_run(tmp_path, payload):
+    if os.path.exists(MARKER):
+        os.remove(MARKER)
+    path = tmp_path / "evil.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "x": payload}, path)
+    with pytest.raises(UnsafePickle) as err:
+        safeload.load(str(path))
+    assert "posix.system" in str(err.value) or "builtins.exec" in str(err.value)
+    assert str(path) in str(err.value)
+    assert not os.path.exists(MARKER)
+
+
+def test_refuses_torch_functions_that_are_not_rebuilders(tmp_path):
+    class Loader:
+        def __reduce__(self):
+            return (torch.load, ("/etc/passwd",))
+    path = tmp_path / "l.pt"
+    torch.save({"x": Loader()}, path)
+    with pytest.raises(UnsafePickle, match="torch.serialization.load"):
+        safeload.load(str(path))
+
+
+def test_truncated_file(tmp_path):
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.randn(1000)}, path)
+    data = path.read_bytes()
+    for cut in (10, len(data) // 2, len(data) - 30):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CorruptFile):
+            safeload.load(str(path))
+
+
+def test_not_a_checkpoint(tmp_path):
+    path = tmp_path / "n.pt"
+    path.write_text("hello, not a checkpoint")
+    with pytest.raises(CorruptFile, match="no zip signature"):
+        safeload.load(str(path))
+    path.write_bytes(b"")
+    with pytest.raises(CorruptFile, match="empty"):
+        safeload.load(str(path))
+    zpath = tmp_path / "z.pt"
+    with zipfile.ZipFile(zpath, "w") as zf:
+        zf.writestr("foo.txt", "bar")
+    with pytest.raises(CorruptFile, match="data.pkl"):
+        safeload.load(str(zpath))
+
+
+def test_legacy_format_is_refused_clearly(tmp_path):
+    path = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsupportedLayout, match="legacy"):
+        safeload.load(str(path))
+
+
+def test_storage_overrun_is_refused(tmp_path):
+    """A pickle that claims a tensor larger than its storage must not read outside it."""
+    path = tmp_path / "o.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        blobs = {n: zf.read(n) for n in names}
+    pkl_name = [n for n in names if n.endswith("data.pkl")][0]
+    # patch the size tuple (4,) -> (400,) in the pickle: K\x04 is BININT1 4
+    pkl = blobs[pkl_name]
+    assert b"K\x04\x85" in pkl
+    blobs[pkl_name] = pkl.replace(b"K\x04\x85", b"M\x90\x01\x85", 1)
+    with zipfile.ZipFile(path, "w") as zf:
+        for n in names:
+            zf.writestr(n, blobs[n])
+    with pytest.raises(CorruptFile, match="overruns"):
+        safeload.load(str(path))
+
+
+def test_damaged_pickle(tmp_path):
+    path = tmp_path / "d.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as zf:
+        blobs = {n: zf.read(n) for n in zf.namelist()}
+    pkl_name = [n for n in blobs if n.endswith("data.pkl")][0]
+    blobs[pkl_name] = blobs[pkl_name][: len(blobs[pkl_name]) // 2]
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, b in blobs.items():
+            zf.writestr(n, b)
+    with pytest.raises(CorruptFile, match="damaged pickle"):
+        safeload.load(str(path))
+
+
+def test_errors_are_builtin_compatible():
+    assert issubclass(CorruptFile, ValueError) and issubclass(CorruptFile, ZckptError)
+    err = CorruptFile("bad", path="/x/y.pt")
+    assert "/x/y.pt" in str(err) and "\n" not in str(err)
+    assert pickle.loads(pickle.dumps(err)).path == "/x/y.pt"
+
+
+def test_deepspeed_stand_ins_without_deepspeed(tmp_path):
+    """DeepSpeed's classes resolve to inert stand-ins: we build the pickle by hand, no deepspeed import."""
+    from zckpt import torchzip
+    obj = {"loss_scaler": torchzip.plain_object("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler",
+                                                {"cur_scale": 65536.0, "cur_iter": 3}),
+           "zero_stage": torchzip.enum_member("deepspeed.runtime.zero.config", "ZeroStageEnum", 2),
+           "frag": torchzip.plain_object("deepspeed.utils.tensor_fragment", "fragment_address",
+                                         {"numel": 5, "start": 2}),
+           "t": torchzip.TensorOut("float32", (2,), [struct.pack("<2f", 1.5, -2.0)])}
+    path = tmp_path / "ds.pt"
+    torchzip.save(obj, str(path))
+    got = safeload.load(str(path))
+    assert got["loss_scaler"].cur_scale == 65536.0 and got["loss_scaler"].cur_iter == 3
+    assert int(got["zero_stage"]) == 2 and "ZeroStageEnum" in repr(got["zero_stage"])
+    assert got["frag"].numel == 5 and got["frag"].start == 2
+    assert _read(got["t"]).tolist() == [1.5, -2.0]
