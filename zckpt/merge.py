@@ -311,7 +311,15 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
+def _test_delay() -> None:
+    """Fault-injection hook for the crash tests: ZCKPT_TEST_SLOW_WRITE=seconds pauses before each file."""
+    delay = os.environ.get("ZCKPT_TEST_SLOW_WRITE")
+    if delay:
+        time.sleep(float(delay))
+
+
 def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, progress) -> None:
+    _test_delay()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, shard.size)

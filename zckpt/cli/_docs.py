@@ -1,0 +1,31 @@
+"""Render docs/cli.md from the live ``--help`` of every command: ``python -m zckpt.cli._docs > docs/cli.md``.
+
+A test regenerates it and compares, so the reference cannot go stale.
+"""
+
+from __future__ import annotations
+
+import click
+
+from zckpt.cli import main
+
+
+def _help(cmd: click.Command, name: str) -> str:
+    ctx = click.Context(cmd, info_name=name, terminal_width=100, max_content_width=100)
+    return cmd.get_help(ctx)
+
+
+def render_reference() -> str:
+    root = click.Context(main, info_name="zckpt")
+    parts = ["# zckpt command reference", "",
+             "Generated from the live `--help` by `python -m zckpt.cli._docs > docs/cli.md`; "
+             "`tests/test_cli.py` fails when it is out of date.", "",
+             "## zckpt", "", "```text", _help(main, "zckpt"), "```", ""]
+    for name in main.list_commands(root):
+        cmd = main.get_command(root, name)
+        parts += [f"## zckpt {name}", "", "```text", _help(cmd, f"zckpt {name}"), "```", ""]
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")
