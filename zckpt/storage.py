@@ -1,0 +1,469 @@
+"""zckpt's one storage layer: local paths on a fast path, every URL through fsspec.
+
+Paths are plain ``str`` everywhere (a ``pathlib.Path`` would collapse the ``//`` of ``s3://``)::
+
+    /data/run1/checkpoint-4          local (also file:///data/...)   builtin open / os calls
+    s3://bucket/run1                 s3fs; endpoint and keys from AWS_ENDPOINT_URL(_S3), AWS_ACCESS_KEY_ID, ...
+    hf://user/repo/path              huggingface_hub.HfFileSystem (hf://datasets/user/repo/... too)
+    memory://scratch/x               fsspec's in-process memory store (tests)
+
+Backend options (``--storage-option key=value`` in the CLI) reach :func:`get_fs` through
+:func:`set_storage_options` / :func:`storage_options`, or per call through ``storage_options=``.
+
+Failures: missing paths raise ``FileNotFoundError``, refused access ``PermissionError`` (the builtins fsspec
+backends already use); any other backend failure becomes :class:`zckpt.errors.StorageError` naming the URL.
+
+Object-store rules kept here, in one place:
+
+* no rename on S3: :func:`write_bytes_atomic` is a single PUT (atomic on S3), :func:`put_file` a PUT or a
+  multipart upload that only becomes visible when it completes; locally both write a temp file and rename it;
+* listings are not cached (a pusher running for days must see what others changed);
+* "directories" on object stores are key prefixes: :func:`makedirs` is a no-op there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from typing import IO, Any, Callable, Iterator
+
+from zckpt.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_PASSTHROUGH = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                InterruptedError, StorageError)
+
+#: default block size for remote random reads: small, so a reader fetches about the ranges it asks for
+REMOTE_BLOCK_SIZE = 256 * 1024
+_COPY_CHUNK = 8 * 1024 * 1024
+
+_options_lock = threading.Lock()
+_default_options: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------------------------------- paths
+
+
+def protocol(path: str | os.PathLike) -> str:
+    """``"s3"``, ``"hf"``, ``"memory"`` ...; ``"file"`` for local paths and ``file://`` URLs."""
+    match = _SCHEME.match(os.fspath(path))
+    return match.group(1).lower() if match else "file"
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """True for a URL with a scheme other than ``file://`` (i.e. anything not on the local disk)."""
+    return protocol(path) != "file"
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """The local filesystem path for a plain path or a ``file://`` URL."""
+    path = os.fspath(path)
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return path
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """Join path parts; keeps ``s3://bucket/x`` intact (``os.path.join`` for local paths)."""
+    base = os.fspath(base)
+    parts = tuple(p for p in (os.fspath(p) for p in parts) if p)
+    if not is_url(base):
+        return os.path.join(base, *parts)
+    tail = "/".join(p.strip("/") for p in parts if p.strip("/"))
+    if not tail:
+        return base
+    if base.endswith("://"):
+        return base + tail
+    return base.rstrip("/") + "/" + tail
+
+
+def basename(path: str | os.PathLike) -> str:
+    path = os.fspath(path).rstrip("/")
+    return path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
+
+
+# ------------------------------------------------------------------------------------------------ options
+
+
+def parse_storage_options(pairs) -> dict[str, Any]:
+    """Turn CLI ``key=value`` strings into fsspec options; values are JSON when they parse as JSON.
+
+    ``anon=true`` -> ``{"anon": True}``, ``client_kwargs={"region_name": "eu-west-1"}`` -> a dict,
+    ``endpoint_url=http://127.0.0.1:8333`` -> the string.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"storage option {pair!r} is not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def set_storage_options(options: dict[str, Any] | None) -> None:
+    """Set the process-wide options every remote backend gets (the CLI's ``--storage-option``)."""
+    global _default_options
+    with _options_lock:
+        _default_options = dict(options or {})
+
+
+def get_storage_options() -> dict[str, Any]:
+    with _options_lock:
+        return dict(_default_options)
+
+
+@contextlib.contextmanager
+def storage_options(options: dict[str, Any] | None) -> Iterator[None]:
+    """Temporarily set the process-wide backend options (restored on exit)."""
+    previous = get_storage_options()
+    set_storage_options({**previous, **(options or {})})
+    try:
+        yield
+    finally:
+        set_storage_options(previous)
+
+
+def _s3_options(options: dict[str, Any]) -> dict[str, Any]:
+    """s3fs options from the standard AWS variables, overridden by explicit options."""
+    env = os.environ
+    out: dict[str, Any] = {}
+    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        out["endpoint_url"] = endpoint
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        out["key"] = env["AWS_ACCESS_KEY_ID"]
+        out["secret"] = env["AWS_SECRET_ACCESS_KEY"]
+        if env.get("AWS_SESSION_TOKEN"):
+            out["token"] = env["AWS_SESSION_TOKEN"]
+    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+    if region:
+        out["client_kwargs"] = {"region_name": region}
+    # a pusher runs for days and others change the bucket: never answer from a stale listing
+    out["use_listings_cache"] = False
+    for key, value in options.items():
+        if key == "client_kwargs" and isinstance(value, dict):
+            out["client_kwargs"] = {**out.get("client_kwargs", {}), **value}
+        else:
+            out[key] = value
+    return out
+
+
+def get_fs(path: str | os.PathLike, storage_options: dict[str, Any] | None = None):
+    """``(filesystem, path_inside_it)`` for a local path or URL.
+
+    ``storage_options`` are added to (and override) the process-wide ones from :func:`set_storage_options`.
+    """
+    import fsspec
+
+    path = os.fspath(path)
+    proto = protocol(path)
+    if proto == "file":
+        from fsspec.implementations.local import LocalFileSystem
+
+        return LocalFileSystem(), os.path.abspath(local_path(path))
+    options = {**get_storage_options(), **(storage_options or {})}
+    if proto in ("s3", "s3a"):
+        options = _s3_options(options)
+    try:
+        fs = fsspec.filesystem(proto, **options)
+    except ImportError as exc:
+        extra = {"s3": "pip install s3fs (or zckpt[s3])"}.get(proto, f"install the fsspec backend for {proto}://")
+        raise StorageError(f"no backend for {proto}:// ({exc})", path=path, hint=extra) from exc
+    except ValueError as exc:
+        raise StorageError(f"cannot use {proto}:// ({exc})", path=path) from exc
+    return fs, fs._strip_protocol(path)
+
+
+@contextlib.contextmanager
+def _errors(url: str, op: str):
+    """Map a backend failure to a builtin or StorageError that names the URL."""
+    try:
+        yield
+    except _PASSTHROUGH:
+        raise
+    except Exception as exc:  # noqa: BLE001 - botocore, aiohttp, requests ... all become StorageError
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        raise StorageError(f"{op} failed: {type(exc).__name__}: {text}", path=url,
+                           hint="check the URL, the credentials and that the server is reachable") from exc
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def open_input(path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
+               block_size: int = REMOTE_BLOCK_SIZE) -> IO[bytes]:
+    """A binary file for random reads (seek/tell/read).
+
+    Local: builtin ``open(path, "rb")``. Remote: a small read-ahead window (``block_size``) so that reading a
+    zip directory and a few tensors fetches about those byte ranges, not the whole object.
+    """
+    path = os.fspath(path)
+    if not is_url(path):
+        return open(local_path(path), "rb")
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "open"):
+        return fs.open(inner, "rb", block_size=block_size, cache_type="readahead")
+
+
+def listdir(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Sorted names (not paths) of the entries in a folder / under a prefix."""
+    path = os.fspath(path)
+    if not is_url(path):
+        return sorted(os.listdir(local_path(path)))
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "list"):
+        entries = fs.ls(inner, detail=False)
+    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != inner.rstrip("/")}
+    return sorted(n for n in names if n)
+
+
+def list_files(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> dict[str, int]:
+    """Every file below ``path``, recursively: ``{relative/posix/path: size}`` (empty if nothing is there)."""
+    path = os.fspath(path)
+    out: dict[str, int] = {}
+    if not is_url(path):
+        root = local_path(path)
+        if not os.path.isdir(root):
+            return out
+        for dirpath, _dirs, files in os.walk(root):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+        return out
+    fs, inner = get_fs(path, storage_options)
+    prefix = inner.rstrip("/") + "/"
+    with _errors(path, "list"):
+        try:
+            found = fs.find(inner, detail=True)
+        except FileNotFoundError:
+            return out
+    for name, info in found.items():
+        if info.get("type", "file") != "file" or not name.startswith(prefix):
+            continue
+        out[name[len(prefix):]] = int(info.get("size") or 0)
+    return out
+
+
+def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    path = os.fspath(path)
+    if not is_url(path):
+        return os.path.exists(local_path(path))
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "stat"):
+        return fs.exists(inner)
+
+
+def isdir(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    path = os.fspath(path)
+    if not is_url(path):
+        return os.path.isdir(local_path(path))
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "stat"):
+        return fs.isdir(inner)
+
+
+def isfile(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    path = os.fspath(path)
+    if not is_url(path):
+        return os.path.isfile(local_path(path))
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "stat"):
+        return fs.isfile(inner)
+
+
+def size(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int:
+    path = os.fspath(path)
+    if not is_url(path):
+        return os.path.getsize(local_path(path))
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "stat"):
+        return int(fs.size(inner))
+
+
+def read_bytes(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bytes:
+    path = os.fspath(path)
+    if not is_url(path):
+        with open(local_path(path), "rb") as f:
+            return f.read()
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "read"):
+        return fs.cat_file(inner)
+
+
+def read_range(path: str | os.PathLike, offset: int, length: int,
+               storage_options: dict[str, Any] | None = None) -> bytes:
+    """``length`` bytes from ``offset`` (one ranged GET on object stores)."""
+    path = os.fspath(path)
+    if not is_url(path):
+        with open(local_path(path), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    fs, inner = get_fs(path, storage_options)
+    with _errors(path, "read"):
+        return fs.cat_file(inner, start=offset, end=offset + length)
+
+
+def read_text(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
+              encoding: str = "utf-8") -> str:
+    return read_bytes(path, storage_options).decode(encoding)
+
+
+def metadata(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> dict[str, str]:
+    """User metadata stored with an object (S3 ``x-amz-meta-*``); ``{}`` where the backend has none."""
+    path = os.fspath(path)
+    if not is_url(path):
+        return {}
+    fs, inner = get_fs(path, storage_options)
+    if not hasattr(fs, "metadata"):
+        return {}
+    with _errors(path, "stat"):
+        return {str(k).lower(): str(v) for k, v in (fs.metadata(inner) or {}).items()}
+
+
+# ------------------------------------------------------------------------------------------------ writing
+
+
+def _fs_callback(callback):
+    """An fsspec Callback from ``callback(nbytes)`` (called with each increment), or pass one through."""
+    from fsspec.callbacks import Callback, NoOpCallback
+
+    if callback is None:
+        return NoOpCallback()
+    if isinstance(callback, Callback):
+        return callback
+
+    class _Increments(Callback):
+        def relative_update(self, inc=1):
+            self.value += inc
+            callback(inc)
+
+        def absolute_update(self, value):
+            inc, self.value = value - self.value, value
+            if inc:
+                callback(inc)
+
+    return _Increments()
+
+
+def makedirs(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> None:
+    """Create a local folder (and parents); a no-op on object stores, where folders are key prefixes."""
+    path = os.fspath(path)
+    if not is_url(path):
+        os.makedirs(local_path(path), exist_ok=True)
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _local_atomic(target: str) -> Iterator[IO[bytes]]:
+    """Write ``target`` through a temp file in the same folder, fsync, rename; nothing is left on failure."""
+    folder = os.path.dirname(os.path.abspath(target)) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(folder)
+
+
+def put_file(local_path_: str | os.PathLike, url: str | os.PathLike, callback: Callable[[int], Any] | None = None,
+             storage_options: dict[str, Any] | None = None, *, metadata: dict[str, str] | None = None,
+             chunksize: int | None = None, max_concurrency: int | None = None) -> None:
+    """Upload (or copy) one local file to ``url``; the object appears whole or not at all.
+
+    ``callback(nbytes)`` is called with each increment of bytes sent; raising from it abandons the transfer.
+    S3: a single PUT below ``2*chunksize``, else a multipart upload (s3fs default parts of 50 MiB;
+    ``max_concurrency`` parts in flight) that S3 publishes only on completion; ``metadata`` becomes
+    ``x-amz-meta-*``. Local: a temp file renamed into place.
+    """
+    src = local_path(os.fspath(local_path_))
+    url = os.fspath(url)
+    if not is_url(url):
+        cb = callback or (lambda n: None)
+        with open(src, "rb") as fin, _local_atomic(local_path(url)) as fout:
+            while True:
+                chunk = fin.read(_COPY_CHUNK)
+                if not chunk:
+                    break
+                fout.write(chunk)
+                cb(len(chunk))
+        return
+    fs, inner = get_fs(url, storage_options)
+    kwargs: dict[str, Any] = {}
+    if protocol(url) in ("s3", "s3a"):
+        if metadata:
+            kwargs["Metadata"] = dict(metadata)
+        if chunksize:
+            kwargs["chunksize"] = int(chunksize)
+        if max_concurrency:
+            kwargs["max_concurrency"] = int(max_concurrency)
+    with _errors(url, "upload"):
+        fs.put_file(src, inner, callback=_fs_callback(callback), **kwargs)
+
+
+def write_bytes_atomic(url: str | os.PathLike, data: bytes, storage_options: dict[str, Any] | None = None) -> None:
+    """Write a small file whole or not at all (local: temp + fsync + rename; S3: one PUT)."""
+    url = os.fspath(url)
+    if not is_url(url):
+        with _local_atomic(local_path(url)) as f:
+            f.write(data)
+        return
+    fs, inner = get_fs(url, storage_options)
+    with _errors(url, "write"):
+        fs.pipe_file(inner, bytes(data))
+
+
+def remove(url: str | os.PathLike, recursive: bool = False, storage_options: dict[str, Any] | None = None, *,
+           missing_ok: bool = False) -> None:
+    """Delete a file (or, with ``recursive``, a folder / every key under a prefix)."""
+    url = os.fspath(url)
+    if not is_url(url):
+        path = local_path(url)
+        try:
+            if recursive and os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        return
+    fs, inner = get_fs(url, storage_options)
+    try:
+        with _errors(url, "delete"):
+            if not missing_ok and not fs.exists(inner):  # S3 DELETE of a missing key succeeds silently
+                raise FileNotFoundError(2, "No such file or directory", url)
+            fs.rm(inner, recursive=recursive)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
