@@ -227,6 +227,8 @@ def test_recommendation_ladder(gpu_memory, expected):
         assert rec.row is None and not rec.fits and "nothing fits" in rec.reason
         return
     assert (rec.row.stage, rec.row.offload_optimizer, rec.row.offload_param) == expected
+    assert (rec.stage, rec.offload_optimizer, rec.offload_param, rec.zero_init) == (
+        rec.row.stage, rec.row.offload_optimizer, rec.row.offload_param, rec.row.zero_init)
     assert rec.row.per_gpu_bytes <= rec.budget_bytes
     assert rec.row.zero_init in (None, True)  # stage 3: the zero_init row (less host RAM, same GPU figure)
     assert rec.reason and "GiB" in rec.reason
@@ -504,26 +506,21 @@ def test_cli_checkpoint_reader_missing(tmp_path):
     assert result.stderr.count("\n") == 1
 
 
-FIXTURE = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "trainer", "checkpoint-4")
-
-
 @pytest.mark.skipif(not _layout_available(), reason="zckpt.deepspeed.layout not written yet")
-@pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="fixture checkpoint not present")
-def test_real_checkpoint_matches_its_config():
-    total, largest = counts_from_checkpoint(FIXTURE)
-    assert 0 < largest <= total
-    config_file = os.path.join(FIXTURE, "config.json")
-    if os.path.exists(config_file):
-        with open(config_file) as fh:
-            config = json.load(fh)
-        try:
-            expected = count_from_config(config)
-        except InvalidArgument:
-            pytest.skip("the fixture's model_type is not one count_from_config knows")
-        assert (total, largest) == expected
-    result = CliRunner().invoke(main, ["estimate", FIXTURE, "--json"])
+def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
+    """Each committed fixture (tests/conftest.py): counts from its shapes equal DeepSpeed's model_to_params."""
+    import fixtures.generate as G
+
+    spec = json.loads((fixture_dir / "expected" / "spec.json").read_text())
+    model = G.build_hf_model(spec["model"]) if spec.get("kind") == "trainer" else G.build_model(spec["model"])
+    expected = tuple(ds[1].model_to_params(model))
+    assert counts_from_checkpoint(ckpt_path) == expected
+    config_file = ckpt_path / "config.json"
+    if config_file.exists():  # the Trainer's checkpoint-N carries the model's config.json
+        assert count_from_config(json.loads(config_file.read_text())) == expected
+    result = run(str(ckpt_path), "--gpus", "2", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == [r.to_dict() for r in estimate(total, largest)]
+    assert json.loads(result.stdout) == ds_rows(ds, *expected, 2, 1, 1.5)
 
 
 @pytest.mark.slow
@@ -531,17 +528,14 @@ def test_real_checkpoint_matches_its_config():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_generated_checkpoint_counts_equal_deepspeed(ds, tmp_path, stage):
     """A real ZeRO checkpoint (2 CPU ranks): counts equal DeepSpeed's model_to_params on the same model."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
-    try:
-        import fixtures.generate as G
-    finally:
-        sys.path.pop(0)
+    import fixtures.generate as G  # the repository root is on sys.path (tests/conftest.py)
+
     dims = {"layers": 2, "ffn": 20}  # the up projection (7 x 20 + 20) is the largest layer, not the embedding
     G.generate(G.make_spec(stage=stage, dtype="bf16", world_size=2, model=dims), tmp_path / "ck", expected=False,
                oracle=False)
     expected = tuple(ds[1].model_to_params(G.build_model(dims)))
     assert expected[1] == 7 * 20 + 20
-    assert counts_from_checkpoint(tmp_path / "ck") == expected
+    assert counts_from_checkpoint(tmp_path / "ck") == expected  # a Path is fine
     result = run(str(tmp_path / "ck"), "--gpus", "2", "--json")
     assert json.loads(result.stdout) == ds_rows(ds, *expected, 2, 1, 1.5)
 

@@ -1,0 +1,667 @@
+"""Memory needed for ZeRO model states, byte for byte as DeepSpeed's estimators compute it, without DeepSpeed.
+
+DeepSpeed ships two printing helpers, ``estimate_zero2_model_states_mem_needs_all_cold`` (stage_1_and_2.py) and
+``estimate_zero3_model_states_mem_needs_all_cold`` (stage3.py). :func:`estimate` returns every row they print,
+with the same integer byte values, in the same order:
+
+* ZeRO-2: ``offload_optimizer`` cpu, then none (the ZeRO-2 formulas do not use the largest layer);
+* ZeRO-3: (``offload_param``, ``offload_optimizer``) = (cpu, cpu), (none, cpu), (none, none), each with
+  ``zero_init`` on, then off.
+
+What the numbers are (all mirrored from DeepSpeed 0.19, including its float arithmetic and ``int()`` truncations):
+
+* ``per_gpu_bytes``: the model states one GPU holds (fp16/bf16 params, gradients, fp32 master weights and Adam
+  moments as far as they are not partitioned away or offloaded). No buffer factor applies to it.
+* ``per_cpu_bytes``: host RAM *per node* (DeepSpeed calls it "per CPU"), times the buffer factor (1.5 by default).
+  ZeRO-2 with optimizer offload scales with the *total* GPU count (``max(4 * total_gpus, 16)`` bytes per param),
+  ZeRO-3 divides by the node count.
+* "largest layer": the most parameters any single module owns directly (``module.parameters(recurse=False)``),
+  as DeepSpeed's ``..._all_live`` variant measures it; usually the embedding or the LM head.
+
+DeepSpeed prints ``bytes / 2**30`` followed by "GB"; the figures are GiB, and zckpt labels them so.
+
+Also here: :func:`recommend` (the lowest stage and offload setting whose model states leave the requested
+headroom free on the GPU), :func:`count_from_config` (exact parameter count and largest layer from a Hugging Face
+``config.json`` for Llama, Qwen2, Qwen3, Mistral and GPT-2), :func:`counts_from_checkpoint`, and the parsers the
+CLI uses for sizes (``80GiB``), percentages (``25%``) and counts (``8.19B``).
+
+Pure Python: no torch, no DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+from zckpt.errors import InvalidArgument
+
+GIB = 2**30
+
+__all__ = [
+    "Row",
+    "Recommendation",
+    "estimate",
+    "recommend",
+    "count_from_config",
+    "counts_from_checkpoint",
+    "parse_size",
+    "parse_fraction",
+    "parse_count",
+    "format_gib",
+    "format_bytes",
+    "SUPPORTED_MODEL_TYPES",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The estimators
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of DeepSpeed's printed table.
+
+    ``offload_param`` and ``zero_init`` only exist for stage 3; they are ``None`` on stage-2 rows.
+    """
+
+    stage: int
+    offload_optimizer: str  # "none" | "cpu"
+    offload_param: str | None  # "none" | "cpu" (stage 3), None (stage 2)
+    zero_init: bool | None  # stage 3 only
+    per_gpu_bytes: int
+    per_cpu_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def options(self) -> str:
+        """The options column as DeepSpeed words it (without its padding of "cpu")."""
+        if self.stage == 2:
+            return f"offload_optimizer={self.offload_optimizer}"
+        return (
+            f"offload_param={self.offload_param}, offload_optimizer={self.offload_optimizer}, "
+            f"zero_init={1 if self.zero_init else 0}"
+        )
+
+    @property
+    def offloads(self) -> int:
+        """0: nothing offloaded, 1: optimizer offloaded, 2: optimizer and parameters offloaded."""
+        return (self.offload_optimizer == "cpu") + (self.offload_param == "cpu")
+
+    def describe(self) -> str:
+        """Short human name: ``ZeRO-3, offload_optimizer=cpu``."""
+        parts = [f"ZeRO-{self.stage}"]
+        if self.offload_param == "cpu":
+            parts.append("offload_param=cpu")
+        if self.offload_optimizer == "cpu":
+            parts.append("offload_optimizer=cpu")
+        if self.offloads == 0:
+            parts.append("no offload")
+        return ", ".join(parts)
+
+
+def _check_count(name: str, value, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_buffer_factor(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"buffer factor must be a positive number, got {value!r}")
+
+
+def _zero2(total_params, num_gpus_per_node, num_nodes, cpu_offload, additional_buffer_factor):
+    # Mirror of deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs; the expressions are
+    # kept as DeepSpeed writes them so that the float rounding is identical.
+    total_gpus = num_nodes * num_gpus_per_node
+
+    if cpu_offload:
+        gpu_mem = 2 * total_params
+        cpu_mem = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu_mem = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+
+    return int(cpu_mem), int(gpu_mem)
+
+
+def _zero3(total_params, largest_layer_params, num_gpus_per_node, num_nodes, cpu_offload, cpu_offload_params,
+           zero_init, additional_buffer_factor):
+    # Mirror of deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs (same expressions, same order).
+    total_gpus = num_nodes * num_gpus_per_node
+    gpus_factor = 1 / num_nodes
+    largest_layer_memory = (4 * largest_layer_params)
+
+    if cpu_offload:
+        if cpu_offload_params:
+            gpu_mem = largest_layer_memory
+
+            if zero_init:
+                cpu_mem = total_params * 18 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 18 * gpus_factor) * additional_buffer_factor
+
+        else:
+            gpu_mem = largest_layer_memory + int(2 * total_params / total_gpus)
+
+            if zero_init:
+                cpu_mem = total_params * 16 * gpus_factor * additional_buffer_factor
+            else:
+                cpu_mem = total_params * max(4 * num_gpus_per_node, 16 * gpus_factor) * additional_buffer_factor
+    else:
+        gpu_mem = largest_layer_memory + int(18 * total_params / total_gpus)
+        if zero_init:
+            cpu_mem = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu_mem = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+
+    return int(cpu_mem), int(gpu_mem)
+
+
+def estimate(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
+             buffer_factor: float = 1.5) -> list[Row]:
+    """Every row DeepSpeed's two ``..._all_cold`` estimators print, in their order, as exact byte counts.
+
+    ``params``: total parameters (tied weights once); ``largest_layer``: the most parameters one module owns
+    directly; ``gpus_per_node`` and ``nodes`` default to 1 as in DeepSpeed; ``buffer_factor`` is DeepSpeed's
+    ``additional_buffer_factor`` (applies to the CPU figures only).
+    """
+    _check_count("params", params)
+    _check_count("largest_layer", largest_layer)
+    _check_count("gpus_per_node", gpus_per_node, 1)
+    _check_count("nodes", nodes, 1)
+    _check_buffer_factor(buffer_factor)
+
+    rows = []
+    for cpu_offload in (True, False):
+        cpu, gpu = _zero2(params, gpus_per_node, nodes, cpu_offload, buffer_factor)
+        rows.append(Row(2, "cpu" if cpu_offload else "none", None, None, gpu, cpu))
+    for cpu_offload in (True, False):
+        for cpu_offload_params in (True, False):
+            if not cpu_offload and cpu_offload_params:
+                continue
+            for zero_init in (True, False):
+                cpu, gpu = _zero3(params, largest_layer, gpus_per_node, nodes, cpu_offload, cpu_offload_params,
+                                  zero_init, buffer_factor)
+                rows.append(Row(3, "cpu" if cpu_offload else "none", "cpu" if cpu_offload_params else "none",
+                                zero_init, gpu, cpu))
+    return rows
+
+
+def format_gib(nbytes: int | float, width: int = 0) -> str:
+    """``nbytes`` in GiB with two decimals, the way DeepSpeed rounds its "GB" column."""
+    return f"{nbytes / 2**30:{width}.2f} GiB"
+
+
+def format_bytes(nbytes: int) -> str:
+    """GiB with two decimals from 1 GiB up (as the table shows), smaller binary units below (for tiny models)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Recommendation
+
+# The usual advice, in order: no offload before any offload (offload costs PCIe traffic and CPU time), then the
+# lowest stage (ZeRO-2 keeps whole parameters on every GPU: no all-gather per forward and backward), then the
+# least offload.
+_PREFERENCE = (
+    (2, "none", None),
+    (3, "none", "none"),
+    (2, "cpu", None),
+    (3, "cpu", "none"),
+    (3, "cpu", "cpu"),
+)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The choice :func:`recommend` makes. ``row`` is None when even full offload does not fit."""
+
+    row: Row | None
+    reason: str
+    gpu_memory_bytes: int
+    headroom_bytes: int
+    budget_bytes: int  # gpu_memory_bytes - headroom_bytes: what model states may use
+
+    @property
+    def fits(self) -> bool:
+        return self.row is not None
+
+    def fits_row(self, row: Row) -> bool:
+        return row.per_gpu_bytes <= self.budget_bytes
+
+    # the chosen row's fields, None when nothing fits
+    stage = property(lambda self: self.row.stage if self.row else None)
+    offload_optimizer = property(lambda self: self.row.offload_optimizer if self.row else None)
+    offload_param = property(lambda self: self.row.offload_param if self.row else None)
+    zero_init = property(lambda self: self.row.zero_init if self.row else None)
+
+
+def _as_fraction(value) -> Fraction:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"headroom must be a fraction between 0 and 1, got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgument(f"headroom must be a fraction between 0 and 1, got {value!r}")
+        return Fraction(repr(value))  # 0.1 means one tenth, not the binary float next to it
+    if isinstance(value, (int, Fraction)):
+        return Fraction(value)
+    raise InvalidArgument(f"headroom must be a fraction between 0 and 1, got {value!r}")
+
+
+def _pick(rows: list[Row], stage: int, offload_optimizer: str, offload_param: str | None) -> Row | None:
+    """The row for one setting; for stage 3 the zero_init=1 one (same GPU figure, less CPU RAM)."""
+    found = [r for r in rows if (r.stage, r.offload_optimizer, r.offload_param) == (stage, offload_optimizer,
+                                                                                      offload_param)]
+    found.sort(key=lambda r: not r.zero_init)  # zero_init True first
+    return found[0] if found else None
+
+
+def _zero_init_pair(rows: list[Row], row: Row) -> Row | None:
+    for r in rows:
+        if (r.stage, r.offload_optimizer, r.offload_param) == (row.stage, row.offload_optimizer, row.offload_param) \
+                and r.zero_init is not None and r.zero_init != row.zero_init:
+            return r
+    return None
+
+
+def recommend(rows: list[Row], gpu_memory_bytes: int, headroom_fraction=0.25) -> Recommendation:
+    """The lowest stage and offload setting whose model states leave ``headroom_fraction`` of the GPU free.
+
+    Order of preference: ZeRO-2 without offload, ZeRO-3 without offload, ZeRO-2 with the optimizer offloaded,
+    ZeRO-3 with the optimizer offloaded, ZeRO-3 with optimizer and parameters offloaded. Offload is advised only
+    when no stage fits without it. A setting fits when ``per_gpu_bytes <= gpu_memory - ceil(gpu_memory *
+    headroom)``; the headroom is what activations, temporary buffers and the CUDA context get.
+    """
+    _check_count("gpu_memory_bytes", gpu_memory_bytes, 1)
+    frac = _as_fraction(headroom_fraction)
+    if not 0 <= frac < 1:
+        raise InvalidArgument(f"headroom must be at least 0 and below 100%, got {float(frac):.4g}")
+    if not rows:
+        raise InvalidArgument("no estimate rows to choose from")
+    headroom = math.ceil(gpu_memory_bytes * frac)
+    budget = gpu_memory_bytes - headroom
+
+    g = format_bytes
+
+    budget_words = (f"{g(budget)} budget ({g(gpu_memory_bytes)} per GPU minus {_pct(frac)} headroom = "
+                    f"{g(headroom)} kept for activations)")
+    candidates = [(pref, _pick(rows, *pref)) for pref in _PREFERENCE]
+    candidates = [(pref, r) for pref, r in candidates if r is not None]
+
+    chosen = next((r for _, r in candidates if r.per_gpu_bytes <= budget), None)
+    too_big = [r for _, r in candidates if chosen is None or _PREFERENCE.index(_key(r)) < _PREFERENCE.index(
+        _key(chosen))]
+
+    if chosen is None:
+        smallest = min(candidates, key=lambda c: c[1].per_gpu_bytes)[1]
+        reason = (f"nothing fits: even the smallest setting, {smallest.describe()}, needs "
+                  f"{g(smallest.per_gpu_bytes)} per GPU, more than the {budget_words}.")
+        if smallest.offload_param == "cpu":
+            reason += (" With parameters offloaded a GPU still holds the largest layer in fp32 (4 bytes per "
+                       "parameter), which more GPUs do not shrink: use GPUs with more memory, less headroom, or "
+                       "split that layer (tensor parallelism).")
+        return Recommendation(None, reason, gpu_memory_bytes, headroom, budget)
+
+    free = gpu_memory_bytes - chosen.per_gpu_bytes
+    parts = []
+    if too_big:
+        parts.append("; ".join(f"{r.describe()} needs {g(r.per_gpu_bytes)} per GPU" for r in too_big)
+                     + f", more than the {budget_words}")
+        lead = f"{chosen.describe()} is the first that fits: {g(chosen.per_gpu_bytes)} of model states per GPU, " \
+               f"leaving {g(free)} free for activations"
+    else:
+        lead = (f"{chosen.describe()} fits: {g(chosen.per_gpu_bytes)} of model states per GPU is within the "
+                f"{budget_words}, leaving {g(free)} free")
+    parts.append(lead)
+    if chosen.offloads == 0 and chosen.stage == 2:
+        parts.append("the lowest stage that fits communicates least (no parameter all-gather in forward and "
+                     "backward), so there is no reason to go to ZeRO-3 or to offload")
+    elif chosen.offloads == 0:
+        parts.append("ZeRO-3 partitions the parameters too, at the cost of gathering them for every forward and "
+                     "backward; no offload is needed")
+    else:
+        parts.append("offload moves optimizer states" + (" and parameters" if chosen.offload_param == "cpu" else "")
+                     + " to host RAM and is slower (PCIe traffic, optimizer step on the CPU); it is advised only "
+                     "because nothing fits without it")
+    cpu = f"host RAM needed per node: {g(chosen.per_cpu_bytes)}"
+    other = _zero_init_pair(rows, chosen)
+    if other is not None:
+        cpu += (f" with zero_init (deepspeed.zero.Init / HF Trainer's ZeRO-3 loading), "
+                f"{g(other.per_cpu_bytes)} without it")
+    parts.append(cpu)
+    return Recommendation(chosen, "; ".join(parts) + ".", gpu_memory_bytes, headroom, budget)
+
+
+def _key(row: Row):
+    return (row.stage, row.offload_optimizer, row.offload_param)
+
+
+def _pct(frac: Fraction) -> str:
+    value = frac * 100
+    return f"{int(value)}%" if value.denominator == 1 else f"{float(value):.4g}%"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Parsers for the command line
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+
+_NUMBER = r"([0-9][0-9_,]*(?:\.[0-9]*)?|\.[0-9]+)"
+
+
+def _decimal(text: str, what: str, original: str) -> Decimal:
+    try:
+        return Decimal(text.replace("_", "").replace(",", ""))
+    except InvalidOperation:
+        raise InvalidArgument(f"cannot read {original!r} as {what}") from None
+
+
+def parse_size(text: str) -> int:
+    """A memory size in bytes: ``80GiB`` (2**30), ``80GB`` (10**9), ``81559MiB``, ``1.5TiB``, ``85899345920``.
+
+    Units are case-insensitive. A bare ``K``/``M``/``G``/``T`` is binary (``80G`` = 80 GiB, as nvidia-smi and
+    DeepSpeed's "GB" mean it); ``KB``/``MB``/``GB``/``TB`` are decimal (SI); ``KiB``... are binary.
+    """
+    original = text
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise InvalidArgument(f"cannot read {original!r} as a memory size (examples: 80GiB, 80GB, 81559MiB)")
+    value = _decimal(m.group(1), "a memory size", original) * _SIZE_UNITS[m.group(2)]
+    nbytes = int(value.to_integral_value())  # round half even to a whole byte
+    if nbytes <= 0:
+        raise InvalidArgument(f"memory size must be positive, got {original!r}")
+    return nbytes
+
+
+def parse_fraction(text: str) -> Fraction:
+    """A share: ``25%`` or ``0.25``. A bare number above 1 is refused (write ``25%``)."""
+    original = text
+    s = str(text).strip()
+    percent = s.endswith("%")
+    if percent:
+        s = s[:-1].strip()
+    if not re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", s):
+        raise InvalidArgument(f"cannot read {original!r} as a share (examples: 25%, 0.25)")
+    value = Fraction(s) / (100 if percent else 1)
+    if not percent and value > 1:
+        raise InvalidArgument(f"{original!r} is ambiguous: write {original}% for a percentage or a fraction "
+                              f"like 0.25")
+    return value
+
+
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str, what: str = "a parameter count") -> int:
+    """A whole count: ``8190735360``, ``8_190_735_360``, ``8,190,735,360``, ``8.19B``, ``622M``, ``7e9``.
+
+    Suffixes are decimal (K = 10**3, M = 10**6, B or G = 10**9, T = 10**12); the result must be a whole number.
+    """
+    original = text
+    s = str(text).strip().lower()
+    m = re.fullmatch(_NUMBER + r"(?:e([0-9]+))?\s*([kmbgt]?)", s)
+    if not m:
+        raise InvalidArgument(f"cannot read {original!r} as {what} (examples: 8190735360, 8.19B, 622M)")
+    value = _decimal(m.group(1), what, original)
+    if m.group(2):
+        value *= 10 ** int(m.group(2))
+    value *= _COUNT_SUFFIX[m.group(3)]
+    if value != value.to_integral_value():
+        raise InvalidArgument(f"{original!r} is not a whole number of parameters")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Counts from a Hugging Face config.json
+
+_LLAMA_LIKE_DEFAULTS = {
+    # family: defaults of the transformers config class for the keys that shape parameters
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, tie_word_embeddings=False,
+                  attention_bias=False, mlp_bias=False),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, tie_word_embeddings=False),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, tie_word_embeddings=False),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, tie_word_embeddings=False,
+                  attention_bias=False),
+}
+_GPT2_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                      tie_word_embeddings=True, add_cross_attention=False)
+# transformers' attribute_map for GPT2Config: config.json may use either name
+_GPT2_ALIASES = {"n_embd": "hidden_size", "n_positions": "max_position_embeddings", "n_head": "num_attention_heads",
+                 "n_layer": "num_hidden_layers"}
+
+SUPPORTED_MODEL_TYPES = tuple(sorted([*_LLAMA_LIKE_DEFAULTS, "gpt2"]))
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "GPT2LMHeadModel": "gpt2",
+}
+
+
+class _Cfg:
+    """Reads integer and boolean fields of a config dict with family defaults and clean errors."""
+
+    def __init__(self, config: Mapping, defaults: dict, model_type: str, aliases: dict | None = None):
+        self.config, self.defaults, self.model_type, self.aliases = config, defaults, model_type, aliases or {}
+
+    def raw(self, key):
+        if key in self.config:
+            return self.config[key]
+        alias = self.aliases.get(key)
+        if alias is not None and alias in self.config:
+            return self.config[alias]
+        return self.defaults.get(key)
+
+    def int(self, key, minimum=1, optional=False):
+        value = self.raw(key)
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidArgument(f"config.json of a {self.model_type} model: {key} must be an integer of at least "
+                                  f"{minimum}, got {value!r}")
+        return value
+
+    def bool(self, key):
+        value = self.raw(key)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"config.json of a {self.model_type} model: {key} must be true or false, "
+                                  f"got {value!r}")
+        return value
+
+
+def _linear(n_in: int, n_out: int, bias: bool) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _model_type(config: Mapping) -> str:
+    model_type = config.get("model_type")
+    if not model_type:
+        for arch in config.get("architectures") or ():
+            if arch in _ARCHITECTURES:
+                return _ARCHITECTURES[arch]
+        raise InvalidArgument("config.json has no model_type", hint="is this a Hugging Face config.json?")
+    return str(model_type)
+
+
+def count_from_config(config: Mapping) -> tuple[int, int]:
+    """``(parameters, largest_layer)`` of ``AutoModelForCausalLM.from_config(config)``, exactly, without torch.
+
+    ``parameters`` counts tied weights once (as ``model.parameters()`` does); ``largest_layer`` is the most
+    parameters one module owns directly, measured like DeepSpeed's ``estimate_zero3_..._all_live`` (the LM head
+    counts as its own module even when it is tied to the embedding). Supported ``model_type`` values: llama,
+    mistral, qwen2, qwen3, gpt2; missing keys take the defaults of the transformers config class.
+    """
+    if not isinstance(config, Mapping):
+        raise InvalidArgument(f"a config must be a JSON object, got {type(config).__name__}")
+    model_type = _model_type(config)
+    if model_type in _LLAMA_LIKE_DEFAULTS:
+        modules = _llama_like_modules(_Cfg(config, _LLAMA_LIKE_DEFAULTS[model_type], model_type), model_type)
+    elif model_type == "gpt2":
+        modules = _gpt2_modules(_Cfg(config, _GPT2_DEFAULTS, model_type, _GPT2_ALIASES))
+    else:
+        raise InvalidArgument(f"model_type {model_type!r} is not supported for counting from config.json "
+                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})",
+                              hint="pass --params and --largest-layer instead, or estimate from a checkpoint")
+    # modules: (own parameters, counted in the total?) for every module that owns parameters
+    total = sum(n * count for n, count, counted in modules if counted)
+    largest = max(n for n, count, _ in modules if count)
+    return total, largest
+
+
+def _llama_like_modules(c: _Cfg, family: str):
+    hidden = c.int("hidden_size")
+    vocab = c.int("vocab_size")
+    inter = c.int("intermediate_size")
+    layers = c.int("num_hidden_layers", minimum=0)
+    heads = c.int("num_attention_heads")
+    kv_heads = c.int("num_key_value_heads", optional=True) or heads
+    head_dim = c.int("head_dim", optional=True) or hidden // heads
+    tied = c.bool("tie_word_embeddings")
+    if family == "llama":
+        q_bias = kv_bias = o_bias = c.bool("attention_bias")
+        mlp_bias = c.bool("mlp_bias")
+    elif family == "qwen3":
+        q_bias = kv_bias = o_bias = c.bool("attention_bias")
+        mlp_bias = False
+    elif family == "qwen2":  # bias on q, k, v (hard-wired in the model), none on o
+        q_bias = kv_bias = True
+        o_bias = mlp_bias = False
+    else:  # mistral: no biases at all
+        q_bias = kv_bias = o_bias = mlp_bias = False
+
+    per_layer = [
+        _linear(hidden, heads * head_dim, q_bias),  # q_proj
+        _linear(hidden, kv_heads * head_dim, kv_bias),  # k_proj
+        _linear(hidden, kv_heads * head_dim, kv_bias),  # v_proj
+        _linear(heads * head_dim, hidden, o_bias),  # o_proj
+        _linear(hidden, inter, mlp_bias),  # gate_proj
+        _linear(hidden, inter, mlp_bias),  # up_proj
+        _linear(inter, hidden, mlp_bias),  # down_proj
+        hidden, hidden,  # input_layernorm, post_attention_layernorm (RMSNorm: weight only)
+    ]
+    if family == "qwen3":
+        per_layer += [head_dim, head_dim]  # q_norm, k_norm
+    modules = [(n, layers, True) for n in per_layer]
+    modules += [
+        (vocab * hidden, 1, True),  # embed_tokens
+        (hidden, 1, True),  # final norm
+        (vocab * hidden, 1, not tied),  # lm_head (the embedding's weight when tied)
+    ]
+    return modules
+
+
+def _gpt2_modules(c: _Cfg):
+    embd = c.int("n_embd")
+    vocab = c.int("vocab_size")
+    positions = c.int("n_positions")
+    layers = c.int("n_layer", minimum=0)
+    inner = c.int("n_inner", optional=True) or 4 * embd
+    tied = c.bool("tie_word_embeddings") if c.raw("tie_word_embeddings") is not None else True
+    per_layer = [
+        2 * embd,  # ln_1 (LayerNorm: weight and bias)
+        _linear(embd, 3 * embd, True),  # attn.c_attn (Conv1D)
+        _linear(embd, embd, True),  # attn.c_proj
+        2 * embd,  # ln_2
+        _linear(embd, inner, True),  # mlp.c_fc
+        _linear(inner, embd, True),  # mlp.c_proj
+    ]
+    if c.bool("add_cross_attention"):
+        per_layer += [
+            2 * embd,  # ln_cross_attn
+            _linear(embd, 2 * embd, True),  # crossattention.c_attn
+            _linear(embd, embd, True),  # crossattention.q_attn
+            _linear(embd, embd, True),  # crossattention.c_proj
+        ]
+    modules = [(n, layers, True) for n in per_layer]
+    modules += [
+        (vocab * embd, 1, True),  # wte
+        (positions * embd, 1, True),  # wpe
+        (2 * embd, 1, True),  # ln_f
+        (vocab * embd, 1, not tied),  # lm_head
+    ]
+    return modules
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Counts from a DeepSpeed checkpoint
+
+
+def counts_from_checkpoint(path, tag=None) -> tuple[int, int]:
+    """``(parameters, largest_layer)`` from a checkpoint's recorded shapes (no tensor bytes are read).
+
+    Parameters are the trainable and frozen ones (a tied alias is not counted again, buffers are not
+    parameters). The largest layer is the most parameters one module (the name up to its last dot) owns
+    directly, tied aliases included, as DeepSpeed's ``..._all_live`` estimator measures it. Uses
+    ``zckpt.deepspeed.layout.open_checkpoint`` and the ``name``, ``shape`` and ``kind`` of each record.
+    """
+    try:
+        from zckpt.deepspeed.layout import open_checkpoint
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("zckpt.deepspeed", "zckpt.deepspeed.layout"):
+            raise
+        raise InvalidArgument(
+            f"reading checkpoints is not available in this build ({exc})",
+            path=path, hint="pass --params and --largest-layer, or --config with the model's config.json",
+        ) from None
+
+    path = os.fspath(path)
+    ckpt = open_checkpoint(path, tag=tag)
+    try:
+        records = getattr(ckpt, "records", None)
+        if records is None:
+            records = getattr(ckpt, "params")
+        records = list(records)
+    finally:
+        close = getattr(ckpt, "close", None)
+        if callable(close):
+            close()
+
+    total = 0
+    per_module: dict[str, int] = {}
+    for rec in records:
+        kind = getattr(rec, "kind", "trainable")
+        if kind == "buffer":
+            continue
+        numel = math.prod(int(d) for d in rec.shape)
+        if kind in ("trainable", "frozen"):
+            total += numel
+        module = rec.name.rsplit(".", 1)[0] if "." in rec.name else ""
+        per_module[module] = per_module.get(module, 0) + numel
+    if not per_module or total == 0:
+        raise InvalidArgument("the checkpoint records no parameters to estimate from", path=path)
+    return total, max(per_module.values())
+
+
+# ``zckpt.estimate`` is both this module and (lazily, in zckpt/__init__.py) the function; once the module is
+# imported the package attribute is the module, so let calling the module call the function.
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
