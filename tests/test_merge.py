@@ -211,3 +211,26 @@ def test_load_into_module_strict():
     with pytest.raises(zckpt.InvalidArgument, match="missing in checkpoint: extra"):
         zckpt.load_into_module(m, str(ck))
     zckpt.load_into_module(m, str(ck), strict=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trainer_checkpoint_becomes_from_pretrained_folder(tmp_path, dtype):
+    trainer = ROOT / "fixtures" / "trainer" / "checkpoint-4"
+    if not trainer.exists():
+        pytest.skip("trainer fixture missing")
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "model"
+    res = zckpt.merge(str(trainer), str(out), dtype=dtype)
+    assert "config.json" in res.copied
+    cfg = json.loads((out / "config.json").read_text())
+    want = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    assert cfg.get("dtype", cfg.get("torch_dtype")) == want
+    model, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert str(model.dtype) == f"torch.{want}"
+    sd = zckpt.load_state_dict(str(trainer), dtype=dtype)
+    msd = model.state_dict()
+    for k, v in sd.items():
+        assert torch.equal(msd[k], v), k
+    # re-tied: the head shares the embedding
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import struct
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -249,40 +250,41 @@ def _jobs_for(shard: ShardPlan, fd: int) -> list[_Job]:
 
 
 class _Worker:
-    """Runs copy jobs; one reusable buffer per thread."""
+    """Runs copy jobs with one reusable buffer per thread; casts via :mod:`zckpt.casting` (no torch needed)."""
 
-    def __init__(self):
+    def __init__(self, use_torch: bool = False):
         import threading
         from zckpt.tensors import Reader
         self.reader = Reader()
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
+        self.use_torch = use_torch or "torch" in sys.modules
 
-    def _buf(self, nbytes: int):
-        import torch
-        buf = getattr(self.local, "buf", None)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
-            self.local.buf = buf
-        return buf
+    def buffer(self, nbytes: int, slot: str = "buf"):
+        import numpy as np
+        buf = getattr(self.local, slot, None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+            setattr(self.local, slot, buf)
+        return buf[:nbytes]
+
+    def render(self, pieces: list[Piece], src_dtype: str, dtype: str, numel: int):
+        """The bytes of ``pieces`` converted to ``dtype`` (a view of a per-thread buffer)."""
+        from zckpt.casting import cast
+        raw = self.buffer(numel * DTYPE_SIZES[src_dtype])
+        self.reader.read_pieces(pieces, memoryview(raw))
+        return cast(raw, src_dtype, dtype, self.use_torch)
 
     def run(self, job: _Job) -> int:
-        import torch
-        from zckpt.tensors import torch_dtype
-        src_size = DTYPE_SIZES[job.src_dtype]
         if job.src_dtype == job.dtype and self.use_cfr and not any(storage.is_url(p.path) for p in job.pieces):
             pos = job.offset
             for p in job.pieces:
                 self._copy_range(p, job.fd, pos)
                 pos += p.nbytes
             return job.numel * DTYPE_SIZES[job.dtype]
-        buf = self._buf(job.numel * src_size)
-        self.reader.read_pieces(job.pieces, memoryview(buf.numpy())[: job.numel * src_size])
-        src = buf[: job.numel * src_size].view(torch_dtype(job.src_dtype))
-        out = src if job.src_dtype == job.dtype else src.to(torch_dtype(job.dtype))
-        data = memoryview(out.view(torch.uint8).numpy())
-        _pwrite_all(job.fd, data, job.offset)
-        return len(data)
+        data = self.render(job.pieces, job.src_dtype, job.dtype, job.numel)
+        _pwrite_all(job.fd, memoryview(data), job.offset)
+        return data.nbytes
 
     def _copy_range(self, p: Piece, fd_out: int, pos: int) -> None:
         fd_in = self.reader._fd(p.path)
@@ -294,8 +296,7 @@ class _Worker:
                 self.use_cfr = False
                 n = 0
             if n <= 0:  # not supported here, or EOF (a truncated input): fall back to read + write
-                buf = self._buf(left)
-                view = memoryview(buf.numpy())[:left]
+                view = memoryview(self.buffer(left))
                 self.reader.read_into(Piece(p.path, src, left, "uint8"), view)
                 _pwrite_all(fd_out, view, pos)
                 return
@@ -373,7 +374,9 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
         if progress:
             progress(done[0], plan.total_size)
 
-    worker = _Worker()
+    from zckpt.casting import TORCH_THRESHOLD_BYTES
+    cast_bytes = sum(t.nbytes for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype)
+    worker = _Worker(use_torch=cast_bytes > TORCH_THRESHOLD_BYTES)
     remote = storage.is_url(out)
     parent = tempfile.gettempdir() if remote else os.path.dirname(os.path.abspath(out)) or "."
     if not remote:

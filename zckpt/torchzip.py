@@ -325,53 +325,37 @@ def _sub(seg, start, n):
     raise TypeError(seg)
 
 
-def _render(parts, dtype: str, reader, local) -> memoryview:
-    """Bytes of a chunk's parts (converted to ``dtype``), in a per-thread buffer."""
-    import torch
-    from zckpt.tensors import torch_dtype
+def _render(parts, dtype: str, worker) -> memoryview:
+    """Bytes of a chunk's parts (converted to ``dtype``), in the worker's per-thread buffer."""
     size = DTYPE_SIZES[dtype]
     total = sum(seg_numel(p, dtype) for p in parts) * size
-    buf = getattr(local, "buf", None)
-    if buf is None or buf.numel() < total:
-        buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8)
-        local.buf = buf
-    view = memoryview(buf.numpy())
+    out = worker.buffer(total, "out")
+    view = memoryview(out)
     pos = 0
     for p in parts:
         if isinstance(p, (bytes, bytearray)):
             view[pos:pos + len(p)] = p
             pos += len(p)
         elif isinstance(p, Fill):
-            view[pos:pos + p.nbytes] = bytes(p.nbytes)
+            out[pos:pos + p.nbytes] = 0
             pos += p.nbytes
         elif isinstance(p, Piece):
             if p.dtype != dtype:
                 raise ValueError(f"piece of {p.dtype} in a {dtype} tensor")
-            reader.read_into(p, view[pos:pos + p.nbytes])
+            worker.reader.read_into(p, view[pos:pos + p.nbytes])
             pos += p.nbytes
         else:  # Cast
-            src_size = DTYPE_SIZES[p.src_dtype]
-            n = p.numel
-            tmp = getattr(local, "tmp", None)
-            if tmp is None or tmp.numel() < n * src_size:
-                tmp = torch.empty(max(n * src_size, 1 << 20), dtype=torch.uint8)
-                local.tmp = tmp
-            reader.read_pieces(p.pieces, memoryview(tmp.numpy())[: n * src_size])
-            conv = tmp[: n * src_size].view(torch_dtype(p.src_dtype)).to(torch_dtype(dtype))
-            raw = conv.view(torch.uint8)
-            buf[pos:pos + n * size].copy_(raw)
-            pos += n * size
+            data = worker.render(p.pieces, p.src_dtype, dtype, p.numel)
+            out[pos:pos + data.nbytes] = data
+            pos += data.nbytes
     return view[:pos]
 
 
-def write_archive(archive: Archive, fd: int, pool=None, progress=None, reader=None) -> None:
+def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=None) -> None:
     """Write a planned archive to ``fd`` (a new file), data chunks in parallel when ``pool`` is given."""
-    import threading
-    from zckpt.tensors import Reader
-    own_reader = reader is None
-    reader = reader or Reader()
-    local = threading.local()
-    from zckpt.merge import _pwrite_all
+    from zckpt.merge import _pwrite_all, _Worker
+    own = worker is None
+    worker = worker or _Worker()
     try:
         jobs = []
         for idx, e in enumerate(archive.entries):
@@ -381,7 +365,7 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, reader=No
 
         def run(job):
             idx, off, parts, dtype = job
-            data = _render(parts, dtype, reader, local)
+            data = _render(parts, dtype, worker)
             _pwrite_all(fd, data, off)
             return idx, zlib.crc32(data), len(data)
 
@@ -402,17 +386,26 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, reader=No
             _pwrite_all(fd, memoryview(e.local_header), e.header_offset)
         _pwrite_all(fd, memoryview(_central(archive)), archive.size)
     finally:
-        if own_reader:
-            reader.close()
+        if own:
+            worker.close()
 
 
-def save(obj, path: str, archive_name: str | None = None, pool=None, progress=None, reader=None) -> int:
-    """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size."""
+def save(obj, path: str, archive_name: str | None = None, pool=None, progress=None, worker=None,
+         reader=None) -> int:
+    """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size.
+
+    ``worker`` (a ``zckpt.merge._Worker``) or ``reader`` (a ``zckpt.tensors.Reader``) lets several files share
+    open input descriptors."""
+    if worker is None and reader is not None:
+        from zckpt.merge import _Worker
+        worker = _Worker()
+        worker.reader.close()
+        worker.reader = reader
     name = archive_name or os.path.splitext(os.path.basename(path))[0]
     archive = plan_archive(obj, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_archive(archive, fd, pool, progress, reader)
+        write_archive(archive, fd, pool, progress, worker)
         os.fsync(fd)
         return os.fstat(fd).st_size
     finally:
@@ -433,4 +426,4 @@ def layout_state_dict(shard) -> None:
 
 
 def write_state_dict(shard, fd, pool, worker, progress) -> None:
-    write_archive(shard.archive, fd, pool, progress, worker.reader)
+    write_archive(shard.archive, fd, pool, progress, worker)

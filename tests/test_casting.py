@@ -1,0 +1,45 @@
+"""zckpt's numpy casts are bit-identical to torch's Tensor.to on every class of value."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from zckpt.casting import cast
+
+SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 65504.0, 65520.0, 65536.0,
+                     3.4028235e38, 1e-45, -1e-45, 1.1754944e-38, 6e-8, 5.9604645e-8, 2.98e-8, 1.00390625,
+                     1.005859375, 1.0078125, 0.1, 1 / 3], dtype=np.float32)
+
+
+def _torch(raw, src, dst):
+    t = torch.from_numpy(raw.copy()).view(getattr(torch, src)).to(getattr(torch, dst))
+    return t.view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("dst", ["bfloat16", "float16"])
+def test_downcasts_match_torch(dst):
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=1 << 16, dtype=np.uint64).astype(np.uint32)  # every kind of bit pattern
+    vals = np.concatenate([SPECIALS, bits.view(np.float32), rng.standard_normal(4097).astype(np.float32)])
+    raw = vals.view(np.uint8)
+    assert np.array_equal(cast(raw, "float32", dst), _torch(raw, "float32", dst))
+    assert np.array_equal(cast(raw, "float32", dst, use_torch=True), _torch(raw, "float32", dst))
+
+
+@pytest.mark.parametrize("src", ["bfloat16", "float16"])
+def test_upcasts_exact(src):
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8)  # all 65536 bit patterns
+    assert np.array_equal(cast(every, src, "float32"), _torch(every, src, "float32"))
+    other = "float16" if src == "bfloat16" else "bfloat16"
+    assert np.array_equal(cast(every, src, other), _torch(every, src, other))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=300))
+def test_random_floats(values):
+    raw = np.array(values, dtype=np.float32).view(np.uint8)
+    for dst in ("bfloat16", "float16"):
+        assert np.array_equal(cast(raw, "float32", dst), _torch(raw, "float32", dst))

@@ -1,0 +1,58 @@
+"""dtype conversion of raw chunks, bit-identical to torch's ``Tensor.to`` on CPU.
+
+Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
+``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). numpy does this without importing torch (a 1.5 s start-up);
+for large jobs torch's single-pass kernel is faster, so callers pass ``use_torch=True`` past a size threshold.
+NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
+to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern and random fp32 ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NP_DTYPES = {
+    "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
+}
+TORCH_THRESHOLD_BYTES = 2 << 30  # above this much cast work, importing torch pays for itself
+
+
+def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
+    u = a.view(np.uint32)
+    r = (u >> 16) & 1
+    r += 0x7FFF
+    r += u
+    r >>= 16
+    return r.astype(np.uint16)
+
+
+def _has_nan(raw: np.ndarray, dtype: str) -> bool:
+    if dtype == "float32":
+        u = raw.view(np.uint32) & 0x7FFFFFFF
+        return bool((u > 0x7F800000).any())
+    if dtype == "float16":
+        return bool(((raw.view(np.uint16) & 0x7FFF) > 0x7C00).any())
+    if dtype == "bfloat16":
+        return bool(((raw.view(np.uint16) & 0x7FFF) > 0x7F80).any())
+    return False
+
+
+def cast(raw: np.ndarray, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
+    """Convert ``raw`` (uint8 bytes of ``src`` elements) to ``dst``; returns a uint8 array of the result."""
+    if src == dst:
+        return raw
+    if use_torch or _has_nan(raw, src) or not ({src, dst} <= {"float32", "bfloat16", "float16"}):
+        import torch
+        t = torch.from_numpy(raw).view(getattr(torch, src)).to(getattr(torch, dst))
+        return t.view(torch.uint8).numpy()
+    if src == "bfloat16" and dst == "float32":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.uint8)
+    if src == "float16" and dst == "float32":
+        return raw.view(np.float16).astype(np.float32).view(np.uint8)
+    if src == "float32" and dst == "bfloat16":
+        return _bf16_from_f32(raw.view(np.float32)).view(np.uint8)
+    if src == "float32" and dst == "float16":
+        with np.errstate(over="ignore"):
+            return raw.view(np.float32).astype(np.float16).view(np.uint8)
+    return cast(cast(raw, src, "float32"), "float32", dst)  # bf16 <-> fp16: exact via fp32, as torch does
