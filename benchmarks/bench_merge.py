@@ -9,6 +9,9 @@ alternately and ``--repeat`` times each:
                                                                crashes on the tied embedding)
 * ``cp OUT/model.safetensors COPY``                            (a plain copy of the output: the disk's speed)
 
+No tool fsyncs (zckpt's ``--fsync`` is off by default, like DeepSpeed's and cp's writes); each writes into a
+location cleared before the timed run.
+
 Each command runs in its own process; peak RSS comes from ``wait4``'s rusage of that process. Reports medians
 and ratios as a table and as JSON (``--json-out``). Page cache is warm for all of them (inputs were just read).
 
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     dims = model_dims(args.layers, args.hidden, args.vocab, args.ffn)
     ckpt = ensure_checkpoint(workdir, dims, args.world_size)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    zckpt_cmd = [sys.executable, "-m", "zckpt", "merge", str(ckpt), "--quiet", "--overwrite"]
+    zckpt_cmd = [sys.executable, "-m", "zckpt", "merge", str(ckpt), "--quiet"]
     if args.workers:
         zckpt_cmd += ["--workers", str(args.workers)]
     results = {"checkpoint": str(ckpt), "params": count_params(dims), "world_size": args.world_size,
@@ -107,7 +110,8 @@ def main(argv=None) -> int:
         out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy.safetensors"
         rows = {"zckpt": [], "deepspeed": [], "copy": []}
         for i in range(args.repeat):
-            shutil.rmtree(out_d, ignore_errors=True)
+            shutil.rmtree(out_d, ignore_errors=True)  # every tool writes into a fresh location, untimed
+            shutil.rmtree(out_z, ignore_errors=True)
             rows["zckpt"].append(run_measured(zckpt_cmd + ["--dtype", dtype, "-o", str(out_z)], env))
             rows["deepspeed"].append(run_measured(
                 [sys.executable, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out_d), "--dtype", dtype], env))

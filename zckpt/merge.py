@@ -34,7 +34,7 @@ from zckpt.safeload import DTYPE_SIZES, FLOATING
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -319,7 +319,7 @@ def _test_delay() -> None:
         time.sleep(float(delay))
 
 
-def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, progress) -> None:
+def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, progress, durable: bool) -> None:
     _test_delay()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -331,7 +331,8 @@ def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, p
         else:
             from zckpt import torchzip
             torchzip.write_state_dict(shard, fd, pool, worker, progress)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -363,8 +364,11 @@ def _prepare_out(out: str, overwrite: bool) -> None:
 
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
             extra_files: dict[str, bytes] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> None:
-    """Write ``plan`` to the folder ``out`` (local path or URL), atomically."""
+            progress: Callable[[int, int], None] | None = None, durable: bool = False) -> None:
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically.
+
+    The folder appears complete or not at all, whenever the process is killed. ``durable=True`` also fsyncs
+    every file before the rename, so the result survives a power failure (slower: waits for the disk)."""
     _prepare_out(out, overwrite)
     workers = workers or min(8, os.cpu_count() or 2)
     done = [0]
@@ -386,7 +390,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
         with ThreadPoolExecutor(workers) as pool:
             for shard in plan.shards:
                 local = os.path.join(tmp, shard.filename)
-                _write_shard(shard, local, plan.fmt, pool, worker, step)
+                _write_shard(shard, local, plan.fmt, pool, worker, step, durable)
                 if remote:
                     storage.put_file(local, storage.join(out, shard.filename))
                     os.remove(local)
@@ -400,15 +404,16 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             for name, data in files.items():
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(data)
-                    os.fsync(f.fileno())
-            _publish_dir(tmp, out)
+                    if durable:
+                        os.fsync(f.fileno())
+            _publish_dir(tmp, out, durable)
     finally:
         worker.close()
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _publish_dir(tmp: str, out: str) -> None:
+def _publish_dir(tmp: str, out: str, durable: bool = False) -> None:
     """Move the finished folder ``tmp`` to ``out``; an old ``out`` is moved aside first and removed after."""
     os.chmod(tmp, 0o755)
     if os.path.isdir(out):
@@ -420,12 +425,13 @@ def _publish_dir(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
-    try:
-        dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
-        os.fsync(dfd)
-        os.close(dfd)
-    except OSError:
-        pass
+    if durable:
+        try:
+            dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
+        except OSError:
+            pass
 
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
@@ -454,12 +460,12 @@ def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
 
 def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: str = "fp32", tag: str | None = None,
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
-          dry_run: bool = False, overwrite: bool = False,
+          dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out`` (default: ``<path>/merged-<dtype>``).
 
     ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
-    ``progress(done_bytes, total_bytes)`` is called as data is written.
+    ``progress(done_bytes, total_bytes)`` is called as data is written; ``durable=True`` fsyncs before publishing.
     """
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, tag)
@@ -471,7 +477,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     if dry_run:
         _prepare_out(str(out), overwrite)
         return result
-    execute(plan, str(out), workers, overwrite, extra, progress)
+    execute(plan, str(out), workers, overwrite, extra, progress, durable)
     result.seconds = time.perf_counter() - t0
     return result
 

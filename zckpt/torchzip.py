@@ -27,7 +27,7 @@ from zckpt.deepspeed.layout import Piece
 from zckpt.safeload import DTYPE_SIZES
 
 ALIGN = 64
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 STORAGE_CLASSES = {
     "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
     "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",

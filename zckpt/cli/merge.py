@@ -32,12 +32,14 @@ Examples:
                    "stored once under its source name, as save_pretrained does.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--fsync", "durable", is_flag=True,
+              help="fsync every file before publishing, so the output also survives a power failure.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes) and write nothing.")
 @json_option
 @quiet_option
 @storage_option
-def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, dry_run,
-          as_json, quiet, storage_options):
+def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,
+          dry_run, as_json, quiet, storage_options):
     """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers are included. A Trainer
@@ -52,7 +54,7 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
                      exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
-                     overwrite=overwrite, progress=bar)
+                     overwrite=overwrite, durable=durable, progress=bar)
     if as_json:
         emit_json(result.to_json())
         return
