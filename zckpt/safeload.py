@@ -430,8 +430,8 @@ class _Archive:
         self.path, self.f, self.size = path, fileobj, size
         try:
             self.zf = zipfile.ZipFile(fileobj)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-            raise CorruptFile(f"not a readable torch zip archive ({exc})", path=path) from None
+        except Exception as exc:  # zipfile raises BadZipFile, NotImplementedError, ValueError, struct.error ...
+            raise CorruptFile(f"damaged zip directory ({type(exc).__name__}: {exc})"[:200], path=path) from None
         self.entries = {}
         for info in self.zf.infolist():
             self.entries[info.filename] = info

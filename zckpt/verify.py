@@ -98,8 +98,8 @@ def _crc_file(path: str) -> tuple[int, list[str]]:
     with storage.open_input(path) as f:
         try:
             zf = zipfile.ZipFile(f)
-        except zipfile.BadZipFile as exc:
-            return 0, [f"zip directory ({exc})"]
+        except Exception as exc:  # noqa: BLE001 - any damage to the directory is a failed check
+            return 0, [f"zip directory ({type(exc).__name__})"]
         for info in zf.infolist():
             f.seek(info.header_offset)
             header = f.read(30)

@@ -1,0 +1,90 @@
+"""Crash consistency of merge: a full disk and a failing write leave the previous result or nothing."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import zckpt
+from zckpt.errors import ZckptError
+from tests.conftest import FIXTURES
+
+ROOT = Path(__file__).resolve().parent.parent
+CKPT = FIXTURES / "z3_bf16_ws4"
+import zckpt.merge  # noqa: E402  (the module; zckpt.merge the attribute is the function)
+merge_mod = sys.modules["zckpt.merge"]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 64 KiB tmpfs (root only); skipped where mounting is not allowed."""
+    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_enospc_on_a_real_full_filesystem(small_fs):
+    prev = small_fs / "prev"
+    prev.mkdir()
+    (prev / "model.safetensors").write_bytes(b"previous result")
+    with open(small_fs / "ballast", "wb", buffering=0) as f:  # fill it: the merge gets its folder, then no room for bytes
+        try:
+            while True:
+                f.write(b"\0" * 1024)
+        except OSError:
+            pass
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "merge", str(CKPT), "-o", str(prev), "--overwrite",
+                           "--keep-tied", "--quiet"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "No space left" in lines[0] and "disk is full" in lines[0], proc.stderr
+    assert (prev / "model.safetensors").read_bytes() == b"previous result"
+    assert sorted(p.name for p in small_fs.iterdir()) == ["ballast", "prev"]  # no temp folder left
+
+
+def test_injected_write_failure(tmp_path, monkeypatch):
+    """Where no small filesystem can be made: a write that fails part-way (ENOSPC), via the write primitive."""
+    calls = {"n": 0}
+    real = os.pwrite
+
+    def failing(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(merge_mod.os, "pwrite", failing)
+    monkeypatch.setattr(merge_mod.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")),
+                        raising=False)
+    out = tmp_path / "out"
+    with pytest.raises(OSError) as err:
+        zckpt.merge(str(CKPT), str(out), max_shard_size="200B", workers=1)
+    assert err.value.errno == errno.ENOSPC
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_unreadable_input_is_clean(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads everything")
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(CKPT, ck)
+    tag = (ck / "latest").read_text().strip()
+    for f in (ck / tag).iterdir():
+        f.chmod(0)
+    with pytest.raises((ZckptError, PermissionError)):
+        zckpt.merge(str(ck), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
