@@ -20,7 +20,7 @@ from typing import Callable
 
 from zckpt import storage
 from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
-from zckpt.errors import CorruptFile, ZckptError
+from zckpt.errors import CheckpointNotFound, ZckptError
 from zckpt.safeload import LazyTensor
 
 MANIFEST = "zckpt-manifest.json"
@@ -55,11 +55,20 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
            progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Verify the checkpoint at ``path``. Structural failures raise :class:`~zckpt.errors.ZckptError`
     (the checkpoint cannot even be read); inconsistencies are reported as failed checks."""
-    ckpt = open_checkpoint(path, tag)
     report = VerifyReport(str(path))
+    try:
+        ckpt = open_checkpoint(path, tag)
+    except CheckpointNotFound:
+        # not a DeepSpeed checkpoint: a folder published with a manifest (a pushed or merged result) still is
+        if tag is None and storage.exists(storage.join(str(path), MANIFEST)):
+            check_manifest(str(path), report, hashes=True, progress=progress)
+            return report
+        raise
     check_metadata(ckpt, report)
     if deep:
         check_bytes(ckpt, report, progress)
+    else:
+        check_manifest(ckpt.location.input_path, report, hashes=False)
     return report
 
 
@@ -135,11 +144,11 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
     report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
-    check_manifest(ckpt.location.input_path, report)
+    check_manifest(ckpt.location.input_path, report, hashes=True)
 
 
-def check_manifest(folder: str, report: VerifyReport) -> None:
-    """Check files against ``zckpt-manifest.json`` (size and sha256), if the folder has one."""
+def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None) -> None:
+    """Check files against ``zckpt-manifest.json`` (sizes; with ``hashes`` also sha256), if the folder has one."""
     mpath = storage.join(folder, MANIFEST)
     if not storage.exists(mpath):
         return
@@ -150,19 +159,26 @@ def check_manifest(folder: str, report: VerifyReport) -> None:
         report.add("manifest", False, f"{MANIFEST} is not a valid manifest")
         return
     bad = []
-    items = entries.items() if isinstance(entries, dict) else ((e.get("path"), e) for e in entries)
+    items = list(entries.items()) if isinstance(entries, dict) else [(e.get("path"), e) for e in entries]
+    total = sum(int(meta.get("size", 0)) for _, meta in items) if hashes else 0
     for rel, meta in items:
         p = storage.join(folder, rel)
         try:
             if storage.size(p) != int(meta["size"]):
                 bad.append(f"{rel}: size")
                 continue
+            if not hashes:
+                continue
             h = hashlib.sha256()
             with storage.open_input(p) as f:
                 while chunk := f.read(8 << 20):
                     h.update(chunk)
+                    report.bytes_read += len(chunk)
+                    if progress:
+                        progress(report.bytes_read, total)
             if h.hexdigest() != meta["sha256"]:
-                bad.append(f"{rel}: sha256")
-        except (OSError, ZckptError, KeyError):
-            bad.append(f"{rel}: missing")
-    report.add("manifest", not bad, "; ".join(bad[:5]) or f"{len(list(entries))} files match {MANIFEST}")
+                bad.append(f"{rel}: sha256 differs")
+        except (OSError, ZckptError, KeyError, TypeError, ValueError):
+            bad.append(f"{rel}: missing or unreadable")
+    what = "sizes and sha256" if hashes else "sizes"
+    report.add("manifest", not bad, "; ".join(bad[:5]) or f"{len(items)} files match {MANIFEST} ({what})")
