@@ -2,7 +2,7 @@
 
 Use the session fixture from a test module::
 
-    from tests.s3server import s3_server  # noqa: F401  (pytest finds the fixture by name)
+    pytest_plugins = ["tests.s3server"]  # in a test module (or conftest.py): one server per session
 
     def test_x(s3_server):
         url = s3_server.url("run1")                  # s3://zckpt-test/run1
@@ -202,4 +202,4 @@ def s3_server(tmp_path_factory):
     try:
         yield server
     finally:
-        server.stop()
+        server.stop(timeout=1.0)

@@ -6,18 +6,15 @@ The same targets drive the coverage-guided fuzzer in tests/fuzz/fuzz_atheris.py 
 from __future__ import annotations
 
 import os
-import pickle
-import random
 import shutil
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.fuzz.targets import MARKER, SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsafePickle, ZckptError
+from zckpt.errors import CorruptFile, UnsafePickle, ZckptError
 
 FAST = settings(max_examples=int(os.environ.get("ZCKPT_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -114,7 +111,6 @@ def test_rank_set_damage(tmp_path, case):
 def test_wrong_shapes_and_dtypes_in_metadata(tmp_path):
     """param_shapes that disagree with the partitions are caught before any byte is written."""
     import zckpt
-    from zckpt import torchzip
     ck = copy_fixture("z2_bf16_ws2", tmp_path / "ck")
     tag = (ck / "latest").read_text().strip()
     model = ck / tag / "mp_rank_00_model_states.pt"

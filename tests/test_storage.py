@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.s3server import s3_server  # noqa: F401  (session fixture)
+pytest_plugins = ["tests.s3server"]  # the session-wide SeaweedFS fixture `s3_server`, shared by modules
 from zckpt import storage
 from zckpt.errors import StorageError
 

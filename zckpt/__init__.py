@@ -33,7 +33,7 @@ _LAZY = {
     "Pusher": "zckpt.push",
 }
 
-from zckpt.errors import (  # noqa: E402
+from zckpt.errors import (  # noqa: E402, F401  (re-exported)
     CheckpointNotFound,
     CorruptFile,
     IncompleteCheckpoint,
@@ -44,6 +44,12 @@ from zckpt.errors import (  # noqa: E402
     UnsupportedLayout,
     ZckptError,
 )
+
+
+__all__ = sorted(list(_LAZY) + [
+    "CheckpointNotFound", "CorruptFile", "IncompleteCheckpoint", "InvalidArgument", "OutputExists", "StorageError",
+    "UnsafePickle", "UnsupportedLayout", "ZckptError", "__version__",
+])
 
 
 def __getattr__(name):

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from zckpt import storage
-from zckpt.deepspeed.layout import Checkpoint, Piece, TensorRecord, open_checkpoint
-from zckpt.errors import InvalidArgument, OutputExists, ZckptError
+from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
+from zckpt.errors import InvalidArgument, OutputExists
 from zckpt.safeload import DTYPE_SIZES, FLOATING
 
 log = logging.getLogger(__name__)

@@ -193,6 +193,9 @@ def _errors(url: str, op: str):
         yield
     except _PASSTHROUGH:
         raise
+    except OSError as exc:  # the backend translated the server's answer (s3fs: 400 -> EINVAL ...)
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        raise StorageError(f"{op} failed: {text}", path=url, hint="") from exc
     except Exception as exc:  # noqa: BLE001 - botocore, aiohttp, requests ... all become StorageError
         text = " ".join(str(exc).split()) or type(exc).__name__
         raise StorageError(f"{op} failed: {type(exc).__name__}: {text}", path=url,

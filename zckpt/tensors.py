@@ -12,7 +12,6 @@ import threading
 from zckpt import storage
 from zckpt.errors import CorruptFile
 
-TORCH_DTYPES = None
 
 
 def torch_dtype(name: str):

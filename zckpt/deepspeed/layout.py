@@ -167,31 +167,6 @@ def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[
     return out
 
 
-class FlatView:
-    """Several 1-D tensors of one rank seen as one flat buffer (ZeRO-3 sub-groups, or one ZeRO-1/2 group)."""
-
-    def __init__(self, tensors: list[LazyTensor]):
-        self.tensors = tensors
-        self.starts = []
-        total = 0
-        for t in tensors:
-            self.starts.append(total)
-            total += t.numel
-        self.numel = total
-
-    def pieces(self, start: int, length: int) -> list[Piece]:
-        if start < 0 or start + length > self.numel:
-            path = self.tensors[0].storage.path if self.tensors else "?"
-            raise CorruptFile(f"partition holds {self.numel} elements, a parameter needs [{start}, "
-                              f"{start + length})", path=path)
-        out = []
-        for t, s in zip(self.tensors, self.starts):
-            lo, hi = max(start, s), min(start + length, s + t.numel)
-            if lo < hi:
-                out.extend(pieces_of(t, lo - s, hi - lo))
-        return out
-
-
 def scalar_value(t) -> Any:
     """Read a 0-d (or 1-element) tensor such as Adam's ``step``."""
     if not isinstance(t, LazyTensor):

@@ -20,7 +20,7 @@ import math
 
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.layout import (
-    LP_DTYPES, Checkpoint, FlatView, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
+    LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
     precision_of, scalar_value,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
