@@ -171,3 +171,45 @@ def test_deepspeed_stand_ins_without_deepspeed(tmp_path):
     assert int(got["zero_stage"]) == 2 and "ZeroStageEnum" in repr(got["zero_stage"])
     assert got["frag"].numel == 5 and got["frag"].start == 2
     assert _read(got["t"]).tolist() == [1.5, -2.0]
+
+
+def _rewrite_pickle(path, fn):
+    with zipfile.ZipFile(path) as zf:
+        blobs = {n: zf.read(n) for n in zf.namelist()}
+    name = [n for n in blobs if n.endswith("data.pkl")][0]
+    blobs[name] = fn(blobs[name])
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, b in blobs.items():
+            zf.writestr(n, b)
+
+
+@pytest.mark.parametrize("bomb", [b"r\xff\xff\xff\x7f", b"j\xff\xff\xff\x7f"],
+                         ids=["LONG_BINPUT", "LONG_BINGET"])
+def test_memo_bomb_is_refused_without_allocating(tmp_path, bomb):
+    """A 5-byte opcode must not make the unpickler allocate gigabytes (found by the atheris fuzzer)."""
+    path = tmp_path / "bomb.pt"
+    torch.save({"a": [1, 2, 3]}, path)
+    _rewrite_pickle(path, lambda d: d[:2] + b"]" + bomb + b"0" + d[2:])
+    with pytest.raises(CorruptFile, match="memo"):
+        safeload.load(str(path))
+
+
+def test_bytearray_bomb(tmp_path):
+    path = tmp_path / "ba.pt"
+    torch.save({"a": 1}, path)
+    # {'a': bytearray(2**31-1)} built by hand: GLOBAL builtins bytearray, BININT, TUPLE1, REDUCE
+    payload = b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01c__builtin__\nbytearray\nq\x02J\xff\xff\xff\x7f\x85q\x03Rq\x04s."
+    _rewrite_pickle(path, lambda d: payload)
+    with pytest.raises(CorruptFile, match="bytearray"):
+        safeload.load(str(path))
+
+
+def test_pickle_crc_is_checked(tmp_path):
+    path = tmp_path / "crc.pt"
+    torch.save({"abc": 1}, path)
+    data = bytearray(path.read_bytes())
+    i = data.index(b"abc")
+    data[i] = ord("x")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFile, match="CRC"):
+        safeload.load(str(path))

@@ -24,8 +24,10 @@ import io
 import math
 import os
 import pickle
+import pickletools
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
@@ -191,6 +193,13 @@ def _codecs_encode(obj, encoding="utf-8", errors="strict"):
     return obj.encode(encoding, errors)
 
 
+def _bytearray(*args):
+    # bytearray(n) would allocate n bytes: a two-byte pickle could ask for gigabytes
+    if args and isinstance(args[0], int) and args[0] > 1 << 20:
+        raise CorruptFile(f"pickle asks for a bytearray of {args[0]} bytes")
+    return bytearray(*args)
+
+
 def _defaultdict(factory=None, *args):
     import collections
     return collections.defaultdict(factory if factory in (list, dict, int, float, set, str) else None, *args)
@@ -296,7 +305,7 @@ _ALLOWED: dict[str, Any] = {
     "collections.defaultdict": _defaultdict,
     "builtins.set": set,
     "builtins.frozenset": frozenset,
-    "builtins.bytearray": bytearray,
+    "builtins.bytearray": _bytearray,
     "builtins.complex": complex,
     "builtins.slice": slice,
     "builtins.list": list,
@@ -476,6 +485,22 @@ class _Archive:
         return StorageRef(self.path, key, dtype, self.data_offset(info), info.file_size)
 
 
+def _check_opcodes(data: bytes, path: str) -> None:
+    """Refuse pickles that would make the C unpickler allocate far more than their size.
+
+    ``LONG_BINPUT 678654301`` (5 bytes) makes CPython grow its memo table to that index: gigabytes. A real memo
+    index is below the number of opcodes, so anything past the pickle's length is forged."""
+    limit = len(data)
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and int(arg) > limit:
+                raise CorruptFile(f"pickle uses memo slot {arg} in a {limit}-byte pickle", path=path)
+    except CorruptFile:
+        raise
+    except Exception as exc:  # ValueError from genops on malformed opcodes
+        raise CorruptFile(f"damaged pickle in data.pkl ({exc})"[:200], path=path) from None
+
+
 def _default_opener(path: str) -> BinaryIO:
     if "://" in str(path):
         from zckpt import storage
@@ -506,7 +531,11 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
                                         "checkpoint_serialization enabled", path=path)
             raise CorruptFile("not a torch checkpoint (no zip signature)" if size else "file is empty", path=path)
         archive = _Archive(path, f, size)
-        data = archive.read_entry(archive.entries[archive.prefix + "data.pkl"], MAX_PICKLE_BYTES)
+        info = archive.entries[archive.prefix + "data.pkl"]
+        data = archive.read_entry(info, MAX_PICKLE_BYTES)
+        if zlib.crc32(data) != info.CRC:
+            raise CorruptFile("data.pkl fails its CRC check (the file is damaged)", path=path)
+        _check_opcodes(data, path)
         unpickler = _Unpickler(data, archive)
         try:
             obj = unpickler.load()
