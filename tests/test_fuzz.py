@@ -13,7 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tests.fuzz.targets import MARKER, SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file
+from tests.fuzz.targets import (
+    MARKER, SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file, mutate_pickle_in_zip,
+)
 from zckpt.errors import CorruptFile, UnsafePickle, ZckptError
 
 FAST = settings(max_examples=int(os.environ.get("ZCKPT_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck))
@@ -36,13 +38,7 @@ def test_mutated_pickle_inside_valid_zip(tmp_path_factory, fixture, which, ops):
     ck = copy_fixture(fixture, tmp_path_factory.mktemp("p") / "ck")
     _, tag, files = fixture_files(fixture)
     target = ck / tag / files[which % len(files)].name
-    with zipfile.ZipFile(target) as zf:
-        blobs = {i.filename: zf.read(i) for i in zf.infolist()}
-    name = next(n for n in blobs if n.endswith("data.pkl"))
-    blobs[name] = mutate_file(blobs[name], ops)
-    with zipfile.ZipFile(target, "w") as zf:
-        for n, b in blobs.items():
-            zf.writestr(n, b)
+    target.write_bytes(mutate_pickle_in_zip(target.read_bytes(), ops))
     check(str(ck))
 
 

@@ -26,7 +26,9 @@ with atheris.instrument_imports(include=["zckpt"]):
     from zckpt import merge, safeload, verify  # noqa: F401
     from zckpt.deepspeed import layout, zero3, zero12  # noqa: F401
 
-from tests.fuzz.targets import SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file
+from tests.fuzz.targets import (
+    SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file, mutate_pickle_in_zip,
+)
 
 WORK = Path(tempfile.mkdtemp(prefix="zckpt-atheris-"))
 BASES = {}
@@ -44,14 +46,15 @@ def one_input(data: bytes) -> None:
         return
     fixture = SEED_FIXTURES[data[0] % len(SEED_FIXTURES)]
     _, tag, files = fixture_files(fixture)
-    victim = files[data[1] % len(files)].name
+    victim = files[(data[1] & 0x7F) % len(files)].name
     src = base(fixture)
     ck = WORK / "case"
     if ck.exists():
         shutil.rmtree(ck)
     shutil.copytree(src, ck)
     target = ck / tag / victim
-    target.write_bytes(mutate_file(target.read_bytes(), data[2:]))
+    mutate = mutate_pickle_in_zip if data[1] & 0x80 else mutate_file  # the raw file, or the pickle in a valid zip
+    target.write_bytes(mutate(target.read_bytes(), data[2:]))
     stats["runs"] += 1
     try:
         stats[check(str(ck))] += 1

@@ -69,6 +69,21 @@ def mutate_file(data: bytes, ops: bytes) -> bytes:
     return bytes(buf)
 
 
+def mutate_pickle_in_zip(data: bytes, ops: bytes) -> bytes:
+    """Damage only data.pkl and rebuild a valid zip (right CRCs) around it: reaches the unpickler."""
+    import io
+    import zipfile
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        blobs = {i.filename: zf.read(i) for i in zf.infolist()}
+    name = next(n for n in blobs if n.endswith("data.pkl"))
+    blobs[name] = mutate_file(blobs[name], ops)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for n, b in blobs.items():
+            zf.writestr(n, b)
+    return out.getvalue()
+
+
 def check(path: str) -> str:
     """Run every read path; return 'ok' or 'refused'. Raises for any other exception."""
     try:
