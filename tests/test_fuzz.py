@@ -117,3 +117,23 @@ def test_wrong_shapes_and_dtypes_in_metadata(tmp_path):
     with pytest.raises(CorruptFile):
         zckpt.merge(str(ck), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+# inputs the atheris fuzzer once crashed or exhausted memory with (tests/fuzz/fuzz_atheris.py encoding)
+ATHERIS_REGRESSIONS = [
+    "ZFwADQAAOwAAAADJfg==",  # LONG_BINPUT 678654301: the C unpickler grew its memo to gigabytes
+    "AIAeIUWdFg==",  # ds_version became an OrderedDict: TypeError in verify
+]
+
+
+@pytest.mark.parametrize("b64", ATHERIS_REGRESSIONS)
+def test_atheris_regressions(tmp_path, b64):
+    import base64
+    data = base64.b64decode(b64)
+    fixture = SEED_FIXTURES[data[0] % len(SEED_FIXTURES)]
+    _, tag, files = fixture_files(fixture)
+    ck = copy_fixture(fixture, tmp_path / "ck")
+    target = ck / tag / files[(data[1] & 0x7F) % len(files)].name
+    mutate = mutate_pickle_in_zip if data[1] & 0x80 else mutate_file
+    target.write_bytes(mutate(target.read_bytes(), data[2:]))
+    check(str(ck))

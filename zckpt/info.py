@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.safeload import Inert
 
 FLAVOURS = {
@@ -69,7 +69,9 @@ def describe(ckpt: Checkpoint) -> dict:
 
 
 def info(path: str, tag: str | None = None) -> dict:
-    return describe(open_checkpoint(path, tag))
+    ckpt = open_checkpoint(path, tag)
+    with metadata_errors(ckpt.location.tag_dir):
+        return describe(ckpt)
 
 
 def human_bytes(n: int | None) -> str:

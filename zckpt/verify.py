@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt import storage
-from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.errors import CheckpointNotFound, ZckptError
 from zckpt.safeload import LazyTensor
 
@@ -64,7 +64,8 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
             check_manifest(str(path), report, hashes=True, progress=progress)
             return report
         raise
-    check_metadata(ckpt, report)
+    with metadata_errors(ckpt.location.tag_dir):
+        check_metadata(ckpt, report)
     if deep:
         check_bytes(ckpt, report, progress)
     else:
@@ -78,9 +79,9 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
                                    f"for world size {ckpt.world_size}")
     if loc.has_latest:
         report.add("latest", True, f"names existing tag {loc.tag}")
-    versions = {s.get("ds_version") for s in ckpt.model_states + ckpt.optim_states}
+    versions = {str(s.get("ds_version")) for s in ckpt.model_states + ckpt.optim_states}
     report.add("versions agree", len(versions) == 1, ", ".join(sorted(str(v) for v in versions)))
-    dp = {ms.get("dp_world_size") for ms in ckpt.model_states}
+    dp = {ms.get("dp_world_size") for ms in ckpt.model_states if isinstance(ms.get("dp_world_size"), int)}
     dp.discard(None)
     report.add("dp_world_size", dp <= {ckpt.world_size},
                f"model files say {sorted(dp)}, optimizer partitions {ckpt.world_size}")

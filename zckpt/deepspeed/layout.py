@@ -10,6 +10,7 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -213,9 +214,26 @@ def _load_all(files: list[RankFile]) -> list[dict]:
     return [one(f) for f in files]
 
 
+@contextlib.contextmanager
+def metadata_errors(path: str):
+    """Metadata of the wrong type or shape (a hostile or damaged pickle that unpickled fine) becomes one
+    :class:`CorruptFile` naming the checkpoint, instead of a TypeError deep in a reader."""
+    try:
+        yield
+    except ZckptError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+        raise CorruptFile(f"unexpected metadata ({type(exc).__name__}: {exc})"[:240], path=path) from exc
+
+
 def open_checkpoint(path: str, tag: str | None = None) -> Checkpoint:
     """Describe the checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or URL)."""
     loc = locate(path, tag)
+    with metadata_errors(loc.tag_dir):
+        return _open(loc)
+
+
+def _open(loc: Location) -> Checkpoint:
     for f in loc.model_files + loc.optim_files:
         try:
             f.size = storage.size(f.path)
