@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.s3server"]  # one SeaweedFS server for the whole session
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

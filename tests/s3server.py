@@ -90,15 +90,14 @@ class SeaweedS3:
                 "-s3", f"-s3.port={self.s3_port}", f"-s3.port.grpc={self.s3_grpc}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={self.config}",
                 "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-master.telemetry=false",
-                "-master.electionTimeout=1s", "-master.resumeState=false"]
+                "-master.electionTimeout=1s", "-master.resumeState=false", "-s3.autoCreateBucket=false"]
 
     def start(self, timeout: float = 90.0) -> None:
         if self.running:
             return
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self._wait_ready(timeout)
 
     @property

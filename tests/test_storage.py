@@ -8,7 +8,6 @@ import uuid
 
 import pytest
 
-pytest_plugins = ["tests.s3server"]  # the session-wide SeaweedFS fixture `s3_server`, shared by modules
 from zckpt import storage
 from zckpt.errors import StorageError
 
@@ -164,7 +163,14 @@ def test_open_input_random_reads(base, tmp_path):
 # ------------------------------------------------------------------------------------------- S3 specifics
 
 
-def test_s3_multipart_upload_and_metadata(s3_server, tmp_path):
+@pytest.fixture(params=["boto3", "s3fs"])
+def uploader(request, monkeypatch):
+    """put_file to S3 goes through boto3's transfer manager by default; s3fs is the fallback: test both."""
+    monkeypatch.setenv("ZCKPT_S3_UPLOADER", request.param)
+    return request.param
+
+
+def test_s3_multipart_upload_and_metadata(s3_server, tmp_path, uploader):
     src, data = _local_file(tmp_path, "multi.bin", 12 * 1024 * 1024 + 5)
     url = s3_server.url(f"mp-{uuid.uuid4().hex}", "multi.bin")
     seen: list[int] = []
@@ -185,7 +191,7 @@ def test_s3_options_reach_backend(s3_server):
         assert storage.read_bytes(url) == b"x"
 
 
-def test_unreachable_endpoint_is_storage_error():
+def test_unreachable_endpoint_is_storage_error(tmp_path, uploader):
     opts = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "retries": 1,
             "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}
     url = "s3://nobucket/x.bin"
@@ -193,9 +199,24 @@ def test_unreachable_endpoint_is_storage_error():
         storage.write_bytes_atomic(url, b"x", storage_options=opts)
     assert url in str(info.value)
     assert isinstance(info.value, OSError)
+    src, _ = _local_file(tmp_path, "x.bin", 10)
+    with pytest.raises(StorageError) as info:
+        storage.put_file(src, url, storage_options=opts)
+    assert url in str(info.value)
 
 
-def test_cancel_through_callback(s3_server, tmp_path):
+def test_s3_refusals_map_to_builtins(s3_server, tmp_path, uploader):
+    """Wrong keys -> PermissionError, a missing bucket -> FileNotFoundError, for both upload paths."""
+    src, _ = _local_file(tmp_path, "x.bin", 10)
+    bad_keys = {**s3_server.storage_options(), "secret": "wrong"}
+    with pytest.raises(PermissionError):
+        storage.put_file(src, s3_server.url("denied.bin"), storage_options=bad_keys)
+    with pytest.raises(FileNotFoundError):
+        storage.put_file(src, f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x.bin",
+                         storage_options=s3_server.storage_options())
+
+
+def test_cancel_through_callback(s3_server, tmp_path, uploader):
     """Raising from the progress callback abandons the upload; no object appears."""
     src, _ = _local_file(tmp_path, "cancel.bin", 12 * 1024 * 1024)
     url = s3_server.url(f"cancel-{uuid.uuid4().hex}", "cancel.bin")

@@ -1,0 +1,192 @@
+"""``zckpt push``: copy complete checkpoints to a folder, S3 or the Hub, incrementally, manifest last.
+
+Thin: parse the options, call :func:`zckpt.push.push` / :func:`zckpt.push.push_every`, draw progress, print
+one line per checkpoint (or JSON). No torch import here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import threading
+
+import click
+
+from zckpt.errors import InvalidArgument
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``2h``, ``1h30m``, ``0`` -> seconds."""
+    text = str(text).strip().lower()
+    pos, total = 0, 0.0
+    for m in _DURATION.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _SECONDS[m.group(2)]
+        pos = m.end()
+    if not text or pos != len(text):
+        raise click.BadParameter(f"{text!r} is not a duration like 90s, 30m, 2h or 1h30m")
+    return total
+
+
+def parse_size(text: str) -> int:
+    """``64MB``, ``8MiB``, ``5000000`` -> bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 64MB or 8MiB")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    base = 1024 if unit.endswith("i") else 1000
+    power = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit.rstrip("i")]
+    return int(float(m.group(1)) * base ** power)
+
+
+class _Progress:
+    """Turns PushEvents into tqdm bars on stderr and summary lines on stdout."""
+
+    def __init__(self, quiet: bool, as_json: bool):
+        self.bars_on = not quiet and not as_json and os.environ.get("ZCKPT_DISABLE_PROGRESS_BARS", "") in ("", "0")
+        self.quiet, self.as_json = quiet, as_json
+        self.lock = threading.Lock()
+        self.bars: dict[str, object] = {}
+
+    def __call__(self, event) -> None:
+        with self.lock:
+            if event.kind == "checkpoint-start" and self.bars_on:
+                from tqdm.auto import tqdm
+
+                self.bars[event.checkpoint] = tqdm(total=event.total, unit="B", unit_scale=True, unit_divisor=1024,
+                                                   desc=event.checkpoint or ".", file=sys.stderr, leave=False)
+            elif event.kind == "bytes" and event.checkpoint in self.bars:
+                self.bars[event.checkpoint].update(event.nbytes)
+            elif event.kind == "checkpoint-done":
+                bar = self.bars.pop(event.checkpoint, None)
+                if bar is not None:
+                    bar.close()
+                if not self.as_json and not self.quiet and event.result is not None:
+                    click.echo(event.result.summary())
+            elif event.kind == "skipped" and not self.as_json and not self.quiet:
+                click.echo(f"{event.checkpoint or '.'}: {event.message}, not pushed")
+            elif event.kind == "waiting" and not self.quiet and not self.as_json:  # retries are logged
+                click.echo(f"zckpt: {event.checkpoint or '.'}: {event.message}", err=True)
+            elif event.kind == "removed" and not self.as_json and not self.quiet:
+                click.echo(f"{event.checkpoint}: removed from DEST (--keep-last)")
+
+    def close(self) -> None:
+        with self.lock:
+            for bar in self.bars.values():
+                bar.close()
+            self.bars.clear()
+
+
+def _render(result, as_json: bool, quiet: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    elif not quiet:
+        for name in result.root_files_sent:
+            click.echo(f"{name}: {'would update' if result.dry_run else 'updated'} at DEST")
+        if not result.checkpoints:
+            click.echo("no checkpoints found in SRC")
+
+
+@click.command(epilog="""\b
+Examples:
+  zckpt push outputs/ s3://bucket/run1                  # every complete checkpoint, once
+  zckpt push outputs/ s3://bucket/run1 --every 30m --keep-last 3
+  zckpt push outputs/ hf://me/run1-checkpoints --once   # one commit per checkpoint
+  zckpt push ds_save/ /mnt/backup/run1 --dry-run        # what would be sent
+  AWS_ENDPOINT_URL=http://127.0.0.1:8333 zckpt push outputs/ s3://bucket/run1 --json
+
+\b
+S3 credentials and endpoint come from the usual AWS variables (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Docs: docs/push.md""")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest")
+@click.option("--every", "every", metavar="INTERVAL", help="Push again every INTERVAL (90s, 30m, 2h) until Ctrl-C.")
+@click.option("--once", is_flag=True, help="Push once and exit (the default).")
+@click.option("--keep-last", type=click.IntRange(min=1), metavar="N",
+              help="Push only the newest N checkpoints and remove older complete ones from DEST.")
+@click.option("--settle", default="10s", show_default=True, metavar="DURATION",
+              help="A checkpoint is pushed once no file in it changed for this long (waits if needed).")
+@click.option("--dry-run", is_flag=True, help="Show what would be sent; send nothing.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel uploads.")
+@click.option("--part-size", metavar="SIZE", help="S3 multipart part size (default 50MiB), e.g. 64MB.")
+@click.option("--retries", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Retries per file and request, with growing pauses, before a checkpoint fails.")
+@click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
+              help="fsspec option for DEST (repeatable), e.g. endpoint_url=http://127.0.0.1:8333.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per push to stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or summaries (errors still go to stderr).")
+def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, storage_opts, as_json,
+         quiet):
+    """Copy complete checkpoints from SRC to DEST (a folder, s3://..., hf://...).
+
+    Only whole checkpoints are pushed (all rank files with intact zips, trainer_state.json, no file
+    changed for --settle). Files go in parallel; DEST/<checkpoint>/zckpt-manifest.json is written last,
+    so a checkpoint without it is not complete. Files already at DEST with the same size and sha256 are
+    not sent again: an interrupted push resumes where it stopped.
+    """
+    from zckpt import storage
+
+    if every and once:
+        raise click.UsageError("--every and --once exclude each other")
+    try:
+        storage.set_storage_options(storage.parse_storage_options(storage_opts))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--storage-option") from exc
+    progress = _Progress(quiet, as_json)
+    kwargs = {"settle": parse_duration(settle), "keep_last": keep_last, "workers": workers, "dry_run": dry_run,
+              "progress": progress, "retries": retries, "part_size": parse_size(part_size) if part_size else None}
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # kill = Ctrl-C: abandon cleanly
+    try:
+        if every:
+            _run_every(src, dest, parse_duration(every), kwargs, as_json, quiet)
+        else:
+            _run_once(src, dest, kwargs, as_json, quiet)
+    except KeyboardInterrupt:
+        progress.close()
+        click.echo("zckpt: interrupted; the unfinished checkpoint has no manifest; run again to resume", err=True)
+        raise SystemExit(130) from None
+    finally:
+        progress.close()
+        signal.signal(signal.SIGTERM, previous)
+        storage.set_storage_options(None)
+
+
+def _lib():
+    import importlib
+
+    return importlib.import_module("zckpt.push")  # the module (``zckpt.push`` is also the lazy function)
+
+
+def _run_once(src, dest, kwargs, as_json, quiet) -> None:
+    try:
+        result = _lib().push(src, dest, **kwargs)
+    except Exception as exc:
+        partial = getattr(exc, "push_result", None)
+        if partial is not None:
+            _render(partial, as_json, quiet)
+        raise
+    _render(result, as_json, quiet)
+
+
+def _run_every(src, dest, interval, kwargs, as_json, quiet) -> None:
+    if interval <= 0:
+        raise InvalidArgument("--every must be positive", hint="e.g. --every 30m")
+
+    def on_error(exc):
+        click.echo(f"zckpt: error: {' '.join(str(exc).split())} (trying again next run)", err=True)
+
+    _lib().push_every(src, dest, interval, on_result=lambda r: _render(r, as_json, quiet), on_error=on_error,
+                      **kwargs)
+    click.echo("zckpt: stopped", err=True)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt

@@ -1,0 +1,1290 @@
+"""Push complete checkpoints to local folders, S3 and the Hub: incrementally, manifest last, on a schedule.
+
+What is pushed (``SRC`` is scanned, ``DEST`` mirrors its relative paths)::
+
+    SRC/                                   DEST/
+      checkpoint-4/            Trainer       checkpoint-4/...                 every file, sent in parallel
+        global_step4/*.pt      DeepSpeed     checkpoint-4/zckpt-manifest.json written LAST
+        latest  trainer_state.json ...
+      global_step7/            DeepSpeed     global_step7/... + manifest
+      latest  zero_to_fp32.py  (save dir)    latest  (rewritten only once its tag's manifest exists)
+
+A checkpoint is pushed only when :func:`check_complete` says it is whole and no file in it changed for
+``settle`` seconds. A checkpoint at DEST without ``zckpt-manifest.json`` is not complete: the manifest lists
+every file with its size and sha256 and is written after every file has arrived (on the Hub the files and the
+manifest go in one commit, which is atomic there). A file already at DEST with the same size and sha256 is not
+sent again (S3 objects carry their sha256 as ``x-amz-meta-sha256``; the Hub reports LFS sha256 and git blob
+ids), so a push killed at any moment resumes without resending finished files, and pushing an unchanged SRC
+sends nothing.
+
+Local file hashes are cached in ``$ZCKPT_CACHE_DIR/push-hashes.json`` (default ``~/.cache/zckpt``), keyed by
+(absolute path, size, mtime_ns), so an unchanged multi-GB shard is hashed once, not every cycle.
+
+Library code reports progress through ``progress(PushEvent)`` (called from worker threads); the CLI draws bars.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import errno
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from zckpt import storage
+from zckpt.errors import CheckpointNotFound, InvalidArgument, StorageError, ZckptError
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "zckpt-manifest.json"
+MANIFEST_FORMAT = "zckpt-manifest"
+MANIFEST_VERSION = 1
+
+TRAINER_RE = re.compile(r"^checkpoint-(\d+)$")
+TAG_STEP_RE = re.compile(r"^global_step(\d+)(_universal)?$")
+OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_RE = re.compile(r"^(zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+ROOT_FILES = ("zero_to_fp32.py", "zero_to_torch.py", "latest_universal", "latest")  # DeepSpeed save dir; latest last
+MIN_PART_SIZE = 5 * 1024 * 1024  # S3 multipart minimum
+
+
+# ============================================================================================ scanning
+
+
+@dataclasses.dataclass
+class LocalCheckpoint:
+    """A checkpoint folder under SRC. ``name`` is its path relative to SRC ("" when SRC is the checkpoint)."""
+
+    name: str
+    path: str
+    kind: str  # "trainer" | "deepspeed" | "folder"
+    step: int | None
+
+
+def _step_of(name: str) -> int | None:
+    for regex in (TRAINER_RE, TAG_STEP_RE):
+        m = regex.match(name)
+        if m:
+            return int(m.group(1))
+    m = re.search(r"(\d+)$", name)
+    return int(m.group(1)) if m else None
+
+
+def _has_rank_files(folder: str) -> bool:
+    try:
+        return any(MODEL_RE.match(n) for n in os.listdir(folder))
+    except OSError:
+        return False
+
+
+def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
+    """Checkpoints under ``src`` (oldest first) and the DeepSpeed save-dir root files to mirror after them."""
+    src = os.path.abspath(storage.local_path(src))
+    if not os.path.isdir(src):
+        raise CheckpointNotFound("no such folder", path=src, hint="SRC must be a local training output folder")
+    base = os.path.basename(src.rstrip(os.sep))
+    if TRAINER_RE.match(base):
+        return [LocalCheckpoint("", src, "trainer", _step_of(base))], []
+    found: list[LocalCheckpoint] = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isdir(path):
+            continue
+        if TRAINER_RE.match(name):
+            found.append(LocalCheckpoint(name, path, "trainer", _step_of(name)))
+        elif _has_rank_files(path):
+            found.append(LocalCheckpoint(name, path, "deepspeed", _step_of(name)))
+    if not found:  # no checkpoint folders inside: SRC itself is one checkpoint (or nothing)
+        if _has_rank_files(src):
+            return [LocalCheckpoint("", src, "deepspeed", _step_of(base))], []
+        if os.path.isfile(os.path.join(src, "trainer_state.json")):
+            return [LocalCheckpoint("", src, "trainer", _step_of(base))], []
+        return [], []
+    found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
+    roots: list[str] = []
+    if found and all(c.kind == "deepspeed" for c in found):
+        roots = [n for n in ROOT_FILES if os.path.isfile(os.path.join(src, n))]
+    return found, roots
+
+
+# ========================================================================================= completeness
+
+
+def _model_meta(path: str) -> dict:
+    """``dp_world_size``, ``mp_world_size`` and whether ZeRO is on, from a model-states file, running no code."""
+    from zckpt import safeload
+    try:
+        obj = safeload.load(path)  # the allow-list unpickler: no code, no tensor bytes, bounded memory
+    except (ZckptError, OSError):  # metadata is a bonus; names and zips are still checked
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    out = {}
+    for key in ("dp_world_size", "mp_world_size"):
+        if isinstance(obj.get(key), int) and not isinstance(obj.get(key), bool):
+            out[key] = obj[key]
+    if "param_shapes" in obj:
+        out["zero"] = obj["param_shapes"] is not None
+    return out
+
+
+def check_torch_zip(path: str) -> str | None:
+    """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file)."""
+    try:
+        file_size = os.path.getsize(path)
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            dir_start = getattr(zf, "start_dir", file_size)
+    except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on damaged directories
+        return f"{os.path.basename(path)} is not a complete zip ({type(exc).__name__}: {exc})"
+    if not any(i.filename.endswith("data.pkl") for i in infos):
+        return f"{os.path.basename(path)} has no data.pkl entry"
+    for info in infos:
+        end = info.header_offset + 30 + len(info.filename.encode()) + info.compress_size
+        if end > dir_start or end > file_size:
+            return f"{os.path.basename(path)}: entry {info.filename} runs past the end of the data"
+    return None
+
+
+def check_safetensors(path: str) -> str | None:
+    """Why a ``.safetensors`` file is not whole (header JSON parses and its last offset ends the file)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                return f"{os.path.basename(path)} is truncated (header)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as exc:
+        return f"{os.path.basename(path)} has no valid header ({exc})"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        return f"{os.path.basename(path)} is {size} bytes, its header says {8 + n + end}"
+    return None
+
+
+def _is_zip(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
+def _check_tag(tag_dir: str) -> tuple[bool, str]:
+    """Every rank file of one DeepSpeed tag folder present (dp 0..W-1 for each mp rank)."""
+    names = os.listdir(tag_dir)
+    optim: dict[int, set[int]] = collections.defaultdict(set)
+    model3: dict[int, set[int]] = collections.defaultdict(set)
+    model_mp: set[int] = set()
+    for n in names:
+        m = OPTIM_RE.match(n)
+        if m:
+            optim[int(m.group(3))].add(int(m.group(2)))
+            continue
+        m = MODEL_RE.match(n)
+        if m:
+            model_mp.add(int(m.group(3)))
+            if m.group(2) is not None:
+                model3[int(m.group(3))].add(int(m.group(2)))
+    if not model_mp:
+        return False, "no *model_states.pt file"
+    first_model = min(n for n in names if MODEL_RE.match(n))
+    meta = _model_meta(os.path.join(tag_dir, first_model))
+    mp_ws = meta.get("mp_world_size") or max(model_mp) + 1
+    if model_mp != set(range(mp_ws)):
+        missing = sorted(set(range(mp_ws)) - model_mp)
+        return False, f"model states for mp rank(s) {missing} missing"
+    universal = os.path.isdir(os.path.join(tag_dir, "zero"))
+    all_dp = set().union(*optim.values(), *model3.values()) if (optim or model3) else set()
+    dp_ws = meta.get("dp_world_size") or (max(all_dp) + 1 if all_dp else 1)
+    want = set(range(dp_ws))
+    if optim or (meta.get("zero") and not universal):
+        for mp in range(mp_ws):
+            if optim.get(mp, set()) != want:
+                missing = sorted(want - optim.get(mp, set()))
+                return False, f"optimizer shards for dp rank(s) {missing} (mp {mp}) missing, expected {dp_ws}"
+    if model3:
+        for mp in range(mp_ws):
+            if model3.get(mp, set()) != want:
+                missing = sorted(want - model3.get(mp, set()))
+                return False, f"ZeRO-3 model states for dp rank(s) {missing} (mp {mp}) missing"
+    return True, "complete"
+
+
+def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
+    """``(True, "complete")`` when a checkpoint folder is whole, else ``(False, reason)``.
+
+    Trainer folders need ``trainer_state.json`` (the Trainer writes it last); ``latest`` must name a tag
+    folder that exists; every DeepSpeed tag folder needs all rank files (dp ranks 0..W-1 per mp rank, W from
+    ``dp_world_size`` in the model states); every torch zip needs an intact central directory and a
+    ``data.pkl``; every ``.safetensors`` a header that matches its size. One function, so a deeper check
+    (``zckpt.verify``) can replace it.
+    """
+    checkpoint_dir = os.path.abspath(storage.local_path(checkpoint_dir))
+    if not os.path.isdir(checkpoint_dir):
+        return False, "folder is missing"
+    base = os.path.basename(checkpoint_dir.rstrip(os.sep))
+    entries = os.listdir(checkpoint_dir)
+    trainer = bool(TRAINER_RE.match(base)) or "trainer_state.json" in entries
+    if trainer and "trainer_state.json" not in entries:
+        return False, "trainer_state.json missing (the Trainer writes it last)"
+    if "latest" in entries and os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+        with open(os.path.join(checkpoint_dir, "latest"), encoding="utf-8", errors="replace") as f:
+            tag = f.read().strip()
+        if tag and not os.path.isdir(os.path.join(checkpoint_dir, tag)):
+            return False, f"latest names {tag!r}, which is missing"
+    tags = [checkpoint_dir] if _has_rank_files(checkpoint_dir) else []
+    tags += [os.path.join(checkpoint_dir, e) for e in sorted(entries)
+             if os.path.isdir(os.path.join(checkpoint_dir, e)) and _has_rank_files(os.path.join(checkpoint_dir, e))]
+    if not tags and not trainer:
+        return False, "no DeepSpeed rank files and no trainer_state.json"
+    for tag in tags:
+        ok, reason = _check_tag(tag)
+        if not ok:
+            where = os.path.relpath(tag, checkpoint_dir)
+            return False, reason if where == "." else f"{where}: {reason}"
+    for dirpath, _dirs, files in os.walk(checkpoint_dir):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            reason = None
+            if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(path)):
+                reason = check_torch_zip(path)
+            elif name.endswith(".safetensors"):
+                reason = check_safetensors(path)
+            if reason:
+                where = os.path.relpath(dirpath, checkpoint_dir)
+                return False, reason if where == "." else f"{where}/{reason}"
+    return True, "complete"
+
+
+def newest_mtime(folder: str) -> float:
+    newest = 0.0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                newest = max(newest, os.stat(os.path.join(dirpath, name)).st_mtime)
+    return newest
+
+
+# ============================================================================================ hashing
+
+
+def _cache_dir() -> str:
+    if os.environ.get("ZCKPT_CACHE_DIR"):
+        return os.environ["ZCKPT_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "zckpt")
+
+
+class HashCache:
+    """sha256 of local files keyed by (absolute path, size, mtime_ns), kept in a small JSON file."""
+
+    def __init__(self, path: str | None = None, enabled: bool = True):
+        self.path = path or os.path.join(_cache_dir(), "push-hashes.json")
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._entries: dict[str, list] = {}
+        self._dirty = False
+        if enabled:
+            with contextlib.suppress(OSError, ValueError):
+                with open(self.path, encoding="utf-8") as f:
+                    data = json.load(f)
+                if isinstance(data, dict) and isinstance(data.get("files"), dict):
+                    self._entries = data["files"]
+
+    def get(self, path: str, st: os.stat_result) -> str | None:
+        with self._lock:
+            entry = self._entries.get(path)
+        if entry and entry[0] == st.st_size and entry[1] == st.st_mtime_ns:
+            return entry[2]
+        return None
+
+    def put(self, path: str, st: os.stat_result, digest: str) -> None:
+        with self._lock:
+            self._entries[path] = [st.st_size, st.st_mtime_ns, digest]
+            self._dirty = True
+
+    def save(self) -> None:
+        if not self.enabled or not self._dirty:
+            return
+        with self._lock:
+            entries = {p: e for p, e in self._entries.items() if os.path.exists(p)}
+            self._entries, self._dirty = entries, False
+        try:
+            storage.write_bytes_atomic(self.path, json.dumps({"version": 1, "files": entries}).encode())
+        except OSError as exc:
+            log.debug("cannot save hash cache %s: %s", self.path, exc)
+
+
+def sha256_file(path: str, cancel: threading.Event | None = None, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise PushInterrupted("hashing interrupted", path=path)
+            n = f.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def git_blob_sha1(path: str) -> str:
+    """The git object id of a file (what the Hub reports as ``blob_id`` for non-LFS files)."""
+    digest = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ============================================================================================ results
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"
+
+
+class PushInterrupted(ZckptError, InterruptedError):
+    """A push was stopped (Ctrl-C, ``Pusher.stop(abandon=True)``); what finished stays, no manifest was written."""
+
+    default_hint = "run the push again to resume; finished files are not resent"
+
+
+@dataclasses.dataclass
+class PushEvent:
+    """One progress report. ``kind``: checkpoint-start (``total`` bytes to send), bytes (``nbytes`` sent),
+    file-done, checkpoint-done (``result``), skipped (``message``), waiting (settle), retry, removed."""
+
+    kind: str
+    checkpoint: str = ""
+    path: str = ""
+    nbytes: int = 0
+    total: int = 0
+    files: int = 0
+    message: str = ""
+    result: CheckpointResult | None = None
+
+
+@dataclasses.dataclass
+class CheckpointResult:
+    name: str
+    status: str  # pushed | up-to-date | incomplete | unsettled | skipped | failed | interrupted | dry-run | vanished
+    reason: str = ""
+    step: int | None = None
+    dest: str = ""
+    files_total: int = 0
+    bytes_total: int = 0
+    files_sent: int = 0
+    bytes_sent: int = 0
+    files_skipped: int = 0
+    bytes_skipped: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = dataclasses.field(default=None, repr=False)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["error"] = str(self.error) if self.error else None
+        return out
+
+    def summary(self) -> str:
+        """One line for humans."""
+        label = self.name or "."
+        if self.status == "pushed":
+            rate = self.bytes_sent / self.seconds if self.seconds > 0 else 0
+            text = (f"{label}: pushed {self.files_sent} file(s), {human_bytes(self.bytes_sent)} in "
+                    f"{self.seconds:.1f}s ({human_bytes(rate)}/s)")
+            if self.files_skipped:
+                text += f", {self.files_skipped} already there"
+            return text + f" -> {self.dest}"
+        if self.status == "up-to-date":
+            return f"{label}: up to date ({self.files_total} file(s), {human_bytes(self.bytes_total)})"
+        if self.status == "dry-run":
+            return (f"{label}: would send {self.files_sent} file(s), {human_bytes(self.bytes_sent)}"
+                    f" ({self.files_skipped} already there) -> {self.dest}")
+        return f"{label}: {self.status}" + (f" ({self.reason})" if self.reason else "")
+
+
+@dataclasses.dataclass
+class PushResult:
+    src: str
+    dest: str
+    checkpoints: list[CheckpointResult] = dataclasses.field(default_factory=list)
+    removed: list[str] = dataclasses.field(default_factory=list)
+    root_files_sent: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.checkpoints if c.status == "pushed")
+
+    @property
+    def files_sent(self) -> int:
+        return sum(c.files_sent for c in self.checkpoints if c.status == "pushed")
+
+    @property
+    def failed(self) -> list[CheckpointResult]:
+        return [c for c in self.checkpoints if c.status in ("failed", "interrupted")]
+
+    def to_dict(self) -> dict:
+        return {"src": self.src, "dest": self.dest, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
+                "files_sent": self.files_sent, "bytes_sent": self.bytes_sent,
+                "checkpoints": [c.to_dict() for c in self.checkpoints], "removed": list(self.removed),
+                "root_files_sent": list(self.root_files_sent)}
+
+
+# ========================================================================================= destinations
+
+
+@dataclasses.dataclass
+class FileTask:
+    rel: str
+    local: str
+    size: int
+    mtime_ns: int
+    sha256: str | None = None
+    send: bool = True
+
+
+@dataclasses.dataclass
+class RemoteFile:
+    size: int
+    sha256: str | None = None
+    blob_id: str | None = None
+
+
+class _Context:
+    """What a destination needs from the running push: pool, cancel flag, progress, retries, hashes."""
+
+    def __init__(self, pool, cancel, progress, retries, hashes, workers):
+        self.pool, self.cancel, self.progress, self.retries = pool, cancel, progress, retries
+        self.hashes, self.workers = hashes, workers
+
+    def emit(self, kind: str, **kw) -> None:
+        if self.progress is not None:
+            try:
+                self.progress(PushEvent(kind, **kw))
+            except Exception:
+                log.debug("progress callback failed", exc_info=True)
+
+    def sha256(self, task: FileTask) -> str:
+        if task.sha256 is None:
+            st = os.stat(task.local)
+            digest = self.hashes.get(task.local, st)
+            if digest is None:
+                digest = sha256_file(task.local, self.cancel)
+                self.hashes.put(task.local, st, digest)
+            task.sha256 = digest
+        return task.sha256
+
+    def retry(self, fn: Callable[[], Any], what: str, checkpoint: str = "") -> Any:
+        for attempt in range(self.retries + 1):
+            if self.cancel.is_set():
+                raise PushInterrupted("interrupted", path=what)
+            try:
+                return fn()
+            except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, PushInterrupted,
+                    InvalidArgument):
+                raise
+            except OSError as exc:
+                if attempt == self.retries or not _retryable(exc):
+                    raise
+                delay = min(2.0 ** attempt, 30.0)
+                text = " ".join(str(exc).split())
+                msg = (text if isinstance(exc, ZckptError) and exc.path else f"{what}: {text}")
+                msg += f"; retry {attempt + 1}/{self.retries} in {delay:.0f}s"
+                log.warning("%s", msg)
+                self.emit("retry", checkpoint=checkpoint, path=what, message=msg)
+                if self.cancel.wait(delay):
+                    raise PushInterrupted("interrupted", path=what) from exc
+        raise AssertionError("unreachable")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Transient (connection lost, server error, throttling) rather than a refusal that will repeat."""
+    seen = 0
+    while exc is not None and seen < 5:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+            return False
+        if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT,
+                                                      errno.ENOSPC, errno.EROFS):
+            return False
+        exc, seen = exc.__cause__, seen + 1
+    return True
+
+
+def _check_unchanged(task: FileTask) -> None:
+    st = os.stat(task.local)
+    if st.st_size != task.size or st.st_mtime_ns != task.mtime_ns:
+        raise _Changed(task.rel)
+
+
+class _Changed(Exception):
+    """A local file changed while it was being pushed."""
+
+
+class FsDestination:
+    """DEST on a local disk, S3 or any fsspec URL: parallel uploads, then the manifest."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int | None = None):
+        self.url = os.fspath(url)
+        self.storage_options = storage_options
+        self.part_size = part_size
+        self._hash_remote = storage.protocol(self.url) not in ("s3", "s3a")  # local/memory: read it back
+
+    def __str__(self) -> str:
+        return self.url
+
+    def url_of(self, name: str, rel: str = "") -> str:
+        return storage.join(self.url, *(p for p in (name, rel) if p))
+
+    # ---------------------------------------------------------------- state
+
+    def remote_files(self, name: str) -> dict[str, RemoteFile]:
+        files = storage.list_files(self.url_of(name), self.storage_options)
+        return {rel: RemoteFile(size) for rel, size in files.items()}
+
+    def read_manifest(self, name: str) -> dict | None:
+        try:
+            data = storage.read_bytes(self.url_of(name, MANIFEST_NAME), self.storage_options)
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            return {}
+        return manifest if isinstance(manifest, dict) else {}
+
+    def has_manifest(self, name: str) -> bool:
+        return storage.exists(self.url_of(name, MANIFEST_NAME), self.storage_options)
+
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+        url = self.url_of(name, rel)
+        if self._hash_remote:
+            if not storage.is_url(url):
+                return ctx.sha256(FileTask(rel, storage.local_path(url), remote.size, 0))
+            return hashlib.sha256(storage.read_bytes(url, self.storage_options)).hexdigest()
+        return storage.metadata(url, self.storage_options).get("sha256")
+
+    # ---------------------------------------------------------------- writing
+
+    def begin(self, name: str, ctx: _Context) -> None:
+        """Remove a stale manifest before anything of a changed checkpoint is replaced."""
+        url = self.url_of(name, MANIFEST_NAME)
+        ctx.retry(lambda: storage.remove(url, storage_options=self.storage_options, missing_ok=True), url, name)
+
+    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
+        # fewer files than workers: let each file use the spare workers as parallel multipart streams
+        parts = max(1, ctx.workers // max(1, min(len(tasks), ctx.workers)))
+        futures = [ctx.pool.submit(self._send_one, name, t, ctx, parts) for t in tasks]
+        _wait_all(futures, ctx)
+
+    def _send_one(self, name: str, task: FileTask, ctx: _Context, parts: int = 1) -> None:
+        digest = ctx.sha256(task)
+        url = self.url_of(name, task.rel)
+
+        def upload():
+            sent = [0]
+
+            def on_bytes(n: int) -> None:
+                if ctx.cancel.is_set():
+                    raise PushInterrupted("upload abandoned", path=url)
+                sent[0] += n
+                ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=n)
+
+            try:
+                storage.put_file(task.local, url, callback=on_bytes, storage_options=self.storage_options,
+                                 metadata={"sha256": digest}, chunksize=self.part_size,
+                                 max_concurrency=parts if parts > 1 else None)
+            except BaseException:
+                if sent[0]:
+                    ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=-sent[0])  # this try did not count
+                raise
+
+        ctx.retry(upload, url, name)
+        if not storage.is_url(url):
+            with contextlib.suppress(OSError):
+                ctx.hashes.put(storage.local_path(url), os.stat(storage.local_path(url)), digest)
+        _check_unchanged(task)
+        ctx.emit("file-done", checkpoint=name, path=task.rel, nbytes=task.size)
+
+    def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
+        # every file must be there with its size before the manifest says so (repair once if the store lost any)
+        for attempt in range(2):
+            remote = ctx.retry(lambda: self.remote_files(name), self.url_of(name), name)
+            missing = [t for t in tasks if t.rel not in remote or remote[t.rel].size != t.size]
+            if not missing:
+                break
+            if attempt == 1:
+                raise StorageError(f"{len(missing)} file(s) missing after upload, e.g. {missing[0].rel}",
+                                   path=self.url_of(name))
+            log.warning("%s: %d file(s) missing at DEST after upload; sending them again", name, len(missing))
+            self.send(name, missing, ctx)
+        url = self.url_of(name, MANIFEST_NAME)
+        ctx.retry(lambda: storage.write_bytes_atomic(url, manifest, self.storage_options), url, name)
+
+    def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
+        return remote_manifest is not None and json.dumps(remote_manifest, sort_keys=True) == json.dumps(
+            json.loads(manifest), sort_keys=True)
+
+    # ---------------------------------------------------------------- retention and root files
+
+    def list_remote_checkpoints(self) -> list[tuple[str, int, bool]]:
+        """``(name, step, complete)`` for each checkpoint-looking folder at DEST."""
+        try:
+            names = storage.listdir(self.url, self.storage_options)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for n in names:
+            if TRAINER_RE.match(n) or TAG_STEP_RE.match(n):
+                out.append((n, _step_of(n), self.has_manifest(n)))
+        return out
+
+    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+        for n in names:  # manifest first: from then on nobody treats it as complete
+            url = self.url_of(n, MANIFEST_NAME)
+            ctx.retry(functools.partial(storage.remove, url, storage_options=self.storage_options, missing_ok=True),
+                      url, n)
+            folder = self.url_of(n)
+            ctx.retry(functools.partial(storage.remove, folder, recursive=True, storage_options=self.storage_options,
+                                        missing_ok=True), folder, n)
+
+    def root_matches(self, rel: str, data: bytes) -> bool:
+        try:
+            return storage.read_bytes(self.url_of("", rel), self.storage_options) == data
+        except FileNotFoundError:
+            return False
+
+    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+        for rel, data in files.items():  # ROOT_FILES order: latest last
+            url = self.url_of("", rel)
+            ctx.retry(functools.partial(storage.write_bytes_atomic, url, data, self.storage_options), url)
+
+
+def parse_hf_url(url: str) -> tuple[str, str, str | None, str]:
+    """``hf://[datasets/|spaces/|models/]owner/repo[@rev][/path]`` -> (repo_type, repo_id, revision, path)."""
+    rest = url[len("hf://"):].strip("/")
+    parts = rest.split("/")
+    repo_type = "model"
+    if parts and parts[0] in ("datasets", "spaces", "models"):
+        repo_type = {"datasets": "dataset", "spaces": "space", "models": "model"}[parts[0]]
+        parts = parts[1:]
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise InvalidArgument("a Hub destination is hf://owner/repo[/path] (or hf://datasets/owner/repo)",
+                              path=url)
+    name, _, revision = parts[1].partition("@")
+    return repo_type, f"{parts[0]}/{name}", revision or None, "/".join(parts[2:])
+
+
+class HubDestination:
+    """DEST on the Hugging Face Hub: one commit per checkpoint (files + manifest), atomic on the Hub.
+
+    ``api`` is an ``huggingface_hub.HfApi`` (injectable, for tests and custom endpoints/tokens).
+    """
+
+    def __init__(self, url: str, api=None, *, private: bool = True):
+        self.url = url
+        self.repo_type, self.repo_id, self.revision, self.prefix = parse_hf_url(url)
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        self.api = api
+        self.private = private
+        self._tree: dict[str, Any] | None = None
+        self._repo_missing = False
+
+    def __str__(self) -> str:
+        return self.url
+
+    def path_of(self, name: str, rel: str = "") -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, name, rel) if p and p.strip("/"))
+
+    def url_of(self, name: str, rel: str = "") -> str:
+        return storage.join(self.url, *(p for p in (name, rel) if p))
+
+    def _list(self, refresh: bool = False) -> dict[str, Any]:
+        if self._tree is None or refresh:
+            from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+            try:
+                entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=self.prefix or None,
+                                                       recursive=True, repo_type=self.repo_type,
+                                                       revision=self.revision))
+            except RepositoryNotFoundError:
+                entries, self._repo_missing = [], True
+            except RevisionNotFoundError as exc:
+                raise StorageError(f"revision {self.revision!r} not found", path=self.url,
+                                   hint="create the branch first") from exc
+            except EntryNotFoundError:
+                entries = []
+            self._tree = {e.path: e for e in entries if hasattr(e, "blob_id")}
+        return self._tree
+
+    def remote_files(self, name: str) -> dict[str, RemoteFile]:
+        base = self.path_of(name)
+        prefix = base + "/" if base else ""
+        out = {}
+        for path, entry in self._list(refresh=True).items():
+            if path.startswith(prefix):
+                lfs = getattr(entry, "lfs", None)
+                sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
+                out[path[len(prefix):]] = RemoteFile(entry.size, sha, entry.blob_id)
+        return out
+
+    def read_manifest(self, name: str) -> dict | None:
+        return {} if self.path_of(name, MANIFEST_NAME) in self._list() else None
+
+    def has_manifest(self, name: str) -> bool:
+        return self.path_of(name, MANIFEST_NAME) in self._list()
+
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+        return remote.sha256
+
+    def same_blob(self, local: str, remote: RemoteFile) -> bool:
+        return remote.blob_id is not None and remote.sha256 is None and git_blob_sha1(local) == remote.blob_id
+
+    def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
+        entry = self._list().get(self.path_of(name, MANIFEST_NAME))
+        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(manifest) + manifest).hexdigest()
+
+    def begin(self, name: str, ctx: _Context) -> None:
+        pass  # the commit replaces files and manifest at once
+
+    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
+        _wait_all([ctx.pool.submit(ctx.sha256, t) for t in tasks], ctx)  # hashes for the manifest
+
+    def _commit(self, operations: list, message: str, ctx: _Context, name: str = ""):
+        if self._repo_missing:
+            ctx.retry(lambda: self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private,
+                                                   exist_ok=True), f"create {self.repo_id}", name)
+            self._repo_missing = False
+        return ctx.retry(lambda: self.api.create_commit(
+            self.repo_id, operations=operations, commit_message=message, repo_type=self.repo_type,
+            revision=self.revision, num_threads=max(1, ctx.workers)), self.url_of(name), name)
+
+    def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        local = {t.rel for t in tasks}
+        stale = [rel for rel in self.remote_files(name) if rel not in local and rel != MANIFEST_NAME]
+        ops = [CommitOperationAdd(path_in_repo=self.path_of(name, t.rel), path_or_fileobj=t.local) for t in sends]
+        ops += [CommitOperationDelete(path_in_repo=self.path_of(name, rel)) for rel in stale]
+        ops.append(CommitOperationAdd(path_in_repo=self.path_of(name, MANIFEST_NAME), path_or_fileobj=manifest))
+        label = name or self.prefix or self.repo_id
+        message = f"zckpt push: {label}" + (f" (step {step})" if step is not None else "")
+        if ctx.cancel.is_set():
+            raise PushInterrupted("interrupted before the commit", path=self.url_of(name))
+        self._commit(ops, message, ctx, name)
+        for t in sends:
+            _check_unchanged(t)
+            ctx.emit("bytes", checkpoint=name, path=t.rel, nbytes=t.size)
+            ctx.emit("file-done", checkpoint=name, path=t.rel, nbytes=t.size)
+        self._tree = None
+
+    def list_remote_checkpoints(self) -> list[tuple[str, int, bool]]:
+        tree = self._list(refresh=True)
+        prefix = self.prefix + "/" if self.prefix else ""
+        names = {p[len(prefix):].split("/", 1)[0] for p in tree if p.startswith(prefix) and "/" in p[len(prefix):]}
+        return [(n, _step_of(n), self.has_manifest(n)) for n in sorted(names)
+                if TRAINER_RE.match(n) or TAG_STEP_RE.match(n)]
+
+    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+        if not names:
+            return
+        from huggingface_hub import CommitOperationDelete
+
+        ops = [CommitOperationDelete(path_in_repo=self.path_of(n, MANIFEST_NAME)) for n in names]
+        ops += [CommitOperationDelete(path_in_repo=self.path_of(n) + "/", is_folder=True) for n in names]
+        self._commit(ops, f"zckpt push: remove {', '.join(names)} (--keep-last)", ctx)
+        self._tree = None
+
+    def root_matches(self, rel: str, data: bytes) -> bool:
+        entry = self._list().get(self.path_of("", rel))
+        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+        from huggingface_hub import CommitOperationAdd
+
+        ops = [CommitOperationAdd(path_in_repo=self.path_of("", rel), path_or_fileobj=data)
+               for rel, data in files.items()]
+        self._commit(ops, f"zckpt push: {', '.join(files)}", ctx)
+        self._tree = None
+
+
+def make_destination(dest, storage_options: dict | None = None, *, hub_api=None, part_size: int | None = None):
+    """A destination object for a local path / URL (``hf://`` -> :class:`HubDestination`)."""
+    if isinstance(dest, (FsDestination, HubDestination)):
+        return dest
+    dest = os.fspath(dest)
+    if storage.protocol(dest) == "hf":
+        return HubDestination(dest, api=hub_api)
+    return FsDestination(dest, storage_options, part_size=part_size)
+
+
+def _wait_all(futures: list[cf.Future], ctx: _Context) -> None:
+    """Wait for every future; on the first failure cancel the rest and raise it."""
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    for p in pending:
+                        p.cancel()
+                    cf.wait(pending)
+                    raise fut.exception()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+
+
+# ============================================================================================ the push
+
+
+def manifest_bytes(name: str, tasks: list[FileTask]) -> bytes:
+    """The manifest: deterministic, so an unchanged checkpoint produces the same bytes."""
+    files = [{"path": t.rel, "size": t.size, "sha256": t.sha256} for t in sorted(tasks, key=lambda t: t.rel)]
+    doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "checkpoint": name,
+           "total_bytes": sum(t.size for t in tasks), "files": files}
+    return (json.dumps(doc, indent=1, sort_keys=False) + "\n").encode()
+
+
+def _local_tasks(folder: str) -> list[FileTask]:
+    tasks = []
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, folder).replace(os.sep, "/")
+            if rel == MANIFEST_NAME:
+                continue
+            st = os.stat(path)
+            tasks.append(FileTask(rel, path, st.st_size, st.st_mtime_ns))
+    return sorted(tasks, key=lambda t: t.rel)
+
+
+def _plan(ckpt: LocalCheckpoint, dest, ctx: _Context) -> tuple[list[FileTask], dict | None]:
+    """Decide which files to send: a file is skipped when DEST has it with the same size and sha256."""
+    tasks = _local_tasks(ckpt.path)
+    remote = ctx.retry(lambda: dest.remote_files(ckpt.name), dest.url_of(ckpt.name), ckpt.name)
+    manifest = ctx.retry(lambda: dest.read_manifest(ckpt.name), dest.url_of(ckpt.name), ckpt.name)
+    listed = {f["path"]: f for f in (manifest or {}).get("files", []) if isinstance(f, dict) and "path" in f}
+
+    def decide(task: FileTask) -> None:
+        there = remote.get(task.rel)
+        if there is None or there.size != task.size:
+            task.send = True
+            return
+        entry = listed.get(task.rel)
+        if entry and entry.get("size") == task.size and entry.get("sha256"):
+            remote_sha = entry["sha256"]
+        else:
+            remote_sha = ctx.retry(lambda: dest.remote_sha256(ckpt.name, task.rel, there, ctx),
+                                   dest.url_of(ckpt.name, task.rel), ckpt.name)
+        if remote_sha is None and isinstance(dest, HubDestination):
+            task.send = not dest.same_blob(task.local, there)
+            if not task.send:
+                ctx.sha256(task)
+            return
+        task.send = remote_sha is None or remote_sha != ctx.sha256(task)
+
+    comparable = [t for t in tasks if t.rel in remote and remote[t.rel].size == t.size]
+    for t in tasks:
+        t.send = True
+    _wait_all([ctx.pool.submit(decide, t) for t in comparable], ctx)
+    return tasks, manifest
+
+
+def _push_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> CheckpointResult:
+    started = time.monotonic()
+    result = CheckpointResult(ckpt.name, "failed", step=ckpt.step, dest=dest.url_of(ckpt.name))
+    tasks, remote_manifest = _plan(ckpt, dest, ctx)
+    sends = [t for t in tasks if t.send]
+    result.files_total, result.bytes_total = len(tasks), sum(t.size for t in tasks)
+    result.files_sent, result.bytes_sent = len(sends), sum(t.size for t in sends)
+    result.files_skipped = len(tasks) - len(sends)
+    result.bytes_skipped = result.bytes_total - result.bytes_sent
+    if not sends:
+        for t in tasks:
+            ctx.sha256(t)  # cached: every unsent file was compared by hash
+        manifest = manifest_bytes(ckpt.name, tasks)
+        if dest.manifest_matches(ckpt.name, manifest, remote_manifest):
+            result.status, result.seconds = "up-to-date", time.monotonic() - started
+            return result
+    if dry_run:
+        result.status, result.seconds = "dry-run", time.monotonic() - started
+        return result
+    ctx.emit("checkpoint-start", checkpoint=ckpt.name, total=result.bytes_sent, files=len(sends))
+    if remote_manifest is not None:
+        dest.begin(ckpt.name, ctx)  # the old manifest goes before any file of the checkpoint is replaced
+    dest.send(ckpt.name, sends, ctx)
+    for t in tasks:
+        ctx.sha256(t)
+        _check_unchanged(t)
+    dest.finish(ckpt.name, tasks, sends, manifest_bytes(ckpt.name, tasks), ckpt.step, ctx)
+    result.status, result.seconds = "pushed", time.monotonic() - started
+    return result
+
+
+def _select(checkpoints, settle, wait_settle, ctx, results):
+    """Complete, settled checkpoints (waiting for ``settle`` where that is all they lack)."""
+    ready = []
+    for ckpt in checkpoints:
+        ok, reason = check_complete(ckpt.path)
+        if not ok:
+            results.append(CheckpointResult(ckpt.name, "incomplete", reason, ckpt.step))
+            ctx.emit("skipped", checkpoint=ckpt.name, message=f"incomplete: {reason}")
+            log.info("%s: incomplete, not pushed: %s", ckpt.name or ckpt.path, reason)
+            continue
+        ready.append(ckpt)
+    if settle <= 0:
+        return ready
+    settled = []
+    for ckpt in ready:
+        age = time.time() - newest_mtime(ckpt.path)
+        if age < settle and wait_settle:
+            wait = settle - age
+            ctx.emit("waiting", checkpoint=ckpt.name, message=f"waiting {wait:.1f}s for files to settle")
+            if ctx.cancel.wait(wait):
+                raise PushInterrupted("interrupted while waiting for files to settle", path=ckpt.path)
+            ok, reason = check_complete(ckpt.path)
+            age = time.time() - newest_mtime(ckpt.path)
+            if not ok:
+                results.append(CheckpointResult(ckpt.name, "incomplete", reason, ckpt.step))
+                continue
+        if age < settle:
+            results.append(CheckpointResult(ckpt.name, "unsettled", f"a file changed {age:.1f}s ago "
+                                            f"(--settle {settle:g}s)", ckpt.step))
+            ctx.emit("skipped", checkpoint=ckpt.name, message="files still changing")
+            continue
+        settled.append(ckpt)
+    return settled
+
+
+def _retention(dest, keep_last: int, protect: set[str], ctx: _Context, dry_run: bool) -> list[str]:
+    remote = ctx.retry(dest.list_remote_checkpoints, str(dest))
+    complete = sorted((r for r in remote if r[2]), key=lambda r: (r[1] if r[1] is not None else -1, r[0]))
+    if len(complete) <= keep_last:
+        drop = []
+    else:
+        drop = [r[0] for r in complete[:-keep_last]]
+    if complete:
+        oldest = complete[-keep_last:][0][1]
+        drop += [r[0] for r in remote if not r[2] and r[0] not in protect and r[1] is not None
+                 and oldest is not None and r[1] < oldest]
+    if drop and not dry_run:
+        dest.remove_checkpoints(drop, ctx)
+        for n in drop:
+            ctx.emit("removed", checkpoint=n, message="removed (--keep-last)")
+    return drop
+
+
+def _push_roots(src: str, roots: list[str], dest, ctx: _Context, dry_run: bool) -> list[str]:
+    files = {}
+    for rel in roots:
+        with open(os.path.join(src, rel), "rb") as f:
+            data = f.read()
+        if rel.startswith("latest"):
+            tag = data.decode("utf-8", "replace").strip()
+            if not ctx.retry(functools.partial(dest.has_manifest, tag), dest.url_of(tag)):
+                log.info("not updating %s at DEST: %s is not complete there", rel, tag)
+                continue
+        if not ctx.retry(functools.partial(dest.root_matches, rel, data), dest.url_of("", rel)):
+            files[rel] = data
+    if files and not dry_run:
+        dest.write_root_files(files, ctx)
+    return list(files)
+
+
+def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, workers: int = 4,
+         dry_run: bool = False, storage_options: dict | None = None, progress: Callable[[PushEvent], Any] | None = None,
+         hub_api=None, retries: int = 5, part_size: int | None = None, hash_cache: bool | str = True,
+         only: Iterable[str] | None = None, wait_settle: bool = True,
+         cancel: threading.Event | None = None) -> PushResult:
+    """Push every complete checkpoint under ``src`` to ``dest`` (newest first) and return what happened.
+
+    ``settle``: seconds no file may have changed (a complete but recent checkpoint is waited for when
+    ``wait_settle``). ``keep_last``: push only the newest N and remove older complete ones at DEST afterwards.
+    ``only``: checkpoint names (relative to src) to consider. ``cancel``: set it to abandon the push
+    cleanly. ``hub_api``: an ``HfApi`` for ``hf://`` destinations. Raises the first failure after trying every
+    checkpoint (the result is attached as ``exc.push_result``); incomplete checkpoints are not failures.
+    """
+    started = time.monotonic()
+    if workers < 1:
+        raise InvalidArgument(f"--workers must be at least 1, not {workers}")
+    if keep_last is not None and keep_last < 1:
+        raise InvalidArgument(f"--keep-last must be at least 1, not {keep_last}")
+    if settle < 0:
+        raise InvalidArgument(f"--settle must not be negative, not {settle}")
+    if part_size is not None and part_size < MIN_PART_SIZE:
+        raise InvalidArgument(f"--part-size must be at least 5 MiB (S3's minimum part), not {part_size} bytes")
+    if storage.is_url(src):
+        raise InvalidArgument("SRC must be a local folder (the machine the checkpoints are written on)", path=src)
+    src = os.path.abspath(storage.local_path(src))
+    target = make_destination(dest, storage_options, hub_api=hub_api, part_size=part_size)
+    if isinstance(target, FsDestination) and not storage.is_url(target.url):
+        d = os.path.abspath(storage.local_path(target.url))
+        if d == src or d.startswith(src + os.sep) or src.startswith(d + os.sep):
+            raise InvalidArgument("DEST must not be inside SRC or contain it", path=target.url)
+    checkpoints, roots = find_checkpoints(src)
+    if only is not None:
+        wanted = {os.path.normpath(n) for n in only}
+        checkpoints = [c for c in checkpoints if os.path.normpath(c.name or ".") in wanted]
+    result = PushResult(src, str(target), dry_run=dry_run)
+    hashes = HashCache(hash_cache if isinstance(hash_cache, str) else None, enabled=bool(hash_cache))
+    cancel = cancel or threading.Event()
+    first_error: BaseException | None = None
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-push") as pool:
+        ctx = _Context(pool, cancel, progress, retries, hashes, workers)
+        try:
+            ready = _select(checkpoints, settle, wait_settle and not dry_run, ctx, result.checkpoints)
+            ready.sort(key=lambda c: (c.step if c.step is not None else -1, c.name), reverse=True)
+            if keep_last is not None:
+                for ckpt in ready[keep_last:]:
+                    result.checkpoints.append(CheckpointResult(ckpt.name, "skipped", f"older than the newest "
+                                                               f"{keep_last} (--keep-last)", ckpt.step))
+                ready = ready[:keep_last]
+            for ckpt in ready:
+                if cancel.is_set():
+                    result.checkpoints.append(CheckpointResult(ckpt.name, "interrupted", "not started", ckpt.step))
+                    continue
+                res = _run_one(ckpt, target, ctx, dry_run)
+                result.checkpoints.append(res)
+                ctx.emit("checkpoint-done", checkpoint=ckpt.name, result=res)
+                if res.status == "failed" and first_error is None:
+                    first_error = res.error
+                hashes.save()
+            if roots and not cancel.is_set():
+                result.root_files_sent = _push_roots(src, roots, target, ctx, dry_run)
+            if keep_last is not None and not cancel.is_set() and any(
+                    c.status in ("pushed", "up-to-date") for c in result.checkpoints):
+                result.removed = _retention(target, keep_last, {c.name for c in ready}, ctx, dry_run)
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
+        finally:
+            hashes.save()
+    result.seconds = time.monotonic() - started
+    if first_error is not None:
+        with contextlib.suppress(AttributeError):
+            first_error.push_result = result
+        raise first_error
+    if any(c.status == "interrupted" for c in result.checkpoints):
+        exc = PushInterrupted("push interrupted", path=src)
+        exc.push_result = result
+        raise exc
+    return result
+
+
+def _run_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> CheckpointResult:
+    try:
+        return _push_one(ckpt, dest, ctx, dry_run)
+    except PushInterrupted as exc:
+        return CheckpointResult(ckpt.name, "interrupted", "abandoned; no manifest written", ckpt.step,
+                                dest.url_of(ckpt.name), error=exc)
+    except _Changed as exc:
+        return CheckpointResult(ckpt.name, "unsettled", f"{exc} changed during the push; not marked complete",
+                                ckpt.step, dest.url_of(ckpt.name))
+    except KeyboardInterrupt:
+        ctx.cancel.set()
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded and raised by push() after the other checkpoints
+        if not os.path.isdir(ckpt.path):
+            return CheckpointResult(ckpt.name, "vanished", "removed locally during the push (rotated?)",
+                                    ckpt.step, dest.url_of(ckpt.name))
+        if isinstance(exc, FileNotFoundError) and not isinstance(exc, ZckptError):
+            exc = StorageError(f"{ckpt.name or ckpt.path}: {exc}", path=dest.url_of(ckpt.name))
+        log.error("%s: push failed: %s", ckpt.name or ckpt.path, exc)
+        return CheckpointResult(ckpt.name, "failed", str(exc), ckpt.step, dest.url_of(ckpt.name), error=exc)
+
+
+# ============================================================================================ schedules
+
+
+def push_every(src: str, dest, interval: float, *, cancel: threading.Event | None = None,
+               on_result: Callable[[PushResult], Any] | None = None,
+               on_error: Callable[[BaseException], Any] | None = None, **kwargs) -> None:
+    """Push, then again every ``interval`` seconds until ``cancel`` is set (or KeyboardInterrupt).
+
+    Runs never overlap: when a push outlasts the interval the next starts right after it, and being a fresh
+    scan it takes the newest complete checkpoint. Failures go to ``on_error`` and the loop goes on.
+    Ctrl-C while waiting between runs ends the loop normally; during a push it abandons the push and raises.
+    """
+    if interval <= 0:
+        raise InvalidArgument(f"--every must be positive, not {interval}")
+    cancel = cancel or threading.Event()
+    while not cancel.is_set():
+        began = time.monotonic()
+        try:
+            res = push(src, dest, cancel=cancel, **kwargs)
+            if on_result is not None:
+                on_result(res)
+        except PushInterrupted:
+            if cancel.is_set():
+                break
+        except (ZckptError, OSError) as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+        try:
+            cancel.wait(max(0.0, began + interval - time.monotonic()))
+        except KeyboardInterrupt:
+            return  # stopped between runs: nothing was abandoned
+
+
+class Pusher:
+    """Pushes in a background thread: on :meth:`trigger`, and every ``every`` seconds if given.
+
+    ``flush()`` waits until everything triggered so far is pushed, ``stop()`` flushes (or, with
+    ``abandon=True``, abandons the current upload cleanly) and ends the thread. Errors are logged when they
+    happen, kept in ``errors``, and raised by the next ``flush()`` / ``stop()``: never lost.
+    Keyword arguments go to :func:`push`.
+    """
+
+    def __init__(self, src: str, dest, *, every: float | None = None, **push_kwargs):
+        if every is not None and every <= 0:
+            raise InvalidArgument(f"every must be positive, not {every}")
+        self.src, self.dest, self.every = src, dest, every
+        self.push_kwargs = push_kwargs
+        self.errors: list[BaseException] = []
+        self.results: list[PushResult] = []
+        self._unraised: list[BaseException] = []
+        self._cond = threading.Condition()
+        self._requested = 0
+        self._finished = 0
+        self._names: set[str] | None = set()
+        self._stopping = False
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def last_result(self) -> PushResult | None:
+        return self.results[-1] if self.results else None
+
+    def start(self) -> Pusher:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zckpt-pusher", daemon=True)
+            self._thread.start()
+        return self
+
+    def trigger(self, checkpoint: str | None = None) -> int:
+        """Ask for a push soon (coalesced with others); ``checkpoint``: only that one (name relative to src)."""
+        with self._cond:
+            if checkpoint is None:
+                self._names = None
+            elif self._names is not None:
+                self._names.add(checkpoint)
+            self._requested += 1
+            self._cond.notify_all()
+            return self._requested
+
+    def flush(self, timeout: float | None = None, *, push_now: bool = True) -> None:
+        """Wait until everything triggered so far is pushed; raise any error not yet raised.
+
+        ``push_now``: also push everything under src now (a full scan) and wait for that too.
+        """
+        if self._thread is None:
+            self.start()
+        with self._cond:
+            gen = self._requested
+        if push_now:
+            gen = self.trigger()
+        self._wait_for(gen, timeout)
+        self._raise_errors()
+
+    def _wait_for(self, gen: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._finished < gen and self._thread is not None and self._thread.is_alive():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"push to {self.dest} still running after {timeout}s")
+                self._cond.wait(remaining if remaining is not None else 1.0)
+
+    def stop(self, timeout: float | None = None, *, abandon: bool = False, push_now: bool = False) -> None:
+        """End the thread: finish pending pushes first (``push_now``: and a last full one), or abandon the
+        current one (no manifest written)."""
+        if abandon:
+            self._cancel.set()
+        elif self._thread is not None and self._thread.is_alive():
+            with self._cond:
+                gen = self._requested
+            if push_now:
+                gen = self.trigger()
+            self._wait_for(gen, timeout)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        with self._cond:
+            errors, self._unraised = self._unraised, []
+        if errors:
+            if len(errors) > 1:
+                log.error("%d push errors; raising the first, all are in Pusher.errors", len(errors))
+            raise errors[0]
+
+    def __enter__(self) -> Pusher:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop(abandon=exc_type is not None)
+
+    def _run(self) -> None:
+        next_timed = time.monotonic() + self.every if self.every else None
+        while True:
+            with self._cond:
+                while not self._stopping and self._requested == self._finished:
+                    wait = None if next_timed is None else next_timed - time.monotonic()
+                    if wait is not None and wait <= 0:
+                        self._requested += 1
+                        self._names = None
+                        break
+                    self._cond.wait(wait)
+                if self._stopping and (self._requested == self._finished or self._cancel.is_set()):
+                    return
+                gen, names = self._requested, self._names
+                self._names = set()
+            if next_timed is not None:
+                next_timed = time.monotonic() + self.every
+            try:
+                res = push(self.src, self.dest, cancel=self._cancel, only=sorted(names) if names else None,
+                           **self.push_kwargs)
+                self.results.append(res)
+            except BaseException as exc:  # noqa: BLE001 - surfaced by flush()/stop()
+                if isinstance(exc, PushInterrupted) and self._cancel.is_set():
+                    pass
+                else:
+                    log.error("push %s -> %s failed: %s", self.src, self.dest, exc)
+                    with self._cond:
+                        self.errors.append(exc)
+                        self._unraised.append(exc)
+            with self._cond:
+                self._finished = gen
+                self._cond.notify_all()
