@@ -31,7 +31,8 @@ def generate_module():
     return mod
 
 
-def target_spec(source_spec: dict, world_size: int, stage: int | None = None, bf16_optimizer: bool | None = None) -> dict:
+def target_spec(source_spec: dict, world_size: int, stage: int | None = None,
+                bf16_optimizer: bool | None = None) -> dict:
     """The fixture spec as it would be to train at ``world_size`` / ``stage`` (same model, optimizer, seed)."""
     spec = dict(source_spec)
     spec["world_size"] = int(world_size)
@@ -111,7 +112,8 @@ def _trainer_worker(job: dict) -> None:
         gradient_accumulation_steps=1, max_steps=spec["steps"], save_strategy="no", logging_steps=1,
         learning_rate=spec["lr"], weight_decay=0.01, warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=1.0,
         seed=spec["seed"], report_to="none", disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=args, train_dataset=DS(spec["micro_batch"] * spec["world_size"] * spec["steps"]),
+    n_samples = spec["micro_batch"] * spec["world_size"] * spec["steps"]
+    trainer = Trainer(model=model, args=args, train_dataset=DS(n_samples),
                       processing_class=G.build_tokenizer(m["vocab"]))
     trainer.train(resume_from_checkpoint=job["ckpt"])
     eng = trainer.model_wrapped

@@ -124,7 +124,8 @@ def assert_same_tree(a, b, where=""):
             return
         assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), f"{where}: {a.dtype}{list(a.shape)} vs " \
                                                                         f"{b.dtype}{list(b.shape)}"
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True, where
+        if a.numel():
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
     elif isinstance(a, dict):
         assert isinstance(b, dict), where
         ka = [k for k in a if k not in SKIP_KEYS]
@@ -300,7 +301,8 @@ def assert_same_records(a: Path, b: Path):
     from zckpt.tensors import Reader, load_pieces
     ca, cb = open_checkpoint(str(a)), open_checkpoint(str(b))
     assert [r.name for r in ca.records] == [r.name for r in cb.records]
-    assert [(g.hyperparams, g.step, g.names) for g in ca.groups] == [(g.hyperparams, g.step, g.names) for g in cb.groups]
+    groups = lambda c: [(g.hyperparams, g.step, g.names) for g in c.groups]  # noqa: E731
+    assert groups(ca) == groups(cb)
     with Reader() as reader:
         for ra, rb in zip(ca.records, cb.records):
             assert (ra.kind, ra.shape, ra.dtype, ra.tied_to) == (rb.kind, rb.shape, rb.dtype, rb.tied_to), ra.name

@@ -117,6 +117,43 @@ def seg_numel(seg, dtype: str) -> int:
     return seg.numel
 
 
+def slice_segments(segs: list, start: int, length: int) -> list:
+    """Elements [start, start+length) of the concatenation of Piece / Fill / Cast segments."""
+    from zckpt.merge import slice_pieces
+    out, pos, end = [], 0, start + length
+    for s in segs:
+        n = s.numel
+        lo, hi = max(start, pos), min(end, pos + n)
+        if lo < hi:
+            if isinstance(s, Fill):
+                out.append(Fill(hi - lo, s.dtype))
+            elif isinstance(s, Piece):
+                out.extend(slice_pieces([s], lo - pos, hi - lo))
+            elif isinstance(s, Cast):
+                out.append(Cast(slice_pieces(s.pieces, lo - pos, hi - lo), s.src_dtype))
+            else:
+                raise TypeError(type(s))
+        pos += n
+        if pos >= end:
+            break
+    return out
+
+
+def coalesce(segs: list) -> list:
+    """Merge neighbouring pieces that are contiguous in the same file (and neighbouring zero fills)."""
+    out: list = []
+    for s in segs:
+        last = out[-1] if out else None
+        if isinstance(s, Piece) and isinstance(last, Piece) and last.path == s.path and last.dtype == s.dtype \
+                and last.offset + last.nbytes == s.offset:
+            out[-1] = Piece(last.path, last.offset, last.numel + s.numel, s.dtype)
+        elif isinstance(s, Fill) and isinstance(last, Fill) and last.dtype == s.dtype:
+            out[-1] = Fill(last.numel + s.numel, s.dtype)
+        elif not (isinstance(s, (Piece, Fill)) and s.numel == 0):
+            out.append(s)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- pickling
 
 class _Pickler(pickle._Pickler):
@@ -250,42 +287,45 @@ def _central(archive: Archive) -> bytes:
 
 # ---------------------------------------------------------------------------------------------- CRC combine
 
-def _gf2_times(mat, vec):
-    s = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            s ^= mat[i]
-        vec >>= 1
-        i += 1
-    return s
+_POLY = 0xEDB88320
 
 
-def _gf2_square(mat):
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << n for n in range(31)]
-    even = _gf2_square(odd)
-    odd = _gf2_square(even)
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial (reflected), as zlib's ``multmodp``."""
+    m, p = 1 << 31, 0
     while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                break
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32_combine(crc1: int, crc2: int, length: int) -> int:
+    """CRC of A+B from crc(A), crc(B) and len(B): zlib 1.2.12's ``crc32_combine`` (x^(8*len) mod P by repeated
+    squaring), ~30x faster in Python than the GF(2) matrix method."""
+    if length <= 0:
+        return crc1
+    n, k, p = length, 3, 1 << 31
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -301,7 +341,7 @@ def _chunks(t: TensorOut):
             parts = [seg]
         else:
             n = seg_numel(seg, t.dtype)
-            parts = [_sub(seg, s, min(per, n - s)) for s in range(0, n, per)] if n else []
+            parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
         for part in parts:
             pn = seg_numel(part, t.dtype)
             if cur and cur_n + pn > per:
@@ -312,17 +352,6 @@ def _chunks(t: TensorOut):
             pos += pn * size
     if cur:
         yield cur_start, cur
-
-
-def _sub(seg, start, n):
-    from zckpt.merge import slice_pieces
-    if isinstance(seg, Piece):
-        return slice_pieces([seg], start, n)[0]
-    if isinstance(seg, Cast):
-        return Cast(slice_pieces(seg.pieces, start, n), seg.src_dtype)
-    if isinstance(seg, Fill):
-        return Fill(n, seg.dtype)
-    raise TypeError(seg)
 
 
 def _render(parts, dtype: str, worker) -> memoryview:
@@ -351,20 +380,173 @@ def _render(parts, dtype: str, worker) -> memoryview:
     return view[:pos]
 
 
-def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=None) -> None:
-    """Write a planned archive to ``fd`` (a new file), data chunks in parallel when ``pool`` is given."""
+_ZEROS = bytes(1 << 20)
+
+
+class SourceMaps:
+    """CRCs of input byte ranges: a whole stored entry of an input zip reuses the CRC in its central directory
+    (resharding by a factor moves whole partitions); other ranges are checksummed on a read-only map of the
+    page-cached file, without copying it out."""
+
+    def __init__(self):
+        import threading
+        self._maps: dict[str, tuple] = {}
+        self._entries_cache: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def _entries(self, path: str) -> dict[int, tuple[int, int]]:
+        """data offset -> (size, CRC) of every stored entry of the input zip (its central directory)."""
+        ent = self._entries_cache.get(path)
+        if ent is None:
+            ent = {}
+            try:
+                import struct
+                import zipfile
+                with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+                    for info in zf.infolist():
+                        if info.compress_type != zipfile.ZIP_STORED or info.file_size < (1 << 20):
+                            continue
+                        fh.seek(info.header_offset)
+                        head = fh.read(30)
+                        if len(head) == 30 and head[:4] == b"PK\x03\x04":
+                            nlen, elen = struct.unpack("<HH", head[26:30])
+                            ent[info.header_offset + 30 + nlen + elen] = (info.file_size, info.CRC)
+            except (OSError, ValueError):
+                ent = {}
+            with self._lock:
+                self._entries_cache[path] = ent
+        return ent
+
+    def crc(self, path: str, offset: int, n: int, crc: int) -> int:
+        import mmap
+        import zlib
+        whole = self._entries(path).get(offset)
+        if whole is not None and whole[0] == n:  # a whole input entry: its stored CRC, no need to read it
+            return crc32_combine(crc, whole[1], n)
+        m = self._maps.get(path)
+        if m is None:
+            with self._lock:
+                m = self._maps.get(path)
+                if m is None:
+                    fd = os.open(path, os.O_RDONLY)
+                    try:
+                        mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+                    finally:
+                        os.close(fd)
+                    m = (mm, memoryview(mm))
+                    self._maps[path] = m
+        if offset + n > len(m[1]):
+            raise OSError(f"{path}: range beyond the end of the file (truncated?)")
+        crc = zlib.crc32(m[1][offset:offset + n], crc)
+        if hasattr(m[0], "madvise"):  # drop the pages from our mapping (they stay in the page cache): RSS stays flat
+            start = offset - offset % mmap.PAGESIZE
+            m[0].madvise(mmap.MADV_DONTNEED, start, offset + n - start)
+        return crc
+
+    def tensor_crc(self, t: TensorOut) -> int | None:
+        """The CRC of a whole output tensor from metadata alone, when it is made of whole input entries and zero
+        fill only (resharding by a factor of the world size); None otherwise."""
+        import zlib
+        crc = 0
+        for seg in t.segments:
+            if isinstance(seg, Fill):
+                left = seg.nbytes
+                while left:
+                    k = min(left, len(_ZEROS))
+                    crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
+                    left -= k
+            elif isinstance(seg, Piece) and seg.dtype == t.dtype:
+                whole = self._entries(seg.path).get(seg.offset)
+                if whole is None or whole[0] != seg.nbytes:
+                    return None
+                crc = crc32_combine(crc, whole[1], seg.nbytes)
+            else:
+                return None
+        return crc
+
+    def close(self) -> None:
+        with self._lock:
+            for mm, view in self._maps.values():
+                view.release()
+                mm.close()
+            self._maps.clear()
+
+
+def _copy_chunk(parts, dtype: str, fd_out: int, off: int, reader, maps: SourceMaps,
+                need_crc: bool = True) -> tuple[int, int] | None:
+    """Copy a chunk made only of same-dtype local pieces and zero fill with ``copy_file_range`` (in-kernel),
+    computing its CRC on a read-only map of the (page-cached) source. None when the chunk needs user-space
+    conversion."""
+    import zlib
+    from zckpt import storage
+    from zckpt.merge import _pwrite_all
+    for p in parts:
+        if isinstance(p, Piece):
+            if p.dtype != dtype or storage.is_url(p.path):
+                return None
+        elif not isinstance(p, Fill):
+            return None
+    crc, pos = 0, off
+    for p in parts:
+        n = p.nbytes
+        if isinstance(p, Fill):
+            left = n
+            while left:
+                k = min(left, len(_ZEROS))
+                _pwrite_all(fd_out, memoryview(_ZEROS)[:k], pos + n - left)
+                if need_crc:
+                    crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
+                left -= k
+        else:
+            fd_in = reader._fd(p.path)
+            src, dst, left = p.offset, pos, n
+            while left:
+                got = os.copy_file_range(fd_in, fd_out, left, src, dst)
+                if got <= 0:
+                    raise OSError(f"copy_file_range returned {got}")
+                src, dst, left = src + got, dst + got, left - got
+            if need_crc:
+                crc = maps.crc(p.path, p.offset, n, crc)
+        pos += n
+    return crc, pos - off
+
+
+def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=None,
+                  maps: "SourceMaps | None" = None) -> None:
+    """Write a planned archive to ``fd`` (a new file), chunks in parallel when ``pool`` is given.
+
+    Same-dtype local pieces move in-kernel (``copy_file_range``); a tensor made of whole input entries gets its
+    CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
+    conversions (:class:`Cast`) and remote pieces go through the worker's buffers. Chunk CRCs are combined with
+    :func:`crc32_combine`, in file order."""
+    import zlib
     from zckpt.merge import _pwrite_all, _Worker
-    own = worker is None
+    own_worker, own_maps = worker is None, maps is None
     worker = worker or _Worker()
+    maps = maps or SourceMaps()
+    fast = hasattr(os, "copy_file_range")
     try:
-        jobs = []
+        os.ftruncate(fd, archive.size + len(_central(archive)))
+        jobs, known = [], {}
         for idx, e in enumerate(archive.entries):
             if isinstance(e.data, TensorOut):
+                e.data.segments = coalesce(e.data.segments)
+                crc = maps.tensor_crc(e.data) if fast else None
+                if crc is not None:
+                    known[idx] = crc
                 for start, parts in _chunks(e.data):
                     jobs.append((idx, e.data_offset + start, parts, e.data.dtype))
 
         def run(job):
             idx, off, parts, dtype = job
+            done = None
+            if fast:
+                try:
+                    done = _copy_chunk(parts, dtype, fd, off, worker.reader, maps, need_crc=idx not in known)
+                except OSError:
+                    done = None
+            if done is not None:
+                return idx, done[0], done[1]
             data = _render(parts, dtype, worker)
             _pwrite_all(fd, data, off)
             return idx, zlib.crc32(data), len(data)
@@ -378,7 +560,7 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
                 progress(n)
         for idx, e in enumerate(archive.entries):
             if isinstance(e.data, TensorOut):
-                e.crc = crcs.get(idx, (0, 0))[0]
+                e.crc = known[idx] if idx in known else crcs.get(idx, (0, 0))[0]
                 zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
                 e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
             else:
@@ -386,16 +568,18 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
             _pwrite_all(fd, memoryview(e.local_header), e.header_offset)
         _pwrite_all(fd, memoryview(_central(archive)), archive.size)
     finally:
-        if own:
+        if own_worker:
             worker.close()
+        if own_maps:
+            maps.close()
 
 
 def save(obj, path: str, archive_name: str | None = None, pool=None, progress=None, worker=None,
-         reader=None) -> int:
+         reader=None, fsync: bool = False, maps: "SourceMaps | None" = None) -> int:
     """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size.
 
-    ``worker`` (a ``zckpt.merge._Worker``) or ``reader`` (a ``zckpt.tensors.Reader``) lets several files share
-    open input descriptors."""
+    ``worker`` (a ``zckpt.merge._Worker``) or ``reader`` (a ``zckpt.tensors.Reader``) and ``maps`` let several
+    files share open inputs; ``fsync=True`` flushes the file before returning (or see :func:`fsync_all`)."""
     if worker is None and reader is not None:
         from zckpt.merge import _Worker
         worker = _Worker()
@@ -405,11 +589,24 @@ def save(obj, path: str, archive_name: str | None = None, pool=None, progress=No
     archive = plan_archive(obj, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_archive(archive, fd, pool, progress, worker)
-        os.fsync(fd)
+        write_archive(archive, fd, pool, progress, worker, maps)
+        if fsync:
+            os.fsync(fd)
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
+
+
+def fsync_all(paths: list[str], pool=None) -> None:
+    """Flush finished files to disk, concurrently (the kernel has been writing them back meanwhile)."""
+    def one(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    list(pool.map(one, paths)) if pool is not None else [one(p) for p in paths]
 
 
 # ---------------------------------------------------------------------------------- merge's .bin shards

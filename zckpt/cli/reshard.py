@@ -1,0 +1,66 @@
+"""``zckpt reshard``: re-partition a ZeRO checkpoint for another world size or stage, loadable natively."""
+
+from __future__ import annotations
+
+import click
+
+from zckpt.cli._common import Progress, emit_json, json_option, quiet_option, tag_option
+
+
+@click.command(epilog="""\b
+Examples:
+  zckpt reshard ckpt/ --world-size 4 -o ckpt-ws4/
+  zckpt reshard checkpoint-400 --world-size 3 --stage 3 -o checkpoint-400-z3/
+  zckpt reshard ckpt/ --world-size 2 --stage 1 --bf16-optimizer -o ckpt-bf16opt/
+  zckpt reshard ckpt/ --world-size 8 --format universal -o ckpt-universal/
+  zckpt reshard ckpt/ --world-size 4 --dry-run --json""")
+@click.argument("path")
+@click.option("--world-size", "-w", "world_size", type=click.IntRange(1, None), required=True,
+              help="Data-parallel world size the output is for.")
+@click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None,
+              help="ZeRO stage of the output (default: the source's).")
+@click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
+              help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
+                   "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")
+@click.option("-o", "--output", "out", default=None, metavar="OUT",
+              help="Output folder (local). Default: PATH-ws<M>[-z<S>]. Never inside the source.")
+@click.option("--format", "fmt", type=click.Choice(["deepspeed", "universal"]), default="deepspeed",
+              show_default=True,
+              help="deepspeed: native files that a plain engine.load_checkpoint(OUT) loads at M ranks. "
+                   "universal: DeepSpeed's universal layout (load with checkpoint.load_universal=true).")
+@tag_option
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (files, partitions, sizes) and write nothing.")
+@json_option
+@quiet_option
+def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, dry_run, as_json, quiet):
+    """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
+
+    Every rank file is rebuilt with the target's partitions, paddings, sub-groups and metadata: fp32 masters,
+    Adam moments and step, frozen weights, buffers, loss scaler, scheduler, global steps and client state are
+    all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see docs/reshard.md for the
+    RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
+    """
+    from zckpt.info import human_bytes
+    from zckpt.reshard import reshard as run
+
+    with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
+        result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
+                     dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
+                     bf16_optimizer=bf16_optimizer)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    s = result.plan.summary()
+    verb = "would write" if dry_run else "wrote"
+    for f in s["files"]:
+        click.echo(f"{verb} {f['name']:<56} {human_bytes(f['bytes']):>10}")
+    for note in s["notes"]:
+        click.echo(f"note: {note}")
+    src, dst = s["from"], s["to"]
+    click.echo(f"{'plan' if dry_run else 'resharded'}: stage {src['stage']} ({src['optimizer']}) x{src['world_size']}"
+               f" -> stage {dst['stage']} ({dst['optimizer']}) x{dst['world_size']}, {fmt}, "
+               f"{human_bytes(s['total_bytes'])} -> {result.output}"
+               + (f" in {result.seconds:.2f}s" if not dry_run else ""))

@@ -1,0 +1,92 @@
+"""DeepSpeed's universal checkpoint layout, written straight from the source pieces (no temporary copy).
+
+What ``python -m deepspeed.checkpoint.ds_to_universal`` produces (0.19.8, see docs/deepspeed-format.md 4.3) and
+``"checkpoint": {"load_universal": true}`` loads::
+
+    OUT/latest_universal                          "<tag>_universal"
+    OUT/<tag>_universal/<model-states files>      as the native output at the target world size and stage
+    OUT/<tag>_universal/zero/optimizer_state.pt   rank 0's optimizer dict without the sharded tensors, + param_groups
+    OUT/<tag>_universal/zero/<param>/fp32.pt      stage 1/2: {'param': full fp32 tensor, 'cat_dim': 0}
+    OUT/<tag>_universal/zero/<param>/exp_avg.pt, exp_avg_sq.pt (same form), step.pt (the step tensor)
+                                                  stage 3: raw flat fp32 tensors, no step.pt
+
+Differences from ds_to_universal, all outside what the loader reads: the model-states files are those of the
+target layout (so a universal checkpoint can also cross between ZeRO-1/2 and ZeRO-3); the stage-3
+``optimizer_state.pt`` keeps the step but not rank 0's fp32 partition and moments (ds_to_universal copies them,
+the loader never reads them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+from zckpt.deepspeed.layout import Checkpoint, pieces_of
+from zckpt.safeload import LazyTensor
+from zckpt.torchzip import Cast, TensorOut
+
+SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
+
+
+def _param_file(t: TensorOut, stage: int):
+    return {"param": t, "cat_dim": 0} if stage <= 2 else TensorOut(t.dtype, (t.numel,), t.segments)
+
+
+def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list, list[str]]:
+    """Universal-layout files from a native plan (``planner``, ``native_files``) of the target stage."""
+    from zckpt.reshard import OutFile
+    tag_dir = f"{ckpt.tag}_universal"
+    stage = planner.stage
+    files: list[OutFile] = []
+    rank0_optim = None
+    for f in native_files:
+        name = os.path.basename(f.relpath)
+        if name.endswith("_optim_states.pt"):
+            if "zero_pp_rank_0_" in name:
+                rank0_optim = f.obj["optimizer_state_dict"]
+            continue
+        if name.endswith("_model_states.pt"):
+            files.append(planner._torch_file(name, f.obj, folder=tag_dir))
+    osd = rank0_optim
+    if stage <= 2:
+        out = OrderedDict((k, v) for k, v in osd.items() if k not in SHARDED)
+        out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
+    else:
+        inner = osd["optimizer_state_dict"]
+        state = OrderedDict((s, OrderedDict([("step", st["step"])])) for s, st in inner["state"].items())
+        out = OrderedDict((k, v) for k, v in osd.items() if k not in ("optimizer_state_dict", "fp32_flat_groups"))
+        out["optimizer_state_dict"] = {"state": state, "param_groups": inner["param_groups"]}
+        out["param_groups"] = inner["param_groups"]
+    files.append(planner._torch_file(os.path.join("zero", "optimizer_state.pt"), out, folder=tag_dir))
+
+    done = set()
+    for g in planner.groups:
+        for rec in g.records:
+            base = os.path.join("zero", rec.name)
+            states = [("fp32", rec.value)]
+            if planner.has_state:
+                states += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
+            for key, pieces in states:
+                t = TensorOut("float32", rec.shape, list(pieces))
+                files.append(planner._torch_file(os.path.join(base, f"{key}.pt"), _param_file(t, stage),
+                                                 folder=tag_dir))
+            if stage <= 2 and planner.has_state:
+                step = g.step
+                obj = step
+                if isinstance(step, LazyTensor):
+                    obj = TensorOut(step.dtype, tuple(step.shape), pieces_of(step))
+                files.append(planner._torch_file(os.path.join(base, "step.pt"), obj, folder=tag_dir))
+            done.add(rec.name)
+    if stage <= 2:  # 0.19.8 also writes an fp32 "fallback" for every other key of `module`
+        byname = ckpt.by_name()
+        for rec in ckpt.records:
+            if rec.name in done:
+                continue
+            src = byname.get(rec.tied_to) if rec.kind == "tied" else rec
+            if src is None or not src.value:
+                continue
+            segs = list(src.value) if src.dtype == "float32" else [Cast(list(src.value), src.dtype)]
+            t = TensorOut("float32", src.shape, segs)
+            files.append(planner._torch_file(os.path.join("zero", rec.name, "fp32.pt"), {"param": t},
+                                             folder=tag_dir))
+    return files, []
