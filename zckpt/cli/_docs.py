@@ -10,20 +10,22 @@ import click
 from zckpt.cli import main
 
 
-def _help(cmd: click.Command, name: str) -> str:
-    ctx = click.Context(cmd, info_name=name, terminal_width=100, max_content_width=100)
+def _help(cmd: click.Command, name: str, parent: click.Context | None = None) -> str:
+    # as the CLI itself builds them: sub-command contexts inherit the group's settings (-h, widths)
+    ctx = click.Context(cmd, info_name=name, parent=parent, terminal_width=100, max_content_width=100,
+                        **({} if parent else main.context_settings))
     return cmd.get_help(ctx)
 
 
 def render_reference() -> str:
-    root = click.Context(main, info_name="zckpt")
+    root = click.Context(main, info_name="zckpt", terminal_width=100, **main.context_settings)
     parts = ["# zckpt command reference", "",
              "Generated from the live `--help` by `python -m zckpt.cli._docs > docs/cli.md`; "
              "`tests/test_cli.py` fails when it is out of date.", "",
-             "## zckpt", "", "```text", _help(main, "zckpt"), "```", ""]
+             "## zckpt", "", "```text", main.get_help(root), "```", ""]
     for name in main.list_commands(root):
         cmd = main.get_command(root, name)
-        parts += [f"## zckpt {name}", "", "```text", _help(cmd, f"zckpt {name}"), "```", ""]
+        parts += [f"## zckpt {name}", "", "```text", _help(cmd, name, root), "```", ""]
     return "\n".join(parts)
 
 
