@@ -37,7 +37,7 @@ class Progress:
         if self.bar is None:
             from tqdm import tqdm
             self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2)
+                            file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2, delay=0.5)
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
