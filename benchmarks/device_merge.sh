@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Merge benchmark on a bigger host (run from the repo root; wheels for deepspeed and its small deps in .whl/).
-# Usage: bash benchmarks/device_merge.sh OUTDIR [SIZES...]   SIZES: 230m 920m 2500m (default: 230m 920m)
+# Usage: [RESHARD=1] bash benchmarks/device_merge.sh OUTDIR [SIZES...]   SIZES: 230m 920m 2500m (default: 230m 920m)
+# RESHARD=1 also runs benchmarks/bench_reshard.py on the 230m checkpoint.
 set -euo pipefail
 out=${1:?outdir}; shift || true
 sizes=${*:-230m 920m}
@@ -19,5 +20,9 @@ for s in $sizes; do
     2500m) args="--layers 128 --hidden 1280 --ffn 5120 --world-size 8 --repeat 1" ;;
   esac
   python3 benchmarks/bench_merge.py --workdir "$work" $args --json-out "$out/merge-$s.json" 2>&1 | tee "$out/merge-$s.log"
+  if [ "$s" = 230m ] && [ -n "${RESHARD:-}" ]; then  # the reshard benchmark reuses the same checkpoint
+    python3 benchmarks/bench_reshard.py --workdir "$work" --repeat 3 --json-out "$out/reshard-$s.json" 2>&1 \
+      | tee "$out/reshard-$s.log"
+  fi
   rm -rf "$work"/z2_* "$work"/out-*
 done
