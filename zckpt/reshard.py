@@ -543,8 +543,12 @@ def _copy_file(src: str, dst: str) -> int:
 
 
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
-            progress: Callable[[int, int], None] | None = None, latest_name: str = "latest") -> None:
-    """Write ``plan`` into the folder ``out`` atomically (temp sibling, ``latest`` last, rename)."""
+            progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
+            durable: bool = False) -> None:
+    """Write ``plan`` into the folder ``out`` atomically (temp sibling, ``latest`` last, rename).
+
+    As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
+    fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
     from zckpt import torchzip
     from zckpt.merge import _publish_dir
     from zckpt.merge import _Worker
@@ -574,15 +578,17 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
                     with open(dst, "wb") as fh:
                         fh.write(f.data)
                     step(len(f.data))
-                written.append(syncer.submit(torchzip.fsync_all, [dst]))  # flushes while the next file is written
+                if durable:  # flushes while the next file is written
+                    written.append(syncer.submit(torchzip.fsync_all, [dst]))
             for fut in written:  # everything on disk before `latest` and the rename
                 fut.result()
         latest = os.path.join(tmp, latest_name)
         with open(latest, "w") as fh:  # DeepSpeed writes the bare tag, no newline
             fh.write(plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal")
-            fh.flush()
-            os.fsync(fh.fileno())
-        _publish_dir(tmp, out)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        _publish_dir(tmp, out, durable)
     finally:
         worker.close()
         maps.close()
@@ -599,13 +605,14 @@ def default_output(path: str, world_size: int, stage: int | None, fmt: str) -> s
 def reshard(path: str, out: str | None = None, world_size: int | None = None, stage: int | None = None,
             fmt: str = "deepspeed", tag: str | None = None, dry_run: bool = False, overwrite: bool = False,
             workers: int | None = None, progress: Callable[[int, int], None] | None = None,
-            bf16_optimizer: bool | None = None) -> ReshardResult:
+            bf16_optimizer: bool | None = None, durable: bool = False) -> ReshardResult:
     """Re-partition the checkpoint at ``path`` for ``world_size`` ranks (and ``stage``) into the folder ``out``.
 
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
     new size. ``fmt="universal"``: DeepSpeed's universal layout (``"checkpoint": {"load_universal": true}``).
     ``bf16_optimizer``: target the BF16 optimizer (stage 1, bf16, ``grad_accum_dtype: fp32``); default keeps the
-    source's choice when the stage stays 1. ``progress(done_bytes, total_bytes)`` is called as data is written.
+    source's choice when the stage stays 1. ``progress(done_bytes, total_bytes)`` is called as data is written;
+    ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
     Default ``out``: ``<path>-ws<M>[-z<S>]``.
     """
     t0 = time.perf_counter()
@@ -619,6 +626,6 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     if dry_run:
         return result
     execute(plan, out, workers, overwrite, progress,
-            latest_name="latest" if fmt == "deepspeed" else "latest_universal")
+            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable)
     result.seconds = time.perf_counter() - t0
     return result

@@ -32,10 +32,13 @@ Examples:
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--fsync", "durable", is_flag=True,
+              help="fsync every file before publishing, so the output also survives a power failure.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, partitions, sizes) and write nothing.")
 @json_option
 @quiet_option
-def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, dry_run, as_json, quiet):
+def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run, as_json,
+            quiet):
     """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
 
     Every rank file is rebuilt with the target's partitions, paddings, sub-groups and metadata: fp32 masters,
@@ -49,7 +52,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
                      dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
-                     bf16_optimizer=bf16_optimizer)
+                     bf16_optimizer=bf16_optimizer, durable=durable)
     if as_json:
         emit_json(result.to_json())
         return
