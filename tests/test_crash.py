@@ -88,3 +88,33 @@ def test_unreadable_input_is_clean(tmp_path):
     with pytest.raises((ZckptError, PermissionError)):
         zckpt.merge(str(ck), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_killed_reshard_leaves_previous_or_new(tmp_path):
+    """SIGKILL a reshard at several moments: OUT holds the previous complete result or the new one, never a mix."""
+    import signal
+    import time
+    from zckpt.verify import verify
+    src = FIXTURES / "z2_bf16_ws2"
+    out = tmp_path / "out"
+    zckpt.reshard(str(src), str(out), world_size=3)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    env = dict(os.environ, ZCKPT_TEST_SLOW_WRITE="0.2")
+    for delay in (0.3, 1.0, 1.8, 2.6):
+        p = subprocess.Popen([sys.executable, "-m", "zckpt", "reshard", str(src), "-w", "4", "--stage", "3",
+                              "-o", str(out), "--overwrite", "--quiet"], env=env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert verify(str(out)).ok
+        c = zckpt.open_checkpoint(str(out))
+        if c.world_size == 3:
+            now = {q.relative_to(out): q.read_bytes() for q in out.rglob("*") if q.is_file()}
+            assert now == before
+        else:
+            assert c.world_size == 4 and c.stage == 3
+            zckpt.reshard(str(src), str(out), world_size=3, overwrite=True)
+    # a killed run's scratch folder is swept by the next run
+    zckpt.reshard(str(src), str(out), world_size=3, overwrite=True)
+    assert [q.name for q in tmp_path.iterdir()] == ["out"]

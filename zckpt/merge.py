@@ -382,10 +382,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     cast_bytes = sum(t.nbytes for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype)
     worker = _Worker(use_torch=cast_bytes > TORCH_THRESHOLD_BYTES)
     remote = storage.is_url(out)
-    parent = tempfile.gettempdir() if remote else os.path.dirname(os.path.abspath(out)) or "."
-    if not remote:
-        os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/')) or 'merge'}.zckpt-tmp-", dir=parent)
+    tmp = scratch_dir(out, tempfile.gettempdir() if remote else None)
     try:
         with ThreadPoolExecutor(workers) as pool:
             for shard in plan.shards:
@@ -413,11 +410,37 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def scratch_dir(out: str, parent: str | None = None) -> str:
+    """A new temporary folder next to ``out`` (same file system, so publishing is a rename), named after this
+    process; scratch folders of earlier runs that were killed (their process is gone) are removed first."""
+    name = os.path.basename(out.rstrip("/")) or "out"
+    parent = parent or os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    for entry in os.listdir(parent):
+        for kind in ("tmp", "old"):
+            head = f".{name}.zckpt-{kind}-"
+            if entry.startswith(head):
+                pid = entry[len(head):].split("-", 1)[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f".{name}.zckpt-tmp-{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _publish_dir(tmp: str, out: str, durable: bool = False) -> None:
     """Move the finished folder ``tmp`` to ``out``; an old ``out`` is moved aside first and removed after."""
     os.chmod(tmp, 0o755)
     if os.path.isdir(out):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/'))}.zckpt-old-",
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/'))}.zckpt-old-{os.getpid()}-",
                                dir=os.path.dirname(os.path.abspath(out)))
         os.rmdir(old)
         os.rename(out, old)

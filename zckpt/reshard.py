@@ -29,7 +29,6 @@ import copy
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -550,8 +549,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
     from zckpt import torchzip
-    from zckpt.merge import _publish_dir
-    from zckpt.merge import _Worker
+    from zckpt.merge import _publish_dir, _test_delay, _Worker, scratch_dir
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
 
@@ -560,14 +558,13 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/')) or 'reshard'}.zckpt-tmp-", dir=parent)
+    tmp = scratch_dir(out)
     worker, maps = _Worker(), torchzip.SourceMaps()
     try:
         written = []
         with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
             for f in plan.files:
+                _test_delay()
                 dst = os.path.join(tmp, f.relpath)
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 if f.obj is not None:
