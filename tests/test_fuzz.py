@@ -137,3 +137,20 @@ def test_atheris_regressions(tmp_path, b64):
     mutate = mutate_pickle_in_zip if data[1] & 0x80 else mutate_file
     target.write_bytes(mutate(target.read_bytes(), data[2:]))
     check(str(ck))
+
+
+@pytest.mark.parametrize("extra,words", [
+    ("layer_00-model_states.pt", "pipeline"),
+    ("layer_0_expert_1_mp_rank_00_model_states.pt", "mixture-of-experts"),
+    ("mp_rank_01_model_states.pt", "model-parallel"),
+    ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts"),
+])
+def test_pipeline_tensor_parallel_and_moe_are_refused_clearly(tmp_path, extra, words):
+    import zckpt
+    from zckpt.errors import UnsupportedLayout
+    ck = copy_fixture("z2_bf16_ws2", tmp_path / "ck")
+    tag = (ck / "latest").read_text().strip()
+    shutil.copy(next((ck / tag).glob("mp_rank_00_model_states.pt")), ck / tag / extra)
+    with pytest.raises(UnsupportedLayout, match=words):
+        zckpt.merge(str(ck), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
