@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-NP_DTYPES = {
-    "float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
-    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_,
-}
 TORCH_THRESHOLD_BYTES = 2 << 30  # above this much cast work, importing torch pays for itself
 
 

@@ -235,7 +235,6 @@ class _Job:
     src_dtype: str
     dtype: str
     numel: int
-    crc_key: object = None
 
 
 def _jobs_for(shard: ShardPlan, fd: int) -> list[_Job]:

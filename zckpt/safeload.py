@@ -546,15 +546,3 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
         except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
             raise CorruptFile(f"damaged pickle in data.pkl ({type(exc).__name__}: {exc})"[:300], path=path) from None
         return _unwrap(obj)
-
-
-def iter_tensors(obj, prefix=""):
-    """Yield (dotted path, LazyTensor) for every tensor inside a loaded object."""
-    if isinstance(obj, LazyTensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{prefix}.{i}" if prefix else str(i))

@@ -102,15 +102,20 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
 
 
-def _crc_file(path: str) -> tuple[int, list[str]]:
-    """Check every zip entry's CRC; returns (bytes read, damaged entry names)."""
+def _scan_file(path: str) -> tuple[int, list[str], str]:
+    """One sequential pass over a rank file: the CRC of every zip entry and the sha256 of the whole file.
+
+    Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
+    read of the same bytes."""
     bad, total = [], 0
+    sha = hashlib.sha256()
     with storage.open_input(path) as f:
         try:
-            zf = zipfile.ZipFile(f)
+            infos = zipfile.ZipFile(f).infolist()
         except Exception as exc:  # noqa: BLE001 - any damage to the directory is a failed check
-            return 0, [f"zip directory ({type(exc).__name__})"]
-        for info in zf.infolist():
+            return 0, [f"zip directory ({type(exc).__name__})"], ""
+        spans = []  # [data start, data end, expected CRC, name, running CRC]
+        for info in infos:
             f.seek(info.header_offset)
             header = f.read(30)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
@@ -118,18 +123,25 @@ def _crc_file(path: str) -> tuple[int, list[str]]:
                 continue
             start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(
                 header[28:30], "little")
-            f.seek(start)
-            crc, left = 0, info.file_size
-            while left:
-                chunk = f.read(min(left, 8 << 20))
-                if not chunk:
+            spans.append([start, start + info.file_size, info.CRC, info.filename, 0])
+        spans.sort()
+        f.seek(0)
+        pos, first = 0, 0
+        while chunk := f.read(8 << 20):
+            end = pos + len(chunk)
+            sha.update(chunk)
+            for span in spans[first:]:
+                if span[0] >= end:
                     break
-                crc = zlib.crc32(chunk, crc)
-                left -= len(chunk)
-                total += len(chunk)
-            if left or crc != info.CRC:
-                bad.append(info.filename)
-    return total, bad
+                lo, hi = max(span[0], pos), min(span[1], end)
+                if lo < hi:
+                    span[4] = zlib.crc32(memoryview(chunk)[lo - pos:hi - pos], span[4])
+            while first < len(spans) and spans[first][1] <= end:
+                first += 1
+            pos = end
+        total = pos
+    bad += [name for start, stop, want, name, crc in spans if stop > total or crc != want]
+    return total, bad, sha.hexdigest()
 
 
 def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
@@ -137,19 +149,23 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     total = sum(max(f.size, 0) for f in ckpt.files)
     done = 0
     damaged = []
+    hashes = {}
     with ThreadPoolExecutor(4) as pool:
-        for path, (n, bad) in zip(files, pool.map(_crc_file, files)):
+        for path, (n, bad, digest) in zip(files, pool.map(_scan_file, files)):
             done += n
             report.bytes_read += n
+            hashes[path] = digest
             if progress:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
     report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
-    check_manifest(ckpt.location.input_path, report, hashes=True)
+    check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes)
 
 
-def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None) -> None:
-    """Check files against ``zckpt-manifest.json`` (sizes; with ``hashes`` also sha256), if the folder has one."""
+def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None,
+                   known: dict[str, str] | None = None) -> None:
+    """Check files against ``zckpt-manifest.json`` (sizes; with ``hashes`` also sha256), if the folder has one.
+    ``known``: sha256 already computed for some paths (by the CRC pass), so they are not read again."""
     mpath = storage.join(folder, MANIFEST)
     if not storage.exists(mpath):
         return
@@ -169,6 +185,10 @@ def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progr
                 bad.append(f"{rel}: size")
                 continue
             if not hashes:
+                continue
+            if known and known.get(p):
+                if known[p] != meta["sha256"]:
+                    bad.append(f"{rel}: sha256 differs")
                 continue
             h = hashlib.sha256()
             with storage.open_input(p) as f:

@@ -24,9 +24,6 @@ from zckpt.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
 
-KINDS = ("trainable", "frozen", "buffer", "tied")
-
-
 @dataclass(frozen=True)
 class Piece:
     """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``."""
@@ -294,7 +291,7 @@ def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> N
             detail.append("unexpected rank(s) " + ", ".join(map(str, extra)))
         raise IncompleteCheckpoint(f"partition_count says {world_size} ranks but " + "; ".join(detail),
                                    path=loc.tag_dir)
-    prefixes = {OPTIM_PREFIX(f.name) for f in loc.optim_files}
+    prefixes = {_optim_prefix(f.name) for f in loc.optim_files}
     if len(prefixes) > 1:
         raise IncompleteCheckpoint("optimizer files of two precisions (bf16_ and plain) in one tag", path=loc.tag_dir,
                                    hint="remove the stale files of the older save")
@@ -306,7 +303,7 @@ def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> N
                                        if missing else "unexpected ZeRO-3 model-states files", path=loc.tag_dir)
 
 
-def OPTIM_PREFIX(name: str) -> str:
+def _optim_prefix(name: str) -> str:
     return name.split("zero_pp_rank_")[0]
 
 

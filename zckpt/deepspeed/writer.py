@@ -21,7 +21,6 @@ its params' ceil(n/M) reaches ``sub_group_size`` (default 1e9), or at the group'
 from __future__ import annotations
 
 import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -52,10 +51,6 @@ def zero_stage_enum(stage: int) -> Reduce:
 def default_loss_scaler() -> Reduce:
     """What DeepSpeed's bf16/fp32 ZeRO optimizers hold: a static ``LossScaler`` of scale 1."""
     return plain_object("deepspeed.runtime.fp16.loss_scaler", "LossScaler", {"cur_scale": 1.0, "dynamic": False})
-
-
-def scalar_tensor(value) -> TensorOut:
-    return TensorOut("float32", (), [struct.pack("<f", float(value))])
 
 
 class Converter:
