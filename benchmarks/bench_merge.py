@@ -10,7 +10,7 @@ alternately and ``--repeat`` times each:
 * ``cp OUT/model.safetensors COPY``                            (a plain copy of the output: the disk's speed)
 
 No tool fsyncs (zckpt's ``--fsync`` is off by default, like DeepSpeed's and cp's writes); each writes into a
-location cleared before the timed run.
+location cleared (and ``sync``-ed, untimed) before the timed run, and outputs are deleted once measured.
 
 Each command runs in its own process; peak RSS comes from ``wait4``'s rusage of that process. Reports medians
 and ratios as a table and as JSON (``--json-out``). Page cache is warm for all of them (inputs were just read).
@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     dims = model_dims(args.layers, args.hidden, args.vocab, args.ffn)
     ckpt = ensure_checkpoint(workdir, dims, args.world_size)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # byte-compile zckpt as an installed wheel would be (pip compiles on install), so no run pays for it
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "zckpt")], check=True,
+                   stdout=subprocess.DEVNULL)
     zckpt_cmd = [sys.executable, "-m", "zckpt", "merge", str(ckpt), "--quiet"]
     if args.workers:
         zckpt_cmd += ["--workers", str(args.workers)]
@@ -110,17 +113,23 @@ def main(argv=None) -> int:
         out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy.safetensors"
         rows = {"zckpt": [], "deepspeed": [], "copy": []}
         for i in range(args.repeat):
-            shutil.rmtree(out_d, ignore_errors=True)  # every tool writes into a fresh location, untimed
+            # every tool writes into a fresh location (cleared untimed); outputs are removed as soon as they
+            # are measured, so a multi-billion-parameter run needs disk for the checkpoint plus two outputs
             shutil.rmtree(out_z, ignore_errors=True)
+            os.sync()
             rows["zckpt"].append(run_measured(zckpt_cmd + ["--dtype", dtype, "-o", str(out_z)], env))
-            rows["deepspeed"].append(run_measured(
-                [sys.executable, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out_d), "--dtype", dtype], env))
             src = out_z / "model.safetensors"
             if not src.exists():
                 src = sorted(out_z.glob("model-*.safetensors"))[0]
-            if out_c.exists():
-                out_c.unlink()
+            out_c.unlink(missing_ok=True)
+            os.sync()
             rows["copy"].append(run_measured(["cp", str(src), str(out_c)]))
+            out_c.unlink()
+            shutil.rmtree(out_d, ignore_errors=True)
+            os.sync()
+            rows["deepspeed"].append(run_measured(
+                [sys.executable, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out_d), "--dtype", dtype], env))
+            shutil.rmtree(out_d, ignore_errors=True)
             print(f"  {dtype} run {i + 1}: zckpt {rows['zckpt'][-1][0]:.2f}s "
                   f"deepspeed {rows['deepspeed'][-1][0]:.2f}s copy {rows['copy'][-1][0]:.2f}s", flush=True)
         copy_bytes = src.stat().st_size
@@ -132,8 +141,7 @@ def main(argv=None) -> int:
         results["runs"][dtype] = {"median_s": med, "peak_rss_bytes": rss, "deepspeed_over_zckpt": ratio_ds,
                                   "zckpt_over_copy": ratio_cp, "output_bytes": out_bytes,
                                   "copied_file_bytes": copy_bytes, "raw": rows}
-        shutil.rmtree(out_d, ignore_errors=True)
-        out_c.unlink(missing_ok=True)
+        shutil.rmtree(out_z, ignore_errors=True)
 
     print()
     print("| output | zckpt s | DeepSpeed s | cp s | DeepSpeed/zckpt | zckpt/cp | zckpt peak RSS | DeepSpeed peak RSS |")

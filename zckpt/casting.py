@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-TORCH_THRESHOLD_BYTES = 2 << 30  # above this much cast work, importing torch pays for itself
-
 
 def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
     u = a.view(np.uint32)
@@ -25,8 +23,7 @@ def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
 
 def _has_nan(raw: np.ndarray, dtype: str) -> bool:
     if dtype == "float32":
-        u = raw.view(np.uint32) & 0x7FFFFFFF
-        return bool((u > 0x7F800000).any())
+        return bool(np.isnan(raw.view(np.float32)).any())
     if dtype == "float16":
         return bool(((raw.view(np.uint16) & 0x7FFF) > 0x7C00).any())
     if dtype == "bfloat16":
@@ -34,8 +31,10 @@ def _has_nan(raw: np.ndarray, dtype: str) -> bool:
     return False
 
 
-def cast(raw: np.ndarray, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
-    """Convert ``raw`` (uint8 bytes of ``src`` elements) to ``dst``; returns a uint8 array of the result."""
+def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
+    """Convert ``raw`` (bytes of ``src`` elements: a uint8 array or any buffer) to ``dst``; returns a uint8 array."""
+    if not isinstance(raw, np.ndarray):
+        raw = np.frombuffer(raw, dtype=np.uint8)
     if src == dst:
         return raw
     if use_torch or _has_nan(raw, src) or not ({src, dst} <= {"float32", "bfloat16", "float16"}):

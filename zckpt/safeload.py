@@ -485,20 +485,72 @@ class _Archive:
         return StorageRef(self.path, key, dtype, self.data_offset(info), info.file_size)
 
 
+def _opcode_table() -> dict[int, tuple[int, int, bool]]:
+    """opcode byte -> (argument size code as in pickletools, lines to skip for text arguments, is a memo op)."""
+    table = {}
+    for op in pickletools.opcodes:
+        n = op.arg.n if op.arg is not None else 0
+        lines = 2 if op.arg is not None and op.arg.name == "stringnl_noescape_pair" else 1
+        table[ord(op.code)] = (n, lines, op.name in _MEMO_OPS)
+    return table
+
+
+_MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET")
+_OPCODES = _opcode_table()
+_LENGTH_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+                 pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
+
+
 def _check_opcodes(data: bytes, path: str) -> None:
     """Refuse pickles that would make the C unpickler allocate far more than their size.
 
     ``LONG_BINPUT 678654301`` (5 bytes) makes CPython grow its memo table to that index: gigabytes. A real memo
-    index is below the number of opcodes, so anything past the pickle's length is forged."""
-    limit = len(data)
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET") and int(arg) > limit:
-                raise CorruptFile(f"pickle uses memo slot {arg} in a {limit}-byte pickle", path=path)
-    except CorruptFile:
-        raise
-    except Exception as exc:  # ValueError from genops on malformed opcodes
-        raise CorruptFile(f"damaged pickle in data.pkl ({exc})"[:200], path=path) from None
+    index is below the number of opcodes, so anything past the pickle's length is forged. One pass over the
+    opcodes (the walk of ``pickletools.genops``, without building its argument objects: ~5x faster)."""
+    limit, end, pos = len(data), len(data), 0
+    table, lengths = _OPCODES, _LENGTH_BYTES
+
+    def damaged(what: str):
+        return CorruptFile(f"damaged pickle in data.pkl ({what} at byte {pos})", path=path)
+
+    while pos < end:
+        code = data[pos]
+        entry = table.get(code)
+        if entry is None:
+            raise damaged(f"unknown opcode {code:#04x}")
+        pos += 1
+        n, lines, memo = entry
+        if code == 0x2E:  # STOP
+            return
+        if n > 0:
+            if pos + n > end:
+                raise damaged("truncated argument")
+            if memo and int.from_bytes(data[pos:pos + n], "little") > limit:
+                raise CorruptFile(f"pickle uses memo slot {int.from_bytes(data[pos:pos + n], 'little')} in a "
+                                  f"{limit}-byte pickle", path=path)
+            pos += n
+        elif n == pickletools.UP_TO_NEWLINE:
+            start = pos
+            for _ in range(lines):
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    raise damaged("unterminated text argument")
+                pos = nl + 1
+            if memo:
+                text = data[start:pos - 1]
+                if not text.isdigit():
+                    raise damaged("memo index is not a number")
+                if int(text) > limit:
+                    raise CorruptFile(f"pickle uses memo slot {int(text)} in a {limit}-byte pickle", path=path)
+        elif n < 0:
+            width, signed = lengths[n]
+            if pos + width > end:
+                raise damaged("truncated length")
+            size = int.from_bytes(data[pos:pos + width], "little", signed=signed)
+            if size < 0 or pos + width + size > end:
+                raise damaged("length past the end")
+            pos += width + size
+    raise CorruptFile("damaged pickle in data.pkl (no STOP opcode)", path=path)
 
 
 def _default_opener(path: str) -> BinaryIO:

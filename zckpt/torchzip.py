@@ -358,15 +358,14 @@ def _render(parts, dtype: str, worker) -> memoryview:
     """Bytes of a chunk's parts (converted to ``dtype``), in the worker's per-thread buffer."""
     size = DTYPE_SIZES[dtype]
     total = sum(seg_numel(p, dtype) for p in parts) * size
-    out = worker.buffer(total, "out")
-    view = memoryview(out)
+    view = worker.buffer(total, "out")
     pos = 0
     for p in parts:
         if isinstance(p, (bytes, bytearray)):
             view[pos:pos + len(p)] = p
             pos += len(p)
         elif isinstance(p, Fill):
-            out[pos:pos + p.nbytes] = 0
+            view[pos:pos + p.nbytes] = bytes(p.nbytes)
             pos += p.nbytes
         elif isinstance(p, Piece):
             if p.dtype != dtype:
@@ -375,7 +374,7 @@ def _render(parts, dtype: str, worker) -> memoryview:
             pos += p.nbytes
         else:  # Cast
             data = worker.render(p.pieces, p.src_dtype, dtype, p.numel)
-            out[pos:pos + data.nbytes] = data
+            view[pos:pos + data.nbytes] = data
             pos += data.nbytes
     return view[:pos]
 

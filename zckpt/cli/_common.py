@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import click
 
@@ -26,18 +27,24 @@ def emit_json(obj) -> None:
 
 
 class Progress:
-    """A tqdm bar of bytes on stderr, driven by a library ``progress(done, total)`` callback."""
+    """A tqdm bar of bytes on stderr, driven by a library ``progress(done, total)`` callback.
 
-    def __init__(self, desc: str, enabled: bool = True):
+    The bar (and the tqdm import) only starts once the work has run for ``delay`` seconds: short jobs print
+    nothing and pay nothing."""
+
+    def __init__(self, desc: str, enabled: bool = True, delay: float = 0.5):
         self.desc, self.enabled, self.bar = desc, enabled and sys.stderr is not None, None
+        self.start, self.delay = time.monotonic(), delay
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
         if self.bar is None:
+            if time.monotonic() - self.start < self.delay:
+                return
             from tqdm import tqdm
             self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2, delay=0.5)
+                            file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2)
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:

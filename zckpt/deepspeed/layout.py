@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,12 +172,11 @@ def scalar_value(t) -> Any:
         return t
     if t.numel != 1:
         raise CorruptFile(f"expected a scalar, got shape {list(t.shape)}", path=t.storage.path)
-    import numpy as np
     raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize)
-    np_dtype = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32}.get(t.dtype)
-    if np_dtype is None or len(raw) != t.itemsize:
+    fmt = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}.get(t.dtype)
+    if fmt is None or len(raw) != t.itemsize:
         raise CorruptFile(f"cannot read a {t.dtype} scalar", path=t.storage.path)
-    value = np.frombuffer(raw, dtype=np_dtype)[0].item()
+    value = struct.unpack(fmt, raw)[0]
     return int(value) if float(value).is_integer() else value
 
 
