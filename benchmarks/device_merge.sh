@@ -25,7 +25,7 @@ for s in $sizes; do
   if [ "$s" = 230m ] && [ -n "${PROBE:-}" ]; then
     for d in fp32 bf16; do
       python3 benchmarks/probe_merge.py "$work"/z2_bf16_ws4_L21_* --dtype $d --rounds 3 \
-        --variants default,w1,w2,streams1,streams8 --json-out "$out/probe-$d.json" 2>&1 | tee "$out/probe-$d.log"
+        --variants default,w1,streams2 --json-out "$out/probe-$d.json" 2>&1 | tee "$out/probe-$d.log"
     done
   fi
   if [ "$s" = 230m ] && [ -n "${RESHARD:-}" ]; then  # the reshard benchmark reuses the same checkpoint

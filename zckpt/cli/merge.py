@@ -30,7 +30,9 @@ Examples:
 @click.option("--keep-tied", is_flag=True,
               help="Also write tied aliases (e.g. lm_head.weight) as copies; by default each tied tensor is "
                    "stored once under its source name, as save_pretrained does.")
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None,
+              help="Threads for reading and casting (default: CPU count, at most 8); in-kernel copies into one "
+                   "file run one at a time, as fast as cp.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
 @click.option("--fsync", "durable", is_flag=True,
               help="fsync every file before publishing, so the output also survives a power failure.")
