@@ -21,7 +21,7 @@ for s in $sizes; do
     920m) args="--layers 94 --world-size 4 --repeat 2" ;;
     2500m) args="--layers 64 --hidden 2048 --ffn 8192 --world-size 4 --repeat 1" ;;
   esac
-  python3 benchmarks/bench_merge.py --workdir "$work" $args --json-out "$out/merge-$s.json" 2>&1 | tee "$out/merge-$s.log"
+  python3 benchmarks/bench_merge.py --workdir "$work" $args ${DTYPES:+--dtypes $DTYPES} --json-out "$out/merge-$s.json" 2>&1 | tee "$out/merge-$s.log"
   if [ "$s" = 230m ] && [ -n "${PROBE:-}" ]; then
     for d in fp32 bf16; do
       python3 benchmarks/probe_merge.py "$work"/z2_bf16_ws4_L21_* --dtype $d --rounds 3 \

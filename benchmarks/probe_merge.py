@@ -7,8 +7,8 @@ previous one's dirty pages. Each command is its own process:
 
 * ``python -c pass``                     interpreter start-up
 * ``zckpt merge --dry-run``              start-up + imports + checkpoint metadata + plan (no bytes)
-* ``zckpt merge`` with variants          the whole job (``--workers N``; ``streams=N``: concurrent in-kernel
-                                         copies per output file, ``zckpt.merge.COPY_STREAMS``)
+* ``zckpt merge`` with variants          the whole job (``--workers N``; ``streams=N``: concurrent writes
+                                         into one output file, ``zckpt.merge.WRITE_STREAMS``)
 * ``cp OUT/model.safetensors COPY``      the disk's speed for the same bytes
 
     python benchmarks/probe_merge.py CKPT [--dtype fp32] [--rounds 5] [--variants default,w1,w2,streams8]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DRIVER = ("import sys; import zckpt.merge; m = sys.modules['zckpt.merge']; m.COPY_STREAMS = int(sys.argv.pop(1)); "
+DRIVER = ("import sys; import zckpt.merge; m = sys.modules['zckpt.merge']; m.WRITE_STREAMS = int(sys.argv.pop(1)); "
           "from zckpt.cli import main; sys.argv[0] = 'zckpt'; main()")
 
 
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="default,w1,w2,streams8",
-                    help="comma list of: default, wN (--workers N), streamsN (COPY_STREAMS=N)")
+                    help="comma list of: default, wN (--workers N), streamsN (WRITE_STREAMS=N)")
     ap.add_argument("--workdir", default=None, help="where outputs go (default: next to the checkpoint)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)

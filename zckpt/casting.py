@@ -2,14 +2,15 @@
 
 Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
 ``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). numpy (imported on first use) does this without importing
-torch (a 1.5 s start-up); small bf16 -> fp32 jobs need not even numpy (:func:`upcast_bf16_pure`);
-for large jobs torch's single-pass kernel is faster, so callers pass ``use_torch=True`` past a size threshold.
+torch (a 1.5 s start-up and ~400 MiB), in per-thread scratch arrays; small bf16 -> fp32 jobs need not even numpy
+(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch) uses torch's kernels.
 NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
 to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern and random fp32 ones.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,20 +27,39 @@ def upcast_bf16_pure(raw) -> memoryview:
     return memoryview(out)
 
 
+_tls = threading.local()
+
+
+def _scratch(slot: str, n: int, dtype) -> np.ndarray:
+    """A per-thread array of at least ``n`` elements, reused across chunks: no allocation (and no page faults
+    on fresh memory) per chunk. A result stays valid until the same thread's next cast."""
+    import numpy as np
+    arr = getattr(_tls, slot, None)
+    if arr is None or arr.size < n:
+        arr = np.empty(max(n, 1 << 18), dtype=dtype)
+        setattr(_tls, slot, arr)
+    return arr[:n]
+
+
 def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
     import numpy as np
     u = a.view(np.uint32)
-    r = (u >> 16) & 1
+    r = _scratch("u32", u.size, np.uint32)
+    np.right_shift(u, 16, out=r)
+    r &= 1
     r += 0x7FFF
     r += u
     r >>= 16
-    return r.astype(np.uint16)
+    out = _scratch("out16", u.size, np.uint16)
+    np.copyto(out, r, casting="unsafe")
+    return out
 
 
 def _has_nan(raw: np.ndarray, dtype: str) -> bool:
     import numpy as np
     if dtype == "float32":
-        return bool(np.isnan(raw.view(np.float32)).any())
+        f = raw.view(np.float32)
+        return bool(np.isnan(f, out=_scratch("nan", f.size, np.bool_)).any())
     if dtype == "float16":
         return bool(((raw.view(np.uint16) & 0x7FFF) > 0x7C00).any())
     if dtype == "bfloat16":
@@ -48,7 +68,8 @@ def _has_nan(raw: np.ndarray, dtype: str) -> bool:
 
 
 def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
-    """Convert ``raw`` (bytes of ``src`` elements: a uint8 array or any buffer) to ``dst``; returns a uint8 array."""
+    """Convert ``raw`` (bytes of ``src`` elements: a uint8 array or any buffer) to ``dst``; returns a uint8 array
+    (a per-thread buffer, valid until this thread's next call)."""
     import numpy as np
     if not isinstance(raw, np.ndarray):
         raw = np.frombuffer(raw, dtype=np.uint8)
@@ -59,12 +80,21 @@ def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
         t = torch.from_numpy(raw).view(getattr(torch, src)).to(getattr(torch, dst))
         return t.view(torch.uint8).numpy()
     if src == "bfloat16" and dst == "float32":
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.uint8)
+        x = raw.view(np.uint16)
+        out = _scratch("out32", x.size, np.uint32)
+        np.left_shift(x, 16, out=out, dtype=np.uint32)
+        return out.view(np.uint8)
     if src == "float16" and dst == "float32":
-        return raw.view(np.float16).astype(np.float32).view(np.uint8)
+        x = raw.view(np.float16)
+        out = _scratch("out32", x.size, np.uint32).view(np.float32)
+        np.copyto(out, x)
+        return out.view(np.uint8)
     if src == "float32" and dst == "bfloat16":
         return _bf16_from_f32(raw.view(np.float32)).view(np.uint8)
     if src == "float32" and dst == "float16":
+        x = raw.view(np.float32)
+        out = _scratch("out16", x.size, np.uint16).view(np.float16)
         with np.errstate(over="ignore"):
-            return raw.view(np.float32).astype(np.float16).view(np.uint8)
+            np.copyto(out, x, casting="unsafe")
+        return out.view(np.uint8)
     return cast(cast(raw, src, "float32"), "float32", dst)  # bf16 <-> fp16: exact via fp32, as torch does

@@ -35,10 +35,10 @@ from zckpt.safeload import DTYPE_SIZES, FLOATING
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
-# In-kernel copies into one output file serialize on its inode lock, so one stream at a time moves them as fast
-# as cp does; more only add contention (16-core host, 0.8 GB: 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8
+# Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
+# stream at a time moves them as fast as cp does; more only add contention (16-core host, 0.8 GB: 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8
 # 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Casts, which need the CPU, use the whole pool.
-COPY_STREAMS = 1
+WRITE_STREAMS = 1
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
 TORCH_THRESHOLD_BYTES = 2 << 30  # above this much cast work, importing torch (~1.5 s) pays for itself
 DTYPE_ALIASES = {
@@ -261,14 +261,14 @@ class _Worker:
     weights and buffers of a bf16 run merged to fp32); otherwise :meth:`prefetch_casting` imports numpy (50-150 ms)
     on a side thread while the first copies run."""
 
-    def __init__(self, use_torch: bool = False, copy_streams: int | None = None, pure_upcast: bool = False):
+    def __init__(self, use_torch: bool = False, write_streams: int | None = None, pure_upcast: bool = False):
         import threading
         from zckpt.tensors import Reader
         self.reader = Reader()
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
         self.use_torch = use_torch or "torch" in sys.modules
-        self.copy_slots = threading.BoundedSemaphore(copy_streams or COPY_STREAMS)
+        self.copy_slots = threading.BoundedSemaphore(write_streams or WRITE_STREAMS)
         self.pure_upcast = pure_upcast  # bf16 -> fp32 without numpy (small cast work, see execute)
 
     @staticmethod
@@ -305,7 +305,8 @@ class _Worker:
                     pos += p.nbytes
             return job.numel * DTYPE_SIZES[job.dtype]
         data = self.render(job.pieces, job.src_dtype, job.dtype, job.numel)
-        _pwrite_all(job.fd, memoryview(data), job.offset)
+        with self.copy_slots:  # writes into one file serialize in the kernel anyway; queue them here instead
+            _pwrite_all(job.fd, memoryview(data), job.offset)
         return data.nbytes
 
     def _copy_range(self, p: Piece, fd_out: int, pos: int) -> None:
@@ -403,7 +404,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = _Worker(use_torch=cast_bytes > TORCH_THRESHOLD_BYTES, pure_upcast=pure)
+    worker = _Worker(pure_upcast=pure)
     if cast_bytes and not pure:
         worker.prefetch_casting()
     remote = storage.is_url(out)
