@@ -7,7 +7,8 @@ alternately and ``--repeat`` times each:
 * ``zckpt merge CKPT --dtype D -o OUT``                      (safetensors)
 * ``python CKPT/zero_to_torch.py CKPT OUT --dtype D``          (DeepSpeed 0.19.8; .bin: its --safe_serialization
                                                                crashes on the tied embedding)
-* ``cp OUT/model.safetensors COPY``                            (a plain copy of the output: the disk's speed)
+* ``cp OUT/*.safetensors COPYDIR/``                            (a plain copy of the output, every shard: the
+                                                               disk's speed for the same bytes)
 
 No tool fsyncs (zckpt's ``--fsync`` is off by default, like DeepSpeed's and cp's writes); each writes into a
 location cleared (and ``sync``-ed, untimed) before the timed run, and outputs are deleted once measured.
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     print(f"checkpoint {ckpt} ({results['params'] / 1e6:.0f}M params, {results['checkpoint_bytes'] / 2**30:.2f} GiB, "
           f"{args.world_size} ranks), {os.cpu_count()} CPUs, {args.repeat} alternating runs", flush=True)
     for dtype in args.dtypes.split(","):
-        out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy.safetensors"
+        out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy"
         rows = {"zckpt": [], "deepspeed": [], "copy": []}
         for i in range(args.repeat):
             # every tool writes into a fresh location (cleared untimed); outputs are removed as soon as they
@@ -118,13 +119,12 @@ def main(argv=None) -> int:
             shutil.rmtree(out_z, ignore_errors=True)
             os.sync()
             rows["zckpt"].append(run_measured(zckpt_cmd + ["--dtype", dtype, "-o", str(out_z)], env))
-            src = out_z / "model.safetensors"
-            if not src.exists():
-                src = sorted(out_z.glob("model-*.safetensors"))[0]
-            out_c.unlink(missing_ok=True)
+            srcs = sorted(str(f) for f in out_z.glob("*.safetensors"))  # every weight file (all shards)
+            shutil.rmtree(out_c, ignore_errors=True)
+            out_c.mkdir()
             os.sync()
-            rows["copy"].append(run_measured(["cp", str(src), str(out_c)]))
-            out_c.unlink()
+            rows["copy"].append(run_measured(["cp", *srcs, str(out_c)]))
+            shutil.rmtree(out_c)
             shutil.rmtree(out_d, ignore_errors=True)
             os.sync()
             rows["deepspeed"].append(run_measured(
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
             shutil.rmtree(out_d, ignore_errors=True)
             print(f"  {dtype} run {i + 1}: zckpt {rows['zckpt'][-1][0]:.2f}s "
                   f"deepspeed {rows['deepspeed'][-1][0]:.2f}s copy {rows['copy'][-1][0]:.2f}s", flush=True)
-        copy_bytes = src.stat().st_size
+        copy_bytes = sum(os.path.getsize(f) for f in srcs)
         out_bytes = du(out_z)
         med = {k: statistics.median(t for t, _ in v) for k, v in rows.items()}
         rss = {k: max(r for _, r in v) for k, v in rows.items()}

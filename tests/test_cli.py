@@ -138,3 +138,34 @@ def test_debug_shows_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zckpt", "--debug", "info", str(tmp_path / "nope")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_progress_bar_starts_only_after_its_delay(monkeypatch):
+    """Short jobs print nothing and never import tqdm; a job that runs past the delay gets a bar on stderr."""
+    import io
+    from zckpt.cli._common import Progress
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    quick = Progress("merge", delay=60)
+    for done in range(0, 101, 10):
+        quick(done, 100)
+    assert quick.bar is None
+    slow = Progress("merge", delay=0.05)
+    slow(10, 100)
+    assert slow.bar is None
+    time.sleep(0.06)
+    slow(50, 100)
+    assert slow.bar is not None and slow.bar.n == 50 and slow.bar.total == 100
+    slow(100, 100)
+    slow.close()
+    assert "merge" in sys.stderr.getvalue()
+
+
+def test_plain_fp32_merge_imports_neither_numpy_nor_torch(tmp_path):
+    """Copies and small bf16 -> fp32 upcasts (frozen weights, buffers) need no numpy: start-up stays small."""
+    from tests.conftest import FIXTURES
+    ckpt = checkpoint_path(FIXTURES / "z2_bf16_ws2")
+    code = ("import sys; from zckpt.merge import merge; "
+            f"merge({str(ckpt)!r}, {str(tmp_path / 'out')!r}); "
+            "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

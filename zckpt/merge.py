@@ -5,8 +5,9 @@
    each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
 2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
    bytes in chunks of at most ``CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
-   offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space.
-   Casts use torch's own ``Tensor.to`` on each chunk, so rounding is exactly torch's.
+   offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
+   one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
+   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.casting`).
 3. Files are written into a temporary sibling folder which is renamed into place at the end (the index is
    written last); an interrupted merge leaves the previous output, or nothing, where the output belongs.
    For URL outputs each shard is uploaded as soon as it is complete and the index is uploaded last.
@@ -40,7 +41,6 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Casts, which need the CPU, use the whole pool.
 WRITE_STREAMS = 1
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
-TORCH_THRESHOLD_BYTES = 2 << 30  # above this much cast work, importing torch (~1.5 s) pays for itself
 DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
