@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
-# stream at a time moves them as fast as cp does; more only add contention (16-core host, 0.8 GB: 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8
-# 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Casts, which need the CPU, use the whole pool.
+# stream at a time moves them as fast as cp does; more only add contention (16-core host, 0.8 GB copy phase:
+# 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Reads and casts, which
+# need the CPU, use the whole pool.
 WRITE_STREAMS = 1
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
 DTYPE_ALIASES = {
@@ -261,14 +262,14 @@ class _Worker:
     weights and buffers of a bf16 run merged to fp32); otherwise :meth:`prefetch_casting` imports numpy (50-150 ms)
     on a side thread while the first copies run."""
 
-    def __init__(self, use_torch: bool = False, write_streams: int | None = None, pure_upcast: bool = False):
+    def __init__(self, write_streams: int | None = None, pure_upcast: bool = False):
         import threading
         from zckpt.tensors import Reader
         self.reader = Reader()
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
-        self.use_torch = use_torch or "torch" in sys.modules
-        self.copy_slots = threading.BoundedSemaphore(write_streams or WRITE_STREAMS)
+        self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded
+        self.write_slots = threading.BoundedSemaphore(write_streams or WRITE_STREAMS)
         self.pure_upcast = pure_upcast  # bf16 -> fp32 without numpy (small cast work, see execute)
 
     @staticmethod
@@ -299,13 +300,13 @@ class _Worker:
     def run(self, job: _Job) -> int:
         if job.src_dtype == job.dtype and self.use_cfr and not any(storage.is_url(p.path) for p in job.pieces):
             pos = job.offset
-            with self.copy_slots:
+            with self.write_slots:
                 for p in job.pieces:
                     self._copy_range(p, job.fd, pos)
                     pos += p.nbytes
             return job.numel * DTYPE_SIZES[job.dtype]
         data = self.render(job.pieces, job.src_dtype, job.dtype, job.numel)
-        with self.copy_slots:  # writes into one file serialize in the kernel anyway; queue them here instead
+        with self.write_slots:  # writes into one file serialize in the kernel anyway; queue them here instead
             _pwrite_all(job.fd, memoryview(data), job.offset)
         return data.nbytes
 
