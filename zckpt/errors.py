@@ -72,3 +72,9 @@ class OutputExists(ZckptError, FileExistsError):
 
 class StorageError(ZckptError, OSError):
     """A storage backend (local disk, S3, the Hub) failed."""
+
+
+class PushInterrupted(ZckptError, InterruptedError):
+    """A push was stopped (Ctrl-C, ``Pusher.stop(abandon=True)``); what finished stays, no manifest was written."""
+
+    default_hint = "run the push again to resume; finished files are not resent"

@@ -20,10 +20,11 @@ from typing import Callable
 
 from zckpt import storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
+from zckpt.destinations import MANIFEST_NAME
 from zckpt.errors import CheckpointNotFound, ZckptError
 from zckpt.safeload import LazyTensor
 
-MANIFEST = "zckpt-manifest.json"
+MANIFEST = MANIFEST_NAME  # written by zckpt push
 
 
 @dataclass

@@ -1,0 +1,401 @@
+"""Where ``zckpt push`` sends checkpoints: a local folder, S3 or any fsspec URL (:class:`FsDestination`) or a
+Hugging Face Hub repository (:class:`HubDestination`).
+
+A destination lists what is already there (size, sha256 or git blob id), sends the files that differ in
+parallel through the push's pool, and writes ``zckpt-manifest.json`` last: a checkpoint at DEST without its
+manifest is not complete. On the Hub files and manifest go in one commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import errno
+import functools
+import hashlib
+import json
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from zckpt import storage
+from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
+from zckpt.scan import TAG_STEP_RE, TRAINER_RE, _step_of
+
+if TYPE_CHECKING:
+    from zckpt.push import _Context
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "zckpt-manifest.json"
+MANIFEST_FORMAT = "zckpt-manifest"
+MANIFEST_VERSION = 1
+
+
+def git_blob_sha1(path: str) -> str:
+    """The git object id of a file (what the Hub reports as ``blob_id`` for non-LFS files)."""
+    digest = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclasses.dataclass
+class FileTask:
+    rel: str
+    local: str
+    size: int
+    mtime_ns: int
+    sha256: str | None = None
+    send: bool = True
+
+
+@dataclasses.dataclass
+class RemoteFile:
+    size: int
+    sha256: str | None = None
+    blob_id: str | None = None
+
+
+def _retryable(exc: BaseException) -> bool:
+    """Transient (connection lost, server error, throttling) rather than a refusal that will repeat."""
+    seen = 0
+    while exc is not None and seen < 5:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+            return False
+        if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT,
+                                                      errno.ENOSPC, errno.EROFS):
+            return False
+        exc, seen = exc.__cause__, seen + 1
+    return True
+
+
+def _check_unchanged(task: FileTask) -> None:
+    st = os.stat(task.local)
+    if st.st_size != task.size or st.st_mtime_ns != task.mtime_ns:
+        raise _Changed(task.rel)
+
+
+class _Changed(Exception):
+    """A local file changed while it was being pushed."""
+
+
+class FsDestination:
+    """DEST on a local disk, S3 or any fsspec URL: parallel uploads, then the manifest."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, part_size: int | None = None):
+        self.url = os.fspath(url)
+        self.storage_options = storage_options
+        self.part_size = part_size
+        self._hash_remote = storage.protocol(self.url) not in ("s3", "s3a")  # local/memory: read it back
+
+    def __str__(self) -> str:
+        return self.url
+
+    def url_of(self, name: str, rel: str = "") -> str:
+        return storage.join(self.url, *(p for p in (name, rel) if p))
+
+    # ---------------------------------------------------------------- state
+
+    def remote_files(self, name: str) -> dict[str, RemoteFile]:
+        files = storage.list_files(self.url_of(name), self.storage_options)
+        return {rel: RemoteFile(size) for rel, size in files.items()}
+
+    def read_manifest(self, name: str) -> dict | None:
+        try:
+            data = storage.read_bytes(self.url_of(name, MANIFEST_NAME), self.storage_options)
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = json.loads(data)
+        except ValueError:
+            return {}
+        return manifest if isinstance(manifest, dict) else {}
+
+    def has_manifest(self, name: str) -> bool:
+        return storage.exists(self.url_of(name, MANIFEST_NAME), self.storage_options)
+
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+        url = self.url_of(name, rel)
+        if self._hash_remote:
+            if not storage.is_url(url):
+                return ctx.sha256(FileTask(rel, storage.local_path(url), remote.size, 0))
+            return hashlib.sha256(storage.read_bytes(url, self.storage_options)).hexdigest()
+        return storage.metadata(url, self.storage_options).get("sha256")
+
+    # ---------------------------------------------------------------- writing
+
+    def begin(self, name: str, ctx: _Context) -> None:
+        """Remove a stale manifest before anything of a changed checkpoint is replaced."""
+        url = self.url_of(name, MANIFEST_NAME)
+        ctx.retry(lambda: storage.remove(url, storage_options=self.storage_options, missing_ok=True), url, name)
+
+    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
+        # fewer files than workers: let each file use the spare workers as parallel multipart streams
+        parts = max(1, ctx.workers // max(1, min(len(tasks), ctx.workers)))
+        futures = [ctx.pool.submit(self._send_one, name, t, ctx, parts) for t in tasks]
+        _wait_all(futures, ctx)
+
+    def _send_one(self, name: str, task: FileTask, ctx: _Context, parts: int = 1) -> None:
+        digest = ctx.sha256(task)
+        url = self.url_of(name, task.rel)
+
+        def upload():
+            sent = [0]
+
+            def on_bytes(n: int) -> None:
+                if ctx.cancel.is_set():
+                    raise PushInterrupted("upload abandoned", path=url)
+                sent[0] += n
+                ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=n)
+
+            try:
+                storage.put_file(task.local, url, callback=on_bytes, storage_options=self.storage_options,
+                                 metadata={"sha256": digest}, chunksize=self.part_size,
+                                 max_concurrency=parts if parts > 1 else None)
+            except BaseException:
+                if sent[0]:
+                    ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=-sent[0])  # this try did not count
+                raise
+
+        ctx.retry(upload, url, name)
+        if not storage.is_url(url):
+            with contextlib.suppress(OSError):
+                ctx.hashes.put(storage.local_path(url), os.stat(storage.local_path(url)), digest)
+        _check_unchanged(task)
+        ctx.emit("file-done", checkpoint=name, path=task.rel, nbytes=task.size)
+
+    def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
+        # every file must be there with its size before the manifest says so (repair once if the store lost any)
+        for attempt in range(2):
+            remote = ctx.retry(lambda: self.remote_files(name), self.url_of(name), name)
+            missing = [t for t in tasks if t.rel not in remote or remote[t.rel].size != t.size]
+            if not missing:
+                break
+            if attempt == 1:
+                raise StorageError(f"{len(missing)} file(s) missing after upload, e.g. {missing[0].rel}",
+                                   path=self.url_of(name))
+            log.warning("%s: %d file(s) missing at DEST after upload; sending them again", name, len(missing))
+            self.send(name, missing, ctx)
+        url = self.url_of(name, MANIFEST_NAME)
+        ctx.retry(lambda: storage.write_bytes_atomic(url, manifest, self.storage_options), url, name)
+
+    def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
+        return remote_manifest is not None and json.dumps(remote_manifest, sort_keys=True) == json.dumps(
+            json.loads(manifest), sort_keys=True)
+
+    # ---------------------------------------------------------------- retention and root files
+
+    def list_remote_checkpoints(self) -> list[tuple[str, int, bool]]:
+        """``(name, step, complete)`` for each checkpoint-looking folder at DEST."""
+        try:
+            names = storage.listdir(self.url, self.storage_options)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for n in names:
+            if TRAINER_RE.match(n) or TAG_STEP_RE.match(n):
+                out.append((n, _step_of(n), self.has_manifest(n)))
+        return out
+
+    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+        for n in names:  # manifest first: from then on nobody treats it as complete
+            url = self.url_of(n, MANIFEST_NAME)
+            ctx.retry(functools.partial(storage.remove, url, storage_options=self.storage_options, missing_ok=True),
+                      url, n)
+            folder = self.url_of(n)
+            ctx.retry(functools.partial(storage.remove, folder, recursive=True, storage_options=self.storage_options,
+                                        missing_ok=True), folder, n)
+
+    def root_matches(self, rel: str, data: bytes) -> bool:
+        try:
+            return storage.read_bytes(self.url_of("", rel), self.storage_options) == data
+        except FileNotFoundError:
+            return False
+
+    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+        for rel, data in files.items():  # ROOT_FILES order: latest last
+            url = self.url_of("", rel)
+            ctx.retry(functools.partial(storage.write_bytes_atomic, url, data, self.storage_options), url)
+
+
+def parse_hf_url(url: str) -> tuple[str, str, str | None, str]:
+    """``hf://[datasets/|spaces/|models/]owner/repo[@rev][/path]`` -> (repo_type, repo_id, revision, path)."""
+    rest = url[len("hf://"):].strip("/")
+    parts = rest.split("/")
+    repo_type = "model"
+    if parts and parts[0] in ("datasets", "spaces", "models"):
+        repo_type = {"datasets": "dataset", "spaces": "space", "models": "model"}[parts[0]]
+        parts = parts[1:]
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise InvalidArgument("a Hub destination is hf://owner/repo[/path] (or hf://datasets/owner/repo)",
+                              path=url)
+    name, _, revision = parts[1].partition("@")
+    return repo_type, f"{parts[0]}/{name}", revision or None, "/".join(parts[2:])
+
+
+class HubDestination:
+    """DEST on the Hugging Face Hub: one commit per checkpoint (files + manifest), atomic on the Hub.
+
+    ``api`` is an ``huggingface_hub.HfApi`` (injectable, for tests and custom endpoints/tokens).
+    """
+
+    def __init__(self, url: str, api=None, *, private: bool = True):
+        self.url = url
+        self.repo_type, self.repo_id, self.revision, self.prefix = parse_hf_url(url)
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi()
+        self.api = api
+        self.private = private
+        self._tree: dict[str, Any] | None = None
+        self._repo_missing = False
+
+    def __str__(self) -> str:
+        return self.url
+
+    def path_of(self, name: str, rel: str = "") -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, name, rel) if p and p.strip("/"))
+
+    def url_of(self, name: str, rel: str = "") -> str:
+        return storage.join(self.url, *(p for p in (name, rel) if p))
+
+    def _list(self, refresh: bool = False) -> dict[str, Any]:
+        if self._tree is None or refresh:
+            from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+            try:
+                entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=self.prefix or None,
+                                                       recursive=True, repo_type=self.repo_type,
+                                                       revision=self.revision))
+            except RepositoryNotFoundError:
+                entries, self._repo_missing = [], True
+            except RevisionNotFoundError as exc:
+                raise StorageError(f"revision {self.revision!r} not found", path=self.url,
+                                   hint="create the branch first") from exc
+            except EntryNotFoundError:
+                entries = []
+            self._tree = {e.path: e for e in entries if hasattr(e, "blob_id")}
+        return self._tree
+
+    def remote_files(self, name: str) -> dict[str, RemoteFile]:
+        base = self.path_of(name)
+        prefix = base + "/" if base else ""
+        out = {}
+        for path, entry in self._list(refresh=True).items():
+            if path.startswith(prefix):
+                lfs = getattr(entry, "lfs", None)
+                sha = (lfs.get("sha256") if isinstance(lfs, dict) else getattr(lfs, "sha256", None)) if lfs else None
+                out[path[len(prefix):]] = RemoteFile(entry.size, sha, entry.blob_id)
+        return out
+
+    def read_manifest(self, name: str) -> dict | None:
+        return {} if self.path_of(name, MANIFEST_NAME) in self._list() else None
+
+    def has_manifest(self, name: str) -> bool:
+        return self.path_of(name, MANIFEST_NAME) in self._list()
+
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+        return remote.sha256
+
+    def same_blob(self, local: str, remote: RemoteFile) -> bool:
+        return remote.blob_id is not None and remote.sha256 is None and git_blob_sha1(local) == remote.blob_id
+
+    def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
+        entry = self._list().get(self.path_of(name, MANIFEST_NAME))
+        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(manifest) + manifest).hexdigest()
+
+    def begin(self, name: str, ctx: _Context) -> None:
+        pass  # the commit replaces files and manifest at once
+
+    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
+        _wait_all([ctx.pool.submit(ctx.sha256, t) for t in tasks], ctx)  # hashes for the manifest
+
+    def _commit(self, operations: list, message: str, ctx: _Context, name: str = ""):
+        if self._repo_missing:
+            ctx.retry(lambda: self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private,
+                                                   exist_ok=True), f"create {self.repo_id}", name)
+            self._repo_missing = False
+        return ctx.retry(lambda: self.api.create_commit(
+            self.repo_id, operations=operations, commit_message=message, repo_type=self.repo_type,
+            revision=self.revision, num_threads=max(1, ctx.workers)), self.url_of(name), name)
+
+    def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        local = {t.rel for t in tasks}
+        stale = [rel for rel in self.remote_files(name) if rel not in local and rel != MANIFEST_NAME]
+        ops = [CommitOperationAdd(path_in_repo=self.path_of(name, t.rel), path_or_fileobj=t.local) for t in sends]
+        ops += [CommitOperationDelete(path_in_repo=self.path_of(name, rel)) for rel in stale]
+        ops.append(CommitOperationAdd(path_in_repo=self.path_of(name, MANIFEST_NAME), path_or_fileobj=manifest))
+        label = name or self.prefix or self.repo_id
+        message = f"zckpt push: {label}" + (f" (step {step})" if step is not None else "")
+        if ctx.cancel.is_set():
+            raise PushInterrupted("interrupted before the commit", path=self.url_of(name))
+        self._commit(ops, message, ctx, name)
+        for t in sends:
+            _check_unchanged(t)
+            ctx.emit("bytes", checkpoint=name, path=t.rel, nbytes=t.size)
+            ctx.emit("file-done", checkpoint=name, path=t.rel, nbytes=t.size)
+        self._tree = None
+
+    def list_remote_checkpoints(self) -> list[tuple[str, int, bool]]:
+        tree = self._list(refresh=True)
+        prefix = self.prefix + "/" if self.prefix else ""
+        names = {p[len(prefix):].split("/", 1)[0] for p in tree if p.startswith(prefix) and "/" in p[len(prefix):]}
+        return [(n, _step_of(n), self.has_manifest(n)) for n in sorted(names)
+                if TRAINER_RE.match(n) or TAG_STEP_RE.match(n)]
+
+    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+        if not names:
+            return
+        from huggingface_hub import CommitOperationDelete
+
+        ops = [CommitOperationDelete(path_in_repo=self.path_of(n, MANIFEST_NAME)) for n in names]
+        ops += [CommitOperationDelete(path_in_repo=self.path_of(n) + "/", is_folder=True) for n in names]
+        self._commit(ops, f"zckpt push: remove {', '.join(names)} (--keep-last)", ctx)
+        self._tree = None
+
+    def root_matches(self, rel: str, data: bytes) -> bool:
+        entry = self._list().get(self.path_of("", rel))
+        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+        from huggingface_hub import CommitOperationAdd
+
+        ops = [CommitOperationAdd(path_in_repo=self.path_of("", rel), path_or_fileobj=data)
+               for rel, data in files.items()]
+        self._commit(ops, f"zckpt push: {', '.join(files)}", ctx)
+        self._tree = None
+
+
+def make_destination(dest, storage_options: dict | None = None, *, hub_api=None, part_size: int | None = None):
+    """A destination object for a local path / URL (``hf://`` -> :class:`HubDestination`)."""
+    if isinstance(dest, (FsDestination, HubDestination)):
+        return dest
+    dest = os.fspath(dest)
+    if storage.protocol(dest) == "hf":
+        return HubDestination(dest, api=hub_api)
+    return FsDestination(dest, storage_options, part_size=part_size)
+
+
+def _wait_all(futures: list[cf.Future], ctx: _Context) -> None:
+    """Wait for every future; on the first failure cancel the rest and raise it."""
+    try:
+        pending = set(futures)
+        while pending:
+            done, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_EXCEPTION)
+            for fut in done:
+                if fut.exception() is not None:
+                    for p in pending:
+                        p.cancel()
+                    cf.wait(pending)
+                    raise fut.exception()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
