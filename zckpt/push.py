@@ -21,6 +21,9 @@ Local file hashes are cached in ``$ZCKPT_CACHE_DIR/push-hashes.json`` (default `
 (absolute path, size, mtime_ns), so an unchanged multi-GB shard is hashed once, not every cycle.
 
 Library code reports progress through ``progress(PushEvent)`` (called from worker threads); the CLI draws bars.
+
+The pieces: :mod:`zckpt.scan` finds the complete checkpoints in SRC, :mod:`zckpt.destinations` lists and sends
+files to DEST; this module hashes, plans what to send, runs the pool, keeps the last N and schedules runs.
 """
 
 from __future__ import annotations
