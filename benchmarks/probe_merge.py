@@ -28,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DRIVER = ("import sys; import zckpt.merge; m = sys.modules['zckpt.merge']; m.WRITE_STREAMS = int(sys.argv.pop(1)); "
-          "from zckpt.cli import main; sys.argv[0] = 'zckpt'; main()")
+DRIVER = ("import sys; import zckpt.merge; m = sys.modules['zckpt.merge']; "
+          "m.WRITE_STREAMS = int(sys.argv.pop(1)); from zckpt.cli import main; sys.argv[0] = 'zckpt'; main()")
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:

@@ -259,24 +259,18 @@ class _Worker:
     """Runs copy jobs with one reusable buffer per thread; casts via :mod:`zckpt.casting` (no torch needed).
 
     Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
-    weights and buffers of a bf16 run merged to fp32); otherwise :meth:`prefetch_casting` imports numpy (50-150 ms)
-    on a side thread while the first copies run."""
+    weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
+    import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
 
-    def __init__(self, write_streams: int | None = None, pure_upcast: bool = False):
+    def __init__(self, pure_upcast: bool = False):
         import threading
         from zckpt.tensors import Reader
         self.reader = Reader()
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
         self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded
-        self.write_slots = threading.BoundedSemaphore(write_streams or WRITE_STREAMS)
+        self.write_slots = threading.BoundedSemaphore(WRITE_STREAMS)
         self.pure_upcast = pure_upcast  # bf16 -> fp32 without numpy (small cast work, see execute)
-
-    @staticmethod
-    def prefetch_casting() -> None:
-        import importlib
-        import threading
-        threading.Thread(target=importlib.import_module, args=("zckpt.casting",), daemon=True).start()
 
     def buffer(self, nbytes: int, slot: str = "buf") -> memoryview:
         buf = getattr(self.local, slot, None)
@@ -406,8 +400,6 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
     worker = _Worker(pure_upcast=pure)
-    if cast_bytes and not pure:
-        worker.prefetch_casting()
     remote = storage.is_url(out)
     tmp = scratch_dir(out, tempfile.gettempdir() if remote else None)
     try:
