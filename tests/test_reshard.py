@@ -193,6 +193,16 @@ WIDE = [
     ("z2_bf16_ws4", 3, 3, None),  # 4 -> 3 and to ZeRO-3
 ]
 
+# master weights and moments stored in bf16, fp32 adapters on a frozen bf16 base: dtypes kept as the source has them
+DTYPES = [
+    ("z2_bf16master_ws2", 3, None, None),  # bf16 masters + bf16 moments, two param groups
+    ("z3_bf16master_ws2", 3, None, None),
+    ("z2_bf16master_ws2", 1, 3, None),  # ... across ZeRO-2 -> ZeRO-3
+    ("z2_bf16master_offload_ws2", 3, None, None),  # bf16 masters, fp32 moments (CPU Adam)
+    ("z3_lora_ws2", 3, None, None),  # fp32 LoRA adapters, frozen bf16 base
+    ("z3_lora_ws2", 1, 2, None),  # ... to ZeRO-2
+]
+
 
 @pytest.mark.parametrize("name,ws,stage,bf16opt", CORE, ids=lambda v: str(v))
 def test_deepspeed_loads_resharded(fixture_dir, tmp_path, name, ws, stage, bf16opt):
@@ -200,6 +210,11 @@ def test_deepspeed_loads_resharded(fixture_dir, tmp_path, name, ws, stage, bf16o
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name,ws,stage,bf16opt", DTYPES, ids=lambda v: str(v))
+def test_deepspeed_loads_resharded_dtypes(fixture_dir, tmp_path, name, ws, stage, bf16opt):
+    run_case(fixture_dir, tmp_path, name, ws, stage, bf16opt)
+
+
 @pytest.mark.parametrize("name,ws,stage,bf16opt", WIDE, ids=lambda v: str(v))
 def test_deepspeed_loads_resharded_wide(fixture_dir, tmp_path, name, ws, stage, bf16opt):
     run_case(fixture_dir, tmp_path, name, ws, stage, bf16opt)
@@ -325,7 +340,8 @@ def assert_same_checkpoint_files(a: Path, b: Path, tag: str):
     assert_same_records(a, b)
 
 
-ROUND_TRIP = ["z2_bf16_ws2", "z3_bf16_ws2", "bf16opt_z1_ws2", "z1_bf16_ws2", "z2_fp32_ws3"]
+ROUND_TRIP = ["z2_bf16_ws2", "z3_bf16_ws2", "bf16opt_z1_ws2", "z1_bf16_ws2", "z2_fp32_ws3", "z2_bf16master_ws2",
+              "z3_bf16master_ws2"]
 
 
 @pytest.mark.parametrize("name", ROUND_TRIP)
@@ -392,6 +408,11 @@ def test_refuses_bad_targets(fixture_dir, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(OutputExists):
         reshard(str(src), str(tmp_path / "full"), world_size=3)
+    with pytest.raises(OutputExists):  # --overwrite replaces only a previous zckpt reshard output
+        reshard(str(src), str(tmp_path / "full"), world_size=3, overwrite=True)
+    (tmp_path / "full" / "x").unlink()
+    reshard(str(src), str(tmp_path / "full"), world_size=2)
+    (tmp_path / "full" / "x").write_text("x")
     reshard(str(src), str(tmp_path / "full"), world_size=3, overwrite=True)
     assert (tmp_path / "full" / "latest").read_text() == (src / "latest").read_text()
     assert not (tmp_path / "full" / "x").exists()

@@ -9,6 +9,7 @@ FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
     "bf16_optimizer": "BF16_Optimizer (ZeRO-1, fp32 gradient accumulation)",
     "zero3": "DeepSpeedZeroOptimizer_Stage3",
+    "zero0": "no ZeRO optimizer (ZeRO-0: weights and optimizer in mp_rank_00_model_states.pt)",
 }
 
 
@@ -47,7 +48,10 @@ def describe(ckpt: Checkpoint) -> dict:
         "zero_stage": ckpt.stage,
         "optimizer": ckpt.flavour,
         "optimizer_class": FLAVOURS[ckpt.flavour],
+        "universal": loc.universal,
         "precision": ckpt.precision,
+        "master_dtype": _one_or_list(ckpt.master_dtypes),
+        "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes),
         "dp_world_size": ckpt.world_size,
         "mp_world_size": int(ms.get("mp_world_size") or 1),
         "offload_optimizer": ckpt.offload,
@@ -68,6 +72,11 @@ def describe(ckpt: Checkpoint) -> dict:
     }
 
 
+def _one_or_list(dtypes: list[str]):
+    """``"float32"`` when every tensor agrees, the sorted list when they differ, None when there are none."""
+    return dtypes[0] if len(dtypes) == 1 else (dtypes or None)
+
+
 def info(path: str, tag: str | None = None) -> dict:
     ckpt = open_checkpoint(path, tag)
     with metadata_errors(ckpt.location.tag_dir):
@@ -75,13 +84,10 @@ def info(path: str, tag: str | None = None) -> dict:
 
 
 def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """``26.3 KiB``: the one size style of every command (:func:`zckpt.units.format_size`)."""
+    from zckpt.units import format_size
+
+    return format_size(n)
 
 
 def human_count(n: int) -> str:
@@ -91,14 +97,22 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def _dtypes(value) -> str:
+    if value is None:
+        return "none"
+    return "+".join(value) if isinstance(value, list) else value
+
+
 def render(d: dict) -> str:
     c, n = d["counts"], d["numel"]
     lines = [
         f"checkpoint   {d['path']}" + ("  (Trainer checkpoint)" if d["trainer_checkpoint"] else ""),
         f"tag          {d['tag']}",
         f"optimizer    ZeRO-{d['zero_stage']}, {d['optimizer_class']}"
-        + (", optimizer offload" if d["offload_optimizer"] else ""),
-        f"precision    {d['precision']}",
+        + (", optimizer offload" if d["offload_optimizer"] else "")
+        + (", universal layout (zero/<param>/*.pt)" if d.get("universal") else ""),
+        f"precision    {d['precision']}; master weights {_dtypes(d['master_dtype'])}, "
+        f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"world size   {d['dp_world_size']} data-parallel x {d['mp_world_size']} model-parallel",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "

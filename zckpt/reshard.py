@@ -9,11 +9,13 @@ Read -> plan -> execute, like :mod:`zckpt.merge`:
    :class:`~zckpt.torchzip.TensorOut` leaves made of source pieces and zero fill. Plain data; ``--dry-run``
    prints its summary.
 3. :func:`execute` streams every file with :func:`zckpt.torchzip.save` into a temporary sibling of OUT, writes
-   ``latest`` last, and renames the folder into place. The source is never modified; no tensor is held whole.
+   ``latest`` and the ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.publish`).
+   The source is never modified; no tensor is held whole.
 
 Output (``fmt="deepspeed"``)::
 
     OUT/latest                                      the source tag
+    OUT/.zckpt.json                                 zckpt's output marker (kind "reshard"; see zckpt.publish)
     OUT/zero_to_fp32.py, zero_to_torch.py           copied when the source save folder has them
     OUT/<tag>/mp_rank_00_model_states.pt            stage 1/2 (stage 3: zero_pp_rank_{r}_mp_rank_00_model_states.pt)
     OUT/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   r = 0..M-1
@@ -35,10 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt import storage
+from zckpt import publish, storage
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
-from zckpt.errors import InvalidArgument, OutputExists, UnsupportedLayout
+from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.safeload import DTYPE_SIZES, LazyTensor
 from zckpt.torchzip import Cast, TensorOut
 
@@ -151,9 +153,12 @@ def _source_groups(ckpt: Checkpoint) -> list[_Group]:
         pgs, state = inner.get("param_groups") or [], inner.get("state") or {}
     else:
         bos = osd0.get("base_optimizer_state")
+        if isinstance(bos, list):  # elastic_checkpoint: per-group states, no param_groups (see is_elastic)
+            return [_Group(info.index, OrderedDict(), bos[info.index].get("step") if info.index < len(bos)
+                           and isinstance(bos[info.index], dict) else None,
+                           [ckpt.by_name()[n] for n in info.names]) for info in ckpt.groups]
         if not isinstance(bos, dict):
-            raise UnsupportedLayout("elastic ZeRO checkpoint (elastic_checkpoint=true) cannot be resharded yet",
-                                    path=path)
+            raise UnsupportedLayout("optimizer file has no base_optimizer_state", path=path)
         pgs, state = bos.get("param_groups") or [], bos.get("state") or {}
     byname = ckpt.by_name()
     groups = []
@@ -165,6 +170,31 @@ def _source_groups(ckpt: Checkpoint) -> list[_Group]:
         step = st.get("step") if isinstance(st, dict) else None
         groups.append(_Group(info.index, hyper, step, [byname[n] for n in info.names]))
     return groups
+
+
+def is_elastic(ckpt: Checkpoint) -> bool:
+    """ZeRO-1/2 saved with ``elastic_checkpoint: true``: ``base_optimizer_state`` is a list of per-group states
+    (padding stripped) and holds no param_groups, so no hyperparameters. It is resharded into the same elastic
+    form (a rigid file would need the hyperparameters torch's ``load_state_dict`` restores); DeepSpeed loads it
+    into an elastic engine at any world size and into a rigid one at the written size."""
+    if ckpt.flavour != "zero" or not ckpt.optim_states:
+        return False
+    return isinstance(ckpt.optim_states[0]["optimizer_state_dict"].get("base_optimizer_state"), list)
+
+
+def _elastic_base(state: OrderedDict, pads: list[int]) -> list:
+    """The elastic ``base_optimizer_state`` of one rank: each group's state with this rank's padding stripped
+    (``_get_state_without_padding``: tensors of one or more dims lose their last ``pad`` elements)."""
+    out = []
+    for gi, pad in enumerate(pads):
+        lean = OrderedDict()
+        for key, value in (state.get(gi) or {}).items():
+            if isinstance(value, TensorOut) and len(value.shape) > 0:
+                n = value.numel - pad
+                value = TensorOut(value.dtype, (n,), W.slice_segments(value.segments, 0, n))
+            lean[key] = value
+        out.append(lean)
+    return out
 
 
 def _group_params(hyper: OrderedDict, ids: list[int], conv: W.Converter) -> dict:
@@ -192,16 +222,30 @@ class _Planner:
         self.cfg = _target_config(ckpt.ds_config, stage, flavour)
         self.version = self.ms0.get("ds_version") or ckpt.optim_states[0].get("ds_version") or "0.19.8"
         self.groups = _source_groups(ckpt)
+        self.elastic = is_elastic(ckpt)  # written back elastic (see is_elastic)
         self.byname = ckpt.by_name()
         self.has_state = all(g.step is not None for g in self.groups) and all(
             r.exp_avg and r.exp_avg_sq for g in self.groups for r in g.records)
         self.lp = LP_DTYPES[ckpt.precision]
         self.partitions: list[dict] = []
         self.notes: list[str] = []
+        self.ranks = range(world_size)  # the ranks whose files are planned (plan_ranks narrows it)
 
     # ---- shared pieces
     def lp_dtype(self, rec: TensorRecord) -> str:
         return rec.lp_dtype or self.lp
+
+    def flat_dtypes(self, records: list[TensorRecord], what: str) -> tuple[str, str | None]:
+        """(master dtype, moment dtype) of the params that share one flat target buffer, as the source stores
+        them (fp32, or bf16 with bf16_master_weights_and_grads / bf16_optimizer_states). One buffer holds one
+        dtype: params whose sources disagree cannot share it, and are refused rather than converted."""
+        mdt = {r.dtype for r in records}
+        sdt = {r.state_dtype for r in records} if self.has_state else set()
+        if len(mdt) > 1 or len(sdt) > 1:
+            raise UnsupportedLayout(f"{what} of the target layout would mix master or optimizer-state dtypes "
+                                    f"({', '.join(sorted(mdt | {d for d in sdt if d}))})", path=self.ckpt.location.tag_dir,
+                                    hint="keep the source's param groups (same stage), or reshard to ZeRO-3")
+        return (mdt.pop() if mdt else "float32"), (sdt.pop() if sdt else None)
 
     def loss_scaler_state(self) -> OrderedDict:
         osd = self.osd0
@@ -318,28 +362,30 @@ class _Planner:
         align = bool((self.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) \
             and self.flavour == "zero"
         layouts, flats = [], []
+        dtypes = []  # per group: (master dtype, moment dtype), as the source stores them
         for g in self.groups:
             itemsize = DTYPE_SIZES[self.lp_dtype(g.records[0])] if g.records else 2
             lay = W.flat_group_layout([r.numel for r in g.records], ws, itemsize, align)
             layouts.append(lay)
-            flats.append({k: lay.flat([list(getattr(r, attr)) for r in g.records])
+            mdt, sdt = self.flat_dtypes(g.records, f"param group {g.index}")
+            dtypes.append((mdt, sdt))
+            flats.append({k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
                           for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
                           if k == "fp32" or self.has_state})
             self.partitions.append({"group": g.index, "numel": sum(r.numel for r in g.records),
                                     "partition": lay.partition,
                                     "paddings": [lay.group_padding(r) for r in range(ws)]})
-        for rank in range(ws):
+        for rank in self.ranks:
             fp32_parts, state, pgroups, gpads, maps = [], OrderedDict(), [], [], []
-            for gi, (g, lay, flat) in enumerate(zip(self.groups, layouts, flats)):
+            for gi, (g, lay, flat, (mdt, sdt)) in enumerate(zip(self.groups, layouts, flats, dtypes)):
                 P, pad = lay.partition, lay.group_padding(rank)
                 keep = P if self.flavour == "bf16_optimizer" else P - pad
-                fp32_parts.append(TensorOut("float32", (keep,), W.slice_segments(flat["fp32"], rank * P, keep)))
+                fp32_parts.append(TensorOut(mdt, (keep,), W.slice_segments(flat["fp32"], rank * P, keep)))
                 if self.has_state:
                     state[gi] = OrderedDict([
                         ("step", _step_out(g.step)),
-                        ("exp_avg", TensorOut("float32", (P,), W.slice_segments(flat["exp_avg"], rank * P, P))),
-                        ("exp_avg_sq", TensorOut("float32", (P,),
-                                                 W.slice_segments(flat["exp_avg_sq"], rank * P, P))),
+                        ("exp_avg", TensorOut(sdt, (P,), W.slice_segments(flat["exp_avg"], rank * P, P))),
+                        ("exp_avg_sq", TensorOut(sdt, (P,), W.slice_segments(flat["exp_avg_sq"], rank * P, P))),
                     ])
                 pgroups.append(_group_params(g.hyper, [gi], self.conv))
                 gpads.append(pad)
@@ -350,7 +396,9 @@ class _Planner:
             if self.flavour == "zero":
                 osd.update(self.loss_scaler_state())
             osd["clip_grad"] = self.clip_grad()
-            osd["base_optimizer_state"] = base
+            osd["base_optimizer_state"] = _elastic_base(state, gpads) if self.elastic else base
+            if self.elastic and "base_optimizer_state_step" in self.osd0:
+                osd["base_optimizer_state_step"] = self.conv(self.osd0["base_optimizer_state_step"])
             osd["single_partition_of_fp32_groups"] = fp32_parts
             if self.flavour == "zero":
                 osd["zero_stage"] = W.zero_stage_enum(self.stage)
@@ -392,16 +440,18 @@ class _Planner:
         frozen = self.frozen_records()
         module = self.module_stage3()
         param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in recs) for _, recs in subs]
-        for rank in range(ws):
+        sub_dtypes = [self.flat_dtypes(recs, f"ZeRO-3 sub-group {s}") for s, (_, recs) in enumerate(subs)]
+        for rank in self.ranks:
             flat, state = [], OrderedDict()
             for s, (g, recs) in enumerate(subs):
                 numel = sum(W.zero3_part(r.numel, ws) for r in recs)
 
-                def part(attr, recs=recs):
+                def part(attr, recs=recs, s=s):
+                    dtype = sub_dtypes[s][0 if attr == "value" else 1]
                     segs = []
                     for r in recs:
-                        segs += W.zero3_rank_slice(list(getattr(r, attr)), r.numel, ws, rank, "float32")
-                    return TensorOut("float32", (numel,), segs)
+                        segs += W.zero3_rank_slice(list(getattr(r, attr)), r.numel, ws, rank, dtype)
+                    return TensorOut(dtype, (numel,), segs)
 
                 flat.append(part("value"))
                 if self.has_state:
@@ -435,7 +485,14 @@ class _Planner:
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}")
+    if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
+        raise UnsupportedLayout(ckpt.reshard_refusal, path=ckpt.location.tag_dir,
+                                hint="zckpt merge / info / verify read this layout")
     stage = ckpt.stage if stage is None else stage
+    if is_elastic(ckpt) and (stage == 3 or bf16_optimizer):
+        raise UnsupportedLayout("an elastic checkpoint (elastic_checkpoint=true) saves no optimizer "
+                                "hyperparameters, which a ZeRO-3 or BF16-optimizer file needs",
+                                path=ckpt.location.tag_dir, hint="reshard it at ZeRO-1 or ZeRO-2")
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
     if ckpt.offload:
@@ -458,6 +515,10 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown --format {fmt!r}", hint="use deepspeed or universal")
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+    if fmt == "universal" and is_elastic(ckpt):
+        raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
+                                "layout's optimizer_state.pt needs", path=ckpt.location.tag_dir,
+                                hint="reshard it in the DeepSpeed layout: an elastic engine loads it at any size")
     planner = _Planner(ckpt, world_size, stage, flavour)
     files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
     if fmt == "universal":
@@ -469,6 +530,25 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     if not planner.has_state:
         plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
     return plan
+
+
+def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
+               bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
+    """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
+    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.deepspeed.resume`).
+    ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
+    ``parameter_alignment``), applied where they differ from the source config's."""
+    world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+    planner = _Planner(ckpt, world_size, stage, flavour)
+    planner.ranks = [int(r) for r in ranks]
+    zcfg = planner.cfg.setdefault("zero_optimization", {})
+    defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
+    for key, value in (zero or {}).items():
+        if value is not None and zcfg.get(key, defaults.get(key)) != value:
+            zcfg[key] = value
+    files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
+    return ReshardPlan(ckpt.location.input_path, ckpt.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
+                       stage, flavour, world_size, ckpt.precision, files, planner.notes, planner.partitions)
 
 
 # ---------------------------------------------------------------------------------------------- side files
@@ -494,7 +574,7 @@ def _side_files(ckpt: Checkpoint, world_size: int) -> list[OutFile]:
     rng_src = {}
     for name in names:
         path = storage.join(loc.trainer_dir, name)
-        if name in seen or name == "latest" or name == loc.tag or not storage.isfile(path):
+        if name in seen or name in ("latest", publish.MARKER) or name == loc.tag or not storage.isfile(path):
             continue
         if name == "rng_state.pth":
             rng_src[0] = path
@@ -511,24 +591,11 @@ def _side_files(ckpt: Checkpoint, world_size: int) -> list[OutFile]:
 
 # ---------------------------------------------------------------------------------------------- execute
 
-def _same_place(a: str, b: str) -> bool:
-    a, b = os.path.realpath(a), os.path.realpath(b)
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
-def _prepare_out(ckpt: Checkpoint, out: str, overwrite: bool) -> None:
+def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None:
     if storage.is_url(out):
         raise InvalidArgument("reshard writes to a local folder", path=out,
                               hint="reshard locally, then `zckpt push` the result")
-    for src in {ckpt.location.save_dir, ckpt.location.tag_dir, ckpt.location.trainer_dir} - {None}:
-        if not storage.is_url(src) and _same_place(src, out):
-            raise InvalidArgument("the output folder is (inside) the source checkpoint", path=out,
-                                  hint="choose an -o outside the source; the source is never modified")
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise OutputExists("output exists and is not a folder", path=out)
-        if os.listdir(out) and not overwrite:
-            raise OutputExists("output folder is not empty", path=out, hint="pass --overwrite to replace it")
+    publish.check_output(out, "reshard", source, overwrite)
 
 
 def _copy_file(src: str, dst: str) -> int:
@@ -543,13 +610,15 @@ def _copy_file(src: str, dst: str) -> int:
 
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
-            durable: bool = False) -> None:
-    """Write ``plan`` into the folder ``out`` atomically (temp sibling, ``latest`` last, rename).
+            durable: bool = False, source: publish.Source | None = None) -> None:
+    """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.publish`: temp sibling, ``latest`` and the
+    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
     from zckpt import torchzip
-    from zckpt.merge import _publish_dir, _test_delay, _Worker, scratch_dir
+    from zckpt.merge import _test_delay, _Worker
+    _check_out(out, overwrite, source)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
 
@@ -558,45 +627,40 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    tmp = scratch_dir(out)
     worker, maps = _Worker(), torchzip.SourceMaps()
     try:
-        written = []
-        with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
-            for f in plan.files:
-                _test_delay()
-                dst = os.path.join(tmp, f.relpath)
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                if f.obj is not None:
-                    torchzip.save(f.obj, dst, pool=pool, progress=step, worker=worker, maps=maps)
-                elif f.src is not None:
-                    step(_copy_file(f.src, dst))
-                else:
-                    with open(dst, "wb") as fh:
-                        fh.write(f.data)
-                    step(len(f.data))
-                if durable:  # flushes while the next file is written
-                    written.append(syncer.submit(torchzip.fsync_all, [dst]))
-            for fut in written:  # everything on disk before `latest` and the rename
-                fut.result()
-        latest = os.path.join(tmp, latest_name)
-        with open(latest, "w") as fh:  # DeepSpeed writes the bare tag, no newline
-            fh.write(plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal")
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
-        _publish_dir(tmp, out, durable)
+        with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
+            written = []
+            with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
+                for f in plan.files:
+                    _test_delay()
+                    dst = pub.path(f.relpath)
+                    if f.obj is not None:
+                        torchzip.save(f.obj, dst, pool=pool, progress=step, worker=worker, maps=maps)
+                    elif f.src is not None:
+                        step(_copy_file(f.src, dst))
+                    else:
+                        with open(dst, "wb") as fh:
+                            fh.write(f.data)
+                        step(len(f.data))
+                    pub.done(f.relpath)
+                    if durable:  # flushes while the next file is written
+                        written.append(syncer.submit(torchzip.fsync_all, [dst]))
+                for fut in written:  # everything on disk before `latest` and the rename
+                    fut.result()
+            # DeepSpeed writes the bare tag, no newline
+            pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
+            pub.commit()
     finally:
         worker.close()
         maps.close()
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def default_output(path: str, world_size: int, stage: int | None, fmt: str) -> str:
-    base = str(path).rstrip("/")
+def default_output(source: publish.Source, world_size: int, stage: int | None, fmt: str) -> str:
+    """Next to the checkpoint, never inside it, never named like a checkpoint:
+    ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>[-z<S>][-universal]``."""
     suffix = f"-ws{world_size}" + (f"-z{stage}" if stage else "") + ("-universal" if fmt == "universal" else "")
-    return base + suffix
+    return publish.default_output(source, "resharded") + suffix
 
 
 def reshard(path: str, out: str | None = None, world_size: int | None = None, stage: int | None = None,
@@ -610,19 +674,21 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     ``bf16_optimizer``: target the BF16 optimizer (stage 1, bf16, ``grad_accum_dtype: fp32``); default keeps the
     source's choice when the stage stays 1. ``progress(done_bytes, total_bytes)`` is called as data is written;
     ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
-    Default ``out``: ``<path>-ws<M>[-z<S>]``.
+    Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
+    (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
     """
     t0 = time.perf_counter()
     if world_size is None:
         raise InvalidArgument("a target world size is required", hint="pass --world-size M")
     ckpt = open_checkpoint(path, tag)
-    out = str(out) if out is not None else default_output(path, world_size, stage, fmt)
+    source = publish.source_of(ckpt.location, picked_tag=tag is not None)
+    out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
+    _check_out(out, overwrite, source)  # before planning or writing anything
     plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt)
-    _prepare_out(ckpt, out, overwrite)
     result = ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
     execute(plan, out, workers, overwrite, progress,
-            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable)
+            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable, source=source)
     result.seconds = time.perf_counter() - t0
     return result

@@ -66,8 +66,8 @@ def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list,
             states = [("fp32", rec.value)]
             if planner.has_state:
                 states += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
-            for key, pieces in states:
-                t = TensorOut("float32", rec.shape, list(pieces))
+            for key, pieces in states:  # kept in the dtype the source stores them in (fp32, or bf16 masters)
+                t = TensorOut(pieces[0].dtype if pieces else rec.dtype, rec.shape, list(pieces))
                 files.append(planner._torch_file(os.path.join(base, f"{key}.pt"), _param_file(t, stage),
                                                  folder=tag_dir))
             if stage <= 2 and planner.has_state:

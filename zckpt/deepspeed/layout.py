@@ -62,6 +62,57 @@ class TensorRecord:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def state_dtype(self) -> str | None:
+        """The dtype the Adam moments are stored in (None when the checkpoint has none)."""
+        return self.exp_avg[0].dtype if self.exp_avg else None
+
+
+# dtypes a master weight or an optimizer moment may be stored in; anything else is refused, never guessed
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def uniform_dtype(tensors, what: str, path: str | None = None) -> str | None:
+    """The one dtype of ``tensors`` (LazyTensors or Pieces, ``None`` entries ignored), or a CorruptFile.
+
+    Master weights and moments are read as the dtype their files say; partitions of one group that disagree
+    (one rank saved bf16, another fp32) cannot be concatenated and are refused."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
+        raise CorruptFile(f"{what} is stored in several dtypes ({', '.join(sorted(dtypes))})", path=path,
+                          hint="the rank files come from different saves or an unknown layout")
+    if dtypes and next(iter(dtypes)) not in STATE_DTYPES:
+        raise UnsupportedLayout(f"{what} is stored as {next(iter(dtypes))}; zckpt reads master weights and "
+                                f"optimizer states only as {', '.join(STATE_DTYPES)}", path=path)
+    return next(iter(dtypes)) if dtypes else None
+
+
+def check_records(records: list[TensorRecord], path: str | None = None) -> None:
+    """The invariant every reader's output must satisfy before anything uses it.
+
+    Each list of pieces (value, exp_avg, exp_avg_sq) is in one dtype and covers exactly the record's element
+    count; ``record.dtype`` is the dtype of its value pieces. A reader that labels bytes with a dtype they are
+    not stored in, or that mis-counts a partition, fails here instead of producing reinterpreted values."""
+    for rec in records:
+        if rec.kind == "tied":
+            continue
+        lists = [("value", rec.value)]
+        if rec.exp_avg or rec.exp_avg_sq:
+            lists += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
+        for what, pieces in lists:
+            dtypes = {p.dtype for p in pieces}
+            numel = sum(p.numel for p in pieces)
+            if numel != rec.numel:
+                raise CorruptFile(f"'{rec.name}': {what} covers {numel} elements, its shape "
+                                  f"{list(rec.shape)} has {rec.numel}", path=path)
+            if len(dtypes) > 1:
+                raise CorruptFile(f"'{rec.name}': {what} is stored in several dtypes "
+                                  f"({', '.join(sorted(dtypes))})", path=path)
+            if what == "value" and dtypes and dtypes != {rec.dtype}:
+                raise CorruptFile(f"'{rec.name}': labelled {rec.dtype} but stored as {dtypes.pop()}", path=path)
+            if dtypes and next(iter(dtypes)) not in safeload.DTYPE_SIZES:
+                raise UnsupportedLayout(f"'{rec.name}': {what} has unknown dtype {next(iter(dtypes))}", path=path)
+
 
 @dataclass
 class GroupInfo:
@@ -87,6 +138,21 @@ class Checkpoint:
     model_states: list[dict]  # per model file (ZeRO-3: per dp rank)
     offload: bool = False
     notes: list[str] = field(default_factory=list)
+    parallel: str | None = None  # "pipeline" or "moe" (zckpt.deepspeed.pipeline / .moe); None: data parallel only
+    reshard_refusal: str | None = None  # why ``reshard`` cannot re-partition this layout (None: it can)
+
+    def __post_init__(self):
+        check_records(self.records, self.location.tag_dir)
+
+    @property
+    def master_dtypes(self) -> list[str]:
+        """The dtypes the trainable parameters' master weights are stored in (e.g. ["float32"])."""
+        return sorted({r.dtype for r in self.records if r.kind == "trainable"})
+
+    @property
+    def state_dtypes(self) -> list[str]:
+        """The dtypes the Adam moments are stored in ([] when the checkpoint holds none)."""
+        return sorted({r.state_dtype for r in self.records if r.kind == "trainable" and r.state_dtype})
 
     # convenience --------------------------------------------------------------------------------
     @property
@@ -110,7 +176,8 @@ class Checkpoint:
 
     @property
     def files(self) -> list[RankFile]:
-        return self.location.model_files + self.location.optim_files
+        loc = self.location
+        return loc.model_files + loc.layer_files + loc.expert_files + loc.optim_files
 
     @property
     def loss_scaler(self) -> dict | None:
@@ -181,11 +248,17 @@ def scalar_value(t) -> Any:
 
 
 def precision_of(model_state: dict, module: dict | None) -> str:
+    """The engine's training precision: from the saved config when it says (an fp32 engine may train fp32
+    adapters on a frozen bf16 base); from the module's dtypes only for a checkpoint saved without a config."""
     cfg = model_state.get("ds_config") or {}
+    said = False
     for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
         sub = cfg.get(key) if isinstance(cfg, dict) else None
         if isinstance(sub, dict) and sub.get("enabled") is True:
             return name
+        said = said or isinstance(sub, dict)
+    if said:
+        return "fp32"
     if module:
         for t in module.values():
             if isinstance(t, LazyTensor) and t.dtype in ("bfloat16", "float16"):
@@ -231,7 +304,7 @@ def open_checkpoint(path: str, tag: str | None = None) -> Checkpoint:
 
 
 def _open(loc: Location) -> Checkpoint:
-    for f in loc.model_files + loc.optim_files:
+    for f in loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files:
         try:
             f.size = storage.size(f.path)
         except ZckptError:
@@ -240,24 +313,28 @@ def _open(loc: Location) -> Checkpoint:
             raise CorruptFile(f"cannot stat ({exc})", path=f.path) from None
     if not loc.model_files:
         raise IncompleteCheckpoint("no *_model_states.pt file in the tag folder", path=loc.tag_dir)
+    if loc.universal:  # zero/optimizer_state.pt + zero/<param>/*.pt instead of *_optim_states.pt
+        from zckpt.deepspeed import universal_read
+        return universal_read.build(loc)
     model_states = _load_all(loc.model_files)
     optim_states = _load_all(loc.optim_files)
     ms0 = model_states[0]
     for f, ms in zip(loc.model_files, model_states):
         if "module" not in ms and "param_shapes" not in ms:
             raise CorruptFile("not a DeepSpeed model-states file (no 'module' or 'param_shapes')", path=f.path)
-    if ms0.get("module") is None and "module" in ms0:
-        raise UnsupportedLayout("model-states file has module=None: a pipeline-parallel checkpoint",
-                                path=loc.model_files[0].path)
+    if loc.layer_files or (ms0.get("module") is None and "module" in ms0):  # PipelineEngine: weights per layer
+        from zckpt.deepspeed import pipeline
+        return pipeline.build(loc, model_states, optim_states)
     if int(ms0.get("mp_world_size") or 1) > 1:
         raise UnsupportedLayout(f"model-parallel checkpoint (mp_world_size={ms0['mp_world_size']})",
                                 path=loc.model_files[0].path)
-    if ms0.get("num_experts") or ms0.get("ds_autoep_layers"):
-        raise UnsupportedLayout("mixture-of-experts checkpoint", path=loc.model_files[0].path)
+    if loc.expert_files or ms0.get("num_experts") or ms0.get("ds_autoep_layers"):  # experts in their own files
+        from zckpt.deepspeed import moe
+        return moe.build(loc, model_states, optim_states)
     if not optim_states:
-        if ms0.get("optimizer") is not None or ms0.get("param_shapes") is None:
-            raise UnsupportedLayout("ZeRO stage 0 checkpoint (no ZeRO optimizer files); its weights are "
-                                    "in mp_rank_00_model_states.pt", path=loc.tag_dir)
+        if ms0.get("optimizer") is not None or ms0.get("param_shapes") is None:  # ZeRO-0: all in one file
+            from zckpt.deepspeed import zero0
+            return zero0.build(loc, model_states)
         raise IncompleteCheckpoint("no *_optim_states.pt files in the tag folder", path=loc.tag_dir)
     for f, st in zip(loc.optim_files, optim_states):
         if not isinstance(st.get("optimizer_state_dict"), dict):

@@ -10,7 +10,8 @@ multiple of 2*ws, and gives rank r the slice [r*P, (r+1)*P)::
 
 Rank r's optimizer file holds, per group::
 
-    single_partition_of_fp32_groups[g]   fp32 master slice; ZeRO-1/2: padding stripped (P - group_paddings[g]
+    single_partition_of_fp32_groups[g]   master slice, fp32 (bf16 with bf16_master_weights_and_grads: the dtype
+                                         is read from the file); ZeRO-1/2: padding stripped (P - group_paddings[g]
                                          elements); BF16 optimizer: padding kept (P elements)
     base_optimizer_state                 torch Adam state_dict: state[k] = {step, exp_avg(P), exp_avg_sq(P)} with
                                          k = param_groups[g]['params'][0]; or (elastic) a list of per-group dicts
@@ -28,7 +29,7 @@ import math
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.layout import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
-    precision_of, scalar_value,
+    precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.safeload import LazyTensor
@@ -46,8 +47,11 @@ def _moments(osd: dict, g: int, path: str):
     """(step, exp_avg, exp_avg_sq, hyperparams) of group g from ``base_optimizer_state``."""
     bos = osd.get("base_optimizer_state")
     if isinstance(bos, list):  # elastic_checkpoint: per-group dicts, padding stripped
+        # no param_groups (no hyperparameters) in an elastic file; the Adam step is the state's own ('step'), the
+        # param group's step (base_optimizer_state_step, only saved by optimizers keeping one) otherwise
         st = bos[g] if g < len(bos) else None
-        step = osd.get("base_optimizer_state_step")
+        step = st.get("step") if isinstance(st, dict) and st.get("step") is not None \
+            else osd.get("base_optimizer_state_step")
         hyper = {}
     elif isinstance(bos, dict):
         groups = bos.get("param_groups") or []
@@ -116,6 +120,11 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             ea_parts.append(ea)
             eas_parts.append(eas)
         has_moments = all(t is not None for t in ea_parts + eas_parts)
+        # the dtypes come from the files: fp32 masters, or bf16 with bf16_master_weights_and_grads; moments may
+        # differ from the masters (bf16_optimizer_states, or CPU Adam's fp32 states)
+        master_dtype = uniform_dtype(fp32_parts, f"the master weights of group {g}", opath[0])
+        if has_moments:
+            uniform_dtype(ea_parts + eas_parts, f"the Adam moments of group {g}", opath[0])
         for r in range(ws):
             for t in (ea_parts[r], eas_parts[r]) if has_moments else ():
                 if t.numel < reals[r]:
@@ -139,7 +148,8 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                     eas += pieces_of(eas_parts[r], lo - r * P, hi - lo)
                 _check_mapping(osds[r], g, name, lo - r * P, hi - lo, opath[r])
             lp = module[name].dtype if isinstance(module.get(name), LazyTensor) else LP_DTYPES[precision]
-            trainable[name] = TensorRecord(name, shape, "trainable", "float32", fp, ea, eas, group=g, lp_dtype=lp)
+            trainable[name] = TensorRecord(name, shape, "trainable", master_dtype, fp, ea, eas, group=g,
+                                           lp_dtype=lp)
             names.append(name)
             offset += n + (align[i] if i < len(align) else 0)
         avail = sum(reals)

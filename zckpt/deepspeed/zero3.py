@@ -3,7 +3,8 @@
 A parameter of n elements is split into ws slices of ceil(n/ws); the last rank's slice ends with
 (ws - n % ws) % ws zeros. Rank r's optimizer file holds, per sub-group s (``sub_group_size``)::
 
-    fp32_flat_groups[s]                          concat over the sub-group's params (``param_shapes[s]`` order)
+    fp32_flat_groups[s]                          master weights (fp32, or bf16 with bf16_master_weights_and_grads:
+                                                 the dtype is read from the file), concat over the sub-group's params (``param_shapes[s]`` order)
                                                  of rank r's ceil(n/ws) slice
     optimizer_state_dict.state[s]                {step, exp_avg, exp_avg_sq}, laid out like fp32_flat_groups[s]
     optimizer_state_dict.param_groups[k].params  the sub-group ids of user param group k
@@ -21,7 +22,7 @@ import math
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.layout import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
-    precision_of, scalar_value,
+    precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
 from zckpt.safeload import LazyTensor
@@ -68,6 +69,10 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                                   f"need {need}", path=opath[r], hint="param_shapes and the optimizer files disagree")
             if has_moments and (moments[r][0][s].numel != need or moments[r][1][s].numel != need):
                 raise CorruptFile(f"sub-group {s}: Adam moments do not match the fp32 partition", path=opath[r])
+        master_dtype = uniform_dtype([flats[r][s] for r in range(ws)], f"the master weights of sub-group {s}",
+                                     opath[0])
+        if has_moments:
+            uniform_dtype([m[k][s] for m in moments for k in (0, 1)], f"the Adam moments of sub-group {s}", opath[0])
         off = 0
         for name, shape in param_shapes[s].items():
             shape = tuple(int(d) for d in shape)
@@ -82,7 +87,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                         ea += pieces_of(moments[r][0][s], off, take)
                         eas += pieces_of(moments[r][1][s], off, take)
             lp = module[name].dtype if isinstance(module.get(name), LazyTensor) else LP_DTYPES[precision]
-            trainable[name] = TensorRecord(name, shape, "trainable", "float32", fp, ea, eas, lp_dtype=lp)
+            trainable[name] = TensorRecord(name, shape, "trainable", master_dtype, fp, ea, eas, lp_dtype=lp)
             sub_of[name] = s
             off += part
 
