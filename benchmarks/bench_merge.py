@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--workers", type=int, default=None, help="zckpt --workers")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a folder holding another zckpt package (e.g. `git archive OLD zckpt | tar -x -C DIR`): "
+                         "run it too, alternating, for before/after figures from the same run")
     args = ap.parse_args(argv)
 
     workdir = Path(args.workdir)
@@ -110,10 +113,23 @@ def main(argv=None) -> int:
                "runs": {}}
     print(f"checkpoint {ckpt} ({results['params'] / 1e6:.0f}M params, {results['checkpoint_bytes'] / 2**30:.2f} GiB, "
           f"{args.world_size} ranks), {os.cpu_count()} CPUs, {args.repeat} alternating runs", flush=True)
+    base_env = None
+    if args.baseline:
+        base_env = dict(env, PYTHONPATH=os.pathsep.join([str(Path(args.baseline).resolve()), env.get("PYTHONPATH", "")]))
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(args.baseline) / "zckpt")], check=True,
+                       stdout=subprocess.DEVNULL)
     for dtype in args.dtypes.split(","):
         out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy"
         rows = {"zckpt": [], "deepspeed": [], "copy": []}
+        if base_env:
+            rows["baseline"] = []
         for i in range(args.repeat):
+            if base_env:  # the other zckpt first, into its own fresh folder, cleared untimed
+                out_b = workdir / f"out-base-{dtype}"
+                shutil.rmtree(out_b, ignore_errors=True)
+                os.sync()
+                rows["baseline"].append(run_measured(zckpt_cmd + ["--dtype", dtype, "-o", str(out_b)], base_env))
+                shutil.rmtree(out_b, ignore_errors=True)
             # every tool writes into a fresh location (cleared untimed); outputs are removed as soon as they
             # are measured, so a multi-billion-parameter run needs disk for the checkpoint plus two outputs
             shutil.rmtree(out_z, ignore_errors=True)
@@ -141,6 +157,9 @@ def main(argv=None) -> int:
         results["runs"][dtype] = {"median_s": med, "peak_rss_bytes": rss, "deepspeed_over_zckpt": ratio_ds,
                                   "zckpt_over_copy": ratio_cp, "output_bytes": out_bytes,
                                   "copied_file_bytes": copy_bytes, "raw": rows}
+        if base_env:
+            results["runs"][dtype]["zckpt_over_baseline"] = statistics.median(
+                z[0] / b[0] for z, b in zip(rows["zckpt"], rows["baseline"]))
         shutil.rmtree(out_z, ignore_errors=True)
 
     print()
@@ -151,6 +170,9 @@ def main(argv=None) -> int:
         print(f"| {dtype} ({r['output_bytes'] / 2**30:.2f} GiB) | {m['zckpt']:.2f} | {m['deepspeed']:.2f} | "
               f"{m['copy']:.2f} | {r['deepspeed_over_zckpt']:.1f}x | {r['zckpt_over_copy']:.2f}x | "
               f"{p['zckpt'] / 2**20:.0f} MiB | {p['deepspeed'] / 2**20:.0f} MiB |")
+        if "baseline" in m:
+            print(f"  {dtype}: baseline zckpt {m['baseline']:.2f} s ({p['baseline'] / 2**20:.0f} MiB); "
+                  f"this / baseline = {r['zckpt_over_baseline']:.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
     return 0

@@ -88,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--workers", type=int, default=None, help="zckpt --workers")
     ap.add_argument("--skip-ds", action="store_true", help="leave out ds_to_universal")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="a folder holding another zckpt package: run its reshard too (before/after in one run)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
 
@@ -112,6 +114,10 @@ def main(argv=None) -> int:
         "zckpt reshard (native)": lambda: zk + ["-o", str(out)],
         "zckpt reshard --format universal": lambda: zk + ["--format", "universal", "-o", str(out)],
     }
+    if args.baseline:  # another zckpt package (an older commit), same command, for before/after in one run
+        benv = dict(env, PYTHONPATH=os.pathsep.join([str(Path(args.baseline).resolve()), env.get("PYTHONPATH", "")]))
+        cases["baseline zckpt reshard (native)"] = lambda: ["env", f"PYTHONPATH={benv['PYTHONPATH']}"] + zk + [
+            "-o", str(out)]
     if not args.skip_ds:
         cases["ds_to_universal"] = lambda: [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                             str(ckpt / tag), "--output_folder", str(out / f"{tag}_universal"),

@@ -168,6 +168,8 @@ def _engine(job: dict, stage: int, seed: int):
     ws = tdist.get_world_size()
     assert job["batch"] % ws == 0, f"--batch {job['batch']} is not divisible by {ws} ranks"
     cfg = ds_config(stage, job["batch"] // ws, job["lr"])
+    for key, value in (job.get("ds_extra") or {}).items():  # e.g. {"bf16": {"bf16_master_weights_and_grads": true}}
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
     torch.manual_seed(seed)
     model = build_model(job["dims"])
     opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -523,7 +525,8 @@ class Ctx:
     def job_common(self) -> dict:
         a = self.a
         return {"dims": self.dims, "batch": a.batch, "seq": a.seq, "lr": a.lr, "seed": a.seed,
-                "data_pool": a.data_pool, "steps": a.steps, "cont_steps": a.cont_steps, "shm_op": False}
+                "data_pool": a.data_pool, "steps": a.steps, "cont_steps": a.cont_steps, "shm_op": False,
+                "ds_extra": a.ds_extra}
 
     def torchrun(self, nproc: int, job: dict, log: Path, env: dict, timeout: float) -> dict:
         G = gen_module()
@@ -1091,6 +1094,9 @@ def main(argv=None) -> int:
                     "z2-ws1-cpu ds-universal")
     ap.add_argument("--parts", nargs="+", help="only these parts of the stage (e.g. z2)")
     ap.add_argument("--redo", action="store_true", help="run parts again even if a passing result is cached")
+    ap.add_argument("--ds-extra", type=json.loads, default=None, metavar="JSON",
+                    help='merged into the DeepSpeed config of every engine, e.g. '
+                         '\'{"bf16": {"bf16_master_weights_and_grads": true, "bf16_optimizer_states": true}}\'')
     ap.add_argument("--steps", type=int, default=3, help="training steps before the save")
     ap.add_argument("--cont-steps", type=int, default=3, help="steps after the save / after each load")
     ap.add_argument("--batch", type=int, default=4, help="global batch (sequences per step)")
