@@ -113,7 +113,12 @@ def batch_for(step: int, job: dict):
 
 
 def sha(t) -> str:
+    """sha256 of a tensor's bytes; bf16/fp16 values (bf16 master weights) hashed as their exact fp32 upcast, so
+    the hash of a master compares with zckpt's default fp32 output whatever dtype DeepSpeed kept it in."""
+    import torch
     t = t.detach().cpu().contiguous().reshape(-1)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
     return hashlib.sha256(t.view(_int_dtype(t)).numpy().data).hexdigest()
 
 
@@ -318,7 +323,8 @@ def _worker_load(job: dict):
         for key, got in (("fp32", fp32), ("exp_avg", m), ("exp_avg_sq", v)):
             pieces = rec.value if key == "fp32" else getattr(rec, key)
             ref = load_pieces(pieces, pieces[0].dtype if pieces else rec.dtype, rec.shape, reader)
-            if not bit_equal(got, ref):
+            if not (bit_equal(got, ref) or (got.dtype != ref.dtype and bit_equal(got.float(), ref.float()))):
+                # (safe_get_full_* hands back bf16 masters/moments upcast to fp32: equal when exactly the same values)
                 bad_src.append(f"{n}:{key}")
             if saved is not None and sha(got) != saved["params"].get(n, {}).get(key):
                 bad_hash.append(f"{n}:{key}")

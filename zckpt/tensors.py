@@ -26,7 +26,8 @@ class Reader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
+        """The cached read-only descriptor of a local file (for in-kernel copies)."""
         fd = self._fds.get(path)
         if fd is None:
             with self._lock:
@@ -45,7 +46,7 @@ class Reader:
                 raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
             buf[:n] = data
             return
-        fd = self._fd(piece.path)
+        fd = self.fd(piece.path)
         done = 0
         while done < n:
             got = os.preadv(fd, [buf[done:n]], piece.offset + done)
@@ -78,6 +79,9 @@ def load_pieces(pieces, dtype: str, shape, reader: Reader | None = None):
     import math
     import torch
     numel = math.prod(shape)
+    wrong = {p.dtype for p in pieces} - {dtype}
+    if wrong:  # bytes are never relabelled: a caller that assumes a dtype the files do not hold is a bug
+        raise ValueError(f"pieces of {', '.join(sorted(wrong))} read as {dtype}")
     have = sum(p.numel for p in pieces)
     if have != numel:
         raise CorruptFile(f"pieces hold {have} elements, shape {list(shape)} needs {numel}",

@@ -1,0 +1,99 @@
+"""The package's shape: imports flow one way (no cycles, even inside functions) and no module reaches into
+another's private names. A change that knots modules together fails here (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "zckpt"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = p
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict) -> list[tuple[str, str | None]]:
+    """(imported module, imported name or None) for every zckpt import anywhere in the file."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            if base.split(".")[0] != "zckpt":
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.append((full, None) if full in mods else (base, alias.name))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names if a.name.split(".")[0] == "zckpt"]
+    return out
+
+
+def _graph():
+    mods = _modules()
+    edges = {m: set() for m in mods}
+    private = []
+    for m, p in mods.items():
+        for target, name in _imports(m, p, mods):
+            if target in mods and target != m and not (m.startswith(target + ".") and target == "zckpt"):
+                edges[m].add(target)
+            if name and name.startswith("_") and not name.startswith("__"):
+                private.append(f"{m} imports {target}.{name}")
+    return mods, edges, private
+
+
+def test_no_import_cycles():
+    mods, edges, _ = _graph()
+    # package __init__ files re-export lazily (PEP 562); an edge into a package's own __init__ is not a cycle
+    for m in edges:
+        edges[m] = {t for t in edges[m] if not (mods[t].name == "__init__.py" and m.startswith(t + "."))}
+    index, low, stack, on, sccs, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    assert not sccs, f"import cycles: {sccs}"
+
+
+def test_no_cross_module_private_imports():
+    _, _, private = _graph()
+    assert not private, "private names imported across modules:\n" + "\n".join(private)
+
+
+def test_no_module_and_function_share_a_name():
+    """``zckpt.merge`` must be one thing: a module attribute of the package never shadows a submodule."""
+    import zckpt
+    mods = _modules()
+    clashes = [n for n in getattr(zckpt, "__all__", []) if f"zckpt.{n}" in mods]
+    assert not clashes, clashes
