@@ -275,7 +275,7 @@ def test_recommend_refuses_bad_headroom(headroom):
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("80G", 80 * 2**30), ("80 gib", 80 * 2**30),
+    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("80G", 80 * 10**9), ("80 gib", 80 * 2**30),
     ("81559MiB", 81559 * 2**20), ("1.5TiB", 3 * 2**39), ("24576MB", 24576 * 10**6), ("1024", 1024),
     ("512KiB", 2**19), ("1TB", 10**12), ("79.6GiB", round(Fraction("79.6") * 2**30)), ("2B", 2),
 ])
@@ -512,6 +512,9 @@ def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
     import fixtures.generate as G
 
     spec = json.loads((fixture_dir / "expected" / "spec.json").read_text())
+    if spec.get("kind") in ("pipeline", "moe"):
+        pytest.skip("model needs torch.distributed (fixtures/gen_parallel.py); tests/test_layouts_pp_moe.py "
+                    "checks its counts against the live model's parameters")
     model = G.build_hf_model(spec["model"]) if spec.get("kind") == "trainer" else G.build_model(spec["model"])
     expected = tuple(ds[1].model_to_params(model))
     assert counts_from_checkpoint(ckpt_path) == expected

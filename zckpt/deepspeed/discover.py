@@ -12,7 +12,8 @@ File names inside a tag folder (DeepSpeed 0.19.8, engine.py ``_get_ckpt_name`` a
     mp_rank_XX_model_states.pt                          ZeRO 0/1/2: model states, one per model-parallel rank
     zero_pp_rank_R_mp_rank_XX_model_states.pt           ZeRO 3: model states, one per data-parallel rank
     [bf16_]zero_pp_rank_R_mp_rank_XX_optim_states.pt    optimizer partition of data-parallel rank R
-    layer_NN-model_states.pt, layer_N_expert_E_...      pipeline layers / MoE experts (refused for now)
+    layer_NN-model_states.pt                            pipeline layer NN's state_dict (zckpt.deepspeed.pipeline)
+    layer_L_expert_E_mp_rank_XX_model_states.pt         MoE layer L's expert E (zckpt.deepspeed.moe)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from zckpt.errors import CheckpointNotFound, InvalidArgument, UnsupportedLayout
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 LAYER_RE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
-EXPERT_RE = re.compile(r"^(?:layer_\d+_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_RE = re.compile(r"^(?:layer_(\d+)_)?expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 TAG_SORT_RE = re.compile(r"(\d+)$")
 
@@ -42,6 +43,8 @@ class RankFile:
     dp_rank: int | None
     mp_rank: int
     size: int = -1
+    index: int | None = None  # layer files: the pipeline layer index; expert files: the MoE layer id
+    expert: int | None = None  # expert files: the global expert id
 
 
 @dataclass
@@ -57,6 +60,9 @@ class Location:
     optim_files: list[RankFile] = field(default_factory=list)
     other_files: list[str] = field(default_factory=list)
     has_latest: bool = False
+    layer_files: list[RankFile] = field(default_factory=list)  # pipeline: layer_XX-model_states.pt
+    expert_files: list[RankFile] = field(default_factory=list)  # MoE: layer_L_expert_E_mp_rank_XX_model_states.pt
+    universal: bool = False  # a universal checkpoint: optim_files are zero/optimizer_state.pt, zero/<param>/*.pt
 
 
 def _is_tag_dir(names) -> bool:
@@ -107,6 +113,14 @@ def locate(path: str, tag: str | None = None) -> Location:
         return _fill(loc, names)
 
     has_latest = "latest" in names
+    tag_from_user = tag is not None
+    latest_name = "latest"
+    if tag is None and not has_latest and "latest_universal" in names:  # ds_to_universal's, or zckpt reshard's
+        tag = _read_latest(storage.join(path, "latest_universal"))
+        if not tag or "/" in tag or tag in (".", ".."):
+            raise CheckpointNotFound(f"'latest_universal' names an invalid tag {tag!r}",
+                                     path=storage.join(path, "latest_universal"))
+        has_latest, latest_name = True, "latest_universal"
     if tag is None and has_latest:
         tag = _read_latest(storage.join(path, "latest"))
         if not tag or "/" in tag or tag in (".", ".."):
@@ -129,11 +143,20 @@ def locate(path: str, tag: str | None = None) -> Location:
                                      path=path, hint="pass a DeepSpeed save folder, a tag folder or a checkpoint-N")
     tag_dir = storage.join(path, tag)
     if not storage.isdir(tag_dir):
-        where = "'latest' names" if has_latest else "--tag names"
+        if tag_from_user:
+            raise CheckpointNotFound(f"--tag {tag}: no such tag folder", path=tag_dir,
+                                     hint=_existing_tags_hint(path, names))
+        where = f"'{latest_name}' names" if has_latest else "the only tag"
         raise CheckpointNotFound(f"{where} tag '{tag}' but that folder does not exist", path=tag_dir,
                                  hint="the save may have been interrupted; pick an existing tag with --tag")
     loc = Location(path, path, tag, tag_dir, trainer_dir, has_latest=has_latest)
     return _fill(loc, storage.listdir(tag_dir))
+
+
+def _existing_tags_hint(path: str, names) -> str:
+    tags = sorted((n for n in names if storage.isdir(storage.join(path, n))
+                   and _is_tag_dir(storage.listdir(storage.join(path, n)))), key=_tag_key)
+    return f"existing tags: {', '.join(tags)}" if tags else "this folder holds no tag folders"
 
 
 def _fill(loc: Location, names) -> Location:
@@ -144,21 +167,49 @@ def _fill(loc: Location, names) -> Location:
         elif m := MODEL_RE.match(name):
             loc.model_files.append(RankFile(full, name, "model", int(m.group(1)) if m.group(1) else None,
                                             int(m.group(2))))
-        elif LAYER_RE.match(name):
-            raise UnsupportedLayout("pipeline-parallel checkpoint (layer_*-model_states.pt files); zckpt reads "
-                                    "data-parallel checkpoints only for now", path=loc.tag_dir)
-        elif EXPERT_RE.match(name) or EXPP_RE.match(name):
-            raise UnsupportedLayout("mixture-of-experts checkpoint (expert_* files); zckpt reads data-parallel "
-                                    "checkpoints only for now", path=loc.tag_dir)
+        elif m := LAYER_RE.match(name):  # pipeline parallel (zckpt.deepspeed.pipeline)
+            loc.layer_files.append(RankFile(full, name, "layer", None, int(m.group(2) or 0), index=int(m.group(1))))
+        elif m := EXPERT_RE.match(name):  # mixture of experts (zckpt.deepspeed.moe)
+            loc.expert_files.append(RankFile(full, name, "expert", None, int(m.group(3)),
+                                             index=int(m.group(1) or 0), expert=int(m.group(2))))
+        elif EXPP_RE.match(name):
+            raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO (expp_rank_* optimizer files); "
+                                    "zckpt reads MoE checkpoints of ZeRO-1/2 only", path=loc.tag_dir)
         else:
             loc.other_files.append(name)
     if not loc.model_files and not loc.optim_files:
         raise CheckpointNotFound("tag folder holds no *_model_states.pt or *_optim_states.pt files",
                                  path=loc.tag_dir)
     mp_ranks = {f.mp_rank for f in loc.model_files + loc.optim_files}
-    if len(mp_ranks) > 1 or mp_ranks - {0}:
+    if (len(mp_ranks) > 1 or mp_ranks - {0}) and not loc.layer_files:  # mp ranks of a pipeline are its stages
         raise UnsupportedLayout(f"model-parallel checkpoint (mp ranks {sorted(mp_ranks)}: tensor or pipeline "
                                 "parallel); zckpt reads data-parallel checkpoints only for now", path=loc.tag_dir)
     loc.model_files.sort(key=lambda f: (f.dp_rank or 0))
     loc.optim_files.sort(key=lambda f: f.dp_rank)
+    if not loc.optim_files and "zero" in loc.other_files:
+        _add_universal(loc)
     return loc
+
+
+def _add_universal(loc: Location) -> None:
+    """The files of a universal checkpoint's ``zero/`` folder (``ds_to_universal`` or ``zckpt reshard --format
+    universal``), as ``optim_files`` named relative to the tag folder: ``zero/optimizer_state.pt`` first, then
+    ``zero/<param>/<state>.pt`` (state: fp32, exp_avg, exp_avg_sq, step) by parameter name."""
+    zero = storage.join(loc.tag_dir, "zero")
+    if not storage.isdir(zero):
+        return
+    names = storage.listdir(zero)
+    if "optimizer_state.pt" not in names:
+        return
+    loc.universal = True
+    files = [RankFile(storage.join(zero, "optimizer_state.pt"), "zero/optimizer_state.pt", "universal", None, 0)]
+    for param in names:
+        if param == "optimizer_state.pt":
+            continue
+        folder = storage.join(zero, param)
+        if not storage.isdir(folder):
+            continue
+        for state in storage.listdir(folder):
+            if state.endswith(".pt"):
+                files.append(RankFile(storage.join(folder, state), f"zero/{param}/{state}", "universal", None, 0))
+    loc.optim_files = files

@@ -1,0 +1,237 @@
+"""Mixture-of-experts checkpoints (native ``deepspeed.moe.layer.MoE``) of ZeRO-1/2 and the BF16 optimizer.
+
+``engine._save_moe_checkpoint`` writes the experts apart from the rest of the model::
+
+    global_step3/
+      mp_rank_00_model_states.pt      module = the model WITHOUT expert tensors (the gate stays), num_experts
+                                      (one count per MoE layer), param_shapes: one dict per optimizer group;
+                                      expert groups list rank 0's experts under LOCAL ids (deepspeed_experts.0, 1)
+      layer_{L}_expert_{E}_mp_rank_00_model_states.pt   MoE layer L's expert E (GLOBAL id) lp tensors, GLOBAL names
+      [bf16_]zero_pp_rank_{R}_mp_rank_00_optim_states.pt   an ordinary ZeRO-1/2 file of dp rank R, whose groups are
+                                      partitioned over different rank sets: partition_count [2, 1] for ep_size 2
+
+DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` gives expert parameters their own optimizer
+groups (``moe: True``, ``name: "ep_size_N"``). A dense group is partitioned over all ``ws`` data-parallel ranks as
+usual. An expert group of ``ep_size`` N is partitioned over the ``ws/N`` ranks of an expert-data-parallel group:
+ranks ``R`` with ``R % N == e`` hold expert-parallel rank ``e``'s local experts (``groups._create_expert_and_data_
+parallel``: expert-parallel groups are blocks of N consecutive ranks), split in the order ``R // N``. Local expert
+``i`` of expert-parallel rank ``e`` is global expert ``e * num_local + i``.
+
+This reader builds the dense groups and each (expert group, expert-parallel rank) with
+:func:`zckpt.deepspeed.zero12.build` over a view of the files restricted to those groups and ranks, renames local
+expert ids to global ones, and takes the experts' lp dtypes (and any frozen expert tensors) from the expert files.
+Names are the live model's ``state_dict`` keys with global expert ids: the model one would build with
+``ep_size=1``. Resharding is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from zckpt.deepspeed.discover import Location, RankFile
+from zckpt.deepspeed.layout import Checkpoint, GroupInfo, TensorRecord, _load_all, pieces_of
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
+from zckpt.safeload import LazyTensor
+
+EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")
+PER_GROUP_KEYS = ("single_partition_of_fp32_groups", "group_paddings", "partition_count",
+                  "param_alignment_paddings", "param_slice_mappings")
+
+REFUSAL = ("mixture-of-experts checkpoint: zckpt merges it (merge, info, verify) but does not reshard it; resume "
+           "it with the same data-parallel and expert-parallel sizes")
+
+
+def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
+    from zckpt.deepspeed import zero12
+
+    ms0 = model_states[0]
+    mpath = loc.model_files[0].path
+    if ms0.get("ds_autoep_layers"):
+        raise UnsupportedLayout("AutoEP mixture-of-experts checkpoint (ds_autoep_layers); zckpt reads native "
+                                "deepspeed.moe.layer.MoE checkpoints only", path=mpath)
+    if not isinstance(ms0.get("num_experts"), (list, tuple)) or not ms0["num_experts"]:
+        raise UnsupportedLayout("mixture-of-experts expert files, but the model-states file has no num_experts list: "
+                                "not a native MoE save", path=mpath,
+                                hint="remove stray layer_*_expert_* files, or pass a complete MoE checkpoint")
+    if not optim_states:
+        raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO optimizer files (ZeRO-0)", path=mpath)
+    if len(loc.model_files) != 1 or loc.model_files[0].dp_rank is not None:
+        raise UnsupportedLayout("mixture-of-experts checkpoint of ZeRO-3 (per-rank model files); zckpt reads MoE "
+                                "checkpoints of ZeRO-1/2", path=loc.tag_dir)
+    osds = [st.get("optimizer_state_dict") for st in optim_states]
+    if not all(isinstance(o, dict) for o in osds):
+        raise CorruptFile("not a DeepSpeed optimizer-states file (no 'optimizer_state_dict')", path=loc.tag_dir)
+    if osds[0].get("zero_stage") is not None and int(osds[0]["zero_stage"]) not in (1, 2):
+        raise UnsupportedLayout(f"mixture-of-experts checkpoint of ZeRO stage {int(osds[0]['zero_stage'])}",
+                                path=loc.tag_dir)
+    ws = len(loc.optim_files)
+    param_shapes = ms0.get("param_shapes")
+    ngroups = len(osds[0].get("single_partition_of_fp32_groups") or [])
+    if not isinstance(param_shapes, list) or len(param_shapes) != ngroups:
+        raise CorruptFile(f"param_shapes lists {len(param_shapes or [])} groups, the optimizer {ngroups}", path=mpath)
+    hyper = _param_groups(osds[0], ngroups)
+    experts = [g for g in range(ngroups) if hyper[g].get("moe") or any(EXPERT_RE.match(n) for n in param_shapes[g])]
+    dense = [g for g in range(ngroups) if g not in experts]
+
+    ms_dense = {**ms0, "param_shapes": [param_shapes[g] for g in dense],
+                "frozen_param_shapes": _dense_only(ms0.get("frozen_param_shapes")),
+                "frozen_param_fragments": _dense_only(ms0.get("frozen_param_fragments"))}
+    dense_loc = _sub_location(loc, loc.optim_files)
+    base = zero12.build(dense_loc, [ms_dense], [_select(st, dense) for st in optim_states])
+    groups = [dataclasses.replace(gi, index=dense[gi.index]) for gi in base.groups]
+    records = [dataclasses.replace(r, group=dense[r.group]) if r.group is not None else r for r in base.records]
+
+    expert_recs: dict[str, TensorRecord] = {}
+    for g in experts:
+        recs, info = _expert_group(loc, ms0, optim_states, hyper[g], g, param_shapes[g], ws)
+        expert_recs.update(recs)
+        groups.append(info)
+    groups.sort(key=lambda gi: gi.index)
+    expert_recs = _from_expert_files(loc, ms0, expert_recs)
+    records = _insert_experts(records, list(expert_recs.values()))
+    notes = [f"mixture of experts: {len(loc.expert_files)} expert files, expert groups "
+             + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
+                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL)
+
+
+def _param_groups(osd: dict, ngroups: int) -> list[dict]:
+    bos = osd.get("base_optimizer_state")
+    pgs = bos.get("param_groups") if isinstance(bos, dict) else None
+    if not isinstance(pgs, list) or len(pgs) != ngroups:
+        return [{} for _ in range(ngroups)]
+    return [pg if isinstance(pg, dict) else {} for pg in pgs]
+
+
+def _dense_only(d):
+    return None if d is None else {k: v for k, v in d.items() if not EXPERT_RE.match(k)}
+
+
+def _sub_location(loc: Location, optim_files: list[RankFile]) -> Location:
+    return Location(loc.input_path, loc.save_dir, loc.tag, loc.tag_dir, loc.trainer_dir,
+                    model_files=list(loc.model_files), optim_files=optim_files, has_latest=loc.has_latest)
+
+
+def _select(state: dict, idxs: list[int]) -> dict:
+    """A view of one optimizer file holding only the param groups ``idxs`` (in that order)."""
+    osd = state["optimizer_state_dict"]
+    out = dict(osd)
+    for key in PER_GROUP_KEYS:
+        v = osd.get(key)
+        if isinstance(v, (list, tuple)):
+            if max(idxs, default=-1) >= len(v):
+                raise CorruptFile(f"'{key}' has {len(v)} entries, fewer than the param groups")
+            out[key] = [v[i] for i in idxs]
+    bos = osd.get("base_optimizer_state")
+    if isinstance(bos, dict) and isinstance(bos.get("param_groups"), list):
+        out["base_optimizer_state"] = {**bos, "param_groups": [bos["param_groups"][i] for i in idxs]}
+    elif isinstance(bos, list):  # elastic: one state dict per group
+        out["base_optimizer_state"] = [bos[i] for i in idxs]
+    return {**state, "optimizer_state_dict": out}
+
+
+def _ep_size(hyper: dict, count, ws: int, g: int, path: str) -> int:
+    m = EP_NAME_RE.match(str(hyper.get("name", "")))
+    ep = int(m.group(1)) if m else None
+    if not isinstance(count, int) or count < 1 or ws % count:
+        raise CorruptFile(f"expert group {g}: partition_count {count!r} does not divide {ws} ranks", path=path)
+    if ep is None:
+        ep = ws // count
+    if ep * count != ws:
+        raise CorruptFile(f"expert group {g} ({hyper.get('name')}): ep_size {ep} x partition_count {count} is "
+                          f"not the {ws} data-parallel ranks", path=path)
+    return ep
+
+
+def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[str, TensorRecord], GroupInfo]:
+    """Expert group ``g``: one zero12 build per expert-parallel rank, local expert ids renamed to global ones."""
+    from zckpt.deepspeed import zero12
+
+    counts = optim_states[0]["optimizer_state_dict"].get("partition_count")
+    count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else counts
+    ep = _ep_size(hyper, count, ws, g, loc.optim_files[0].path)
+    nlocal = _num_local(shapes)
+    ms_g = {**ms0, "module": None, "param_shapes": [shapes], "frozen_param_shapes": None,
+            "frozen_param_fragments": None, "shared_params": {}, "buffer_names": []}
+    out: dict[str, TensorRecord] = {}
+    info = None
+    for e in range(ep):
+        ranks = [r for r in range(ws) if r % ep == e]  # expert-data-parallel group of expert-parallel rank e
+        files = [dataclasses.replace(loc.optim_files[r], dp_rank=i) for i, r in enumerate(ranks)]
+        sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
+        names = []
+        for rec in sub.of_kind("trainable"):
+            name = _global_name(rec.name, e, nlocal)
+            out[name] = dataclasses.replace(rec, name=name, group=g)
+            names.append(name)
+        if info is None:
+            info = GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
+        info.names += names
+    return out, info
+
+
+def _num_local(shapes) -> dict[str, int]:
+    """Experts per MoE layer (keyed by the name prefix up to ``deepspeed_experts.``) in one rank's group."""
+    ids: dict[str, set[int]] = {}
+    for name in shapes:
+        if m := EXPERT_RE.match(name):
+            ids.setdefault(m.group(1), set()).add(int(m.group(2)))
+    for prefix, s in ids.items():
+        if s != set(range(len(s))):
+            raise CorruptFile(f"local expert ids of {prefix}* are {sorted(s)}, expected 0..{len(s) - 1}")
+    return {p: len(s) for p, s in ids.items()}
+
+
+def _global_name(name: str, ep_rank: int, nlocal: dict[str, int]) -> str:
+    m = EXPERT_RE.match(name)
+    if not m:
+        raise CorruptFile(f"'{name}' is in an expert param group but is not a deepspeed_experts parameter")
+    return f"{m.group(1)}{ep_rank * nlocal[m.group(1)] + int(m.group(2))}{m.group(3)}"
+
+
+def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorRecord]) -> dict[str, TensorRecord]:
+    """Every expert-file tensor: trainable ones get their lp dtype from the file, the rest are frozen."""
+    counts = ms0.get("num_experts")
+    want = {(layer, e) for layer, n in enumerate(counts) for e in range(int(n))} \
+        if isinstance(counts, (list, tuple)) else set()
+    have = {(f.index, f.expert) for f in loc.expert_files}
+    if want - have:
+        missing = sorted(want - have)[:4]
+        raise IncompleteCheckpoint("expert files missing: " + ", ".join(
+            f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
+    out: dict[str, TensorRecord] = {}
+    files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
+    for f, sd in zip(files, _load_all(files)):  # metadata only; in parallel for URLs
+        if not isinstance(sd, dict) or not all(isinstance(t, LazyTensor) for t in sd.values()):
+            raise CorruptFile("an expert file should hold a state_dict of tensors", path=f.path)
+        for name, t in sd.items():
+            m = EXPERT_RE.match(name)
+            if not m or int(m.group(2)) != f.expert:
+                raise CorruptFile(f"'{name}' is not a tensor of expert {f.expert}", path=f.path)
+            rec = trainable.get(name)
+            if rec is None:
+                out[name] = TensorRecord(name, tuple(t.shape), "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)
+            elif tuple(rec.shape) != tuple(t.shape):
+                raise CorruptFile(f"'{name}' has shape {list(t.shape)}, param_shapes says {list(rec.shape)}",
+                                  path=f.path)
+            else:
+                out[name] = dataclasses.replace(rec, lp_dtype=t.dtype)
+    lost = [n for n in trainable if n not in out]
+    if lost:
+        raise IncompleteCheckpoint(f"no expert file holds {', '.join(lost[:4])}", path=loc.tag_dir)
+    return out
+
+
+def _insert_experts(records: list[TensorRecord], experts: list[TensorRecord]) -> list[TensorRecord]:
+    """Experts go where the live module has them: after the last tensor of their MoE layer (its gate)."""
+    by_layer: dict[str, list[TensorRecord]] = {}
+    for rec in experts:
+        layer = rec.name.split(".deepspeed_experts.")[0].rsplit(".experts", 1)[0]
+        by_layer.setdefault(layer, []).append(rec)
+    out = list(records)
+    for layer, recs in by_layer.items():
+        at = max((i + 1 for i, r in enumerate(out) if r.name.startswith(layer + ".")), default=len(out))
+        out[at:at] = recs
+    return out
