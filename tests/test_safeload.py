@@ -274,3 +274,147 @@ def test_opcode_scan_matches_pickletools_on_real_and_mutated_pickles():
             assert fast in ("ok", "damaged")  # stricter on malformed text arguments is allowed
         checked += ref == "memo"
     assert checked > 50
+
+
+# ------------------------------------------------------------------------------------ zip structure checks
+
+def _entries_of(path):
+    from zckpt.zipentries import read_file_entries
+    return read_file_entries(str(path))
+
+
+def test_zip_entries_match_torch_and_zipfile(tmp_path):
+    """Data offsets and sizes agree with Python's zipfile reading each entry, for torch's own files and zckpt's."""
+    from zckpt import torchzip
+    from zckpt.deepspeed.layout import Piece
+    src = tmp_path / "t.pt"
+    torch.save({"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}, src)
+    ours = tmp_path / "o.pt"
+    torchzip.save({"x": torchzip.TensorOut("float32", (10,), [Piece(str(src), safeload.load(str(src))["a"]
+                                                                    .byte_offset, 10, "float32")])}, str(ours))
+    for path in (src, ours):
+        entries = _entries_of(path)
+        data = path.read_bytes()
+        with zipfile.ZipFile(path) as zf:
+            assert sorted(entries) == sorted(zf.namelist())
+            for name, e in entries.items():
+                assert data[e.data_offset:e.data_offset + e.size] == zf.read(name), name
+                assert e.crc == zf.getinfo(name).CRC
+    assert torch.equal(torch.load(ours)["x"], torch.arange(10, dtype=torch.float32))
+
+
+def test_zip64_local_header_sizes(tmp_path):
+    """A local header that keeps its sizes in a zip64 record (as zckpt writes past 4 GiB) is read and checked."""
+    path = tmp_path / "z.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        with zf.open("arc/data.pkl", "w", force_zip64=True) as f:
+            f.write(b"0123456789")
+    data = path.read_bytes()
+    assert struct.unpack_from("<I", data, 18)[0] == 0xFFFFFFFF  # the local header defers to its zip64 record
+    e = _entries_of(path)["arc/data.pkl"]
+    assert data[e.data_offset:e.data_offset + e.size] == b"0123456789"
+    # a zip64 record that disagrees with the directory is refused
+    k = data.index(struct.pack("<Q", 10))
+    path.write_bytes(data[:k] + struct.pack("<Q", 11) + data[k + 8:])
+    with pytest.raises(CorruptFile, match="local header gives"):
+        _entries_of(path)
+
+
+@pytest.mark.parametrize("damage", ["size_past_end", "unread_entry_size", "local_signature", "local_name",
+                                    "method", "overlap", "cd_header_offset"])
+def test_zip_structure_damage_is_refused_before_any_tensor_is_read(tmp_path, damage):
+    """Every damage to the directory or a local header is a CorruptFile naming the file and the entry; these
+    checks run on every load, not only in verify --deep."""
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.randn(100), "v": torch.randn(50)}, path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        infos, cd = zf.infolist(), zf.start_dir
+
+    def record(suffix):
+        info = next(i for i in infos if i.filename.endswith(suffix))
+        pos = data.index(b"PK\x01\x02", cd)
+        while data[pos + 46:pos + 46 + len(info.filename)] != info.filename.encode():
+            pos = data.index(b"PK\x01\x02", pos + 4)
+        return info, pos
+
+    if damage == "size_past_end":
+        _, pos = record("data/0")
+        struct.pack_into("<II", data, pos + 20, 1 << 30, 1 << 30)
+    elif damage == "unread_entry_size":  # an entry zckpt never reads ('version') still counts
+        _, pos = record("/version")
+        struct.pack_into("<II", data, pos + 20, 1 << 20, 1 << 20)
+    elif damage == "local_signature":
+        info, _ = record("data/1")
+        data[info.header_offset] ^= 0xFF
+    elif damage == "local_name":
+        info, _ = record("data/1")
+        data[info.header_offset + 30 + len(info.filename) - 1] = ord("7")
+    elif damage == "method":
+        _, pos = record("data/1")
+        struct.pack_into("<H", data, pos + 10, 8)
+    elif damage == "overlap":  # data/0 claims bytes that belong to the next entry
+        info, pos = record("data/0")
+        struct.pack_into("<II", data, pos + 20, info.file_size + 200, info.file_size + 200)
+    elif damage == "cd_header_offset":
+        info, pos = record("data/0")
+        struct.pack_into("<I", data, pos + 42, info.header_offset + 3)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFile) as err:
+        safeload.load(str(path))
+    assert err.value.path == str(path) and "zip entry" in str(err.value)
+    from zckpt.scan import check_torch_zip
+    assert check_torch_zip(str(path)) is not None
+
+
+def test_errors_inside_the_pickle_name_the_file(tmp_path):
+    """A damaged persistent id raised deep in the unpickler still names the file it came from."""
+    path = tmp_path / "p.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as zf:
+        names = zf.namelist()
+        blobs = {n: zf.read(n) for n in names}
+    pkl_name = next(n for n in names if n.endswith("data.pkl"))
+    assert b"ctorch\nFloatStorage" in blobs[pkl_name]
+    blobs[pkl_name] = blobs[pkl_name].replace(b"X\x07\x00\x00\x00storage", b"X\x07\x00\x00\x00storagX", 1)
+    with zipfile.ZipFile(path, "w") as zf:
+        for n in names:
+            zf.writestr(n, blobs[n])
+    with pytest.raises(CorruptFile) as err:
+        safeload.load(str(path))
+    assert err.value.path == str(path)
+
+
+def test_zip_reader_on_mutated_structure(tmp_path):
+    """Random bit flips in the directory, the local headers and the data descriptors: zckpt's reader either
+    refuses the file (CorruptFile, never another exception) or finds every entry exactly where it is (a flip in
+    a field nobody needs, such as a time stamp, is harmless)."""
+    import io
+    import random
+    from zckpt.zipentries import read_entries
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.randn(30), "v": torch.arange(7)}, path)
+    clean = path.read_bytes()
+    with zipfile.ZipFile(path) as zf:
+        cd, infos = zf.start_dir, zf.infolist()
+    layout = {n: (e.data_offset, e.size, e.crc) for n, e in read_entries(io.BytesIO(clean), len(clean)).items()}
+    assert layout and all(clean[o:o + n] == zipfile.ZipFile(path).read(name) for name, (o, n, _) in layout.items())
+    ends = [o + n for o, n, _ in layout.values()]
+    spots = list(range(cd, len(clean))) + [i.header_offset + k for i in infos for k in range(30)] \
+        + [e + k for e in ends for k in range(16)]
+    rng = random.Random(1234)
+    accepted = refused = 0
+    for _ in range(600):
+        data = bytearray(clean)
+        for _ in range(rng.randint(1, 3)):
+            data[rng.choice(spots)] ^= 1 << rng.randrange(8)
+        try:
+            entries = read_entries(io.BytesIO(bytes(data)), len(data), "t.pt")
+        except CorruptFile:
+            refused += 1
+            continue
+        accepted += 1
+        for name, e in entries.items():
+            if name in layout:  # (a name flipped alike in the directory and the local header is another name)
+                assert (e.data_offset, e.size, e.crc) == layout[name], name
+    assert accepted and refused

@@ -25,13 +25,12 @@ import math
 import os
 import pickle
 import pickletools
-import struct
-import zipfile
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
-from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout
+from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
+from zckpt.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
 
@@ -433,17 +432,12 @@ def _unwrap(obj, depth=0):
 # --------------------------------------------------------------------------------------------- the archive
 
 class _Archive:
-    """The zip directory of one torch file, and where each entry's bytes start."""
+    """The zip directory of one torch file (checked by :func:`zckpt.zipentries.read_entries`): where each entry's
+    bytes start."""
 
     def __init__(self, path: str, fileobj: BinaryIO, size: int):
         self.path, self.f, self.size = path, fileobj, size
-        try:
-            self.zf = zipfile.ZipFile(fileobj)
-        except Exception as exc:  # zipfile raises BadZipFile, NotImplementedError, ValueError, struct.error ...
-            raise CorruptFile(f"damaged zip directory ({type(exc).__name__}: {exc})"[:200], path=path) from None
-        self.entries = {}
-        for info in self.zf.infolist():
-            self.entries[info.filename] = info
+        self.entries = read_entries(fileobj, size, path)
         pkls = [n for n in self.entries if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise CorruptFile("zip archive has no torch data.pkl: not a torch checkpoint", path=path)
@@ -452,37 +446,22 @@ class _Archive:
         if order is not None and self.read_entry(order, 16).strip() not in (b"little", b""):
             raise UnsupportedLayout("big-endian torch files are not supported", path=path)
 
-    def data_offset(self, info: zipfile.ZipInfo) -> int:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CorruptFile(f"entry {info.filename} is compressed; torch writes stored entries", path=self.path)
-        self.f.seek(info.header_offset)
-        header = self.f.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            raise CorruptFile(f"damaged local header for {info.filename}", path=self.path)
-        name_len, extra_len = struct.unpack("<HH", header[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.file_size > self.size:
-            raise CorruptFile(f"entry {info.filename} runs past the end of the file (truncated?)", path=self.path)
-        return start
-
-    def read_entry(self, info: zipfile.ZipInfo, limit: int) -> bytes:
-        if info.file_size > limit:
-            raise CorruptFile(f"entry {info.filename} is {info.file_size} bytes, over the {limit} limit",
-                              path=self.path)
-        start = self.data_offset(info)
-        self.f.seek(start)
-        data = self.f.read(info.file_size)
-        if len(data) != info.file_size:
-            raise CorruptFile(f"entry {info.filename} is truncated", path=self.path)
+    def read_entry(self, entry: ZipEntry, limit: int) -> bytes:
+        if entry.size > limit:
+            raise CorruptFile(f"entry {entry.name} is {entry.size} bytes, over the {limit} limit", path=self.path)
+        self.f.seek(entry.data_offset)
+        data = self.f.read(entry.size)
+        if len(data) != entry.size:
+            raise CorruptFile(f"entry {entry.name} is truncated", path=self.path)
         return data
 
     def storage_ref(self, key: str, dtype: str) -> StorageRef:
         if dtype not in DTYPE_SIZES:
             raise UnsupportedLayout(f"storage dtype {dtype} is not supported", path=self.path)
-        info = self.entries.get(f"{self.prefix}data/{key}")
-        if info is None:
+        entry = self.entries.get(f"{self.prefix}data/{key}")
+        if entry is None:
             raise CorruptFile(f"storage {key} named in the pickle is missing from the archive", path=self.path)
-        return StorageRef(self.path, key, dtype, self.data_offset(info), info.file_size)
+        return StorageRef(self.path, key, dtype, entry.data_offset, entry.size)
 
 
 _MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET")
@@ -578,7 +557,7 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
         size = f.tell()
         f.seek(0)
         magic = f.read(4)
-        if magic != b"PK\x03\x04":
+        if magic != LOCAL_SIG:
             if magic[:2] == b"\x80\x02" or (magic and magic[0] == 0x80):
                 raise UnsupportedLayout("legacy (non-zip) torch serialization is not supported; re-save with "
                                         "checkpoint_serialization enabled", path=path)
@@ -586,16 +565,18 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
         archive = _Archive(path, f, size)
         info = archive.entries[archive.prefix + "data.pkl"]
         data = archive.read_entry(info, MAX_PICKLE_BYTES)
-        if zlib.crc32(data) != info.CRC:
+        if zlib.crc32(data) != info.crc:
             raise CorruptFile("data.pkl fails its CRC check (the file is damaged)", path=path)
         _check_opcodes(data, path)
         unpickler = _Unpickler(data, archive)
         try:
-            obj = unpickler.load()
-        except (UnsafePickle, CorruptFile, UnsupportedLayout):
+            obj = _unwrap(unpickler.load())
+        except ZckptError as exc:  # raised by a stand-in deep in the pickle: name the file
+            if exc.path is None:
+                exc.path = path
             raise
         except RecursionError:
             raise CorruptFile("pickle nests too deeply", path=path) from None
         except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
             raise CorruptFile(f"damaged pickle in data.pkl ({type(exc).__name__}: {exc})"[:300], path=path) from None
-        return _unwrap(obj)
+        return obj

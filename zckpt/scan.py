@@ -2,7 +2,8 @@
 
 Used by ``zckpt push`` before anything is sent: a checkpoint counts only when every rank file named by the layout
 is there and whole (zip directory and safetensors header readable, ``dp_world_size`` ranks present, Trainer state
-written). Nothing here unpickles tensors or imports torch.
+written). Folders holding a zckpt output marker (``.zckpt.json``: merged weights, reshard results) are never taken
+for checkpoints nor swept into one's upload. Nothing here unpickles tensors or imports torch.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import logging
 import os
 import re
 import struct
-import zipfile
 
 from zckpt import storage
 from zckpt.errors import CheckpointNotFound, ZckptError
+from zckpt.zipentries import LOCAL_SIG, read_file_entries
+from zckpt.publish import has_marker, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,14 @@ def _step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _zckpt_output(folder: str) -> str | None:
+    """The kind ("merge", "reshard") of a zckpt output folder (its ``.zckpt.json`` marker), else None."""
+    if not has_marker(folder):
+        return None
+    doc = read_marker(folder)
+    return str(doc.get("kind")) if doc else "unknown"
+
+
 def _has_rank_files(folder: str) -> bool:
     try:
         return any(MODEL_RE.match(n) for n in os.listdir(folder))
@@ -66,10 +76,16 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
     base = os.path.basename(src.rstrip(os.sep))
     if TRAINER_RE.match(base):
         return [LocalCheckpoint("", src, "trainer", _step_of(base))], []
+    if _zckpt_output(src) == "merge":  # merged weights, not a checkpoint
+        log.info("%s is a zckpt merge output, not a checkpoint: nothing to push", src)
+        return [], []
     found: list[LocalCheckpoint] = []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
         if not os.path.isdir(path):
+            continue
+        if has_marker(path):  # a zckpt merge/reshard output next to the checkpoints: never one of them
+            log.info("%s: a zckpt output, not a checkpoint; skipped", path)
             continue
         if TRAINER_RE.match(name):
             found.append(LocalCheckpoint(name, path, "trainer", _step_of(name)))
@@ -110,20 +126,18 @@ def _model_meta(path: str) -> dict:
 
 
 def check_torch_zip(path: str) -> str | None:
-    """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file)."""
+    """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
+
+    The checks of :func:`zckpt.zipentries.read_entries`: every entry inside the file and agreeing with its local
+    header; reads the directory and the local headers only."""
     try:
-        file_size = os.path.getsize(path)
-        with zipfile.ZipFile(path) as zf:
-            infos = zf.infolist()
-            dir_start = getattr(zf, "start_dir", file_size)
-    except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on damaged directories
-        return f"{os.path.basename(path)} is not a complete zip ({type(exc).__name__}: {exc})"
-    if not any(i.filename.endswith("data.pkl") for i in infos):
+        entries = read_file_entries(path)
+    except OSError as exc:
+        return f"{os.path.basename(path)} cannot be read ({exc.strerror or exc})"
+    except ZckptError as exc:
+        return f"{os.path.basename(path)} is not a complete zip ({exc.message})"
+    if not any(name.endswith("data.pkl") for name in entries):
         return f"{os.path.basename(path)} has no data.pkl entry"
-    for info in infos:
-        end = info.header_offset + 30 + len(info.filename.encode()) + info.compress_size
-        if end > dir_start or end > file_size:
-            return f"{os.path.basename(path)}: entry {info.filename} runs past the end of the data"
     return None
 
 
@@ -147,7 +161,7 @@ def check_safetensors(path: str) -> str | None:
 def _is_zip(path: str) -> bool:
     try:
         with open(path, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
+            return f.read(4) == LOCAL_SIG
     except OSError:
         return False
 
@@ -217,7 +231,8 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
             return False, f"latest names {tag!r}, which is missing"
     tags = [checkpoint_dir] if _has_rank_files(checkpoint_dir) else []
     tags += [os.path.join(checkpoint_dir, e) for e in sorted(entries)
-             if os.path.isdir(os.path.join(checkpoint_dir, e)) and _has_rank_files(os.path.join(checkpoint_dir, e))]
+             if os.path.isdir(os.path.join(checkpoint_dir, e)) and _has_rank_files(os.path.join(checkpoint_dir, e))
+             and not has_marker(os.path.join(checkpoint_dir, e))]
     if not tags and not trainer:
         return False, "no DeepSpeed rank files and no trainer_state.json"
     for tag in tags:
@@ -225,7 +240,8 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         if not ok:
             where = os.path.relpath(tag, checkpoint_dir)
             return False, reason if where == "." else f"{where}: {reason}"
-    for dirpath, _dirs, files in os.walk(checkpoint_dir):
+    for dirpath, dirs, files in os.walk(checkpoint_dir):
+        dirs[:] = [d for d in dirs if not has_marker(os.path.join(dirpath, d))]  # nested zckpt outputs: not pushed
         for name in files:
             path = os.path.join(dirpath, name)
             reason = None

@@ -399,18 +399,10 @@ class SourceMaps:
         if ent is None:
             ent = {}
             try:
-                import struct
-                import zipfile
-                with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
-                    for info in zf.infolist():
-                        if info.compress_type != zipfile.ZIP_STORED or info.file_size < (1 << 20):
-                            continue
-                        fh.seek(info.header_offset)
-                        head = fh.read(30)
-                        if len(head) == 30 and head[:4] == b"PK\x03\x04":
-                            nlen, elen = struct.unpack("<HH", head[26:30])
-                            ent[info.header_offset + 30 + nlen + elen] = (info.file_size, info.CRC)
-            except (OSError, ValueError):
+                from zckpt.errors import ZckptError
+                from zckpt.zipentries import read_file_entries
+                ent = {e.data_offset: (e.size, e.crc) for e in read_file_entries(path).values() if e.size >= 1 << 20}
+            except (OSError, ZckptError):
                 ent = {}
             with self._lock:
                 self._entries_cache[path] = ent
@@ -497,7 +489,7 @@ def _copy_chunk(parts, dtype: str, fd_out: int, off: int, reader, maps: SourceMa
                     crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
                 left -= k
         else:
-            fd_in = reader._fd(p.path)
+            fd_in = reader.fd(p.path)
             src, dst, left = p.offset, pos, n
             while left:
                 got = os.copy_file_range(fd_in, fd_out, left, src, dst)

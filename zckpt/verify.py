@@ -4,7 +4,8 @@ Metadata checks (reading only the pickles): every rank file present and readable
 with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
 names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
 Deep checks: the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is caught), and the hashes of a
-``zckpt-manifest.json`` when one is present (written by ``zckpt push``).
+``zckpt-manifest.json`` when one is present (written by ``zckpt push``). zckpt outputs (merged weights, reshard
+results) are checked against their ``.zckpt.json`` marker: without a complete one they are incomplete.
 """
 
 from __future__ import annotations
@@ -12,17 +13,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import zipfile
+import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt import storage
+from zckpt import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.destinations import MANIFEST_NAME
-from zckpt.errors import CheckpointNotFound, ZckptError
+from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
 from zckpt.safeload import LazyTensor
+from zckpt.zipentries import read_entries
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
 
@@ -60,13 +62,19 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     try:
         ckpt = open_checkpoint(path, tag)
     except CheckpointNotFound:
-        # not a DeepSpeed checkpoint: a folder published with a manifest (a pushed or merged result) still is
+        # not a DeepSpeed checkpoint: a zckpt merge output (marker) or a folder published with a manifest still is
+        if tag is None and _is_merge_output(str(path)):
+            check_output_marker(str(path), report)
+            check_manifest(str(path), report, hashes=True, progress=progress)
+            return report
         if tag is None and storage.exists(storage.join(str(path), MANIFEST)):
             check_manifest(str(path), report, hashes=True, progress=progress)
             return report
         raise
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
+    if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER)):  # a zckpt reshard output
+        report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, check_files=False))
     if deep:
         check_bytes(ckpt, report, progress)
     else:
@@ -74,10 +82,39 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     return report
 
 
+_MERGED = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _is_merge_output(folder: str) -> bool:
+    """A zckpt merge output, committed or not: its marker, or merged weight files without one."""
+    try:
+        names = storage.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return publish.MARKER in names or any(_MERGED.match(n) for n in names)
+
+
+def check_output_marker(folder: str, report: VerifyReport) -> None:
+    """A zckpt output is complete only with its ``.zckpt.json`` marker saying so and every file it lists there
+    (on object stores the marker is written last: without it the output was interrupted or is being written)."""
+    ok, detail = publish.output_state(folder)
+    report.add("zckpt output committed", ok, detail)
+    if ok and not storage.is_url(folder):
+        from zckpt.scan import check_safetensors
+        bad = [why for n in sorted(storage.listdir(folder)) if n.endswith(".safetensors")
+               for why in [check_safetensors(storage.join(folder, n))] if why]
+        if any(n.endswith(".safetensors") for n in storage.listdir(folder)):
+            report.add("safetensors headers", not bad, "; ".join(bad[:3]) or "every header matches its file size")
+
+
 def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     loc = ckpt.location
-    report.add("rank files", True, f"{len(loc.optim_files)} optimizer + {len(loc.model_files)} model-states files "
-                                   f"for world size {ckpt.world_size}")
+    if loc.universal:
+        report.add("rank files", True, f"universal: {len(loc.optim_files)} files under zero/ + "
+                                       f"{len(loc.model_files)} model-states files")
+    else:
+        report.add("rank files", True, f"{len(loc.optim_files)} optimizer + {len(loc.model_files)} model-states "
+                                       f"files for world size {ckpt.world_size}")
     if loc.has_latest:
         report.add("latest", True, f"names existing tag {loc.tag}")
     versions = {str(s.get("ds_version")) for s in ckpt.model_states + ckpt.optim_states}
@@ -86,7 +123,8 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     dp.discard(None)
     report.add("dp_world_size", dp <= {ckpt.world_size},
                f"model files say {sorted(dp)}, optimizer partitions {ckpt.world_size}")
-    module = ckpt.model_state.get("module") or {}
+    # tensor parallel (AutoTP): module holds this rank's shards; zckpt.deepspeed.tp checks them against its map
+    module = (ckpt.model_state.get("module") or {}) if int(ckpt.model_state.get("mp_world_size") or 1) == 1 else {}
     bad = []
     for rec in ckpt.records:
         t = module.get(rec.name)
@@ -112,19 +150,11 @@ def _scan_file(path: str) -> tuple[int, list[str], str]:
     sha = hashlib.sha256()
     with storage.open_input(path) as f:
         try:
-            infos = zipfile.ZipFile(f).infolist()
-        except Exception as exc:  # noqa: BLE001 - any damage to the directory is a failed check
-            return 0, [f"zip directory ({type(exc).__name__})"], ""
-        spans = []  # [data start, data end, expected CRC, name, running CRC]
-        for info in infos:
-            f.seek(info.header_offset)
-            header = f.read(30)
-            if len(header) < 30 or header[:4] != b"PK\x03\x04":
-                bad.append(info.filename)
-                continue
-            start = info.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(
-                header[28:30], "little")
-            spans.append([start, start + info.file_size, info.CRC, info.filename, 0])
+            entries = read_entries(f, None, path)
+        except CorruptFile as exc:  # any damage to the directory is a failed check
+            return 0, [exc.message], ""
+        # [data start, data end, expected CRC, name, running CRC]
+        spans = [[e.data_offset, e.data_offset + e.size, e.crc, e.name, 0] for e in entries.values()]
         spans.sort()
         f.seek(0)
         pos, first = 0, 0

@@ -181,7 +181,9 @@ def _fill(loc: Location, names) -> Location:
         raise CheckpointNotFound("tag folder holds no *_model_states.pt or *_optim_states.pt files",
                                  path=loc.tag_dir)
     mp_ranks = {f.mp_rank for f in loc.model_files + loc.optim_files}
-    if (len(mp_ranks) > 1 or mp_ranks - {0}) and not loc.layer_files:  # mp ranks of a pipeline are its stages
+    model_mp = sorted(f.mp_rank for f in loc.model_files)
+    whole = model_mp == list(range(len(model_mp)))  # one model file per mp rank: AutoTP decides (layout._open)
+    if (len(mp_ranks) > 1 or mp_ranks - {0}) and not loc.layer_files and not whole:  # pipeline: mp ranks = stages
         raise UnsupportedLayout(f"model-parallel checkpoint (mp ranks {sorted(mp_ranks)}: tensor or pipeline "
                                 "parallel); zckpt reads data-parallel checkpoints only for now", path=loc.tag_dir)
     loc.model_files.sort(key=lambda f: (f.dp_rank or 0))

@@ -325,9 +325,14 @@ def _open(loc: Location) -> Checkpoint:
     if loc.layer_files or (ms0.get("module") is None and "module" in ms0):  # PipelineEngine: weights per layer
         from zckpt.deepspeed import pipeline
         return pipeline.build(loc, model_states, optim_states)
-    if int(ms0.get("mp_world_size") or 1) > 1:
-        raise UnsupportedLayout(f"model-parallel checkpoint (mp_world_size={ms0['mp_world_size']})",
-                                path=loc.model_files[0].path)
+    mp = int(ms0.get("mp_world_size") or 1)
+    mp_ranks = sorted({f.mp_rank for f in loc.model_files + loc.optim_files})
+    if mp > 1 or mp_ranks != [0]:
+        from zckpt.deepspeed import tp  # AutoTP: merged by the checkpoint's own partition metadata
+        if mp > 1 and tp.affine_map(ms0) is not None:
+            return tp.build(loc, model_states, optim_states)
+        raise UnsupportedLayout(f"model-parallel checkpoint (mp_world_size={mp}, mp ranks {mp_ranks}) without "
+                                "AutoTP partition metadata", path=loc.tag_dir)
     if loc.expert_files or ms0.get("num_experts") or ms0.get("ds_autoep_layers"):  # experts in their own files
         from zckpt.deepspeed import moe
         return moe.build(loc, model_states, optim_states)
