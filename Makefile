@@ -24,8 +24,9 @@ demo: setup
 	$(BIN)/zckpt merge fixtures/trainer/checkpoint-4 --to safetensors -o out/demo-model --overwrite
 	@echo "merged model written to out/demo-model:" && ls -l out/demo-model
 
+# the suite builds DeepSpeed's CPU ops into its own folder: one built by another venv cannot break it
 test: setup
-	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_merge.py

@@ -56,7 +56,7 @@ def test_info_json(ckpt_path):
     res = run("info", str(ckpt_path), "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    assert d["zero_stage"] in (1, 2, 3) and d["dp_world_size"] >= 1 and d["parameters"] > 0
+    assert d["zero_stage"] in (0, 1, 2, 3) and d["dp_world_size"] >= 1 and d["parameters"] > 0
     assert d["precision"] in ("bf16", "fp16", "fp32")
     human = run("info", str(ckpt_path))
     assert "ZeRO-" in human.output and "world size" in human.output
@@ -94,7 +94,7 @@ def test_merge_cli(tmp_path, ckpt_path):
     d = json.loads(res.output)
     assert d["dtype"] == "bfloat16" and (out / "model.safetensors").exists()
     res = run("merge", str(ckpt_path), "-o", str(out))
-    assert res.exit_code == 1 and "not empty" in res.output
+    assert res.exit_code == 1 and str(out) in res.stderr and "--overwrite" in res.stderr  # refused, says how
 
 
 @pytest.mark.parametrize("case", ["missing", "file", "truncated", "evil", "missing_rank", "not_ckpt", "bad_latest"])
@@ -169,3 +169,193 @@ def test_plain_fp32_merge_imports_neither_numpy_nor_torch(tmp_path):
             "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------ one vocabulary: flags and errors
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(main, list(args), env=env)
+
+
+def test_global_flags_before_or_after_the_command(tmp_path):
+    ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
+    after, before = invoke("info", ckpt, "--json"), invoke("--json", "info", ckpt)
+    assert after.exit_code == before.exit_code == 0
+    assert json.loads(after.stdout) == json.loads(before.stdout)
+    for cmd in (["info", ckpt], ["verify", ckpt], ["merge", ckpt, "--dry-run", "-o", str(tmp_path / "o")],
+                ["reshard", ckpt, "-w", "1", "--dry-run", "-o", str(tmp_path / "r")],
+                ["estimate", "--params", "8B", "--largest-layer", "600M"]):
+        for flags in (["-q"], ["--json"], ["-v"], ["--debug"], ["-q", "--json"]):
+            a, b = invoke(*cmd, *flags), invoke(*flags, *cmd)
+            assert a.exit_code == b.exit_code == 0, (cmd, flags, a.output, b.output)
+            assert a.stdout == b.stdout or "seconds" in a.stdout, (cmd, flags)
+    # --debug after the command shows the traceback too
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "info", str(tmp_path / "nope"), "--debug"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_quiet_is_silent_on_success_and_still_reports_failures(tmp_path):
+    ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
+    for cmd in (["verify", ckpt], ["merge", ckpt, "-o", str(tmp_path / "m")],
+                ["reshard", ckpt, "-w", "1", "-o", str(tmp_path / "r")]):
+        res = invoke(*cmd, "-q")
+        assert res.exit_code == 0 and res.output == "", (cmd, res.output)
+        assert invoke(*cmd[:2]).output != ""  # not quiet: it does say something
+    res = invoke("verify", str(tmp_path / "nope"), "-q")
+    assert res.exit_code == 1 and res.stderr.startswith("zckpt: error:")
+
+
+@pytest.mark.parametrize("cmd", ["info", "verify", "merge", "reshard"])
+def test_json_errors_are_one_object_on_stdout(tmp_path, cmd):
+    extra = {"merge": ["-o", str(tmp_path / "o")], "reshard": ["-w", "1", "-o", str(tmp_path / "o")]}.get(cmd, [])
+    res = invoke(cmd, str(tmp_path / "missing"), *extra, "--json")
+    assert res.exit_code == 1
+    (line,) = res.stdout.splitlines()
+    doc = json.loads(line)
+    assert doc["ok"] is False and doc["command"] == cmd
+    assert doc["error"]["type"] == "CheckpointNotFound" and doc["error"]["path"] == str(tmp_path / "missing")
+    assert doc["error"]["exit_code"] == 1 and doc["error"]["message"] in res.stderr
+    # malformed command lines too (exit 2), --json before or after
+    res = invoke("--json", cmd, "--no-such-flag")
+    assert res.exit_code == 2 and json.loads(res.stdout)["error"]["type"] == "UsageError"
+
+
+def test_json_results_share_field_names(tmp_path):
+    ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
+    docs = {"info": invoke("info", ckpt, "--json"), "verify": invoke("verify", ckpt, "--json"),
+            "merge": invoke("merge", ckpt, "--dry-run", "--json", "-o", str(tmp_path / "m")),
+            "reshard": invoke("reshard", ckpt, "-w", "1", "--dry-run", "--json", "-o", str(tmp_path / "r"))}
+    for name, res in docs.items():
+        assert res.exit_code == 0, res.output
+        (line,) = res.stdout.splitlines()
+        doc = json.loads(line)
+        assert doc["ok"] is True and doc["command"] == name and "path" in doc, name
+        for f in doc.get("files", []):
+            assert {"name", "bytes"} <= set(f), name
+    assert json.loads(docs["merge"].stdout)["output"] == str(tmp_path / "m")
+
+
+def test_same_bad_input_same_message_everywhere(tmp_path):
+    ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
+    out = str(tmp_path / "o")
+    errors = set()
+    for cmd in (["info", ckpt], ["verify", ckpt], ["merge", ckpt, "-o", out, "--dry-run"],
+                ["push", str(tmp_path), str(tmp_path / "d")]):
+        res = invoke(*cmd, "--storage-option", "oops")
+        assert res.exit_code == 1, (cmd, res.output)
+        assert res.stderr.count("\n") == 1 and "internal error" not in res.stderr
+        errors.add(res.stderr)
+    assert len(errors) == 1 and "--storage-option" in errors.pop()
+    missing = {invoke(*cmd).stderr for cmd in (["info", str(tmp_path / "x")], ["verify", str(tmp_path / "x")],
+                                               ["merge", str(tmp_path / "x"), "-o", out],
+                                               ["reshard", str(tmp_path / "x"), "-w", "1", "-o", out])}
+    assert len(missing) == 1 and str(tmp_path / "x") in missing.pop()
+
+
+def test_unwritable_output_names_the_users_path(tmp_path):
+    ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for cmd in (["merge", ckpt], ["reshard", ckpt, "-w", "1"]):
+        res = invoke(*cmd, "-o", str(blocker / "out"))
+        assert res.exit_code == 1 and str(blocker / "out") in res.stderr, res.output
+        assert "zckpt-tmp" not in res.stderr and "-o" in res.stderr
+
+
+def test_error_table_scratch_names_become_the_output():
+    from zckpt.cli._errors import describe
+    err = describe(FileNotFoundError(2, "No such file or directory", "/data/.model.zckpt-tmp-123-abcd/x.bin"))
+    assert err.path == "/data/model/x.bin" and "zckpt-tmp" not in err.message and "-o" in err.message
+    err = describe(PermissionError(13, "Permission denied", "/data/out"), output="/data/out")
+    assert err.message.startswith("/data/out: cannot write the output here")
+    assert describe(RuntimeError("boom")).message.startswith("internal error: RuntimeError: boom")
+    assert describe(ModuleNotFoundError("No module named 's3fs'", name="s3fs")).exit_code == 1
+
+
+# ------------------------------------------------------------------------------ push: only transient errors retry
+
+def test_retryable_only_transient():
+    import errno as E
+    from zckpt.destinations import _retryable
+    from zckpt.errors import StorageError
+
+    def wrapped(cause):
+        try:
+            try:
+                raise cause
+            except BaseException as exc:
+                raise StorageError("upload failed", path="s3://b/k") from exc
+        except StorageError as exc:
+            return exc
+
+    class NoCredentialsError(Exception):
+        pass
+
+    class Response:
+        def __init__(self, code):
+            self.status_code = code
+
+    def http(code):
+        exc = OSError("http error")
+        exc.response = Response(code)
+        return exc
+
+    assert _retryable(wrapped(ConnectionResetError(E.ECONNRESET, "reset")))
+    assert _retryable(wrapped(TimeoutError("timed out")))
+    assert _retryable(http(503)) and _retryable(http(429)) and _retryable(http(408))
+    for permanent in (ValueError("Protocol not known: foo"), ImportError("No module named 's3fs'"),
+                      NoCredentialsError("Unable to locate credentials"), PermissionError(E.EACCES, "denied"),
+                      FileNotFoundError(E.ENOENT, "no such bucket"), OSError(E.ENOSPC, "disk full")):
+        assert not _retryable(wrapped(permanent)), permanent
+    assert not _retryable(http(403)) and not _retryable(http(404))
+
+
+def _push_cli(src, dest, *extra, env=None):
+    t0 = time.monotonic()
+    env = {k: v for k, v in dict(os.environ, ZCKPT_DEBUG="", **(env or {})).items() if v is not None}
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "push", str(src), dest, "--settle", "0", *extra],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    return proc, time.monotonic() - t0
+
+
+def test_push_permanent_errors_fail_at_once_and_are_said_once(tmp_path):
+    from tests.test_push import write_trainer_checkpoint
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    proc, seconds = _push_cli(src, "foo://bucket/run")
+    assert proc.returncode == 1 and seconds < 20, (seconds, proc.stderr)
+    assert "retry" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr  # said once
+    assert proc.stderr.startswith("zckpt: error:") and proc.stdout == ""
+    proc, _ = _push_cli(src, "foo://bucket/run", "--json")
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and doc["error"]["type"] == "StorageError"
+    assert doc["result"]["checkpoints"][0]["status"] == "failed"
+
+
+def test_push_without_credentials_or_permission_is_not_retried(s3_server, tmp_path):
+    from tests.test_push import write_trainer_checkpoint
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    clean = {k: None for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                               "AWS_DEFAULT_PROFILE")}
+    clean.update(AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+                 AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=s3_server.endpoint)
+    for extra in ([], ["--storage-option", "key=wrong", "--storage-option", "secret=wrong"]):
+        proc, seconds = _push_cli(src, s3_server.url(f"cli-{time.time_ns()}"), *extra, env=clean)
+        assert proc.returncode == 1 and seconds < 30, (extra, seconds, proc.stderr)
+        assert "retry" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("zckpt: error:") and "internal error" not in proc.stderr
+
+
+def test_reshard_reports_file_sizes_as_info_does(tmp_path):
+    from tests.conftest import FIXTURES
+    out = tmp_path / "r"
+    res = invoke("reshard", str(checkpoint_path(FIXTURES / "z3_bf16_ws2")), "-w", "2", "-o", str(out), "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    info = json.loads(invoke("info", str(out), "--json").stdout)
+    sizes = {f["name"].rsplit("/", 1)[-1]: f["bytes"] for f in doc["files"]}
+    assert info["files"] and all(sizes[f["name"]] == f["bytes"] for f in info["files"])
+    assert all(f["bytes"] == (out / f["name"]).stat().st_size for f in doc["files"])
+    assert doc["total_bytes"] == sum(f["bytes"] for f in doc["files"])

@@ -515,7 +515,7 @@ def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
     if spec.get("kind") in ("pipeline", "moe"):
         pytest.skip("model needs torch.distributed (fixtures/gen_parallel.py); tests/test_layouts_pp_moe.py "
                     "checks its counts against the live model's parameters")
-    model = G.build_hf_model(spec["model"]) if spec.get("kind") == "trainer" else G.build_model(spec["model"])
+    model = G.build_hf_model(spec["model"]) if spec["model"].get("arch") else G.build_model(spec["model"])
     expected = tuple(ds[1].model_to_params(model))
     assert counts_from_checkpoint(ckpt_path) == expected
     config_file = ckpt_path / "config.json"

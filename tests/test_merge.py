@@ -130,9 +130,14 @@ def test_output_exists_and_overwrite(tmp_path):
     (out / "keep.txt").write_text("user data")
     with pytest.raises(OutputExists):
         zckpt.merge(str(ck), str(out))
+    with pytest.raises(OutputExists, match="no .zckpt.json"):  # --overwrite replaces only a zckpt merge output
+        zckpt.merge(str(ck), str(out), overwrite=True)
     assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()
+    zckpt.merge(str(ck), str(out))
+    (out / "stale.txt").write_text("left by hand in a previous output")
     zckpt.merge(str(ck), str(out), overwrite=True)
-    assert (out / "model.safetensors").exists() and not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").exists() and not (out / "stale.txt").exists()
     assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name or "zckpt-old" in p.name]
 
 

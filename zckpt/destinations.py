@@ -3,7 +3,8 @@ Hugging Face Hub repository (:class:`HubDestination`).
 
 A destination lists what is already there (size, sha256 or git blob id), sends the files that differ in
 parallel through the push's pool, and writes ``zckpt-manifest.json`` last: a checkpoint at DEST without its
-manifest is not complete. On the Hub files and manifest go in one commit.
+manifest is not complete (the manifest is the commit marker of :mod:`zckpt.publish`'s object-store rule, withdrawn
+before a changed checkpoint's files are replaced). On the Hub files and manifest go in one commit.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from zckpt import storage
+from zckpt import publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
 from zckpt.scan import TAG_STEP_RE, TRAINER_RE, _step_of
 
@@ -59,17 +60,41 @@ class RemoteFile:
     blob_id: str | None = None
 
 
+#: errnos that repeat however often one asks: bad request, no permission, no such file, disk full, read-only
+_PERMANENT_ERRNOS = (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOSPC, errno.EROFS,
+                     errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EDQUOT)
+#: exception class names (botocore and friends, matched by name so that no backend need be imported)
+_PERMANENT_NAMES = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "ProfileNotFound",
+                    "NoRegionError", "ParamValidationError", "InvalidS3AddressingStyleError",
+                    "UnknownSignatureVersionError", "RepositoryNotFoundError", "GatedRepoError",
+                    "RevisionNotFoundError", "EntryNotFoundError", "LocalTokenNotFoundError")
+_PERMANENT_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket",
+                    "AllAccessDisabled", "InvalidBucketName", "AccountProblem", "ExpiredToken", "InvalidToken")
+
+
 def _retryable(exc: BaseException) -> bool:
-    """Transient (connection lost, server error, throttling) rather than a refusal that will repeat."""
+    """Transient (connection lost, timeout, server error 5xx, throttling 408/429) rather than a refusal that will
+    repeat: an unknown URL scheme, a missing backend (s3fs), missing or wrong credentials, no permission, no such
+    bucket or file, a full or read-only disk, a bad argument. Walks the ``__cause__``/``__context__`` chain, since
+    zckpt's StorageError wraps the backend's exception."""
     seen = 0
-    while exc is not None and seen < 5:
+    while exc is not None and seen < 8:
+        if isinstance(exc, (ImportError, ValueError, TypeError, NotImplementedError, PermissionError,
+                            FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                            InvalidArgument, PushInterrupted)):
+            return False  # (zckpt's own StorageError is an OSError, not a ValueError: its cause decides)
+        if type(exc).__name__ in _PERMANENT_NAMES:
+            return False
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
             return False
-        if isinstance(exc, OSError) and exc.errno in (errno.EINVAL, errno.EACCES, errno.EPERM, errno.ENOENT,
-                                                      errno.ENOSPC, errno.EROFS):
+        response = getattr(exc, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in _PERMANENT_CODES:
             return False
-        exc, seen = exc.__cause__, seen + 1
+        if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+            return False
+        exc, seen = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__), seen + 1
     return True
 
 
@@ -129,9 +154,9 @@ class FsDestination:
     # ---------------------------------------------------------------- writing
 
     def begin(self, name: str, ctx: _Context) -> None:
-        """Remove a stale manifest before anything of a changed checkpoint is replaced."""
+        """Withdraw the commit (the manifest) before anything of a changed checkpoint is replaced."""
         url = self.url_of(name, MANIFEST_NAME)
-        ctx.retry(lambda: storage.remove(url, storage_options=self.storage_options, missing_ok=True), url, name)
+        ctx.retry(lambda: publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options), url, name)
 
     def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
         # fewer files than workers: let each file use the spare workers as parallel multipart streams
@@ -170,9 +195,11 @@ class FsDestination:
 
     def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
         # every file must be there with its size before the manifest says so (repair once if the store lost any)
+        expected = {t.rel: t.size for t in tasks}
         for attempt in range(2):
-            remote = ctx.retry(lambda: self.remote_files(name), self.url_of(name), name)
-            missing = [t for t in tasks if t.rel not in remote or remote[t.rel].size != t.size]
+            gone = set(ctx.retry(lambda: publish.missing_remote(self.url_of(name), expected, self.storage_options),
+                                 self.url_of(name), name))
+            missing = [t for t in tasks if t.rel in gone]
             if not missing:
                 break
             if attempt == 1:
@@ -180,8 +207,9 @@ class FsDestination:
                                    path=self.url_of(name))
             log.warning("%s: %d file(s) missing at DEST after upload; sending them again", name, len(missing))
             self.send(name, missing, ctx)
-        url = self.url_of(name, MANIFEST_NAME)
-        ctx.retry(lambda: storage.write_bytes_atomic(url, manifest, self.storage_options), url, name)
+        url = self.url_of(name, MANIFEST_NAME)  # the commit, last (zckpt.publish's object-store rule)
+        ctx.retry(lambda: publish.commit_remote(self.url_of(name), MANIFEST_NAME, manifest, self.storage_options),
+                  url, name)
 
     def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
         return remote_manifest is not None and json.dumps(remote_manifest, sort_keys=True) == json.dumps(
@@ -204,7 +232,7 @@ class FsDestination:
     def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
         for n in names:  # manifest first: from then on nobody treats it as complete
             url = self.url_of(n, MANIFEST_NAME)
-            ctx.retry(functools.partial(storage.remove, url, storage_options=self.storage_options, missing_ok=True),
+            ctx.retry(functools.partial(publish.begin_remote, self.url_of(n), MANIFEST_NAME, self.storage_options),
                       url, n)
             folder = self.url_of(n)
             ctx.retry(functools.partial(storage.remove, folder, recursive=True, storage_options=self.storage_options,

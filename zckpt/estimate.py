@@ -358,14 +358,6 @@ def _pct(frac: Fraction) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Parsers for the command line
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}
-
 _NUMBER = r"([0-9][0-9_,]*(?:\.[0-9]*)?|\.[0-9]+)"
 
 
@@ -377,20 +369,11 @@ def _decimal(text: str, what: str, original: str) -> Decimal:
 
 
 def parse_size(text: str) -> int:
-    """A memory size in bytes: ``80GiB`` (2**30), ``80GB`` (10**9), ``81559MiB``, ``1.5TiB``, ``85899345920``.
+    """A memory size in bytes, by zckpt's one rule (:mod:`zckpt.units`): ``80GiB`` = 80*2**30,
+    ``80GB`` = ``80G`` = 80*10**9, ``81559MiB``, ``1.5TiB``, ``85899345920`` (bare numbers are bytes)."""
+    from zckpt.units import parse_size as _parse
 
-    Units are case-insensitive. A bare ``K``/``M``/``G``/``T`` is binary (``80G`` = 80 GiB, as nvidia-smi and
-    DeepSpeed's "GB" mean it); ``KB``/``MB``/``GB``/``TB`` are decimal (SI); ``KiB``... are binary.
-    """
-    original = text
-    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
-    if not m or m.group(2) not in _SIZE_UNITS:
-        raise InvalidArgument(f"cannot read {original!r} as a memory size (examples: 80GiB, 80GB, 81559MiB)")
-    value = _decimal(m.group(1), "a memory size", original) * _SIZE_UNITS[m.group(2)]
-    nbytes = int(value.to_integral_value())  # round half even to a whole byte
-    if nbytes <= 0:
-        raise InvalidArgument(f"memory size must be positive, got {original!r}")
-    return nbytes
+    return _parse(text, what="a memory size")
 
 
 def parse_fraction(text: str) -> Fraction:

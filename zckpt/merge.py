@@ -8,9 +8,11 @@
    offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
    one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
    numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.casting`).
-3. Files are written into a temporary sibling folder which is renamed into place at the end (the index is
-   written last); an interrupted merge leaves the previous output, or nothing, where the output belongs.
-   For URL outputs each shard is uploaded as soon as it is complete and the index is uploaded last.
+3. :mod:`zckpt.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
+   place with its ``.zckpt.json`` marker; an interrupted merge leaves the previous output, or nothing, where the
+   output belongs. For URL outputs each shard is uploaded as soon as it is complete and the marker is written
+   last (an output without a complete marker is incomplete). The output is checked first: never the
+   checkpoint, inside it or around it; ``overwrite`` replaces only a previous zckpt merge output.
 """
 
 from __future__ import annotations
@@ -19,18 +21,16 @@ import json
 import logging
 import math
 import os
-import shutil
 import struct
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt import storage
+from zckpt import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
-from zckpt.errors import InvalidArgument, OutputExists
+from zckpt.errors import InvalidArgument
 from zckpt.safeload import DTYPE_SIZES, FLOATING
 
 log = logging.getLogger(__name__)
@@ -65,24 +65,10 @@ TRAINER_COPY = (
 
 
 def parse_size(text) -> int:
-    """'5GB' -> 5*10**9, '200MiB' -> 200*2**20, 1000 -> 1000 (bytes)."""
-    if isinstance(text, (int, float)):
-        return int(text)
-    s = str(text).strip().upper().replace(" ", "")
-    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10,
-             "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            try:
-                value = float(s[: -len(unit)])
-            except ValueError:
-                break
-            if value <= 0:
-                break
-            return int(value * mult)
-    if s.isdigit() and int(s) > 0:
-        return int(s)
-    raise InvalidArgument(f"cannot read size {text!r}", hint="use e.g. 5GB, 500MB or 2GiB")
+    """``--max-shard-size``: '5GB' = '5G' -> 5*10**9, '200MiB' -> 200*2**20, 1000 -> 1000 (bytes); see zckpt.units."""
+    from zckpt.units import parse_size as _parse
+
+    return _parse(text, flag="--max-shard-size", what="a shard size")
 
 
 def out_dtype_name(dtype: str) -> str:
@@ -305,7 +291,7 @@ class _Worker:
         return data.nbytes
 
     def _copy_range(self, p: Piece, fd_out: int, pos: int) -> None:
-        fd_in = self.reader._fd(p.path)
+        fd_in = self.reader.fd(p.path)
         left, src = p.nbytes, p.offset
         while left:
             try:
@@ -368,26 +354,16 @@ class MergeResult:
                 "copied": self.copied, **self.plan.summary()}
 
 
-def _prepare_out(out: str, overwrite: bool) -> None:
-    if storage.is_url(out):
-        if storage.exists(out) and storage.listdir(out) and not overwrite:
-            raise OutputExists("output location is not empty", path=out)
-        return
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise OutputExists("output exists and is not a folder", path=out)
-        if os.listdir(out) and not overwrite:
-            raise OutputExists("output folder is not empty", path=out)
-
-
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
             extra_files: dict[str, bytes] | None = None,
-            progress: Callable[[int, int], None] | None = None, durable: bool = False) -> None:
-    """Write ``plan`` to the folder ``out`` (local path or URL), atomically.
+            progress: Callable[[int, int], None] | None = None, durable: bool = False,
+            source: publish.Source | None = None) -> None:
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.publish`).
 
-    The folder appears complete or not at all, whenever the process is killed. ``durable=True`` also fsyncs
+    The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
+    previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
     every file before the rename, so the result survives a power failure (slower: waits for the disk)."""
-    _prepare_out(out, overwrite)
+    publish.check_output(out, "merge", source, overwrite)
     workers = workers or min(8, os.cpu_count() or 2)
     done = [0]
 
@@ -400,80 +376,24 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
     worker = _Worker(pure_upcast=pure)
-    remote = storage.is_url(out)
-    tmp = scratch_dir(out, tempfile.gettempdir() if remote else None)
     try:
-        with ThreadPoolExecutor(workers) as pool:
-            for shard in plan.shards:
-                local = os.path.join(tmp, shard.filename)
-                _write_shard(shard, local, plan.fmt, pool, worker, step, durable)
-                if remote:
-                    storage.put_file(local, storage.join(out, shard.filename))
-                    os.remove(local)
-        files = dict(extra_files or {})
-        if plan.index is not None:
-            files[plan.index_name] = (json.dumps(plan.index, indent=2) + "\n").encode()
-        if remote:
-            for name, data in sorted(files.items(), key=lambda kv: kv[0] == plan.index_name):
-                storage.write_bytes_atomic(storage.join(out, name), data)  # index last
-        else:
-            for name, data in files.items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(data)
-                    if durable:
-                        os.fsync(f.fileno())
-            _publish_dir(tmp, out, durable)
+        with publish.Publisher(out, "merge", source.root if source else None, durable) as pub:
+            with ThreadPoolExecutor(workers) as pool:
+                for shard in plan.shards:
+                    _write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
+                    pub.done(shard.filename)  # URL outputs: uploaded now
+            for name, data in (extra_files or {}).items():
+                pub.write_bytes(name, data)
+            if plan.index is not None:
+                pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
+            pub.commit()
     finally:
         worker.close()
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def scratch_dir(out: str, parent: str | None = None) -> str:
-    """A new temporary folder next to ``out`` (same file system, so publishing is a rename), named after this
-    process; scratch folders of earlier runs that were killed (their process is gone) are removed first."""
-    name = os.path.basename(out.rstrip("/")) or "out"
-    parent = parent or os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    for entry in os.listdir(parent):
-        for kind in ("tmp", "old"):
-            head = f".{name}.zckpt-{kind}-"
-            if entry.startswith(head):
-                pid = entry[len(head):].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
-                    shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f".{name}.zckpt-tmp-{os.getpid()}-", dir=parent)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _publish_dir(tmp: str, out: str, durable: bool = False) -> None:
-    """Move the finished folder ``tmp`` to ``out``; an old ``out`` is moved aside first and removed after."""
-    os.chmod(tmp, 0o755)
-    if os.path.isdir(out):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out.rstrip('/'))}.zckpt-old-{os.getpid()}-",
-                               dir=os.path.dirname(os.path.abspath(out)))
-        os.rmdir(old)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    if durable:
-        try:
-            dfd = os.open(os.path.dirname(os.path.abspath(out)), os.O_RDONLY)
-            os.fsync(dfd)
-            os.close(dfd)
-        except OSError:
-            pass
+# kept for callers of the old private names
+scratch_dir = publish.scratch_dir
+_publish_dir = publish.publish_dir
 
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
@@ -504,22 +424,26 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None) -> MergeResult:
-    """Consolidate the checkpoint at ``path`` into ``out`` (default: ``<path>/merged-<dtype>``).
+    """Consolidate the checkpoint at ``path`` into ``out``.
+
+    Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
+    ``outputs/merged-checkpoint-4-<dtype>`` (:func:`zckpt.publish.default_output`).
 
     ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
     ``progress(done_bytes, total_bytes)`` is called as data is written; ``durable=True`` fsyncs before publishing.
     """
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, tag)
+    source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     if out is None:
-        out = storage.join(str(path), f"merged-{dtype}")
+        out = publish.default_output(source, "merged") + f"-{dtype}"
     plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     extra = trainer_files(ckpt, dtype)
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
     if dry_run:
-        _prepare_out(str(out), overwrite)
+        publish.check_output(str(out), "merge", source, overwrite)
         return result
-    execute(plan, str(out), workers, overwrite, extra, progress, durable)
+    execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source)
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -48,6 +48,7 @@ from zckpt.destinations import (  # noqa: F401 - also the public names of zckpt.
     _check_unchanged, _retryable, _wait_all, make_destination, parse_hf_url,
 )
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
+from zckpt.publish import has_marker
 from zckpt.scan import LocalCheckpoint, check_complete, find_checkpoints, newest_mtime  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -125,11 +126,9 @@ def sha256_file(path: str, cancel: threading.Event | None = None, chunk: int = 8
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    return f"{n:.1f} TB"
+    from zckpt.units import format_size  # the one size style of every command
+
+    return format_size(n)
 
 
 @dataclasses.dataclass
@@ -275,7 +274,8 @@ def manifest_bytes(name: str, tasks: list[FileTask]) -> bytes:
 
 def _local_tasks(folder: str) -> list[FileTask]:
     tasks = []
-    for dirpath, _dirs, files in os.walk(folder):
+    for dirpath, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not has_marker(os.path.join(dirpath, d))]  # a zckpt output is not part of it
         for name in sorted(files):
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, folder).replace(os.sep, "/")
@@ -517,7 +517,7 @@ def _run_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> Check
                                     ckpt.step, dest.url_of(ckpt.name))
         if isinstance(exc, FileNotFoundError) and not isinstance(exc, ZckptError):
             exc = StorageError(f"{ckpt.name or ckpt.path}: {exc}", path=dest.url_of(ckpt.name))
-        log.error("%s: push failed: %s", ckpt.name or ckpt.path, exc)
+        log.debug("%s: push failed: %s", ckpt.name or ckpt.path, exc)  # raised by push(): said once there
         return CheckpointResult(ckpt.name, "failed", str(exc), ckpt.step, dest.url_of(ckpt.name), error=exc)
 
 

@@ -213,9 +213,18 @@ def _step_out(step) -> TensorOut | None:
     return step  # an int/float step (old torch): kept as is
 
 
+def output_tag(ckpt: Checkpoint) -> str:
+    """The tag the output is written under: the source's, less the ``_universal`` of a universal source."""
+    tag = ckpt.tag
+    if ckpt.location.universal and tag.endswith("_universal") and len(tag) > len("_universal"):
+        tag = tag[: -len("_universal")]
+    return tag
+
+
 class _Planner:
     def __init__(self, ckpt: Checkpoint, world_size: int, stage: int, flavour: str):
         self.ckpt, self.ws, self.stage, self.flavour = ckpt, world_size, stage, flavour
+        self.tag = output_tag(ckpt)
         self.conv = W.Converter()
         self.ms0 = ckpt.model_state
         self.osd0 = ckpt.optim_states[0]["optimizer_state_dict"]
@@ -230,6 +239,7 @@ class _Planner:
         self.partitions: list[dict] = []
         self.notes: list[str] = []
         self.ranks = range(world_size)  # the ranks whose files are planned (plan_ranks narrows it)
+        self.count_bytes = True  # OutFile.nbytes (plan_ranks skips it)
 
     # ---- shared pieces
     def lp_dtype(self, rec: TensorRecord) -> str:
@@ -478,8 +488,10 @@ class _Planner:
 
     def _torch_file(self, name: str, obj, folder: str | None = None) -> OutFile:
         from zckpt.torchzip import dumps
+        if not self.count_bytes:  # plan_ranks: the files are not written, sizing them would pickle them twice
+            return OutFile(os.path.join(folder or self.tag, name), obj=obj)
         _, tensors = dumps(obj)
-        return OutFile(os.path.join(folder or self.ckpt.tag, name), obj=obj, nbytes=sum(t.nbytes for t in tensors))
+        return OutFile(os.path.join(folder or self.tag, name), obj=obj, nbytes=sum(t.nbytes for t in tensors))
 
 
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
@@ -525,7 +537,7 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
         from zckpt import universal
         files, _ = universal.plan_universal(ckpt, planner, files)
     files += _side_files(ckpt, world_size)
-    plan = ReshardPlan(ckpt.location.input_path, ckpt.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
+    plan = ReshardPlan(ckpt.location.input_path, output_tag(ckpt), fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
                        flavour, world_size, ckpt.precision, files, planner.notes, planner.partitions)
     if not planner.has_state:
         plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
@@ -541,13 +553,14 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     planner = _Planner(ckpt, world_size, stage, flavour)
     planner.ranks = [int(r) for r in ranks]
+    planner.count_bytes = False
     zcfg = planner.cfg.setdefault("zero_optimization", {})
     defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
     for key, value in (zero or {}).items():
         if value is not None and zcfg.get(key, defaults.get(key)) != value:
             zcfg[key] = value
     files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
-    return ReshardPlan(ckpt.location.input_path, ckpt.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
+    return ReshardPlan(ckpt.location.input_path, output_tag(ckpt), "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
                        stage, flavour, world_size, ckpt.precision, files, planner.notes, planner.partitions)
 
 

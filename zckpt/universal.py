@@ -35,7 +35,7 @@ def _param_file(t: TensorOut, stage: int):
 def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list, list[str]]:
     """Universal-layout files from a native plan (``planner``, ``native_files``) of the target stage."""
     from zckpt.reshard import OutFile
-    tag_dir = f"{ckpt.tag}_universal"
+    tag_dir = f"{planner.tag}_universal"
     stage = planner.stage
     files: list[OutFile] = []
     rank0_optim = None

@@ -2,20 +2,21 @@
 
 Each command lives in its own module (``zckpt/cli/<name>.py``) and is loaded only when it runs or when help is
 listed. Nothing here imports torch: ``zckpt --help`` answers at once.
-Errors are mapped to one line on stderr in :func:`_report` (a traceback only with ``--debug`` or
-``ZCKPT_DEBUG=1``).
+Errors are mapped to one line on stderr in :func:`_report`, by the one table in ``_errors.py`` (a traceback only
+with ``--debug`` or ``ZCKPT_DEBUG=1``; with ``--json`` also one error object on stdout).
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-import os
+import importlib.util
+import json
 import sys
 
 import click
 
-from zckpt.errors import ZckptError
+from zckpt.cli._common import configure_logging, global_options, logging_state, restore_logging, settings
+from zckpt.cli._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, describe  # noqa: F401
 
 COMMANDS = {
     "info": "zckpt.cli.info:info",
@@ -26,13 +27,12 @@ COMMANDS = {
     "estimate": "zckpt.cli.estimate:estimate",
 }
 
-EXIT_ERROR = 1  # zckpt refused the input or failed cleanly
-EXIT_USAGE = 2  # click's own code for bad options
-EXIT_INTERRUPTED = 130
 
 
 class LazyGroup(click.Group):
-    """A group whose commands are imported on first use, so one command's imports never slow another."""
+    """A group whose commands are imported on first use, so one command's imports never slow another.
+
+    It is also the one place errors become messages (:func:`_report`, by the table in ``_errors.py``)."""
 
     def list_commands(self, ctx):
         return [name for name in COMMANDS if self._available(name)]
@@ -48,41 +48,70 @@ class LazyGroup(click.Group):
         module, attr = COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def parse_args(self, ctx, args):
+        ctx.meta["zckpt.argv"] = list(args)
+        ctx.meta.setdefault("zckpt.logging", logging_state())
+        ctx.call_on_close(lambda: restore_logging(ctx.meta["zckpt.logging"]))
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if _json_wanted(ctx):
+                _report(exc, ctx)
+            raise
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        except (click.exceptions.Exit, click.exceptions.Abort):
             raise
-        except KeyboardInterrupt:
+        except click.UsageError as exc:
+            if _json_wanted(ctx):
+                _report(exc, ctx)
+            raise
+        except click.ClickException:
+            raise
+        except KeyboardInterrupt as exc:
+            exc.zckpt_reported = True  # said below as "zckpt: interrupted", not as an error
             click.echo("zckpt: interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+            _report(exc, ctx)
         except Exception as exc:  # noqa: BLE001 - the one place errors become messages
             _report(exc, ctx)
+        finally:
+            if "zckpt.storage" in sys.modules:  # --storage-option lasts one command
+                sys.modules["zckpt.storage"].set_storage_options(None)
+
+
+def _json_wanted(ctx) -> bool:
+    """--json given anywhere on the command line (also when parsing stopped before it was read)."""
+    argv = ctx.meta.get("zckpt.argv", [])
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    return settings(ctx).json or "--json" in argv
 
 
 def debug_enabled(ctx=None) -> bool:
-    if os.environ.get("ZCKPT_DEBUG", "") not in ("", "0"):
-        return True
-    ctx = ctx or click.get_current_context(silent=True)
-    return bool(ctx and ctx.find_root().params.get("debug"))
+    return settings(ctx).show_debug
 
 
 def _report(exc: BaseException, ctx) -> None:
-    if debug_enabled(ctx):
+    """Print ``exc`` as one line on stderr (and, with --json, as one object on stdout), then exit."""
+    if debug_enabled(ctx) and not isinstance(exc, (click.UsageError, KeyboardInterrupt)):
         raise exc
-    if isinstance(exc, ZckptError):
-        msg = str(exc)
-    elif isinstance(exc, OSError):
-        where = exc.filename if getattr(exc, "filename", None) else ""
-        msg = f"{where}: {exc.strerror or exc}" if where else f"{exc.strerror or exc}"
-        if isinstance(exc, PermissionError):
-            msg += " (check the permissions of that path)"
-        elif getattr(exc, "errno", None) == 28:
-            msg += " (the disk is full; free space or choose another -o)"
-    else:
-        msg = f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback and report it)"
-    click.echo(f"zckpt: error: {' '.join(msg.split())}", err=True)
-    ctx.exit(EXIT_ERROR)
+    err = describe(exc, settings(ctx).output)
+    if _json_wanted(ctx):
+        doc = err.to_json(_command_of(ctx))
+        partial = getattr(exc, "push_result", None)  # what a failed push did finish
+        if partial is not None and hasattr(partial, "to_dict"):
+            doc["result"] = partial.to_dict()
+        click.echo(json.dumps(doc, default=str))
+    if not getattr(exc, "zckpt_reported", False):
+        click.echo(f"zckpt: error: {err.message}", err=True)
+    ctx.exit(err.exit_code)
+
+
+def _command_of(ctx) -> str | None:
+    if ctx.invoked_subcommand:
+        return ctx.invoked_subcommand
+    return next((a for a in ctx.meta.get("zckpt.argv", []) if a in COMMANDS), None)
 
 
 @click.group(
@@ -98,12 +127,11 @@ Examples:
 Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks. Docs: docs/guide.md""",
 )
 @click.version_option(package_name="zckpt", prog_name="zckpt")
-@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
-@click.option("-v", "--verbose", count=True, help="More log output (repeatable).")
-def main(debug: bool, verbose: int) -> None:
+@global_options(expose=False)
+def main() -> None:
     """zckpt: read, merge, reshard and push DeepSpeed ZeRO checkpoints.
 
     Safe on files from strangers (no pickle code is ever run), exact to the bit, streaming in bounded memory.
+    --json, -q, -v and --debug work before or after the command name.
     """
-    level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), format="zckpt: %(levelname)s: %(message)s", stream=sys.stderr)
+    configure_logging(settings())

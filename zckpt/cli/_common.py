@@ -1,29 +1,159 @@
-"""Shared pieces of the thin CLI commands: options, progress bars, JSON output. No torch here."""
+"""Shared pieces of the thin CLI commands: the options every command takes, progress bars, JSON output.
+
+Every command (and the ``zckpt`` group itself, so they work before or after the sub-command) takes
+``--json``, ``-q/--quiet``, ``-v/--verbose`` and ``--debug``; their values live in one :class:`Settings` per run
+(``ctx.meta``), which the error reporter reads too. No torch here.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 import click
 
+_SETTINGS = "zckpt.settings"
+
+
+@dataclass
+class Settings:
+    json: bool = False  # results (and errors) as one JSON object per line on stdout
+    quiet: bool = False  # silent on success: no progress bars, per-file lines, notes or warnings
+    debug: bool = False  # tracebacks instead of one-line errors
+    verbose: int = 0  # -v: INFO log lines, -vv: DEBUG
+    output: str | None = None  # the command's -o, named by errors about creating it
+
+    @property
+    def show_debug(self) -> bool:
+        return self.debug or os.environ.get("ZCKPT_DEBUG", "") not in ("", "0")
+
+
+def settings(ctx: click.Context | None = None) -> Settings:
+    """This run's settings (defaults outside a command, e.g. when a library function calls a helper)."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        return Settings()
+    return ctx.meta.setdefault(_SETTINGS, Settings())
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (click's test runner swaps it per run)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def configure_logging(s: Settings) -> None:
+    """Log lines on stderr for this command: warnings, errors only with -q, INFO with -v, DEBUG with -vv."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("zckpt: %(levelname)s: %(message)s"))
+        root.addHandler(handler)
+    level = logging.ERROR if s.quiet and not s.verbose else max(logging.WARNING - 10 * s.verbose, logging.DEBUG)
+    root.setLevel(level)
+    logging.getLogger("zckpt").setLevel(level)
+
+
+def logging_state():
+    """What :func:`configure_logging` changes, to put back when the command ends (it may run inside a program)."""
+    root = logging.getLogger()
+    return root.level, logging.getLogger("zckpt").level, list(root.handlers)
+
+
+def restore_logging(state) -> None:
+    root = logging.getLogger()
+    root_level, zckpt_level, handlers = state
+    for h in list(root.handlers):
+        if isinstance(h, _StderrHandler) and h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(root_level)
+    logging.getLogger("zckpt").setLevel(zckpt_level)
+
+
+def _remember(field: str):
+    def callback(ctx: click.Context, param: click.Parameter, value):
+        s = settings(ctx)
+        if field == "verbose":
+            s.verbose += value or 0
+            value = s.verbose
+        else:
+            value = bool(value) or getattr(s, field)  # given before the sub-command counts after it too
+            setattr(s, field, value)
+        configure_logging(s)
+        return value
+    return callback
+
+
+def global_options(expose: bool = True):
+    """``--json``, ``-q``, ``-v``, ``--debug`` for the group (``expose=False``) and for every command (the command
+    receives ``as_json`` and ``quiet``)."""
+    def decorate(f):
+        for decorator in reversed([
+            click.option("--json", "as_json", is_flag=True, expose_value=expose, callback=_remember("json"),
+                         help="Print the result as JSON on stdout, one object per line (errors too)."),
+            click.option("-q", "--quiet", "quiet", is_flag=True, expose_value=expose, callback=_remember("quiet"),
+                         help="Silent on success: no progress bars, per-file lines or notes; errors still print."),
+            click.option("-v", "--verbose", "verbose", count=True, expose_value=False,
+                         callback=_remember("verbose"), help="More log output on stderr (repeatable)."),
+            click.option("--debug", "debug", is_flag=True, expose_value=False, callback=_remember("debug"),
+                         help="Show full tracebacks on errors (or set ZCKPT_DEBUG=1)."),
+        ]):
+            f = decorator(f)
+        return f
+    return decorate
+
+
 tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
                           help="Tag folder to read (default: the one named in 'latest').")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print a JSON object on stdout (for scripts).")
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+
+
+def _storage_callback(ctx, param, pairs):
+    from zckpt import storage
+    from zckpt.errors import InvalidArgument
+
+    try:
+        return storage.parse_storage_options(pairs) if pairs else {}
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, InvalidArgument):
+            raise
+        raise InvalidArgument(f"--storage-option: {' '.join(str(exc).split())}",
+                              hint="use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:8333") from None
+
+
 storage_option = click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+                              callback=_storage_callback,
                               help="fsspec option for URL paths (repeatable), e.g. endpoint_url=http://...")
 
 
-def apply_storage_options(pairs) -> None:
-    if pairs:
+def apply_storage_options(options: dict) -> None:
+    if options:
         from zckpt import storage
-        storage.set_storage_options(storage.parse_storage_options(pairs))
+        storage.set_storage_options(options)
 
 
-def emit_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+def emit_json(obj, command: str | None = None, **fields) -> None:
+    """One JSON value on one line of stdout. Objects get the common fields: ``ok`` (true unless the result says
+    otherwise) and ``command``, plus ``fields`` for keys the result lacks (``path``, ``tag``, ``output``)."""
+    if isinstance(obj, dict):
+        obj = {"ok": obj.get("ok", True), "command": command or _command_name(), **obj}
+        for key, value in fields.items():
+            obj.setdefault(key, value)
+    click.echo(json.dumps(obj, default=str))
+
+
+def _command_name() -> str | None:
+    ctx = click.get_current_context(silent=True)
+    return ctx.info_name if ctx is not None and ctx.parent is not None else None
 
 
 class Progress:
@@ -33,6 +163,7 @@ class Progress:
     nothing and pay nothing."""
 
     def __init__(self, desc: str, enabled: bool = True, delay: float = 0.5):
+        enabled = enabled and os.environ.get("ZCKPT_DISABLE_PROGRESS_BARS", "") in ("", "0")
         self.desc, self.enabled, self.bar = desc, enabled and sys.stderr is not None, None
         self.start, self.delay = time.monotonic(), delay
 

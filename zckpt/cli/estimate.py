@@ -12,6 +12,7 @@ import textwrap
 
 import click
 
+from zckpt.cli._common import emit_json, global_options
 from zckpt.errors import InvalidArgument
 
 EPILOG = """\b
@@ -24,8 +25,9 @@ Sources of model size (exactly one):
 \b
 Figures are DeepSpeed's (estimate_zero2/zero3_model_states_mem_needs_all_cold), byte for
 byte; DeepSpeed prints them with "GB" but they are GiB (2**30 bytes), and zckpt says GiB.
-"per CPU" is host RAM per node. --gpu-memory sizes: 80GiB = 80*2**30, 80GB = 80*10**9,
-80G = 80GiB.
+"per CPU" is host RAM per node. Sizes as in every zckpt command: 80GiB = 80*2**30 (what
+an "80 GB" H100 has), 80GB = 80G = 80*10**9; a --gpu-memory below 1MiB is refused (80 alone
+would be 80 bytes: write the unit).
 
 \b
 Examples:
@@ -65,16 +67,28 @@ def _headroom(text: str, gpu_memory: int):
     """``25%`` or ``0.25`` (a share of the GPU), or a size such as ``16GiB``; returns a Fraction."""
     from fractions import Fraction
 
-    from zckpt.estimate import parse_fraction, parse_size
+    from zckpt.estimate import parse_fraction
+    from zckpt.units import parse_size
 
     s = text.strip()
     if s.endswith("%") or not any(ch.isalpha() for ch in s):
         frac = parse_fraction(s)
     else:
-        frac = Fraction(parse_size(s), gpu_memory)
+        frac = Fraction(parse_size(s, "--headroom", what="a memory size"), gpu_memory)
     if frac >= 1:
         raise InvalidArgument(f"--headroom {text} leaves nothing of the GPU's memory for model states")
     return frac
+
+
+def _gpu_memory(text: str) -> int:
+    """--gpu-memory by the one size rule; a bare small number (``80``) is refused rather than read as 80 bytes."""
+    from zckpt.units import parse_size
+
+    nbytes = parse_size(text, "--gpu-memory", what="a memory size")
+    if nbytes < 2**20:
+        raise InvalidArgument(f"--gpu-memory {text} is {nbytes} bytes, less than any GPU has",
+                              hint=f"write the unit: {text.strip()}GiB (= {text.strip()}*2**30) or {text.strip()}GB")
+    return nbytes
 
 
 def _read_config(path: str) -> dict:
@@ -110,9 +124,9 @@ def _read_config(path: str) -> dict:
               help="Memory of one GPU (80GiB, 80GB, 81559MiB): say which setting fits, and why.")
 @click.option("--headroom", "headroom_text", metavar="SHARE", default=None,
               help="Part of the GPU kept free for activations: 25% (default), 0.3, or a size like 16GiB.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of rows instead of the table.")
+@global_options()
 def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes_text, buffer_text,
-             gpu_memory_text, headroom_text, as_json):
+             gpu_memory_text, headroom_text, as_json, quiet):
     """Memory per GPU and per node for each ZeRO stage and offload setting.
 
     Prints every row DeepSpeed's two estimators print: ZeRO-2 with and without optimizer offload, and
@@ -176,7 +190,7 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
     # ---- the fit question
     rec = None
     if gpu_memory_text is not None:
-        gpu_memory = est.parse_size(gpu_memory_text)
+        gpu_memory = _gpu_memory(gpu_memory_text)
         headroom = _headroom(headroom_text if headroom_text is not None else "25%", gpu_memory)
         rec = est.recommend(rows, gpu_memory, headroom)
     elif headroom_text is not None:
@@ -190,7 +204,7 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
                 item["fits"] = rec.fits_row(row)
                 item["recommended"] = rec.row == row
             out.append(item)
-        click.echo(json.dumps(out, indent=2))
+        emit_json(out)  # a list of rows (DeepSpeed's table), on one line like every --json result
         return
 
     click.echo(_table(rows, params, largest, gpus, nodes, buffer_factor, source, rec))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import apply_storage_options, emit_json, json_option, storage_option, tag_option
+from zckpt.cli._common import apply_storage_options, emit_json, global_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -14,9 +14,9 @@ Examples:
   zckpt info s3://bucket/run1/checkpoint-400""")
 @click.argument("path")
 @tag_option
-@json_option
 @storage_option
-def info(path, tag, as_json, storage_options):
+@global_options()
+def info(path, tag, storage_options, as_json, quiet):
     """Show a checkpoint's ZeRO stage, precision, world size, parameters, steps and files.
 
     PATH is a DeepSpeed save folder (with 'latest'), a tag folder (global_stepN) or a Hugging Face Trainer

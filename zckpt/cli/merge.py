@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, apply_storage_options, emit_json, json_option, quiet_option, storage_option, tag_option,
+    Progress, apply_storage_options, emit_json, global_options, settings, storage_option, tag_option,
 )
 
 
@@ -23,8 +23,10 @@ Examples:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="dtype of floating tensors (fp32 masters are cast with torch's rounding).")
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
-              help="Output folder (local or URL). Default: PATH/merged-DTYPE.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output file, e.g. 5GB, 500MB.")
+              help="Output folder (local or URL), never in or around the checkpoint. Default: next to it, "
+                   "e.g. outputs/checkpoint-4 -> outputs/merged-checkpoint-4-DTYPE.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest output file: 5GB = 5G = 5*10**9 bytes, 2GiB = 2*2**30, 500MB.")
 @tag_option
 @click.option("--exclude-frozen", is_flag=True, help="Leave out frozen (requires_grad=False) parameters.")
 @click.option("--keep-tied", is_flag=True,
@@ -33,15 +35,16 @@ Examples:
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
               help="Threads for reading and casting (default: CPU count, at most 8); in-kernel copies into one "
                    "file run one at a time, as fast as cp.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output folder (only once the new one is complete).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a previous zckpt merge output (recognised by its .zckpt.json), only once the new one "
+                   "is complete. Any other non-empty folder is refused.")
 @click.option("--fsync", "durable", is_flag=True,
               help="fsync every file before publishing, so the output also survives a power failure.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes) and write nothing.")
-@json_option
-@quiet_option
 @storage_option
+@global_options()
 def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,
-          dry_run, as_json, quiet, storage_options):
+          dry_run, storage_options, as_json, quiet):
     """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers are included. A Trainer
@@ -49,16 +52,19 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     output folder loads with AutoModel*.from_pretrained. Bytes stream through a fixed-size buffer; the output
     appears atomically.
     """
-    from zckpt.info import human_bytes
-    from zckpt.merge import merge as run
+    from zckpt.merge import merge as run, parse_size
+    from zckpt.units import format_size as human_bytes
 
     apply_storage_options(storage_options)
+    settings().output = out
     with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
+        result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
                      exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
                      overwrite=overwrite, durable=durable, progress=bar)
     if as_json:
-        emit_json(result.to_json())
+        emit_json(result.to_json(), path=path, tag=tag)
+        return
+    if quiet:  # -q: silent on success
         return
     s = result.plan.summary()
     for f in s["files"]:

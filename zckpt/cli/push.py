@@ -6,45 +6,28 @@ one line per checkpoint (or JSON). No torch import here.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import sys
 import threading
 
 import click
 
+from zckpt.cli._common import emit_json, global_options, storage_option
 from zckpt.errors import InvalidArgument
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?", re.IGNORECASE)
-_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+def parse_duration(text: str, flag: str | None = None) -> float:
+    """``90s``, ``30m``, ``2h``, ``1h30m``, ``0`` -> seconds (:func:`zckpt.units.parse_duration`)."""
+    from zckpt.units import parse_duration as _parse
+
+    return _parse(text, flag)
 
 
-def parse_duration(text: str) -> float:
-    """``90s``, ``30m``, ``2h``, ``1h30m``, ``0`` -> seconds."""
-    text = str(text).strip().lower()
-    pos, total = 0, 0.0
-    for m in _DURATION.finditer(text):
-        if m.start() != pos:
-            break
-        total += float(m.group(1)) * _SECONDS[m.group(2)]
-        pos = m.end()
-    if not text or pos != len(text):
-        raise click.BadParameter(f"{text!r} is not a duration like 90s, 30m, 2h or 1h30m")
-    return total
+def parse_size(text: str, flag: str | None = "--part-size") -> int:
+    """``64MB`` = ``64M`` -> 64*10**6, ``8MiB`` -> 8*2**20, ``5000000`` -> bytes (:func:`zckpt.units.parse_size`)."""
+    from zckpt.units import parse_size as _parse
 
-
-def parse_size(text: str) -> int:
-    """``64MB``, ``8MiB``, ``5000000`` -> bytes."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size like 64MB or 8MiB")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    base = 1024 if unit.endswith("i") else 1000
-    power = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit.rstrip("i")]
-    return int(float(m.group(1)) * base ** power)
+    return _parse(text, flag, what="a part size")
 
 
 class _Progress:
@@ -70,7 +53,8 @@ class _Progress:
                 if bar is not None:
                     bar.close()
                 if not self.as_json and not self.quiet and event.result is not None:
-                    click.echo(event.result.summary())
+                    if event.result.status != "failed":  # failures are printed once, as errors, at the end
+                        click.echo(event.result.summary())
             elif event.kind == "skipped" and not self.as_json and not self.quiet:
                 click.echo(f"{event.checkpoint or '.'}: {event.message}, not pushed")
             elif event.kind == "waiting" and not self.quiet and not self.as_json:  # retries are logged
@@ -87,7 +71,8 @@ class _Progress:
 
 def _render(result, as_json: bool, quiet: bool) -> None:
     if as_json:
-        click.echo(json.dumps(result.to_dict()))
+        doc = result.to_dict()
+        emit_json(doc, command="push", path=doc.get("src"), output=doc.get("dest"))
     elif not quiet:
         for name in result.root_files_sent:
             click.echo(f"{name}: {'would update' if result.dry_run else 'updated'} at DEST")
@@ -116,14 +101,13 @@ AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Docs: d
               help="A checkpoint is pushed once no file in it changed for this long (waits if needed).")
 @click.option("--dry-run", is_flag=True, help="Show what would be sent; send nothing.")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="Parallel uploads.")
-@click.option("--part-size", metavar="SIZE", help="S3 multipart part size (default 50MiB), e.g. 64MB.")
+@click.option("--part-size", metavar="SIZE",
+              help="S3 multipart part size (default 50MiB): 64MB = 64M = 64*10**6 bytes, 8MiB = 8*2**20.")
 @click.option("--retries", type=click.IntRange(min=0), default=5, show_default=True,
               help="Retries per file and request, with growing pauses, before a checkpoint fails.")
-@click.option("--storage-option", "storage_opts", multiple=True, metavar="KEY=VALUE",
-              help="fsspec option for DEST (repeatable), e.g. endpoint_url=http://127.0.0.1:8333.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per push to stdout.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars or summaries (errors still go to stderr).")
-def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, storage_opts, as_json,
+@storage_option
+@global_options()
+def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, storage_options, as_json,
          quiet):
     """Copy complete checkpoints from SRC to DEST (a folder, s3://..., hf://...).
 
@@ -136,17 +120,15 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
 
     if every and once:
         raise click.UsageError("--every and --once exclude each other")
-    try:
-        storage.set_storage_options(storage.parse_storage_options(storage_opts))
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--storage-option") from exc
-    progress = _Progress(quiet, as_json)
-    kwargs = {"settle": parse_duration(settle), "keep_last": keep_last, "workers": workers, "dry_run": dry_run,
-              "progress": progress, "retries": retries, "part_size": parse_size(part_size) if part_size else None}
+    interval = parse_duration(every, "--every") if every else None
+    kwargs = {"settle": parse_duration(settle, "--settle"), "keep_last": keep_last, "workers": workers,
+              "dry_run": dry_run, "retries": retries, "part_size": parse_size(part_size) if part_size else None}
+    storage.set_storage_options(storage_options)
+    progress = kwargs["progress"] = _Progress(quiet, as_json)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # kill = Ctrl-C: abandon cleanly
     try:
         if every:
-            _run_every(src, dest, parse_duration(every), kwargs, as_json, quiet)
+            _run_every(src, dest, interval, kwargs, as_json, quiet)
         else:
             _run_once(src, dest, kwargs, as_json, quiet)
     except KeyboardInterrupt:
@@ -170,10 +152,20 @@ def _run_once(src, dest, kwargs, as_json, quiet) -> None:
         result = _lib().push(src, dest, **kwargs)
     except Exception as exc:
         partial = getattr(exc, "push_result", None)
-        if partial is not None:
+        if partial is not None and not as_json:  # with --json the error object carries it ("result")
             _render(partial, as_json, quiet)
+            _report_other_failures(partial, exc)
         raise
     _render(result, as_json, quiet)
+
+
+def _report_other_failures(partial, raised) -> None:
+    """push() raises its first failure (printed by the error reporter); say the others once each here."""
+    from zckpt.cli._errors import describe
+
+    for c in partial.checkpoints:
+        if c.status == "failed" and c.error is not None and c.error is not raised:
+            click.echo(f"zckpt: error: {describe(c.error).message}", err=True)
 
 
 def _run_every(src, dest, interval, kwargs, as_json, quiet) -> None:
@@ -181,7 +173,15 @@ def _run_every(src, dest, interval, kwargs, as_json, quiet) -> None:
         raise InvalidArgument("--every must be positive", hint="e.g. --every 30m")
 
     def on_error(exc):
-        click.echo(f"zckpt: error: {' '.join(str(exc).split())} (trying again next run)", err=True)
+        from zckpt.cli._errors import describe
+
+        err = describe(exc)
+        if as_json:
+            doc = err.to_json("push")
+            if getattr(exc, "push_result", None) is not None:
+                doc["result"] = exc.push_result.to_dict()
+            emit_json(doc, command="push")
+        click.echo(f"zckpt: error: {err.message} (trying again next run)", err=True)
 
     _lib().push_every(src, dest, interval, on_result=lambda r: _render(r, as_json, quiet), on_error=on_error,
                       **kwargs)

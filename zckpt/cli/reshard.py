@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, json_option, quiet_option, tag_option
+from zckpt.cli._common import Progress, settings, emit_json, global_options, tag_option
 
 
 @click.command(epilog="""\b
@@ -23,7 +23,8 @@ Examples:
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
                    "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
-              help="Output folder (local). Default: PATH-ws<M>[-z<S>]. Never inside the source.")
+              help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
+                   "outputs/checkpoint-4 -> outputs/resharded-checkpoint-4-ws<M>[-z<S>][-universal].")
 @click.option("--format", "fmt", type=click.Choice(["deepspeed", "universal"]), default="deepspeed",
               show_default=True,
               help="deepspeed: native files that a plain engine.load_checkpoint(OUT) loads at M ranks. "
@@ -31,12 +32,12 @@ Examples:
 @tag_option
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @click.option("--overwrite", is_flag=True,
-              help="Replace an existing output folder (only once the new one is complete).")
+              help="Replace a previous zckpt reshard output (recognised by its .zckpt.json), only once the new "
+                   "one is complete. Any other non-empty folder is refused.")
 @click.option("--fsync", "durable", is_flag=True,
               help="fsync every file before publishing, so the output also survives a power failure.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, partitions, sizes) and write nothing.")
-@json_option
-@quiet_option
+@global_options()
 def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run, as_json,
             quiet):
     """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
@@ -46,17 +47,21 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see docs/reshard.md for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
-    from zckpt.info import human_bytes
     from zckpt.reshard import reshard as run
+    from zckpt.units import format_size as human_bytes
 
+    settings().output = out
     with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
                      dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
                      bf16_optimizer=bf16_optimizer, durable=durable)
+    doc = _with_file_sizes(result.to_json(), result.output, dry_run)
     if as_json:
-        emit_json(result.to_json())
+        emit_json(doc, path=doc.get("source", path))
         return
-    s = result.plan.summary()
+    if quiet:  # -q: silent on success
+        return
+    s = {**result.plan.summary(), "files": doc["files"], "total_bytes": doc["total_bytes"]}
     verb = "would write" if dry_run else "wrote"
     for f in s["files"]:
         click.echo(f"{verb} {f['name']:<56} {human_bytes(f['bytes']):>10}")
@@ -67,3 +72,20 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
                f" -> stage {dst['stage']} ({dst['optimizer']}) x{dst['world_size']}, {fmt}, "
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
+
+
+def _with_file_sizes(doc: dict, output: str, dry_run: bool) -> dict:
+    """``bytes`` of each written file as ``info`` reports it: its size on disk (the plan counts tensor payload
+    only, kept as ``payload_bytes``). A dry run has no files yet: its ``bytes`` are the payload."""
+    import os
+
+    files = []
+    for f in doc.get("files", []):
+        f = {**f, "payload_bytes": f.get("bytes")}
+        where = os.path.join(output, f["name"])
+        if not dry_run and os.path.isfile(where):
+            f["bytes"] = os.path.getsize(where)
+        files.append(f)
+    total = sum(f["bytes"] or 0 for f in files)
+    return {**doc, "files": files, "payload_bytes": doc.get("total_bytes"),
+            "total_bytes": total if not dry_run else doc.get("total_bytes")}

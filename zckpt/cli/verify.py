@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import (
-    Progress, apply_storage_options, emit_json, json_option, quiet_option, storage_option, tag_option,
-)
+from zckpt.cli._common import Progress, apply_storage_options, emit_json, global_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -17,10 +15,9 @@ Examples:
 @click.argument("path")
 @tag_option
 @click.option("--deep", is_flag=True, help="Read every byte: check the CRC of every zip entry and any manifest.")
-@json_option
-@quiet_option
 @storage_option
-def verify(path, tag, deep, as_json, quiet, storage_options):
+@global_options()
+def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.
 
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
@@ -33,9 +30,10 @@ def verify(path, tag, deep, as_json, quiet, storage_options):
         report = run(path, tag, deep=deep, progress=bar)
     if as_json:
         emit_json(report.to_json())
-    else:
+    elif not (quiet and report.ok):  # -q: silent on success; failures still print
         for c in report.checks:
-            click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name}: {c.detail}")
+            if not (quiet and c.ok):
+                click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name}: {c.detail}")
         click.echo(f"{path}: {'complete and consistent' if report.ok else 'NOT consistent'}"
                    + (f" ({report.bytes_read:,} bytes read)" if deep else ""))
     if not report.ok:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"ZckptPushCallback": "zckpt.integrations.trainer"}
+_LAZY = {"ZckptPushCallback": "zckpt.integrations.trainer", "resume_anywhere": "zckpt.integrations.resume",
+         "patch_deepspeed": "zckpt.integrations.resume", "unpatch_deepspeed": "zckpt.integrations.resume"}
 
 
 def __getattr__(name):

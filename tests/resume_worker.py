@@ -1,0 +1,196 @@
+"""torchrun worker for tests/test_resume.py: resume a fixture's training state at another world size / stage.
+
+Every rank rebuilds the fixture's model, optimizer and config (``fixtures/generate.py``) at the job's world size
+and stage, like ``tests/ds_oracle.py``, and for each route of the job:
+
+* ``offline``: ``engine.load_checkpoint(<zckpt reshard output>)`` (the reference);
+* ``api``: ``zckpt.deepspeed.load_checkpoint(engine, <source>)``;
+
+captures this rank's raw engine state right after the load (``optimizer.state_dict()``: fp32 partitions, Adam
+moments and step, loss scaler; module state dict and ZeRO-3 partitions; scheduler; counters; client state) into
+``OUT/<route>_rank<r>.pt``, then trains ``train_steps`` more steps on fixed data and records the losses. Rank 0 of
+the ``api`` route also writes DeepSpeed's own oracle (``generate.collect_oracle``) into ``OUT/oracle``.
+
+``expect_error``: the API must raise; every rank writes its one-line message to ``OUT/error_rank<r>.txt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build_engine(G, spec):
+    import torch
+    import deepspeed
+
+    torch.manual_seed(spec["seed"] + 99)  # a different init: everything must come from the checkpoint
+    group_lrs = [spec["lr"]] if spec["param_groups"] == 1 else [spec["lr"], spec["lr"] / 2]
+    cfg = G.build_ds_config(spec, group_lrs)
+    if spec["zero_init"]:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = G.build_model(spec["model"])
+    else:
+        model = G.build_model(spec["model"])
+    with torch.no_grad():  # scramble buffers so a load that skips them is caught
+        for _, buf in model.named_buffers():
+            buf.add_(3.0 if buf.is_floating_point() else 5)
+    groups = G._param_groups(model, spec)
+    torch_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"]} for g in groups]
+    opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine, model, groups
+
+
+def capture(engine, client_state) -> dict:
+    """This rank's engine state as torch objects (saved at once, before any further step)."""
+    opt = engine.optimizer
+    st = {"optimizer": opt.state_dict(),
+          "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+          "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+          "counters": [engine.global_steps, engine.global_samples, engine.skipped_steps],
+          "lrs": [g["lr"] for g in opt.param_groups],
+          "client_state": {k: v for k, v in (client_state or {}).items()}}
+    parts = {n: p.ds_tensor.detach().clone() for n, p in engine.module.named_parameters() if hasattr(p, "ds_tensor")}
+    if parts:
+        st["ds_tensors"] = parts
+    scaler = getattr(opt, "loss_scaler", None)
+    if scaler is not None:
+        st["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+    return st
+
+
+def train(engine, spec, steps: int, rank: int) -> list[float]:
+    import torch
+    gen = torch.Generator().manual_seed(4321 + rank)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, spec["model"]["vocab"], (spec["micro_batch"], spec["seq_len"]), generator=gen)
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def trainer_main(job: dict) -> None:
+    """Resume a Hugging Face Trainer run (the ``trainer`` fixture) and train ``train_steps`` more steps; rank 0
+    writes the logged losses and DeepSpeed's view of the final state (``OUT/oracle``)."""
+    import contextlib
+    import torch
+    import transformers
+    from transformers import Trainer, TrainingArguments
+    import ds_oracle
+
+    G = ds_oracle.generate_module()
+    spec, out = job["spec"], Path(job["out"])
+    transformers.set_seed(spec["seed"] + 99)
+    m = spec["model"]
+    model = G.build_hf_model(m)
+    steps = spec["steps"] + job.get("train_steps", 2)
+
+    class DS(torch.utils.data.Dataset):
+        def __init__(self, n):
+            self.data = torch.randint(4, m["vocab"], (n, spec["seq_len"]), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            ids = self.data[i]
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    ds_cfg = G._deep_merge({
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+        "zero_optimization": G._deep_merge({"stage": spec["stage"]}, spec.get("zero") or {}),
+    }, spec.get("ds_config") or {})
+    args = TrainingArguments(
+        output_dir=str(out / "run"), use_cpu=True, bf16=spec["dtype"] == "bf16", fp16=spec["dtype"] == "fp16",
+        deepspeed=ds_cfg, per_device_train_batch_size=spec["micro_batch"], gradient_accumulation_steps=1,
+        max_steps=steps, save_strategy="no", logging_steps=1, learning_rate=spec["lr"], weight_decay=0.01,
+        warmup_steps=0, lr_scheduler_type="linear", max_grad_norm=1.0, seed=spec["seed"], report_to="none",
+        disable_tqdm=True, dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=DS(spec["micro_batch"] * spec["world_size"] * steps),
+                      processing_class=G.build_tokenizer(m["vocab"]))
+    if job["route"] == "api":
+        from zckpt.integrations import resume_anywhere
+        ctx = resume_anywhere()
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        trainer.train(resume_from_checkpoint=job["source"])
+    eng = trainer.model_wrapped
+    tensors, info = G.collect_oracle(eng, trainer.model, spec)
+    info["hf_global_step"] = trainer.state.global_step
+    info["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    info["client_state"] = {}
+    if trainer.args.process_index == 0:
+        G._write_oracle(out / "oracle", tensors, info)
+    import deepspeed.comm as dist
+    G._finish(dist)
+
+
+def main(job_path: str) -> None:
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    import ds_oracle
+
+    G = ds_oracle.generate_module()
+    job = json.loads(Path(job_path).read_text())
+    if job.get("trainer"):
+        return trainer_main(job)
+    spec, out = job["spec"], Path(job["out"])
+    if spec["dtype"] == "fp16":
+        G.enable_cpu_fp16()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    losses = {}
+    for route in job["routes"]:
+        if job.get("model_override"):
+            spec = dict(spec, model=G._deep_merge(spec["model"], job["model_override"]))
+        engine, model, groups = build_engine(G, spec)
+        if route == "offline":
+            load_path, client = engine.load_checkpoint(job["offline"])
+        else:
+            import zckpt.deepspeed as zd
+            src = job["source"] if not job.get("rank_source") else job["rank_source"].get(str(rank), job["source"])
+            try:
+                load_path, client = zd.load_checkpoint(engine, src, force_reshard=job.get("force_reshard", False))
+            except Exception as exc:  # noqa: BLE001
+                if not job.get("expect_error"):
+                    raise
+                (out / f"error_rank{rank}.txt").write_text(f"{type(exc).__name__}|{exc}")
+                del engine
+                continue
+            if job.get("expect_error"):
+                raise AssertionError("the load did not fail")
+            info = engine.zckpt_resume_info
+            (out / f"info_rank{rank}.json").write_text(json.dumps(info.__dict__, default=str))
+        assert load_path is not None, "load_checkpoint returned None"
+        torch.save(capture(engine, client), str(out / f"{route}_rank{rank}.pt"))
+        if route == "api" and job.get("oracle"):
+            tensors, info = G.collect_oracle(engine, model, spec, groups)
+            info["client_state"] = {k: v for k, v in (client or {}).items() if isinstance(v, (int, float, str))}
+            if rank == 0:
+                G._write_oracle(out / "oracle", tensors, info)
+        losses[route] = train(engine, spec, job.get("train_steps", 2), rank)
+    if rank == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+    G._finish(dist)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except Exception:
+        traceback.print_exc()
+        raise

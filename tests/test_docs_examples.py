@@ -1,0 +1,116 @@
+"""Docs that cannot rot: every ``zckpt ...`` example in README.md and docs/*.md (the --help examples included, via
+the generated docs/cli.md) runs here, against small copies of the committed fixtures, and must succeed.
+
+Names the docs use stand for fixtures: ``checkpoint-400`` is the Trainer checkpoint, ``ckpt/``, ``ds_ckpt/`` and
+``ds_save/`` a DeepSpeed save folder, ``outputs/`` a training output folder holding both, ``config.json`` and
+``Qwen3-8B/`` a Qwen3-8B config. Examples that cannot run here are skipped with the reason: S3 and Hub URLs
+(tests/test_push.py covers them against a real local S3 server), ``--every`` (runs until Ctrl-C), and synopsis lines
+with placeholders (``--params P``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import FIXTURES
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TRAINER = FIXTURES / "trainer" / "checkpoint-4"
+DEEPSPEED = FIXTURES / "z2_bf16_ws2"  # a plain DeepSpeed save folder (latest + global_stepN)
+QWEN3_8B = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "tie_word_embeddings": False}
+
+
+def examples() -> list[tuple[str, str]]:
+    """``(where, command line)`` for every line of a fenced code block that runs zckpt."""
+    found = []
+    for doc in DOCS:
+        fenced, pending, start = False, "", 0
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced, pending = not fenced, ""
+                continue
+            if not fenced:
+                continue
+            text = pending + " " + line.strip() if pending else line.strip()
+            start = start if pending else number
+            if text.endswith("\\"):
+                pending = text[:-1].strip()
+                continue
+            pending = ""
+            text = re.sub(r"^\$\s+", "", text)
+            command = re.sub(r"\s+#.*$", "", text).strip()
+            if re.match(r"^([A-Z_]+=\S+\s+)*zckpt\s+[a-z]", command):
+                found.append((f"{doc.relative_to(ROOT)}:{start}", command))
+    return found
+
+
+EXAMPLES = examples()
+
+
+def skip_reason(command: str) -> str | None:
+    if re.search(r"\b(s3|hf)://", command):
+        return "needs S3 or the Hub (tests/test_push.py runs push against a local S3 server)"
+    if "--every" in command:
+        return "--every runs until Ctrl-C"
+    words = shlex.split(command.replace("[", " ").replace("]", " "))
+    if any(re.fullmatch(r"[A-Z][A-Z0-9_]*", w) or "|" in w or "..." in w for w in words):
+        return "a synopsis with placeholders, not an example"
+    return None
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch):
+    """A folder holding the names the docs use, each a copy of a committed fixture."""
+    copy = lambda src, dst: shutil.copytree(src, tmp_path / dst, ignore=shutil.ignore_patterns("expected"))  # noqa
+    copy(TRAINER, "checkpoint-400")
+    for name in ("ckpt", "ds_ckpt", "ds_save", "outputs/ds_ckpt"):
+        copy(DEEPSPEED, name)
+    copy(TRAINER, "outputs/checkpoint-400")
+    for where in ("config.json", "Qwen3-8B/config.json"):
+        (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / where).write_text(json.dumps(QWEN3_8B))
+    (tmp_path / "fixtures").symlink_to(FIXTURES)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _args(command: str, workspace: Path) -> list[str]:
+    words = shlex.split(command.replace("[", " ").replace("]", " "))
+    words = words[words.index("zckpt") + 1:]
+    words = [("mnt/" + w[len("/mnt/"):]) if w.startswith("/mnt/") else w for w in words]
+    if "--tag" in words:  # the docs' tag names stand for the fixture's own tag
+        path = next(w for w in words[1:] if not w.startswith("-"))
+        words[words.index("--tag") + 1] = (workspace / path / "latest").read_text().strip()
+    return words
+
+
+def test_examples_were_found():
+    runnable = [c for _, c in EXAMPLES if skip_reason(c) is None]
+    assert len(EXAMPLES) >= 40 and len(runnable) >= 25, (len(EXAMPLES), len(runnable))
+    commands = {shlex.split(c)[1] for _, c in EXAMPLES if c.startswith("zckpt")}
+    assert {"info", "verify", "merge", "reshard", "push", "estimate"} <= commands
+
+
+@pytest.mark.parametrize("where,command", EXAMPLES, ids=[w for w, _ in EXAMPLES])
+def test_doc_example_runs(where, command, workspace):
+    reason = skip_reason(command)
+    if reason:
+        pytest.skip(reason)
+    from zckpt.cli import main
+
+    args = _args(command, workspace)
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, f"{where}: zckpt {' '.join(args)}\n{res.output}"
+    if "--json" in args:
+        for line in res.stdout.splitlines():
+            json.loads(line)  # one JSON object per line

@@ -1,0 +1,522 @@
+"""Resume a DeepSpeed engine from a checkpoint saved at another world size or ZeRO stage: reshard on load.
+
+Every rank of the user's own launch runs :func:`load_checkpoint` (the same call DeepSpeed's own
+``engine.load_checkpoint`` is); nothing but ``torch.distributed`` coordinates them::
+
+    read       open_checkpoint(path)                 metadata of every source file (pickles only, no tensor data)
+    target     the engine: dp world size M, dp rank r, stage, BF16 optimizer, precision, sub_group_size ...
+    validate   names, shapes, trainable/frozen, optimizer groups and partition sizes against the engine's model
+    plan       reshard.plan_ranks(ckpt, M, [r])      this rank's model-states and optimizer-states files only
+    read       the plan's byte ranges of the source  (ranged reads; local or fsspec URL) -> torch objects in memory
+    agree      one all_reduce of every rank's error (a flag and a one-line message): all raise the same, or go on
+    load       engine.load_checkpoint(scratch, tag)  DeepSpeed's own load path, through a CheckpointEngine that
+                                                     returns the in-memory objects for the names it asks for
+
+The scratch folder holds only empty placeholders of this rank's model-states file name (DeepSpeed globs and
+``os.path.exists`` it before loading); nothing is written for the model. DeepSpeed 0.19.8 loads only its own
+optimizer file (``_get_all_zero_checkpoint_state_dicts``); for other ranks' names (an ``elastic_checkpoint``
+engine asks for every one) the engine returns what DeepSpeed itself substitutes, ``{"optimizer_state_dict": None}``:
+rigid checkpoints (all that zckpt writes) only use the current rank's.
+
+The in-memory objects are what ``torch.load`` gives for the file ``zckpt reshard`` writes: the same planner, the same
+pickle (:func:`zckpt.torchzip.dumps`), unpickled with storages filled from the source byte ranges, so the engine
+state is bit-identical to the offline route. The pickle is zckpt's own, made from metadata that passed
+:mod:`zckpt.safeload`'s allow-list, and unpickling it resolves only names on that list. Same world size, stage and optimizer, from a local folder: the checkpoint is loaded as it is, by
+``engine.load_checkpoint``, after the same validation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from zckpt import errors, storage
+from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout, ZckptError
+from zckpt.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
+from zckpt.torchzip import Cast, Fill, TensorOut, coalesce, dumps
+
+log = logging.getLogger(__name__)
+
+MESSAGE_BYTES = 1024  # per rank, in the error all-reduce
+
+
+# ---------------------------------------------------------------------------------------------- target
+
+@dataclass
+class Target:
+    """What the live engine expects: its data-parallel layout and optimizer."""
+
+    world_size: int
+    rank: int
+    stage: int
+    bf16_optimizer: bool
+    precision: str
+    zero: dict = field(default_factory=dict)  # layout-shaping zero_optimization values
+
+    @property
+    def flavour(self) -> str:
+        return "zero3" if self.stage == 3 else ("bf16_optimizer" if self.bf16_optimizer else "zero")
+
+
+def engine_target(engine) -> Target:
+    """The target layout of a DeepSpeed engine (raises :class:`UnsupportedLayout` for what zckpt cannot feed)."""
+    import deepspeed.comm as dist
+    stage = int(engine.zero_optimization_stage())
+    if stage == 0 or engine.optimizer is None:
+        raise UnsupportedLayout("the engine does not use a ZeRO optimizer (stage 0); load with engine.load_checkpoint")
+    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
+        raise UnsupportedLayout("model-parallel engines (mp_world_size > 1) are not supported")
+    if getattr(engine, "has_moe_layers", False):
+        raise UnsupportedLayout("mixture-of-experts engines are not supported")
+    if engine.load_universal_checkpoint():
+        raise InvalidArgument("the engine config sets checkpoint.load_universal",
+                              hint="drop it: zckpt loads DeepSpeed's native layout at any world size")
+    if engine.zero_nvme_offload_optimizer():
+        raise UnsupportedLayout("NVMe optimizer offload is not supported (CPU offload is)")
+    zc = engine._config.zero_config
+    if getattr(zc, "round_robin_gradients", False):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported")
+    group = getattr(engine.optimizer, "dp_process_group", None)
+    precision = "bf16" if engine.bfloat16_enabled() else ("fp16" if engine.fp16_enabled() else "fp32")
+    bf16_optimizer = type(engine.optimizer).__name__ == "BF16_Optimizer"
+    zero = {"sub_group_size": int(zc.sub_group_size)} if stage == 3 else \
+        {"parameter_alignment": bool(getattr(zc, "parameter_alignment", False))}
+    return Target(dist.get_world_size(group=group), dist.get_rank(group=group), 1 if bf16_optimizer else stage,
+                  bf16_optimizer, precision, zero)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+def _engine_params(engine) -> dict:
+    """name -> (shape, trainable) of every parameter the engine's module has (tied aliases included)."""
+    out = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+        out[name] = (shape, bool(p.requires_grad))
+    return out
+
+
+def _engine_buffers(engine) -> dict:
+    out = {}
+    for mname, mod in engine.module.named_modules():
+        for bname, buf in mod.named_buffers(recurse=False):
+            if buf is not None and bname not in mod._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = tuple(buf.shape)
+    return out
+
+
+def _engine_groups(engine, target: Target) -> list[list[str]] | None:
+    """Parameter names of the engine's flat groups (stage 1/2, BF16 optimizer: one per optimizer param group;
+    stage 3: one per sub-group), or None when the optimizer does not expose them."""
+    opt = engine.optimizer
+    attr = "fp16_groups" if target.stage == 3 else ("bf16_groups" if target.bf16_optimizer else "bit16_groups")
+    groups = getattr(opt, attr, None)
+    if groups is None:
+        return None
+    names = getattr(engine, "param_names", {})
+    return [[names.get(p, "?") for p in g] for g in groups]
+
+
+def _engine_partitions(engine, target: Target) -> list[int] | None:
+    """This rank's fp32 partition sizes per flat group (as held by the optimizer)."""
+    opt = engine.optimizer
+    attr = "fp32_partitioned_groups_flat" if target.stage == 3 else \
+        ("fp32_groups_flat_partition" if target.bf16_optimizer else "single_partition_of_fp32_groups")
+    flats = getattr(opt, attr, None)
+    if flats is None:
+        return None
+    return [int(t.numel()) for t in flats]
+
+
+def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
+    """Refuse a source that cannot fill this engine: precision, names, shapes, trainable/frozen, groups."""
+    path = ckpt.location.tag_dir
+    if ckpt.precision != target.precision:
+        raise InvalidArgument(f"the checkpoint was trained in {ckpt.precision}, the engine runs {target.precision}",
+                              path=path, hint="start the engine with the checkpoint's precision")
+    params, buffers = _engine_params(engine), _engine_buffers(engine)
+    recs = ckpt.by_name()
+    for name, (shape, trainable) in params.items():
+        rec = recs.get(name)
+        if rec is None or rec.kind == "buffer":
+            raise InvalidArgument(f"the model's parameter '{name}' is not in the checkpoint", path=path,
+                                  hint="resume with the model the checkpoint was saved from")
+        if tuple(rec.shape) != shape:
+            raise InvalidArgument(f"'{name}' has shape {list(rec.shape)} in the checkpoint but {list(shape)} in the "
+                                  "model", path=path, hint="resume with the model the checkpoint was saved from")
+        kind = recs[rec.tied_to].kind if rec.kind == "tied" and rec.tied_to in recs else rec.kind
+        if (kind == "trainable") != trainable:
+            state = "trainable" if kind == "trainable" else "frozen"
+            raise InvalidArgument(f"'{name}' is {state} in the checkpoint but not in the model", path=path,
+                                  hint="freeze the same parameters as the run that saved it")
+    for name, shape in buffers.items():
+        rec = recs.get(name)
+        if rec is not None and rec.kind == "buffer" and tuple(rec.shape) != shape:
+            raise InvalidArgument(f"buffer '{name}' has shape {list(rec.shape)} in the checkpoint but {list(shape)} "
+                                  "in the model", path=path)
+    extra = [r.name for r in ckpt.records if r.kind != "buffer" and r.name not in params]
+    if extra:
+        raise InvalidArgument(f"the checkpoint has parameters the model lacks: {', '.join(extra[:5])}"
+                              + (" ..." if len(extra) > 5 else ""), path=path)
+    want = [list(g.names) for g in ckpt.groups]
+    have = _engine_groups(engine, target)
+    if have is not None and target.stage != 3 and have != want:
+        raise InvalidArgument(f"the optimizer's param groups differ from the checkpoint's ({len(have)} groups of "
+                              f"{[len(g) for g in have]} params vs {len(want)} of {[len(g) for g in want]})",
+                              path=path, hint="build the optimizer's param groups as the run that saved it did")
+    if have is not None and target.stage == 3 and [n for g in have for n in g] != [n for g in want for n in g]:
+        raise InvalidArgument("the optimizer's parameters (or their order) differ from the checkpoint's", path=path,
+                              hint="build the optimizer's param groups as the run that saved it did")
+
+
+def check_plan(plan, engine, target: Target) -> None:
+    """The planned fp32 partitions of this rank have the sizes the engine's optimizer holds."""
+    have = _engine_partitions(engine, target)
+    if have is None:
+        return
+    osd = _own_optim(plan, target)["optimizer_state_dict"]
+    parts = osd["fp32_flat_groups"] if target.stage == 3 else osd["single_partition_of_fp32_groups"]
+    want = [t.numel for t in parts]
+    if target.stage != 3 and not target.bf16_optimizer:  # the engine holds the padded partition
+        want = [t.numel + pad for t, pad in zip(parts, osd["group_paddings"])]
+    if want != have:
+        raise InvalidArgument(f"rank {target.rank}'s planned partitions ({want}) differ from the engine's ({have})",
+                              path=plan.source, hint="the engine's ZeRO settings do not match the checkpoint's")
+
+
+def _own_optim(plan, target: Target):
+    for f in plan.files:
+        if "optim_states" in f.relpath:
+            return f.obj
+    raise InvalidArgument(f"no optimizer file planned for rank {target.rank}", path=plan.source)
+
+
+# ---------------------------------------------------------------------------------------------- materialising
+
+class Materializer:
+    """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written file returns."""
+
+    def __init__(self, workers: int | None = None):
+        from zckpt.tensors import Reader
+        self.reader = Reader()  # thread-safe: one descriptor per file, positioned reads
+        self.workers = workers or min(8, os.cpu_count() or 2)
+        self.bytes_read = 0
+        self.lock = threading.Lock()
+
+    def tensor(self, t: TensorOut):
+        """A flat torch tensor holding ``t``'s segments (pieces read, zero fill, casts as torch's ``Tensor.to``)."""
+        import torch
+        from zckpt.tensors import load_pieces, torch_dtype
+        out = torch.empty(t.numel, dtype=torch_dtype(t.dtype))
+        raw = out.view(torch.uint8) if t.numel else None
+        pos, size, read = 0, DTYPE_SIZES[t.dtype], 0
+        for seg in coalesce(t.segments):
+            if isinstance(seg, (bytes, bytearray)):
+                raw[pos:pos + len(seg)].copy_(torch.frombuffer(bytearray(seg), dtype=torch.uint8))
+                pos += len(seg)
+            elif isinstance(seg, Fill):
+                raw[pos:pos + seg.numel * size].zero_()
+                pos += seg.numel * size
+            elif isinstance(seg, Cast):
+                src = load_pieces(seg.pieces, seg.src_dtype, (seg.numel,), self.reader)
+                read += src.numel() * src.element_size()
+                raw[pos:pos + seg.numel * size].copy_(src.to(out.dtype).view(torch.uint8))
+                pos += seg.numel * size
+            else:  # Piece
+                if seg.dtype != t.dtype:
+                    raise ValueError(f"piece of {seg.dtype} in a {t.dtype} tensor")
+                self.reader.read_into(seg, memoryview(raw[pos:pos + seg.nbytes].numpy()))
+                read += seg.nbytes
+                pos += seg.nbytes
+        if pos != t.numel * size:
+            raise errors.CorruptFile(f"planned segments hold {pos} bytes, the tensor needs {t.numel * size}")
+        with self.lock:
+            self.bytes_read += read
+        return out
+
+    def load(self, obj):
+        """``torch.load`` of the file :func:`zckpt.torchzip.save` would write for ``obj``, without the file."""
+        import io
+        import torch
+        from concurrent.futures import ThreadPoolExecutor
+        pkl, tensors = dumps(obj)
+        if len(tensors) > 1 and self.workers > 1:  # reads release the GIL: tensors fill in parallel
+            with ThreadPoolExecutor(min(self.workers, len(tensors))) as pool:
+                flats = list(pool.map(self.tensor, tensors))
+        else:
+            flats = [self.tensor(t) for t in tensors]
+        cache: dict = {}
+
+        class Unpickler(pickle.Unpickler):
+            def find_class(self, module, name):
+                if f"{module}.{name}" not in ALLOWED_GLOBALS:  # what safeload let through, nothing else
+                    raise UnsafePickle(f"unexpected global {module}.{name} in a planned object")
+                return super().find_class(module, name)
+
+            def persistent_load(self, pid):
+                key = pid[2]
+                st = cache.get(key)
+                if st is None:
+                    flat = flats[int(key)]
+                    st = torch.storage.TypedStorage(wrap_storage=flat.untyped_storage(), dtype=flat.dtype,
+                                                    _internal=True)
+                    cache[key] = st
+                return st
+
+        return Unpickler(io.BytesIO(pkl)).load()
+
+    def close(self):
+        self.reader.close()
+
+
+# ---------------------------------------------------------------------------------------------- agreement
+
+def agree(error: BaseException | None, device=None) -> None:
+    """Every rank learns whether any rank failed, through one all-reduce; all raise the lowest failing rank's error.
+
+    Each rank writes a flag and its one-line message (UTF-8, at most ``MESSAGE_BYTES``) into its own row of a
+    zero ``(world, 1 + MESSAGE_BYTES)`` uint8 tensor; a SUM all-reduce gives every rank every row."""
+    import torch
+    import torch.distributed as tdist
+    if not (tdist.is_available() and tdist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    rows = torch.zeros((world, 1 + MESSAGE_BYTES), dtype=torch.uint8)
+    if error is not None:
+        msg = f"{type(error).__name__}\x00{_one_line(error)}".encode()[:MESSAGE_BYTES]
+        rows[rank, 0] = 1
+        rows[rank, 1:1 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    if device is not None and str(device) != "cpu":
+        rows = rows.to(device)
+    tdist.all_reduce(rows, op=tdist.ReduceOp.SUM)
+    rows = rows.cpu()
+    failed = [r for r in range(world) if int(rows[r, 0])]
+    if not failed:
+        return
+    raw = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\x00").decode(errors="replace")
+    cls_name, _, text = raw.partition("\x00")
+    cls = getattr(errors, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
+        cls = ZckptError
+    err = cls(text, hint="")
+    err.ranks = failed
+    if error is not None:
+        raise err from error
+    raise err
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error) if isinstance(error, ZckptError) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+# ---------------------------------------------------------------------------------------------- the load
+
+def _checkpoint_engine_class():
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class InMemoryCheckpointEngine(CheckpointEngine):
+        """Returns the objects zckpt built for the file names DeepSpeed asks for; delegates saving."""
+
+        def __init__(self, objects: dict, other_optim: set, source: str, inner):
+            super().__init__(None)
+            self.name = "zckpt.InMemoryCheckpointEngine"
+            self.objects, self.other_optim, self.source, self.inner = objects, other_optim, source, inner
+
+        def load(self, path: str, map_location=None):
+            name = os.path.basename(str(path))
+            if name in self.objects:  # the model states are read twice (SDLoaderBase.check_ckpt_list first)
+                return self.objects[name]
+            if name in self.other_optim:  # another rank's partition: DeepSpeed's own stand-in
+                return {"optimizer_state_dict": None}
+            raise errors.CheckpointNotFound(f"DeepSpeed asked for {name}, which zckpt did not plan "
+                                            f"(planned: {', '.join(sorted(self.objects))})", path=self.source)
+
+        def create(self, info):
+            return self.inner.create(info) if self.inner is not None else None
+
+        def save(self, state_dict, path: str):
+            return self.inner.save(state_dict, path)
+
+        def commit(self, info):
+            return self.inner.commit(info) if self.inner is not None else True
+
+    return InMemoryCheckpointEngine
+
+
+@dataclass
+class ResumeInfo:
+    """What :func:`load_checkpoint` did on this rank (``engine.zckpt_resume_info`` after a load)."""
+
+    source: str
+    tag: str
+    mode: str  # "native" (same layout, plain load) or "reshard"
+    source_world_size: int
+    world_size: int
+    source_stage: int
+    stage: int
+    rank: int
+    bytes_read: int = 0  # tensor bytes read from the source by this rank (metadata not counted)
+    source_bytes: int = 0  # size of every rank file of the source
+    seconds: dict = field(default_factory=dict)
+
+
+def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, scratch_dir: str | None = None, force_reshard: bool = False):
+    """Load the checkpoint at ``path`` into ``engine``, whatever world size and ZeRO stage it was saved at.
+
+    Call it on every rank, like ``engine.load_checkpoint``, whose arguments and result (``(load_path,
+    client_state)``) it mirrors. ``path``: a save folder (with ``latest``), a tag folder or a Trainer
+    ``checkpoint-N``; local or a URL (``s3://``...: ranged reads). Each rank reads the metadata of every source
+    file and the byte ranges of its own new partition plus the module states, and hands them to DeepSpeed's load
+    path in memory. A source that does not fit the engine (missing or damaged file, other precision, a shape or
+    group mismatch) raises the same one-line :class:`~zckpt.errors.ZckptError` on every rank before any state is
+    touched. ``force_reshard``: take the in-memory route even where a plain load would do (tests, benchmarks).
+    ``scratch_dir``: where the empty placeholder file goes (default: the system temp folder).
+    """
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    device = getattr(engine, "device", None)
+    objects, plan, target, ckpt, mat, error = {}, None, None, None, None, None
+    native = False
+    seconds = {}
+    try:
+        target = engine_target(engine)
+        ckpt = open_checkpoint(path, tag)
+        seconds["open"] = time.perf_counter() - t0
+        check_compatible(ckpt, engine, target)
+        native = (not force_reshard and not storage.is_url(ckpt.location.tag_dir)
+                  and ckpt.world_size == target.world_size and ckpt.stage == target.stage
+                  and ckpt.flavour == target.flavour)
+        if not native and target.stage == 3 and not load_optimizer_states:
+            # DeepSpeed then rebuilds the module from the fp32 files on disk (get_fp32_state_dict_from_zero_checkpoint)
+            raise InvalidArgument("a ZeRO-3 engine with load_optimizer_states=False reads the source files itself",
+                                  hint="use zckpt.load_into_module for weights only")
+        if not native:
+            from zckpt.reshard import plan_ranks
+            plan = plan_ranks(ckpt, target.world_size, [target.rank], target.stage, target.bf16_optimizer,
+                              zero=target.zero)
+            check_plan(plan, engine, target)
+            seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
+            mat = Materializer()
+            for f in plan.files:
+                objects[os.path.basename(f.relpath)] = mat.load(f.obj)
+            seconds["read"] = time.perf_counter() - t0 - seconds["open"] - seconds["plan"]
+    except Exception as exc:  # noqa: BLE001 - every failure is agreed on, then raised on every rank
+        error = exc
+    finally:
+        if mat is not None:
+            mat.close()
+    agree(error, device)
+
+    info = ResumeInfo(ckpt.location.input_path, ckpt.tag, "native" if native else "reshard", ckpt.world_size,
+                      target.world_size, ckpt.stage, target.stage, target.rank,
+                      mat.bytes_read if mat is not None else 0, sum(max(f.size, 0) for f in ckpt.files), seconds)
+    kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+    t1 = time.perf_counter()
+    if native:
+        load_dir = os.path.dirname(ckpt.location.tag_dir.rstrip("/"))
+        result = original_load_checkpoint(engine)(load_dir, tag=ckpt.tag, **kw)
+    else:
+        result = _load_in_memory(engine, ckpt, plan, target, objects, scratch_dir, kw)
+    seconds["load"] = time.perf_counter() - t1
+    engine.zckpt_resume_info = info
+    log.info("zckpt: rank %d resumed %s (%s, %d -> %d ranks, stage %d -> %d) in %.2fs", target.rank, path,
+             info.mode, ckpt.world_size, target.world_size, ckpt.stage, target.stage, time.perf_counter() - t0)
+    return result
+
+
+def _load_in_memory(engine, ckpt: Checkpoint, plan, target: Target, objects: dict, scratch_dir, kw):
+    prefix = "bf16_" if ckpt.precision == "bf16" else ""
+    others = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(target.world_size)}
+    others -= set(objects)
+    tmp = tempfile.mkdtemp(prefix="zckpt-resume-", dir=scratch_dir)
+    inner = engine.checkpoint_engine
+    try:
+        os.makedirs(os.path.join(tmp, ckpt.tag))
+        for name in objects:
+            if name.endswith("_model_states.pt"):  # DeepSpeed globs for it and asserts it exists: an empty stand-in
+                open(os.path.join(tmp, ckpt.tag, name), "wb").close()
+        engine.checkpoint_engine = _checkpoint_engine_class()(objects, others, ckpt.location.tag_dir, inner)
+        load_path, client_state = original_load_checkpoint(engine)(tmp, tag=ckpt.tag, **kw)
+    finally:
+        engine.checkpoint_engine = inner
+        objects.clear()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if load_path is not None:
+        load_path = storage.join(ckpt.location.tag_dir, os.path.basename(load_path))
+    return load_path, client_state
+
+
+# ---------------------------------------------------------------------------------------------- patching
+
+_ORIGINAL = {}
+
+
+def original_load_checkpoint(engine):
+    """The engine's own ``load_checkpoint`` (bound), even while :func:`patch_deepspeed` is active."""
+    fn = _ORIGINAL.get("load_checkpoint")
+    if fn is None:
+        return engine.load_checkpoint
+    return fn.__get__(engine, type(engine))
+
+
+def is_patched() -> bool:
+    """Whether :func:`patch_deepspeed` is in effect."""
+    return "load_checkpoint" in _ORIGINAL
+
+
+def patch_deepspeed() -> None:
+    """Route every ``DeepSpeedEngine.load_checkpoint(load_dir, tag, ...)`` call through :func:`load_checkpoint`
+    (what the Hugging Face Trainer and Accelerate's ``load_state`` call). Undo with :func:`unpatch_deepspeed`."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    if "load_checkpoint" in _ORIGINAL:
+        return
+    original = DeepSpeedEngine.load_checkpoint
+    _ORIGINAL["load_checkpoint"] = original
+
+    def load_checkpoint_anywhere(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                                 load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        if custom_load_fn is not None:
+            return original(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                            load_lr_scheduler_states, load_module_only, custom_load_fn)
+        return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    load_checkpoint_anywhere.__doc__ = original.__doc__
+    load_checkpoint_anywhere.__wrapped__ = original
+    DeepSpeedEngine.load_checkpoint = load_checkpoint_anywhere
+
+
+def unpatch_deepspeed() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    original = _ORIGINAL.pop("load_checkpoint", None)
+    if original is not None:
+        DeepSpeedEngine.load_checkpoint = original
+
+
+class resume_anywhere:  # noqa: N801 - used as a context manager / decorator, like torch.no_grad
+    """``with resume_anywhere(): trainer.train(resume_from_checkpoint=...)``: every DeepSpeed engine's
+    ``load_checkpoint`` inside the block reshards on load (see :func:`load_checkpoint`)."""
+
+    def __enter__(self):
+        self._owner = not is_patched()
+        patch_deepspeed()
+        return self
+
+    def __exit__(self, *exc):
+        if self._owner:
+            unpatch_deepspeed()
+        return False
