@@ -14,6 +14,8 @@ pytest_plugins = ["tests.s3server"]  # one SeaweedFS server for the whole sessio
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's JIT-built CPU ops of this suite live in the repo, never in a ~/.cache shared with other venvs
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
