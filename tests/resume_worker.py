@@ -17,6 +17,7 @@ the ``api`` route also writes DeepSpeed's own oracle (``generate.collect_oracle`
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -138,6 +139,48 @@ def trainer_main(job: dict) -> None:
     G._finish(dist)
 
 
+def accelerate_main(job: dict) -> None:
+    """Accelerate + DeepSpeed: ``save`` trains 2 steps and ``save_state``s (rank 0 writes DeepSpeed's view of the
+    state to ``OUT/expected``); ``load`` does ``load_state`` under ``resume_anywhere()`` at this job's size and
+    writes the same view to ``OUT/oracle``."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    import ds_oracle
+
+    G = ds_oracle.generate_module()
+    spec, out = job["spec"], Path(job["out"])
+    torch.manual_seed(spec["seed"] + (0 if job["phase"] == "save" else 99))
+    cfg = G.build_ds_config(spec)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch --use_deepspeed` sets
+    accelerator = Accelerator(mixed_precision=spec["dtype"] if spec["dtype"] != "fp32" else "no",
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    model = G.build_model(spec["model"])
+    groups = G._param_groups(model, spec)
+    opt = torch.optim.AdamW([{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"]}
+                             for g in groups], lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
+    engine, opt = accelerator.prepare(model, opt)
+    if job["phase"] == "save":
+        gen = torch.Generator().manual_seed(7 + accelerator.process_index)
+        for _ in range(2):
+            ids = torch.randint(0, spec["model"]["vocab"], (spec["micro_batch"], spec["seq_len"]), generator=gen)
+            loss = engine(ids)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        accelerator.save_state(str(out / "state"))
+        where = out / "expected"
+    else:
+        from zckpt.integrations import resume_anywhere
+        with resume_anywhere():
+            accelerator.load_state(str(out / "state"))
+        where = out / "oracle"
+    tensors, info = G.collect_oracle(engine, model, spec)
+    if accelerator.process_index == 0:
+        G._write_oracle(where, tensors, info)
+    accelerator.wait_for_everyone()
+
+
 def main(job_path: str) -> None:
     import torch
     import deepspeed
@@ -148,6 +191,8 @@ def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     if job.get("trainer"):
         return trainer_main(job)
+    if job.get("accelerate"):
+        return accelerate_main(job)
     spec, out = job["spec"], Path(job["out"])
     if spec["dtype"] == "fp16":
         G.enable_cpu_fp16()

@@ -256,3 +256,17 @@ def test_in_memory_objects_from_a_url(fixture_dir, s3_server):
                 ma.close()
                 mb.close()
             assert ma.bytes_read == mb.bytes_read > 0
+
+
+@pytest.mark.slow
+def test_accelerate_load_state_at_new_world_size(tmp_path):
+    """Accelerate + DeepSpeed ZeRO-2: ``save_state`` at 2 ranks, ``load_state`` at 3 under ``resume_anywhere()``;
+    DeepSpeed's view of the loaded state (fp32 masters, moments, weights, buffers) equals the saved one."""
+    G = ds_oracle.generate_module()
+    spec = G.make_spec(stage=2, dtype="bf16", world_size=2, scheduler=False, param_groups=2, client_state={})
+    for phase, ws in (("save", 2), ("load", 3)):
+        job = {"accelerate": True, "phase": phase, "spec": dict(spec, world_size=ws), "out": str(tmp_path)}
+        res = run_job(job, ws, timeout=600)
+        assert res.returncode == 0, res.stdout[-6000:]
+    assert_same_state(tmp_path / "expected", tmp_path / "oracle", prefixes=("fp32/", "exp_avg/", "exp_avg_sq/",
+                                                                             "module/", "buffer/"))
