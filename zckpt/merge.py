@@ -4,7 +4,7 @@
    files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
    each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
 2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
-   bytes in chunks of at most ``CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
+   bytes in chunks of at most ``engine.CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
    offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
    one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
    numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.casting`).
@@ -28,19 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt import publish, storage
+from zckpt import engine, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument
 from zckpt.safeload import DTYPE_SIZES, FLOATING
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
-# Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
-# stream at a time moves them as fast as cp does; more only add contention (16-core host, 0.8 GB copy phase:
-# 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Reads and casts, which
-# need the CPU, use the whole pool.
-WRITE_STREAMS = 1
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
 DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
@@ -104,10 +98,6 @@ class ShardPlan:
     header: bytes = b""  # safetensors: 8-byte length + JSON
     size: int = 0
     archive: object = None  # pt: the planned torch zip (zckpt.torchzip.Archive)
-
-
-def _strip_ext(filename: str) -> str:
-    return filename.rsplit(".", 1)[0]
 
 
 @dataclass
@@ -205,132 +195,22 @@ def layout_safetensors(shard: ShardPlan) -> None:
 
 # ---------------------------------------------------------------------------------------------- execute
 
-def slice_pieces(pieces: list[Piece], start: int, length: int) -> list[Piece]:
-    """Elements [start, start+length) of the concatenation of ``pieces``."""
-    out, pos = [], 0
-    end = start + length
-    for p in pieces:
-        lo, hi = max(start, pos), min(end, pos + p.numel)
-        if lo < hi:
-            size = DTYPE_SIZES[p.dtype]
-            out.append(Piece(p.path, p.offset + (lo - pos) * size, hi - lo, p.dtype))
-        pos += p.numel
-        if pos >= end:
-            break
-    return out
-
-
-@dataclass
-class _Job:
-    fd: int
-    offset: int
-    pieces: list[Piece]
-    src_dtype: str
-    dtype: str
-    numel: int
-
-
-def _jobs_for(shard: ShardPlan, fd: int) -> list[_Job]:
-    jobs = []
+def shard_jobs(shard: ShardPlan) -> Iterator[tuple[int, list, str]]:
+    """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
     for t in shard.tensors:
-        per = max(1, CHUNK_BYTES // max(DTYPE_SIZES[t.dtype], DTYPE_SIZES[t.src_dtype]))
-        for start in range(0, t.numel, per):
-            n = min(per, t.numel - start)
-            jobs.append(_Job(fd, t.offset + start * DTYPE_SIZES[t.dtype], slice_pieces(t.pieces, start, n),
-                             t.src_dtype, t.dtype, n))
-    return jobs
+        for start, parts in engine.chunks(engine.source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
+            yield t.offset + start, parts, t.dtype
 
 
-class _Worker:
-    """Runs copy jobs with one reusable buffer per thread; casts via :mod:`zckpt.casting` (no torch needed).
-
-    Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
-    weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
-    import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
-
-    def __init__(self, pure_upcast: bool = False):
-        import threading
-        from zckpt.tensors import Reader
-        self.reader = Reader()
-        self.local = threading.local()
-        self.use_cfr = hasattr(os, "copy_file_range")
-        self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded
-        self.write_slots = threading.BoundedSemaphore(WRITE_STREAMS)
-        self.pure_upcast = pure_upcast  # bf16 -> fp32 without numpy (small cast work, see execute)
-
-    def buffer(self, nbytes: int, slot: str = "buf") -> memoryview:
-        buf = getattr(self.local, slot, None)
-        if buf is None or len(buf) < nbytes:
-            buf = bytearray(max(nbytes, 1 << 20))
-            setattr(self.local, slot, buf)
-        return memoryview(buf)[:nbytes]
-
-    def render(self, pieces: list[Piece], src_dtype: str, dtype: str, numel: int):
-        """The bytes of ``pieces`` converted to ``dtype`` (a buffer-protocol object with ``nbytes``)."""
-        raw = self.buffer(numel * DTYPE_SIZES[src_dtype])
-        self.reader.read_pieces(pieces, raw)
-        if src_dtype == dtype:
-            return raw
-        if self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
-            from zckpt.casting import upcast_bf16_pure
-            return upcast_bf16_pure(raw)
-        from zckpt.casting import cast
-        return cast(raw, src_dtype, dtype, self.use_torch)
-
-    def run(self, job: _Job) -> int:
-        if job.src_dtype == job.dtype and self.use_cfr and not any(storage.is_url(p.path) for p in job.pieces):
-            pos = job.offset
-            with self.write_slots:
-                for p in job.pieces:
-                    self._copy_range(p, job.fd, pos)
-                    pos += p.nbytes
-            return job.numel * DTYPE_SIZES[job.dtype]
-        data = self.render(job.pieces, job.src_dtype, job.dtype, job.numel)
-        with self.write_slots:  # writes into one file serialize in the kernel anyway; queue them here instead
-            _pwrite_all(job.fd, memoryview(data), job.offset)
-        return data.nbytes
-
-    def _copy_range(self, p: Piece, fd_out: int, pos: int) -> None:
-        fd_in = self.reader.fd(p.path)
-        left, src = p.nbytes, p.offset
-        while left:
-            try:
-                n = os.copy_file_range(fd_in, fd_out, left, src, pos)
-            except OSError:
-                self.use_cfr = False
-                n = 0
-            if n <= 0:  # not supported here, or EOF (a truncated input): fall back to read + write
-                view = self.buffer(left)
-                self.reader.read_into(Piece(p.path, src, left, "uint8"), view)
-                _pwrite_all(fd_out, view, pos)
-                return
-            left, src, pos = left - n, src + n, pos + n
-
-    def close(self):
-        self.reader.close()
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
-
-
-def _test_delay() -> None:
-    """Fault-injection hook for the crash tests: ZCKPT_TEST_SLOW_WRITE=seconds pauses before each file."""
-    delay = os.environ.get("ZCKPT_TEST_SLOW_WRITE")
-    if delay:
-        time.sleep(float(delay))
-
-
-def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: _Worker, progress, durable: bool) -> None:
-    _test_delay()
+def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: engine.Worker, progress,
+                 durable: bool) -> None:
+    engine.test_delay()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, shard.size)
         if fmt == "safetensors":
-            _pwrite_all(fd, memoryview(shard.header), 0)
-            for n in pool.map(worker.run, _jobs_for(shard, fd)):
+            engine.pwrite_all(fd, shard.header, 0)
+            for _, n in pool.map(lambda job: worker.write(fd, *job), shard_jobs(shard)):
                 progress(n)
         else:
             from zckpt import torchzip
@@ -375,7 +255,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = _Worker(pure_upcast=pure)
+    worker = engine.Worker(pure_upcast=pure)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable) as pub:
             with ThreadPoolExecutor(workers) as pool:

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt import publish, storage
+from zckpt import engine, publish, storage
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
@@ -630,7 +630,6 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
     from zckpt import torchzip
-    from zckpt.merge import _test_delay, _Worker
     _check_out(out, overwrite, source)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
@@ -640,13 +639,13 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    worker, maps = _Worker(), torchzip.SourceMaps()
+    worker, maps = engine.Worker(), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
             written = []
             with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
                 for f in plan.files:
-                    _test_delay()
+                    engine.test_delay()
                     dst = pub.path(f.relpath)
                     if f.obj is not None:
                         torchzip.save(f.obj, dst, pool=pool, progress=step, worker=worker, maps=maps)

@@ -23,11 +23,12 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zckpt.deepspeed.layout import Piece
+from zckpt.engine import (  # noqa: F401 - segment types are part of this module's vocabulary
+    Cast, Fill, Piece, Worker, chunks, coalesce, pwrite_all, seg_numel, slice_segments, source_segments,
+)
 from zckpt.safeload import DTYPE_SIZES
 
 ALIGN = 64
-CHUNK_BYTES = 4 << 20
 STORAGE_CLASSES = {
     "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
     "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage",
@@ -73,30 +74,6 @@ def enum_member(module: str, name: str, value: int) -> Reduce:
 
 
 @dataclass
-class Fill:
-    """``numel`` elements of value zero."""
-
-    numel: int
-    dtype: str
-
-    @property
-    def nbytes(self):
-        return self.numel * DTYPE_SIZES[self.dtype]
-
-
-@dataclass
-class Cast:
-    """Input pieces (``src_dtype``) converted to the tensor's dtype with torch's ``Tensor.to``."""
-
-    pieces: list
-    src_dtype: str
-
-    @property
-    def numel(self):
-        return sum(p.numel for p in self.pieces)
-
-
-@dataclass
 class TensorOut:
     dtype: str
     shape: tuple
@@ -109,49 +86,6 @@ class TensorOut:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_SIZES[self.dtype]
-
-
-def seg_numel(seg, dtype: str) -> int:
-    if isinstance(seg, (bytes, bytearray)):
-        return len(seg) // DTYPE_SIZES[dtype]
-    return seg.numel
-
-
-def slice_segments(segs: list, start: int, length: int) -> list:
-    """Elements [start, start+length) of the concatenation of Piece / Fill / Cast segments."""
-    from zckpt.merge import slice_pieces
-    out, pos, end = [], 0, start + length
-    for s in segs:
-        n = s.numel
-        lo, hi = max(start, pos), min(end, pos + n)
-        if lo < hi:
-            if isinstance(s, Fill):
-                out.append(Fill(hi - lo, s.dtype))
-            elif isinstance(s, Piece):
-                out.extend(slice_pieces([s], lo - pos, hi - lo))
-            elif isinstance(s, Cast):
-                out.append(Cast(slice_pieces(s.pieces, lo - pos, hi - lo), s.src_dtype))
-            else:
-                raise TypeError(type(s))
-        pos += n
-        if pos >= end:
-            break
-    return out
-
-
-def coalesce(segs: list) -> list:
-    """Merge neighbouring pieces that are contiguous in the same file (and neighbouring zero fills)."""
-    out: list = []
-    for s in segs:
-        last = out[-1] if out else None
-        if isinstance(s, Piece) and isinstance(last, Piece) and last.path == s.path and last.dtype == s.dtype \
-                and last.offset + last.nbytes == s.offset:
-            out[-1] = Piece(last.path, last.offset, last.numel + s.numel, s.dtype)
-        elif isinstance(s, Fill) and isinstance(last, Fill) and last.dtype == s.dtype:
-            out[-1] = Fill(last.numel + s.numel, s.dtype)
-        elif not (isinstance(s, (Piece, Fill)) and s.numel == 0):
-            out.append(s)
-    return out
 
 
 # ------------------------------------------------------------------------------------------- pickling
@@ -330,55 +264,6 @@ def crc32_combine(crc1: int, crc2: int, length: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-def _chunks(t: TensorOut):
-    """Split a tensor's segments into jobs of at most CHUNK_BYTES output bytes: (out_start_byte, [segments])."""
-    size = DTYPE_SIZES[t.dtype]
-    per = max(1, CHUNK_BYTES // max(size, 4))
-    pos = 0
-    cur, cur_n, cur_start = [], 0, 0
-    for seg in t.segments:
-        if isinstance(seg, (bytes, bytearray)):
-            parts = [seg]
-        else:
-            n = seg_numel(seg, t.dtype)
-            parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
-        for part in parts:
-            pn = seg_numel(part, t.dtype)
-            if cur and cur_n + pn > per:
-                yield cur_start, cur
-                cur, cur_n, cur_start = [], 0, pos
-            cur.append(part)
-            cur_n += pn
-            pos += pn * size
-    if cur:
-        yield cur_start, cur
-
-
-def _render(parts, dtype: str, worker) -> memoryview:
-    """Bytes of a chunk's parts (converted to ``dtype``), in the worker's per-thread buffer."""
-    size = DTYPE_SIZES[dtype]
-    total = sum(seg_numel(p, dtype) for p in parts) * size
-    view = worker.buffer(total, "out")
-    pos = 0
-    for p in parts:
-        if isinstance(p, (bytes, bytearray)):
-            view[pos:pos + len(p)] = p
-            pos += len(p)
-        elif isinstance(p, Fill):
-            view[pos:pos + p.nbytes] = bytes(p.nbytes)
-            pos += p.nbytes
-        elif isinstance(p, Piece):
-            if p.dtype != dtype:
-                raise ValueError(f"piece of {p.dtype} in a {dtype} tensor")
-            worker.reader.read_into(p, view[pos:pos + p.nbytes])
-            pos += p.nbytes
-        else:  # Cast
-            data = worker.render(p.pieces, p.src_dtype, dtype, p.numel)
-            view[pos:pos + data.nbytes] = data
-            pos += data.nbytes
-    return view[:pos]
-
-
 _ZEROS = bytes(1 << 20)
 
 
@@ -463,45 +348,6 @@ class SourceMaps:
             self._maps.clear()
 
 
-def _copy_chunk(parts, dtype: str, fd_out: int, off: int, reader, maps: SourceMaps,
-                need_crc: bool = True) -> tuple[int, int] | None:
-    """Copy a chunk made only of same-dtype local pieces and zero fill with ``copy_file_range`` (in-kernel),
-    computing its CRC on a read-only map of the (page-cached) source. None when the chunk needs user-space
-    conversion."""
-    import zlib
-    from zckpt import storage
-    from zckpt.merge import _pwrite_all
-    for p in parts:
-        if isinstance(p, Piece):
-            if p.dtype != dtype or storage.is_url(p.path):
-                return None
-        elif not isinstance(p, Fill):
-            return None
-    crc, pos = 0, off
-    for p in parts:
-        n = p.nbytes
-        if isinstance(p, Fill):
-            left = n
-            while left:
-                k = min(left, len(_ZEROS))
-                _pwrite_all(fd_out, memoryview(_ZEROS)[:k], pos + n - left)
-                if need_crc:
-                    crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
-                left -= k
-        else:
-            fd_in = reader.fd(p.path)
-            src, dst, left = p.offset, pos, n
-            while left:
-                got = os.copy_file_range(fd_in, fd_out, left, src, dst)
-                if got <= 0:
-                    raise OSError(f"copy_file_range returned {got}")
-                src, dst, left = src + got, dst + got, left - got
-            if need_crc:
-                crc = maps.crc(p.path, p.offset, n, crc)
-        pos += n
-    return crc, pos - off
-
-
 def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=None,
                   maps: "SourceMaps | None" = None) -> None:
     """Write a planned archive to ``fd`` (a new file), chunks in parallel when ``pool`` is given.
@@ -510,10 +356,8 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
     CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
     conversions (:class:`Cast`) and remote pieces go through the worker's buffers. Chunk CRCs are combined with
     :func:`crc32_combine`, in file order."""
-    import zlib
-    from zckpt.merge import _pwrite_all, _Worker
     own_worker, own_maps = worker is None, maps is None
-    worker = worker or _Worker()
+    worker = worker or Worker()
     maps = maps or SourceMaps()
     fast = hasattr(os, "copy_file_range")
     try:
@@ -525,22 +369,13 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
                 crc = maps.tensor_crc(e.data) if fast else None
                 if crc is not None:
                     known[idx] = crc
-                for start, parts in _chunks(e.data):
+                for start, parts in chunks(e.data.segments, e.data.dtype):
                     jobs.append((idx, e.data_offset + start, parts, e.data.dtype))
 
         def run(job):
             idx, off, parts, dtype = job
-            done = None
-            if fast:
-                try:
-                    done = _copy_chunk(parts, dtype, fd, off, worker.reader, maps, need_crc=idx not in known)
-                except OSError:
-                    done = None
-            if done is not None:
-                return idx, done[0], done[1]
-            data = _render(parts, dtype, worker)
-            _pwrite_all(fd, data, off)
-            return idx, zlib.crc32(data), len(data)
+            crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=idx not in known)
+            return idx, crc, n
 
         results = pool.map(run, jobs) if pool is not None else map(run, jobs)
         crcs: dict[int, tuple[int, int]] = {}
@@ -555,9 +390,9 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
                 zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
                 e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
             else:
-                _pwrite_all(fd, memoryview(e.data), e.data_offset)
-            _pwrite_all(fd, memoryview(e.local_header), e.header_offset)
-        _pwrite_all(fd, memoryview(_central(archive)), archive.size)
+                pwrite_all(fd, memoryview(e.data), e.data_offset)
+            pwrite_all(fd, memoryview(e.local_header), e.header_offset)
+        pwrite_all(fd, memoryview(_central(archive)), archive.size)
     finally:
         if own_worker:
             worker.close()
@@ -569,13 +404,10 @@ def save(obj, path: str, archive_name: str | None = None, pool=None, progress=No
          reader=None, fsync: bool = False, maps: "SourceMaps | None" = None) -> int:
     """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size.
 
-    ``worker`` (a ``zckpt.merge._Worker``) or ``reader`` (a ``zckpt.tensors.Reader``) and ``maps`` let several
+    ``worker`` (a :class:`zckpt.engine.Worker`) or ``reader`` (a ``zckpt.tensors.Reader``) and ``maps`` let several
     files share open inputs; ``fsync=True`` flushes the file before returning (or see :func:`fsync_all`)."""
     if worker is None and reader is not None:
-        from zckpt.merge import _Worker
-        worker = _Worker()
-        worker.reader.close()
-        worker.reader = reader
+        worker = Worker(reader=reader)
     name = archive_name or os.path.splitext(os.path.basename(path))[0]
     archive = plan_archive(obj, name)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -604,12 +436,10 @@ def fsync_all(paths: list[str], pool=None) -> None:
 
 def layout_state_dict(shard) -> None:
     """Plan a merge shard (``zckpt.merge.ShardPlan``) as a torch state-dict file."""
-    from zckpt.merge import _strip_ext
     sd = OrderedDict()
     for t in shard.tensors:
-        segs = t.pieces if t.src_dtype == t.dtype else [Cast(t.pieces, t.src_dtype)]
-        sd[t.name] = TensorOut(t.dtype, t.shape, list(segs))
-    shard.archive = plan_archive(sd, _strip_ext(shard.filename))
+        sd[t.name] = TensorOut(t.dtype, t.shape, source_segments(t.pieces, t.src_dtype, t.dtype))
+    shard.archive = plan_archive(sd, shard.filename.rsplit(".", 1)[0])
     shard.size = shard.archive.size + len(_central(shard.archive))
 
 

@@ -19,25 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zckpt import safeload, storage
+from zckpt.engine import Piece
 from zckpt.deepspeed.discover import Location, RankFile, locate
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
 from zckpt.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Piece:
-    """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``."""
-
-    path: str
-    offset: int
-    numel: int
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * safeload.DTYPE_SIZES[self.dtype]
-
 
 @dataclass
 class TensorRecord:
