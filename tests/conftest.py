@@ -48,3 +48,15 @@ def fixture_dir(request) -> Path:
 @pytest.fixture
 def ckpt_path(fixture_dir) -> Path:
     return checkpoint_path(fixture_dir)
+
+
+_FIXTURES_AT_START = set(os.listdir(FIXTURES)) if FIXTURES.exists() else set()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The committed fixtures are read-only: a test that writes an output beside them (a merge without -o) fails
+    the run, and its stray folder is named."""
+    stray = sorted(set(os.listdir(FIXTURES)) - _FIXTURES_AT_START) if FIXTURES.exists() else []
+    if stray:
+        print(f"\nERROR: the test run wrote into fixtures/: {', '.join(stray)}", file=sys.stderr)
+        session.exitstatus = 1
