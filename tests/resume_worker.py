@@ -209,7 +209,8 @@ def main(job_path: str) -> None:
             import zckpt.deepspeed as zd
             src = job["source"] if not job.get("rank_source") else job["rank_source"].get(str(rank), job["source"])
             try:
-                load_path, client = zd.load_checkpoint(engine, src, force_reshard=job.get("force_reshard", False))
+                force = job.get("force_reshard", False) and route == "api"  # "api_native": never forced
+                load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
             except Exception as exc:  # noqa: BLE001
                 if not job.get("expect_error"):
                     raise
@@ -219,7 +220,7 @@ def main(job_path: str) -> None:
             if job.get("expect_error"):
                 raise AssertionError("the load did not fail")
             info = engine.zckpt_resume_info
-            (out / f"info_rank{rank}.json").write_text(json.dumps(info.__dict__, default=str))
+            (out / f"info_{route}_rank{rank}.json").write_text(json.dumps(info.__dict__, default=str))
         assert load_path is not None, "load_checkpoint returned None"
         torch.save(capture(engine, client), str(out / f"{route}_rank{rank}.pt"))
         if route == "api" and job.get("oracle"):

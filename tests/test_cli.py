@@ -277,7 +277,7 @@ def test_error_table_scratch_names_become_the_output():
 
 def test_retryable_only_transient():
     import errno as E
-    from zckpt.destinations import _retryable
+    from zckpt.destinations import retryable
     from zckpt.errors import StorageError
 
     def wrapped(cause):
@@ -301,14 +301,14 @@ def test_retryable_only_transient():
         exc.response = Response(code)
         return exc
 
-    assert _retryable(wrapped(ConnectionResetError(E.ECONNRESET, "reset")))
-    assert _retryable(wrapped(TimeoutError("timed out")))
-    assert _retryable(http(503)) and _retryable(http(429)) and _retryable(http(408))
+    assert retryable(wrapped(ConnectionResetError(E.ECONNRESET, "reset")))
+    assert retryable(wrapped(TimeoutError("timed out")))
+    assert retryable(http(503)) and retryable(http(429)) and retryable(http(408))
     for permanent in (ValueError("Protocol not known: foo"), ImportError("No module named 's3fs'"),
                       NoCredentialsError("Unable to locate credentials"), PermissionError(E.EACCES, "denied"),
                       FileNotFoundError(E.ENOENT, "no such bucket"), OSError(E.ENOSPC, "disk full")):
-        assert not _retryable(wrapped(permanent)), permanent
-    assert not _retryable(http(403)) and not _retryable(http(404))
+        assert not retryable(wrapped(permanent)), permanent
+    assert not retryable(http(403)) and not retryable(http(404))
 
 
 def _push_cli(src, dest, *extra, env=None):

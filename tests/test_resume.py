@@ -75,7 +75,7 @@ def resume_case(fixture_dir, tmp_path, name, ws, stage=None, bf16opt=None, train
     assert res.returncode == 0, res.stdout[-6000:]
     for r in range(ws):
         assert_same_tree(_torch_load(out / f"offline_rank{r}.pt"), _torch_load(out / f"api_rank{r}.pt"), f"rank{r}")
-        info = json.loads((out / f"info_rank{r}.json").read_text())
+        info = json.loads((out / f"info_api_rank{r}.json").read_text())
         assert info["mode"] == "reshard" and info["world_size"] == ws and info["rank"] == r
     losses = json.loads((out / "losses.json").read_text())
     assert losses["api"] == losses["offline"] and len(losses["api"]) == train_steps
@@ -111,20 +111,23 @@ def test_resume_equals_offline_reshard_wide(fixture_dir, tmp_path, name, ws, sta
 
 
 def test_same_layout_loads_natively(fixture_dir, tmp_path):
-    """Same world size and stage: a plain engine.load_checkpoint of the source; forcing the in-memory route gives
-    the same state."""
+    """Same world size and stage: the API is a plain engine.load_checkpoint of the source ("native"); forcing the
+    in-memory route gives the same state too."""
     src_fx = fixture_dir("z2_bf16_ws2")
     spec = ds_oracle.target_spec(_spec(src_fx), 2)
     out = tmp_path / "out"
     out.mkdir()
-    job = {"spec": spec, "out": str(out), "routes": ["offline", "api"], "offline": str(_ckpt(src_fx)),
+    job = {"spec": spec, "out": str(out), "routes": ["offline", "api_native", "api"], "offline": str(_ckpt(src_fx)),
            "source": str(_ckpt(src_fx)), "force_reshard": True, "train_steps": 1}
     res = run_job(job, 2)
     assert res.returncode == 0, res.stdout[-6000:]
     for r in range(2):
-        assert_same_tree(_torch_load(out / f"offline_rank{r}.pt"), _torch_load(out / f"api_rank{r}.pt"), f"rank{r}")
+        want = _torch_load(out / f"offline_rank{r}.pt")
+        for route, mode in (("api_native", "native"), ("api", "reshard")):
+            assert_same_tree(want, _torch_load(out / f"{route}_rank{r}.pt"), f"{route} rank{r}")
+            assert json.loads((out / f"info_{route}_rank{r}.json").read_text())["mode"] == mode
     losses = json.loads((out / "losses.json").read_text())
-    assert losses["api"] == losses["offline"]
+    assert losses["api"] == losses["offline"] == losses["api_native"]
 
 
 # ------------------------------------------------------------------------------------------------ failures

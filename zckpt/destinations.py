@@ -18,14 +18,14 @@ import hashlib
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zckpt import publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
-from zckpt.scan import TAG_STEP_RE, TRAINER_RE, _step_of
+from zckpt.scan import TAG_STEP_RE, TRAINER_RE, step_of
 
-if TYPE_CHECKING:
-    from zckpt.push import _Context
+# ``ctx`` arguments are the running push's ``zckpt.push.PushContext`` (pool, cancel flag, retries, hashes); the
+# annotation is a name only: this module sits below push and never imports it
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _PERMANENT_CODES = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch
                     "AllAccessDisabled", "InvalidBucketName", "AccountProblem", "ExpiredToken", "InvalidToken")
 
 
-def _retryable(exc: BaseException) -> bool:
+def retryable(exc: BaseException) -> bool:
     """Transient (connection lost, timeout, server error 5xx, throttling 408/429) rather than a refusal that will
     repeat: an unknown URL scheme, a missing backend (s3fs), missing or wrong credentials, no permission, no such
     bucket or file, a full or read-only disk, a bad argument. Walks the ``__cause__``/``__context__`` chain, since
@@ -98,13 +98,13 @@ def _retryable(exc: BaseException) -> bool:
     return True
 
 
-def _check_unchanged(task: FileTask) -> None:
+def check_unchanged(task: FileTask) -> None:
     st = os.stat(task.local)
     if st.st_size != task.size or st.st_mtime_ns != task.mtime_ns:
-        raise _Changed(task.rel)
+        raise FileChanged(task.rel)
 
 
-class _Changed(Exception):
+class FileChanged(Exception):
     """A local file changed while it was being pushed."""
 
 
@@ -143,7 +143,7 @@ class FsDestination:
     def has_manifest(self, name: str) -> bool:
         return storage.exists(self.url_of(name, MANIFEST_NAME), self.storage_options)
 
-    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: PushContext) -> str | None:
         url = self.url_of(name, rel)
         if self._hash_remote:
             if not storage.is_url(url):
@@ -153,18 +153,18 @@ class FsDestination:
 
     # ---------------------------------------------------------------- writing
 
-    def begin(self, name: str, ctx: _Context) -> None:
+    def begin(self, name: str, ctx: PushContext) -> None:
         """Withdraw the commit (the manifest) before anything of a changed checkpoint is replaced."""
         url = self.url_of(name, MANIFEST_NAME)
         ctx.retry(lambda: publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options), url, name)
 
-    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
+    def send(self, name: str, tasks: list[FileTask], ctx: PushContext) -> None:
         # fewer files than workers: let each file use the spare workers as parallel multipart streams
         parts = max(1, ctx.workers // max(1, min(len(tasks), ctx.workers)))
         futures = [ctx.pool.submit(self._send_one, name, t, ctx, parts) for t in tasks]
-        _wait_all(futures, ctx)
+        wait_all(futures, ctx)
 
-    def _send_one(self, name: str, task: FileTask, ctx: _Context, parts: int = 1) -> None:
+    def _send_one(self, name: str, task: FileTask, ctx: PushContext, parts: int = 1) -> None:
         digest = ctx.sha256(task)
         url = self.url_of(name, task.rel)
 
@@ -190,7 +190,7 @@ class FsDestination:
         if not storage.is_url(url):
             with contextlib.suppress(OSError):
                 ctx.hashes.put(storage.local_path(url), os.stat(storage.local_path(url)), digest)
-        _check_unchanged(task)
+        check_unchanged(task)
         ctx.emit("file-done", checkpoint=name, path=task.rel, nbytes=task.size)
 
     def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
@@ -226,10 +226,10 @@ class FsDestination:
         out = []
         for n in names:
             if TRAINER_RE.match(n) or TAG_STEP_RE.match(n):
-                out.append((n, _step_of(n), self.has_manifest(n)))
+                out.append((n, step_of(n), self.has_manifest(n)))
         return out
 
-    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+    def remove_checkpoints(self, names: list[str], ctx: PushContext) -> None:
         for n in names:  # manifest first: from then on nobody treats it as complete
             url = self.url_of(n, MANIFEST_NAME)
             ctx.retry(functools.partial(publish.begin_remote, self.url_of(n), MANIFEST_NAME, self.storage_options),
@@ -244,7 +244,7 @@ class FsDestination:
         except FileNotFoundError:
             return False
 
-    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+    def write_root_files(self, files: dict[str, bytes], ctx: PushContext) -> None:
         for rel, data in files.items():  # ROOT_FILES order: latest last
             url = self.url_of("", rel)
             ctx.retry(functools.partial(storage.write_bytes_atomic, url, data, self.storage_options), url)
@@ -327,7 +327,7 @@ class HubDestination:
     def has_manifest(self, name: str) -> bool:
         return self.path_of(name, MANIFEST_NAME) in self._list()
 
-    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: _Context) -> str | None:
+    def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: PushContext) -> str | None:
         return remote.sha256
 
     def same_blob(self, local: str, remote: RemoteFile) -> bool:
@@ -337,13 +337,13 @@ class HubDestination:
         entry = self._list().get(self.path_of(name, MANIFEST_NAME))
         return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(manifest) + manifest).hexdigest()
 
-    def begin(self, name: str, ctx: _Context) -> None:
+    def begin(self, name: str, ctx: PushContext) -> None:
         pass  # the commit replaces files and manifest at once
 
-    def send(self, name: str, tasks: list[FileTask], ctx: _Context) -> None:
-        _wait_all([ctx.pool.submit(ctx.sha256, t) for t in tasks], ctx)  # hashes for the manifest
+    def send(self, name: str, tasks: list[FileTask], ctx: PushContext) -> None:
+        wait_all([ctx.pool.submit(ctx.sha256, t) for t in tasks], ctx)  # hashes for the manifest
 
-    def _commit(self, operations: list, message: str, ctx: _Context, name: str = ""):
+    def _commit(self, operations: list, message: str, ctx: PushContext, name: str = ""):
         if self._repo_missing:
             ctx.retry(lambda: self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private,
                                                    exist_ok=True), f"create {self.repo_id}", name)
@@ -366,7 +366,7 @@ class HubDestination:
             raise PushInterrupted("interrupted before the commit", path=self.url_of(name))
         self._commit(ops, message, ctx, name)
         for t in sends:
-            _check_unchanged(t)
+            check_unchanged(t)
             ctx.emit("bytes", checkpoint=name, path=t.rel, nbytes=t.size)
             ctx.emit("file-done", checkpoint=name, path=t.rel, nbytes=t.size)
         self._tree = None
@@ -375,10 +375,10 @@ class HubDestination:
         tree = self._list(refresh=True)
         prefix = self.prefix + "/" if self.prefix else ""
         names = {p[len(prefix):].split("/", 1)[0] for p in tree if p.startswith(prefix) and "/" in p[len(prefix):]}
-        return [(n, _step_of(n), self.has_manifest(n)) for n in sorted(names)
+        return [(n, step_of(n), self.has_manifest(n)) for n in sorted(names)
                 if TRAINER_RE.match(n) or TAG_STEP_RE.match(n)]
 
-    def remove_checkpoints(self, names: list[str], ctx: _Context) -> None:
+    def remove_checkpoints(self, names: list[str], ctx: PushContext) -> None:
         if not names:
             return
         from huggingface_hub import CommitOperationDelete
@@ -392,7 +392,7 @@ class HubDestination:
         entry = self._list().get(self.path_of("", rel))
         return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
-    def write_root_files(self, files: dict[str, bytes], ctx: _Context) -> None:
+    def write_root_files(self, files: dict[str, bytes], ctx: PushContext) -> None:
         from huggingface_hub import CommitOperationAdd
 
         ops = [CommitOperationAdd(path_in_repo=self.path_of("", rel), path_or_fileobj=data)
@@ -411,7 +411,7 @@ def make_destination(dest, storage_options: dict | None = None, *, hub_api=None,
     return FsDestination(dest, storage_options, part_size=part_size)
 
 
-def _wait_all(futures: list[cf.Future], ctx: _Context) -> None:
+def wait_all(futures: list[cf.Future], ctx: PushContext) -> None:
     """Wait for every future; on the first failure cancel the rest and raise it."""
     try:
         pending = set(futures)

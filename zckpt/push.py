@@ -44,8 +44,8 @@ from typing import Any
 
 from zckpt import storage
 from zckpt.destinations import (  # noqa: F401 - also the public names of zckpt.push
-    MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, _Changed,
-    _check_unchanged, _retryable, _wait_all, make_destination, parse_hf_url,
+    MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, FileChanged,
+    check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
 )
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
 from zckpt.publish import has_marker
@@ -214,7 +214,7 @@ class PushResult:
                 "root_files_sent": list(self.root_files_sent)}
 
 
-class _Context:
+class PushContext:
     """What a destination needs from the running push: pool, cancel flag, progress, retries, hashes."""
 
     def __init__(self, pool, cancel, progress, retries, hashes, workers):
@@ -248,7 +248,7 @@ class _Context:
                     InvalidArgument):
                 raise
             except OSError as exc:
-                if attempt == self.retries or not _retryable(exc):
+                if attempt == self.retries or not retryable(exc):
                     raise
                 delay = min(2.0 ** attempt, 30.0)
                 text = " ".join(str(exc).split())
@@ -286,7 +286,7 @@ def _local_tasks(folder: str) -> list[FileTask]:
     return sorted(tasks, key=lambda t: t.rel)
 
 
-def _plan(ckpt: LocalCheckpoint, dest, ctx: _Context) -> tuple[list[FileTask], dict | None]:
+def _plan(ckpt: LocalCheckpoint, dest, ctx: PushContext) -> tuple[list[FileTask], dict | None]:
     """Decide which files to send: a file is skipped when DEST has it with the same size and sha256."""
     tasks = _local_tasks(ckpt.path)
     remote = ctx.retry(lambda: dest.remote_files(ckpt.name), dest.url_of(ckpt.name), ckpt.name)
@@ -314,11 +314,11 @@ def _plan(ckpt: LocalCheckpoint, dest, ctx: _Context) -> tuple[list[FileTask], d
     comparable = [t for t in tasks if t.rel in remote and remote[t.rel].size == t.size]
     for t in tasks:
         t.send = True
-    _wait_all([ctx.pool.submit(decide, t) for t in comparable], ctx)
+    wait_all([ctx.pool.submit(decide, t) for t in comparable], ctx)
     return tasks, manifest
 
 
-def _push_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> CheckpointResult:
+def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> CheckpointResult:
     started = time.monotonic()
     result = CheckpointResult(ckpt.name, "failed", step=ckpt.step, dest=dest.url_of(ckpt.name))
     tasks, remote_manifest = _plan(ckpt, dest, ctx)
@@ -343,7 +343,7 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> Chec
     dest.send(ckpt.name, sends, ctx)
     for t in tasks:
         ctx.sha256(t)
-        _check_unchanged(t)
+        check_unchanged(t)
     dest.finish(ckpt.name, tasks, sends, manifest_bytes(ckpt.name, tasks), ckpt.step, ctx)
     result.status, result.seconds = "pushed", time.monotonic() - started
     return result
@@ -384,7 +384,7 @@ def _select(checkpoints, settle, wait_settle, ctx, results):
     return settled
 
 
-def _retention(dest, keep_last: int, protect: set[str], ctx: _Context, dry_run: bool) -> list[str]:
+def _retention(dest, keep_last: int, protect: set[str], ctx: PushContext, dry_run: bool) -> list[str]:
     remote = ctx.retry(dest.list_remote_checkpoints, str(dest))
     complete = sorted((r for r in remote if r[2]), key=lambda r: (r[1] if r[1] is not None else -1, r[0]))
     if len(complete) <= keep_last:
@@ -402,7 +402,7 @@ def _retention(dest, keep_last: int, protect: set[str], ctx: _Context, dry_run: 
     return drop
 
 
-def _push_roots(src: str, roots: list[str], dest, ctx: _Context, dry_run: bool) -> list[str]:
+def _push_roots(src: str, roots: list[str], dest, ctx: PushContext, dry_run: bool) -> list[str]:
     files = {}
     for rel in roots:
         with open(os.path.join(src, rel), "rb") as f:
@@ -458,7 +458,7 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     cancel = cancel or threading.Event()
     first_error: BaseException | None = None
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-push") as pool:
-        ctx = _Context(pool, cancel, progress, retries, hashes, workers)
+        ctx = PushContext(pool, cancel, progress, retries, hashes, workers)
         try:
             ready = _select(checkpoints, settle, wait_settle and not dry_run, ctx, result.checkpoints)
             ready.sort(key=lambda c: (c.step if c.step is not None else -1, c.name), reverse=True)
@@ -499,13 +499,13 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     return result
 
 
-def _run_one(ckpt: LocalCheckpoint, dest, ctx: _Context, dry_run: bool) -> CheckpointResult:
+def _run_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> CheckpointResult:
     try:
         return _push_one(ckpt, dest, ctx, dry_run)
     except PushInterrupted as exc:
         return CheckpointResult(ckpt.name, "interrupted", "abandoned; no manifest written", ckpt.step,
                                 dest.url_of(ckpt.name), error=exc)
-    except _Changed as exc:
+    except FileChanged as exc:
         return CheckpointResult(ckpt.name, "unsettled", f"{exc} changed during the push; not marked complete",
                                 ckpt.step, dest.url_of(ckpt.name))
     except KeyboardInterrupt:

@@ -39,6 +39,7 @@ from typing import Callable
 
 from zckpt import engine, publish, storage
 from zckpt.deepspeed import writer as W
+from zckpt.deepspeed.writer import OutFile
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.safeload import DTYPE_SIZES, LazyTensor
@@ -51,17 +52,6 @@ SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 # ---------------------------------------------------------------------------------------------- plan data
-
-@dataclass
-class OutFile:
-    """One output file: a torch object (``obj``), a copy of ``src``, or literal ``data``."""
-
-    relpath: str
-    obj: object = None
-    src: str | None = None
-    data: bytes | None = None
-    nbytes: int = 0  # tensor bytes (obj) or file size (src / data)
-
 
 @dataclass
 class ReshardPlan:
@@ -418,7 +408,7 @@ class _Planner:
             osd["partition_count"] = [ws] * len(self.groups)
             osd["ds_version"] = self.version
             osd["param_slice_mappings"] = maps
-            files.append(self._torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
+            files.append(self.torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
 
         module = self.module_stage12()
         param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in g.records) for g in self.groups]
@@ -430,7 +420,7 @@ class _Planner:
                 frozen_frags = OrderedDict((r.name, module[r.name] if r.name in module else
                                             TensorOut(r.dtype, r.shape, list(r.value))) for r in frozen)
         ms = self.model_file(0, module, param_shapes, frozen_shapes, frozen_frags)
-        files.insert(0, self._torch_file(self.model_name(0), ms))
+        files.insert(0, self.torch_file(self.model_name(0), ms))
         return files
 
     # ---- ZeRO-3
@@ -473,7 +463,7 @@ class _Planner:
             osd["partition_count"] = ws
             osd["optimizer_state_dict"] = {"state": state, "param_groups": pgroups}
             osd["fp32_flat_groups"] = flat
-            files.append(self._torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
+            files.append(self.torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
 
             frozen_shapes = frozen_frags = None
             if frozen or self.ms0.get("frozen_param_shapes") is not None:
@@ -483,10 +473,10 @@ class _Planner:
                                        W.zero3_rank_slice(list(r.value), r.numel, ws, rank, r.dtype)))
                     for r in frozen)
             ms = self.model_file(rank, module, param_shapes, frozen_shapes, frozen_frags)
-            files.insert(rank, self._torch_file(self.model_name(rank), ms))
+            files.insert(rank, self.torch_file(self.model_name(rank), ms))
         return files
 
-    def _torch_file(self, name: str, obj, folder: str | None = None) -> OutFile:
+    def torch_file(self, name: str, obj, folder: str | None = None) -> OutFile:
         from zckpt.torchzip import dumps
         if not self.count_bytes:  # plan_ranks: the files are not written, sizing them would pickle them twice
             return OutFile(os.path.join(folder or self.tag, name), obj=obj)

@@ -44,7 +44,7 @@ class LocalCheckpoint:
     step: int | None
 
 
-def _step_of(name: str) -> int | None:
+def step_of(name: str) -> int | None:
     for regex in (TRAINER_RE, TAG_STEP_RE):
         m = regex.match(name)
         if m:
@@ -75,7 +75,7 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
         raise CheckpointNotFound("no such folder", path=src, hint="SRC must be a local training output folder")
     base = os.path.basename(src.rstrip(os.sep))
     if TRAINER_RE.match(base):
-        return [LocalCheckpoint("", src, "trainer", _step_of(base))], []
+        return [LocalCheckpoint("", src, "trainer", step_of(base))], []
     if _zckpt_output(src) == "merge":  # merged weights, not a checkpoint
         log.info("%s is a zckpt merge output, not a checkpoint: nothing to push", src)
         return [], []
@@ -88,14 +88,14 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
             log.info("%s: a zckpt output, not a checkpoint; skipped", path)
             continue
         if TRAINER_RE.match(name):
-            found.append(LocalCheckpoint(name, path, "trainer", _step_of(name)))
+            found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
         elif _has_rank_files(path):
-            found.append(LocalCheckpoint(name, path, "deepspeed", _step_of(name)))
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))
     if not found:  # no checkpoint folders inside: SRC itself is one checkpoint (or nothing)
         if _has_rank_files(src):
-            return [LocalCheckpoint("", src, "deepspeed", _step_of(base))], []
+            return [LocalCheckpoint("", src, "deepspeed", step_of(base))], []
         if os.path.isfile(os.path.join(src, "trainer_state.json")):
-            return [LocalCheckpoint("", src, "trainer", _step_of(base))], []
+            return [LocalCheckpoint("", src, "trainer", step_of(base))], []
         return [], []
     found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
     roots: list[str] = []

@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
-from zckpt.deepspeed.layout import Checkpoint, pieces_of
+from zckpt.deepspeed.model import Checkpoint, pieces_of
+from zckpt.deepspeed.writer import OutFile
 from zckpt.safeload import LazyTensor
 from zckpt.torchzip import Cast, TensorOut
 
@@ -34,7 +35,6 @@ def _param_file(t: TensorOut, stage: int):
 
 def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list, list[str]]:
     """Universal-layout files from a native plan (``planner``, ``native_files``) of the target stage."""
-    from zckpt.reshard import OutFile
     tag_dir = f"{planner.tag}_universal"
     stage = planner.stage
     files: list[OutFile] = []
@@ -46,7 +46,7 @@ def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list,
                 rank0_optim = f.obj["optimizer_state_dict"]
             continue
         if name.endswith("_model_states.pt"):
-            files.append(planner._torch_file(name, f.obj, folder=tag_dir))
+            files.append(planner.torch_file(name, f.obj, folder=tag_dir))
     osd = rank0_optim
     if stage <= 2:
         out = OrderedDict((k, v) for k, v in osd.items() if k not in SHARDED)
@@ -57,7 +57,7 @@ def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list,
         out = OrderedDict((k, v) for k, v in osd.items() if k not in ("optimizer_state_dict", "fp32_flat_groups"))
         out["optimizer_state_dict"] = {"state": state, "param_groups": inner["param_groups"]}
         out["param_groups"] = inner["param_groups"]
-    files.append(planner._torch_file(os.path.join("zero", "optimizer_state.pt"), out, folder=tag_dir))
+    files.append(planner.torch_file(os.path.join("zero", "optimizer_state.pt"), out, folder=tag_dir))
 
     done = set()
     for g in planner.groups:
@@ -68,14 +68,14 @@ def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list,
                 states += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
             for key, pieces in states:  # kept in the dtype the source stores them in (fp32, or bf16 masters)
                 t = TensorOut(pieces[0].dtype if pieces else rec.dtype, rec.shape, list(pieces))
-                files.append(planner._torch_file(os.path.join(base, f"{key}.pt"), _param_file(t, stage),
+                files.append(planner.torch_file(os.path.join(base, f"{key}.pt"), _param_file(t, stage),
                                                  folder=tag_dir))
             if stage <= 2 and planner.has_state:
                 step = g.step
                 obj = step
                 if isinstance(step, LazyTensor):
                     obj = TensorOut(step.dtype, tuple(step.shape), pieces_of(step))
-                files.append(planner._torch_file(os.path.join(base, "step.pt"), obj, folder=tag_dir))
+                files.append(planner.torch_file(os.path.join(base, "step.pt"), obj, folder=tag_dir))
             done.add(rec.name)
     if stage <= 2:  # 0.19.8 also writes an fp32 "fallback" for every other key of `module`
         byname = ckpt.by_name()
@@ -87,6 +87,6 @@ def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list,
                 continue
             segs = list(src.value) if src.dtype == "float32" else [Cast(list(src.value), src.dtype)]
             t = TensorOut("float32", src.shape, segs)
-            files.append(planner._torch_file(os.path.join("zero", rec.name, "fp32.pt"), {"param": t},
+            files.append(planner.torch_file(os.path.join("zero", rec.name, "fp32.pt"), {"param": t},
                                              folder=tag_dir))
     return files, []

@@ -30,7 +30,7 @@ import dataclasses
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
-from zckpt.deepspeed.layout import Checkpoint, GroupInfo, TensorRecord, _load_all, pieces_of
+from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.safeload import LazyTensor
 
@@ -203,7 +203,7 @@ def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorReco
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
     out: dict[str, TensorRecord] = {}
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
-    for f, sd in zip(files, _load_all(files)):  # metadata only; in parallel for URLs
+    for f, sd in zip(files, load_all(files)):  # metadata only; in parallel for URLs
         if not isinstance(sd, dict) or not all(isinstance(t, LazyTensor) for t in sd.values()):
             raise CorruptFile("an expert file should hold a state_dict of tensors", path=f.path)
         for name, t in sd.items():

@@ -29,7 +29,7 @@ import dataclasses
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
-from zckpt.deepspeed.layout import Checkpoint, GroupInfo, TensorRecord, _load_all, pieces_of, precision_of
+from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of, precision_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.safeload import LazyTensor
 
@@ -133,7 +133,7 @@ def _build_stage(loc: Location, s: int, mfile: RankFile, ms: dict, optim_states:
 def _load_layers(loc: Location) -> list[tuple[RankFile, dict]]:
     """(file, state_dict metadata) of every layer file, in layer order."""
     files = sorted(loc.layer_files, key=lambda f: f.index)
-    out = list(zip(files, _load_all(files)))  # metadata only; in parallel for URLs
+    out = list(zip(files, load_all(files)))  # metadata only; in parallel for URLs
     for f, sd in out:
         if not all(isinstance(t, LazyTensor) for t in sd.values()):
             raise CorruptFile("a pipeline layer file should hold a state_dict of tensors", path=f.path)

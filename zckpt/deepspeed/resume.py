@@ -402,6 +402,10 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
             # DeepSpeed then rebuilds the module from the fp32 files on disk (get_fp32_state_dict_from_zero_checkpoint)
             raise InvalidArgument("a ZeRO-3 engine with load_optimizer_states=False reads the source files itself",
                                   hint="use zckpt.load_into_module for weights only")
+        if not native and _elastic(ckpt):
+            # DeepSpeed rebuilds every rank's partition from all elastic files: each rank would need them all
+            raise UnsupportedLayout("elastic ZeRO checkpoint (elastic_checkpoint=true) at another world size or "
+                                    "stage", path=ckpt.location.tag_dir, hint="reshard it offline with zckpt reshard")
         if not native:
             from zckpt.reshard import plan_ranks
             plan = plan_ranks(ckpt, target.world_size, [target.rank], target.stage, target.bf16_optimizer,
@@ -435,6 +439,14 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     log.info("zckpt: rank %d resumed %s (%s, %d -> %d ranks, stage %d -> %d) in %.2fs", target.rank, path,
              info.mode, ckpt.world_size, target.world_size, ckpt.stage, target.stage, time.perf_counter() - t0)
     return result
+
+
+def _elastic(ckpt: Checkpoint) -> bool:
+    """ZeRO-1/2 saved with ``elastic_checkpoint: true`` (``base_optimizer_state`` is a list of group states)."""
+    if ckpt.flavour == "zero3" or not ckpt.optim_states:
+        return False
+    osd = ckpt.optim_states[0].get("optimizer_state_dict") or {}
+    return isinstance(osd.get("base_optimizer_state"), list)
 
 
 def _load_in_memory(engine, ckpt: Checkpoint, plan, target: Target, objects: dict, scratch_dir, kw):

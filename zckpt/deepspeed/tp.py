@@ -23,7 +23,7 @@ import math
 import re
 
 from zckpt.deepspeed.discover import Location
-from zckpt.deepspeed.layout import Checkpoint, Piece, TensorRecord, precision_of
+from zckpt.deepspeed.model import Checkpoint, Piece, TensorRecord, precision_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 
 REFUSAL = "tensor-parallel (AutoTP) checkpoint: zckpt merges it but does not re-partition tensor parallelism"

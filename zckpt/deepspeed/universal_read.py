@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from zckpt import safeload, storage
 from zckpt.deepspeed.discover import Location, RankFile
-from zckpt.deepspeed.layout import (
+from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, pieces_of, precision_of, scalar_value,
     uniform_dtype,
 )

@@ -64,7 +64,7 @@ class Converter:
         self.memo: dict = {}
 
     def tensor(self, t: LazyTensor) -> TensorOut:
-        from zckpt.deepspeed.layout import pieces_of
+        from zckpt.deepspeed.model import pieces_of
         key = (t.storage.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride), t.dtype)
         out = self.memo.get(key)
         if out is None:
@@ -191,3 +191,14 @@ def zero3_rank_slice(segs: list, numel: int, ws: int, rank: int, dtype: str) -> 
 
 def itemsize(dtype: str) -> int:
     return DTYPE_SIZES[dtype]
+
+
+@dataclass
+class OutFile:
+    """One output file of a plan: a torch object (``obj``), a copy of ``src``, or literal ``data``."""
+
+    relpath: str
+    obj: object = None
+    src: str | None = None
+    data: bytes | None = None
+    nbytes: int = 0  # tensor bytes (obj) or file size (src / data)

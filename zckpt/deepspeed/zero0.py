@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from zckpt import casting, storage
 from zckpt.deepspeed.discover import Location
-from zckpt.deepspeed.layout import (
+from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, UnsupportedLayout

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from zckpt.deepspeed.discover import Location
-from zckpt.deepspeed.layout import (
+from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
     precision_of, scalar_value, uniform_dtype,
 )
