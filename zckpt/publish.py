@@ -36,7 +36,6 @@ or containing it, where "the source" is the whole save folder (``latest`` and ev
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import logging
@@ -306,6 +305,7 @@ def _exchange(a: str, b: str) -> bool:
         return False
     try:
         if _libc is None:
+            import ctypes  # only when an output is replaced (start-up of every command stays lean)
             _libc = ctypes.CDLL(None, use_errno=True)
         fn = _libc.renameat2
     except (OSError, AttributeError):
@@ -313,6 +313,7 @@ def _exchange(a: str, b: str) -> bool:
     at_fdcwd, rename_exchange = -100, 2
     if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
+    import ctypes
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
@@ -339,7 +340,7 @@ def publish_dir(tmp: str, out: str, durable: bool = False) -> None:
     else:
         os.rename(tmp, out)
     if durable:
-        storage._fsync_dir(parent)
+        storage.fsync_dir(parent)
 
 
 def _fsync_file(path: str) -> None:
@@ -432,7 +433,7 @@ class Publisher:
                     f.flush()
                     os.fsync(f.fileno())
             if self.durable:
-                storage._fsync_dir(self.tmp)
+                storage.fsync_dir(self.tmp)
             publish_dir(self.tmp, self.out, self.durable)
         self.committed = True
 

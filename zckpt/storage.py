@@ -367,7 +367,7 @@ def makedirs(path: str | os.PathLike, storage_options: dict[str, Any] | None = N
         os.makedirs(local_path(path), exist_ok=True)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -396,7 +396,7 @@ def _local_atomic(target: str) -> Iterator[IO[bytes]]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def put_file(local_path_: str | os.PathLike, url: str | os.PathLike, callback: Callable[[int], Any] | None = None,
