@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -197,11 +198,14 @@ def test_global_flags_before_or_after_the_command(tmp_path):
 
 def test_quiet_is_silent_on_success_and_still_reports_failures(tmp_path):
     ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
-    for cmd in (["verify", ckpt], ["merge", ckpt, "-o", str(tmp_path / "m")],
-                ["reshard", ckpt, "-w", "1", "-o", str(tmp_path / "r")]):
+    for make in (lambda o: ["verify", ckpt], lambda o: ["merge", ckpt, "-o", o],
+                 lambda o: ["reshard", ckpt, "-w", "1", "-o", o]):
+        cmd = make(str(tmp_path / "quiet"))
         res = invoke(*cmd, "-q")
         assert res.exit_code == 0 and res.output == "", (cmd, res.output)
-        assert invoke(*cmd[:2]).output != ""  # not quiet: it does say something
+        assert invoke(*make(str(tmp_path / "loud"))).output != ""  # not quiet: it does say something
+        for out in ("quiet", "loud"):
+            shutil.rmtree(tmp_path / out, ignore_errors=True)
     res = invoke("verify", str(tmp_path / "nope"), "-q")
     assert res.exit_code == 1 and res.stderr.startswith("zckpt: error:")
 
