@@ -88,8 +88,8 @@ def worker(job_path: str) -> None:
     spec = job["spec"]
     deepspeed.init_distributed(dist_backend="gloo")
     engine, _, _ = resume_worker.build_engine(G, spec)
-    import zckpt.deepspeed.resume  # noqa: F401 - imported up front, as a training script would
-    import zckpt.reshard  # noqa: F401
+    import zckpt.ops.resume  # noqa: F401 - imported up front, as a training script would
+    import zckpt.ops.reshard  # noqa: F401
     scratch = tempfile.mkdtemp(prefix="bench-scratch-")
     dist.barrier()
     r0, t0 = _rchar(), time.perf_counter()
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         worker(a._worker)
         return 0
     import fixtures.generate as G
-    from zckpt.reshard import reshard
+    from zckpt.ops.reshard import reshard
     model = {"vocab": a.vocab, "hidden": a.hidden, "ffn": a.ffn, "layers": a.layers}
     spec = G.make_spec(stage=2, dtype="bf16", world_size=a.source_ws, model=model, steps=1, scheduler=False,
                        client_state={})

@@ -13,7 +13,7 @@ continues where it stopped when the same command is run again):
 * ``merge`` (parts ``z2``, ``z3``): ``zckpt merge --dtype fp32`` / ``--dtype bf16`` and DeepSpeed's
   ``CKPT/zero_to_torch.py --dtype fp32`` (time, peak RSS), then zckpt's safetensors vs DeepSpeed's ``.bin`` bit for
   bit (bf16: against DeepSpeed's fp32 cast with torch), and zckpt's fp32 vs the save-time sha256 of the masters.
-* ``reshard`` (parts ``z2-ws2``, ``z2-z3-ws2``, ``z3-z2-ws2``, ``z2-ws1-cpu``, ``ds-universal``): ``zckpt.reshard``
+* ``reshard`` (parts ``z2-ws2``, ``z2-z3-ws2``, ``z3-z2-ws2``, ``z2-ws1-cpu``, ``ds-universal``): ``zckpt.ops.reshard``
   the GPU-written ws=1 checkpoint to M (= ``--cpu-ranks``) ranks / another stage, load it with a plain
   ``engine.load_checkpoint`` at M CPU ranks (gloo), check every fp32 master, exp_avg, exp_avg_sq (bit for bit
   against the source read by zckpt's reader AND against the save-time sha256), the optimizer step, global steps
@@ -1041,7 +1041,7 @@ def chk(name, fn):
 chk("deepspeed", lambda: importlib.import_module("deepspeed").__version__)
 chk("transformers.Qwen3", lambda: importlib.import_module("transformers").Qwen3ForCausalLM and
     importlib.import_module("transformers").__version__)
-chk("zckpt", lambda: [importlib.import_module(m) for m in ("zckpt.reshard", "zckpt.merge", "zckpt.tensors",
+chk("zckpt", lambda: [importlib.import_module(m) for m in ("zckpt.ops.reshard", "zckpt.ops.merge", "zckpt.tensors",
                                                           "zckpt.cli")] and "ok")
 chk("safetensors", lambda: importlib.import_module("safetensors.torch") and "ok")
 chk("psutil", lambda: importlib.import_module("psutil").__version__)

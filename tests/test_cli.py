@@ -165,7 +165,7 @@ def test_plain_fp32_merge_imports_neither_numpy_nor_torch(tmp_path):
     """Copies and small bf16 -> fp32 upcasts (frozen weights, buffers) need no numpy: start-up stays small."""
     from tests.conftest import FIXTURES
     ckpt = checkpoint_path(FIXTURES / "z2_bf16_ws2")
-    code = ("import sys; from zckpt.merge import merge; "
+    code = ("import sys; from zckpt.ops.merge import merge; "
             f"merge({str(ckpt)!r}, {str(tmp_path / 'out')!r}); "
             "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -281,7 +281,7 @@ def test_error_table_scratch_names_become_the_output():
 
 def test_retryable_only_transient():
     import errno as E
-    from zckpt.destinations import retryable
+    from zckpt.ops.destinations import retryable
     from zckpt.errors import StorageError
 
     def wrapped(cause):

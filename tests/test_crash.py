@@ -17,8 +17,8 @@ from tests.conftest import FIXTURES
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = FIXTURES / "z3_bf16_ws4"
-import zckpt.merge  # noqa: E402  (the module; zckpt.merge the attribute is the function)
-merge_mod = sys.modules["zckpt.merge"]
+import zckpt.ops.merge  # noqa: E402  (the module; zckpt.ops.merge the attribute is the function)
+merge_mod = sys.modules["zckpt.ops.merge"]
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_killed_reshard_leaves_previous_or_new(tmp_path):
     """SIGKILL a reshard at several moments: OUT holds the previous complete result or the new one, never a mix."""
     import signal
     import time
-    from zckpt.verify import verify
+    from zckpt.ops.verify import verify
     src = FIXTURES / "z2_bf16_ws2"
     out = tmp_path / "out"
     zckpt.reshard(str(src), str(out), world_size=3)

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt.info import info as zckpt_info
+from zckpt.ops.info import info as zckpt_info
 from zckpt.deepspeed.layout import Piece, TensorRecord, check_records, open_checkpoint
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from tests.conftest import FIXTURES

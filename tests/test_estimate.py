@@ -1,6 +1,6 @@
 """``zckpt estimate`` against DeepSpeed's own estimators, row by row, and against transformers' parameter counts.
 
-DeepSpeed and transformers are test dependencies only; zckpt.estimate imports neither (checked below).
+DeepSpeed and transformers are test dependencies only; zckpt.ops.estimate imports neither (checked below).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from zckpt.cli import main
 from zckpt.errors import InvalidArgument
-from zckpt.estimate import (
+from zckpt.ops.estimate import (
     Row,
     count_from_config,
     counts_from_checkpoint,
@@ -201,7 +201,7 @@ def test_estimate_refuses_bad_arguments(args):
 def test_package_level_name():
     import zckpt
 
-    assert zckpt.estimate(10, 3)[0].per_gpu_bytes == 20  # works whether zckpt.estimate is the module or function
+    assert zckpt.estimate(10, 3)[0].per_gpu_bytes == 20  # works whether zckpt.ops.estimate is the module or function
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_real_configs():
 
 def test_config_defaults_follow_transformers(tf):
     _, transformers = tf
-    from zckpt.estimate import _GPT2_DEFAULTS, _LLAMA_LIKE_DEFAULTS
+    from zckpt.ops.estimate import _GPT2_DEFAULTS, _LLAMA_LIKE_DEFAULTS
 
     for model_type, defaults in {**_LLAMA_LIKE_DEFAULTS, "gpt2": _GPT2_DEFAULTS}.items():
         cfg = transformers.AutoConfig.for_model(model_type)

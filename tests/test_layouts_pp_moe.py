@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import IncompleteCheckpoint, UnsupportedLayout
-from zckpt.estimate import counts_from_checkpoint
-from zckpt.info import info as info_of
-from zckpt.verify import verify
+from zckpt.ops.estimate import counts_from_checkpoint
+from zckpt.ops.info import info as info_of
+from zckpt.ops.verify import verify
 from tests.conftest import FIXTURE_DIRS, checkpoint_path
 from tests.test_merge import _merged
 

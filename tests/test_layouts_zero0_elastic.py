@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 import zckpt
 from zckpt.deepspeed.zero0 import match_groups
 from zckpt.errors import UnsupportedLayout
-from zckpt.info import info as info_of
+from zckpt.ops.info import info as info_of
 from tests.conftest import FIXTURE_DIRS, checkpoint_path
 from tests.test_merge import _merged
 

@@ -27,7 +27,7 @@ import importlib
 from zckpt import storage
 from zckpt.errors import InvalidArgument, StorageError
 
-P = importlib.import_module("zckpt.push")  # the module (zckpt.push is also the lazy function)
+P = importlib.import_module("zckpt.ops.push")  # the module (zckpt.ops.push is also the lazy function)
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_TRAINER = ROOT / "fixtures" / "trainer" / "checkpoint-4"

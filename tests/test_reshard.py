@@ -30,7 +30,7 @@ import ds_oracle  # noqa: E402
 from zckpt import safeload  # noqa: E402
 from zckpt.errors import InvalidArgument, OutputExists  # noqa: E402
 
-reshard_mod = __import__("importlib").import_module("zckpt.reshard")
+reshard_mod = __import__("importlib").import_module("zckpt.ops.reshard")
 reshard = reshard_mod.reshard
 
 

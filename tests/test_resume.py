@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_oracle  # noqa: E402
 from test_reshard import _ckpt, _spec, assert_same_state, assert_same_tree, fixture_dir  # noqa: E402,F401
 
-from zckpt.reshard import reshard  # noqa: E402
+from zckpt.ops.reshard import reshard  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
 
@@ -205,8 +205,8 @@ def test_trainer_resumes_at_new_world_size(fixture_dir, tmp_path):
 def test_in_memory_objects_equal_written_files(fixture_dir, tmp_path, name, ws, stage):
     """What each rank hands DeepSpeed equals ``torch.load`` of the file ``zckpt reshard`` writes for it."""
     from zckpt import open_checkpoint
-    from zckpt.deepspeed.resume import Materializer
-    from zckpt.reshard import plan_ranks
+    from zckpt.ops.resume import Materializer
+    from zckpt.ops.reshard import plan_ranks
     src = _ckpt(fixture_dir(name))
     res = reshard(str(src), str(tmp_path / "o"), world_size=ws, stage=stage)
     ckpt = open_checkpoint(str(src))
@@ -226,7 +226,7 @@ def test_in_memory_objects_equal_written_files(fixture_dir, tmp_path, name, ws, 
 
 
 def test_agree_without_distributed_raises_own_error():
-    from zckpt.deepspeed.resume import agree
+    from zckpt.ops.resume import agree
     from zckpt.errors import CorruptFile
     agree(None)
     with pytest.raises(CorruptFile):
@@ -238,8 +238,8 @@ def test_in_memory_objects_from_a_url(fixture_dir, s3_server):
     """A source behind an S3 URL (ranged reads) gives each rank the same objects as the local source."""
     import uuid
     from zckpt import open_checkpoint
-    from zckpt.deepspeed.resume import Materializer
-    from zckpt.reshard import plan_ranks
+    from zckpt.ops.resume import Materializer
+    from zckpt.ops.reshard import plan_ranks
     src = _ckpt(fixture_dir("z3_bf16_ws2"))
     prefix = f"resume-{uuid.uuid4().hex[:8]}"
     client = s3_server.client()

@@ -92,8 +92,35 @@ def test_no_cross_module_private_imports():
 
 
 def test_no_module_and_function_share_a_name():
-    """``zckpt.merge`` must be one thing: a module attribute of the package never shadows a submodule."""
+    """``zckpt.ops.merge`` must be one thing: a module attribute of the package never shadows a submodule."""
     import zckpt
     mods = _modules()
     clashes = [n for n in getattr(zckpt, "__all__", []) if f"zckpt.{n}" in mods]
     assert not clashes, clashes
+
+
+# docs/architecture.md: each module's layer; imports may only go to the same or a lower layer
+LAYERS = [
+    ("vocabulary", ["zckpt.errors", "zckpt.units"]),
+    ("io", ["zckpt.storage", "zckpt.publish"]),
+    ("formats", ["zckpt.safeload", "zckpt.zipentries", "zckpt.tensors", "zckpt.casting"]),
+    ("engine", ["zckpt.engine", "zckpt.torchzip"]),
+    ("deepspeed", ["zckpt.deepspeed"]),
+    ("ops", ["zckpt.ops"]),
+    ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
+]
+
+
+def _layer(module: str) -> int:
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return len(LAYERS)  # the package's __init__ (the lazy public API) sits on top
+
+
+def test_imports_follow_the_layers():
+    mods, edges, _ = _graph()
+    assert all(_layer(m) < len(LAYERS) for m in mods if m != "zckpt"), [m for m in mods if _layer(m) == len(LAYERS)]
+    wrong = [f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0] if _layer(t) < len(LAYERS) else 'api'})"
+             for m, ts in edges.items() for t in ts if t != "zckpt" and _layer(t) > _layer(m)]
+    assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))

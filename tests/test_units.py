@@ -39,8 +39,8 @@ def test_parse_size_refuses_with_flag_named(text):
 def test_every_size_parser_is_the_one_rule():
     """merge --max-shard-size, push --part-size and estimate --gpu-memory read a size the same way."""
     from zckpt.cli.push import parse_size as push_size
-    from zckpt.estimate import parse_size as estimate_size
-    from zckpt.merge import parse_size as merge_size
+    from zckpt.ops.estimate import parse_size as estimate_size
+    from zckpt.ops.merge import parse_size as merge_size
     for text, expected in SIZES:
         assert merge_size(text) == push_size(text) == estimate_size(text) == expected, text
     for bad in ("5X", "0", "lots"):
@@ -64,8 +64,8 @@ def test_format_size(n, text):
 
 
 def test_one_formatter_everywhere():
-    from zckpt.info import human_bytes as info_bytes
-    from zckpt.push import human_bytes as push_bytes
+    from zckpt.ops.info import human_bytes as info_bytes
+    from zckpt.ops.push import human_bytes as push_bytes
     for n in (0, 999, 1000, 123456, 5 * 10**9):
         assert info_bytes(n) == push_bytes(n) == units.format_size(n)
 

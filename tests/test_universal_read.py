@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_reshard import _lazy_tree_equal, assert_same_records  # noqa: E402
 
-reshard = __import__("importlib").import_module("zckpt.reshard").reshard
+reshard = __import__("importlib").import_module("zckpt.ops.reshard").reshard
 
 NAMES = ["z2_bf16_ws2", "z3_bf16_ws2", "bf16opt_z1_ws2"]  # ZeRO-2, ZeRO-3, the BF16 optimizer
 

@@ -14,23 +14,21 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "open_checkpoint": "zckpt.deepspeed.layout",
     "Checkpoint": "zckpt.deepspeed.layout",
-    "verify": "zckpt.verify",
-    "merge": "zckpt.merge",
-    "iter_tensors": "zckpt.merge",
-    "load_state_dict": "zckpt.merge",
-    "load_into_module": "zckpt.merge",
-    "reshard": "zckpt.reshard",
-    "estimate": "zckpt.estimate",
-    "push": "zckpt.push",
-    "Pusher": "zckpt.push",
+    "verify": "zckpt.ops.verify",
+    "merge": "zckpt.ops.merge",
+    "iter_tensors": "zckpt.ops.merge",
+    "load_state_dict": "zckpt.ops.merge",
+    "load_into_module": "zckpt.ops.merge",
+    "reshard": "zckpt.ops.reshard",
+    "estimate": "zckpt.ops.estimate",
+    "push": "zckpt.ops.push",
+    "Pusher": "zckpt.ops.push",
 }
 
 from zckpt.errors import (  # noqa: E402, F401  (re-exported)
@@ -58,20 +56,6 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'zckpt' has no attribute {name!r}")
-
-
-class _Package(types.ModuleType):
-    """Keeps ``zckpt.merge`` (and friends) the API function even after ``import zckpt.merge``: the import system
-    sets a parent attribute to each submodule it loads, which would otherwise hide the function of the same name.
-    Import submodules with ``from zckpt.merge import ...`` (or ``sys.modules``); ``zckpt.merge`` is the function."""
-
-    def __setattr__(self, name, value):
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():

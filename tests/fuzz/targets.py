@@ -35,7 +35,7 @@ def copy_fixture(name: str, dst: Path) -> Path:
 def run_all(path: str) -> None:
     """Every read path a user has: open, info, verify --deep, merge (dry run and real)."""
     import zckpt
-    from zckpt.info import info
+    from zckpt.ops.info import info
     out = tempfile.mkdtemp(prefix="zckpt-fuzz-out-")
     try:
         info(path)

@@ -1,6 +1,6 @@
 """``zckpt estimate``: DeepSpeed's ZeRO memory estimates without DeepSpeed, and which setting fits.
 
-No torch here (nor in zckpt.estimate): the command answers in milliseconds.
+No torch here (nor in zckpt.ops.estimate): the command answers in milliseconds.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ Examples:
 
 
 def _count(text: str, what: str) -> int:
-    from zckpt.estimate import parse_count
+    from zckpt.ops.estimate import parse_count
 
     return parse_count(text, what)
 
@@ -67,7 +67,7 @@ def _headroom(text: str, gpu_memory: int):
     """``25%`` or ``0.25`` (a share of the GPU), or a size such as ``16GiB``; returns a Fraction."""
     from fractions import Fraction
 
-    from zckpt.estimate import parse_fraction
+    from zckpt.ops.estimate import parse_fraction
     from zckpt.units import parse_size
 
     s = text.strip()
@@ -136,7 +136,7 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
     """
     import importlib
 
-    est = importlib.import_module("zckpt.estimate")  # the module; zckpt.estimate may name the function
+    est = importlib.import_module("zckpt.ops.estimate")  # the module; zckpt.ops.estimate may name the function
 
     # ---- where the model size comes from
     sources = [name for name, given in (("PATH", path is not None), ("--config", config_path is not None),
@@ -211,7 +211,7 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
 
 
 def _table(rows, params, largest, gpus, nodes, buffer_factor, source, rec) -> str:
-    from zckpt.estimate import format_bytes, format_gib
+    from zckpt.ops.estimate import format_bytes, format_gib
 
     lines = [
         f"Model states for {params:,} parameters, largest layer {largest:,} ({source})",

@@ -22,7 +22,7 @@ def info(path, tag, storage_options, as_json, quiet):
     PATH is a DeepSpeed save folder (with 'latest'), a tag folder (global_stepN) or a Hugging Face Trainer
     checkpoint-N folder, local or a URL (s3://, hf://). Only metadata is read: no tensor bytes, no code run.
     """
-    from zckpt.info import info as run, render
+    from zckpt.ops.info import info as run, render
 
     apply_storage_options(storage_options)
     result = run(path, tag)

@@ -1,6 +1,6 @@
 """``zckpt push``: copy complete checkpoints to a folder, S3 or the Hub, incrementally, manifest last.
 
-Thin: parse the options, call :func:`zckpt.push.push` / :func:`zckpt.push.push_every`, draw progress, print
+Thin: parse the options, call :func:`zckpt.ops.push.push` / :func:`zckpt.ops.push.push_every`, draw progress, print
 one line per checkpoint (or JSON). No torch import here.
 """
 
@@ -144,7 +144,7 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
 def _lib():
     import importlib
 
-    return importlib.import_module("zckpt.push")  # the module (``zckpt.push`` is also the lazy function)
+    return importlib.import_module("zckpt.ops.push")  # the module (``zckpt.ops.push`` is also the lazy function)
 
 
 def _run_once(src, dest, kwargs, as_json, quiet) -> None:

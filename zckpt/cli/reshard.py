@@ -47,7 +47,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see docs/reshard.md for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
-    from zckpt.reshard import reshard as run
+    from zckpt.ops.reshard import reshard as run
     from zckpt.units import format_size as human_bytes
 
     settings().output = out

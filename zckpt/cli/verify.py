@@ -23,7 +23,7 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
     param_shapes, versions agree, 'latest' names an existing tag. Exit status 0 when all checks pass, 1 otherwise.
     """
-    from zckpt.verify import verify as run
+    from zckpt.ops.verify import verify as run
 
     apply_storage_options(storage_options)
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:

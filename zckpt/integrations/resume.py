@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from zckpt.deepspeed.resume import is_patched, patch_deepspeed, unpatch_deepspeed
+from zckpt.ops.resume import is_patched, patch_deepspeed, unpatch_deepspeed
 
 __all__ = ["resume_anywhere", "patch_deepspeed", "unpatch_deepspeed"]
 

@@ -640,7 +640,7 @@ def counts_from_checkpoint(path, tag=None) -> tuple[int, int]:
     return total, max(per_module.values())
 
 
-# ``zckpt.estimate`` is both this module and (lazily, in zckpt/__init__.py) the function; once the module is
+# ``zckpt.ops.estimate`` is both this module and (lazily, in zckpt/__init__.py) the function; once the module is
 # imported the package attribute is the module, so let calling the module call the function.
 class _CallableModule(types.ModuleType):
     def __call__(self, *args, **kwargs):

@@ -1,6 +1,6 @@
 """Re-partitioning a DeepSpeed checkpoint for another data-parallel world size and/or ZeRO stage.
 
-Read -> plan -> execute, like :mod:`zckpt.merge`:
+Read -> plan -> execute, like :mod:`zckpt.ops.merge`:
 
 1. :func:`zckpt.deepspeed.layout.open_checkpoint` describes the source from metadata alone: every parameter's
    fp32 master and Adam moments as lists of byte ranges (pieces) in the rank files.
@@ -22,7 +22,7 @@ Output (``fmt="deepspeed"``)::
     OUT/<Trainer files>                             for a checkpoint-N: config, trainer_state.json, scheduler.pt,
                                                     rng_state_{r}.pth for r < min(N, M) (see docs/reshard.md)
 
-``fmt="universal"`` writes DeepSpeed's universal layout instead (:mod:`zckpt.universal`).
+``fmt="universal"`` writes DeepSpeed's universal layout instead (:mod:`zckpt.ops.universal`).
 """
 
 from __future__ import annotations
@@ -524,7 +524,7 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     planner = _Planner(ckpt, world_size, stage, flavour)
     files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
     if fmt == "universal":
-        from zckpt import universal
+        from zckpt.ops import universal
         files, _ = universal.plan_universal(ckpt, planner, files)
     files += _side_files(ckpt, world_size)
     plan = ReshardPlan(ckpt.location.input_path, output_tag(ckpt), fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
@@ -537,7 +537,7 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
 def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
                bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
     """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
-    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.deepspeed.resume`).
+    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`).
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
     ``parameter_alignment``), applied where they differ from the source config's."""
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)

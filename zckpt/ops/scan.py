@@ -214,7 +214,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     folder that exists; every DeepSpeed tag folder needs all rank files (dp ranks 0..W-1 per mp rank, W from
     ``dp_world_size`` in the model states); every torch zip needs an intact central directory and a
     ``data.pkl``; every ``.safetensors`` a header that matches its size. One function, so a deeper check
-    (``zckpt.verify``) can replace it.
+    (``zckpt.ops.verify``) can replace it.
     """
     checkpoint_dir = os.path.abspath(storage.local_path(checkpoint_dir))
     if not os.path.isdir(checkpoint_dir):

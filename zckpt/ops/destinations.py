@@ -22,9 +22,9 @@ from typing import Any
 
 from zckpt import publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
-from zckpt.scan import TAG_STEP_RE, TRAINER_RE, step_of
+from zckpt.ops.scan import TAG_STEP_RE, TRAINER_RE, step_of
 
-# ``ctx`` arguments are the running push's ``zckpt.push.PushContext`` (pool, cancel flag, retries, hashes); the
+# ``ctx`` arguments are the running push's ``zckpt.ops.push.PushContext`` (pool, cancel flag, retries, hashes); the
 # annotation is a name only: this module sits below push and never imports it
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import Callable
 
 from zckpt import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
-from zckpt.destinations import MANIFEST_NAME
+from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
 from zckpt.safeload import LazyTensor
 from zckpt.zipentries import read_entries
@@ -100,7 +100,7 @@ def check_output_marker(folder: str, report: VerifyReport) -> None:
     ok, detail = publish.output_state(folder)
     report.add("zckpt output committed", ok, detail)
     if ok and not storage.is_url(folder):
-        from zckpt.scan import check_safetensors
+        from zckpt.ops.scan import check_safetensors
         bad = [why for n in sorted(storage.listdir(folder)) if n.endswith(".safetensors")
                for why in [check_safetensors(storage.join(folder, n))] if why]
         if any(n.endswith(".safetensors") for n in storage.listdir(folder)):

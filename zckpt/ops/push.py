@@ -22,7 +22,7 @@ Local file hashes are cached in ``$ZCKPT_CACHE_DIR/push-hashes.json`` (default `
 
 Library code reports progress through ``progress(PushEvent)`` (called from worker threads); the CLI draws bars.
 
-The pieces: :mod:`zckpt.scan` finds the complete checkpoints in SRC, :mod:`zckpt.destinations` lists and sends
+The pieces: :mod:`zckpt.ops.scan` finds the complete checkpoints in SRC, :mod:`zckpt.ops.destinations` lists and sends
 files to DEST; this module hashes, plans what to send, runs the pool, keeps the last N and schedules runs.
 """
 
@@ -43,13 +43,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from zckpt import storage
-from zckpt.destinations import (  # noqa: F401 - also the public names of zckpt.push
+from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
     MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, FileChanged,
     check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
 )
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
 from zckpt.publish import has_marker
-from zckpt.scan import LocalCheckpoint, check_complete, find_checkpoints, newest_mtime  # noqa: F401
+from zckpt.ops.scan import LocalCheckpoint, check_complete, find_checkpoints, newest_mtime  # noqa: F401
 
 log = logging.getLogger(__name__)
 
