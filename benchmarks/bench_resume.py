@@ -123,7 +123,8 @@ def run_job(job: dict, ws: int) -> list[dict]:
         jp.write_text(json.dumps(dict(job, out=str(out))))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ws),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()), __file__, "--_worker", str(jp)]
-        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp, "PYTHONPATH": str(ROOT)}), cwd=str(ROOT),
+        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}), cwd=str(ROOT),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             raise RuntimeError(proc.stdout.decode(errors="replace")[-5000:])
