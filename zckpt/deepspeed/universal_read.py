@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from zckpt import safeload, storage
 from zckpt.deepspeed.discover import Location, RankFile
+from zckpt.deepspeed import zero3 as stage3
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, pieces_of, precision_of, scalar_value,
     uniform_dtype,
@@ -99,7 +100,7 @@ def build(loc: Location) -> Checkpoint:
 
     groups, osd_native = (_groups_stage3(osd_u, trainable, sub_of, opt_file) if zero3
                           else _groups_stage12(osd_u, trainable, param_shapes, states))
-    frozen = _frozen_stage3(loc, model_states, ws) if zero3 else _frozen_stage12(ms0, module, mpath)
+    frozen = stage3.frozen_records(loc, model_states, ws) if zero3 else _frozen_stage12(ms0, module, mpath)
     records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision], module_has_params=not zero3)
     optim_state = {"optimizer_state_dict": osd_native,
                    "ds_version": osd_u.get("ds_version") or ms0.get("ds_version")}
@@ -168,19 +169,7 @@ def _groups_stage3(osd_u: dict, trainable: dict, sub_of: dict, opt_file: RankFil
         inner = {"state": {}, "param_groups": osd_u["param_groups"]}
     pgroups = inner.get("param_groups") or osd_u["param_groups"]
     st = inner.get("state") or {}
-    groups = []
-    for k, pg in enumerate(pgroups):
-        subs = [int(x) for x in pg.get("params", [])]
-        names = [n for n, s in sub_of.items() if s in subs]
-        for n in names:
-            trainable[n].group = k
-        step = None
-        if subs and isinstance(st.get(subs[0]), dict) and st[subs[0]].get("step") is not None:
-            step = scalar_value(st[subs[0]]["step"])
-        groups.append(GroupInfo(k, {a: b for a, b in pg.items() if a != "params"}, step, names))
-    for n, rec in trainable.items():
-        if rec.group is None:
-            raise CorruptFile(f"sub-group of '{n}' belongs to no param group", path=opt_file.path)
+    groups = stage3.param_groups(pgroups, st, trainable, sub_of, opt_file.path)
     state = OrderedDict((s, {"step": v["step"]}) for s, v in st.items() if isinstance(v, dict) and "step" in v)
     osd = OrderedDict((k, v) for k, v in osd_u.items() if k not in ("param_groups", "optimizer_state_dict",
                                                                     "fp32_flat_groups"))
@@ -204,24 +193,3 @@ def _frozen_stage12(ms0: dict, module: dict, mpath: str) -> dict[str, TensorReco
     return frozen
 
 
-def _frozen_stage3(loc: Location, model_states: list[dict], ws: int) -> dict[str, TensorRecord]:
-    """Stage 3: rank r's ceil(n/ws) slice of each frozen weight in its own model-states file."""
-    frozen = {}
-    ms0 = model_states[0]
-    for name, shape in (ms0.get("frozen_param_shapes") or {}).items():
-        shape = tuple(int(d) for d in shape)
-        n = math.prod(shape)
-        part = math.ceil(n / ws)
-        if len(model_states) != ws:
-            raise IncompleteCheckpoint(f"frozen '{name}' is split over {ws} ranks but {len(model_states)} "
-                                       "model-states files are here", path=loc.tag_dir)
-        pieces, dtype = [], None
-        for r, ms in enumerate(model_states):
-            frag = (ms.get("frozen_param_fragments") or {}).get(name)
-            if not isinstance(frag, LazyTensor) or frag.numel != part:
-                raise IncompleteCheckpoint(f"rank {r} has no {part}-element fragment of frozen '{name}'",
-                                           path=loc.model_files[r].path)
-            dtype = frag.dtype
-            pieces += pieces_of(frag, 0, max(0, min(part, n - r * part)))
-        frozen[name] = TensorRecord(name, shape, "frozen", dtype, pieces, lp_dtype=dtype)
-    return frozen

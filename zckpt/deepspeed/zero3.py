@@ -94,36 +94,9 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     # user param groups: which sub-groups each one owns (param_groups[k]['params'] lists sub-group ids)
     inner0 = osds[0].get("optimizer_state_dict") or {}
     pgroups = inner0.get("param_groups") or [{"params": list(range(nsub))}]
-    groups = []
-    for k, pg in enumerate(pgroups):
-        subs = [int(x) for x in pg.get("params", [])]
-        names = [n for n, s in sub_of.items() if s in subs]
-        for n in names:
-            trainable[n].group = k
-        step = None
-        if subs and isinstance((inner0.get("state") or {}).get(subs[0]), dict):
-            step = scalar_value(inner0["state"][subs[0]].get("step"))
-        groups.append(GroupInfo(k, {a: b for a, b in pg.items() if a != "params"}, step, names))
-    for n, rec in trainable.items():
-        if rec.group is None:
-            raise CorruptFile(f"sub-group of '{n}' belongs to no param group", path=opath[0])
+    groups = param_groups(pgroups, inner0.get("state") or {}, trainable, sub_of, opath[0])
 
-    frozen: dict[str, TensorRecord] = {}
-    fshapes = ms0.get("frozen_param_shapes") or {}
-    for name, shape in fshapes.items():
-        shape = tuple(int(d) for d in shape)
-        n = math.prod(shape)
-        part = math.ceil(n / ws)
-        pieces, dtype = [], None
-        for r, ms in enumerate(model_states):
-            frag = (ms.get("frozen_param_fragments") or {}).get(name)
-            if not isinstance(frag, LazyTensor) or frag.numel != part:
-                raise IncompleteCheckpoint(f"rank {r} has no {part}-element fragment of frozen '{name}'",
-                                           path=loc.model_files[r].path)
-            dtype = frag.dtype
-            take = max(0, min(part, n - r * part))
-            pieces += pieces_of(frag, 0, take)
-        frozen[name] = TensorRecord(name, shape, "frozen", dtype or LP_DTYPES[precision], pieces, lp_dtype=dtype)
+    frozen = frozen_records(loc, model_states, ws)
 
     records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision], module_has_params=False)
     cfg = ms0.get("ds_config") or {}
@@ -133,3 +106,45 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     ckpt = Checkpoint(loc, 3, "zero3", precision, ws, records, groups, ms0, optim_states, model_states,
                       offload=offload)
     return ckpt
+
+
+def param_groups(pgroups: list, state: dict, trainable: dict[str, TensorRecord], sub_of: dict[str, int],
+                 path: str) -> list[GroupInfo]:
+    """User param groups from ``param_groups[k]['params']`` (the sub-group ids each owns); sets ``record.group``.
+    The step is the first sub-group's."""
+    groups = []
+    for k, pg in enumerate(pgroups):
+        subs = [int(x) for x in pg.get("params", [])]
+        names = [n for n, s in sub_of.items() if s in subs]
+        for n in names:
+            trainable[n].group = k
+        step = None
+        if subs and isinstance(state.get(subs[0]), dict) and state[subs[0]].get("step") is not None:
+            step = scalar_value(state[subs[0]]["step"])
+        groups.append(GroupInfo(k, {a: b for a, b in pg.items() if a != "params"}, step, names))
+    for n, rec in trainable.items():
+        if rec.group is None:
+            raise CorruptFile(f"sub-group of '{n}' belongs to no param group", path=path)
+    return groups
+
+
+def frozen_records(loc: Location, model_states: list[dict], ws: int) -> dict[str, TensorRecord]:
+    """Frozen weights: rank r's ceil(n/ws) slice of each in its own model-states file (``frozen_param_fragments``)."""
+    frozen = {}
+    for name, shape in (model_states[0].get("frozen_param_shapes") or {}).items():
+        shape = tuple(int(d) for d in shape)
+        n = math.prod(shape)
+        part = math.ceil(n / ws)
+        if len(model_states) != ws:
+            raise IncompleteCheckpoint(f"frozen '{name}' is split over {ws} ranks but {len(model_states)} "
+                                       "model-states files are here", path=loc.tag_dir)
+        pieces, dtype = [], None
+        for r, ms in enumerate(model_states):
+            frag = (ms.get("frozen_param_fragments") or {}).get(name)
+            if not isinstance(frag, LazyTensor) or frag.numel != part:
+                raise IncompleteCheckpoint(f"rank {r} has no {part}-element fragment of frozen '{name}'",
+                                           path=loc.model_files[r].path)
+            dtype = frag.dtype
+            pieces += pieces_of(frag, 0, max(0, min(part, n - r * part)))
+        frozen[name] = TensorRecord(name, shape, "frozen", dtype, pieces, lp_dtype=dtype)
+    return frozen
