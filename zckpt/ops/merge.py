@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import struct
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -269,11 +268,6 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             pub.commit()
     finally:
         worker.close()
-
-
-# kept for callers of the old private names
-scratch_dir = publish.scratch_dir
-_publish_dir = publish.publish_dir
 
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
