@@ -8,7 +8,7 @@ previous one's dirty pages. Each command is its own process:
 * ``python -c pass``                     interpreter start-up
 * ``zckpt merge --dry-run``              start-up + imports + checkpoint metadata + plan (no bytes)
 * ``zckpt merge`` with variants          the whole job (``--workers N``; ``streams=N``: concurrent writes
-                                         into one output file, ``zckpt.engine.WRITE_STREAMS``)
+                                         into one output file, ``zckpt.engine.executor.WRITE_STREAMS``)
 * ``cp OUT/model.safetensors COPY``      the disk's speed for the same bytes
 
     python benchmarks/probe_merge.py CKPT [--dtype fp32] [--rounds 5] [--variants default,w1,w2,streams8]
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-DRIVER = ("import sys; import zckpt.engine as m; "
+DRIVER = ("import sys; import zckpt.engine.executor as m; "
           "m.WRITE_STREAMS = int(sys.argv.pop(1)); from zckpt.cli import main; sys.argv[0] = 'zckpt'; main()")
 
 

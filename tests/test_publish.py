@@ -1,4 +1,4 @@
-"""Publishing outputs (zckpt/publish.py): where merge/reshard may write, --overwrite, atomic replacement, commit
+"""Publishing outputs (zckpt/io/publish.py): where merge/reshard may write, --overwrite, atomic replacement, commit
 markers on object stores, and push never taking a zckpt output for a checkpoint.
 
 Each test reproduces a defect that shipped once (issue 12):
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import zckpt
-from zckpt import publish, storage
+from zckpt.io import publish, storage
 from zckpt.errors import InvalidArgument, OutputExists
 from zckpt.ops.verify import verify
 from tests.conftest import FIXTURES
@@ -274,7 +274,7 @@ def test_sweep_puts_back_an_output_moved_aside_by_a_killed_run(tmp_path):
 
 
 class Writes:
-    """Records every object written through zckpt.storage, in order."""
+    """Records every object written through zckpt.io.storage, in order."""
 
     def __init__(self, monkeypatch):
         self.urls: list[tuple[str, bytes | None]] = []

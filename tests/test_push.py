@@ -24,7 +24,7 @@ import pytest
 
 import importlib
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import InvalidArgument, StorageError
 
 P = importlib.import_module("zckpt.ops.push")  # the module (zckpt.ops.push is also the lazy function)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from zckpt.deepspeed.layout import open_checkpoint
-from zckpt.tensors import load_pieces
+from zckpt.formats.tensors import load_pieces
 
 
 def _load(rec, which="value"):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ds_oracle  # noqa: E402
 
-from zckpt import safeload  # noqa: E402
+from zckpt.formats import safeload  # noqa: E402
 from zckpt.errors import InvalidArgument, OutputExists  # noqa: E402
 
 reshard_mod = __import__("importlib").import_module("zckpt.ops.reshard")
@@ -297,7 +297,7 @@ def _lazy_tree_equal(a, b, where="", zero3=False):
     (they are not zero in real checkpoints); there only dtype and shape are compared here, and the real
     elements by :func:`assert_same_records`.
     """
-    from zckpt import storage
+    from zckpt.io import storage
     if isinstance(a, safeload.LazyTensor):
         assert isinstance(b, safeload.LazyTensor), where
         assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)), where
@@ -328,7 +328,7 @@ def _lazy_tree_equal(a, b, where="", zero3=False):
 def assert_same_records(a: Path, b: Path):
     """Every tensor of the training state (fp32 masters, moments, frozen, buffers) has the same bytes."""
     from zckpt import open_checkpoint
-    from zckpt.tensors import Reader, load_pieces
+    from zckpt.formats.tensors import Reader, load_pieces
     ca, cb = open_checkpoint(str(a)), open_checkpoint(str(b))
     assert [r.name for r in ca.records] == [r.name for r in cb.records]
     groups = lambda c: [(g.hyperparams, g.step, g.names) for g in c.groups]  # noqa: E731

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from zckpt import safeload
+from zckpt.formats import safeload
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.tensors import load_pieces
+from zckpt.formats.tensors import load_pieces
 from zckpt.deepspeed.layout import pieces_of
 
 MARKER = "/tmp/zckpt-pwned-marker"
@@ -157,7 +157,7 @@ def test_errors_are_builtin_compatible():
 
 def test_deepspeed_stand_ins_without_deepspeed(tmp_path):
     """DeepSpeed's classes resolve to inert stand-ins: we build the pickle by hand, no deepspeed import."""
-    from zckpt import torchzip
+    from zckpt.engine import torchzip
     obj = {"loss_scaler": torchzip.plain_object("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler",
                                                 {"cur_scale": 65536.0, "cur_iter": 3}),
            "zero_stage": torchzip.enum_member("deepspeed.runtime.zero.config", "ZeroStageEnum", 2),
@@ -279,13 +279,13 @@ def test_opcode_scan_matches_pickletools_on_real_and_mutated_pickles():
 # ------------------------------------------------------------------------------------ zip structure checks
 
 def _entries_of(path):
-    from zckpt.zipentries import read_file_entries
+    from zckpt.formats.zipentries import read_file_entries
     return read_file_entries(str(path))
 
 
 def test_zip_entries_match_torch_and_zipfile(tmp_path):
     """Data offsets and sizes agree with Python's zipfile reading each entry, for torch's own files and zckpt's."""
-    from zckpt import torchzip
+    from zckpt.engine import torchzip
     from zckpt.deepspeed.layout import Piece
     src = tmp_path / "t.pt"
     torch.save({"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}, src)
@@ -391,7 +391,7 @@ def test_zip_reader_on_mutated_structure(tmp_path):
     a field nobody needs, such as a time stamp, is harmless)."""
     import io
     import random
-    from zckpt.zipentries import read_entries
+    from zckpt.formats.zipentries import read_entries
     path = tmp_path / "t.pt"
     torch.save({"w": torch.randn(30), "v": torch.arange(7)}, path)
     clean = path.read_bytes()

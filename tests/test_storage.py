@@ -1,4 +1,4 @@
-"""zckpt.storage against a local folder, fsspec's memory store and a real S3 server (SeaweedFS on 127.0.0.1)."""
+"""zckpt.io.storage against a local folder, fsspec's memory store and a real S3 server (SeaweedFS on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import StorageError
 
 

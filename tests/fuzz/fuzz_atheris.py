@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 with atheris.instrument_imports(include=["zckpt"]):
     import zckpt  # noqa: F401
-    from zckpt import merge, safeload, verify  # noqa: F401
+    from zckpt import merge, verify  # noqa: F401
+    from zckpt.formats import safeload
     from zckpt.deepspeed import layout, zero3, zero12  # noqa: F401
 
 from tests.fuzz.targets import (

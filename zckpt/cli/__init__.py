@@ -77,8 +77,8 @@ class LazyGroup(click.Group):
         except Exception as exc:  # noqa: BLE001 - the one place errors become messages
             _report(exc, ctx)
         finally:
-            if "zckpt.storage" in sys.modules:  # --storage-option lasts one command
-                sys.modules["zckpt.storage"].set_storage_options(None)
+            if "zckpt.io.storage" in sys.modules:  # --storage-option lasts one command
+                sys.modules["zckpt.io.storage"].set_storage_options(None)
 
 
 def _json_wanted(ctx) -> bool:

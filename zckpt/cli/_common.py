@@ -118,7 +118,7 @@ tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
 
 
 def _storage_callback(ctx, param, pairs):
-    from zckpt import storage
+    from zckpt.io import storage
     from zckpt.errors import InvalidArgument
 
     try:
@@ -137,7 +137,7 @@ storage_option = click.option("--storage-option", "storage_options", multiple=Tr
 
 def apply_storage_options(options: dict) -> None:
     if options:
-        from zckpt import storage
+        from zckpt.io import storage
         storage.set_storage_options(options)
 
 

@@ -116,7 +116,7 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
     so a checkpoint without it is not complete. Files already at DEST with the same size and sha256 are
     not sent again: an interrupted push resumes where it stopped.
     """
-    from zckpt import storage
+    from zckpt.io import storage
 
     if every and once:
         raise click.UsageError("--every and --once exclude each other")

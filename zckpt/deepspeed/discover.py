@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import CheckpointNotFound, InvalidArgument, UnsupportedLayout
 
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -1,7 +1,7 @@
 """A DeepSpeed checkpoint described from metadata alone: every tensor, and where each slice of it lives.
 
 :func:`open_checkpoint` locates the files (:mod:`zckpt.deepspeed.discover`), unpickles every rank file's
-metadata safely (:mod:`zckpt.safeload`, no tensor bytes read) and hands them to the reader of the optimizer
+metadata safely (:mod:`zckpt.formats.safeload`, no tensor bytes read) and hands them to the reader of the optimizer
 flavour it finds (:mod:`zckpt.deepspeed.zero12` for ZeRO-1/2 and the BF16 optimizer, :mod:`zckpt.deepspeed.zero3`).
 The result, :class:`Checkpoint`, lists :class:`TensorRecord` s in the model's ``state_dict`` order; each holds
 ``Piece`` lists (file, byte offset, element count, dtype) for its value and, for trainable parameters, the fp32
@@ -10,7 +10,7 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 
 from __future__ import annotations
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.deepspeed import moe, pipeline, tp, universal_read, zero0, zero3, zero12
 from zckpt.deepspeed.discover import Location, locate
 from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-exported for callers of this module

@@ -18,11 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from zckpt import safeload, storage
-from zckpt.engine import Piece
+from zckpt.formats import safeload
+from zckpt.io import storage
+from zckpt.engine.segments import Piece
 from zckpt.deepspeed.discover import Location, RankFile, locate
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import re
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")

@@ -31,7 +31,7 @@ import re
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of, precision_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 TIED_RE = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 

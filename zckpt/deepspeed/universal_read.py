@@ -28,7 +28,8 @@ import math
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-from zckpt import safeload, storage
+from zckpt.formats import safeload
+from zckpt.io import storage
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed import zero3 as stage3
 from zckpt.deepspeed.model import (
@@ -36,7 +37,7 @@ from zckpt.deepspeed.model import (
     uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
 

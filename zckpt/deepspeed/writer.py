@@ -1,7 +1,7 @@
-"""Building DeepSpeed-format objects for :mod:`zckpt.torchzip`: partition layouts and pickled DeepSpeed classes.
+"""Building DeepSpeed-format objects for :mod:`zckpt.engine.torchzip`: partition layouts and pickled DeepSpeed classes.
 
-Nothing here reads tensor bytes or imports DeepSpeed. Tensors are :class:`~zckpt.torchzip.TensorOut` whose
-segments are slices of the source pieces plus :class:`~zckpt.torchzip.Fill` zeros, so the executor streams them.
+Nothing here reads tensor bytes or imports DeepSpeed. Tensors are :class:`~zckpt.engine.torchzip.TensorOut` whose
+segments are slices of the source pieces plus :class:`~zckpt.engine.torchzip.Fill` zeros, so the executor streams them.
 
 The partition math reproduces DeepSpeed 0.19.8 exactly:
 
@@ -24,10 +24,9 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from zckpt.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
-from zckpt.torchzip import (  # noqa: F401  (segment helpers re-exported for reshard)
-    Cast, Fill, GlobalRef, Reduce, TensorOut, coalesce, enum_member, plain_object, slice_segments,
-)
+from zckpt.formats.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
+from zckpt.engine.segments import Cast, Fill, coalesce, slice_segments
+from zckpt.engine.torchzip import GlobalRef, Reduce, TensorOut, enum_member, plain_object
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -54,7 +53,7 @@ def default_loss_scaler() -> Reduce:
 
 
 class Converter:
-    """Turns metadata read by :mod:`zckpt.safeload` back into objects torchzip can write.
+    """Turns metadata read by :mod:`zckpt.formats.safeload` back into objects torchzip can write.
 
     Lazy tensors become TensorOut copying their bytes (the same storage maps to the same TensorOut, so
     aliases stay aliases), inert DeepSpeed objects are re-emitted under their original class name.

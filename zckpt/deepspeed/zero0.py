@@ -32,13 +32,14 @@ continue from), not the low-precision module copies.
 
 from __future__ import annotations
 
-from zckpt import casting, storage
+from zckpt.formats import casting
+from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 
 REFUSAL = ("ZeRO-0 checkpoint: every rank holds the whole model and optimizer in mp_rank_00_model_states.pt, "

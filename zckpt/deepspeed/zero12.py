@@ -32,7 +32,7 @@ from zckpt.deepspeed.model import (
     precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.safeload import LazyTensor
+from zckpt.formats.safeload import LazyTensor
 
 
 def _as_list(value, n, what, path):

@@ -3,7 +3,7 @@ Hugging Face Hub repository (:class:`HubDestination`).
 
 A destination lists what is already there (size, sha256 or git blob id), sends the files that differ in
 parallel through the push's pool, and writes ``zckpt-manifest.json`` last: a checkpoint at DEST without its
-manifest is not complete (the manifest is the commit marker of :mod:`zckpt.publish`'s object-store rule, withdrawn
+manifest is not complete (the manifest is the commit marker of :mod:`zckpt.io.publish`'s object-store rule, withdrawn
 before a changed checkpoint's files are replaced). On the Hub files and manifest go in one commit.
 """
 
@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any
 
-from zckpt import publish, storage
+from zckpt.io import publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
 from zckpt.ops.scan import TAG_STEP_RE, TRAINER_RE, step_of
 
@@ -207,7 +207,7 @@ class FsDestination:
                                    path=self.url_of(name))
             log.warning("%s: %d file(s) missing at DEST after upload; sending them again", name, len(missing))
             self.send(name, missing, ctx)
-        url = self.url_of(name, MANIFEST_NAME)  # the commit, last (zckpt.publish's object-store rule)
+        url = self.url_of(name, MANIFEST_NAME)  # the commit, last (zckpt.io.publish's object-store rule)
         ctx.retry(lambda: publish.commit_remote(self.url_of(name), MANIFEST_NAME, manifest, self.storage_options),
                   url, name)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
-from zckpt.safeload import Inert
+from zckpt.formats.safeload import Inert
 
 FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
@@ -15,7 +15,7 @@ FLAVOURS = {
 
 def _plain(value, depth=0):
     """JSON-friendly copy of metadata (stand-ins become dicts, tensors become descriptions)."""
-    from zckpt.safeload import LazyTensor
+    from zckpt.formats.safeload import LazyTensor
     if depth > 20:
         return "..."
     if isinstance(value, LazyTensor):

@@ -4,11 +4,11 @@
    files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
    each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
 2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
-   bytes in chunks of at most ``engine.CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
+   bytes in chunks of at most ``executor.CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
    offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
    one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
-   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.casting`).
-3. :mod:`zckpt.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
+   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.formats.casting`).
+3. :mod:`zckpt.io.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
    place with its ``.zckpt.json`` marker; an interrupted merge leaves the previous output, or nothing, where the
    output belongs. For URL outputs each shard is uploaded as soon as it is complete and the marker is written
    last (an output without a complete marker is incomplete). The output is checked first: never the
@@ -27,10 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt import engine, publish, storage
+from zckpt.engine import executor
+from zckpt.engine.segments import source_segments
+from zckpt.io import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument
-from zckpt.safeload import DTYPE_SIZES, FLOATING
+from zckpt.formats.safeload import DTYPE_SIZES, FLOATING
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ class ShardPlan:
     tensors: list[OutTensor]
     header: bytes = b""  # safetensors: 8-byte length + JSON
     size: int = 0
-    archive: object = None  # pt: the planned torch zip (zckpt.torchzip.Archive)
+    archive: object = None  # pt: the planned torch zip (zckpt.engine.torchzip.Archive)
 
 
 @dataclass
@@ -164,7 +166,7 @@ def plan_merge(ckpt: Checkpoint, fmt: str = "safetensors", dtype: str = "fp32", 
         if fmt == "safetensors":
             layout_safetensors(shard)
         else:
-            from zckpt import torchzip
+            from zckpt.engine import torchzip
             torchzip.layout_state_dict(shard)
     total = sum(t.nbytes for s in shards for t in s.tensors)
     index = None
@@ -197,22 +199,22 @@ def layout_safetensors(shard: ShardPlan) -> None:
 def shard_jobs(shard: ShardPlan) -> Iterator[tuple[int, list, str]]:
     """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
     for t in shard.tensors:
-        for start, parts in engine.chunks(engine.source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
+        for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
             yield t.offset + start, parts, t.dtype
 
 
-def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: engine.Worker, progress,
+def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: executor.Worker, progress,
                  durable: bool) -> None:
-    engine.test_delay()
+    executor.test_delay()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, shard.size)
         if fmt == "safetensors":
-            engine.pwrite_all(fd, shard.header, 0)
+            executor.pwrite_all(fd, shard.header, 0)
             for _, n in pool.map(lambda job: worker.write(fd, *job), shard_jobs(shard)):
                 progress(n)
         else:
-            from zckpt import torchzip
+            from zckpt.engine import torchzip
             torchzip.write_state_dict(shard, fd, pool, worker, progress)
         if durable:
             os.fsync(fd)
@@ -237,7 +239,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             extra_files: dict[str, bytes] | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             source: publish.Source | None = None) -> None:
-    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.publish`).
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`).
 
     The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
     previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
@@ -254,7 +256,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = engine.Worker(pure_upcast=pure)
+    worker = executor.Worker(pure_upcast=pure)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable) as pub:
             with ThreadPoolExecutor(workers) as pool:
@@ -301,7 +303,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
-    ``outputs/merged-checkpoint-4-<dtype>`` (:func:`zckpt.publish.default_output`).
+    ``outputs/merged-checkpoint-4-<dtype>`` (:func:`zckpt.io.publish.default_output`).
 
     ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
     ``progress(done_bytes, total_bytes)`` is called as data is written; ``durable=True`` fsyncs before publishing.
@@ -330,7 +332,7 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
 
     Tied aliases are yielded too (as a separate tensor equal to the source) unless ``keep_tied=False``.
     """
-    from zckpt.tensors import Reader, load_pieces, torch_dtype
+    from zckpt.formats.tensors import Reader, load_pieces, torch_dtype
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
     tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
     with Reader() as reader:

@@ -42,13 +42,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
     MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, FileChanged,
     check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
 )
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
-from zckpt.publish import has_marker
+from zckpt.io.publish import has_marker
 from zckpt.ops.scan import LocalCheckpoint, check_complete, find_checkpoints, newest_mtime  # noqa: F401
 
 log = logging.getLogger(__name__)

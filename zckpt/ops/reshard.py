@@ -6,16 +6,16 @@ Read -> plan -> execute, like :mod:`zckpt.ops.merge`:
    fp32 master and Adam moments as lists of byte ranges (pieces) in the rank files.
 2. :func:`plan_reshard` lays the same training state out as DeepSpeed itself would have saved it at world size
    M and stage S (partition math in :mod:`zckpt.deepspeed.writer`): per output file, the object tree with
-   :class:`~zckpt.torchzip.TensorOut` leaves made of source pieces and zero fill. Plain data; ``--dry-run``
+   :class:`~zckpt.engine.torchzip.TensorOut` leaves made of source pieces and zero fill. Plain data; ``--dry-run``
    prints its summary.
-3. :func:`execute` streams every file with :func:`zckpt.torchzip.save` into a temporary sibling of OUT, writes
-   ``latest`` and the ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.publish`).
+3. :func:`execute` streams every file with :func:`zckpt.engine.torchzip.save` into a temporary sibling of OUT, writes
+   ``latest`` and the ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.io.publish`).
    The source is never modified; no tensor is held whole.
 
 Output (``fmt="deepspeed"``)::
 
     OUT/latest                                      the source tag
-    OUT/.zckpt.json                                 zckpt's output marker (kind "reshard"; see zckpt.publish)
+    OUT/.zckpt.json                                 zckpt's output marker (kind "reshard"; see zckpt.io.publish)
     OUT/zero_to_fp32.py, zero_to_torch.py           copied when the source save folder has them
     OUT/<tag>/mp_rank_00_model_states.pt            stage 1/2 (stage 3: zero_pp_rank_{r}_mp_rank_00_model_states.pt)
     OUT/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   r = 0..M-1
@@ -37,13 +37,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt import engine, publish, storage
+from zckpt.engine import executor
+from zckpt.io import publish, storage
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import OutFile
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.safeload import DTYPE_SIZES, LazyTensor
-from zckpt.torchzip import Cast, TensorOut
+from zckpt.formats.safeload import DTYPE_SIZES, LazyTensor
+from zckpt.engine.segments import Cast
+from zckpt.engine.torchzip import TensorOut
 
 log = logging.getLogger(__name__)
 
@@ -477,7 +479,7 @@ class _Planner:
         return files
 
     def torch_file(self, name: str, obj, folder: str | None = None) -> OutFile:
-        from zckpt.torchzip import dumps
+        from zckpt.engine.torchzip import dumps
         if not self.count_bytes:  # plan_ranks: the files are not written, sizing them would pickle them twice
             return OutFile(os.path.join(folder or self.tag, name), obj=obj)
         _, tensors = dumps(obj)
@@ -614,12 +616,12 @@ def _copy_file(src: str, dst: str) -> int:
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None) -> None:
-    """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.publish`: temp sibling, ``latest`` and the
+    """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
     ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
-    from zckpt import torchzip
+    from zckpt.engine import torchzip
     _check_out(out, overwrite, source)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
@@ -629,13 +631,13 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    worker, maps = engine.Worker(), torchzip.SourceMaps()
+    worker, maps = executor.Worker(), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
             written = []
             with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
                 for f in plan.files:
-                    engine.test_delay()
+                    executor.test_delay()
                     dst = pub.path(f.relpath)
                     if f.obj is not None:
                         torchzip.save(f.obj, dst, pool=pool, progress=step, worker=worker, maps=maps)

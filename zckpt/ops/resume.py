@@ -19,9 +19,9 @@ engine asks for every one) the engine returns what DeepSpeed itself substitutes,
 rigid checkpoints (all that zckpt writes) only use the current rank's.
 
 The in-memory objects are what ``torch.load`` gives for the file ``zckpt reshard`` writes: the same planner, the same
-pickle (:func:`zckpt.torchzip.dumps`), unpickled with storages filled from the source byte ranges, so the engine
+pickle (:func:`zckpt.engine.torchzip.dumps`), unpickled with storages filled from the source byte ranges, so the engine
 state is bit-identical to the offline route. The pickle is zckpt's own, made from metadata that passed
-:mod:`zckpt.safeload`'s allow-list, and unpickling it resolves only names on that list. Same world size, stage and optimizer, from a local folder: the checkpoint is loaded as it is, by
+:mod:`zckpt.formats.safeload`'s allow-list, and unpickling it resolves only names on that list. Same world size, stage and optimizer, from a local folder: the checkpoint is loaded as it is, by
 ``engine.load_checkpoint``, after the same validation.
 """
 
@@ -36,11 +36,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from zckpt import errors, storage
+from zckpt import errors
+from zckpt.io import storage
 from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
 from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
-from zckpt.torchzip import Cast, Fill, TensorOut, coalesce, dumps
+from zckpt.formats.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
+from zckpt.engine.segments import Cast, Fill, coalesce
+from zckpt.engine.torchzip import TensorOut, dumps
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +206,7 @@ class Materializer:
     """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written file returns."""
 
     def __init__(self, workers: int | None = None):
-        from zckpt.tensors import Reader
+        from zckpt.formats.tensors import Reader
         self.reader = Reader()  # thread-safe: one descriptor per file, positioned reads
         self.workers = workers or min(8, os.cpu_count() or 2)
         self.bytes_read = 0
@@ -213,7 +215,7 @@ class Materializer:
     def tensor(self, t: TensorOut):
         """A flat torch tensor holding ``t``'s segments (pieces read, zero fill, casts as torch's ``Tensor.to``)."""
         import torch
-        from zckpt.tensors import load_pieces, torch_dtype
+        from zckpt.formats.tensors import load_pieces, torch_dtype
         out = torch.empty(t.numel, dtype=torch_dtype(t.dtype))
         raw = out.view(torch.uint8) if t.numel else None
         pos, size, read = 0, DTYPE_SIZES[t.dtype], 0
@@ -242,7 +244,7 @@ class Materializer:
         return out
 
     def load(self, obj):
-        """``torch.load`` of the file :func:`zckpt.torchzip.save` would write for ``obj``, without the file."""
+        """``torch.load`` of the file :func:`zckpt.engine.torchzip.save` would write for ``obj``, without the file."""
         import io
         import torch
         from concurrent.futures import ThreadPoolExecutor

@@ -17,10 +17,10 @@ import os
 import re
 import struct
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import CheckpointNotFound, ZckptError
-from zckpt.zipentries import LOCAL_SIG, read_file_entries
-from zckpt.publish import has_marker, read_marker
+from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
+from zckpt.io.publish import has_marker, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
 
 def _model_meta(path: str) -> dict:
     """``dp_world_size``, ``mp_world_size`` and whether ZeRO is on, from a model-states file, running no code."""
-    from zckpt import safeload
+    from zckpt.formats import safeload
     try:
         obj = safeload.load(path)  # the allow-list unpickler: no code, no tensor bytes, bounded memory
     except (ZckptError, OSError):  # metadata is a bonus; names and zips are still checked
@@ -128,7 +128,7 @@ def _model_meta(path: str) -> dict:
 def check_torch_zip(path: str) -> str | None:
     """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
 
-    The checks of :func:`zckpt.zipentries.read_entries`: every entry inside the file and agreeing with its local
+    The checks of :func:`zckpt.formats.zipentries.read_entries`: every entry inside the file and agreeing with its local
     header; reads the directory and the local headers only."""
     try:
         entries = read_file_entries(path)

@@ -23,8 +23,9 @@ from collections import OrderedDict
 
 from zckpt.deepspeed.model import Checkpoint, pieces_of
 from zckpt.deepspeed.writer import OutFile
-from zckpt.safeload import LazyTensor
-from zckpt.torchzip import Cast, TensorOut
+from zckpt.formats.safeload import LazyTensor
+from zckpt.engine.segments import Cast
+from zckpt.engine.torchzip import TensorOut
 
 SHARDED = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")
 

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt import publish, storage
+from zckpt.io import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
-from zckpt.safeload import LazyTensor
-from zckpt.zipentries import read_entries
+from zckpt.formats.safeload import LazyTensor
+from zckpt.formats.zipentries import read_entries
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
 

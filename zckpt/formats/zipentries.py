@@ -1,6 +1,6 @@
 """The zip structure of a torch ``.pt`` file, checked: where every entry's bytes are, and that the directory is sound.
 
-The one zip-structure reader of zckpt (:mod:`zckpt.safeload`, :mod:`zckpt.torchzip`, :mod:`zckpt.ops.scan` and
+The one zip-structure reader of zckpt (:mod:`zckpt.formats.safeload`, :mod:`zckpt.engine.torchzip`, :mod:`zckpt.ops.scan` and
 :mod:`zckpt.ops.verify` call it). ``torch.save`` writes stored (uncompressed) entries, each a local header followed by
 its bytes, then the central directory::
 

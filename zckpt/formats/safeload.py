@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.zipentries import LOCAL_SIG, ZipEntry, read_entries
+from zckpt.formats.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
 
@@ -432,7 +432,7 @@ def _unwrap(obj, depth=0):
 # --------------------------------------------------------------------------------------------- the archive
 
 class _Archive:
-    """The zip directory of one torch file (checked by :func:`zckpt.zipentries.read_entries`): where each entry's
+    """The zip directory of one torch file (checked by :func:`zckpt.formats.zipentries.read_entries`): where each entry's
     bytes start."""
 
     def __init__(self, path: str, fileobj: BinaryIO, size: int):
@@ -535,7 +535,7 @@ def _check_opcodes(data: bytes, path: str) -> None:
 
 def _default_opener(path: str) -> BinaryIO:
     if "://" in str(path):
-        from zckpt import storage
+        from zckpt.io import storage
         return storage.open_input(path)
     return open(path, "rb")
 

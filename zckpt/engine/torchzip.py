@@ -23,10 +23,9 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zckpt.engine import (  # noqa: F401 - segment types are part of this module's vocabulary
-    Cast, Fill, Piece, Worker, chunks, coalesce, pwrite_all, seg_numel, slice_segments, source_segments,
-)
-from zckpt.safeload import DTYPE_SIZES
+from zckpt.engine.executor import Worker, chunks, pwrite_all
+from zckpt.engine.segments import Cast, Fill, Piece, coalesce, seg_numel, slice_segments, source_segments
+from zckpt.formats.safeload import DTYPE_SIZES
 
 ALIGN = 64
 STORAGE_CLASSES = {
@@ -285,7 +284,7 @@ class SourceMaps:
             ent = {}
             try:
                 from zckpt.errors import ZckptError
-                from zckpt.zipentries import read_file_entries
+                from zckpt.formats.zipentries import read_file_entries
                 ent = {e.data_offset: (e.size, e.crc) for e in read_file_entries(path).values() if e.size >= 1 << 20}
             except (OSError, ZckptError):
                 ent = {}
@@ -404,7 +403,7 @@ def save(obj, path: str, archive_name: str | None = None, pool=None, progress=No
          reader=None, fsync: bool = False, maps: "SourceMaps | None" = None) -> int:
     """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size.
 
-    ``worker`` (a :class:`zckpt.engine.Worker`) or ``reader`` (a ``zckpt.tensors.Reader``) and ``maps`` let several
+    ``worker`` (a :class:`zckpt.engine.Worker`) or ``reader`` (a ``zckpt.formats.tensors.Reader``) and ``maps`` let several
     files share open inputs; ``fsync=True`` flushes the file before returning (or see :func:`fsync_all`)."""
     if worker is None and reader is not None:
         worker = Worker(reader=reader)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import CorruptFile
 
 

@@ -46,7 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from zckpt import storage
+from zckpt.io import storage
 from zckpt.errors import InvalidArgument, OutputExists, StorageError
 
 log = logging.getLogger(__name__)

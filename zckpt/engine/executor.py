@@ -17,7 +17,7 @@ and carried out the same way::
 Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
 into one file take one of ``WRITE_STREAMS`` slots (writes into one file serialize on its inode lock anyway);
 reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
-(:mod:`zckpt.casting`), and a bf16 -> fp32 upcast of small work needs neither.
+(:mod:`zckpt.formats.casting`), and a bf16 -> fp32 upcast of small work needs neither.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from zckpt import storage
-from zckpt.safeload import DTYPE_SIZES
+from zckpt.io import storage
+from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
+from zckpt.formats.safeload import DTYPE_SIZES
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
@@ -40,108 +41,6 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # need the CPU, use the whole pool.
 WRITE_STREAMS = 1
 _ZEROS = bytes(1 << 20)
-
-
-# ---------------------------------------------------------------------------------------------- segments
-
-@dataclass(frozen=True)
-class Piece:
-    """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``."""
-
-    path: str
-    offset: int
-    numel: int
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES[self.dtype]
-
-
-@dataclass
-class Fill:
-    """``numel`` elements of value zero."""
-
-    numel: int
-    dtype: str
-
-    @property
-    def nbytes(self):
-        return self.numel * DTYPE_SIZES[self.dtype]
-
-
-@dataclass
-class Cast:
-    """Input pieces (``src_dtype``) converted to the output's dtype with torch's ``Tensor.to`` rounding."""
-
-    pieces: list
-    src_dtype: str
-
-    @property
-    def numel(self):
-        return sum(p.numel for p in self.pieces)
-
-
-def seg_numel(seg, dtype: str) -> int:
-    if isinstance(seg, (bytes, bytearray)):
-        return len(seg) // DTYPE_SIZES[dtype]
-    return seg.numel
-
-
-def slice_pieces(pieces: list[Piece], start: int, length: int) -> list[Piece]:
-    """Elements [start, start+length) of the concatenation of ``pieces``."""
-    out, pos = [], 0
-    end = start + length
-    for p in pieces:
-        lo, hi = max(start, pos), min(end, pos + p.numel)
-        if lo < hi:
-            size = DTYPE_SIZES[p.dtype]
-            out.append(Piece(p.path, p.offset + (lo - pos) * size, hi - lo, p.dtype))
-        pos += p.numel
-        if pos >= end:
-            break
-    return out
-
-
-def slice_segments(segs: list, start: int, length: int) -> list:
-    """Elements [start, start+length) of the concatenation of Piece / Fill / Cast segments."""
-    out, pos, end = [], 0, start + length
-    for s in segs:
-        n = s.numel
-        lo, hi = max(start, pos), min(end, pos + n)
-        if lo < hi:
-            if isinstance(s, Fill):
-                out.append(Fill(hi - lo, s.dtype))
-            elif isinstance(s, Piece):
-                out.extend(slice_pieces([s], lo - pos, hi - lo))
-            elif isinstance(s, Cast):
-                out.append(Cast(slice_pieces(s.pieces, lo - pos, hi - lo), s.src_dtype))
-            else:
-                raise TypeError(type(s))
-        pos += n
-        if pos >= end:
-            break
-    return out
-
-
-def coalesce(segs: list) -> list:
-    """Merge neighbouring pieces that are contiguous in the same file (and neighbouring zero fills)."""
-    out: list = []
-    for s in segs:
-        last = out[-1] if out else None
-        if isinstance(s, Piece) and isinstance(last, Piece) and last.path == s.path and last.dtype == s.dtype \
-                and last.offset + last.nbytes == s.offset:
-            out[-1] = Piece(last.path, last.offset, last.numel + s.numel, s.dtype)
-        elif isinstance(s, Fill) and isinstance(last, Fill) and last.dtype == s.dtype:
-            out[-1] = Fill(last.numel + s.numel, s.dtype)
-        elif not (isinstance(s, (Piece, Fill)) and s.numel == 0):
-            out.append(s)
-    return out
-
-
-def source_segments(pieces: list[Piece], src_dtype: str, dtype: str) -> list:
-    """The segments of a tensor stored as ``pieces`` of ``src_dtype`` and written as ``dtype``."""
-    return list(pieces) if src_dtype == dtype else [Cast(list(pieces), src_dtype)]
 
 
 # ---------------------------------------------------------------------------------------------- chunker
@@ -191,14 +90,14 @@ class _NoKernelCopy(Exception):
 
 
 class Worker:
-    """Writes jobs with one reusable buffer per thread; casts via :mod:`zckpt.casting` (no torch needed).
+    """Writes jobs with one reusable buffer per thread; casts via :mod:`zckpt.formats.casting` (no torch needed).
 
     Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
     weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
     import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
 
     def __init__(self, pure_upcast: bool = False, reader=None):
-        from zckpt.tensors import Reader
+        from zckpt.formats.tensors import Reader
         self.reader = reader or Reader()
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
@@ -220,9 +119,9 @@ class Worker:
         if src_dtype == dtype:
             return raw
         if self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
-            from zckpt.casting import upcast_bf16_pure
+            from zckpt.formats.casting import upcast_bf16_pure
             return upcast_bf16_pure(raw)
-        from zckpt.casting import cast
+        from zckpt.formats.casting import cast
         return cast(raw, src_dtype, dtype, self.use_torch)
 
     def render(self, parts: list, dtype: str):

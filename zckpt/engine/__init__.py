@@ -1,0 +1,3 @@
+"""Layer 3, engine: ``segments`` (Piece/Fill/Cast: what an output byte range is made of, plain data),
+``executor`` (one chunker, one worker, one copy loop), ``torchzip`` (torch zip files planned as segments and
+written through the executor)."""
