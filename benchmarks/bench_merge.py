@@ -36,6 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def imported_from(env) -> str:
+    """The zckpt package a command run with ``env`` imports (checked, so a before/after run cannot compare a tree with
+    itself)."""
+    return subprocess.run([sys.executable, "-c", "import zckpt; print(zckpt.__file__)"], env=env, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def run_measured(cmd: list[str], env=None) -> tuple[float, int]:
     """(seconds, peak RSS bytes) of one command in its own process."""
     t0 = time.perf_counter()
@@ -102,6 +109,10 @@ def main(argv=None) -> int:
     dims = model_dims(args.layers, args.hidden, args.vocab, args.ffn)
     ckpt = ensure_checkpoint(workdir, dims, args.world_size)
     env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # `python -m` puts the working directory ahead of PYTHONPATH on sys.path: with PYTHONSAFEPATH every run imports
+    # exactly the tree its PYTHONPATH names (this one, or --baseline's) wherever it starts (before/after runs until
+    # 2026-12-01 morning both imported this tree when started from the repo root)
+    env.update(PYTHONSAFEPATH="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     # byte-compile zckpt as an installed wheel would be (pip compiles on install), so no run pays for it
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "zckpt")], check=True,
                    stdout=subprocess.DEVNULL)
@@ -118,6 +129,9 @@ def main(argv=None) -> int:
         base_env = dict(env, PYTHONPATH=os.pathsep.join([str(Path(args.baseline).resolve()), env.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(Path(args.baseline) / "zckpt")], check=True,
                        stdout=subprocess.DEVNULL)
+        trees = imported_from(env), imported_from(base_env)
+        print(f"after: {trees[0]}\nbefore: {trees[1]}", flush=True)
+        assert trees[0] != trees[1], trees
     for dtype in args.dtypes.split(","):
         out_z, out_d, out_c = workdir / f"out-zckpt-{dtype}", workdir / f"out-ds-{dtype}", workdir / "copy"
         rows = {"zckpt": [], "deepspeed": [], "copy": []}

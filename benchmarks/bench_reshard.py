@@ -35,6 +35,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+def imported_from(env) -> str:
+    """The zckpt package a command run with ``env`` imports (checked, so a before/after run cannot compare a tree with
+    itself)."""
+    return subprocess.run([sys.executable, "-c", "import zckpt; print(zckpt.__file__)"], env=env, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
 def run_measured(cmd: list[str], env=None) -> tuple[float, int, int]:
     """(seconds, peak RSS of the largest process, peak RSS summed over the process tree) of one command."""
     import psutil
@@ -99,6 +106,10 @@ def main(argv=None) -> int:
     tag = (ckpt / "latest").read_text().strip()
     size = du(ckpt)
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
+    # `python -m` puts the working directory ahead of PYTHONPATH on sys.path: with PYTHONSAFEPATH every run imports
+    # exactly the tree its PYTHONPATH names (this one, or --baseline's) wherever it starts (before/after runs until
+    # 2026-12-01 morning both imported this tree when started from the repo root)
+    env.update(PYTHONSAFEPATH="1", PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     py = sys.executable
     zk = [py, "-m", "zckpt", "reshard", str(ckpt), "--world-size", str(args.to), "--quiet"]
     if args.workers:
@@ -116,6 +127,9 @@ def main(argv=None) -> int:
     }
     if args.baseline:  # another zckpt package (an older commit), same command, for before/after in one run
         benv = dict(env, PYTHONPATH=os.pathsep.join([str(Path(args.baseline).resolve()), env.get("PYTHONPATH", "")]))
+        trees = imported_from(env), imported_from(benv)
+        print(f"after: {trees[0]}\nbefore: {trees[1]}", flush=True)
+        assert trees[0] != trees[1], trees
         cases["baseline zckpt reshard (native)"] = lambda: ["env", f"PYTHONPATH={benv['PYTHONPATH']}"] + zk + [
             "-o", str(out)]
     if not args.skip_ds:

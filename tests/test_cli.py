@@ -243,14 +243,26 @@ def test_json_results_share_field_names(tmp_path):
 def test_same_bad_input_same_message_everywhere(tmp_path):
     ckpt = str(checkpoint_path(FIXTURE_DIRS[0]))
     out = str(tmp_path / "o")
-    errors = set()
-    for cmd in (["info", ckpt], ["verify", ckpt], ["merge", ckpt, "-o", out, "--dry-run"],
-                ["push", str(tmp_path), str(tmp_path / "d")]):
-        res = invoke(*cmd, "--storage-option", "oops")
-        assert res.exit_code == 1, (cmd, res.output)
-        assert res.stderr.count("\n") == 1 and "internal error" not in res.stderr
-        errors.add(res.stderr)
-    assert len(errors) == 1 and "--storage-option" in errors.pop()
+    errors, docs = set(), []
+    args = {"info": [ckpt], "verify": [ckpt], "merge": [ckpt, "-o", out, "--dry-run"],
+            "reshard": [ckpt, "-w", "1", "-o", out, "--dry-run"], "push": [str(tmp_path), str(tmp_path / "d")]}
+    having = [name for name in COMMANDS
+              if any("--storage-option" in p.opts for p in main.get_command(None, name).params)]
+    assert set(having) == set(args), having  # every command that takes --storage-option is checked here
+    for name in having:
+        for bad in ("oops", "=value"):
+            res = invoke(name, *args[name], "--storage-option", bad)
+            assert res.exit_code == 2, (name, res.output)  # a usage error, as click's are
+            assert res.stderr.count("\n") == 1 and res.stderr.startswith("zckpt: error: --storage-option")
+            assert "internal error" not in res.stderr and "Usage:" not in res.stderr
+            errors.add(res.stderr.replace(repr(bad), "BAD"))
+        res = invoke(name, *args[name], "--storage-option", "oops", "--json")
+        (line,) = res.stdout.splitlines()
+        docs.append(json.loads(line))
+        assert res.exit_code == 2 and docs[-1]["command"] == name
+    assert len(errors) == 1 and "KEY=VALUE" in errors.pop()
+    assert all(d["error"] == docs[0]["error"] for d in docs)
+    assert docs[0]["error"]["type"] == "UsageError" and docs[0]["error"]["exit_code"] == 2
     missing = {invoke(*cmd).stderr for cmd in (["info", str(tmp_path / "x")], ["verify", str(tmp_path / "x")],
                                                ["merge", str(tmp_path / "x"), "-o", out],
                                                ["reshard", str(tmp_path / "x"), "-w", "1", "-o", out])}

@@ -170,11 +170,93 @@ def test_iter_tensors_names_the_damaged_rank_file(tmp_path):
     assert err.value.path == str(target) and "version" in str(err.value)
 
 
-def test_missing_rank_file(tmp_path):
-    ck, target = make_copy(tmp_path)
-    target.unlink()
+def copy_of(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A copy of committed fixture ``name`` as ``tmp_path/ck`` (what the user's command names) and its tag folder."""
+    fixture = next((d for d in FIXTURE_DIRS if d.name == name), None)
+    if fixture is None:
+        pytest.skip(f"no committed fixture {name}")
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(fixture), ck, ignore=shutil.ignore_patterns("expected"))
+    return ck, ck / (ck / "latest").read_text().strip()
+
+
+# (fixture, files deleted from its tag folder, files the one-line error names, words it says)
+MISSING_CASES = {
+    "optim_rank": ("z2_bf16_ws4", ["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"],
+                   ["bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"], "missing: optimizer states of rank 2 of 4"),
+    "optim_rank0_trainer": ("trainer", ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+                            ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+                            "missing: optimizer states of rank 0 of 2"),
+    "optim_three": ("z2_bf16_ws4", [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 2, 3)],
+                    [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 2, 3)],
+                    "missing: optimizer states of ranks 1-3 of 4"),
+    "zero3_model_rank": ("z3_bf16_ws2", ["zero_pp_rank_1_mp_rank_00_model_states.pt"],
+                         ["zero_pp_rank_1_mp_rank_00_model_states.pt"], "missing: ZeRO-3 model states of rank 1 of 2"),
+    "zero3_every_model_file": ("z3_bf16_ws4", [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(4)],
+                               [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(3)],
+                               "and 1 more: missing: ZeRO-3 model states of ranks 0-3 of 4"),
+    "model_states": ("z2_bf16_ws2", ["mp_rank_00_model_states.pt"], ["mp_rank_00_model_states.pt"],
+                     "missing: the model states file of model-parallel rank 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING_CASES))
+def test_missing_rank_file_is_named(tmp_path, case):
+    """A rank file deleted from the tag folder: info, verify and merge each say which file (as the user's path
+    leads to it) and which rank, in one line, exit 1, and merge writes nothing."""
+    fixture, delete, named, words = MISSING_CASES[case]
+    ck, tag_dir = copy_of(tmp_path, fixture)
+    for name in delete:
+        (tag_dir / name).unlink()
+    rels = [os.path.join("ck", tag_dir.name, name) for name in named]
     for cmd in (["info", "ck"], ["verify", "ck"], ["merge", "ck", "-o", "out"]):
-        assert_one_line_error(cli(tmp_path, *cmd), f"rank(s) {RANK}", os.path.join("ck", target.parent.name))
+        line = assert_one_line_error(cli(tmp_path, *cmd), *rels, words, "use an earlier tag with --tag")
+        assert line.startswith(f"zckpt: error: {rels[0]}"), line  # the file first, not the tag folder
+        assert str(tmp_path) not in line, line
+        assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*")), list(tmp_path.iterdir())
+
+
+def test_missing_rank_file_json_error(tmp_path):
+    """--json: the error object's path is the missing file, as typed; the same one line on stderr."""
+    import json
+
+    ck, tag_dir = copy_of(tmp_path, "z3_bf16_ws2")
+    (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").unlink()
+    rel = os.path.join("ck", tag_dir.name, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for cmd in (["info", "ck"], ["verify", "ck"], ["merge", "ck", "-o", "out"]):
+        proc = cli(tmp_path, *cmd, "--json")
+        line = assert_one_line_error(proc, rel, "rank 0 of 2")
+        doc = json.loads(proc.stdout)
+        assert doc["ok"] is False and doc["command"] == cmd[0], doc
+        assert doc["error"]["path"] == rel and doc["error"]["type"] == "IncompleteCheckpoint"
+        assert doc["error"]["exit_code"] == 1 and line.endswith(doc["error"]["message"])
+
+
+def test_stale_extra_rank_file_is_named(tmp_path):
+    """A rank file beyond partition_count (left by a larger run under the same tag) is named too."""
+    ck, tag_dir = copy_of(tmp_path, "z2_bf16_ws2")
+    shutil.copy(tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                tag_dir / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    rel = os.path.join("ck", tag_dir.name, "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt")
+    line = assert_one_line_error(cli(tmp_path, "verify", "ck"), rel, "partition_count says 2 ranks")
+    assert line.startswith(f"zckpt: error: {rel}: unexpected"), line
+
+
+def test_missing_file_error_text_for_python_callers(tmp_path):
+    """str() of the error (what a Python caller prints) names the files once, not path: path: ..."""
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.errors import IncompleteCheckpoint
+
+    ck, tag_dir = copy_of(tmp_path, "z2_bf16_ws4")
+    for r in (0, 3):
+        (tag_dir / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(IncompleteCheckpoint) as err:
+        open_checkpoint(str(ck))
+    first = str(tag_dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert err.value.path == first
+    assert str(err.value).startswith(f"{first}, {tag_dir / 'bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt'}: "
+                                     "missing: optimizer states of ranks 0, 3 of 4"), str(err.value)
+    assert str(err.value).count(first) == 1
 
 
 def test_missing_tag_names_the_tag_not_latest(tmp_path):

@@ -36,6 +36,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 GIB = 2**30
 ROW_KEYS = {"stage", "offload_optimizer", "offload_param", "zero_init", "per_gpu_bytes", "per_cpu_bytes"}
+# estimate --json: one object, like every command's --json (field names as info's: parameters, world_size, *_bytes)
+OBJECT_KEYS = {"ok", "command", "source", "path", "tag", "model_type", "parameters", "largest_layer",
+               "gpus_per_node", "nodes", "world_size", "buffer_factor", "rows", "recommendation"}
+
+
+def json_rows(result) -> list[dict]:
+    """The rows of ``estimate --json``'s one object (after checking it is one object on one line)."""
+    assert result.stdout.count("\n") == 1, result.stdout
+    doc = json.loads(result.stdout)
+    assert isinstance(doc, dict) and set(doc) == OBJECT_KEYS, doc
+    assert doc["ok"] is True and doc["command"] == "estimate"
+    return doc["rows"]
 
 # (name, parameters, largest layer). Real models (counts as transformers builds them) and degenerate tiny ones.
 QWEN3_8B = (8_190_735_360, 622_329_856)  # the issue's figures
@@ -463,7 +475,7 @@ def fake_layout(monkeypatch):
 
     Ckpt.records = records
 
-    def open_checkpoint(path, tag=None):
+    def open_checkpoint(path, tag=None, storage_options=None):
         calls.append((path, tag))
         return Ckpt()
 
@@ -485,7 +497,10 @@ def test_counts_from_checkpoint_records(fake_layout):
 def test_cli_from_checkpoint(fake_layout, tmp_path):
     result = CliRunner().invoke(main, ["estimate", str(tmp_path), "--gpus", "2", "--json", "--tag", "t1"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == [r.to_dict() for r in estimate(1123, 800, 2)]
+    assert json_rows(result) == [r.to_dict() for r in estimate(1123, 800, 2)]
+    doc = json.loads(result.stdout)
+    assert (doc["source"], doc["path"], doc["tag"]) == ("checkpoint", str(tmp_path), "t1")
+    assert (doc["parameters"], doc["largest_layer"], doc["model_type"]) == (1123, 800, None)
     assert fake_layout == [(str(tmp_path), "t1")]
 
 
@@ -523,7 +538,7 @@ def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
         assert count_from_config(json.loads(config_file.read_text())) == expected
     result = run(str(ckpt_path), "--gpus", "2", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == ds_rows(ds, *expected, 2, 1, 1.5)
+    assert json_rows(result) == ds_rows(ds, *expected, 2, 1, 1.5)
 
 
 @pytest.mark.slow
@@ -540,7 +555,7 @@ def test_generated_checkpoint_counts_equal_deepspeed(ds, tmp_path, stage):
     assert expected[1] == 7 * 20 + 20
     assert counts_from_checkpoint(tmp_path / "ck") == expected  # a Path is fine
     result = run(str(tmp_path / "ck"), "--gpus", "2", "--json")
-    assert json.loads(result.stdout) == ds_rows(ds, *expected, 2, 1, 1.5)
+    assert json_rows(result) == ds_rows(ds, *expected, 2, 1, 1.5)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -569,8 +584,13 @@ def test_cli_json_equals_deepspeed(ds, P, L, G, N, bf):
     result = run("--params", str(P), "--largest-layer", str(L), "--gpus", str(G), "--nodes", str(N),
                  "--buffer-factor", bf, "--json")
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.stdout)
+    rows = json_rows(result)
     assert rows == ds_rows(ds, P, L, G, N, float(bf))
+    doc = json.loads(result.stdout)
+    assert doc["source"] == "params" and doc["path"] is None and doc["recommendation"] is None
+    assert (doc["parameters"], doc["largest_layer"], doc["gpus_per_node"], doc["nodes"], doc["world_size"]) \
+        == (P, L, G, N, G * N)
+    assert doc["buffer_factor"] == float(bf)
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["stage"] in (2, 3) and row["offload_optimizer"] in ("none", "cpu")
@@ -583,7 +603,7 @@ def test_cli_json_equals_deepspeed(ds, P, L, G, N, bf):
 
 def test_cli_defaults_one_gpu_one_node(ds):
     result = run("--params", "1000000", "--largest-layer", "1000", "--json")
-    assert json.loads(result.stdout) == ds_rows(ds, 1_000_000, 1000, 1, 1, 1.5)
+    assert json_rows(result) == ds_rows(ds, 1_000_000, 1000, 1, 1, 1.5)
 
 
 def test_cli_config_file_and_folder(tmp_path, ds):
@@ -594,7 +614,9 @@ def test_cli_config_file_and_folder(tmp_path, ds):
     for where in (tmp_path / "config.json", tmp_path):
         result = run("--config", str(where), "--gpus", "8", "--json")
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout) == ds_rows(ds, *QWEN3_8B, 8, 1, 1.5)
+        assert json_rows(result) == ds_rows(ds, *QWEN3_8B, 8, 1, 1.5)
+        doc = json.loads(result.stdout)
+        assert (doc["source"], doc["path"], doc["model_type"]) == ("config", str(where), "qwen3")
     result = run("--config", str(tmp_path), "--gpus", "8")
     assert "32.42 GiB" in result.stdout and "qwen3" in result.stdout
 
@@ -626,12 +648,33 @@ def test_cli_recommendation_headroom_forms():
 def test_cli_recommendation_json():
     result = run("--params", "8190735360", "--largest-layer", "622329856", "--gpus", "8", "--gpu-memory", "16GiB",
                  "--json")
-    rows = json.loads(result.stdout)
+    rows = json_rows(result)
     assert len(rows) == 8 and all(set(r) == ROW_KEYS | {"fits", "recommended"} for r in rows)
     chosen = [r for r in rows if r["recommended"]]
     assert len(chosen) == 1 and chosen[0]["stage"] == 3 and chosen[0]["offload_optimizer"] == "cpu"
     assert chosen[0]["offload_param"] == "none" and chosen[0]["zero_init"] is True
     assert [r["fits"] for r in rows] == [r["per_gpu_bytes"] <= 12 * GIB for r in rows]
+    rec = json.loads(result.stdout)["recommendation"]
+    assert set(rec) == {"gpu_memory_bytes", "headroom_bytes", "budget_bytes", "row", "reason"}
+    assert (rec["gpu_memory_bytes"], rec["headroom_bytes"], rec["budget_bytes"]) == (16 * GIB, 4 * GIB, 12 * GIB)
+    assert rec["row"] == {k: v for k, v in chosen[0].items() if k in ROW_KEYS}
+    assert "nothing fits without it" in rec["reason"]
+
+
+def test_cli_json_nothing_fits():
+    result = run("--params", "8190735360", "--largest-layer", "622329856", "--gpu-memory", "2GiB", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json_rows(result)
+    rec = json.loads(result.stdout)["recommendation"]
+    assert rec["row"] is None and rec["budget_bytes"] == 2 * GIB - GIB // 2 and rec["reason"]
+    assert not any(r["fits"] or r["recommended"] for r in rows)
+
+
+def test_cli_json_error_is_one_object():
+    result = run("--params", "10", "--largest-layer", "11", "--json")
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and doc["command"] == "estimate" and "larger than --params" in doc["error"]["message"]
 
 
 def test_cli_nothing_fits_is_an_answer():

@@ -411,6 +411,29 @@ def test_dry_run_writes_nothing(fixture_dir, tmp_path):
     json.dumps(js)
 
 
+@pytest.mark.parametrize("name,kw", [("z2_bf16_ws2", {}), ("z3_bf16_ws2", {"stage": 2}),
+                                     ("z2_bf16_ws2", {"stage": 3, "fmt": "universal"}),
+                                     ("z3_bf16_ws4", {"fmt": "universal"})])
+def test_each_output_file_is_pickled_once(fixture_dir, tmp_path, monkeypatch, name, kw):
+    """Planning lays every torch file out once (its archive: pickle, entries, offsets, size); execute writes that
+    archive and pickles nothing again, and the sizes the plan (and --dry-run) report are the files'."""
+    from zckpt import open_checkpoint
+    from zckpt.engine import torchzip
+    pickled = []
+    real = torchzip.dumps
+    monkeypatch.setattr(torchzip, "dumps", lambda obj: pickled.append(obj) or real(obj))
+    plan = reshard_mod.plan_reshard(open_checkpoint(str(_ckpt(fixture_dir(name)))), 3, **kw)
+    torch_files = [f for f in plan.files if f.kind == "torch"]
+    assert torch_files and [id(o) for o in pickled] == [id(f.obj) for f in torch_files]
+    reshard_mod.execute(plan, str(tmp_path / "o"))
+    assert len(pickled) == len(torch_files)  # nothing pickled at write time
+    for f in plan.files:
+        assert (tmp_path / "o" / f.relpath).stat().st_size == f.nbytes, f.relpath
+        if f.kind == "torch":
+            assert f.nbytes == f.archive.file_size and f.payload_bytes == f.archive.payload_bytes
+    assert plan.total_bytes == sum(f.nbytes for f in plan.files)
+
+
 def test_refuses_bad_targets(fixture_dir, tmp_path):
     src = _ckpt(fixture_dir("z2_bf16_ws2"))
     with pytest.raises(InvalidArgument):

@@ -154,7 +154,9 @@ def test_missing_file_on_one_rank_fails_everywhere(fixture_dir, tmp_path):
     errs = _errors(out, 3)
     assert len(set(errs)) == 1, errs
     cls, msg = errs[0].split("|", 1)
-    assert cls == "IncompleteCheckpoint" and "rank(s) 1" in msg and "\n" not in msg, errs[0]
+    assert cls == "IncompleteCheckpoint" and "\n" not in msg, errs[0]
+    assert f"{broken / tag / 'bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt'}: missing" in msg, msg
+    assert "rank 1 of 2" in msg, msg
 
 
 def test_shape_mismatch_refused_before_loading(fixture_dir, tmp_path):

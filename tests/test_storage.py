@@ -81,10 +81,11 @@ def test_s3_endpoint_from_environment(monkeypatch):
     assert path == "bucket/key"
     assert fs.endpoint_url == "http://127.0.0.1:2"  # the S3-specific variable wins
     assert fs.storage_options["key"] == "k" and fs.storage_options["secret"] == "s"
-    with storage.storage_options({"endpoint_url": "http://127.0.0.1:3"}):
-        fs3, _ = storage.get_fs("s3://bucket/key")
-        assert fs3 is not fs and fs3.endpoint_url == "http://127.0.0.1:3"
-    assert storage.get_storage_options() == {}
+    fs3, _ = storage.get_fs("s3://bucket/key", {"endpoint_url": "http://127.0.0.1:3"})  # options win, per call
+    assert fs3 is not fs and fs3.endpoint_url == "http://127.0.0.1:3" and fs3.storage_options["key"] == "k"
+    again, _ = storage.get_fs("s3://bucket/key")  # and only for that call: nothing is remembered
+    assert again.endpoint_url == "http://127.0.0.1:2"
+    assert not hasattr(storage, "set_storage_options") and not hasattr(storage, "storage_options")
 
 
 def test_hf_url_gets_hf_filesystem():
@@ -184,11 +185,13 @@ def test_s3_multipart_upload_and_metadata(s3_server, tmp_path, uploader):
 
 
 def test_s3_options_reach_backend(s3_server):
-    """Options given per call or through set_storage_options work without any AWS variables."""
+    """Options given per call work without any AWS variables, and only for that call."""
     url = s3_server.url(f"opts-{uuid.uuid4().hex}", "x.txt")
     storage.write_bytes_atomic(url, b"x", storage_options=s3_server.storage_options())
-    with storage.storage_options(s3_server.storage_options()):
-        assert storage.read_bytes(url) == b"x"
+    assert storage.read_bytes(url, s3_server.storage_options()) == b"x"
+    with pytest.raises(PermissionError):  # another call's credentials are its own
+        storage.read_bytes(url, {**s3_server.storage_options(), "secret": "wrong"})
+    assert storage.read_bytes(url, s3_server.storage_options()) == b"x"
 
 
 def test_unreachable_endpoint_is_storage_error(tmp_path, uploader):

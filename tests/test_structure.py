@@ -124,3 +124,16 @@ def test_imports_follow_the_layers():
     wrong = [f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0] if _layer(t) < len(LAYERS) else 'api'})"
              for m, ts in edges.items() for t in ts if t != "zckpt" and _layer(t) > _layer(m)]
     assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
+
+
+def test_a_command_imports_only_the_reader_it_needs():
+    """Start-up cost: opening a ZeRO-2 checkpoint imports the ZeRO-1/2 reader, not the other six."""
+    import subprocess
+    import sys
+    code = ("import sys; from zckpt.deepspeed.layout import open_checkpoint; "
+            f"open_checkpoint({str(PKG.parent / 'fixtures' / 'z2_bf16_ws2')!r}); "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('zckpt.deepspeed.'))))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                cwd=PKG.parent).stdout.split())
+    readers = {"zero0", "zero12", "zero3", "pipeline", "moe", "tp", "universal_read"}
+    assert {m.rsplit(".", 1)[1] for m in loaded} & readers == {"zero12"}, loaded

@@ -9,6 +9,9 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
     zckpt.load_into_module(module, path, strict=True)
     zckpt.reshard(path, out, world_size=..., stage=None, ...)
     zckpt.estimate(...)
+
+Every function that reads or writes a URL (``s3://``, ``hf://``...) takes ``storage_options={...}`` (fsspec
+options: endpoint, credentials...) for that call only; nothing is kept process-wide.
 """
 
 from __future__ import annotations

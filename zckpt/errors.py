@@ -22,7 +22,9 @@ class ZckptError(Exception):
         super().__init__(message)
 
     def __str__(self) -> str:
-        text = f"{self.path}: {self.message}" if self.path else self.message
+        # a message that already opens with its path (a list of missing files, say) is not prefixed again
+        text = f"{self.path}: {self.message}" if self.path and not self.message.startswith(self.path) \
+            else self.message
         if self.hint:
             text += f" ({self.hint})"
         return text

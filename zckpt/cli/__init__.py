@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import sys
 
 import click
 
@@ -76,9 +75,6 @@ class LazyGroup(click.Group):
             _report(exc, ctx)
         except Exception as exc:  # noqa: BLE001 - the one place errors become messages
             _report(exc, ctx)
-        finally:
-            if "zckpt.io.storage" in sys.modules:  # --storage-option lasts one command
-                sys.modules["zckpt.io.storage"].set_storage_options(None)
 
 
 def _json_wanted(ctx) -> bool:

@@ -117,28 +117,25 @@ tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
                           help="Tag folder to read (default: the one named in 'latest').")
 
 
-def _storage_callback(ctx, param, pairs):
-    from zckpt.io import storage
+def _storage_callback(ctx, param, pairs) -> dict:
+    """``--storage-option KEY=VALUE`` values as one dict, which the command passes to the library call (nothing is
+    set process-wide). A malformed value is a usage error (exit 2), said the same way by every command."""
+    from zckpt.cli._errors import CommandLineError
     from zckpt.errors import InvalidArgument
+    from zckpt.io import storage
 
     try:
         return storage.parse_storage_options(pairs) if pairs else {}
     except (ValueError, TypeError) as exc:
         if isinstance(exc, InvalidArgument):
             raise
-        raise InvalidArgument(f"--storage-option: {' '.join(str(exc).split())}",
-                              hint="use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:8333") from None
+        raise CommandLineError(f"--storage-option: {' '.join(str(exc).split())}",
+                               hint="use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:8333") from None
 
 
 storage_option = click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
                               callback=_storage_callback,
                               help="fsspec option for URL paths (repeatable), e.g. endpoint_url=http://...")
-
-
-def apply_storage_options(options: dict) -> None:
-    if options:
-        from zckpt.io import storage
-        storage.set_storage_options(options)
 
 
 def emit_json(obj, command: str | None = None, **fields) -> None:

@@ -4,7 +4,8 @@ exit code everywhere; with ``--json`` the same facts are printed as one object (
 
 Exit codes: 0 success; 1 zckpt refused the input or the work failed (bad option values, missing or damaged
 checkpoints, storage failures); 2 the command line itself is malformed (click: unknown option, missing argument,
-a choice not offered, options that exclude each other); 130 interrupted. No torch here.
+a choice not offered, options that exclude each other; zckpt: a value not in the form its option takes, e.g.
+``--storage-option`` without ``=``, :class:`CommandLineError`, said in one line); 130 interrupted. No torch here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ import click
 
 from zckpt.errors import InvalidArgument, OutputExists, StorageError, ZckptError
 
+
+class CommandLineError(InvalidArgument):
+    """A command-line value not in the form its option takes (``--storage-option novalue``: no ``=``).
+
+    A usage error like click's (exit 2, JSON type ``UsageError``), but said in one line naming the option, the
+    same in every command that has it."""
+
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -30,6 +39,7 @@ INSTALL_HINT = "install the missing package (for s3:// URLs: pip install 'zckpt[
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (KeyboardInterrupt, EXIT_INTERRUPTED, ""),
     (click.UsageError, EXIT_USAGE, "see --help"),
+    (CommandLineError, EXIT_USAGE, "see --help"),
     (InvalidArgument, EXIT_ERROR, ""),  # the message names the flag and the accepted forms
     (OutputExists, EXIT_ERROR, "pass --overwrite or choose another -o"),
     (ZckptError, EXIT_ERROR, ""),  # zckpt's own errors carry their hint
@@ -107,7 +117,8 @@ def describe(exc: BaseException, output: str | None = None) -> UserError:
         message = _one_line(exc.message)
         if not message.startswith(str(path)) and path:
             message = f"{path}: {message}"
-        return UserError(code, type(exc).__name__, _finish(user_path(message), hint), path, hint)
+        kind = "UsageError" if isinstance(exc, CommandLineError) else type(exc).__name__
+        return UserError(code, kind, _finish(user_path(message), hint), path, hint)
     if isinstance(exc, OSError):
         path = user_path(exc.filename) if getattr(exc, "filename", None) else None
         scratch = bool(exc.filename and _SCRATCH.search(str(exc.filename))) or _same_path(exc.filename, output)

@@ -166,11 +166,13 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
         if largest > params:
             raise InvalidArgument(f"--largest-layer ({largest:,}) is larger than --params ({params:,})",
                                   hint="were the two swapped?")
-        source = "from --params"
+        source, kind, read, model_type = "from --params", "params", None, None
     elif config_path is not None:
         config = _read_config(config_path)
         params, largest = est.count_from_config(config)
-        source = f"from config.json: {config.get('model_type') or 'model_type unknown'}"
+        model_type = config.get("model_type") or None
+        source = f"from config.json: {model_type or 'model_type unknown'}"
+        kind, read = "config", config_path
     else:
         if not os.path.exists(path):
             from zckpt.errors import CheckpointNotFound
@@ -181,6 +183,7 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
                                   hint="pass a config.json with --config")
         params, largest = est.counts_from_checkpoint(path, tag=tag)
         source = f"from checkpoint {path}" + (f", tag {tag}" if tag else "")
+        kind, read, model_type = "checkpoint", path, None
 
     gpus = _positive_int(gpus_text, "--gpus")
     nodes = _positive_int(nodes_text, "--nodes")
@@ -204,7 +207,11 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
                 item["fits"] = rec.fits_row(row)
                 item["recommended"] = rec.row == row
             out.append(item)
-        emit_json(out)  # a list of rows (DeepSpeed's table), on one line like every --json result
+        # one object like every command's --json: the inputs (info's field names), DeepSpeed's rows, the choice
+        emit_json({"source": kind, "path": read, "tag": tag, "model_type": model_type, "parameters": params,
+                   "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes, "world_size": gpus * nodes,
+                   "buffer_factor": buffer_factor, "rows": out,
+                   "recommendation": rec.to_dict() if rec is not None else None})
         return
 
     click.echo(_table(rows, params, largest, gpus, nodes, buffer_factor, source, rec))

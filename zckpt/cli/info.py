@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import apply_storage_options, emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import emit_json, global_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -24,6 +24,5 @@ def info(path, tag, storage_options, as_json, quiet):
     """
     from zckpt.ops.info import info as run, render
 
-    apply_storage_options(storage_options)
-    result = run(path, tag)
+    result = run(path, tag, storage_options=storage_options)
     emit_json(result) if as_json else click.echo(render(result))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, apply_storage_options, emit_json, global_options, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, settings, storage_option, tag_option,
 )
 
 
@@ -55,12 +55,11 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     from zckpt.ops.merge import merge as run, parse_size
     from zckpt.units import format_size as human_bytes
 
-    apply_storage_options(storage_options)
     settings().output = out
     with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
                      exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
-                     overwrite=overwrite, durable=durable, progress=bar)
+                     overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options)
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

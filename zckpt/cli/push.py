@@ -116,14 +116,12 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
     so a checkpoint without it is not complete. Files already at DEST with the same size and sha256 are
     not sent again: an interrupted push resumes where it stopped.
     """
-    from zckpt.io import storage
-
     if every and once:
         raise click.UsageError("--every and --once exclude each other")
     interval = parse_duration(every, "--every") if every else None
     kwargs = {"settle": parse_duration(settle, "--settle"), "keep_last": keep_last, "workers": workers,
-              "dry_run": dry_run, "retries": retries, "part_size": parse_size(part_size) if part_size else None}
-    storage.set_storage_options(storage_options)
+              "dry_run": dry_run, "retries": retries, "part_size": parse_size(part_size) if part_size else None,
+              "storage_options": storage_options}
     progress = kwargs["progress"] = _Progress(quiet, as_json)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # kill = Ctrl-C: abandon cleanly
     try:
@@ -138,7 +136,6 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
     finally:
         progress.close()
         signal.signal(signal.SIGTERM, previous)
-        storage.set_storage_options(None)
 
 
 def _lib():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, settings, emit_json, global_options, tag_option
+from zckpt.cli._common import Progress, settings, emit_json, global_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -37,9 +37,10 @@ Examples:
 @click.option("--fsync", "durable", is_flag=True,
               help="fsync every file before publishing, so the output also survives a power failure.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (files, partitions, sizes) and write nothing.")
+@storage_option
 @global_options()
-def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run, as_json,
-            quiet):
+def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,
+            storage_options, as_json, quiet):
     """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
 
     Every rank file is rebuilt with the target's partitions, paddings, sub-groups and metadata: fp32 masters,
@@ -54,14 +55,14 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
                      dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
-                     bf16_optimizer=bf16_optimizer, durable=durable)
-    doc = _with_file_sizes(result.to_json(), result.output, dry_run)
+                     bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options)
+    doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes
     if as_json:
         emit_json(doc, path=doc.get("source", path))
         return
     if quiet:  # -q: silent on success
         return
-    s = {**result.plan.summary(), "files": doc["files"], "total_bytes": doc["total_bytes"]}
+    s = result.plan.summary()
     verb = "would write" if dry_run else "wrote"
     for f in s["files"]:
         click.echo(f"{verb} {f['name']:<56} {human_bytes(f['bytes']):>10}")
@@ -73,19 +74,3 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
 
-
-def _with_file_sizes(doc: dict, output: str, dry_run: bool) -> dict:
-    """``bytes`` of each written file as ``info`` reports it: its size on disk (the plan counts tensor payload
-    only, kept as ``payload_bytes``). A dry run has no files yet: its ``bytes`` are the payload."""
-    import os
-
-    files = []
-    for f in doc.get("files", []):
-        f = {**f, "payload_bytes": f.get("bytes")}
-        where = os.path.join(output, f["name"])
-        if not dry_run and os.path.isfile(where):
-            f["bytes"] = os.path.getsize(where)
-        files.append(f)
-    total = sum(f["bytes"] or 0 for f in files)
-    return {**doc, "files": files, "payload_bytes": doc.get("total_bytes"),
-            "total_bytes": total if not dry_run else doc.get("total_bytes")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, apply_storage_options, emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -25,9 +25,8 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     """
     from zckpt.ops.verify import verify as run
 
-    apply_storage_options(storage_options)
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
-        report = run(path, tag, deep=deep, progress=bar)
+        report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
     if as_json:
         emit_json(report.to_json())
     elif not (quiet and report.ok):  # -q: silent on success; failures still print

@@ -63,6 +63,8 @@ class Location:
     layer_files: list[RankFile] = field(default_factory=list)  # pipeline: layer_XX-model_states.pt
     expert_files: list[RankFile] = field(default_factory=list)  # MoE: layer_L_expert_E_mp_rank_XX_model_states.pt
     universal: bool = False  # a universal checkpoint: optim_files are zero/optimizer_state.pt, zero/<param>/*.pt
+    # the fsspec options its files are read with (URLs); passed to every read, never kept process-wide, never shown
+    storage_options: dict | None = field(default=None, repr=False, compare=False)
 
 
 def _is_tag_dir(names) -> bool:
@@ -82,31 +84,35 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(trimmed))
 
 
-def _read_latest(path: str) -> str:
-    raw = storage.read_range(path, 0, 4096)
+def _read_latest(path: str, storage_options: dict | None = None) -> str:
+    raw = storage.read_range(path, 0, 4096, storage_options)
     try:
         return raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise CheckpointNotFound("'latest' is not a text file naming a tag", path=path) from None
 
 
-def locate(path: str, tag: str | None = None) -> Location:
-    """Resolve ``path`` (and ``tag``) to the tag folder and its rank files. Reads names only, no file contents."""
+def locate(path: str, tag: str | None = None, storage_options: dict | None = None) -> Location:
+    """Resolve ``path`` (and ``tag``) to the tag folder and its rank files. Reads names only, no file contents.
+
+    ``storage_options``: fsspec options for a URL ``path`` (endpoint, credentials...); used for every listing
+    here and recorded on the result (``Location.storage_options``) for the reads that follow."""
     path = str(path)
-    if not storage.exists(path):
+    opts = storage_options
+    if not storage.exists(path, opts):
         raise CheckpointNotFound("no such file or folder", path=path)
-    if not storage.isdir(path):
+    if not storage.isdir(path, opts):
         raise InvalidArgument("expected a checkpoint folder (save folder, tag folder or checkpoint-N), got a file",
                               path=path, hint="pass the folder that holds 'latest' or the *_states.pt files")
-    names = storage.listdir(path)
+    names = storage.listdir(path, opts)
     trainer_dir = path if any(m in names for m in TRAINER_MARKERS) else None
 
     if _is_tag_dir(names):
         if tag is not None and tag != os.path.basename(path.rstrip("/")):
             raise InvalidArgument(f"--tag {tag} given, but {path} is itself a tag folder", path=path)
         parent = _parent(path)
-        loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None)
-        parent_names = storage.listdir(parent) if parent else []
+        loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None, storage_options=opts)
+        parent_names = storage.listdir(parent, opts) if parent else []
         if any(m in parent_names for m in TRAINER_MARKERS):
             loc.trainer_dir = parent
         loc.has_latest = "latest" in parent_names
@@ -116,18 +122,18 @@ def locate(path: str, tag: str | None = None) -> Location:
     tag_from_user = tag is not None
     latest_name = "latest"
     if tag is None and not has_latest and "latest_universal" in names:  # ds_to_universal's, or zckpt reshard's
-        tag = _read_latest(storage.join(path, "latest_universal"))
+        tag = _read_latest(storage.join(path, "latest_universal"), opts)
         if not tag or "/" in tag or tag in (".", ".."):
             raise CheckpointNotFound(f"'latest_universal' names an invalid tag {tag!r}",
                                      path=storage.join(path, "latest_universal"))
         has_latest, latest_name = True, "latest_universal"
     if tag is None and has_latest:
-        tag = _read_latest(storage.join(path, "latest"))
+        tag = _read_latest(storage.join(path, "latest"), opts)
         if not tag or "/" in tag or tag in (".", ".."):
             raise CheckpointNotFound(f"'latest' names an invalid tag {tag!r}", path=storage.join(path, "latest"))
     if tag is None:
-        tags = [n for n in names if storage.isdir(storage.join(path, n)) and _is_tag_dir(
-            storage.listdir(storage.join(path, n)))]
+        tags = [n for n in names if storage.isdir(storage.join(path, n), opts) and _is_tag_dir(
+            storage.listdir(storage.join(path, n), opts))]
         if len(tags) == 1:
             tag = tags[0]
         elif tags:
@@ -142,20 +148,20 @@ def locate(path: str, tag: str | None = None) -> Location:
             raise CheckpointNotFound("no DeepSpeed checkpoint here (no 'latest' file and no *_states.pt files)",
                                      path=path, hint="pass a DeepSpeed save folder, a tag folder or a checkpoint-N")
     tag_dir = storage.join(path, tag)
-    if not storage.isdir(tag_dir):
+    if not storage.isdir(tag_dir, opts):
         if tag_from_user:
             raise CheckpointNotFound(f"--tag {tag}: no such tag folder", path=tag_dir,
-                                     hint=_existing_tags_hint(path, names))
+                                     hint=_existing_tags_hint(path, names, opts))
         where = f"'{latest_name}' names" if has_latest else "the only tag"
         raise CheckpointNotFound(f"{where} tag '{tag}' but that folder does not exist", path=tag_dir,
                                  hint="the save may have been interrupted; pick an existing tag with --tag")
-    loc = Location(path, path, tag, tag_dir, trainer_dir, has_latest=has_latest)
-    return _fill(loc, storage.listdir(tag_dir))
+    loc = Location(path, path, tag, tag_dir, trainer_dir, has_latest=has_latest, storage_options=opts)
+    return _fill(loc, storage.listdir(tag_dir, opts))
 
 
-def _existing_tags_hint(path: str, names) -> str:
-    tags = sorted((n for n in names if storage.isdir(storage.join(path, n))
-                   and _is_tag_dir(storage.listdir(storage.join(path, n)))), key=_tag_key)
+def _existing_tags_hint(path: str, names, storage_options: dict | None = None) -> str:
+    tags = sorted((n for n in names if storage.isdir(storage.join(path, n), storage_options)
+                   and _is_tag_dir(storage.listdir(storage.join(path, n), storage_options))), key=_tag_key)
     return f"existing tags: {', '.join(tags)}" if tags else "this folder holds no tag folders"
 
 
@@ -197,10 +203,11 @@ def _add_universal(loc: Location) -> None:
     """The files of a universal checkpoint's ``zero/`` folder (``ds_to_universal`` or ``zckpt reshard --format
     universal``), as ``optim_files`` named relative to the tag folder: ``zero/optimizer_state.pt`` first, then
     ``zero/<param>/<state>.pt`` (state: fp32, exp_avg, exp_avg_sq, step) by parameter name."""
+    opts = loc.storage_options
     zero = storage.join(loc.tag_dir, "zero")
-    if not storage.isdir(zero):
+    if not storage.isdir(zero, opts):
         return
-    names = storage.listdir(zero)
+    names = storage.listdir(zero, opts)
     if "optimizer_state.pt" not in names:
         return
     loc.universal = True
@@ -209,9 +216,9 @@ def _add_universal(loc: Location) -> None:
         if param == "optimizer_state.pt":
             continue
         folder = storage.join(zero, param)
-        if not storage.isdir(folder):
+        if not storage.isdir(folder, opts):
             continue
-        for state in storage.listdir(folder):
+        for state in storage.listdir(folder, opts):
             if state.endswith(".pt"):
                 files.append(RankFile(storage.join(folder, state), f"zero/{param}/{state}", "universal", None, 0))
     loc.optim_files = files

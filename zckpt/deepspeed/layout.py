@@ -11,7 +11,6 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 from __future__ import annotations
 
 from zckpt.io import storage
-from zckpt.deepspeed import moe, pipeline, tp, universal_read, zero0, zero3, zero12
 from zckpt.deepspeed.discover import Location, locate
 from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-exported for callers of this module
     LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Piece, TensorRecord, check_ranks,
@@ -20,9 +19,13 @@ from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-export
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
 
 
-def open_checkpoint(path: str, tag: str | None = None) -> Checkpoint:
-    """Describe the checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or URL)."""
-    loc = locate(path, tag)
+def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
+    """Describe the checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or URL).
+
+    ``storage_options``: fsspec options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret":
+    ...}`` for S3); every read uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads
+    its bytes later. Nothing is kept process-wide: two checkpoints opened with different options stay apart."""
+    loc = locate(path, tag, storage_options)
     with metadata_errors(loc.tag_dir):
         return _open(loc)
 
@@ -30,35 +33,42 @@ def open_checkpoint(path: str, tag: str | None = None) -> Checkpoint:
 def _open(loc: Location) -> Checkpoint:
     for f in loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files:
         try:
-            f.size = storage.size(f.path)
+            f.size = storage.size(f.path, loc.storage_options)
         except ZckptError:
             raise
         except OSError as exc:
             raise CorruptFile(f"cannot stat ({exc})", path=f.path) from None
     if not loc.model_files:
-        raise IncompleteCheckpoint("no *_model_states.pt file in the tag folder", path=loc.tag_dir)
+        from zckpt.deepspeed.model import missing_model_states
+        raise missing_model_states(loc)  # names mp_rank_00_model_states.pt (ZeRO-3: each rank's file)
+    # each reader is imported only when its layout is found: a command pays for one reader's import, not seven
     if loc.universal:  # zero/optimizer_state.pt + zero/<param>/*.pt instead of *_optim_states.pt
+        from zckpt.deepspeed import universal_read
         return universal_read.build(loc)
-    model_states = load_all(loc.model_files)
-    optim_states = load_all(loc.optim_files)
+    model_states = load_all(loc.model_files, loc.storage_options)
+    optim_states = load_all(loc.optim_files, loc.storage_options)
     ms0 = model_states[0]
     for f, ms in zip(loc.model_files, model_states):
         if "module" not in ms and "param_shapes" not in ms:
             raise CorruptFile("not a DeepSpeed model-states file (no 'module' or 'param_shapes')", path=f.path)
     if loc.layer_files or (ms0.get("module") is None and "module" in ms0):  # PipelineEngine: weights per layer
+        from zckpt.deepspeed import pipeline
         return pipeline.build(loc, model_states, optim_states)
     mp = int(ms0.get("mp_world_size") or 1)
     mp_ranks = sorted({f.mp_rank for f in loc.model_files + loc.optim_files})
     if mp > 1 or mp_ranks != [0]:
         # AutoTP: merged by the checkpoint's own partition metadata
+        from zckpt.deepspeed import tp
         if mp > 1 and tp.affine_map(ms0) is not None:
             return tp.build(loc, model_states, optim_states)
         raise UnsupportedLayout(f"model-parallel checkpoint (mp_world_size={mp}, mp ranks {mp_ranks}) without "
                                 "AutoTP partition metadata", path=loc.tag_dir)
     if loc.expert_files or ms0.get("num_experts") or ms0.get("ds_autoep_layers"):  # experts in their own files
+        from zckpt.deepspeed import moe
         return moe.build(loc, model_states, optim_states)
     if not optim_states:
         if ms0.get("optimizer") is not None or ms0.get("param_shapes") is None:  # ZeRO-0: all in one file
+                from zckpt.deepspeed import zero0
                 return zero0.build(loc, model_states)
         raise IncompleteCheckpoint("no *_optim_states.pt files in the tag folder", path=loc.tag_dir)
     for f, st in zip(loc.optim_files, optim_states):
@@ -68,10 +78,12 @@ def _open(loc: Location) -> Checkpoint:
     osd0 = optim_states[0]["optimizer_state_dict"]
     stage = osd0.get("zero_stage")
     if stage is not None and int(stage) == 3:
+        from zckpt.deepspeed import zero3
         return zero3.build(loc, model_states, optim_states)
     if stage is not None and int(stage) not in (1, 2):
         raise UnsupportedLayout(f"zero_stage {int(stage)} is not a ZeRO optimizer checkpoint",
                                 path=loc.optim_files[0].path)
     if stage is None and "single_partition_of_fp32_groups" not in osd0:
         raise CorruptFile("optimizer file has neither zero_stage nor fp32 partitions", path=loc.optim_files[0].path)
+    from zckpt.deepspeed import zero12
     return zero12.build(loc, model_states, optim_states)

@@ -163,6 +163,12 @@ class Checkpoint:
         return [r for r in self.records if r.kind == kind]
 
     @property
+    def storage_options(self) -> dict | None:
+        """The fsspec options this checkpoint was opened with (``open_checkpoint(..., storage_options=)``): pass
+        them on to whatever reads its files (``Worker``, ``Reader``, ``Publisher``...)."""
+        return self.location.storage_options
+
+    @property
     def files(self) -> list[RankFile]:
         loc = self.location
         return loc.model_files + loc.layer_files + loc.expert_files + loc.optim_files
@@ -221,13 +227,13 @@ def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[
     return out
 
 
-def scalar_value(t) -> Any:
-    """Read a 0-d (or 1-element) tensor such as Adam's ``step``."""
+def scalar_value(t, storage_options: dict | None = None) -> Any:
+    """Read a 0-d (or 1-element) tensor such as Adam's ``step`` (``storage_options``: for a file behind a URL)."""
     if not isinstance(t, LazyTensor):
         return t
     if t.numel != 1:
         raise CorruptFile(f"expected a scalar, got shape {list(t.shape)}", path=t.storage.path)
-    raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize)
+    raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize, storage_options)
     fmt = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}.get(t.dtype)
     if fmt is None or len(raw) != t.itemsize:
         raise CorruptFile(f"cannot read a {t.dtype} scalar", path=t.storage.path)
@@ -259,9 +265,10 @@ LP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # ---------------------------------------------------------------------------------------- open_checkpoint
 
-def load_all(files: list[RankFile]) -> list[dict]:
+def load_all(files: list[RankFile], storage_options: dict | None = None) -> list[dict]:
+    """Every file's metadata (:func:`zckpt.formats.safeload.load`); ``storage_options``: for files behind URLs."""
     def one(f: RankFile):
-        obj = safeload.load(f.path)
+        obj = safeload.load(f.path, storage_options=storage_options)
         if not isinstance(obj, dict):
             raise CorruptFile(f"expected a dict at the top level, found {type(obj).__name__}", path=f.path)
         return obj
@@ -285,20 +292,22 @@ def metadata_errors(path: str):
 
 
 def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> None:
-    """Every data-parallel rank 0..world_size-1 has its optimizer (and, ZeRO-3, model) file, and no extras."""
+    """Every data-parallel rank 0..world_size-1 has its optimizer (and, ZeRO-3, model) file, and no extras.
+
+    A missing file is named, as the user's path leads to it (the first few, then how many more)."""
     want = set(range(world_size))
     have = [f.dp_rank for f in loc.optim_files]
+    prefixes = sorted({_optim_prefix(f.name) for f in loc.optim_files})
+    mp = loc.optim_files[0].mp_rank if loc.optim_files else 0
     if sorted(have) != sorted(want):
         missing = sorted(want - set(have))
-        extra = sorted(set(have) - want)
-        detail = []
         if missing:
-            detail.append("missing optimizer files for rank(s) " + ", ".join(map(str, missing)))
-        if extra:
-            detail.append("unexpected rank(s) " + ", ".join(map(str, extra)))
-        raise IncompleteCheckpoint(f"partition_count says {world_size} ranks but " + "; ".join(detail),
-                                   path=loc.tag_dir)
-    prefixes = {_optim_prefix(f.name) for f in loc.optim_files}
+            prefix = max(prefixes, key=lambda p: sum(_optim_prefix(f.name) == p for f in loc.optim_files)) \
+                if prefixes else ""
+            raise missing_files(loc, [f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt" for r in missing],
+                                f"optimizer states of {_ranks(missing)} of {world_size}")
+        extra = sorted(set(have) - want)
+        raise unexpected_files(loc, [f for f in loc.optim_files if f.dp_rank in extra], world_size)
     if len(prefixes) > 1:
         raise IncompleteCheckpoint("optimizer files of two precisions (bf16_ and plain) in one tag", path=loc.tag_dir,
                                    hint="remove the stale files of the older save")
@@ -306,8 +315,65 @@ def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> N
         mranks = sorted(f.dp_rank for f in loc.model_files if f.dp_rank is not None)
         if mranks != sorted(want):
             missing = sorted(want - set(mranks))
-            raise IncompleteCheckpoint("ZeRO-3 model-states files missing for rank(s) " + ", ".join(map(str, missing))
-                                       if missing else "unexpected ZeRO-3 model-states files", path=loc.tag_dir)
+            if missing:
+                raise missing_files(loc, [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt" for r in missing],
+                                    f"ZeRO-3 model states of {_ranks(missing)} of {world_size}")
+            extra = sorted(set(mranks) - want)
+            raise unexpected_files(loc, [f for f in loc.model_files if f.dp_rank in extra], world_size)
+
+
+def missing_files(loc: Location, names: list[str], what: str, shown: int = 3) -> IncompleteCheckpoint:
+    """One error naming the missing files of a tag folder (``ck/global_step3/x.pt: missing: ...``): the first
+    ``shown``, then "and N more"; its ``path`` is the first missing file."""
+    paths = [storage.join(loc.tag_dir, n) for n in names]
+    listed = ", ".join(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+    return IncompleteCheckpoint(f"{listed}: missing: {what}", path=paths[0])
+
+
+def unexpected_files(loc: Location, files: list[RankFile], world_size: int, shown: int = 3) -> IncompleteCheckpoint:
+    """Rank files beyond partition_count's ranks (the stale files of a larger run saved under the same tag)."""
+    listed = ", ".join(f.path for f in files[:shown]) + (f" and {len(files) - shown} more"
+                                                         if len(files) > shown else "")
+    return IncompleteCheckpoint(f"{listed}: unexpected: partition_count says {world_size} "
+                                f"rank{'s' if world_size > 1 else ''} ({_ranks(range(world_size))})",
+                                path=files[0].path, hint="remove the stale files of an older save, or use "
+                                "an earlier tag with --tag")
+
+
+def missing_model_states(loc: Location) -> IncompleteCheckpoint:
+    """No ``*_model_states.pt`` at all in a tag folder that has optimizer files: name the file(s) DeepSpeed writes
+    there (``mp_rank_00_model_states.pt``; ZeRO-3: ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank, told
+    from the first optimizer file's metadata)."""
+    if not loc.optim_files or loc.universal:
+        return missing_files(loc, ["mp_rank_00_model_states.pt"], "the model states file of model-parallel rank 0")
+    mp = loc.optim_files[0].mp_rank
+    stage = None
+    try:
+        osd = load_all(loc.optim_files[:1], getattr(loc, "storage_options", None))[0].get("optimizer_state_dict")
+        stage = int(osd.get("zero_stage")) if isinstance(osd, dict) and osd.get("zero_stage") is not None else None
+    except (ZckptError, OSError, TypeError, ValueError, AttributeError):
+        pass  # a damaged optimizer file: name the ZeRO-1/2 model file, the one every other layout has
+    if stage == 3:
+        ranks = sorted({f.dp_rank for f in loc.optim_files})
+        return missing_files(loc, [f"zero_pp_rank_{r}_mp_rank_{mp:02d}_model_states.pt" for r in ranks],
+                             f"ZeRO-3 model states of {_ranks(ranks)} of {ranks[-1] + 1}")
+    return missing_files(loc, [f"mp_rank_{mp:02d}_model_states.pt"],
+                         f"the model states file of model-parallel rank {mp}")
+
+
+def _ranks(ranks) -> str:
+    """``rank 2``, ``ranks 0-3, 6, 9-10``: runs of three or more as ranges."""
+    ranks = sorted(ranks)
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = []
+    for run in runs:
+        parts += [f"{run[0]}-{run[-1]}"] if len(run) > 2 else [str(r) for r in run]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def _optim_prefix(name: str) -> str:

@@ -111,7 +111,8 @@ def _dense_only(d):
 
 def _sub_location(loc: Location, optim_files: list[RankFile]) -> Location:
     return Location(loc.input_path, loc.save_dir, loc.tag, loc.tag_dir, loc.trainer_dir,
-                    model_files=list(loc.model_files), optim_files=optim_files, has_latest=loc.has_latest)
+                    model_files=list(loc.model_files), optim_files=optim_files, has_latest=loc.has_latest,
+                    storage_options=loc.storage_options)
 
 
 def _select(state: dict, idxs: list[int]) -> dict:
@@ -203,7 +204,7 @@ def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorReco
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
     out: dict[str, TensorRecord] = {}
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
-    for f, sd in zip(files, load_all(files)):  # metadata only; in parallel for URLs
+    for f, sd in zip(files, load_all(files, loc.storage_options)):  # metadata only; in parallel for URLs
         if not isinstance(sd, dict) or not all(isinstance(t, LazyTensor) for t in sd.values()):
             raise CorruptFile("an expert file should hold a state_dict of tensors", path=f.path)
         for name, t in sd.items():

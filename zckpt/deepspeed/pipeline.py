@@ -115,7 +115,8 @@ def _build_stage(loc: Location, s: int, mfile: RankFile, ms: dict, optim_states:
                                    path=loc.tag_dir)
     pairs.sort(key=lambda p: p[0].dp_rank)
     sub = Location(loc.input_path, loc.save_dir, loc.tag, loc.tag_dir, loc.trainer_dir,
-                   model_files=[mfile], optim_files=[f for f, _ in pairs], has_latest=loc.has_latest)
+                   model_files=[mfile], optim_files=[f for f, _ in pairs], has_latest=loc.has_latest,
+                   storage_options=loc.storage_options)
     for st in (st for _, st in pairs):
         osd = st.get("optimizer_state_dict")
         if not isinstance(osd, dict):
@@ -133,7 +134,7 @@ def _build_stage(loc: Location, s: int, mfile: RankFile, ms: dict, optim_states:
 def _load_layers(loc: Location) -> list[tuple[RankFile, dict]]:
     """(file, state_dict metadata) of every layer file, in layer order."""
     files = sorted(loc.layer_files, key=lambda f: f.index)
-    out = list(zip(files, load_all(files)))  # metadata only; in parallel for URLs
+    out = list(zip(files, load_all(files, loc.storage_options)))  # metadata only; in parallel for URLs
     for f, sd in out:
         if not all(isinstance(t, LazyTensor) for t in sd.values()):
             raise CorruptFile("a pipeline layer file should hold a state_dict of tensors", path=f.path)

@@ -42,11 +42,11 @@ from zckpt.formats.safeload import LazyTensor
 STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
 
 
-def _load(files: list[RankFile]) -> list:
+def _load(files: list[RankFile], storage_options: dict | None = None) -> list:
     if len(files) > 2 and storage.is_url(files[0].path):
         with ThreadPoolExecutor(8) as pool:
-            return list(pool.map(lambda f: safeload.load(f.path), files))
-    return [safeload.load(f.path) for f in files]
+            return list(pool.map(lambda f: safeload.load(f.path, storage_options=storage_options), files))
+    return [safeload.load(f.path, storage_options=storage_options) for f in files]
 
 
 def _tensor(obj, f: RankFile) -> LazyTensor:
@@ -59,13 +59,13 @@ def _tensor(obj, f: RankFile) -> LazyTensor:
 
 def build(loc: Location) -> Checkpoint:
     """Describe the universal checkpoint ``loc`` (``loc.universal``; its files listed by ``discover``)."""
-    model_states = _load(loc.model_files)
+    model_states = _load(loc.model_files, loc.storage_options)
     for f, ms in zip(loc.model_files, model_states):
         if not isinstance(ms, dict) or ("module" not in ms and "param_shapes" not in ms):
             raise CorruptFile("not a DeepSpeed model-states file (no 'module' or 'param_shapes')", path=f.path)
     ms0, mpath = model_states[0], loc.model_files[0].path
     opt_file = loc.optim_files[0]
-    loaded = _load(loc.optim_files)
+    loaded = _load(loc.optim_files, loc.storage_options)
     osd_u = loaded[0]
     if not isinstance(osd_u, dict) or not isinstance(osd_u.get("param_groups"), list):
         raise CorruptFile("not a universal optimizer_state.pt (no 'param_groups')", path=opt_file.path)
@@ -99,8 +99,8 @@ def build(loc: Location) -> Checkpoint:
         raise IncompleteCheckpoint(f"zero/{missing}/exp_avg.pt missing (other parameters have Adam moments)",
                                    path=loc.tag_dir)
 
-    groups, osd_native = (_groups_stage3(osd_u, trainable, sub_of, opt_file) if zero3
-                          else _groups_stage12(osd_u, trainable, param_shapes, states))
+    groups, osd_native = (_groups_stage3(osd_u, trainable, sub_of, opt_file, loc.storage_options) if zero3
+                          else _groups_stage12(osd_u, trainable, param_shapes, states, loc.storage_options))
     frozen = stage3.frozen_records(loc, model_states, ws) if zero3 else _frozen_stage12(ms0, module, mpath)
     records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision], module_has_params=not zero3)
     optim_state = {"optimizer_state_dict": osd_native,
@@ -140,7 +140,8 @@ def _trainable(name: str, shape: tuple, files: dict, loc: Location, module: dict
                         pieces.get("exp_avg_sq", []), lp_dtype=lp)
 
 
-def _groups_stage12(osd_u: dict, trainable: dict, param_shapes: list, states: dict):
+def _groups_stage12(osd_u: dict, trainable: dict, param_shapes: list, states: dict,
+                    storage_options: dict | None = None):
     """Groups (hyperparameters, step from the group's first ``step.pt``) and a native-shaped optimizer dict."""
     pgroups = osd_u["param_groups"]
     if len(pgroups) != len(param_shapes):
@@ -154,7 +155,7 @@ def _groups_stage12(osd_u: dict, trainable: dict, param_shapes: list, states: di
             if "step" in states.get(name, {}):
                 step_obj = states[name]["step"][1]
                 break
-        step = scalar_value(step_obj) if step_obj is not None else None
+        step = scalar_value(step_obj, storage_options) if step_obj is not None else None
         groups.append(GroupInfo(g, {k: v for k, v in pg.items() if k != "params"}, step, names))
         key = (pg.get("params") or [g])[0]
         if step_obj is not None:
@@ -164,13 +165,14 @@ def _groups_stage12(osd_u: dict, trainable: dict, param_shapes: list, states: di
     return groups, osd
 
 
-def _groups_stage3(osd_u: dict, trainable: dict, sub_of: dict, opt_file: RankFile):
+def _groups_stage3(osd_u: dict, trainable: dict, sub_of: dict, opt_file: RankFile,
+                   storage_options: dict | None = None):
     inner = osd_u.get("optimizer_state_dict")
     if not isinstance(inner, dict):  # a universal stage-3 dict always has it; tolerate its absence
         inner = {"state": {}, "param_groups": osd_u["param_groups"]}
     pgroups = inner.get("param_groups") or osd_u["param_groups"]
     st = inner.get("state") or {}
-    groups = stage3.param_groups(pgroups, st, trainable, sub_of, opt_file.path)
+    groups = stage3.param_groups(pgroups, st, trainable, sub_of, opt_file.path, storage_options)
     state = OrderedDict((s, {"step": v["step"]}) for s, v in st.items() if isinstance(v, dict) and "step" in v)
     osd = OrderedDict((k, v) for k, v in osd_u.items() if k not in ("param_groups", "optimizer_state_dict",
                                                                     "fp32_flat_groups"))

@@ -193,11 +193,9 @@ def itemsize(dtype: str) -> int:
 
 
 @dataclass
-class OutFile:
-    """One output file of a plan: a torch object (``obj``), a copy of ``src``, or literal ``data``."""
+class TorchObject:
+    """One torch file of a target layout as its object tree (:class:`TensorOut` leaves), not yet pickled: the
+    reshard plan lays each one out once (:func:`zckpt.engine.torchzip.plan_archive`) or, on load, reads it."""
 
     relpath: str
-    obj: object = None
-    src: str | None = None
-    data: bytes | None = None
-    nbytes: int = 0  # tensor bytes (obj) or file size (src / data)
+    obj: object

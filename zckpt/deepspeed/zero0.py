@@ -68,11 +68,11 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
     elif not isinstance(opt, dict):
         raise CorruptFile(f"'optimizer' is a {type(opt).__name__}, not a state dict", path=mpath)
     elif "fp32_groups" in opt:
-        trainable, groups = _unfused(opt, candidates, mpath)
+        trainable, groups = _unfused(opt, candidates, mpath, loc.storage_options)
     elif "fp32_groups_flat" in opt:
-        trainable, groups = _fused(opt, candidates, mpath)
+        trainable, groups = _fused(opt, candidates, mpath, loc.storage_options)
     elif "state" in opt and "param_groups" in opt:
-        trainable, groups, more = _plain(opt, candidates, precision, mpath)
+        trainable, groups, more = _plain(opt, candidates, precision, mpath, loc.storage_options)
         notes += more
     else:
         raise UnsupportedLayout("ZeRO-0 'optimizer' has neither fp32 master groups nor a torch optimizer state "
@@ -158,16 +158,17 @@ def _fit(want: list[tuple], have: list[tuple], pred) -> tuple[list[int] | None, 
 SAMPLE = 256  # elements compared per (master, module weight) pair
 
 
-def rounds_to(master: LazyTensor, lp: LazyTensor) -> bool:
+def rounds_to(master: LazyTensor, lp: LazyTensor, storage_options: dict | None = None) -> bool:
     """Whether the first elements of ``master`` cast to ``lp``'s dtype are ``lp``'s (the optimizer copies every
-    updated master into its low-precision parameter, so the right pair always agrees)."""
+    updated master into its low-precision parameter, so the right pair always agrees). ``storage_options``: for
+    files behind URLs."""
     if tuple(master.shape) != tuple(lp.shape) or not (master.is_contiguous() and lp.is_contiguous()):
         return False
     n = min(master.numel, SAMPLE)
     if n == 0:
         return True
-    raw = storage.read_range(master.storage.path, master.byte_offset, n * master.itemsize)
-    ref = storage.read_range(lp.storage.path, lp.byte_offset, n * lp.itemsize)
+    raw = storage.read_range(master.storage.path, master.byte_offset, n * master.itemsize, storage_options)
+    ref = storage.read_range(lp.storage.path, lp.byte_offset, n * lp.itemsize, storage_options)
     return bytes(casting.cast(raw, master.dtype, lp.dtype)) == bytes(ref)
 
 
@@ -179,9 +180,11 @@ def _torch_state(osd: dict, path: str) -> tuple[list[list], dict]:
     return ids, state
 
 
-def _group_info(g: int, pg: dict, state: dict, ids: list, names: list[str]) -> GroupInfo:
+def _group_info(g: int, pg: dict, state: dict, ids: list, names: list[str],
+                storage_options: dict | None = None) -> GroupInfo:
     st = state.get(ids[0]) if ids else None
-    step = scalar_value(st.get("step")) if isinstance(st, dict) and st.get("step") is not None else None
+    has_step = isinstance(st, dict) and st.get("step") is not None
+    step = scalar_value(st.get("step"), storage_options) if has_step else None
     return GroupInfo(g, {k: v for k, v in pg.items() if k != "params"}, step, names)
 
 
@@ -210,7 +213,7 @@ def _records_for(g: int, names: list[str], masters: list[LazyTensor], moments: l
     return out
 
 
-def _unfused(opt: dict, candidates: list, path: str):
+def _unfused(opt: dict, candidates: list, path: str, storage_options: dict | None = None):
     """FP16_UnfusedOptimizer: ``fp32_groups[g][i]`` is the master of the torch optimizer's params[g][i]."""
     fp32 = opt["fp32_groups"]
     ids, state = _torch_state(opt.get("optimizer_state_dict"), path)
@@ -221,18 +224,18 @@ def _unfused(opt: dict, candidates: list, path: str):
     by = dict(candidates)
     named = match_groups([[tuple(t.shape) for t in grp] for grp in fp32],
                          [(n, tuple(t.shape)) for n, t in candidates], path,
-                         same=lambda g, j, name: rounds_to(fp32[g][j], by[name]))
+                         same=lambda g, j, name: rounds_to(fp32[g][j], by[name], storage_options))
     trainable, groups = {}, []
     pgs = opt["optimizer_state_dict"]["param_groups"]
     for g, (names, masters, pids) in enumerate(zip(named, fp32, ids)):
         moments = [(_moment(state, p, "exp_avg", m.numel, path, n), _moment(state, p, "exp_avg_sq", m.numel, path, n))
                    for n, m, p in zip(names, masters, pids)]
         trainable.update(_records_for(g, names, masters, moments, by, path))
-        groups.append(_group_info(g, pgs[g], state, pids, names))
+        groups.append(_group_info(g, pgs[g], state, pids, names, storage_options))
     return trainable, groups
 
 
-def _fused(opt: dict, candidates: list, path: str):
+def _fused(opt: dict, candidates: list, path: str, storage_options: dict | None = None):
     """FP16_Optimizer: one flat fp32 master per group, the group's params back to back (no padding).
 
     The optimizer made each group's low-precision params views of one flat buffer (``p.data = flat[...]``), so in
@@ -271,11 +274,11 @@ def _fused(opt: dict, candidates: list, path: str):
                                            pieces_of(eas, off, n) if have else [], group=g, lp_dtype=t.dtype)
             names.append(name)
             end = off + n
-        groups.append(_group_info(g, pgs[g], state, ids[g], names))
+        groups.append(_group_info(g, pgs[g], state, ids[g], names, storage_options))
     return trainable, groups
 
 
-def _plain(opt: dict, candidates: list, precision: str, path: str):
+def _plain(opt: dict, candidates: list, precision: str, path: str, storage_options: dict | None = None):
     """fp32 engine, no wrapper: the module weights are what the optimizer updates; the moments are mapped to
     names by their shapes when that is certain. Parameters whose state is missing cannot be placed."""
     ids, state = _torch_state(opt, path)
@@ -300,7 +303,7 @@ def _plain(opt: dict, candidates: list, precision: str, path: str):
         moments = [(_moment(state, p, "exp_avg", m.numel, path, n), _moment(state, p, "exp_avg_sq", m.numel, path, n))
                    for n, m, p in zip(names, masters, pids)]
         trainable.update(_records_for(g, names, masters, moments, by, path))
-        groups.append(_group_info(g, opt["param_groups"][g], state, pids, names))
+        groups.append(_group_info(g, opt["param_groups"][g], state, pids, names, storage_options))
     if precision != "fp32":
         raise UnsupportedLayout(f"ZeRO-0 {precision} checkpoint whose optimizer keeps no fp32 masters", path=path)
     return trainable, groups, notes

@@ -157,7 +157,8 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
         if math.ceil(offset / a2) * a2 != math.ceil(avail / a2) * a2 and offset != avail:
             raise CorruptFile(f"group {g}: parameters use {offset} elements but the partitions hold {avail}",
                               path=opath[0], hint="param_shapes and the optimizer files disagree")
-        groups.append(GroupInfo(g, hyper or {}, scalar_value(step) if step is not None else None, names))
+        step_value = scalar_value(step, loc.storage_options) if step is not None else None
+        groups.append(GroupInfo(g, hyper or {}, step_value, names))
 
     frozen: dict[str, TensorRecord] = {}
     fshapes = ms0.get("frozen_param_shapes") or {}

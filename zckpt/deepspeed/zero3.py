@@ -94,7 +94,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     # user param groups: which sub-groups each one owns (param_groups[k]['params'] lists sub-group ids)
     inner0 = osds[0].get("optimizer_state_dict") or {}
     pgroups = inner0.get("param_groups") or [{"params": list(range(nsub))}]
-    groups = param_groups(pgroups, inner0.get("state") or {}, trainable, sub_of, opath[0])
+    groups = param_groups(pgroups, inner0.get("state") or {}, trainable, sub_of, opath[0], loc.storage_options)
 
     frozen = frozen_records(loc, model_states, ws)
 
@@ -109,9 +109,9 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
 
 
 def param_groups(pgroups: list, state: dict, trainable: dict[str, TensorRecord], sub_of: dict[str, int],
-                 path: str) -> list[GroupInfo]:
+                 path: str, storage_options: dict | None = None) -> list[GroupInfo]:
     """User param groups from ``param_groups[k]['params']`` (the sub-group ids each owns); sets ``record.group``.
-    The step is the first sub-group's."""
+    The step is the first sub-group's (read with ``storage_options`` when its file is behind a URL)."""
     groups = []
     for k, pg in enumerate(pgroups):
         subs = [int(x) for x in pg.get("params", [])]
@@ -120,7 +120,7 @@ def param_groups(pgroups: list, state: dict, trainable: dict[str, TensorRecord],
             trainable[n].group = k
         step = None
         if subs and isinstance(state.get(subs[0]), dict) and state[subs[0]].get("step") is not None:
-            step = scalar_value(state[subs[0]]["step"])
+            step = scalar_value(state[subs[0]]["step"], storage_options)
         groups.append(GroupInfo(k, {a: b for a, b in pg.items() if a != "params"}, step, names))
     for n, rec in trainable.items():
         if rec.group is None:

@@ -96,9 +96,10 @@ class Worker:
     weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
     import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
 
-    def __init__(self, pure_upcast: bool = False, reader=None):
+    def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None):
         from zckpt.formats.tensors import Reader
-        self.reader = reader or Reader()
+        # pieces whose path is a URL are read with ``storage_options`` (the checkpoint's: ``ckpt.storage_options``)
+        self.reader = reader or Reader(storage_options)
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
         self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded

@@ -152,9 +152,18 @@ class Entry:
 
 @dataclass
 class Archive:
+    """A torch zip laid out by :func:`plan_archive`: the pickle and small records in memory, every entry's offset
+    fixed; only the tensor bytes (and their CRCs) are left for :func:`write_archive`."""
+
     entries: list[Entry]
-    size: int = 0
+    size: int = 0  # where the central directory starts
     central: bytes = b""
+    file_size: int = 0  # the whole file, central directory included
+
+    @property
+    def payload_bytes(self) -> int:
+        """Tensor bytes: what :func:`write_archive` copies (and reports to ``progress``)."""
+        return sum(e.size for e in self.entries if isinstance(e.data, TensorOut))
 
 
 def _local_header(name: bytes, size: int, crc: int, offset_after_header_start: int, zip64: bool) -> bytes:
@@ -191,7 +200,9 @@ def plan_archive(obj, archive_name: str) -> Archive:
         e.local_header = _local_header(e.name.encode(), e.size, e.crc, pos, zip64)
         e.data_offset = pos + len(e.local_header)
         pos = e.data_offset + e.size
-    return Archive(entries, pos)
+    archive = Archive(entries, pos)
+    archive.file_size = pos + len(_central(archive))  # its length does not depend on the CRCs still to come
+    return archive
 
 
 def _central(archive: Archive) -> bytes:
@@ -407,8 +418,19 @@ def save(obj, path: str, archive_name: str | None = None, pool=None, progress=No
     files share open inputs; ``fsync=True`` flushes the file before returning (or see :func:`fsync_all`)."""
     if worker is None and reader is not None:
         worker = Worker(reader=reader)
-    name = archive_name or os.path.splitext(os.path.basename(path))[0]
-    archive = plan_archive(obj, name)
+    return write_planned(plan_archive(obj, archive_name_of(path, archive_name)), path, pool, progress, worker,
+                         fsync, maps)
+
+
+def archive_name_of(path: str, archive_name: str | None = None) -> str:
+    """The folder inside the zip: ``torch.save``'s default, the file name without its extension."""
+    return archive_name or os.path.splitext(os.path.basename(path))[0]
+
+
+def write_planned(archive: Archive, path: str, pool=None, progress=None, worker=None, fsync: bool = False,
+                  maps: "SourceMaps | None" = None) -> int:
+    """Write an archive planned by :func:`plan_archive` as the new file ``path`` (nothing is pickled again);
+    returns the file size, ``archive.file_size``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_archive(archive, fd, pool, progress, worker, maps)

@@ -20,6 +20,7 @@ file or a storage that lies outside the file is a :class:`~zckpt.errors.CorruptF
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import io
 import math
 import os
@@ -533,20 +534,21 @@ def _check_opcodes(data: bytes, path: str) -> None:
     raise CorruptFile("damaged pickle in data.pkl (no STOP opcode)", path=path)
 
 
-def _default_opener(path: str) -> BinaryIO:
+def _default_opener(path: str, storage_options: dict | None = None) -> BinaryIO:
     if "://" in str(path):
         from zckpt.io import storage
-        return storage.open_input(path)
+        return storage.open_input(path, storage_options)
     return open(path, "rb")
 
 
-def load(path: str, opener: Callable[[str], BinaryIO] | None = None) -> Any:
+def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_options: dict | None = None) -> Any:
     """Unpickle a torch zip file's metadata safely. Tensors become :class:`LazyTensor`; no bytes are loaded.
 
-    ``opener`` opens ``path`` for binary random access (defaults to zckpt's storage layer, which handles URLs).
+    ``opener`` opens ``path`` for binary random access (defaults to zckpt's storage layer, which handles URLs,
+    with the fsspec ``storage_options`` given here).
     """
     if opener is None:
-        opener = _default_opener
+        opener = functools.partial(_default_opener, storage_options=storage_options)
     try:
         f = opener(path)
     except FileNotFoundError:

@@ -20,9 +20,13 @@ def torch_dtype(name: str):
 
 
 class Reader:
-    """Reads pieces into buffers; caches one file descriptor per local file."""
+    """Reads pieces into buffers; caches one file descriptor per local file.
 
-    def __init__(self):
+    ``storage_options``: fsspec options for pieces whose path is a URL (the checkpoint's, ``ckpt.storage_options``);
+    given here, never taken from anywhere process-wide."""
+
+    def __init__(self, storage_options: dict | None = None):
+        self.storage_options = storage_options
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -41,7 +45,7 @@ class Reader:
         """Fill ``buf`` (exactly ``piece.nbytes`` long) with the piece's bytes."""
         n = piece.nbytes
         if storage.is_url(piece.path):
-            data = storage.read_range(piece.path, piece.offset, n)
+            data = storage.read_range(piece.path, piece.offset, n, self.storage_options)
             if len(data) != n:
                 raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
             buf[:n] = data
@@ -74,8 +78,10 @@ class Reader:
         self.close()
 
 
-def load_pieces(pieces, dtype: str, shape, reader: Reader | None = None):
-    """A new torch tensor of ``shape`` holding the concatenated pieces (all of ``dtype``)."""
+def load_pieces(pieces, dtype: str, shape, reader: Reader | None = None, storage_options: dict | None = None):
+    """A new torch tensor of ``shape`` holding the concatenated pieces (all of ``dtype``).
+
+    Without a ``reader``, one is made for this call with ``storage_options`` (for pieces behind URLs)."""
     import math
     import torch
     numel = math.prod(shape)
@@ -89,7 +95,7 @@ def load_pieces(pieces, dtype: str, shape, reader: Reader | None = None):
     out = torch.empty(numel, dtype=torch_dtype(dtype))
     if numel:
         own = reader is None
-        reader = reader or Reader()
+        reader = reader or Reader(storage_options)
         try:
             reader.read_pieces(pieces, memoryview(out.view(torch.uint8).numpy()))
         finally:

@@ -132,8 +132,13 @@ def _parent(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def source_of(loc, picked_tag: bool = False) -> Source:
-    """The :class:`Source` of a located checkpoint (:class:`zckpt.deepspeed.discover.Location`)."""
+def source_of(loc, picked_tag: bool = False, storage_options: dict | None = None) -> Source:
+    """The :class:`Source` of a located checkpoint (:class:`zckpt.deepspeed.discover.Location`).
+
+    ``storage_options``: for listing a remote source's parent folder; by default the ones the checkpoint was
+    located with (``loc.storage_options``)."""
+    if storage_options is None:
+        storage_options = getattr(loc, "storage_options", None)
     if loc.trainer_dir:
         root = loc.trainer_dir
     elif loc.save_dir != loc.tag_dir and (loc.has_latest or loc.input_path == loc.save_dir):
@@ -145,7 +150,7 @@ def source_of(loc, picked_tag: bool = False) -> Source:
     parent = _parent(root)
     if parent != root:
         with contextlib.suppress(OSError, ValueError):
-            for name in storage.listdir(parent):
+            for name in storage.listdir(parent, storage_options):
                 if _CHECKPOINT_NAME.match(name) and storage.join(parent, name) not in own:
                     neighbours.append(storage.join(parent, name))
     label = storage.basename(root)
@@ -181,8 +186,8 @@ def _relation(out: str, other: str) -> str | None:
     return None
 
 
-def _looks_like_checkpoint(folder: str) -> bool:
-    names = set(storage.listdir(folder))
+def _looks_like_checkpoint(folder: str, storage_options: dict | None = None) -> bool:
+    names = set(storage.listdir(folder, storage_options))
     return bool(names & set(_CHECKPOINT_FILES)) or any(_RANK_FILE.search(n) for n in names) or any(
         _CHECKPOINT_NAME.match(n) for n in names)
 
@@ -234,7 +239,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         why = f"holds a zckpt {marker.get('kind')} output, not a {kind} output"
     elif marker is not None:
         why = f"has a {MARKER} that zckpt did not write"
-    elif _looks_like_checkpoint(out):
+    elif _looks_like_checkpoint(out, storage_options):
         why = "holds a checkpoint"
     else:
         why = f"is not empty and has no {MARKER}"

@@ -7,8 +7,12 @@ Paths are plain ``str`` everywhere (a ``pathlib.Path`` would collapse the ``//``
     hf://user/repo/path              huggingface_hub.HfFileSystem (hf://datasets/user/repo/... too)
     memory://scratch/x               fsspec's in-process memory store (tests)
 
-Backend options (``--storage-option key=value`` in the CLI) reach :func:`get_fs` through
-:func:`set_storage_options` / :func:`storage_options`, or per call through ``storage_options=``.
+Backend options (fsspec/s3fs keyword arguments such as ``endpoint_url``, ``key``, ``secret``; ``--storage-option
+key=value`` in the CLI) are passed, never kept: every function here takes ``storage_options=`` and uses exactly
+what it is given (on S3 on top of the standard AWS variables). There is no process-wide default, so two calls
+with different endpoints or credentials in one process (a library inside a trainer) never see each other's.
+The callers thread them: :func:`zckpt.deepspeed.layout.open_checkpoint` records them on the ``Checkpoint``
+(``ckpt.storage_options``) and the ops hand them on to the readers, the executor and the publisher.
 
 Failures: missing paths raise ``FileNotFoundError``, refused access ``PermissionError`` (the builtins fsspec
 backends already use); any other backend failure becomes :class:`zckpt.errors.StorageError` naming the URL.
@@ -45,9 +49,6 @@ _PASSTHROUGH = (FileNotFoundError, PermissionError, FileExistsError, IsADirector
 #: default block size for remote random reads: small, so a reader fetches about the ranges it asks for
 REMOTE_BLOCK_SIZE = 256 * 1024
 _COPY_CHUNK = 8 * 1024 * 1024
-
-_options_lock = threading.Lock()
-_default_options: dict[str, Any] = {}
 
 
 # --------------------------------------------------------------------------------------------------- paths
@@ -112,29 +113,6 @@ def parse_storage_options(pairs) -> dict[str, Any]:
     return out
 
 
-def set_storage_options(options: dict[str, Any] | None) -> None:
-    """Set the process-wide options every remote backend gets (the CLI's ``--storage-option``)."""
-    global _default_options
-    with _options_lock:
-        _default_options = dict(options or {})
-
-
-def get_storage_options() -> dict[str, Any]:
-    with _options_lock:
-        return dict(_default_options)
-
-
-@contextlib.contextmanager
-def storage_options(options: dict[str, Any] | None) -> Iterator[None]:
-    """Temporarily set the process-wide backend options (restored on exit)."""
-    previous = get_storage_options()
-    set_storage_options({**previous, **(options or {})})
-    try:
-        yield
-    finally:
-        set_storage_options(previous)
-
-
 def _s3_options(options: dict[str, Any]) -> dict[str, Any]:
     """s3fs options from the standard AWS variables, overridden by explicit options."""
     env = os.environ
@@ -163,7 +141,8 @@ def _s3_options(options: dict[str, Any]) -> dict[str, Any]:
 def get_fs(path: str | os.PathLike, storage_options: dict[str, Any] | None = None):
     """``(filesystem, path_inside_it)`` for a local path or URL.
 
-    ``storage_options`` are added to (and override) the process-wide ones from :func:`set_storage_options`.
+    ``storage_options``: the backend's keyword arguments, exactly as given (nothing process-wide is added; on
+    S3 they override what the AWS variables say). Ignored for local paths.
     """
     import fsspec
 
@@ -173,7 +152,7 @@ def get_fs(path: str | os.PathLike, storage_options: dict[str, Any] | None = Non
         from fsspec.implementations.local import LocalFileSystem
 
         return LocalFileSystem(), os.path.abspath(local_path(path))
-    options = {**get_storage_options(), **(storage_options or {})}
+    options = dict(storage_options or {})
     if proto in ("s3", "s3a"):
         options = _s3_options(options)
     try:
@@ -423,10 +402,10 @@ def put_file(local_path_: str | os.PathLike, url: str | os.PathLike, callback: C
                 cb(len(chunk))
         return
     if protocol(url) in ("s3", "s3a"):
-        boto = _boto3_client({**get_storage_options(), **(storage_options or {})})
+        opts = dict(storage_options or {})
+        boto = _boto3_client(opts)
         if boto is not None:
             client, extra = boto
-            opts = {**get_storage_options(), **(storage_options or {})}
             _boto3_put(client, extra, src, url, callback, metadata, chunksize,
                        max_concurrency or opts.get("max_concurrency"))
             return

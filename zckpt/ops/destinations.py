@@ -14,13 +14,12 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import hashlib
 import json
 import logging
 import os
 from typing import Any
 
-from zckpt.io import publish, storage
+from zckpt.io import hashing, publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
 from zckpt.ops.scan import TAG_STEP_RE, TRAINER_RE, step_of
 
@@ -32,15 +31,6 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME = "zckpt-manifest.json"
 MANIFEST_FORMAT = "zckpt-manifest"
 MANIFEST_VERSION = 1
-
-
-def git_blob_sha1(path: str) -> str:
-    """The git object id of a file (what the Hub reports as ``blob_id`` for non-LFS files)."""
-    digest = hashlib.sha1(b"blob %d\0" % os.path.getsize(path))
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclasses.dataclass
@@ -148,7 +138,7 @@ class FsDestination:
         if self._hash_remote:
             if not storage.is_url(url):
                 return ctx.sha256(FileTask(rel, storage.local_path(url), remote.size, 0))
-            return hashlib.sha256(storage.read_bytes(url, self.storage_options)).hexdigest()
+            return hashing.sha256_file(url, cancel=ctx.cancel, storage_options=self.storage_options)
         return storage.metadata(url, self.storage_options).get("sha256")
 
     # ---------------------------------------------------------------- writing
@@ -331,11 +321,12 @@ class HubDestination:
         return remote.sha256
 
     def same_blob(self, local: str, remote: RemoteFile) -> bool:
-        return remote.blob_id is not None and remote.sha256 is None and git_blob_sha1(local) == remote.blob_id
+        return (remote.blob_id is not None and remote.sha256 is None
+                and hashing.git_blob_sha1_file(local) == remote.blob_id)
 
     def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
         entry = self._list().get(self.path_of(name, MANIFEST_NAME))
-        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(manifest) + manifest).hexdigest()
+        return entry is not None and entry.blob_id == hashing.git_blob_sha1_bytes(manifest)
 
     def begin(self, name: str, ctx: PushContext) -> None:
         pass  # the commit replaces files and manifest at once
@@ -390,7 +381,7 @@ class HubDestination:
 
     def root_matches(self, rel: str, data: bytes) -> bool:
         entry = self._list().get(self.path_of("", rel))
-        return entry is not None and entry.blob_id == hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        return entry is not None and entry.blob_id == hashing.git_blob_sha1_bytes(data)
 
     def write_root_files(self, files: dict[str, bytes], ctx: PushContext) -> None:
         from huggingface_hub import CommitOperationAdd

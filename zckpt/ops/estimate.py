@@ -243,6 +243,12 @@ class Recommendation:
     def fits_row(self, row: Row) -> bool:
         return row.per_gpu_bytes <= self.budget_bytes
 
+    def to_dict(self) -> dict:
+        """The budget in bytes, the chosen ``row`` (None when nothing fits) and the ``reason``, for ``--json``."""
+        return {"gpu_memory_bytes": self.gpu_memory_bytes, "headroom_bytes": self.headroom_bytes,
+                "budget_bytes": self.budget_bytes, "row": self.row.to_dict() if self.row else None,
+                "reason": self.reason}
+
     # the chosen row's fields, None when nothing fits
     stage = property(lambda self: self.row.stage if self.row else None)
     offload_optimizer = property(lambda self: self.row.offload_optimizer if self.row else None)
@@ -594,13 +600,14 @@ def _gpt2_modules(c: _Cfg):
 # Counts from a DeepSpeed checkpoint
 
 
-def counts_from_checkpoint(path, tag=None) -> tuple[int, int]:
+def counts_from_checkpoint(path, tag=None, storage_options: dict | None = None) -> tuple[int, int]:
     """``(parameters, largest_layer)`` from a checkpoint's recorded shapes (no tensor bytes are read).
 
     Parameters are the trainable and frozen ones (a tied alias is not counted again, buffers are not
     parameters). The largest layer is the most parameters one module (the name up to its last dot) owns
     directly, tied aliases included, as DeepSpeed's ``..._all_live`` estimator measures it. Uses
     ``zckpt.deepspeed.layout.open_checkpoint`` and the ``name``, ``shape`` and ``kind`` of each record.
+    ``storage_options``: fsspec options for a URL ``path``, for this call only.
     """
     try:
         from zckpt.deepspeed.layout import open_checkpoint
@@ -613,7 +620,7 @@ def counts_from_checkpoint(path, tag=None) -> tuple[int, int]:
         ) from None
 
     path = os.fspath(path)
-    ckpt = open_checkpoint(path, tag=tag)
+    ckpt = open_checkpoint(path, tag=tag, storage_options=storage_options)
     try:
         records = getattr(ckpt, "records", None)
         if records is None:

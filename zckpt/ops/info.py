@@ -77,8 +77,10 @@ def _one_or_list(dtypes: list[str]):
     return dtypes[0] if len(dtypes) == 1 else (dtypes or None)
 
 
-def info(path: str, tag: str | None = None) -> dict:
-    ckpt = open_checkpoint(path, tag)
+def info(path: str, tag: str | None = None, storage_options: dict | None = None) -> dict:
+    """What the checkpoint at ``path`` holds (stage, precision, world size, parameters, steps, files), from
+    metadata alone. ``storage_options``: fsspec options for a URL ``path`` (the CLI's ``--storage-option``)."""
+    ckpt = open_checkpoint(path, tag, storage_options)
     with metadata_errors(ckpt.location.tag_dir):
         return describe(ckpt)
 

@@ -238,13 +238,14 @@ class MergeResult:
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
             extra_files: dict[str, bytes] | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            source: publish.Source | None = None) -> None:
+            source: publish.Source | None = None, storage_options: dict | None = None) -> None:
     """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`).
 
     The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
     previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
-    every file before the rename, so the result survives a power failure (slower: waits for the disk)."""
-    publish.check_output(out, "merge", source, overwrite)
+    every file before the rename, so the result survives a power failure (slower: waits for the disk).
+    ``storage_options``: fsspec options for reading pieces behind URLs and for a URL ``out``."""
+    publish.check_output(out, "merge", source, overwrite, storage_options)
     workers = workers or min(8, os.cpu_count() or 2)
     done = [0]
 
@@ -256,9 +257,10 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = executor.Worker(pure_upcast=pure)
+    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options)
     try:
-        with publish.Publisher(out, "merge", source.root if source else None, durable) as pub:
+        with publish.Publisher(out, "merge", source.root if source else None, durable,
+                               storage_options=storage_options) as pub:
             with ThreadPoolExecutor(workers) as pool:
                 for shard in plan.shards:
                     _write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
@@ -274,14 +276,14 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
     """config, generation config and tokenizer files of a Trainer checkpoint, config dtype set to ``dtype``."""
-    src = ckpt.location.trainer_dir
+    src, opts = ckpt.location.trainer_dir, ckpt.storage_options
     if not src:
         return {}
-    names = set(storage.listdir(src))
+    names = set(storage.listdir(src, opts))
     out = {}
     for name in TRAINER_COPY:
-        if name in names and storage.isfile(storage.join(src, name)):
-            out[name] = storage.read_bytes(storage.join(src, name))
+        if name in names and storage.isfile(storage.join(src, name), opts):
+            out[name] = storage.read_bytes(storage.join(src, name), opts)
     if "config.json" in out:
         try:
             cfg = json.loads(out["config.json"])
@@ -299,7 +301,7 @@ def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
 def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: str = "fp32", tag: str | None = None,
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
-          progress: Callable[[int, int], None] | None = None) -> MergeResult:
+          progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -307,9 +309,11 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
 
     ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
     ``progress(done_bytes, total_bytes)`` is called as data is written; ``durable=True`` fsyncs before publishing.
+    ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path`` and a URL
+    ``out``; used for this call only (the CLI's ``--storage-option``).
     """
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(path, tag)
+    ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     if out is None:
         out = publish.default_output(source, "merged") + f"-{dtype}"
@@ -317,9 +321,10 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     extra = trainer_files(ckpt, dtype)
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
     if dry_run:
-        publish.check_output(str(out), "merge", source, overwrite)
+        publish.check_output(str(out), "merge", source, overwrite, storage_options)
         return result
-    execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source)
+    execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
+            storage_options=storage_options)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -327,15 +332,17 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
 # ----------------------------------------------------------------------------------------- Python loaders
 
 def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False,
-                 keep_tied: bool = True) -> Iterator[tuple[str, "object"]]:
+                 keep_tied: bool = True, storage_options: dict | None = None) -> Iterator[tuple[str, "object"]]:
     """Yield ``(name, torch.Tensor)`` one at a time (only one tensor in memory), in model order.
 
     Tied aliases are yielded too (as a separate tensor equal to the source) unless ``keep_tied=False``.
+    ``path`` may be an opened :class:`Checkpoint` (read with its own ``storage_options``); ``storage_options``:
+    fsspec options for a URL ``path``.
     """
     from zckpt.formats.tensors import Reader, load_pieces, torch_dtype
-    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
-    with Reader() as reader:
+    with Reader(ckpt.storage_options) as reader:
         for t in tensors:
             value = load_pieces(t.pieces, t.src_dtype, t.shape, reader)
             if t.dtype != t.src_dtype:
@@ -343,9 +350,11 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
             yield t.name, value
 
 
-def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False) -> dict:
-    """The consolidated state dict (tied aliases share one tensor, as in the model)."""
-    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False,
+                    storage_options: dict | None = None) -> dict:
+    """The consolidated state dict (tied aliases share one tensor, as in the model). ``storage_options``: fsspec
+    options for a URL ``path``."""
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     sd = dict(iter_tensors(ckpt, dtype, exclude_frozen=exclude_frozen, keep_tied=False))
     for rec in ckpt.of_kind("tied"):
         if rec.tied_to in sd:
@@ -354,14 +363,16 @@ def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, excl
     return {k: sd[k] for k in order}
 
 
-def load_into_module(module, path: str, tag: str | None = None, strict: bool = True) -> "object":
+def load_into_module(module, path: str, tag: str | None = None, strict: bool = True,
+                     storage_options: dict | None = None) -> "object":
     """Fill ``module``'s parameters and buffers from the checkpoint, strictly by default.
 
     Missing or unexpected keys raise :class:`~zckpt.errors.InvalidArgument` (DeepSpeed's own loader uses
-    ``strict=False`` and hides them). Values are cast to each destination tensor's dtype.
+    ``strict=False`` and hides them). Values are cast to each destination tensor's dtype. ``storage_options``:
+    fsspec options for a URL ``path``.
     """
     import torch
-    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag)
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     target = module.state_dict(keep_vars=True)
     names = {r.name for r in ckpt.records}
     missing = sorted(set(target) - names)

@@ -32,7 +32,6 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zckpt.io import storage
+from zckpt.io import hashing, storage
 from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
     MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, FileChanged,
     check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
@@ -105,21 +104,6 @@ class HashCache:
             storage.write_bytes_atomic(self.path, json.dumps({"version": 1, "files": entries}).encode())
         except OSError as exc:
             log.debug("cannot save hash cache %s: %s", self.path, exc)
-
-
-def sha256_file(path: str, cancel: threading.Event | None = None, chunk: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise PushInterrupted("hashing interrupted", path=path)
-            n = f.readinto(buf)
-            if not n:
-                break
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 # ============================================================================================ results
@@ -233,7 +217,7 @@ class PushContext:
             st = os.stat(task.local)
             digest = self.hashes.get(task.local, st)
             if digest is None:
-                digest = sha256_file(task.local, self.cancel)
+                digest = hashing.sha256_file(task.local, cancel=self.cancel)
                 self.hashes.put(task.local, st, digest)
             task.sha256 = digest
         return task.sha256
@@ -429,7 +413,9 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     ``settle``: seconds no file may have changed (a complete but recent checkpoint is waited for when
     ``wait_settle``). ``keep_last``: push only the newest N and remove older complete ones at DEST afterwards.
     ``only``: checkpoint names (relative to src) to consider. ``cancel``: set it to abandon the push
-    cleanly. ``hub_api``: an ``HfApi`` for ``hf://`` destinations. Raises the first failure after trying every
+    cleanly. ``hub_api``: an ``HfApi`` for ``hf://`` destinations. ``storage_options``: fsspec options for a URL
+    ``dest`` (endpoint, credentials...: the CLI's ``--storage-option``), for this call only; ``src`` is always a
+    local folder. Raises the first failure after trying every
     checkpoint (the result is attached as ``exc.push_result``); incomplete checkpoints are not failures.
     """
     started = time.monotonic()

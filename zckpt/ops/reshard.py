@@ -6,11 +6,15 @@ Read -> plan -> execute, like :mod:`zckpt.ops.merge`:
    fp32 master and Adam moments as lists of byte ranges (pieces) in the rank files.
 2. :func:`plan_reshard` lays the same training state out as DeepSpeed itself would have saved it at world size
    M and stage S (partition math in :mod:`zckpt.deepspeed.writer`): per output file, the object tree with
-   :class:`~zckpt.engine.torchzip.TensorOut` leaves made of source pieces and zero fill. Plain data; ``--dry-run``
-   prints its summary.
-3. :func:`execute` streams every file with :func:`zckpt.engine.torchzip.save` into a temporary sibling of OUT, writes
-   ``latest`` and the ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.io.publish`).
-   The source is never modified; no tensor is held whole.
+   :class:`~zckpt.engine.torchzip.TensorOut` leaves made of source pieces and zero fill (one function per kind of
+   file: ``_zero12_model``, ``_zero12_optim``, ``_zero3_model``, ``_zero3_optim``, and
+   :func:`zckpt.ops.universal.plan_universal`), then pickled once into its final byte layout
+   (:func:`zckpt.engine.torchzip.plan_archive`): a :class:`ReshardPlan` of :class:`PlannedFile` s, plain data whose
+   sizes are the output's; ``--dry-run`` prints its summary.
+3. :func:`execute` writes exactly those archives (:func:`zckpt.engine.torchzip.write_planned`, nothing pickled
+   again) and copies the side files into a temporary sibling of OUT, writes ``latest`` and the ``.zckpt.json``
+   marker last, and renames the folder into place (:mod:`zckpt.io.publish`). The source is never modified; no
+   tensor is held whole.
 
 Output (``fmt="deepspeed"``)::
 
@@ -37,10 +41,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt.engine import executor
+from zckpt.engine import executor, torchzip
 from zckpt.io import publish, storage
 from zckpt.deepspeed import writer as W
-from zckpt.deepspeed.writer import OutFile
+from zckpt.deepspeed.writer import TorchObject
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.formats.safeload import DTYPE_SIZES, LazyTensor
@@ -56,6 +60,24 @@ SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # ---------------------------------------------------------------------------------------------- plan data
 
 @dataclass
+class PlannedFile:
+    """One output file, planned once into its final bytes.
+
+    ``kind`` "torch": ``archive`` is the torch zip laid out by :func:`zckpt.engine.torchzip.plan_archive` (the
+    pickle of ``obj``, every entry and offset; only tensor bytes and their CRCs are left to write); "copy": ``src``
+    is copied as it is; "object" (:func:`plan_ranks`): ``obj`` is loaded in memory, nothing is written.
+    ``nbytes``: the size of the file written; ``payload_bytes``: the bytes copied from the source (its tensors)."""
+
+    relpath: str
+    kind: str
+    nbytes: int
+    payload_bytes: int = 0
+    archive: torchzip.Archive | None = None
+    obj: object = None  # the object tree (TensorOut leaves) the archive was pickled from
+    src: str | None = None
+
+
+@dataclass
 class ReshardPlan:
     source: str
     tag: str
@@ -67,13 +89,18 @@ class ReshardPlan:
     flavour: str
     world_size: int
     precision: str
-    files: list[OutFile]
+    files: list[PlannedFile]
     notes: list[str] = field(default_factory=list)
     partitions: list[dict] = field(default_factory=list)  # per group / sub-group partition sizes
 
     @property
     def total_bytes(self) -> int:
+        """The size of the output: what --dry-run reports and execute writes (and reports to ``progress``)."""
         return sum(f.nbytes for f in self.files)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(f.payload_bytes for f in self.files)
 
     def summary(self) -> dict:
         return {
@@ -82,9 +109,9 @@ class ReshardPlan:
                      "world_size": self.source_world_size},
             "to": {"stage": self.stage, "optimizer": self.flavour, "world_size": self.world_size},
             "precision": self.precision, "total_bytes": self.total_bytes,
-            "files": [{"name": f.relpath, "bytes": f.nbytes,
-                       "kind": "torch" if f.obj is not None else ("copy" if f.src else "text")} for f in self.files],
-            "partitions": self.partitions, "notes": self.notes,
+            "files": [{"name": f.relpath, "bytes": f.nbytes, "kind": f.kind, "payload_bytes": f.payload_bytes}
+                      for f in self.files],
+            "partitions": self.partitions, "notes": self.notes, "payload_bytes": self.payload_bytes,
         }
 
 
@@ -213,277 +240,351 @@ def output_tag(ckpt: Checkpoint) -> str:
     return tag
 
 
-class _Planner:
-    def __init__(self, ckpt: Checkpoint, world_size: int, stage: int, flavour: str):
-        self.ckpt, self.ws, self.stage, self.flavour = ckpt, world_size, stage, flavour
-        self.tag = output_tag(ckpt)
-        self.conv = W.Converter()
-        self.ms0 = ckpt.model_state
-        self.osd0 = ckpt.optim_states[0]["optimizer_state_dict"]
-        self.cfg = _target_config(ckpt.ds_config, stage, flavour)
-        self.version = self.ms0.get("ds_version") or ckpt.optim_states[0].get("ds_version") or "0.19.8"
-        self.groups = _source_groups(ckpt)
-        self.elastic = is_elastic(ckpt)  # written back elastic (see is_elastic)
-        self.byname = ckpt.by_name()
-        self.has_state = all(g.step is not None for g in self.groups) and all(
-            r.exp_avg and r.exp_avg_sq for g in self.groups for r in g.records)
-        self.lp = LP_DTYPES[ckpt.precision]
-        self.partitions: list[dict] = []
-        self.notes: list[str] = []
-        self.ranks = range(world_size)  # the ranks whose files are planned (plan_ranks narrows it)
-        self.count_bytes = True  # OutFile.nbytes (plan_ranks skips it)
+@dataclass
+class _Target:
+    """The layout being planned (world size, stage, optimizer, config) and the source facts every file needs."""
 
-    # ---- shared pieces
+    ckpt: Checkpoint
+    world_size: int
+    stage: int
+    flavour: str
+    cfg: dict  # the target's DeepSpeed config
+    ranks: list[int]  # the ranks whose files are planned (plan_ranks narrows them)
+    tag: str
+    version: str
+    groups: list[_Group]
+    elastic: bool  # written back elastic (see is_elastic)
+    has_state: bool  # Adam moments and a step in every group
+    conv: W.Converter
+
+    @property
+    def ms0(self) -> dict:
+        return self.ckpt.model_state
+
+    @property
+    def osd0(self) -> dict:
+        return self.ckpt.optim_states[0]["optimizer_state_dict"]
+
     def lp_dtype(self, rec: TensorRecord) -> str:
-        return rec.lp_dtype or self.lp
+        return rec.lp_dtype or LP_DTYPES[self.ckpt.precision]
 
-    def flat_dtypes(self, records: list[TensorRecord], what: str) -> tuple[str, str | None]:
-        """(master dtype, moment dtype) of the params that share one flat target buffer, as the source stores
-        them (fp32, or bf16 with bf16_master_weights_and_grads / bf16_optimizer_states). One buffer holds one
-        dtype: params whose sources disagree cannot share it, and are refused rather than converted."""
-        mdt = {r.dtype for r in records}
-        sdt = {r.state_dtype for r in records} if self.has_state else set()
-        if len(mdt) > 1 or len(sdt) > 1:
-            raise UnsupportedLayout(f"{what} of the target layout would mix master or optimizer-state dtypes "
-                                    f"({', '.join(sorted(mdt | {d for d in sdt if d}))})", path=self.ckpt.location.tag_dir,
-                                    hint="keep the source's param groups (same stage), or reshard to ZeRO-3")
-        return (mdt.pop() if mdt else "float32"), (sdt.pop() if sdt else None)
+    def relpath(self, name: str) -> str:
+        return os.path.join(self.tag, name)
 
-    def loss_scaler_state(self) -> OrderedDict:
-        osd = self.osd0
-        scaler = osd.get("loss_scaler")
-        return OrderedDict([
-            ("loss_scaler", self.conv(scaler) if scaler is not None else W.default_loss_scaler()),
-            ("dynamic_loss_scale", bool(osd.get("dynamic_loss_scale", False))),
-            ("overflow", bool(osd.get("overflow", False))),
-        ])
+    def optim_path(self, rank: int) -> str:
+        prefix = "bf16_" if self.ckpt.precision == "bf16" else ""
+        return self.relpath(f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
 
-    def clip_grad(self) -> float:
-        if "clip_grad" in self.osd0:
-            return self.osd0["clip_grad"]
-        return float(self.ckpt.ds_config.get("gradient_clipping", 0.0) or 0.0)
+    def model_path(self, rank: int) -> str:
+        return self.relpath(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3
+                            else "mp_rank_00_model_states.pt")
 
-    def prefix(self) -> str:
-        return "bf16_" if self.ckpt.precision == "bf16" else ""
 
-    def optim_name(self, rank: int) -> str:
-        return f"{self.prefix()}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def _target(ckpt: Checkpoint, world_size: int, stage: int, flavour: str, ranks=None) -> _Target:
+    groups = _source_groups(ckpt)
+    has_state = all(g.step is not None for g in groups) and all(
+        r.exp_avg and r.exp_avg_sq for g in groups for r in g.records)
+    version = ckpt.model_state.get("ds_version") or ckpt.optim_states[0].get("ds_version") or "0.19.8"
+    return _Target(ckpt, world_size, stage, flavour, _target_config(ckpt.ds_config, stage, flavour),
+                   list(range(world_size)) if ranks is None else [int(r) for r in ranks], output_tag(ckpt),
+                   version, groups, is_elastic(ckpt), has_state, W.Converter())
 
-    def model_name(self, rank: int) -> str:
-        return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3 else "mp_rank_00_model_states.pt"
 
-    def frozen_records(self) -> list[TensorRecord]:
-        return [r for r in self.ckpt.records if r.kind == "frozen"]
+# ---- pieces every rank file shares
 
-    def optim_file(self, rank: int, osd: dict) -> dict:
-        return {"optimizer_state_dict": osd, "ds_config": copy.deepcopy(self.cfg), "ds_version": self.version}
+def _flat_dtypes(t: _Target, records: list[TensorRecord], what: str) -> tuple[str, str | None]:
+    """(master dtype, moment dtype) of the params that share one flat target buffer, as the source stores
+    them (fp32, or bf16 with bf16_master_weights_and_grads / bf16_optimizer_states). One buffer holds one
+    dtype: params whose sources disagree cannot share it, and are refused rather than converted."""
+    mdt = {r.dtype for r in records}
+    sdt = {r.state_dtype for r in records} if t.has_state else set()
+    if len(mdt) > 1 or len(sdt) > 1:
+        raise UnsupportedLayout(f"{what} of the target layout would mix master or optimizer-state dtypes "
+                                f"({', '.join(sorted(mdt | {d for d in sdt if d}))})", path=t.ckpt.location.tag_dir,
+                                hint="keep the source's param groups (same stage), or reshard to ZeRO-3")
+    return (mdt.pop() if mdt else "float32"), (sdt.pop() if sdt else None)
 
-    def model_file(self, rank: int, module, param_shapes, frozen_shapes, frozen_frags) -> dict:
-        """The model-states dict, keys in the source's order (DeepSpeed's), client-state keys included."""
-        ms0 = self.ms0
-        shared = ms0.get("shared_params")
-        values = {
-            "module": module,
-            "buffer_names": list(ms0.get("buffer_names") or []),
-            "optimizer": None,
-            "param_shapes": param_shapes,
-            "frozen_param_shapes": frozen_shapes,
-            "shared_params": dict(shared or {}) if rank == 0 else {},
-            "frozen_param_fragments": frozen_frags,
-            "dp_world_size": self.ws,
-            "ds_config": copy.deepcopy(self.cfg),
-        }
-        order = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                 "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
-                 "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-                 "checkpoint_parallel_dimensions", "ds_config", "ds_version"]
-        keys = list(ms0.keys()) + [k for k in order if k not in ms0 and k in values]
-        out = {}
-        for k in keys:
-            out[k] = values[k] if k in values else self.conv(ms0[k])
-        return out
 
-    # ---- module state dict
-    def module_stage12(self) -> OrderedDict:
-        module = self.ms0.get("module") or {}
-        out = OrderedDict()
-        made: dict[str, TensorOut] = {}
-        for name, src in module.items():
-            rec = self.byname.get(name)
-            if rec is None:
-                out[name] = self.conv(src)
-                continue
-            base = self.byname.get(rec.tied_to) if rec.kind == "tied" else rec
-            key = base.name if base is not None else name
-            if key in made:
-                out[name] = made[key]
-                continue
-            if base is None:
-                t = self.conv(src)
-            elif base.kind == "trainable":
-                lp = self.lp_dtype(base)
-                msrc = module.get(base.name)
-                if self.ckpt.stage != 3 and isinstance(msrc, LazyTensor) and msrc.numel == base.numel:
-                    t = self.conv(msrc)
-                else:
-                    segs = list(base.value) if lp == base.dtype else [Cast(list(base.value), base.dtype)]
-                    t = TensorOut(lp, base.shape, segs)
-            else:  # frozen, buffer
-                if self.ckpt.stage != 3 and isinstance(module.get(base.name), LazyTensor):
-                    t = self.conv(module[base.name])
-                else:
-                    t = TensorOut(base.dtype, base.shape, list(base.value))
-            made[key] = t
-            out[name] = t
-        return out
+def _loss_scaler_state(t: _Target) -> OrderedDict:
+    scaler = t.osd0.get("loss_scaler")
+    return OrderedDict([
+        ("loss_scaler", t.conv(scaler) if scaler is not None else W.default_loss_scaler()),
+        ("dynamic_loss_scale", bool(t.osd0.get("dynamic_loss_scale", False))),
+        ("overflow", bool(t.osd0.get("overflow", False))),
+    ])
 
-    def module_stage3(self) -> OrderedDict:
-        module = self.ms0.get("module") or {}
-        out = OrderedDict()
-        placeholders: dict[str, TensorOut] = {}
-        for name, src in module.items():
-            rec = self.byname.get(name)
-            if rec is None:
-                out[name] = self.conv(src)
-            elif rec.kind == "buffer":
-                if self.ckpt.stage == 3:
-                    out[name] = self.conv(src)
-                else:
-                    out[name] = TensorOut(rec.dtype, rec.shape, list(rec.value))
-            else:
-                base = rec.tied_to if rec.kind == "tied" else name
-                if base not in placeholders:
-                    brec = self.byname.get(base, rec)
-                    placeholders[base] = TensorOut(self.lp_dtype(brec), (0,), [])
-                out[name] = placeholders[base]
-        return out
 
-    # ---- ZeRO-1/2 and the BF16 optimizer
-    def plan_stage12(self) -> list[OutFile]:
-        ws, files = self.ws, []
-        align = bool((self.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) \
-            and self.flavour == "zero"
-        layouts, flats = [], []
-        dtypes = []  # per group: (master dtype, moment dtype), as the source stores them
-        for g in self.groups:
-            itemsize = DTYPE_SIZES[self.lp_dtype(g.records[0])] if g.records else 2
-            lay = W.flat_group_layout([r.numel for r in g.records], ws, itemsize, align)
-            layouts.append(lay)
-            mdt, sdt = self.flat_dtypes(g.records, f"param group {g.index}")
-            dtypes.append((mdt, sdt))
-            flats.append({k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
-                          for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-                          if k == "fp32" or self.has_state})
-            self.partitions.append({"group": g.index, "numel": sum(r.numel for r in g.records),
-                                    "partition": lay.partition,
-                                    "paddings": [lay.group_padding(r) for r in range(ws)]})
-        for rank in self.ranks:
-            fp32_parts, state, pgroups, gpads, maps = [], OrderedDict(), [], [], []
-            for gi, (g, lay, flat, (mdt, sdt)) in enumerate(zip(self.groups, layouts, flats, dtypes)):
-                P, pad = lay.partition, lay.group_padding(rank)
-                keep = P if self.flavour == "bf16_optimizer" else P - pad
-                fp32_parts.append(TensorOut(mdt, (keep,), W.slice_segments(flat["fp32"], rank * P, keep)))
-                if self.has_state:
-                    state[gi] = OrderedDict([
-                        ("step", _step_out(g.step)),
-                        ("exp_avg", TensorOut(sdt, (P,), W.slice_segments(flat["exp_avg"], rank * P, P))),
-                        ("exp_avg_sq", TensorOut(sdt, (P,), W.slice_segments(flat["exp_avg_sq"], rank * P, P))),
-                    ])
-                pgroups.append(_group_params(g.hyper, [gi], self.conv))
-                gpads.append(pad)
-                maps.append(OrderedDict((g.records[i].name, W.fragment_address(n, s))
-                                        for i, n, s in lay.slice_map(rank)))
-            base = {"state": state, "param_groups": pgroups}
-            osd = OrderedDict()
-            if self.flavour == "zero":
-                osd.update(self.loss_scaler_state())
-            osd["clip_grad"] = self.clip_grad()
-            osd["base_optimizer_state"] = _elastic_base(state, gpads) if self.elastic else base
-            if self.elastic and "base_optimizer_state_step" in self.osd0:
-                osd["base_optimizer_state_step"] = self.conv(self.osd0["base_optimizer_state_step"])
-            osd["single_partition_of_fp32_groups"] = fp32_parts
-            if self.flavour == "zero":
-                osd["zero_stage"] = W.zero_stage_enum(self.stage)
-            osd["group_paddings"] = gpads
-            if self.flavour == "zero":
-                osd["param_alignment_paddings"] = [list(lay.param_paddings) for lay in layouts]
-            osd["partition_count"] = [ws] * len(self.groups)
-            osd["ds_version"] = self.version
-            osd["param_slice_mappings"] = maps
-            files.append(self.torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
+def _clip_grad(t: _Target) -> float:
+    if "clip_grad" in t.osd0:
+        return t.osd0["clip_grad"]
+    return float(t.ckpt.ds_config.get("gradient_clipping", 0.0) or 0.0)
 
-        module = self.module_stage12()
-        param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in g.records) for g in self.groups]
-        frozen_shapes = frozen_frags = None
-        if self.stage == 2:
-            frozen = self.frozen_records()
-            if frozen or self.ms0.get("frozen_param_shapes") is not None:
-                frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
-                frozen_frags = OrderedDict((r.name, module[r.name] if r.name in module else
-                                            TensorOut(r.dtype, r.shape, list(r.value))) for r in frozen)
-        ms = self.model_file(0, module, param_shapes, frozen_shapes, frozen_frags)
-        files.insert(0, self.torch_file(self.model_name(0), ms))
-        return files
 
-    # ---- ZeRO-3
-    def plan_stage3(self) -> list[OutFile]:
-        ws, files = self.ws, []
-        sgs = self.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
-        sgs = int(float(sgs)) if sgs is not None else None
-        subs: list[tuple[_Group, list[TensorRecord]]] = []
-        ids_of_group: dict[int, list[int]] = {}
-        for g in self.groups:
-            for idx in W.zero3_sub_groups([r.numel for r in g.records], ws, sgs):
-                ids_of_group.setdefault(g.index, []).append(len(subs))
-                subs.append((g, [g.records[i] for i in idx]))
-        for s, (g, recs) in enumerate(subs):
-            self.partitions.append({"sub_group": s, "group": g.index, "params": len(recs),
-                                    "partition": sum(W.zero3_part(r.numel, ws) for r in recs)})
-        frozen = self.frozen_records()
-        module = self.module_stage3()
-        param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in recs) for _, recs in subs]
-        sub_dtypes = [self.flat_dtypes(recs, f"ZeRO-3 sub-group {s}") for s, (_, recs) in enumerate(subs)]
-        for rank in self.ranks:
-            flat, state = [], OrderedDict()
-            for s, (g, recs) in enumerate(subs):
-                numel = sum(W.zero3_part(r.numel, ws) for r in recs)
+def _frozen_records(t: _Target) -> list[TensorRecord]:
+    return [r for r in t.ckpt.records if r.kind == "frozen"]
 
-                def part(attr, recs=recs, s=s):
-                    dtype = sub_dtypes[s][0 if attr == "value" else 1]
-                    segs = []
-                    for r in recs:
-                        segs += W.zero3_rank_slice(list(getattr(r, attr)), r.numel, ws, rank, dtype)
-                    return TensorOut(dtype, (numel,), segs)
 
-                flat.append(part("value"))
-                if self.has_state:
-                    state[s] = OrderedDict([("step", _step_out(g.step)), ("exp_avg", part("exp_avg")),
-                                            ("exp_avg_sq", part("exp_avg_sq"))])
-            pgroups = [_group_params(g.hyper, ids_of_group.get(g.index, []), self.conv) for g in self.groups]
-            osd = OrderedDict([("zero_stage", W.zero_stage_enum(3))])
-            osd.update(self.loss_scaler_state())
-            osd["partition_count"] = ws
-            osd["optimizer_state_dict"] = {"state": state, "param_groups": pgroups}
-            osd["fp32_flat_groups"] = flat
-            files.append(self.torch_file(self.optim_name(rank), self.optim_file(rank, osd)))
+def _optim_file(t: _Target, rank: int, osd: dict) -> TorchObject:
+    return TorchObject(t.optim_path(rank), {"optimizer_state_dict": osd, "ds_config": copy.deepcopy(t.cfg),
+                                            "ds_version": t.version})
 
-            frozen_shapes = frozen_frags = None
-            if frozen or self.ms0.get("frozen_param_shapes") is not None:
-                frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
-                frozen_frags = OrderedDict(
-                    (r.name, TensorOut(r.dtype, (W.zero3_part(r.numel, ws),),
-                                       W.zero3_rank_slice(list(r.value), r.numel, ws, rank, r.dtype)))
-                    for r in frozen)
-            ms = self.model_file(rank, module, param_shapes, frozen_shapes, frozen_frags)
-            files.insert(rank, self.torch_file(self.model_name(rank), ms))
-        return files
 
-    def torch_file(self, name: str, obj, folder: str | None = None) -> OutFile:
-        from zckpt.engine.torchzip import dumps
-        if not self.count_bytes:  # plan_ranks: the files are not written, sizing them would pickle them twice
-            return OutFile(os.path.join(folder or self.tag, name), obj=obj)
-        _, tensors = dumps(obj)
-        return OutFile(os.path.join(folder or self.tag, name), obj=obj, nbytes=sum(t.nbytes for t in tensors))
+_MODEL_KEYS = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+               "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+               "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+               "checkpoint_parallel_dimensions", "ds_config", "ds_version"]
+
+
+def _model_file(t: _Target, rank: int, module, param_shapes, frozen_shapes, frozen_frags) -> TorchObject:
+    """The model-states file of ``rank``, keys in the source's order (DeepSpeed's), client-state keys included."""
+    ms0 = t.ms0
+    shared = ms0.get("shared_params")
+    values = {
+        "module": module,
+        "buffer_names": list(ms0.get("buffer_names") or []),
+        "optimizer": None,
+        "param_shapes": param_shapes,
+        "frozen_param_shapes": frozen_shapes,
+        "shared_params": dict(shared or {}) if rank == 0 else {},
+        "frozen_param_fragments": frozen_frags,
+        "dp_world_size": t.world_size,
+        "ds_config": copy.deepcopy(t.cfg),
+    }
+    keys = list(ms0.keys()) + [k for k in _MODEL_KEYS if k not in ms0 and k in values]
+    return TorchObject(t.model_path(rank), {k: values[k] if k in values else t.conv(ms0[k]) for k in keys})
+
+
+# ---- module state dicts
+
+def _module_zero12(t: _Target) -> OrderedDict:
+    """The full ``module`` state dict of a ZeRO-1/2 model-states file (tied weights stay one tensor)."""
+    module = t.ms0.get("module") or {}
+    byname = t.ckpt.by_name()
+    out = OrderedDict()
+    made: dict[str, TensorOut] = {}
+    for name, src in module.items():
+        rec = byname.get(name)
+        if rec is None:
+            out[name] = t.conv(src)
+            continue
+        base = byname.get(rec.tied_to) if rec.kind == "tied" else rec
+        key = base.name if base is not None else name
+        if key not in made:
+            made[key] = t.conv(src) if base is None else _module_tensor_zero12(t, base, module.get(base.name))
+        out[name] = made[key]
+    return out
+
+
+def _module_tensor_zero12(t: _Target, base: TensorRecord, msrc) -> TensorOut:
+    """One full weight: the source module's own tensor when it holds it whole (ZeRO-1/2 source), else the
+    record's pieces (a trainable one cast from its fp32 master to the low-precision dtype)."""
+    if t.ckpt.stage != 3 and isinstance(msrc, LazyTensor) and (base.kind != "trainable" or msrc.numel == base.numel):
+        return t.conv(msrc)
+    if base.kind == "trainable":
+        lp = t.lp_dtype(base)
+        return TensorOut(lp, base.shape, list(base.value) if lp == base.dtype else [Cast(list(base.value), base.dtype)])
+    return TensorOut(base.dtype, base.shape, list(base.value))  # frozen, buffer
+
+
+def _module_zero3(t: _Target) -> OrderedDict:
+    """The ``module`` of a ZeRO-3 model-states file: buffers whole, parameters as empty placeholders."""
+    module = t.ms0.get("module") or {}
+    byname = t.ckpt.by_name()
+    out = OrderedDict()
+    placeholders: dict[str, TensorOut] = {}
+    for name, src in module.items():
+        rec = byname.get(name)
+        if rec is None or (rec.kind == "buffer" and t.ckpt.stage == 3):
+            out[name] = t.conv(src)
+        elif rec.kind == "buffer":
+            out[name] = TensorOut(rec.dtype, rec.shape, list(rec.value))
+        else:
+            base = rec.tied_to if rec.kind == "tied" else name
+            if base not in placeholders:
+                placeholders[base] = TensorOut(t.lp_dtype(byname.get(base, rec)), (0,), [])
+            out[name] = placeholders[base]
+    return out
+
+
+# ---- ZeRO-1/2 and the BF16 optimizer
+
+@dataclass
+class _FlatGroup:
+    """One param group laid out flat at the target size: ``flat`` maps fp32 / exp_avg / exp_avg_sq to the
+    segments of the whole padded group, in the dtypes the source stores them in."""
+
+    group: _Group
+    layout: W.FlatGroupLayout
+    flat: dict[str, list]
+    master_dtype: str
+    state_dtype: str | None
+
+
+def _flat_groups(t: _Target) -> list[_FlatGroup]:
+    align = bool((t.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) and t.flavour == "zero"
+    out = []
+    for g in t.groups:
+        itemsize = DTYPE_SIZES[t.lp_dtype(g.records[0])] if g.records else 2
+        lay = W.flat_group_layout([r.numel for r in g.records], t.world_size, itemsize, align)
+        mdt, sdt = _flat_dtypes(t, g.records, f"param group {g.index}")
+        flat = {k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
+                for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+                if k == "fp32" or t.has_state}
+        out.append(_FlatGroup(g, lay, flat, mdt, sdt))
+    return out
+
+
+def _flat_partitions(t: _Target, fgs: list[_FlatGroup]) -> list[dict]:
+    return [{"group": fg.group.index, "numel": sum(r.numel for r in fg.group.records),
+             "partition": fg.layout.partition, "paddings": [fg.layout.group_padding(r) for r in range(t.world_size)]}
+            for fg in fgs]
+
+
+def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int) -> TorchObject:
+    """Rank ``rank``'s optimizer-states file: its window of every flat group, moments, paddings, slice maps."""
+    fp32_parts, state, pgroups, gpads, maps = [], OrderedDict(), [], [], []
+    for gi, fg in enumerate(fgs):
+        lay, flat = fg.layout, fg.flat
+        P, pad = lay.partition, lay.group_padding(rank)
+        keep = P if t.flavour == "bf16_optimizer" else P - pad
+        fp32_parts.append(TensorOut(fg.master_dtype, (keep,), W.slice_segments(flat["fp32"], rank * P, keep)))
+        if t.has_state:
+            state[gi] = OrderedDict([
+                ("step", _step_out(fg.group.step)),
+                ("exp_avg", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg"], rank * P, P))),
+                ("exp_avg_sq", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg_sq"], rank * P, P))),
+            ])
+        pgroups.append(_group_params(fg.group.hyper, [gi], t.conv))
+        gpads.append(pad)
+        maps.append(OrderedDict((fg.group.records[i].name, W.fragment_address(n, s))
+                                for i, n, s in lay.slice_map(rank)))
+    osd = OrderedDict()
+    if t.flavour == "zero":
+        osd.update(_loss_scaler_state(t))
+    osd["clip_grad"] = _clip_grad(t)
+    osd["base_optimizer_state"] = _elastic_base(state, gpads) if t.elastic else {"state": state,
+                                                                                  "param_groups": pgroups}
+    if t.elastic and "base_optimizer_state_step" in t.osd0:
+        osd["base_optimizer_state_step"] = t.conv(t.osd0["base_optimizer_state_step"])
+    osd["single_partition_of_fp32_groups"] = fp32_parts
+    if t.flavour == "zero":
+        osd["zero_stage"] = W.zero_stage_enum(t.stage)
+    osd["group_paddings"] = gpads
+    if t.flavour == "zero":
+        osd["param_alignment_paddings"] = [list(fg.layout.param_paddings) for fg in fgs]
+    osd["partition_count"] = [t.world_size] * len(fgs)
+    osd["ds_version"] = t.version
+    osd["param_slice_mappings"] = maps
+    return _optim_file(t, rank, osd)
+
+
+def _zero12_model(t: _Target) -> TorchObject:
+    """The one model-states file of ZeRO-1/2: full weights; ZeRO-2 also lists the frozen params."""
+    module = _module_zero12(t)
+    param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in g.records) for g in t.groups]
+    frozen_shapes = frozen_frags = None
+    if t.stage == 2:
+        frozen = _frozen_records(t)
+        if frozen or t.ms0.get("frozen_param_shapes") is not None:
+            frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
+            frozen_frags = OrderedDict((r.name, module[r.name] if r.name in module else
+                                        TensorOut(r.dtype, r.shape, list(r.value))) for r in frozen)
+    return _model_file(t, 0, module, param_shapes, frozen_shapes, frozen_frags)
+
+
+def _plan_zero12(t: _Target) -> tuple[list[TorchObject], list[dict]]:
+    fgs = _flat_groups(t)
+    optim = [_zero12_optim(t, fgs, rank) for rank in t.ranks]
+    return [_zero12_model(t)] + optim, _flat_partitions(t, fgs)
+
+
+# ---- ZeRO-3
+
+@dataclass
+class _SubGroup:
+    """One ZeRO-3 sub-group: consecutive params of a user group flattened into one partition per rank."""
+
+    group: _Group
+    records: list[TensorRecord]
+    master_dtype: str
+    state_dtype: str | None
+
+    def partition(self, ws: int) -> int:
+        return sum(W.zero3_part(r.numel, ws) for r in self.records)
+
+    def rank_slice(self, attr: str, ws: int, rank: int) -> TensorOut:
+        """This sub-group's partition of rank ``rank``: each param's ceil(n/ws) slice, for ``attr`` (value,
+        exp_avg, exp_avg_sq)."""
+        dtype = self.master_dtype if attr == "value" else self.state_dtype
+        segs = []
+        for r in self.records:
+            segs += W.zero3_rank_slice(list(getattr(r, attr)), r.numel, ws, rank, dtype)
+        return TensorOut(dtype, (self.partition(ws),), segs)
+
+
+def _sub_groups(t: _Target) -> list[_SubGroup]:
+    sgs = t.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
+    sgs = int(float(sgs)) if sgs is not None else None
+    cut = [(g, [g.records[i] for i in idx]) for g in t.groups
+           for idx in W.zero3_sub_groups([r.numel for r in g.records], t.world_size, sgs)]
+    return [_SubGroup(g, recs, *_flat_dtypes(t, recs, f"ZeRO-3 sub-group {s}")) for s, (g, recs) in enumerate(cut)]
+
+
+def _sub_partitions(t: _Target, subs: list[_SubGroup]) -> list[dict]:
+    return [{"sub_group": s, "group": sg.group.index, "params": len(sg.records),
+             "partition": sg.partition(t.world_size)} for s, sg in enumerate(subs)]
+
+
+def _zero3_optim(t: _Target, subs: list[_SubGroup], rank: int) -> TorchObject:
+    """Rank ``rank``'s optimizer-states file: its slice of every sub-group, moments, the user param groups."""
+    ws, flat, state = t.world_size, [], OrderedDict()
+    for s, sg in enumerate(subs):
+        flat.append(sg.rank_slice("value", ws, rank))
+        if t.has_state:
+            state[s] = OrderedDict([("step", _step_out(sg.group.step)), ("exp_avg", sg.rank_slice("exp_avg", ws, rank)),
+                                    ("exp_avg_sq", sg.rank_slice("exp_avg_sq", ws, rank))])
+    pgroups = [_group_params(g.hyper, [s for s, sg in enumerate(subs) if sg.group.index == g.index], t.conv)
+               for g in t.groups]
+    osd = OrderedDict([("zero_stage", W.zero_stage_enum(3))])
+    osd.update(_loss_scaler_state(t))
+    osd["partition_count"] = ws
+    osd["optimizer_state_dict"] = {"state": state, "param_groups": pgroups}
+    osd["fp32_flat_groups"] = flat
+    return _optim_file(t, rank, osd)
+
+
+def _zero3_model(t: _Target, subs: list[_SubGroup], module: OrderedDict, rank: int) -> TorchObject:
+    """Rank ``rank``'s model-states file: placeholder module, shapes per sub-group, its frozen-param slices."""
+    ws, frozen = t.world_size, _frozen_records(t)
+    param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in sg.records) for sg in subs]
+    frozen_shapes = frozen_frags = None
+    if frozen or t.ms0.get("frozen_param_shapes") is not None:
+        frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
+        frozen_frags = OrderedDict(
+            (r.name, TensorOut(r.dtype, (W.zero3_part(r.numel, ws),),
+                               W.zero3_rank_slice(list(r.value), r.numel, ws, rank, r.dtype)))
+            for r in frozen)
+    return _model_file(t, rank, module, param_shapes, frozen_shapes, frozen_frags)
+
+
+def _plan_zero3(t: _Target) -> tuple[list[TorchObject], list[dict]]:
+    subs = _sub_groups(t)
+    module = _module_zero3(t)  # one placeholder module, shared by every rank's file
+    models = [_zero3_model(t, subs, module, rank) for rank in t.ranks]
+    optims = [_zero3_optim(t, subs, rank) for rank in t.ranks]
+    return models + optims, _sub_partitions(t, subs)
+
+
+def _plan_native(t: _Target) -> tuple[list[TorchObject], list[dict]]:
+    """The target's model- and optimizer-states files as object trees (in the order they are written), and
+    the partition sizes per group / sub-group."""
+    return _plan_zero3(t) if t.stage == 3 else _plan_zero12(t)
+
+
+def _planned(obj: TorchObject) -> PlannedFile:
+    """A torch file laid out once: pickled, every entry placed; execute writes exactly this."""
+    archive = torchzip.plan_archive(obj.obj, torchzip.archive_name_of(obj.relpath))
+    return PlannedFile(obj.relpath, "torch", archive.file_size, archive.payload_bytes, archive=archive, obj=obj.obj)
 
 
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
@@ -515,7 +616,8 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
 
 def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf16_optimizer: bool | None = None,
                  fmt: str = "deepspeed") -> ReshardPlan:
-    """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged)."""
+    """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
+    every torch file laid out once into its final bytes (:class:`PlannedFile`), then the side files."""
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown --format {fmt!r}", hint="use deepspeed or universal")
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
@@ -523,15 +625,15 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
                                 "layout's optimizer_state.pt needs", path=ckpt.location.tag_dir,
                                 hint="reshard it in the DeepSpeed layout: an elastic engine loads it at any size")
-    planner = _Planner(ckpt, world_size, stage, flavour)
-    files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
+    t = _target(ckpt, world_size, stage, flavour)
+    objects, partitions = _plan_native(t)
     if fmt == "universal":
         from zckpt.ops import universal
-        files, _ = universal.plan_universal(ckpt, planner, files)
-    files += _side_files(ckpt, world_size)
-    plan = ReshardPlan(ckpt.location.input_path, output_tag(ckpt), fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
-                       flavour, world_size, ckpt.precision, files, planner.notes, planner.partitions)
-    if not planner.has_state:
+        objects = universal.plan_universal(ckpt, t.tag, stage, t.groups, t.has_state, objects)
+    files = [_planned(o) for o in objects] + _side_files(ckpt, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
+                       flavour, world_size, ckpt.precision, files, partitions=partitions)
+    if not t.has_state:
         plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
     return plan
 
@@ -539,21 +641,21 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
 def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
                bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
     """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
-    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`).
+    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`). The files
+    are object trees to load (kind "object"), not laid out for writing.
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
     ``parameter_alignment``), applied where they differ from the source config's."""
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
-    planner = _Planner(ckpt, world_size, stage, flavour)
-    planner.ranks = [int(r) for r in ranks]
-    planner.count_bytes = False
-    zcfg = planner.cfg.setdefault("zero_optimization", {})
+    t = _target(ckpt, world_size, stage, flavour, ranks)
+    zcfg = t.cfg.setdefault("zero_optimization", {})
     defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
     for key, value in (zero or {}).items():
         if value is not None and zcfg.get(key, defaults.get(key)) != value:
             zcfg[key] = value
-    files = planner.plan_stage3() if stage == 3 else planner.plan_stage12()
-    return ReshardPlan(ckpt.location.input_path, output_tag(ckpt), "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
-                       stage, flavour, world_size, ckpt.precision, files, planner.notes, planner.partitions)
+    objects, partitions = _plan_native(t)
+    files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]
+    return ReshardPlan(ckpt.location.input_path, t.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
+                       stage, flavour, world_size, ckpt.precision, files, partitions=partitions)
 
 
 # ---------------------------------------------------------------------------------------------- side files
@@ -562,24 +664,28 @@ def _rng_name(rank: int, world_size: int) -> str:
     return "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
 
 
-def _side_files(ckpt: Checkpoint, world_size: int) -> list[OutFile]:
+def _copied(relpath: str, src: str, nbytes: int) -> PlannedFile:
+    return PlannedFile(relpath, "copy", nbytes, nbytes, src=src)
+
+
+def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
     """Recovery scripts, and a Trainer checkpoint's own files (config, trainer_state.json, RNG states...)."""
-    loc = ckpt.location
-    out: list[OutFile] = []
+    loc, opts = ckpt.location, ckpt.storage_options
+    out: list[PlannedFile] = []
     seen = set()
-    save_names = set(storage.listdir(loc.save_dir)) if loc.save_dir else set()
+    save_names = set(storage.listdir(loc.save_dir, opts)) if loc.save_dir else set()
     for name in SCRIPTS:
         if name in save_names:
             p = storage.join(loc.save_dir, name)
-            out.append(OutFile(name, src=p, nbytes=storage.size(p)))
+            out.append(_copied(name, p, storage.size(p, opts)))
             seen.add(name)
     if not loc.trainer_dir:
         return out
-    names = storage.listdir(loc.trainer_dir)
+    names = storage.listdir(loc.trainer_dir, opts)
     rng_src = {}
     for name in names:
         path = storage.join(loc.trainer_dir, name)
-        if name in seen or name in ("latest", publish.MARKER) or name == loc.tag or not storage.isfile(path):
+        if name in seen or name in ("latest", publish.MARKER) or name == loc.tag or not storage.isfile(path, opts):
             continue
         if name == "rng_state.pth":
             rng_src[0] = path
@@ -587,10 +693,10 @@ def _side_files(ckpt: Checkpoint, world_size: int) -> list[OutFile]:
         if name.startswith("rng_state_") and name.endswith(".pth") and name[10:-4].isdigit():
             rng_src[int(name[10:-4])] = path
             continue
-        out.append(OutFile(name, src=path, nbytes=storage.size(path)))
+        out.append(_copied(name, path, storage.size(path, opts)))
     for rank in range(world_size):  # ranks beyond the source's get no RNG file: the Trainer warns and goes on
         if rank in rng_src:
-            out.append(OutFile(_rng_name(rank, world_size), src=rng_src[rank], nbytes=storage.size(rng_src[rank])))
+            out.append(_copied(_rng_name(rank, world_size), rng_src[rank], storage.size(rng_src[rank], opts)))
     return out
 
 
@@ -603,9 +709,9 @@ def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None
     publish.check_output(out, "reshard", source, overwrite)
 
 
-def _copy_file(src: str, dst: str) -> int:
+def _copy_file(src: str, dst: str, storage_options: dict | None = None) -> int:
     if storage.is_url(src):
-        data = storage.read_bytes(src)
+        data = storage.read_bytes(src, storage_options)
         with open(dst, "wb") as f:
             f.write(data)
         return len(data)
@@ -615,13 +721,17 @@ def _copy_file(src: str, dst: str) -> int:
 
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
-            durable: bool = False, source: publish.Source | None = None) -> None:
+            durable: bool = False, source: publish.Source | None = None,
+            storage_options: dict | None = None) -> None:
     """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
     ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
-    fsyncs every file (flushing each while the next is written) before ``latest`` and the rename."""
-    from zckpt.engine import torchzip
+    fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
+    ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's)."""
+    if any(f.kind not in ("torch", "copy") for f in plan.files):
+        raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
+                              hint="plan with plan_reshard")
     _check_out(out, overwrite, source)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
@@ -631,7 +741,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    worker, maps = executor.Worker(), torchzip.SourceMaps()
+    worker, maps = executor.Worker(storage_options=storage_options), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
             written = []
@@ -639,14 +749,11 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
                 for f in plan.files:
                     executor.test_delay()
                     dst = pub.path(f.relpath)
-                    if f.obj is not None:
-                        torchzip.save(f.obj, dst, pool=pool, progress=step, worker=worker, maps=maps)
-                    elif f.src is not None:
-                        step(_copy_file(f.src, dst))
+                    if f.kind == "torch":  # the archive planned: nothing is pickled again
+                        torchzip.write_planned(f.archive, dst, pool=pool, progress=step, worker=worker, maps=maps)
+                        step(f.nbytes - f.payload_bytes)  # pickle, headers, central directory
                     else:
-                        with open(dst, "wb") as fh:
-                            fh.write(f.data)
-                        step(len(f.data))
+                        step(_copy_file(f.src, dst, storage_options))
                     pub.done(f.relpath)
                     if durable:  # flushes while the next file is written
                         written.append(syncer.submit(torchzip.fsync_all, [dst]))
@@ -670,7 +777,8 @@ def default_output(source: publish.Source, world_size: int, stage: int | None, f
 def reshard(path: str, out: str | None = None, world_size: int | None = None, stage: int | None = None,
             fmt: str = "deepspeed", tag: str | None = None, dry_run: bool = False, overwrite: bool = False,
             workers: int | None = None, progress: Callable[[int, int], None] | None = None,
-            bf16_optimizer: bool | None = None, durable: bool = False) -> ReshardResult:
+            bf16_optimizer: bool | None = None, durable: bool = False,
+            storage_options: dict | None = None) -> ReshardResult:
     """Re-partition the checkpoint at ``path`` for ``world_size`` ranks (and ``stage``) into the folder ``out``.
 
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
@@ -680,11 +788,12 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
     (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
+    ``storage_options``: fsspec options for a URL ``path`` (the output is always local), for this call only.
     """
     t0 = time.perf_counter()
     if world_size is None:
         raise InvalidArgument("a target world size is required", hint="pass --world-size M")
-    ckpt = open_checkpoint(path, tag)
+    ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
     _check_out(out, overwrite, source)  # before planning or writing anything
@@ -693,6 +802,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     if dry_run:
         return result
     execute(plan, out, workers, overwrite, progress,
-            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable, source=source)
+            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable, source=source,
+            storage_options=ckpt.storage_options)
     result.seconds = time.perf_counter() - t0
     return result

@@ -205,9 +205,10 @@ def _own_optim(plan, target: Target):
 class Materializer:
     """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written file returns."""
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, storage_options: dict | None = None):
         from zckpt.formats.tensors import Reader
-        self.reader = Reader()  # thread-safe: one descriptor per file, positioned reads
+        # thread-safe: one descriptor per file, positioned reads; URLs with the source's ``storage_options``
+        self.reader = Reader(storage_options)
         self.workers = workers or min(8, os.cpu_count() or 2)
         self.bytes_read = 0
         self.lock = threading.Lock()
@@ -374,7 +375,8 @@ class ResumeInfo:
 
 def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, scratch_dir: str | None = None, force_reshard: bool = False):
+                    load_module_only: bool = False, scratch_dir: str | None = None, force_reshard: bool = False,
+                    storage_options: dict | None = None):
     """Load the checkpoint at ``path`` into ``engine``, whatever world size and ZeRO stage it was saved at.
 
     Call it on every rank, like ``engine.load_checkpoint``, whose arguments and result (``(load_path,
@@ -385,6 +387,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     group mismatch) raises the same one-line :class:`~zckpt.errors.ZckptError` on every rank before any state is
     touched. ``force_reshard``: take the in-memory route even where a plain load would do (tests, benchmarks).
     ``scratch_dir``: where the empty placeholder file goes (default: the system temp folder).
+    ``storage_options``: fsspec options for a URL ``path`` (endpoint, credentials...), for this call only.
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -394,7 +397,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     seconds = {}
     try:
         target = engine_target(engine)
-        ckpt = open_checkpoint(path, tag)
+        ckpt = open_checkpoint(path, tag, storage_options)
         seconds["open"] = time.perf_counter() - t0
         check_compatible(ckpt, engine, target)
         native = (not force_reshard and not storage.is_url(ckpt.location.tag_dir)
@@ -414,7 +417,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
                               zero=target.zero)
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
-            mat = Materializer()
+            mat = Materializer(storage_options=ckpt.storage_options)
             for f in plan.files:
                 objects[os.path.basename(f.relpath)] = mat.load(f.obj)
             seconds["read"] = time.perf_counter() - t0 - seconds["open"] - seconds["plan"]

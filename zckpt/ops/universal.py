@@ -22,7 +22,7 @@ import os
 from collections import OrderedDict
 
 from zckpt.deepspeed.model import Checkpoint, pieces_of
-from zckpt.deepspeed.writer import OutFile
+from zckpt.deepspeed.writer import TorchObject
 from zckpt.formats.safeload import LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut
@@ -34,60 +34,70 @@ def _param_file(t: TensorOut, stage: int):
     return {"param": t, "cat_dim": 0} if stage <= 2 else TensorOut(t.dtype, (t.numel,), t.segments)
 
 
-def plan_universal(ckpt: Checkpoint, planner, native_files: list) -> tuple[list, list[str]]:
-    """Universal-layout files from a native plan (``planner``, ``native_files``) of the target stage."""
-    tag_dir = f"{planner.tag}_universal"
-    stage = planner.stage
-    files: list[OutFile] = []
-    rank0_optim = None
-    for f in native_files:
-        name = os.path.basename(f.relpath)
-        if name.endswith("_optim_states.pt"):
-            if "zero_pp_rank_0_" in name:
-                rank0_optim = f.obj["optimizer_state_dict"]
-            continue
-        if name.endswith("_model_states.pt"):
-            files.append(planner.torch_file(name, f.obj, folder=tag_dir))
-    osd = rank0_optim
+def plan_universal(ckpt: Checkpoint, tag: str, stage: int, groups: list, has_state: bool,
+                   native: list[TorchObject]) -> list[TorchObject]:
+    """The universal layout's files, as object trees, from the native files of the target ``stage`` (``native``:
+    its model-states files are kept, rank 0's optimizer file gives ``optimizer_state.pt``). ``groups``: the
+    source's user param groups (``records``, ``step``); ``has_state``: Adam moments exist."""
+    tag_dir = f"{tag}_universal"
+    files = [TorchObject(os.path.join(tag_dir, os.path.basename(f.relpath)), f.obj) for f in native
+             if f.relpath.endswith("_model_states.pt")]
+    rank0 = next(f.obj for f in native if os.path.basename(f.relpath).endswith("_optim_states.pt")
+                 and "zero_pp_rank_0_" in os.path.basename(f.relpath))
+    files.append(TorchObject(os.path.join(tag_dir, "zero", "optimizer_state.pt"),
+                             _optimizer_state(rank0["optimizer_state_dict"], stage)))
+    files += _param_files(groups, stage, has_state, tag_dir)
+    if stage <= 2:  # 0.19.8 also writes an fp32 "fallback" for every other key of `module`
+        done = {rec.name for g in groups for rec in g.records}
+        files += _fallback_files(ckpt, done, tag_dir)
+    return files
+
+
+def _optimizer_state(osd: dict, stage: int) -> OrderedDict:
+    """``zero/optimizer_state.pt``: rank 0's optimizer dict without the sharded tensors, + the param groups."""
     if stage <= 2:
         out = OrderedDict((k, v) for k, v in osd.items() if k not in SHARDED)
         out["param_groups"] = osd["base_optimizer_state"]["param_groups"]
-    else:
-        inner = osd["optimizer_state_dict"]
-        state = OrderedDict((s, OrderedDict([("step", st["step"])])) for s, st in inner["state"].items())
-        out = OrderedDict((k, v) for k, v in osd.items() if k not in ("optimizer_state_dict", "fp32_flat_groups"))
-        out["optimizer_state_dict"] = {"state": state, "param_groups": inner["param_groups"]}
-        out["param_groups"] = inner["param_groups"]
-    files.append(planner.torch_file(os.path.join("zero", "optimizer_state.pt"), out, folder=tag_dir))
+        return out
+    inner = osd["optimizer_state_dict"]
+    state = OrderedDict((s, OrderedDict([("step", st["step"])])) for s, st in inner["state"].items())
+    out = OrderedDict((k, v) for k, v in osd.items() if k not in ("optimizer_state_dict", "fp32_flat_groups"))
+    out["optimizer_state_dict"] = {"state": state, "param_groups": inner["param_groups"]}
+    out["param_groups"] = inner["param_groups"]
+    return out
 
-    done = set()
-    for g in planner.groups:
+
+def _param_files(groups: list, stage: int, has_state: bool, tag_dir: str) -> list[TorchObject]:
+    """``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` (+ ``step.pt`` at stage 1/2) of every trainable param."""
+    files = []
+    for g in groups:
         for rec in g.records:
-            base = os.path.join("zero", rec.name)
+            base = os.path.join(tag_dir, "zero", rec.name)
             states = [("fp32", rec.value)]
-            if planner.has_state:
+            if has_state:
                 states += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
             for key, pieces in states:  # kept in the dtype the source stores them in (fp32, or bf16 masters)
                 t = TensorOut(pieces[0].dtype if pieces else rec.dtype, rec.shape, list(pieces))
-                files.append(planner.torch_file(os.path.join(base, f"{key}.pt"), _param_file(t, stage),
-                                                 folder=tag_dir))
-            if stage <= 2 and planner.has_state:
+                files.append(TorchObject(os.path.join(base, f"{key}.pt"), _param_file(t, stage)))
+            if stage <= 2 and has_state:
                 step = g.step
-                obj = step
-                if isinstance(step, LazyTensor):
-                    obj = TensorOut(step.dtype, tuple(step.shape), pieces_of(step))
-                files.append(planner.torch_file(os.path.join(base, "step.pt"), obj, folder=tag_dir))
-            done.add(rec.name)
-    if stage <= 2:  # 0.19.8 also writes an fp32 "fallback" for every other key of `module`
-        byname = ckpt.by_name()
-        for rec in ckpt.records:
-            if rec.name in done:
-                continue
-            src = byname.get(rec.tied_to) if rec.kind == "tied" else rec
-            if src is None or not src.value:
-                continue
-            segs = list(src.value) if src.dtype == "float32" else [Cast(list(src.value), src.dtype)]
-            t = TensorOut("float32", src.shape, segs)
-            files.append(planner.torch_file(os.path.join("zero", rec.name, "fp32.pt"), {"param": t},
-                                             folder=tag_dir))
-    return files, []
+                obj = TensorOut(step.dtype, tuple(step.shape), pieces_of(step)) if isinstance(step, LazyTensor) \
+                    else step
+                files.append(TorchObject(os.path.join(base, "step.pt"), obj))
+    return files
+
+
+def _fallback_files(ckpt: Checkpoint, done: set, tag_dir: str) -> list[TorchObject]:
+    """``zero/<name>/fp32.pt`` ({'param': fp32 copy}) of every other module key: frozen weights, buffers."""
+    files = []
+    byname = ckpt.by_name()
+    for rec in ckpt.records:
+        if rec.name in done:
+            continue
+        src = byname.get(rec.tied_to) if rec.kind == "tied" else rec
+        if src is None or not src.value:
+            continue
+        segs = list(src.value) if src.dtype == "float32" else [Cast(list(src.value), src.dtype)]
+        t = TensorOut("float32", src.shape, segs)
+        files.append(TorchObject(os.path.join(tag_dir, "zero", rec.name, "fp32.pt"), {"param": t}))
+    return files

@@ -10,7 +10,6 @@ results) are checked against their ``.zckpt.json`` marker: without a complete on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -19,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt.io import publish, storage
+from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
@@ -55,49 +54,51 @@ class VerifyReport:
 
 
 def verify(path: str, tag: str | None = None, deep: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+           progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None) -> VerifyReport:
     """Verify the checkpoint at ``path``. Structural failures raise :class:`~zckpt.errors.ZckptError`
-    (the checkpoint cannot even be read); inconsistencies are reported as failed checks."""
+    (the checkpoint cannot even be read); inconsistencies are reported as failed checks.
+    ``storage_options``: fsspec options for a URL ``path`` (the CLI's ``--storage-option``), for this call only."""
     report = VerifyReport(str(path))
+    opts = storage_options
     try:
-        ckpt = open_checkpoint(path, tag)
+        ckpt = open_checkpoint(path, tag, opts)
     except CheckpointNotFound:
         # not a DeepSpeed checkpoint: a zckpt merge output (marker) or a folder published with a manifest still is
-        if tag is None and _is_merge_output(str(path)):
-            check_output_marker(str(path), report)
-            check_manifest(str(path), report, hashes=True, progress=progress)
+        if tag is None and _is_merge_output(str(path), opts):
+            check_output_marker(str(path), report, opts)
+            check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
-        if tag is None and storage.exists(storage.join(str(path), MANIFEST)):
-            check_manifest(str(path), report, hashes=True, progress=progress)
+        if tag is None and storage.exists(storage.join(str(path), MANIFEST), opts):
+            check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
         raise
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
-    if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER)):  # a zckpt reshard output
-        report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, check_files=False))
+    if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard output
+        report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, opts, check_files=False))
     if deep:
         check_bytes(ckpt, report, progress)
     else:
-        check_manifest(ckpt.location.input_path, report, hashes=False)
+        check_manifest(ckpt.location.input_path, report, hashes=False, storage_options=opts)
     return report
 
 
 _MERGED = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
 
 
-def _is_merge_output(folder: str) -> bool:
+def _is_merge_output(folder: str, storage_options: dict | None = None) -> bool:
     """A zckpt merge output, committed or not: its marker, or merged weight files without one."""
     try:
-        names = storage.listdir(folder)
+        names = storage.listdir(folder, storage_options)
     except (FileNotFoundError, NotADirectoryError):
         return False
     return publish.MARKER in names or any(_MERGED.match(n) for n in names)
 
 
-def check_output_marker(folder: str, report: VerifyReport) -> None:
+def check_output_marker(folder: str, report: VerifyReport, storage_options: dict | None = None) -> None:
     """A zckpt output is complete only with its ``.zckpt.json`` marker saying so and every file it lists there
     (on object stores the marker is written last: without it the output was interrupted or is being written)."""
-    ok, detail = publish.output_state(folder)
+    ok, detail = publish.output_state(folder, storage_options)
     report.add("zckpt output committed", ok, detail)
     if ok and not storage.is_url(folder):
         from zckpt.ops.scan import check_safetensors
@@ -141,14 +142,12 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
 
 
-def _scan_file(path: str) -> tuple[int, list[str], str]:
+def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, list[str], str]:
     """One sequential pass over a rank file: the CRC of every zip entry and the sha256 of the whole file.
 
     Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
     read of the same bytes."""
-    bad, total = [], 0
-    sha = hashlib.sha256()
-    with storage.open_input(path) as f:
+    with storage.open_input(path, storage_options) as f:
         try:
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
@@ -158,21 +157,23 @@ def _scan_file(path: str) -> tuple[int, list[str], str]:
         spans.sort()
         f.seek(0)
         pos, first = 0, 0
-        while chunk := f.read(8 << 20):
+
+        def add_crcs(chunk: memoryview) -> None:  # each entry's CRC over the bytes as they are hashed
+            nonlocal pos, first
             end = pos + len(chunk)
-            sha.update(chunk)
             for span in spans[first:]:
                 if span[0] >= end:
                     break
                 lo, hi = max(span[0], pos), min(span[1], end)
                 if lo < hi:
-                    span[4] = zlib.crc32(memoryview(chunk)[lo - pos:hi - pos], span[4])
+                    span[4] = zlib.crc32(chunk[lo - pos:hi - pos], span[4])
             while first < len(spans) and spans[first][1] <= end:
                 first += 1
             pos = end
-        total = pos
-    bad += [name for start, stop, want, name, crc in spans if stop > total or crc != want]
-    return total, bad, sha.hexdigest()
+
+        digest = hashing.sha256_stream(f, on_chunk=add_crcs, name=path)
+    bad = [name for start, stop, want, name, crc in spans if stop > pos or crc != want]
+    return pos, bad, digest
 
 
 def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
@@ -182,7 +183,7 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     damaged = []
     hashes = {}
     with ThreadPoolExecutor(4) as pool:
-        for path, (n, bad, digest) in zip(files, pool.map(_scan_file, files)):
+        for path, (n, bad, digest) in zip(files, pool.map(lambda p: _scan_file(p, ckpt.storage_options), files)):
             done += n
             report.bytes_read += n
             hashes[path] = digest
@@ -190,18 +191,20 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
     report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
-    check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes)
+    check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes, storage_options=ckpt.storage_options)
 
 
 def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None,
-                   known: dict[str, str] | None = None) -> None:
+                   known: dict[str, str] | None = None, storage_options: dict | None = None) -> None:
     """Check files against ``zckpt-manifest.json`` (sizes; with ``hashes`` also sha256), if the folder has one.
-    ``known``: sha256 already computed for some paths (by the CRC pass), so they are not read again."""
+    ``known``: sha256 already computed for some paths (by the CRC pass), so they are not read again.
+    ``storage_options``: fsspec options for a URL ``folder``."""
+    opts = storage_options
     mpath = storage.join(folder, MANIFEST)
-    if not storage.exists(mpath):
+    if not storage.exists(mpath, opts):
         return
     try:
-        manifest = json.loads(storage.read_bytes(mpath))
+        manifest = json.loads(storage.read_bytes(mpath, opts))
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError):
         report.add("manifest", False, f"{MANIFEST} is not a valid manifest")
@@ -209,10 +212,16 @@ def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progr
     bad = []
     items = list(entries.items()) if isinstance(entries, dict) else [(e.get("path"), e) for e in entries]
     total = sum(int(meta.get("size", 0)) for _, meta in items) if hashes else 0
+
+    def count(chunk: memoryview) -> None:
+        report.bytes_read += len(chunk)
+        if progress:
+            progress(report.bytes_read, total)
+
     for rel, meta in items:
         p = storage.join(folder, rel)
         try:
-            if storage.size(p) != int(meta["size"]):
+            if storage.size(p, opts) != int(meta["size"]):
                 bad.append(f"{rel}: size")
                 continue
             if not hashes:
@@ -221,14 +230,7 @@ def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progr
                 if known[p] != meta["sha256"]:
                     bad.append(f"{rel}: sha256 differs")
                 continue
-            h = hashlib.sha256()
-            with storage.open_input(p) as f:
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
-                    report.bytes_read += len(chunk)
-                    if progress:
-                        progress(report.bytes_read, total)
-            if h.hexdigest() != meta["sha256"]:
+            if hashing.sha256_file(p, on_chunk=count, storage_options=opts) != meta["sha256"]:
                 bad.append(f"{rel}: sha256 differs")
         except (OSError, ZckptError, KeyError, TypeError, ValueError):
             bad.append(f"{rel}: missing or unreadable")
