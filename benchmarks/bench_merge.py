@@ -158,7 +158,8 @@ def main(argv=None) -> int:
             shutil.rmtree(out_d, ignore_errors=True)
             os.sync()
             rows["deepspeed"].append(run_measured(
-                [sys.executable, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out_d), "--dtype", dtype], env))
+                [sys.executable, str(ckpt / "zero_to_torch.py"), str(ckpt), str(out_d), "--dtype", dtype],
+                {k: v for k, v in env.items() if k != "PYTHONSAFEPATH"}))  # DeepSpeed's script imports its sibling
             shutil.rmtree(out_d, ignore_errors=True)
             print(f"  {dtype} run {i + 1}: zckpt {rows['zckpt'][-1][0]:.2f}s "
                   f"deepspeed {rows['deepspeed'][-1][0]:.2f}s copy {rows['copy'][-1][0]:.2f}s", flush=True)
