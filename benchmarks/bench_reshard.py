@@ -132,6 +132,8 @@ def main(argv=None) -> int:
         assert trees[0] != trees[1], trees
         cases["baseline zckpt reshard (native)"] = lambda: ["env", f"PYTHONPATH={benv['PYTHONPATH']}"] + zk + [
             "-o", str(out)]
+        cases["baseline zckpt reshard --format universal"] = lambda: [
+            "env", f"PYTHONPATH={benv['PYTHONPATH']}"] + zk + ["--format", "universal", "-o", str(out)]
     if not args.skip_ds:
         cases["ds_to_universal"] = lambda: [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                                             str(ckpt / tag), "--output_folder", str(out / f"{tag}_universal"),

@@ -16,7 +16,7 @@ options: endpoint, credentials...) for that call only; nothing is kept process-w
 
 from __future__ import annotations
 
-import importlib
+from zckpt.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -53,13 +53,4 @@ __all__ = sorted(list(_LAZY) + [
 ])
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'zckpt' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -117,6 +117,23 @@ tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
                           help="Tag folder to read (default: the one named in 'latest').")
 
 
+def output_options(kind: str, plan: str):
+    """``--overwrite``, ``--fsync`` and ``--dry-run`` of a command that publishes an output folder (``kind``: the
+    command's name in the marker, e.g. "merge"; ``plan``: what the dry run prints)."""
+    def decorate(f):
+        for decorator in reversed([
+            click.option("--overwrite", is_flag=True,
+                         help=f"Replace a previous zckpt {kind} output (recognised by its .zckpt.json), only once the "
+                              "new one is complete. Any other non-empty folder is refused."),
+            click.option("--fsync", "durable", is_flag=True,
+                         help="fsync every file before publishing, so the output also survives a power failure."),
+            click.option("--dry-run", is_flag=True, help=f"Print the plan ({plan}) and write nothing."),
+        ]):
+            f = decorator(f)
+        return f
+    return decorate
+
+
 def _storage_callback(ctx, param, pairs) -> dict:
     """``--storage-option KEY=VALUE`` values as one dict, which the command passes to the library call (nothing is
     set process-wide). A malformed value is a usage error (exit 2), said the same way by every command."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, settings, storage_option, tag_option,
 )
 
 
@@ -35,12 +35,7 @@ Examples:
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
               help="Threads for reading and casting (default: CPU count, at most 8); in-kernel copies into one "
                    "file run one at a time, as fast as cp.")
-@click.option("--overwrite", is_flag=True,
-              help="Replace a previous zckpt merge output (recognised by its .zckpt.json), only once the new one "
-                   "is complete. Any other non-empty folder is refused.")
-@click.option("--fsync", "durable", is_flag=True,
-              help="fsync every file before publishing, so the output also survives a power failure.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (files, tensors, sizes) and write nothing.")
+@output_options("merge", "files, tensors, sizes")
 @storage_option
 @global_options()
 def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, settings, emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import Progress, settings, emit_json, global_options, output_options, storage_option, tag_option
 
 
 @click.command(epilog="""\b
@@ -31,12 +31,7 @@ Examples:
                    "universal: DeepSpeed's universal layout (load with checkpoint.load_universal=true).")
 @tag_option
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
-@click.option("--overwrite", is_flag=True,
-              help="Replace a previous zckpt reshard output (recognised by its .zckpt.json), only once the new "
-                   "one is complete. Any other non-empty folder is refused.")
-@click.option("--fsync", "durable", is_flag=True,
-              help="fsync every file before publishing, so the output also survives a power failure.")
-@click.option("--dry-run", is_flag=True, help="Print the plan (files, partitions, sizes) and write nothing.")
+@output_options("reshard", "files, partitions, sizes")
 @storage_option
 @global_options()
 def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,

@@ -5,17 +5,10 @@ needs DeepSpeed, and it is an operation built on the reshard planner, a layer ab
 
 from __future__ import annotations
 
-import importlib
+from zckpt.lazy import lazy_exports
 
 _LAZY = {"load_checkpoint": "zckpt.ops.resume", "resume_anywhere": "zckpt.ops.resume",
          "patch_deepspeed": "zckpt.ops.resume", "unpatch_deepspeed": "zckpt.ops.resume"}
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'zckpt.deepspeed' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

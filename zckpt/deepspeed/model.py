@@ -21,7 +21,7 @@ from typing import Any
 from zckpt.formats import safeload
 from zckpt.io import storage
 from zckpt.engine.segments import Piece
-from zckpt.deepspeed.discover import Location, RankFile, locate
+from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
 from zckpt.formats.safeload import LazyTensor
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from zckpt.formats.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
-from zckpt.engine.segments import Cast, Fill, coalesce, slice_segments
+from zckpt.engine.segments import Fill, slice_segments
 from zckpt.engine.torchzip import GlobalRef, Reduce, TensorOut, enum_member, plain_object
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000

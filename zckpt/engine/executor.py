@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from zckpt.io import storage
@@ -173,18 +172,15 @@ class Worker:
         return (zlib.crc32(data) if want_crc else 0), data.nbytes
 
     def _kernel_copy(self, fd_out: int, offset: int, parts: list, crc_of) -> tuple[int, int]:
-        crc, pos = 0, offset
-        with self.write_slots:
+        pos = offset
+        with self.write_slots:  # only the copies take a write slot: the CRCs below run in parallel
             for p in parts:
                 n = p.nbytes
                 if isinstance(p, Fill):
                     left = n
                     while left:
                         k = min(left, len(_ZEROS))
-                        zeros = memoryview(_ZEROS)[:k]
-                        pwrite_all(fd_out, zeros, pos + n - left)
-                        if crc_of is not None:
-                            crc = zlib.crc32(zeros, crc)
+                        pwrite_all(fd_out, memoryview(_ZEROS)[:k], pos + n - left)
                         left -= k
                 else:
                     fd_in = self.reader.fd(p.path)
@@ -198,9 +194,18 @@ class Worker:
                         if got <= 0:  # EOF: a truncated input; the read path reports it with the file's name
                             raise _NoKernelCopy()
                         src, dst, left = src + got, dst + got, left - got
-                    if crc_of is not None:
-                        crc = crc_of(p.path, p.offset, n, crc)
                 pos += n
+        crc = 0
+        if crc_of is not None:  # of the sources' bytes (read-only maps), which are what was copied
+            for p in parts:
+                if isinstance(p, Fill):
+                    left = p.nbytes
+                    while left:
+                        k = min(left, len(_ZEROS))
+                        crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
+                        left -= k
+                else:
+                    crc = crc_of(p.path, p.offset, p.nbytes, crc)
         return crc, pos - offset
 
     def close(self):

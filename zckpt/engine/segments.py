@@ -8,9 +8,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from zckpt.formats.safeload import DTYPE_SIZES
+
+
+class Shaped:
+    """``numel`` and ``nbytes`` of an output tensor description with ``shape`` and ``dtype`` fields."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True)

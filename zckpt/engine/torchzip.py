@@ -24,8 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.engine.executor import Worker, chunks, pwrite_all
-from zckpt.engine.segments import Cast, Fill, Piece, coalesce, seg_numel, slice_segments, source_segments
-from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
 
 ALIGN = 64
 STORAGE_CLASSES = {
@@ -73,18 +72,10 @@ def enum_member(module: str, name: str, value: int) -> Reduce:
 
 
 @dataclass
-class TensorOut:
+class TensorOut(Shaped):
     dtype: str
     shape: tuple
     segments: list = field(default_factory=list)  # Piece | Cast | Fill | bytes
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES[self.dtype]
 
 
 # ------------------------------------------------------------------------------------------- pickling

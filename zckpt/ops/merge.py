@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import struct
 import time
@@ -28,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from zckpt.engine import executor
-from zckpt.engine.segments import source_segments
+from zckpt.engine.segments import Shaped, source_segments
 from zckpt.io import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument
-from zckpt.formats.safeload import DTYPE_SIZES, FLOATING
+from zckpt.formats.safeload import FLOATING
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +74,13 @@ def out_dtype_name(dtype: str) -> str:
 # ------------------------------------------------------------------------------------------------- plan
 
 @dataclass
-class OutTensor:
+class OutTensor(Shaped):
     name: str
     dtype: str  # output dtype
     shape: tuple
     src_dtype: str
     pieces: list[Piece]
     offset: int = 0  # byte offset in its file (absolute)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_SIZES[self.dtype]
 
 
 @dataclass

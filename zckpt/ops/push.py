@@ -35,7 +35,6 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
