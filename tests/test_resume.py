@@ -275,3 +275,29 @@ def test_accelerate_load_state_at_new_world_size(tmp_path):
         assert res.returncode == 0, res.stdout[-6000:]
     assert_same_state(tmp_path / "expected", tmp_path / "oracle", prefixes=("fp32/", "exp_avg/", "exp_avg_sq/",
                                                                              "module/", "buffer/"))
+
+
+def test_patch_passes_storage_options_and_restores_the_previous_patch(monkeypatch):
+    """``resume_anywhere(storage_options=...)`` hands its options to every patched ``engine.load_checkpoint``;
+    on leaving, the patch in place before it (here a plain ``patch_deepspeed()``) is back, then nothing is."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import zckpt.ops.resume as R
+    from zckpt.integrations import resume_anywhere
+
+    calls = []
+    monkeypatch.setattr(R, "load_checkpoint", lambda engine, path, tag=None, **kw: calls.append((path, kw)))
+    original = DeepSpeedEngine.load_checkpoint
+    R.patch_deepspeed()
+    try:
+        outer = DeepSpeedEngine.load_checkpoint
+        with resume_anywhere(storage_options={"endpoint_url": "http://127.0.0.1:1"}):
+            DeepSpeedEngine.load_checkpoint(object(), "s3://bucket/run")
+        DeepSpeedEngine.load_checkpoint(object(), "local")
+        assert DeepSpeedEngine.load_checkpoint is outer
+    finally:
+        R.unpatch_deepspeed()
+    assert DeepSpeedEngine.load_checkpoint is original
+    assert [(p, kw["storage_options"]) for p, kw in calls] == [
+        ("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:1"}), ("local", None)]

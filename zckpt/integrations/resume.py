@@ -24,7 +24,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from zckpt.ops.resume import is_patched, patch_deepspeed, unpatch_deepspeed
+from zckpt.ops.resume import patch_deepspeed, unpatch_deepspeed
+from zckpt.ops.resume import resume_anywhere as deepspeed_resume_anywhere
 
 __all__ = ["resume_anywhere", "patch_deepspeed", "unpatch_deepspeed"]
 
@@ -60,17 +61,19 @@ def _unpatch_trainer_rng() -> None:
         Trainer._load_rng_state = original
 
 
-class resume_anywhere:  # noqa: N801 - a context manager, like torch.no_grad
-    """``with resume_anywhere(): trainer.train(resume_from_checkpoint=...)`` resumes at any world size / stage."""
+class resume_anywhere(deepspeed_resume_anywhere):  # noqa: N801 - a context manager, like torch.no_grad
+    """``with resume_anywhere(): trainer.train(resume_from_checkpoint=...)`` resumes at any world size / stage:
+    :class:`zckpt.deepspeed.resume_anywhere` (``storage_options`` for a URL checkpoint) plus the Trainer's RNG file
+    name for a single process resuming a multi-rank run."""
 
     def __enter__(self):
-        self._owner = not is_patched()
-        patch_deepspeed()
+        self._rng_owner = "original" not in _RNG
+        super().__enter__()
         _patch_trainer_rng()
         return self
 
     def __exit__(self, *exc):
-        if self._owner:
-            unpatch_deepspeed()
+        super().__exit__(*exc)
+        if self._rng_owner:
             _unpatch_trainer_rng()
         return False

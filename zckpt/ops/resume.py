@@ -494,14 +494,13 @@ def is_patched() -> bool:
     return "load_checkpoint" in _ORIGINAL
 
 
-def patch_deepspeed() -> None:
+def patch_deepspeed(storage_options: dict | None = None) -> None:
     """Route every ``DeepSpeedEngine.load_checkpoint(load_dir, tag, ...)`` call through :func:`load_checkpoint`
-    (what the Hugging Face Trainer and Accelerate's ``load_state`` call). Undo with :func:`unpatch_deepspeed`."""
+    (what the Hugging Face Trainer and Accelerate's ``load_state`` call). Undo with :func:`unpatch_deepspeed`.
+    ``storage_options``: fsspec options for a URL ``load_dir``, handed to every patched call (patching again
+    replaces them)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
-    if "load_checkpoint" in _ORIGINAL:
-        return
-    original = DeepSpeedEngine.load_checkpoint
-    _ORIGINAL["load_checkpoint"] = original
+    original = _ORIGINAL.setdefault("load_checkpoint", DeepSpeedEngine.load_checkpoint)
 
     def load_checkpoint_anywhere(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                                  load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
@@ -510,7 +509,8 @@ def patch_deepspeed() -> None:
                             load_lr_scheduler_states, load_module_only, custom_load_fn)
         return load_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               storage_options=storage_options)
 
     load_checkpoint_anywhere.__doc__ = original.__doc__
     load_checkpoint_anywhere.__wrapped__ = original
@@ -526,14 +526,22 @@ def unpatch_deepspeed() -> None:
 
 class resume_anywhere:  # noqa: N801 - used as a context manager / decorator, like torch.no_grad
     """``with resume_anywhere(): trainer.train(resume_from_checkpoint=...)``: every DeepSpeed engine's
-    ``load_checkpoint`` inside the block reshards on load (see :func:`load_checkpoint`)."""
+    ``load_checkpoint`` inside the block reshards on load (see :func:`load_checkpoint`); ``storage_options`` are
+    the fsspec options for a URL checkpoint. On leaving, the patch in place before the block (if any) is back."""
+
+    def __init__(self, storage_options: dict | None = None):
+        self.storage_options = storage_options
 
     def __enter__(self):
-        self._owner = not is_patched()
-        patch_deepspeed()
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        self._previous = DeepSpeedEngine.load_checkpoint if is_patched() else None
+        patch_deepspeed(self.storage_options)
         return self
 
     def __exit__(self, *exc):
-        if self._owner:
+        if self._previous is None:
             unpatch_deepspeed()
+        else:
+            from deepspeed.runtime.engine import DeepSpeedEngine
+            DeepSpeedEngine.load_checkpoint = self._previous
         return False
