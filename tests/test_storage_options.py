@@ -217,6 +217,36 @@ def test_two_merges_with_different_options_in_one_process(tmp_path):
         zckpt.merge(url, str(tmp_path / "no-options"))
 
 
+def test_merge_reads_and_writes_with_their_own_options(tmp_path):
+    """A source on endpoint A merged to an output on endpoint B (``output_storage_options``, the CLI's
+    ``--output-storage-option``): the output lands on B only, equal to a local merge; without the output options
+    the write goes to A."""
+    from click.testing import CliRunner
+
+    from zckpt.cli import main
+
+    local = checkpoint_path(FIXTURES / "trainer")
+    url = "optfs://bucket/run/checkpoint-4"
+    _upload(local, url, A)
+    zckpt.merge(url, "optfs://out/api", storage_options=A, output_storage_options=B)
+    pairs = [f"{k}={v}" for k, v in B.items()]
+    argv = ["merge", url, "-o", "optfs://out/cli", "-q", "--storage-option", f"endpoint_url={A['endpoint_url']}",
+            "--storage-option", f"key={A['key']}"]
+    for pair in pairs:
+        argv += ["--output-storage-option", pair]
+    res = CliRunner().invoke(main, argv)
+    assert res.exit_code == 0, res.output
+    zckpt.merge(str(local), str(tmp_path / "local"))
+    want = {n: d for n, d in _files(tmp_path / "local").items() if n != ".zckpt.json"}
+    for out in ("optfs://out/api", "optfs://out/cli"):
+        assert zckpt.verify(out, storage_options=B).ok
+        assert not storage.exists(out, A)
+        got = {n: storage.read_bytes(storage.join(out, n), B) for n in want}
+        assert got == want, out
+    zckpt.merge(url, "optfs://out/same", storage_options=A)  # no output options: the source's
+    assert storage.exists("optfs://out/same/.zckpt.json", A) and not storage.exists("optfs://out/same", B)
+
+
 def test_info_verify_reshard_take_storage_options(tmp_path):
     from zckpt.ops.info import info
 

@@ -134,25 +134,33 @@ def output_options(kind: str, plan: str):
     return decorate
 
 
-def _storage_callback(ctx, param, pairs) -> dict:
+def _storage_callback(ctx, param, pairs) -> dict | None:
     """``--storage-option KEY=VALUE`` values as one dict, which the command passes to the library call (nothing is
-    set process-wide). A malformed value is a usage error (exit 2), said the same way by every command."""
+    set process-wide); none given: ``{}`` (``--output-storage-option``: None, "as the source"). A malformed value
+    is a usage error (exit 2), said the same way by every command."""
     from zckpt.cli._errors import CommandLineError
     from zckpt.errors import InvalidArgument
     from zckpt.io import storage
 
+    if not pairs:
+        return None if param.name == "output_storage_options" else {}
     try:
-        return storage.parse_storage_options(pairs) if pairs else {}
+        return storage.parse_storage_options(pairs)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, InvalidArgument):
             raise
-        raise CommandLineError(f"--storage-option: {' '.join(str(exc).split())}",
+        raise CommandLineError(f"{param.opts[0]}: {' '.join(str(exc).split())}",
                                hint="use KEY=VALUE, e.g. endpoint_url=http://127.0.0.1:8333") from None
 
 
 storage_option = click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
                               callback=_storage_callback,
                               help="fsspec option for URL paths (repeatable), e.g. endpoint_url=http://...")
+output_storage_option = click.option(
+    "--output-storage-option", "output_storage_options", multiple=True, metavar="KEY=VALUE",
+    callback=_storage_callback,
+    help="fsspec option for a URL output that needs other options than the source (repeatable); "
+         "default: the --storage-option values.")
 
 
 def emit_json(obj, command: str | None = None, **fields) -> None:

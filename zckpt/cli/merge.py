@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, output_options, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, output_storage_option, settings, storage_option, tag_option,
 )
 
 
@@ -15,6 +15,7 @@ Examples:
   zckpt merge checkpoint-400 --dtype bf16 -o model-bf16/ --max-shard-size 2GB
   zckpt merge ds_ckpt/ --tag global_step900 --to pt -o weights/
   zckpt merge checkpoint-400 -o s3://bucket/models/run1 --dtype bf16
+  zckpt merge s3://a/ckpt-400 -o s3://b/model --storage-option profile=a --output-storage-option profile=b
   zckpt merge checkpoint-400 --dry-run --json""")
 @click.argument("path")
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True,
@@ -37,9 +38,10 @@ Examples:
                    "file run one at a time, as fast as cp.")
 @output_options("merge", "files, tensors, sizes")
 @storage_option
+@output_storage_option
 @global_options()
 def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,
-          dry_run, storage_options, as_json, quiet):
+          dry_run, storage_options, output_storage_options, as_json, quiet):
     """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers are included. A Trainer
@@ -54,7 +56,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
                      exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
-                     overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options)
+                     overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
+                     output_storage_options=output_storage_options)
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

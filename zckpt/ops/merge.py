@@ -229,14 +229,17 @@ class MergeResult:
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
             extra_files: dict[str, bytes] | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            source: publish.Source | None = None, storage_options: dict | None = None) -> None:
+            source: publish.Source | None = None, storage_options: dict | None = None,
+            output_storage_options: dict | None = None) -> None:
     """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`).
 
     The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
     previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
     every file before the rename, so the result survives a power failure (slower: waits for the disk).
-    ``storage_options``: fsspec options for reading pieces behind URLs and for a URL ``out``."""
-    publish.check_output(out, "merge", source, overwrite, storage_options)
+    ``storage_options``: fsspec options for reading pieces behind URLs; ``output_storage_options``: for a URL
+    ``out`` (default: ``storage_options``)."""
+    out_opts = storage_options if output_storage_options is None else output_storage_options
+    publish.check_output(out, "merge", source, overwrite, out_opts)
     workers = workers or min(8, os.cpu_count() or 2)
     done = [0]
 
@@ -251,7 +254,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     worker = executor.Worker(pure_upcast=pure, storage_options=storage_options)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
-                               storage_options=storage_options) as pub:
+                               storage_options=out_opts) as pub:
             with ThreadPoolExecutor(workers) as pool:
                 for shard in plan.shards:
                     _write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
@@ -292,7 +295,8 @@ def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
 def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: str = "fp32", tag: str | None = None,
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
-          progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None) -> MergeResult:
+          progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None,
+          output_storage_options: dict | None = None) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -300,8 +304,9 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
 
     ``fmt``: "safetensors" or "pt"; ``dtype``: "fp32", "bf16" or "fp16" (floating tensors only);
     ``progress(done_bytes, total_bytes)`` is called as data is written; ``durable=True`` fsyncs before publishing.
-    ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path`` and a URL
-    ``out``; used for this call only (the CLI's ``--storage-option``).
+    ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path``, and for a
+    URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
+    (the CLI's ``--storage-option`` and ``--output-storage-option``).
     """
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, tag, storage_options)
@@ -312,10 +317,11 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     extra = trainer_files(ckpt, dtype)
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
     if dry_run:
-        publish.check_output(str(out), "merge", source, overwrite, storage_options)
+        publish.check_output(str(out), "merge", source, overwrite,
+                             storage_options if output_storage_options is None else output_storage_options)
         return result
     execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
-            storage_options=storage_options)
+            storage_options=storage_options, output_storage_options=output_storage_options)
     result.seconds = time.perf_counter() - t0
     return result
 
