@@ -42,6 +42,15 @@ WRITE_STREAMS = 1
 _ZEROS = bytes(1 << 20)
 
 
+def zeros_crc(n: int, crc: int = 0) -> int:
+    """CRC-32 of ``n`` zero bytes following ``crc``."""
+    while n:
+        k = min(n, len(_ZEROS))
+        crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
+        n -= k
+    return crc
+
+
 # ---------------------------------------------------------------------------------------------- chunker
 
 def chunks(segments: list, dtype: str) -> Iterator[tuple[int, list]]:
@@ -198,14 +207,7 @@ class Worker:
         crc = 0
         if crc_of is not None:  # of the sources' bytes (read-only maps), which are what was copied
             for p in parts:
-                if isinstance(p, Fill):
-                    left = p.nbytes
-                    while left:
-                        k = min(left, len(_ZEROS))
-                        crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
-                        left -= k
-                else:
-                    crc = crc_of(p.path, p.offset, p.nbytes, crc)
+                crc = zeros_crc(p.nbytes, crc) if isinstance(p, Fill) else crc_of(p.path, p.offset, p.nbytes, crc)
         return crc, pos - offset
 
     def close(self):

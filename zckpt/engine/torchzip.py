@@ -23,7 +23,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zckpt.engine.executor import Worker, chunks, pwrite_all
+from zckpt.engine.executor import Worker, chunks, pwrite_all, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
 
 ALIGN = 64
@@ -265,9 +265,6 @@ def crc32_combine(crc1: int, crc2: int, length: int) -> int:
 
 # ---------------------------------------------------------------------------------------------- writing
 
-_ZEROS = bytes(1 << 20)
-
-
 class SourceMaps:
     """CRCs of input byte ranges: a whole stored entry of an input zip reuses the CRC in its central directory
     (resharding by a factor moves whole partitions); other ranges are checksummed on a read-only map of the
@@ -323,15 +320,10 @@ class SourceMaps:
     def tensor_crc(self, t: TensorOut) -> int | None:
         """The CRC of a whole output tensor from metadata alone, when it is made of whole input entries and zero
         fill only (resharding by a factor of the world size); None otherwise."""
-        import zlib
         crc = 0
         for seg in t.segments:
             if isinstance(seg, Fill):
-                left = seg.nbytes
-                while left:
-                    k = min(left, len(_ZEROS))
-                    crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
-                    left -= k
+                crc = zeros_crc(seg.nbytes, crc)
             elif isinstance(seg, Piece) and seg.dtype == t.dtype:
                 whole = self._entries(seg.path).get(seg.offset)
                 if whole is None or whole[0] != seg.nbytes:
