@@ -4,7 +4,7 @@
 Stages (each split into parts; results are cached under WORKDIR/results, so a stage that ran out of time
 continues where it stopped when the same command is run again):
 
-* ``gpu-train`` (parts ``z2``, ``z3``): ``torchrun --nproc-per-node 1`` trains a Qwen3-style causal LM with random
+* ``gpu-train`` (parts ``z2``, ``z3``): ``torchrun --nproc-per-node G`` (``--gpus``, default 1; NCCL) trains a Qwen3-style causal LM with random
   weights (``Qwen3Config`` + ``Qwen3ForCausalLM``, no download; ~0.87B params by default, ``--tiny`` for ~23K)
   for ``--steps`` steps with DeepSpeed bf16 ZeRO-2 / ZeRO-3, a client ``torch.optim.AdamW`` (one param group),
   WarmupLR, fixed seeds and fixed random token data; ``engine.save_checkpoint(WORKDIR/ckpt_zS)``; sha256 of every
@@ -13,12 +13,12 @@ continues where it stopped when the same command is run again):
 * ``merge`` (parts ``z2``, ``z3``): ``zckpt merge --dtype fp32`` / ``--dtype bf16`` and DeepSpeed's
   ``CKPT/zero_to_torch.py --dtype fp32`` (time, peak RSS), then zckpt's safetensors vs DeepSpeed's ``.bin`` bit for
   bit (bf16: against DeepSpeed's fp32 cast with torch), and zckpt's fp32 vs the save-time sha256 of the masters.
-* ``reshard`` (parts ``z2-ws2``, ``z2-z3-ws2``, ``z3-z2-ws2``, ``z2-ws1-cpu``, ``ds-universal``): ``zckpt.ops.reshard``
+* ``reshard`` (parts ``z2-ws2``, ``z2-z3-ws2``, ``z3-z2-ws2``, ``z2-wsG-cpu``, ``ds-universal``): ``zckpt.ops.reshard``
   the GPU-written ws=1 checkpoint to M (= ``--cpu-ranks``) ranks / another stage, load it with a plain
   ``engine.load_checkpoint`` at M CPU ranks (gloo), check every fp32 master, exp_avg, exp_avg_sq (bit for bit
   against the source read by zckpt's reader AND against the save-time sha256), the optimizer step, global steps
   and lr, then continue ``--cont-steps`` steps and compare the losses with the GPU continuation.
-  ``z2-ws1-cpu`` loads the original checkpoint at 1 CPU rank (no reshard): the CPU-vs-GPU loss noise floor.
+  ``z2-wsG-cpu`` loads the original checkpoint at G CPU ranks (no reshard): the CPU-vs-GPU loss noise floor.
   ``ds-universal`` times ``ds_to_universal --inject_missing_state`` and ``zckpt reshard --format universal``.
 * ``largest-cpu`` (parts ``gen``, ``merge``; only when asked for): the largest ZeRO-2 CPU-rank checkpoint the
   free disk allows (fixtures/generate.py, <= ~1.9B params at 8 ranks), zckpt merge vs zero_to_torch on it.
@@ -565,9 +565,9 @@ def part_train(ctx: Ctx, z: int) -> dict:
         env = sub_env({"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "8"}, cpu_ranks=False)
         job["threads"] = 8
     else:
-        env, threads = ctx.cpu_env(1)
+        env, threads = ctx.cpu_env(a.gpus)
         job["threads"] = threads
-    r = ctx.torchrun(1, job, ctx.logs / f"train-z{z}.log", env, ctx.budget.left())
+    r = ctx.torchrun(a.gpus, job, ctx.logs / f"train-z{z}.log", env, ctx.budget.left())
     if r["rc"] != 0 or not res_path.exists():
         return {"ok": False, "error": f"torchrun rc={r['rc']}", "run": r, "log_tail": log_tail(r["log"])}
     res = json.loads(res_path.read_text())
@@ -703,12 +703,13 @@ def show_merge(parts: dict):
 
 # -------------------------------------------------------------------------------------------- reshard
 
-def reshard_cases(M: int) -> dict:
+def reshard_cases(M: int, G: int = 1) -> dict:
+    """M: the reshard targets' world size; G: the GPU run's (the no-reshard noise-floor case loads at G)."""
     return {
         f"z2-ws{M}": {"src": 2, "stage": 2, "ws": M, "reshard": True},
         f"z2-z3-ws{M}": {"src": 2, "stage": 3, "ws": M, "reshard": True},
         f"z3-z2-ws{M}": {"src": 3, "stage": 2, "ws": M, "reshard": True},
-        "z2-ws1-cpu": {"src": 2, "stage": 2, "ws": 1, "reshard": False},
+        f"z2-ws{G}-cpu": {"src": 2, "stage": 2, "ws": G, "reshard": False},
         "ds-universal": {"src": 2, "universal": True},
     }
 
@@ -975,7 +976,7 @@ def plan(ctx: Ctx) -> list[tuple[str, str, object]]:
             for z in a.zero:
                 out.append((st, f"z{z}", lambda z=z: part_merge(ctx, z)))
         elif st == "reshard":
-            for name, case in reshard_cases(a.cpu_ranks).items():
+            for name, case in reshard_cases(a.cpu_ranks, a.gpus).items():
                 if a.cases and name not in a.cases:
                     continue
                 if case.get("src", 2) not in a.zero or case.get("stage", 2) not in (2, 3):
@@ -1092,12 +1093,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="where validate-<stage>.json and logs/ are written")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="gpu-train device (cpu: smoke test)")
     ap.add_argument("--tiny", action="store_true", help="a ~23K-param model (smoke test)")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="gpu-train world size: GPUs (NCCL), or CPU ranks with --device cpu")
     ap.add_argument("--dims", type=json.loads, default=None,
                     help='override model dims, JSON, e.g. \'{"layers": 8}\' (keys: vocab hidden ffn layers heads kv_heads '
                     'head_dim tie)')
     ap.add_argument("--zero", type=int, nargs="+", default=[2, 3], choices=[2, 3], help="ZeRO stages to train")
     ap.add_argument("--cases", nargs="+", help="reshard parts to run (default: all): z2-ws2 z2-z3-ws2 z3-z2-ws2 "
-                    "z2-ws1-cpu ds-universal")
+                    "z2-wsG-cpu ds-universal")
     ap.add_argument("--parts", nargs="+", help="only these parts of the stage (e.g. z2)")
     ap.add_argument("--redo", action="store_true", help="run parts again even if a passing result is cached")
     ap.add_argument("--ds-extra", type=json.loads, default=None, metavar="JSON",
