@@ -268,6 +268,20 @@ def test_missing_tag_names_the_tag_not_latest(tmp_path):
         assert "latest" not in line, line
 
 
+@pytest.mark.parametrize("latest", ["global_step9", "../../etc"])
+def test_bad_latest_in_a_folder_with_weights_is_the_readers_error(tmp_path, latest):
+    """A checkpoint folder that also holds merged-looking weights (a Trainer's model.safetensors) whose 'latest'
+    names a missing or invalid tag: every command says what is wrong with 'latest'; verify does not take the folder
+    for an uncommitted merge output."""
+    ck, _ = make_copy(tmp_path)
+    (ck / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (ck / "latest").write_text(latest)
+    for cmd in (["info", "ck"], ["verify", "ck"], ["merge", "ck", "-o", "out"]):
+        line = assert_one_line_error(cli(tmp_path, *cmd), "'latest'", latest)
+        assert ".zckpt.json" not in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def test_verify_deep_still_reports_a_flipped_tensor_bit(tmp_path):
     """Structure intact, a bit of tensor data flipped: only the CRC pass (--deep) can see it."""
     ck, target = make_copy(tmp_path)

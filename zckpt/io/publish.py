@@ -186,7 +186,9 @@ def _relation(out: str, other: str) -> str | None:
     return None
 
 
-def _looks_like_checkpoint(folder: str, storage_options: dict | None = None) -> bool:
+def looks_like_checkpoint(folder: str, storage_options: dict | None = None) -> bool:
+    """Whether ``folder`` holds what only a checkpoint (or a training output folder) has: ``latest``,
+    ``trainer_state.json``, rank files or tag / checkpoint-N folders."""
     names = set(storage.listdir(folder, storage_options))
     return bool(names & set(_CHECKPOINT_FILES)) or any(_RANK_FILE.search(n) for n in names) or any(
         _CHECKPOINT_NAME.match(n) for n in names)
@@ -239,7 +241,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         why = f"holds a zckpt {marker.get('kind')} output, not a {kind} output"
     elif marker is not None:
         why = f"has a {MARKER} that zckpt did not write"
-    elif _looks_like_checkpoint(out, storage_options):
+    elif looks_like_checkpoint(out, storage_options):
         why = "holds a checkpoint"
     else:
         why = f"is not empty and has no {MARKER}"

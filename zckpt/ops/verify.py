@@ -63,8 +63,9 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     try:
         ckpt = open_checkpoint(path, tag, opts)
     except CheckpointNotFound:
-        # not a DeepSpeed checkpoint: a zckpt merge output (marker) or a folder published with a manifest still is
-        if tag is None and _is_merge_output(str(path), opts):
+        # not a DeepSpeed checkpoint: a zckpt merge output (marker) or a folder published with a manifest still is;
+        # a folder with what only checkpoints have (a `latest` naming a missing tag...) gets the reader's error
+        if tag is None and not _is_checkpoint_like(str(path), opts) and _is_merge_output(str(path), opts):
             check_output_marker(str(path), report, opts)
             check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
@@ -84,6 +85,13 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
 
 
 _MERGED = re.compile(r"^(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _is_checkpoint_like(folder: str, storage_options: dict | None = None) -> bool:
+    try:
+        return publish.looks_like_checkpoint(folder, storage_options)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def _is_merge_output(folder: str, storage_options: dict | None = None) -> bool:
