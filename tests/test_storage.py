@@ -54,6 +54,15 @@ def test_join_keeps_urls_intact():
     assert storage.basename("s3://bucket/run/checkpoint-4/") == "checkpoint-4"
 
 
+def test_parent_of_local_paths_and_urls(tmp_path, monkeypatch):
+    assert storage.parent("s3://bucket/run/checkpoint-4/") == "s3://bucket/run"
+    assert storage.parent("s3://bucket/run") == "s3://bucket"
+    assert storage.parent("s3://bucket") == "s3://bucket"  # a bucket is its own parent
+    assert storage.parent("/data/run/checkpoint-4/") == "/data/run"
+    monkeypatch.chdir(tmp_path)
+    assert storage.parent("checkpoint-4") == str(tmp_path)
+
+
 def test_parse_storage_options():
     opts = storage.parse_storage_options(["anon=true", "endpoint_url=http://127.0.0.1:9000",
                                           'client_kwargs={"region_name": "eu-west-1"}', "max_concurrency=4"])

@@ -76,14 +76,6 @@ def _tag_key(tag: str):
     return (int(m.group(1)) if m else -1, tag)
 
 
-def _parent(path: str) -> str:
-    trimmed = path.rstrip("/")
-    if storage.is_url(trimmed):
-        head = trimmed.rsplit("/", 1)[0]
-        return head if "://" in head and not head.endswith(":/") else trimmed
-    return os.path.dirname(os.path.abspath(trimmed))
-
-
 def _read_latest(path: str, storage_options: dict | None = None) -> str:
     raw = storage.read_range(path, 0, 4096, storage_options)
     try:
@@ -110,7 +102,7 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
     if _is_tag_dir(names):
         if tag is not None and tag != os.path.basename(path.rstrip("/")):
             raise InvalidArgument(f"--tag {tag} given, but {path} is itself a tag folder", path=path)
-        parent = _parent(path)
+        parent = storage.parent(path)
         loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None, storage_options=opts)
         parent_names = storage.listdir(parent, opts) if parent else []
         if any(m in parent_names for m in TRAINER_MARKERS):

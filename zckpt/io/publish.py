@@ -124,14 +124,6 @@ class Source:
     label: str = ""  # names default outputs: root's name (+ "-<tag>" when a tag was picked)
 
 
-def _parent(path: str) -> str:
-    path = path.rstrip("/")
-    if storage.is_url(path):
-        head = path.rsplit("/", 1)[0]
-        return head if "://" in head and not head.endswith(":/") else path
-    return os.path.dirname(os.path.abspath(path))
-
-
 def source_of(loc, picked_tag: bool = False, storage_options: dict | None = None) -> Source:
     """The :class:`Source` of a located checkpoint (:class:`zckpt.deepspeed.discover.Location`).
 
@@ -147,7 +139,7 @@ def source_of(loc, picked_tag: bool = False, storage_options: dict | None = None
         root = loc.tag_dir  # a tag folder on its own
     own = list(dict.fromkeys([root, loc.tag_dir, loc.input_path]))
     neighbours = []
-    parent = _parent(root)
+    parent = storage.parent(root)
     if parent != root:
         with contextlib.suppress(OSError, ValueError):
             for name in storage.listdir(parent, storage_options):
@@ -162,7 +154,7 @@ def source_of(loc, picked_tag: bool = False, storage_options: dict | None = None
 def default_output(source: Source, what: str) -> str:
     """``<parent of the source>/<what>-<label>`` e.g. ``outputs/merged-checkpoint-4-fp32`` for what="merged" and
     a label suffix given by the caller: never inside the checkpoint, never named like one."""
-    return storage.join(_parent(source.root), f"{what}-{source.label}")
+    return storage.join(storage.parent(source.root), f"{what}-{source.label}")
 
 
 def _norm(path: str) -> tuple[str, str]:

@@ -91,6 +91,15 @@ def basename(path: str | os.PathLike) -> str:
     return path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
 
 
+def parent(path: str | os.PathLike) -> str:
+    """The folder holding ``path`` (local paths made absolute; a URL's bucket root is its own parent)."""
+    path = os.fspath(path).rstrip("/")
+    if is_url(path):
+        head = path.rsplit("/", 1)[0]
+        return head if "://" in head and not head.endswith(":/") else path
+    return os.path.dirname(os.path.abspath(path))
+
+
 # ------------------------------------------------------------------------------------------------ options
 
 
