@@ -247,40 +247,30 @@ def list_files(path: str | os.PathLike, storage_options: dict[str, Any] | None =
     return out
 
 
-def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+def _stat(path: str | os.PathLike, storage_options: dict[str, Any] | None, local, remote: str):
+    """``local(path)`` for a local path, the filesystem's ``remote`` method for a URL (errors said as ours)."""
     path = os.fspath(path)
     if not is_url(path):
-        return os.path.exists(local_path(path))
+        return local(local_path(path))
     fs, inner = get_fs(path, storage_options)
     with _errors(path, "stat"):
-        return fs.exists(inner)
+        return getattr(fs, remote)(inner)
+
+
+def exists(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
+    return _stat(path, storage_options, os.path.exists, "exists")
 
 
 def isdir(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
-    path = os.fspath(path)
-    if not is_url(path):
-        return os.path.isdir(local_path(path))
-    fs, inner = get_fs(path, storage_options)
-    with _errors(path, "stat"):
-        return fs.isdir(inner)
+    return _stat(path, storage_options, os.path.isdir, "isdir")
 
 
 def isfile(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bool:
-    path = os.fspath(path)
-    if not is_url(path):
-        return os.path.isfile(local_path(path))
-    fs, inner = get_fs(path, storage_options)
-    with _errors(path, "stat"):
-        return fs.isfile(inner)
+    return _stat(path, storage_options, os.path.isfile, "isfile")
 
 
 def size(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> int:
-    path = os.fspath(path)
-    if not is_url(path):
-        return os.path.getsize(local_path(path))
-    fs, inner = get_fs(path, storage_options)
-    with _errors(path, "stat"):
-        return int(fs.size(inner))
+    return int(_stat(path, storage_options, os.path.getsize, "size"))
 
 
 def read_bytes(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> bytes:
