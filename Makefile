@@ -12,7 +12,8 @@ $(BIN)/python:
 # torch first: a bare "torch" requirement would pull a multi-GB CUDA build
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[test,s3]'  # setuptools' notice box
+	@# PYTHONWARNINGS: without it setuptools prints a notice box about editable installs
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[test,s3]'
 	touch $@
 
 setup: $(VENV)/.installed
