@@ -316,12 +316,12 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     extra = trainer_files(ckpt, dtype)
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
+    out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
-        publish.check_output(str(out), "merge", source, overwrite,
-                             storage_options if output_storage_options is None else output_storage_options)
+        publish.check_output(str(out), "merge", source, overwrite, out_opts)
         return result
     execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
-            storage_options=storage_options, output_storage_options=output_storage_options)
+            storage_options=storage_options, output_storage_options=out_opts)
     result.seconds = time.perf_counter() - t0
     return result
 
