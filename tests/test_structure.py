@@ -106,6 +106,7 @@ LAYERS = [
     ("formats", ["zckpt.formats"]),
     ("engine", ["zckpt.engine"]),
     ("deepspeed", ["zckpt.deepspeed"]),
+    ("dcp", ["zckpt.dcp"]),
     ("ops", ["zckpt.ops"]),
     ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
 ]
