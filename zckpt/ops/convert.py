@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.dcp import writer as dcpw
-from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.deepspeed.layout import open_checkpoint
+from zckpt.state.model import Checkpoint
 from zckpt.engine import executor, torchzip
 from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
