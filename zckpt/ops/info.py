@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.formats.safeload import Inert
 
@@ -102,6 +104,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "master_dtype": _one_or_list(ckpt.master_dtypes),
         "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes),
         "dp_world_size": ckpt.world_size,
+        **parallel_sizes(ckpt),
         "mp_world_size": int(ms.get("mp_world_size") or 1),
         "offload_optimizer": ckpt.offload,
         "counts": counts,
@@ -119,6 +122,19 @@ def describe(ckpt: Checkpoint) -> dict:
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
     }
+
+
+def parallel_sizes(ckpt: Checkpoint) -> dict:
+    """``pp_world_size`` (pipeline stages), ``tp_world_size`` (tensor-parallel degree) and ``ep_world_size``
+    (expert-parallel size: one int, or the sorted sizes when expert groups differ; 1 without experts), next to
+    ``dp_world_size``. ``mp_world_size`` stays DeepSpeed's own field (stages or TP degree, whichever it counted)."""
+    ms = ckpt.model_state
+    mp = int(ms.get("mp_world_size") or 1)
+    pp = mp if ckpt.parallel == "pipeline" else 1
+    tp = mp if ckpt.parallel == "tensor" else 1
+    ep = sorted({int(m.group(1)) for g in ckpt.groups
+                 if (m := re.match(r"^ep_size_(\d+)$", str(g.hyperparams.get("name", ""))))}) or [1]
+    return {"pp_world_size": pp, "tp_world_size": tp, "ep_world_size": ep[0] if len(ep) == 1 else ep}
 
 
 def _one_or_list(dtypes: list[str]):
@@ -148,6 +164,10 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def _sizes(value) -> str:
+    return "/".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _dtypes(value) -> str:
     if value is None:
         return "none"
@@ -166,7 +186,8 @@ def render(d: dict) -> str:
         + (", universal layout (zero/<param>/*.pt)" if d.get("universal") else ""),
         f"precision    {d['precision']}; master weights {_dtypes(d['master_dtype'])}, "
         f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
-        f"world size   {d['dp_world_size']} data-parallel x {d['mp_world_size']} model-parallel",
+        f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
+        f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
