@@ -243,7 +243,7 @@ def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None
         raise InvalidArgument(f"unknown adam mode {adam_mode!r}", hint="use adamw or adam")
     state, notes, optimizer = dcp_state(ckpt, adam_mode)
     layout = dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes)
-    return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, "deepspeed", layout, notes + list(ckpt.notes),
+    return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, ckpt.format, layout, notes + list(ckpt.notes),
                        optimizer)
 
 
