@@ -33,7 +33,56 @@ def _plain(value, depth=0):
     return str(value)
 
 
+def _counts(ckpt: Checkpoint) -> tuple[dict, dict]:
+    counts, numels = {}, {}
+    for kind in ("trainable", "frozen", "tied", "buffer"):
+        recs = ckpt.of_kind(kind)
+        counts[kind] = len(recs)
+        numels[kind] = sum(r.numel for r in recs)
+    return counts, numels
+
+
+def describe_dcp(ckpt: Checkpoint) -> dict:
+    """A DCP checkpoint (``ckpt.format == "dcp"``): what its metadata says, in the keys DeepSpeed's share."""
+    counts, numels = _counts(ckpt)
+    md = ckpt.extra["metadata"]
+    return {
+        "format": "dcp", "path": ckpt.location.input_path, "dcp_version": md.version,
+        "world_size": ckpt.world_size, "master_dtype": _one_or_list(ckpt.master_dtypes),
+        "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes), "counts": counts, "numel": numels,
+        "parameters": numels["trainable"] + numels["frozen"],
+        "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step, "lr": g.hyperparams.get("lr")}
+                         for g in ckpt.groups],
+        "without_optimizer_state": list(ckpt.extra.get("stateless") or []),
+        "other_keys": list(ckpt.extra.get("other") or []), "notes": list(ckpt.notes),
+        "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
+        "total_bytes": sum(f.size for f in ckpt.files),
+    }
+
+
+def render_dcp(d: dict) -> str:
+    c, n = d["counts"], d["numel"]
+    lines = [
+        f"checkpoint   {d['path']}",
+        f"format       PyTorch DCP (torch.distributed.checkpoint, version {d['dcp_version']}), saved by "
+        f"{d['world_size']} rank{'s' if d['world_size'] != 1 else ''}",
+        f"dtypes       parameters {_dtypes(d['master_dtype'])}, optimizer states {_dtypes(d['optimizer_state_dtype'])}",
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
+        f"{c['trainable']} with optimizer state ({n['trainable']:,}), {c['frozen']} without ({n['frozen']:,}), "
+        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
+        "optimizer    " + (", ".join(f"group {g['index']}: {g['params']} params, lr {g['lr']}, step {g['step']}"
+                                     for g in d["param_groups"]) or "no param groups"),
+        f"other keys   {', '.join(d['other_keys']) or 'none'}",
+        f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
+    ]
+    lines += [f"note         {note}" for note in d["notes"]]
+    lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    return "\n".join(lines)
+
+
 def describe(ckpt: Checkpoint) -> dict:
+    if ckpt.format == "dcp":
+        return describe_dcp(ckpt)
     counts, numels = {}, {}
     for kind in ("trainable", "frozen", "tied", "buffer"):
         recs = ckpt.of_kind(kind)
@@ -126,6 +175,8 @@ def _dtypes(value) -> str:
 
 
 def render(d: dict) -> str:
+    if d.get("format") == "dcp":
+        return render_dcp(d)
     c, n = d["counts"], d["numel"]
     lines = [
         f"checkpoint   {d['path']}" + ("  (Trainer checkpoint)" if d["trainer_checkpoint"] else ""),
