@@ -131,7 +131,15 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     cfg = dict(ds_config)
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
     src = deepspeed_source(ckpt, cfg, buffers)
-    return reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
+                      "load_lr_scheduler_states=False when the engine has a scheduler")
+    tied = [r.name for r in src.records if r.kind == "frozen" and r.name in (ckpt.extra.get("stateless") or [])]
+    if tied:
+        plan.notes.append(f"{len(tied)} module tensor(s) without optimizer state written as frozen weights "
+                          f"({', '.join(tied[:3])}{'...' if len(tied) > 3 else ''}); a tied alias among them "
+                          "loads as the same values")
+    return plan
 
 
 def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=None, buffers=None,
