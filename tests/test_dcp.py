@@ -248,8 +248,8 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,stage", [(2, 2), (4, 3), (1, 1)])
-def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage):
+@pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
+def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
     every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
     import torch
@@ -259,7 +259,10 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage):
     path, full = fsdp2
     G, spec = _oracle_spec(world_size, stage)
     out = tmp_path / "ds"
-    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS)
+    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
+        from zckpt.deepspeed.layout import open_checkpoint
+        assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
     info = ds_oracle.load_with_deepspeed(spec, str(out), str(tmp_path / "oracle"))
     got = load_file(tmp_path / "oracle" / "oracle.safetensors")
     for name, ref in full["model"].items():

@@ -311,9 +311,10 @@ def _group_step(g: GroupInfo, step_tensors: dict, opts, mpath: str):
 def _check_tied(records: list[TensorRecord], tied: dict, mpath: str) -> None:
     by = {r.name: r for r in records}
     for alias, src in tied.items():
-        if alias not in by or src not in by or by[src].kind == "tied" or by[src].shape != by[alias].shape:
-            raise UnsupportedLayout(f"tied '{alias}' -> '{src}': both must be module tensors of one shape",
-                                    path=mpath)
+        if alias not in by or src not in by or by[alias].kind != "tied" or by[src].kind == "tied" \
+                or by[src].shape != by[alias].shape:
+            raise UnsupportedLayout(f"tied '{alias}' -> '{src}': both must be module tensors of one shape, the "
+                                    "alias without optimizer state", path=mpath)
 
 
 def check_stateless_named(ckpt: Checkpoint, buffers) -> None:
