@@ -10,6 +10,9 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 
 from __future__ import annotations
 
+import logging
+import time
+
 from zckpt.io import storage
 from zckpt.deepspeed.discover import Location, locate
 from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-exported for callers of this module
@@ -17,6 +20,9 @@ from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-export
     check_records, common_records, load_all, metadata_errors, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
+from zckpt.units import format_size
+
+log = logging.getLogger(__name__)
 
 
 def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
@@ -25,9 +31,16 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
     ``storage_options``: fsspec options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret":
     ...}`` for S3); every read uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads
     its bytes later. Nothing is kept process-wide: two checkpoints opened with different options stay apart."""
+    t0 = time.perf_counter()
     loc = locate(path, tag, storage_options)
     with metadata_errors(loc.tag_dir):
-        return _open(loc)
+        ckpt = _open(loc)
+    files = loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files
+    log.info("opened %s: tag %s, %d rank files (%s), %d tensors, read metadata in %.2fs", path, loc.tag,
+             len(files), format_size(sum(f.size or 0 for f in files)), len(ckpt.records), time.perf_counter() - t0)
+    for f in files:
+        log.debug("  read %s (%s)", f.path, format_size(f.size))
+    return ckpt
 
 
 def _open(loc: Location) -> Checkpoint:
