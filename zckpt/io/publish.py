@@ -195,7 +195,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
     checkpoint folder next to it), :class:`OutputExists` when it holds something ``--overwrite`` may not replace:
     anything but a previous zckpt output of the same ``kind`` (recognised by its marker)."""
     out = os.fspath(out)
-    hint = "choose an -o outside the checkpoint; the source is never modified"
+    hint = "choose an `out` outside the checkpoint; the source is never modified"
     places = [(p, True) for p in source.own] + [(p, False) for p in source.neighbours] if source else []
     relations = [(_relation(out, other), other, own) for other, own in places]
     relations.sort(key=lambda r: r[0] != "is")  # name the folder itself before one around it
@@ -217,14 +217,14 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
                               path=out, hint="choose another name, e.g. the default: merged-... or resharded-...")
     if storage.is_url(out):
         if storage.isfile(out, storage_options):
-            raise OutputExists("output exists and is not a folder", path=out, hint="choose another -o")
+            raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
         if not storage.list_files(out, storage_options):
             return
     else:
         if not os.path.exists(out):
             return
         if not os.path.isdir(out):
-            raise OutputExists("output exists and is not a folder", path=out, hint="choose another -o")
+            raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
         if not os.listdir(out):
             return
     marker = read_marker(out, storage_options)
@@ -232,8 +232,8 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
     if not overwrite:
         what = f"holds a previous zckpt {kind} output" if same else "is not empty"
         raise OutputExists(f"output folder {what}", path=out,
-                           hint="pass --overwrite to replace it, or choose another -o" if same else
-                           f"choose another -o (--overwrite replaces only a previous zckpt {kind} output)")
+                           hint="pass `overwrite` to replace it, or choose another `out`" if same else
+                           f"choose another `out` (`overwrite` replaces only a previous zckpt {kind} output)")
     if same:
         return
     if marker:
@@ -244,8 +244,8 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         why = "holds a checkpoint"
     else:
         why = f"is not empty and has no {MARKER}"
-    raise OutputExists(f"output folder {why}; --overwrite replaces only a previous zckpt {kind} output", path=out,
-                       hint="choose another -o, or remove the folder yourself")
+    raise OutputExists(f"output folder {why}; `overwrite` replaces only a previous zckpt {kind} output", path=out,
+                       hint="choose another `out`, or remove the folder yourself")
 
 
 # ================================================================================= local: scratch + rename
@@ -450,7 +450,7 @@ class Publisher:
         missing = [rel for rel, size in self.files.items() if there.get(rel) != size]
         if missing:
             raise StorageError(f"{len(missing)} file(s) missing after upload, e.g. {missing[0]}; not committed",
-                               path=self.out, hint="run the command again with --overwrite")
+                               path=self.out, hint="run it again with `overwrite`")
         commit_remote(self.out, MARKER, marker_bytes(self.kind, self.source, self.files), self.storage_options)
 
 

@@ -163,7 +163,7 @@ class CheckpointResult:
 
     def summary(self) -> str:
         """One line for humans."""
-        label = self.name or "."
+        label = self.name or "SRC"  # SRC itself is the checkpoint
         if self.status == "pushed":
             rate = self.bytes_sent / self.seconds if self.seconds > 0 else 0
             text = (f"{label}: pushed {self.files_sent} file(s), {human_bytes(self.bytes_sent)} in "
@@ -432,21 +432,23 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     """
     started = time.monotonic()
     if workers < 1:
-        raise InvalidArgument(f"--workers must be at least 1, not {workers}")
+        raise InvalidArgument(f"must be at least 1, not {workers}", param="workers")
     if keep_last is not None and keep_last < 1:
-        raise InvalidArgument(f"--keep-last must be at least 1, not {keep_last}")
+        raise InvalidArgument(f"must be at least 1, not {keep_last}", param="keep_last")
     if settle < 0:
-        raise InvalidArgument(f"--settle must not be negative, not {settle}")
-    if part_size is not None and part_size < MIN_PART_SIZE:
-        raise InvalidArgument(f"--part-size must be at least 5 MiB (S3's minimum part), not {part_size} bytes")
+        raise InvalidArgument(f"must not be negative, not {settle}", param="settle")
     if storage.is_url(src):
-        raise InvalidArgument("SRC must be a local folder (the machine the checkpoints are written on)", path=src)
+        raise InvalidArgument("must be a local folder (the machine the checkpoints are written on)", path=src, param="src")
     src = os.path.abspath(storage.local_path(src))
     target = make_destination(dest, storage_options, hub_api=hub_api, part_size=part_size)
+    if part_size is not None and part_size < MIN_PART_SIZE and str(dest).startswith(("s3://", "s3a://")):
+        # S3's multipart minimum; other destinations (a folder, the Hub) send whole files and ignore part_size
+        raise InvalidArgument(f"must be at least 5 MiB (S3's minimum part) for an s3:// destination, not "
+                              f"{part_size} bytes", param="part_size", hint="e.g. 8MiB or 64MB")
     if isinstance(target, FsDestination) and not storage.is_url(target.url):
         d = os.path.abspath(storage.local_path(target.url))
         if d == src or d.startswith(src + os.sep) or src.startswith(d + os.sep):
-            raise InvalidArgument("DEST must not be inside SRC or contain it", path=target.url)
+            raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest")
     checkpoints, roots = find_checkpoints(src)
     if only is not None:
         wanted = {os.path.normpath(n) for n in only}
@@ -556,7 +558,7 @@ def push_every(src: str, dest, interval: float, *, cancel: threading.Event | Non
     Ctrl-C while waiting between runs ends the loop normally; during a push it abandons the push and raises.
     """
     if interval <= 0:
-        raise InvalidArgument(f"--every must be positive, not {interval}")
+        raise InvalidArgument(f"must be more than zero, not {interval}", param="every")
     cancel = cancel or threading.Event()
     while not cancel.is_set():
         began = time.monotonic()
@@ -588,7 +590,7 @@ class Pusher:
 
     def __init__(self, src: str, dest, *, every: float | None = None, **push_kwargs):
         if every is not None and every <= 0:
-            raise InvalidArgument(f"every must be positive, not {every}")
+            raise InvalidArgument(f"must be more than zero, not {every}", param="every")
         self.src, self.dest, self.every = src, dest, every
         self.push_kwargs = push_kwargs
         self.errors: list[BaseException] = []

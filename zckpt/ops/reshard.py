@@ -51,6 +51,7 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.formats.safeload import DTYPE_SIZES, LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut
+from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -593,7 +594,7 @@ def _planned(obj: TorchObject) -> PlannedFile:
 
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}")
+        raise InvalidArgument(f"must be a positive integer, got {world_size!r}", param="world_size")
     if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
         raise UnsupportedLayout(ckpt.reshard_refusal, path=ckpt.location.tag_dir,
                                 hint="zckpt merge / info / verify read this layout")
@@ -603,14 +604,14 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
                                 "hyperparameters, which a ZeRO-3 or BF16-optimizer file needs",
                                 path=ckpt.location.tag_dir, hint="reshard it at ZeRO-1 or ZeRO-2")
     if stage not in (1, 2, 3):
-        raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
+        raise InvalidArgument(f"must be 1, 2 or 3, got {stage!r}", param="stage")
     if ckpt.offload:
         log.info("source used optimizer offload; the partitions are the same, offload is a config choice")
     if bf16_optimizer is None:
         bf16_optimizer = ckpt.flavour == "bf16_optimizer" and stage == 1
     if bf16_optimizer and (stage != 1 or ckpt.precision != "bf16"):
-        raise InvalidArgument("the BF16 optimizer needs --stage 1 and a bf16 checkpoint",
-                              hint="drop --bf16-optimizer, or use --stage 1 on a bf16 checkpoint")
+        raise InvalidArgument("the BF16 optimizer needs `stage` 1 and a bf16 checkpoint", param="bf16_optimizer",
+                              hint="drop `bf16_optimizer`, or use `stage` 1 on a bf16 checkpoint")
     zcfg = ckpt.ds_config.get("zero_optimization") or {}
     if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
@@ -623,7 +624,7 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the side files."""
     if fmt not in FORMATS:
-        raise InvalidArgument(f"unknown --format {fmt!r}", hint="use deepspeed or universal")
+        raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     if fmt == "universal" and is_elastic(ckpt):
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
@@ -784,17 +785,23 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     """
     t0 = time.perf_counter()
     if world_size is None:
-        raise InvalidArgument("a target world size is required", hint="pass --world-size M")
+        raise InvalidArgument("a target world size is required", param="world_size", hint="pass `world_size`")
     ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
     _check_out(out, overwrite, source)  # before planning or writing anything
     plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt)
+    log.info("plan: %d file(s), %s, world size %d -> %s (planned in %.2fs)", len(plan.files),
+             format_size(plan.total_bytes), world_size, out, time.perf_counter() - t0)
+    for f in plan.files:
+        log.debug("  %s (%s)", f.relpath, format_size(f.nbytes))
     result = ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
+    t1 = time.perf_counter()
     execute(plan, out, workers, overwrite, progress,
             latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable, source=source,
             storage_options=ckpt.storage_options)
     result.seconds = time.perf_counter() - t0
+    log.info("wrote and published %s in %.2fs (%.2fs in all)", out, time.perf_counter() - t1, result.seconds)
     return result
