@@ -19,6 +19,7 @@ import struct
 
 from zckpt.io import storage
 from zckpt.errors import CheckpointNotFound, ZckptError
+from zckpt.formats.legacy import is_legacy
 from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import has_marker, read_marker
 
@@ -129,7 +130,9 @@ def check_torch_zip(path: str) -> str | None:
     """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
 
     The checks of :func:`zckpt.formats.zipentries.read_entries`: every entry inside the file and agreeing with its local
-    header; reads the directory and the local headers only."""
+    header; reads the directory and the local headers only. A legacy (non-zip) torch file: :func:`check_torch_legacy`."""
+    if _is_legacy(path):
+        return check_torch_legacy(path)
     try:
         entries = read_file_entries(path)
     except OSError as exc:
@@ -139,6 +142,29 @@ def check_torch_zip(path: str) -> str | None:
     if not any(name.endswith("data.pkl") for name in entries):
         return f"{os.path.basename(path)} has no data.pkl entry"
     return None
+
+
+def check_torch_legacy(path: str) -> str | None:
+    """Why a legacy (non-zip) torch file is not whole: the checks of :func:`zckpt.formats.legacy.locate` (its
+    pickles end, its storage keys match the object pickle, the storages' sizes end the file exactly and agree with
+    their size fields); reads the pickles and the 8-byte size fields only."""
+    from zckpt.formats import safeload
+    try:
+        with open(path, "rb") as f:
+            safeload.legacy_layout(path, f, os.fstat(f.fileno()).st_size)
+    except OSError as exc:
+        return f"{os.path.basename(path)} cannot be read ({exc.strerror or exc})"
+    except ZckptError as exc:
+        return f"{os.path.basename(path)} is not a complete legacy torch file ({exc.message})"
+    return None
+
+
+def _is_legacy(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_safetensors(path: str) -> str | None:
@@ -245,7 +271,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         for name in files:
             path = os.path.join(dirpath, name)
             reason = None
-            if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(path)):
+            if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and (_is_zip(path) or _is_legacy(path))):
                 reason = check_torch_zip(path)
             elif name.endswith(".safetensors"):
                 reason = check_safetensors(path)
