@@ -14,8 +14,10 @@ DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` gives exper
 groups (``moe: True``, ``name: "ep_size_N"``). A dense group is partitioned over all ``ws`` data-parallel ranks as
 usual. An expert group of ``ep_size`` N is partitioned over the ``ws/N`` ranks of an expert-data-parallel group:
 ranks ``R`` with ``R % N == e`` hold expert-parallel rank ``e``'s local experts (``groups._create_expert_and_data_
-parallel``: expert-parallel groups are blocks of N consecutive ranks), split in the order ``R // N``. Local expert
-``i`` of expert-parallel rank ``e`` is global expert ``e * num_local + i``.
+parallel``: expert-parallel groups are blocks of N consecutive ranks), split in the order ``R // N``; with
+``use_data_before_expert_parallelism: true`` (read from the saved ``ds_config``) it is the block of ``ws/N``
+consecutive ranks ``[e * ws/N, (e+1) * ws/N)`` (:func:`expert_data_ranks`). Local expert ``i`` of
+expert-parallel rank ``e`` is global expert ``e * num_local + i``.
 
 This reader builds the dense groups and each (expert group, expert-parallel rank) with
 :func:`zckpt.deepspeed.zero12.build` over a view of the files restricted to those groups and ranks, renames local
@@ -159,7 +161,7 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
     out: dict[str, TensorRecord] = {}
     info = None
     for e in range(ep):
-        ranks = [r for r in range(ws) if r % ep == e]  # expert-data-parallel group of expert-parallel rank e
+        ranks = expert_data_ranks(ms0, ws, ep, e, loc.tag_dir)
         files = [dataclasses.replace(loc.optim_files[r], dp_rank=i) for i, r in enumerate(ranks)]
         sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
         names = []
@@ -171,6 +173,26 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
             info = GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
         info.names += names
     return out, info
+
+
+def expert_data_ranks(ms0: dict, ws: int, ep: int, e: int, path: str) -> list[int]:
+    """The data-parallel ranks holding expert-parallel rank ``e``'s experts, in partition order (DeepSpeed
+    ``groups._create_expert_and_data_parallel``, no model parallelism): ranks ``R % ep == e`` by default, the
+    block ``[e * ws/ep, (e+1) * ws/ep)`` with ``use_data_before_expert_parallelism: true`` (read from the saved
+    ``ds_config``). Where the two differ and the checkpoint has no config, the layout is refused."""
+    cfg = ms0.get("ds_config")
+    if isinstance(cfg, dict):
+        dbe = bool(cfg.get("use_data_before_expert_parallelism", False))
+    elif ep in (1, ws):  # both topologies give the same groups
+        dbe = False
+    else:
+        raise UnsupportedLayout(f"mixture-of-experts checkpoint with ep_size {ep} over {ws} ranks and no ds_config: "
+                                "which ranks hold which experts depends on use_data_before_expert_parallelism",
+                                path=path)
+    if dbe:
+        stride = ws // ep
+        return list(range(e * stride, (e + 1) * stride))
+    return [r for r in range(ws) if r % ep == e]
 
 
 def _num_local(shapes) -> dict[str, int]:
