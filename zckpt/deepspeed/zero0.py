@@ -35,8 +35,9 @@ from), not the low-precision module copies.
 from __future__ import annotations
 
 import hashlib
+import zlib
 
-from zckpt.formats import casting
+from zckpt.formats import casting, zipentries
 from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
@@ -58,29 +59,10 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
     module = ms0.get("module")
     if not isinstance(module, dict):
         raise CorruptFile("ZeRO-0 model-states file without a 'module' state dict", path=mpath)
-    buffers = set(ms0.get("buffer_names") or [])
-    params = [(n, t) for n, t in module.items() if n not in buffers and isinstance(t, LazyTensor)]
-    tied = _ties(params)
-    candidates = [(n, t) for n, t in params if n not in tied]
+    candidates, tied = module_params(module, ms0.get("buffer_names"))
     precision = precision_of(ms0, module)
-    opt = ms0.get("optimizer")
-    notes: list[str] = []
-
-    if opt is None:
-        trainable, groups = {}, []
-        notes.append("saved without optimizer state: every parameter is reported as frozen (module values)")
-    elif not isinstance(opt, dict):
-        raise CorruptFile(f"'optimizer' is a {type(opt).__name__}, not a state dict", path=mpath)
-    elif "fp32_groups" in opt:
-        trainable, groups = _unfused(opt, candidates, mpath, loc.storage_options)
-    elif "fp32_groups_flat" in opt:
-        trainable, groups = _fused(opt, candidates, mpath, loc.storage_options)
-    elif "state" in opt and "param_groups" in opt:
-        trainable, groups, more = _plain(opt, candidates, precision, mpath, loc.storage_options)
-        notes += more
-    else:
-        raise UnsupportedLayout("ZeRO-0 'optimizer' has neither fp32 master groups nor a torch optimizer state "
-                                f"(keys: {', '.join(map(str, list(opt)[:8]))})", path=mpath)
+    trainable, groups, notes = read_optimizer(ms0.get("optimizer"), candidates, precision, mpath,
+                                              loc.storage_options)
 
     ms = dict(ms0, shared_params=tied)  # ties as common_records expects them (DeepSpeed saves None at ZeRO-0)
     records = common_records(loc, ms, trainable, {}, LP_DTYPES[precision])
@@ -90,6 +72,35 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
                       reshard_refusal=REFUSAL)
     ckpt.notes += notes
     return ckpt
+
+
+def module_params(module: dict, buffer_names) -> tuple[list[tuple[str, LazyTensor]], dict[str, str]]:
+    """(name, tensor) of every parameter of ``module`` that is not a buffer or a tied alias, and the ties."""
+    buffers = set(buffer_names or [])
+    params = [(n, t) for n, t in module.items() if n not in buffers and isinstance(t, LazyTensor)]
+    tied = _ties(params)
+    return [(n, t) for n, t in params if n not in tied], tied
+
+
+def read_optimizer(opt, candidates: list[tuple[str, LazyTensor]], precision: str, path: str,
+                   storage_options: dict | None = None) -> tuple[dict[str, TensorRecord], list[GroupInfo], list[str]]:
+    """The trainable records, param groups and notes of a ZeRO-0 ``optimizer`` entry (what the engine's optimizer
+    returned) for the module parameters ``candidates``; every other candidate is frozen."""
+    notes: list[str] = []
+    if opt is None:
+        return {}, [], ["saved without optimizer state: every parameter is reported as frozen (module values)"]
+    if not isinstance(opt, dict):
+        raise CorruptFile(f"'optimizer' is a {type(opt).__name__}, not a state dict", path=path)
+    if "fp32_groups" in opt:
+        trainable, groups = _unfused(opt, candidates, path, storage_options)
+    elif "fp32_groups_flat" in opt:
+        trainable, groups = _fused(opt, candidates, path, storage_options)
+    elif "state" in opt and "param_groups" in opt:
+        trainable, groups, notes = _plain(opt, candidates, precision, path, storage_options)
+    else:
+        raise UnsupportedLayout("ZeRO-0 'optimizer' has neither fp32 master groups nor a torch optimizer state "
+                                f"(keys: {', '.join(map(str, list(opt)[:8]))})", path=path)
+    return trainable, groups, notes
 
 
 def _ties(params: list[tuple[str, LazyTensor]]) -> dict[str, str]:
@@ -206,6 +217,25 @@ def fingerprints(masters: list[list[LazyTensor]], module: dict[str, LazyTensor],
     return fingerprint
 
 
+def first_damaged(tensors: list[LazyTensor], storage_options: dict | None = None) -> tuple[str, str] | None:
+    """(file, zip entry) of the first storage of ``tensors`` whose bytes fail the CRC its zip directory gives, or
+    None. Only on a failure path: it reads every storage named."""
+    entries: dict[str, dict] = {}
+    seen = set()
+    for t in tensors:
+        ref = t.storage
+        if (ref.path, ref.offset) in seen:
+            continue
+        seen.add((ref.path, ref.offset))
+        if ref.path not in entries:
+            with storage.open_input(ref.path, storage_options) as f:
+                entries[ref.path] = {e.data_offset: e for e in zipentries.read_entries(f, None, ref.path).values()}
+        e = entries[ref.path].get(ref.offset)
+        if e is not None and zlib.crc32(storage.read_range(ref.path, e.data_offset, e.size, storage_options)) != e.crc:
+            return ref.path, e.name
+    return None
+
+
 def _digest(t: LazyTensor, to: str | None, full: bool, storage_options: dict | None):
     n = t.numel if full else min(t.numel, SAMPLE)
     h = hashlib.sha256() if full else None
@@ -286,9 +316,16 @@ def _unfused(opt: dict, candidates: list, path: str, storage_options: dict | Non
         raise CorruptFile("ZeRO-0: fp32_groups and the optimizer's param groups disagree", path=path)
     by = dict(candidates)
     pgs = opt["optimizer_state_dict"]["param_groups"]
-    named = match_groups([[tuple(t.shape) for t in grp] for grp in fp32],
-                         [(n, tuple(t.shape)) for n, t in candidates], path,
-                         fingerprint=fingerprints(fp32, by, storage_options), names=_saved_names(pgs, path))
+    try:
+        named = match_groups([[tuple(t.shape) for t in grp] for grp in fp32],
+                             [(n, tuple(t.shape)) for n, t in candidates], path,
+                             fingerprint=fingerprints(fp32, by, storage_options), names=_saved_names(pgs, path))
+    except (UnsupportedLayout, CorruptFile) as exc:  # values that match nothing: damaged bytes say so first
+        bad = first_damaged([t for grp in fp32 for t in grp] + [t for _, t in candidates], storage_options)
+        if bad is not None:
+            raise CorruptFile(f"{bad[1]} fails its CRC check (the values zckpt matches masters by are damaged)",
+                              path=bad[0]) from exc
+        raise
     trainable, groups = {}, []
     for g, (names, masters, pids) in enumerate(zip(named, fp32, ids)):
         moments = [(_moment(state, p, "exp_avg", m.numel, path, n), _moment(state, p, "exp_avg_sq", m.numel, path, n))
