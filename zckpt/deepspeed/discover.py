@@ -138,9 +138,8 @@ def _fill(loc: Location, names) -> Location:
         elif m := EXPERT_RE.match(name):  # mixture of experts (zckpt.deepspeed.moe)
             loc.expert_files.append(RankFile(full, name, "expert", None, int(m.group(3)),
                                              index=int(m.group(1) or 0), expert=int(m.group(2))))
-        elif EXPP_RE.match(name):
-            raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO (expp_rank_* optimizer files); "
-                                    "zckpt reads MoE checkpoints of ZeRO-1/2 only", path=loc.tag_dir)
+        elif m := EXPP_RE.match(name):  # MoE without ZeRO: expert-parallel rank e's optimizer (zckpt.deepspeed.moe)
+            loc.optim_files.append(RankFile(full, name, "expp", int(m.group(1)), int(m.group(2))))
         else:
             loc.other_files.append(name)
     if not loc.model_files and not loc.optim_files:

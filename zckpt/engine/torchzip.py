@@ -349,43 +349,54 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
     CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
     conversions (:class:`Cast`) and remote pieces go through the worker's buffers. Chunk CRCs are combined with
     :func:`crc32_combine`, in file order."""
+    os.ftruncate(fd, archive.size + len(_central(archive)))
+    write_archives([(archive, 0)], fd, pool, progress, worker, maps)
+
+
+def write_archives(placed: list[tuple[Archive, int]], fd: int, pool=None, progress=None, worker=None,
+                   maps: "SourceMaps | None" = None) -> None:
+    """Write planned archives, each at its byte offset ``base`` of ``fd`` (a file already at its final size),
+    as :func:`write_archive` does for one: every archive's chunks go through one ``pool.map``, so many small
+    archives (DCP's one zip per tensor chunk in a ``.distcp`` file) copy as fast as one large one. Offsets inside
+    an archive stay relative to its own start (what a reader of the byte range ``[base, base + file_size)`` sees)."""
     own_worker, own_maps = worker is None, maps is None
     worker = worker or Worker()
     maps = maps or SourceMaps()
     fast = hasattr(os, "copy_file_range")
     try:
-        os.ftruncate(fd, archive.size + len(_central(archive)))
         jobs, known = [], {}
-        for idx, e in enumerate(archive.entries):
-            if isinstance(e.data, TensorOut):
-                e.data.segments = coalesce(e.data.segments)
-                crc = maps.tensor_crc(e.data) if fast else None
-                if crc is not None:
-                    known[idx] = crc
-                for start, parts in chunks(e.data.segments, e.data.dtype):
-                    jobs.append((idx, e.data_offset + start, parts, e.data.dtype))
+        for a, (archive, base) in enumerate(placed):
+            for idx, e in enumerate(archive.entries):
+                if isinstance(e.data, TensorOut):
+                    e.data.segments = coalesce(e.data.segments)
+                    crc = maps.tensor_crc(e.data) if fast else None
+                    if crc is not None:
+                        known[a, idx] = crc
+                    for start, parts in chunks(e.data.segments, e.data.dtype):
+                        jobs.append(((a, idx), base + e.data_offset + start, parts, e.data.dtype))
 
         def run(job):
-            idx, off, parts, dtype = job
-            crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=idx not in known)
-            return idx, crc, n
+            key, off, parts, dtype = job
+            crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=key not in known)
+            return key, crc, n
 
         results = pool.map(run, jobs) if pool is not None else map(run, jobs)
-        crcs: dict[int, tuple[int, int]] = {}
-        for idx, crc, n in results:  # map keeps job order, so chunks combine in file order
-            c, length = crcs.get(idx, (0, 0))
-            crcs[idx] = (crc32_combine(c, crc, n) if length else crc, length + n)
+        crcs: dict[tuple[int, int], tuple[int, int]] = {}
+        for key, crc, n in results:  # map keeps job order, so chunks combine in file order
+            c, length = crcs.get(key, (0, 0))
+            crcs[key] = (crc32_combine(c, crc, n) if length else crc, length + n)
             if progress:
                 progress(n)
-        for idx, e in enumerate(archive.entries):
-            if isinstance(e.data, TensorOut):
-                e.crc = known[idx] if idx in known else crcs.get(idx, (0, 0))[0]
-                zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
-                e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
-            else:
-                pwrite_all(fd, memoryview(e.data), e.data_offset)
-            pwrite_all(fd, memoryview(e.local_header), e.header_offset)
-        pwrite_all(fd, memoryview(_central(archive)), archive.size)
+        for a, (archive, base) in enumerate(placed):
+            for idx, e in enumerate(archive.entries):
+                if isinstance(e.data, TensorOut):
+                    e.crc = known[a, idx] if (a, idx) in known else crcs.get((a, idx), (0, 0))[0]
+                    zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
+                    e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
+                else:
+                    pwrite_all(fd, memoryview(e.data), base + e.data_offset)
+                pwrite_all(fd, memoryview(e.local_header), base + e.header_offset)
+            pwrite_all(fd, memoryview(_central(archive)), base + archive.size)
     finally:
         if own_worker:
             worker.close()
