@@ -30,16 +30,19 @@ def _env():
     return dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
-    """FSDP2 saved at 3 ranks after 2 AdamW steps: (dcp folder, full state dict)."""
+def _fsdp2(out: Path, world_size: int, dtype: str):
     import torch
-    out = tmp_path_factory.mktemp("fsdp2")
-    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(_port()),
-           str(ROOT / "tests" / "fsdp2_job.py"), str(out), "2", "2", "fp32"]
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-port", str(_port()),
+           str(ROOT / "tests" / "fsdp2_job.py"), str(out), "2", "2", dtype]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out / "dcp", torch.load(out / "full.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """FSDP2 (fp32) saved at 3 ranks after 2 AdamW steps: (dcp folder, full state dict)."""
+    return _fsdp2(tmp_path_factory.mktemp("fsdp2"), 3, "fp32")
 
 
 def _port():
@@ -245,8 +248,8 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,stage", [(2, 2), (4, 3), (1, 1)])
-def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage):
+@pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
+def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
     every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
     import torch
@@ -256,7 +259,10 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage):
     path, full = fsdp2
     G, spec = _oracle_spec(world_size, stage)
     out = tmp_path / "ds"
-    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS)
+    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
+        from zckpt.deepspeed.layout import open_checkpoint
+        assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
     info = ds_oracle.load_with_deepspeed(spec, str(out), str(tmp_path / "oracle"))
     got = load_file(tmp_path / "oracle" / "oracle.safetensors")
     for name, ref in full["model"].items():
@@ -266,3 +272,28 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got[f"{k}/{name}"], st[k]), (k, name)
     assert info["step"] == 2.0 and info["global_steps"] == 2 and info["lrs"] == [0.01, 0.005]
+
+
+@pytest.mark.slow
+def test_bf16_fsdp2_to_deepspeed_zero3_odd_size(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16) at 2 ranks -> a bf16 DeepSpeed ZeRO-3 engine at 3:
+    the fp32 masters and moments bit for bit, module weights, frozen weights and buffers = FSDP2's cast to bf16."""
+    import torch
+    from safetensors.torch import load_file
+    from tests import ds_oracle
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    path, full = _fsdp2(tmp_path / "src", 2, "bf16")
+    G, spec = _oracle_spec(3, 3)
+    spec = dict(spec, dtype="bf16")
+    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 3, G.build_ds_config(spec), buffers=BUFFERS)
+    info = ds_oracle.load_with_deepspeed(spec, str(tmp_path / "ds"), str(tmp_path / "oracle"))
+    got = load_file(tmp_path / "oracle" / "oracle.safetensors")
+    for name, ref in full["model"].items():
+        if f"fp32/{name}" in got:
+            assert torch.equal(got[f"fp32/{name}"], ref), name
+        key = f"buffer/{name}" if f"buffer/{name}" in got else f"module/{name}"
+        assert torch.equal(got[key], ref.to(got[key].dtype)), key
+    for name, st in full["optim"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{k}/{name}"], st[k]), (k, name)
+    assert info["step"] == 2.0 and info["lrs"] == [0.01, 0.005]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, output_options, output_storage_option, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, output_storage_option, published, settings, storage_option,
+    tag_option,
 )
 
 
@@ -58,6 +59,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
                      exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
                      overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
                      output_storage_options=output_storage_options)
+    if not dry_run:
+        published(result.output)
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

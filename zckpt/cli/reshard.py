@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, settings, emit_json, global_options, output_options, storage_option, tag_option
+from zckpt.cli._common import (
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+)
 
 
 @click.command(epilog="""\b
@@ -51,6 +53,8 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
         result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
                      dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
                      bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options)
+    if not dry_run:
+        published(result.output)
     doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes
     if as_json:
         emit_json(doc, path=doc.get("source", path))

@@ -28,7 +28,9 @@ import io
 import os
 import re
 
-from zckpt.errors import CheckpointNotFound, CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
+from zckpt.errors import (
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, UnsafePickle, UnsupportedLayout, ZckptError,
+)
 from zckpt.formats import dcpmeta, safeload
 from zckpt.formats.safeload import LazyTensor, StorageRef
 from zckpt.io import storage
@@ -41,6 +43,10 @@ OPTIM_ROOTS = ("optim", "optimizer")
 NOT_MODEL_ROOTS = OPTIM_ROOTS + ("lr_scheduler", "lr_schedulers", "train_state", "dataloader", "extra")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 _DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+DCP_HINTS = {
+    CorruptFile: "the DCP folder is damaged or was not written by dcp.save; re-copy it or use another step's folder",
+    UnsafePickle: "zckpt never runs code from checkpoints; this .metadata names more than DCP's own classes",
+}
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -176,14 +182,20 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
     mpath = storage.join(path, METADATA)
     if not storage.isfile(mpath, opts):
         raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by dcp.save: the save did "
-                                   "not finish, or this is not a DCP folder)", path=mpath)
+                                   "not finish, or this is not a DCP folder)", path=mpath,
+                                   hint="use the folder of a finished save")
     names = storage.listdir(path, opts)
     sizes = {n: storage.size(storage.join(path, n), opts) for n in names
              if n != METADATA and storage.isfile(storage.join(path, n), opts)}
     data = storage.read_bytes(mpath, opts)
-    md = dcpmeta.read_metadata(data, mpath, sizes)
-    with metadata_errors(mpath):
-        return _build(path, opts, md, sizes, len(data), buffers, tied or {})
+    try:
+        md = dcpmeta.read_metadata(data, mpath, sizes)
+        with metadata_errors(mpath):
+            return _build(path, opts, md, sizes, len(data), buffers, tied or {})
+    except (CorruptFile, UnsafePickle) as exc:
+        if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
+            exc.hint = DCP_HINTS[type(exc)]
+        raise
 
 
 def _values(items: _Items, md: dcpmeta.DcpMetadata, keys, mpath: str) -> dict:
@@ -299,9 +311,10 @@ def _group_step(g: GroupInfo, step_tensors: dict, opts, mpath: str):
 def _check_tied(records: list[TensorRecord], tied: dict, mpath: str) -> None:
     by = {r.name: r for r in records}
     for alias, src in tied.items():
-        if alias not in by or src not in by or by[src].kind == "tied" or by[src].shape != by[alias].shape:
-            raise UnsupportedLayout(f"tied '{alias}' -> '{src}': both must be module tensors of one shape",
-                                    path=mpath)
+        if alias not in by or src not in by or by[alias].kind != "tied" or by[src].kind == "tied" \
+                or by[src].shape != by[alias].shape:
+            raise UnsupportedLayout(f"tied '{alias}' -> '{src}': both must be module tensors of one shape, the "
+                                    "alias without optimizer state", path=mpath)
 
 
 def check_stateless_named(ckpt: Checkpoint, buffers) -> None:

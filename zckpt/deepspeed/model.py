@@ -104,7 +104,7 @@ def unexpected_files(loc: Location, files: list[RankFile], world_size: int, show
     return IncompleteCheckpoint(f"{listed}: unexpected: partition_count says {world_size} "
                                 f"rank{'s' if world_size > 1 else ''} ({_ranks(range(world_size))})",
                                 path=files[0].path, hint="remove the stale files of an older save, or use "
-                                "an earlier tag with --tag")
+                                "an earlier tag with `tag`")
 
 
 def missing_model_states(loc: Location) -> IncompleteCheckpoint:

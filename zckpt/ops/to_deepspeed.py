@@ -131,10 +131,34 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     cfg = dict(ds_config)
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
     src = deepspeed_source(ckpt, cfg, buffers)
-    return reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
+                      "load_lr_scheduler_states=False when the engine has a scheduler")
+    tied = [r.name for r in src.records if r.kind == "frozen" and r.name in (ckpt.extra.get("stateless") or [])]
+    if tied:
+        plan.notes.append(f"{len(tied)} module tensor(s) without optimizer state written as frozen weights "
+                          f"({', '.join(tied[:3])}{'...' if len(tied) > 3 else ''}); a tied alias among them "
+                          "loads as the same values")
+    return plan
 
 
-def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=None, buffers=None,
+def parse_tied(tied) -> dict:
+    """``--tied`` values: ``{"alias": "source"}``, or strings ``"alias=source"`` (one per tie, or comma-separated)."""
+    if not tied:
+        return {}
+    if isinstance(tied, dict):
+        return dict(tied)
+    out = {}
+    for item in ([tied] if isinstance(tied, str) else list(tied)):
+        for part in (p.strip() for p in item.split(",")):
+            alias, eq, src = part.partition("=")
+            if not eq or not alias.strip() or not src.strip():
+                raise InvalidArgument(f"--tied {part!r}: expected ALIAS=SOURCE, e.g. lm_head.weight=embed.weight")
+            out[alias.strip()] = src.strip()
+    return out
+
+
+def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
                  storage_options: dict | None = None) -> reshard.ReshardResult:
@@ -143,12 +167,13 @@ def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=Non
 
     ``ds_config``: the DeepSpeed config (dict or JSON path) the job will run with; ``buffers``: fnmatch patterns
     of the module tensors without optimizer state that are buffers (``[]`` when none are; required when the
-    checkpoint has such tensors). The output is published like a reshard's (temp folder, marker, rename)."""
+    checkpoint has such tensors); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
+    saved under both names, written as DeepSpeed's ``shared_params``. The output is published like a reshard's (temp folder, marker, rename)."""
     t0 = time.perf_counter()
     if isinstance(buffers, str):
         buffers = [b for b in buffers.split(",") if b]
     cfg = load_config(ds_config)
-    ckpt = open_dcp(path, storage_options)
+    ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
     source = publish.source_of(ckpt.location)
     out = str(out)
     if storage.is_url(out):

@@ -11,7 +11,9 @@ results) are checked against their ``.zckpt.json`` marker: without a complete on
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +23,29 @@ from typing import Callable
 from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
-from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
+from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError, names_rendered
 from zckpt.formats.safeload import LazyTensor
 from zckpt.formats.zipentries import read_entries
+from zckpt.units import format_size
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
+
+log = logging.getLogger(__name__)
+
+
+#: what to do when a check fails, by check name (parameters in backquotes, shown as flags by the CLI)
+NEXT_STEPS = {
+    "CRC of every entry": "the bytes of that file are damaged: copy it again from where it was saved (or a "
+                          "backup), or use an earlier tag with `tag`",
+    "manifest": "files differ from what zckpt push sent: push again from the source, or copy them again",
+    "zckpt output committed": "the output was interrupted or is still being written: run the command again",
+    "safetensors headers": "a weight file is damaged or truncated: run the merge again",
+    "versions agree": "the rank files come from different saves: use an earlier tag with `tag`",
+    "dp_world_size": "the rank files come from different saves: use an earlier tag with `tag`",
+    "shapes agree": "the rank files come from different saves or are damaged: use an earlier tag with `tag`",
+    "optimizer state": "some parameters have no Adam moments: use an earlier tag with `tag`",
+    "steps agree": "the rank files come from different steps: use an earlier tag with `tag`",
+}
 
 
 @dataclass
@@ -33,6 +53,11 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+
+    @property
+    def hint(self) -> str:
+        """What to do about a failed check ("" when it passed)."""
+        return "" if self.ok else NEXT_STEPS.get(self.name, "")
 
 
 @dataclass
@@ -50,7 +75,8 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         return {"path": self.path, "ok": self.ok, "bytes_read": self.bytes_read,
-                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]}
+                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
+                            "hint": names_rendered(c.hint) or None} for c in self.checks]}
 
 
 def verify(path: str, tag: str | None = None, deep: bool = False,
@@ -73,12 +99,18 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
             check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
         raise
+    t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
+    log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
+             sum(not c.ok for c in report.checks), time.perf_counter() - t0)
     if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard output
         report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, opts, check_files=False))
     if deep:
+        t0 = time.perf_counter()
         check_bytes(ckpt, report, progress)
+        log.info("read every byte: %d files, %s in %.2fs", len(ckpt.files), format_size(report.bytes_read),
+                 time.perf_counter() - t0)
     else:
         check_manifest(ckpt.location.input_path, report, hashes=False, storage_options=opts)
     return report
@@ -254,7 +286,8 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
             if progress:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
-    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
+            log.debug("  %s: %s, %s", path, format_size(n), f"{len(bad)} damaged entries" if bad else "CRCs match")
+    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {format_size(done)}")
     check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes, storage_options=ckpt.storage_options)
 
 
