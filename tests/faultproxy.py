@@ -6,8 +6,9 @@
     proxy = FaultProxy(("127.0.0.1", s3_server.s3_port)).start()
     proxy.endpoint                      # http://127.0.0.1:NNNN: give it to the client as its S3 endpoint
     proxy.slowdown(3)                   # the next 3 PUT/POST requests are answered 503 SlowDown (S3's XML)
-    proxy.reset_puts(2, after=1 << 20)  # the next 2 PUTs: connection reset (RST) after 1 MiB of their body
-    proxy.stall_puts(1)                 # the next PUT: its body stops flowing (the client must time out)
+    proxy.reset_puts(2, after=1 << 20)  # the next 2 PUTs bigger than 1 MiB: connection reset (RST) after 1 MiB
+    proxy.stall_puts(1)                 # the next PUT: once its headers passed, nothing moves (the client must
+                                        # time out)
     proxy.puts                          # {"/bucket/key": PUT bodies forwarded whole}, the wire's own count
     proxy.stop()
 
@@ -212,8 +213,8 @@ class FaultProxy:
             elif method == "PUT" and self._stalls:
                 self._stalls -= 1
                 action = "stall"
-            elif method == "PUT" and self._resets:
-                self._resets -= 1
+            elif method == "PUT" and self._resets and self._body_size(headers) > self._reset_after:
+                self._resets -= 1  # (only bodies the reset can cut in the middle)
                 action = "reset"
             self.requests.append((method, target, action))
         if action == "slowdown":
@@ -226,20 +227,27 @@ class FaultProxy:
             time.sleep(0.05)
             raise _Closed
         server.sendall(head)
+        if action == "stall":
+            self._hold(client, server)
         limit = self._reset_after if action == "reset" else None
-        whole = self._body(headers, reader, server, method, limit, stall=action == "stall", client=client)
+        whole = self._body(headers, reader, server, method, limit, client=client)
         if method == "PUT" and whole:
             with self.lock:
                 self.puts[path] += 1
 
-    def _body(self, headers, reader, server, method, reset_after, *, stall, client) -> bool:
+    @staticmethod
+    def _body_size(headers: dict) -> int:
+        """The body's length where the headers say it (chunked bodies: unknown, taken as large)."""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            return 1 << 62
+        return int(headers.get("x-amz-decoded-content-length") or headers.get("content-length") or 0)
+
+    def _body(self, headers, reader, server, method, reset_after, *, client) -> bool:
         """Forward one request body; False when the body was cut short (by a fault)."""
         sent = 0
 
         def forward(data: bytes) -> None:
             nonlocal sent
-            if stall and sent + len(data) > 64 * 1024:
-                self._hold(client, server)
             if reset_after is not None and sent + len(data) >= reset_after:
                 cut = max(0, reset_after - sent)
                 server.sendall(data[:cut])

@@ -31,6 +31,8 @@ pytest_plugins = ["tests.s3server"]
 P = importlib.import_module("zckpt.ops.push")
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "zckpt-manifest.json"
+RECORD = ".zckpt-push.json"  # push's "a push began here", written before any file
+SIDE = (MANIFEST, RECORD)
 MiB = 1024 * 1024
 
 
@@ -126,7 +128,7 @@ def test_server_killed_mid_push_then_restarted(proxied, tmp_path):
     assert not thread.is_alive() and "error" not in outcome, outcome.get("error")
     assert outcome["result"].checkpoints[0].status == "pushed"
     objects = _objects(server, f"{prefix}/checkpoint-4")
-    assert {k: v for k, v in objects.items() if k != MANIFEST} == local_files(ckpt)
+    assert {k: v for k, v in objects.items() if k not in SIDE} == local_files(ckpt)
     key = f"/{server.bucket}/{prefix}/checkpoint-4/"
     assert {rel: proxy.puts[key + rel] for rel in done} == {rel: 1 for rel in done}  # finished: never resent
     retries = [e for e in events if e.kind == "retry"]
@@ -158,7 +160,7 @@ def test_server_down_one_line_error_then_rerun_resends_nothing(proxied, tmp_path
     assert "finished files will not be resent" in line and f"s3://{server.bucket}/{prefix}/checkpoint-4" in line
     assert detected < 120
     server.start()
-    arrived = {k for k in server.keys(f"{prefix}/")}  # what the server had stored when it died
+    arrived = {k for k in server.keys(f"{prefix}/") if not k.endswith(RECORD)}  # stored when it died
     assert arrived and not any(k.endswith(MANIFEST) for k in arrived)  # not marked complete
     before = dict(proxy.puts)
     rerun = _cli(env, "push", str(ckpt.parent), dest, "--settle", "0", "--json")
@@ -167,7 +169,7 @@ def test_server_down_one_line_error_then_rerun_resends_nothing(proxied, tmp_path
     assert c["status"] == "pushed" and c["files_skipped"] == len(arrived)
     assert {k: proxy.puts[f"/{server.bucket}/{k}"] for k in arrived} == \
         {k: before.get(f"/{server.bucket}/{k}", 0) for k in arrived}  # none of them sent again
-    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k != MANIFEST} == \
+    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k not in SIDE} == \
         local_files(ckpt)
     _figures("server-down", detected_s=round(detected, 1), files_there_before=len(arrived),
              files_sent_by_rerun=c["files_sent"])
@@ -188,7 +190,7 @@ def test_connection_resets_mid_body_are_retried(proxied, tmp_path):
     result = P.push(str(ckpt.parent), server.url(prefix), settle=0, workers=2, progress=events.append)
     took = time.monotonic() - started
     assert result.checkpoints[0].status == "pushed" and proxy.pending["resets"] == 0
-    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k != MANIFEST} == \
+    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k not in SIDE} == \
         local_files(ckpt)
     _push_every_put_once(proxy, prefix)
     puts = sum(proxy.puts.values())
@@ -209,7 +211,7 @@ def test_stalled_connection_is_detected_and_retried(proxied, tmp_path):
     result = P.push(str(ckpt.parent), server.url(prefix), settle=0, workers=1, storage_options=options)
     took = time.monotonic() - started
     assert result.checkpoints[0].status == "pushed" and proxy.count("stall") == 1
-    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k != MANIFEST} == \
+    assert {k: v for k, v in _objects(server, f"{prefix}/checkpoint-4").items() if k not in SIDE} == \
         local_files(ckpt)
     _push_every_put_once(proxy, prefix)
     assert took < 60
@@ -243,7 +245,7 @@ def test_slowdown_bursts(proxied, tmp_path):
     rerun = _cli(env, "push", str(ckpt.parent), server.url(other), "--settle", "0")
     assert rerun.returncode == 0, rerun.stderr
     _push_every_put_once(proxy, other)
-    assert {k: v for k, v in _objects(server, f"{other}/checkpoint-4").items() if k != MANIFEST} == \
+    assert {k: v for k, v in _objects(server, f"{other}/checkpoint-4").items() if k not in SIDE} == \
         local_files(ckpt)
     _figures("slowdown", short_burst=4, short_s=round(short, 1), long_refused_requests=refused,
              gave_up_after_s=round(long_s, 1))
@@ -280,14 +282,13 @@ def test_local_destination_runs_out_of_space(small_disk, tmp_path):
     assert "no space left at DEST" in line and "free space at DEST" in line, line
     there = {p.relative_to(dest / "checkpoint-4").as_posix(): p.stat().st_ino
              for p in (dest / "checkpoint-4").rglob("*") if p.is_file()}
-    assert MANIFEST not in there and there  # some files arrived; not marked complete
-    assert not [n for n in there if ".tmp" in n or n.startswith(".")]  # no temp files left
+    assert MANIFEST not in there and set(there) - {RECORD}  # some files arrived; not marked complete
+    assert not [n for n in there if ".tmp" in n or (n.startswith(".") and n != RECORD)]  # no temp file left
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
     rerun = _cli({**os.environ}, "push", str(ckpt.parent), str(dest), "--settle", "0", "--json")
     assert rerun.returncode == 0, rerun.stderr
     final = {p.relative_to(dest / "checkpoint-4").as_posix(): p.stat().st_ino
              for p in (dest / "checkpoint-4").rglob("*") if p.is_file()}
     assert {k: final[k] for k in there} == there  # finished files were not copied again
-    assert local_files(dest / "checkpoint-4").keys() - {MANIFEST} == local_files(ckpt).keys()
-    assert {k: v for k, v in local_files(dest / "checkpoint-4").items() if k != MANIFEST} == local_files(ckpt)
-    _figures("enospc", files_before=len(there), files_sent_by_rerun=json.loads(rerun.stdout)["files_sent"])
+    assert {k: v for k, v in local_files(dest / "checkpoint-4").items() if k not in SIDE} == local_files(ckpt)
+    _figures("enospc", files_before=len(set(there) - {RECORD}), files_sent_by_rerun=json.loads(rerun.stdout)["files_sent"])
