@@ -191,8 +191,8 @@ def test_real_deepspeed_tags(tag, tmp_path):
     copy = tmp_path / tag.name
     shutil.copytree(tag, copy)
     ranks = sorted(copy.glob("*zero_pp_rank_*"), key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
-    if not ranks:  # ZeRO-0: one model-states file holds everything, no per-rank files to lose
-        assert not list(copy.glob("*optim_states.pt"))
+    if not ranks:  # ZeRO-0: one model-states file holds everything, no per-dp-rank files to lose (MoE without
+        assert not list(copy.glob("*zero_pp_rank_*optim_states.pt"))  # ZeRO: expp_rank_* per expert-parallel rank)
         return
     last = ranks[-1].name.split("zero_pp_rank_")[1].split("_")[0]
     for p in copy.glob(f"*zero_pp_rank_{last}_*"):
