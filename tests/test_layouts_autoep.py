@@ -1,6 +1,6 @@
 """AutoEP (DeepSpeed 0.19.2+ automatic expert parallelism) checkpoints, against the live engine.
 
-``fixtures/autoep_z2_bf16_ws2_ep2`` was written by real DeepSpeed 0.19.8 on 2 CPU ranks (``fixtures/gen_autoep.py``:
+``fixtures/moe_autoep_z2_bf16_ws2_ep2`` was written by real DeepSpeed 0.19.8 on 2 CPU ranks (``fixtures/gen_autoep.py``:
 a random tiny Mixtral, 4 experts, ``autoep_size`` 2, ZeRO-2 bf16). The reference is the engine's state captured
 right after the save (``expected/oracle.safetensors``): ``safe_get_full_*`` masters and moments, each fused expert
 parameter put together from both expert-parallel ranks' local experts. We check that
@@ -30,13 +30,13 @@ from zckpt.ops.info import info as info_of
 from tests.conftest import FIXTURES, checkpoint_path
 from tests.test_merge import _merged
 
-FX = FIXTURES / "autoep_z2_bf16_ws2_ep2"
+FX = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2"
 
 
 @pytest.fixture(scope="module")
 def oracle():
     if not (FX / "expected" / "spec.json").exists():
-        pytest.fail("fixtures/autoep_z2_bf16_ws2_ep2 missing (python fixtures/generate.py --only ...)")
+        pytest.fail("fixtures/moe_autoep_z2_bf16_ws2_ep2 missing (python fixtures/generate.py --only ...)")
     return (load_file(str(FX / "expected" / "oracle.safetensors")),
             json.loads((FX / "expected" / "oracle.json").read_text()))
 
@@ -117,8 +117,8 @@ def test_missing_expert_file_named(tmp_path):
 
 
 def test_autoep_zero3_refused_in_one_line():
-    fx = FIXTURES / "ambiguous" / "autoep_z3_bf16_ws2_ep2"
+    fx = FIXTURES / "ambiguous" / "moe_autoep_z3_bf16_ws2_ep2"
     if not (fx / "expected" / "spec.json").exists():
-        pytest.fail(f"{fx} missing (python fixtures/generate.py --only ambiguous/autoep_z3_bf16_ws2_ep2)")
+        pytest.fail(f"{fx} missing (python fixtures/generate.py --only ambiguous/moe_autoep_z3_bf16_ws2_ep2)")
     with pytest.raises(UnsupportedLayout, match="AutoEP checkpoint of ZeRO-3"):
         zckpt.open_checkpoint(str(checkpoint_path(fx)))
