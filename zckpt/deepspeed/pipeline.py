@@ -21,7 +21,8 @@ first stage's masters and moments are used; DeepSpeed keeps the copies equal by 
 A layer file's tensor is a trainable parameter when its name is in a stage's ``param_shapes``, a buffer when it is
 in a stage's ``buffer_names``, and frozen otherwise (ZeRO-1 keeps frozen weights only in the layer files).
 Only those names say which file is a tied module: a layer file with neither (all frozen, no buffer) may be an
-ordinary frozen layer or a frozen tied module, its names are unknown, and it is refused. Resharding is refused (the stage boundaries are fixed by the layer partition).
+ordinary frozen layer or a frozen tied module, its names are unknown, and it is refused. ``reshard`` changes only the data-parallel size (:func:`zckpt.ops.reshard.plan_reshard` re-partitions
+each stage of ``extra["pipeline_stages"]``); the stage count is fixed by the layer partition.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ from zckpt.formats.safeload import LazyTensor
 
 TIED_RE = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 
-REFUSAL = ("pipeline-parallel checkpoint: zckpt merges it (merge, info, verify) but does not reshard it; resume "
-           "it with the same pipeline and data-parallel sizes")
+REFUSAL = ("zckpt.deepspeed.load_checkpoint does not load a pipeline-parallel checkpoint: run `zckpt reshard "
+           "--world-size <data-parallel size>` (the pipeline stages are kept) and load the output with DeepSpeed's "
+           "engine.load_checkpoint")
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -83,7 +85,8 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     stage = 0 if ms0.get("param_shapes") is None and int(zcfg.get("stage") or 0) == 0 else first.stage
     return Checkpoint(loc, stage, first.flavour, precision_of(ms0, None), first.world_size, records, groups,
                       ms0, optim_states, model_states, offload=first.offload, notes=notes, parallel="pipeline",
-                      reshard_refusal=REFUSAL)
+                      reshard_refusal=REFUSAL,
+                      extra={"pipeline_stages": per_stage, "stage_model_states": [ms for _, ms in stages]})
 
 
 def _stage_files(loc: Location, model_states: list[dict]) -> list[tuple[RankFile, dict]]:

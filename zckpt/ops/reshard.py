@@ -27,6 +27,10 @@ Output (``fmt="deepspeed"``)::
                                                     rng_state_{r}.pth for r < min(N, M) (see docs/reshard.md)
 
 ``fmt="universal"`` writes DeepSpeed's universal layout instead (:mod:`zckpt.ops.universal`).
+
+A pipeline-parallel source (``PipelineEngine``, ZeRO-1) keeps its stages: ``world_size`` is the new data-parallel
+size, and each stage's ``..._mp_rank_{SS}_optim_states.pt`` are planned by the same ZeRO-1 writer
+(:func:`_plan_pipeline`).
 """
 
 from __future__ import annotations
@@ -261,6 +265,7 @@ class _Target:
     elastic: bool  # written back elastic (see is_elastic)
     has_state: bool  # Adam moments and a step in every group
     conv: W.Converter
+    mp_rank: int = 0  # the pipeline stage whose files are planned (``mp_rank_{SS}`` in the names)
 
     @property
     def ms0(self) -> dict:
@@ -278,7 +283,7 @@ class _Target:
 
     def optim_path(self, rank: int) -> str:
         prefix = "bf16_" if self.ckpt.precision == "bf16" else ""
-        return self.relpath(f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        return self.relpath(f"{prefix}zero_pp_rank_{rank}_mp_rank_{self.mp_rank:02d}_optim_states.pt")
 
     def model_path(self, rank: int) -> str:
         return self.relpath(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if self.stage == 3
@@ -594,9 +599,13 @@ def _planned(obj: TorchObject) -> PlannedFile:
     return PlannedFile(obj.relpath, "torch", archive.file_size, archive.payload_bytes, archive=archive, obj=obj.obj)
 
 
-def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
+def _check_world_size(world_size) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise InvalidArgument(f"must be a positive integer, got {world_size!r}", param="world_size")
+
+
+def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
+    _check_world_size(world_size)
     if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
         raise UnsupportedLayout(ckpt.reshard_refusal, path=ckpt.location.tag_dir,
                                 hint="zckpt merge / info / verify read this layout")
@@ -627,6 +636,8 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the side files."""
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
+    if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
+        return _plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt)
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     if fmt == "universal" and is_elastic(ckpt):
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
@@ -642,6 +653,62 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
                        flavour, world_size, ckpt.precision, files, partitions=partitions)
     if not t.has_state:
         plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
+    return plan
+
+
+# ---- pipeline parallel: each stage re-partitioned over the new data-parallel size
+
+def _plan_pipeline(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
+                   fmt: str) -> ReshardPlan:
+    """A ``PipelineEngine`` checkpoint (:mod:`zckpt.deepspeed.pipeline`) at data-parallel size ``world_size``, the
+    stage count kept. Each stage is an ordinary ZeRO-1 / BF16-optimizer checkpoint of its own parameters over the
+    data-parallel ranks: its ``[bf16_]zero_pp_rank_{d}_mp_rank_{SS}_optim_states.pt`` are planned by the same
+    writer as a plain checkpoint's (``_zero12_optim``); ``mp_rank_{SS}_model_states.pt`` is the source's with the
+    new ``dp_world_size`` (what ``engine.load_checkpoint`` checks against the live data-parallel size and uses to
+    name the optimizer files it reads); the ``layer_XX-model_states.pt`` files do not depend on it and are copied."""
+    _check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    if fmt != "deepspeed":
+        raise UnsupportedLayout("a pipeline-parallel checkpoint is resharded in the DeepSpeed layout only",
+                                path=tag_dir, hint="drop --format universal")
+    if stage is not None and stage != ckpt.stage:
+        raise UnsupportedLayout(f"changing the ZeRO stage of a pipeline-parallel checkpoint is not supported "
+                                f"(PipelineEngine runs ZeRO-0/1): keep stage {ckpt.stage}; only the data-parallel "
+                                "size can change", path=tag_dir, hint="drop --stage")
+    if ckpt.stage == 0:  # engine.load_checkpoint feeds the model file's `optimizer` to the BF16 optimizer there
+        raise UnsupportedLayout("resharding a ZeRO-0 pipeline-parallel checkpoint is not supported (its BF16-"
+                                "optimizer state is also in mp_rank_XX_model_states.pt, which DeepSpeed loads "
+                                "per rank): resume it at the same data-parallel size; ZeRO-1 pipelines reshard",
+                                path=tag_dir)
+    src_bf16 = ckpt.flavour == "bf16_optimizer"
+    if bf16_optimizer is not None and bool(bf16_optimizer) != src_bf16:
+        raise UnsupportedLayout("changing the optimizer (BF16 optimizer / ZeRO) of a pipeline-parallel checkpoint "
+                                "is not supported: only the data-parallel size can change", path=tag_dir,
+                                hint="drop --bf16-optimizer")
+    zcfg = ckpt.ds_config.get("zero_optimization") or {}
+    if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
+                                path=tag_dir)
+    objects: list[TorchObject] = []
+    partitions: list[dict] = []
+    tag = output_tag(ckpt)
+    stage_ms = ckpt.extra["stage_model_states"]
+    for s, sub in enumerate(ckpt.extra["pipeline_stages"]):
+        t = _target(sub, world_size, ckpt.stage, sub.flavour)
+        t.mp_rank = s
+        fgs = _flat_groups(t)
+        ms = {k: (world_size if k == "dp_world_size" else t.conv(v)) for k, v in stage_ms[s].items()}
+        objects.append(TorchObject(t.relpath(f"mp_rank_{s:02d}_model_states.pt"), ms))
+        objects += [_zero12_optim(t, fgs, rank) for rank in t.ranks]
+        partitions += [{"pipeline_stage": s, **p} for p in _flat_partitions(t, fgs)]
+    layers = [_copied(os.path.join(tag, f.path.rsplit("/", 1)[-1]), f.path, f.size)
+              for f in sorted(ckpt.location.layer_files, key=lambda f: f.index)]
+    files = [_planned(o) for o in objects] + layers + _side_files(ckpt, world_size)
+    pp = len(stage_ms)
+    plan = ReshardPlan(ckpt.location.input_path, tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
+                       ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
+    plan.notes.append(f"pipeline parallel: {pp} stages kept, data-parallel size {ckpt.world_size} -> {world_size} "
+                      f"(launch {pp * world_size} ranks)")
     return plan
 
 

@@ -73,6 +73,10 @@ def engine_target(engine) -> Target:
     stage = int(engine.zero_optimization_stage())
     if stage == 0 or engine.optimizer is None:
         raise UnsupportedLayout("the engine does not use a ZeRO optimizer (stage 0); load with engine.load_checkpoint")
+    if getattr(engine, "pipeline_parallelism", False):
+        raise UnsupportedLayout("pipeline-parallel engines are not loaded by zckpt.deepspeed.load_checkpoint: run "
+                                "`zckpt reshard --world-size <data-parallel size>` (stages kept), then "
+                                "engine.load_checkpoint")
     if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
         raise UnsupportedLayout("model-parallel engines (mp_world_size > 1) are not supported")
     if getattr(engine, "has_moe_layers", False):
