@@ -27,6 +27,7 @@ from zckpt.deepspeed.discover import EXPERT_RE, LAYER_RE, TRAINER_MARKERS
 from zckpt.deepspeed.discover import MODEL_RE as DS_MODEL_RE
 from zckpt.deepspeed.discover import OPTIM_RE as DS_OPTIM_RE
 from zckpt.errors import CheckpointNotFound, InvalidArgument, ZckptError
+from zckpt.formats.legacy import is_legacy
 from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import MARKER, has_marker, read_marker
 
@@ -158,16 +159,20 @@ def side_files(loc, storage_options: dict | None = None) -> list[CheckpointFile]
 
 def files_in_folder(loc, fmt: str = "deepspeed", storage_options: dict | None = None) -> list[CheckpointFile]:
     """The checkpoint's files in the folder a user named (``loc``: a located checkpoint,
-    :class:`zckpt.deepspeed.discover.Location`): :func:`checkpoint_files` of ``loc.input_path``; in a save folder
-    with several tags, its top-level files and the chosen tag's (the other tags are checkpoints of their own). What
-    ``zckpt verify`` checks and ``zckpt info`` lists; raises :class:`NotBackedUp` like :func:`checkpoint_files`."""
+    :class:`zckpt.deepspeed.discover.Location`): :func:`checkpoint_files` of ``loc.input_path``; in a DeepSpeed save
+    folder, its top-level files and the chosen tag's (what push sends of it: other tags are checkpoints of their
+    own); in a Trainer checkpoint, every file but other tags'. What ``zckpt verify`` checks and ``zckpt info``
+    lists; raises :class:`NotBackedUp` like :func:`checkpoint_files`."""
     opts = storage_options if storage_options is not None else getattr(loc, "storage_options", None)
     files = checkpoint_files(loc.input_path, opts)
-    if fmt != "dcp" and _key(loc.input_path) != _key(loc.tag_dir):
-        tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and is_rank_file(f.rel.split("/")[1])}
-        tags.discard(storage.basename(loc.tag_dir))
-        files = [f for f in files if f.rel.split("/", 1)[0] not in tags]
-    return files
+    if fmt == "dcp" or _key(loc.input_path) == _key(loc.tag_dir):
+        return files
+    tag = storage.basename(loc.tag_dir)
+    if not (loc.trainer_dir and _key(loc.trainer_dir) == _key(loc.input_path)):  # a save folder: as push sends it
+        return [f for f in files if "/" not in f.rel or f.rel.split("/", 1)[0] == tag]
+    tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and is_rank_file(f.rel.split("/")[1])}
+    tags.discard(tag)
+    return [f for f in files if f.rel.split("/", 1)[0] not in tags]
 
 
 def _key(path: str) -> str:
@@ -314,7 +319,9 @@ def check_torch_zip(path: str) -> str | None:
     """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
 
     The checks of :func:`zckpt.formats.zipentries.read_entries`: every entry inside the file and agreeing with its local
-    header; reads the directory and the local headers only."""
+    header; reads the directory and the local headers only. A legacy (non-zip) torch file: :func:`check_torch_legacy`."""
+    if _is_legacy(path):
+        return check_torch_legacy(path)
     try:
         entries = read_file_entries(path)
     except OSError as exc:
@@ -324,6 +331,29 @@ def check_torch_zip(path: str) -> str | None:
     if not any(name.endswith("data.pkl") for name in entries):
         return f"{os.path.basename(path)} has no data.pkl entry"
     return None
+
+
+def check_torch_legacy(path: str) -> str | None:
+    """Why a legacy (non-zip) torch file is not whole: the checks of :func:`zckpt.formats.legacy.locate` (its
+    pickles end, its storage keys match the object pickle, the storages' sizes end the file exactly and agree with
+    their size fields); reads the pickles and the 8-byte size fields only."""
+    from zckpt.formats import safeload
+    try:
+        with open(path, "rb") as f:
+            safeload.legacy_layout(path, f, os.fstat(f.fileno()).st_size)
+    except OSError as exc:
+        return f"{os.path.basename(path)} cannot be read ({exc.strerror or exc})"
+    except ZckptError as exc:
+        return f"{os.path.basename(path)} is not a complete legacy torch file ({exc.message})"
+    return None
+
+
+def _is_legacy(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_safetensors(path: str, storage_options: dict | None = None) -> str | None:
@@ -438,7 +468,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     for f in files:
         name = f.rel.rsplit("/", 1)[-1]
         reason = None
-        if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(f.path)):
+        if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and (_is_zip(f.path) or _is_legacy(f.path))):
             reason = check_torch_zip(f.path)
         elif name.endswith(".safetensors"):
             reason = check_safetensors(f.path)

@@ -7,7 +7,9 @@ Every file of the checkpoint (:func:`zckpt.ops.scan.checkpoint_files`, the defin
 directories intact, safetensors headers matching their sizes. Push manifests (``zckpt-manifest.json``) in the
 folder, its tag, or above a tag: sizes (``deep``: sha256); a push record without one: not complete.
 Deep checks: every byte of every file read, the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is
-caught). zckpt outputs (merged weights, reshard results) are checked against their ``.zckpt.json`` marker:
+caught). Legacy (non-zip) torch files have no CRCs: for them every byte is read and hashed,
+the layout re-checked (pickles, storage keys, storage sizes that end the file) and every storage's size field
+compared with the pickle in the stream. zckpt outputs (merged weights, reshard results) are checked against their ``.zckpt.json`` marker:
 without a complete one they are incomplete. docs/guide.md has the table of what each level checks.
 """
 
@@ -30,7 +32,8 @@ from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered,
 )
-from zckpt.formats.safeload import LazyTensor
+from zckpt.formats import legacy
+from zckpt.formats.safeload import LazyTensor, legacy_layout
 from zckpt.formats.zipentries import LOCAL_SIG, read_entries
 from zckpt.ops.scan import (
     RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file,
@@ -382,6 +385,8 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
     read of the same bytes."""
     with storage.open_input(path, storage_options) as f:
+        if legacy.is_legacy(f.read(4)):
+            return _scan_legacy(f, path)
         try:
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
@@ -410,15 +415,32 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     return pos, bad, digest
 
 
+def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
+    """A legacy (non-zip) file has no CRCs: its layout is checked (pickles, storage keys, sizes that end the file,
+    each storage's size field), then every byte is read and hashed, the size fields compared again in the stream."""
+    size = f.seek(0, 2)
+    try:
+        _obj, places, _n = legacy_layout(path, f, size)
+    except ZckptError as exc:
+        return 0, [exc.message], ""
+    check = legacy.FieldCheck(legacy.size_fields(places))
+    f.seek(0)
+    digest = hashing.sha256_stream(f, on_chunk=check, name=path)
+    return check.pos, check.problems(size), digest
+
+
 def _is_zip_file(path: str, storage_options: dict | None = None) -> bool:
     """A torch zip by name (``.pt``, ``.pth``: a damaged first byte is still damage) or by its first bytes."""
     name = storage.basename(path)
     if name.endswith((".pt", ".pth")):
         return True
-    try:
-        return storage.read_range(path, 0, 4, storage_options) == LOCAL_SIG
-    except OSError:
+    if name.endswith(".safetensors"):
         return False
+    try:
+        head = storage.read_range(path, 0, 4, storage_options)
+    except OSError:
+        return False  # (a legacy torch file, by its pickle's first bytes, only when named like one: .bin)
+    return head == LOCAL_SIG or (name.endswith(".bin") and legacy.is_legacy(head))
 
 
 def _read_whole(path: str, storage_options: dict | None = None) -> tuple[int, list[str], str]:
@@ -464,8 +486,10 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
             log.debug("  %s: %s, %s", path, format_size(n), f"{len(bad)} damaged entries" if bad else
                       "CRCs match" if _is_zip_file(path, opts) else "read")
+    n_legacy = sum(1 for f in files if _is_legacy_file(f.path, opts))
+    note = f"; {n_legacy} legacy files: no CRCs; layout, size fields and every byte read" if n_legacy else ""
     report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or
-               f"{len(paths)} files read ({zips} torch zips, every entry's CRC matches), {format_size(done)}")
+               f"{len(paths)} files read ({zips} torch files, every entry's CRC matches{note}), {format_size(done)}")
     _check_safetensors(files, report, opts)
     return hashes
 
@@ -492,13 +516,16 @@ def check_structure(files: list[CheckpointFile], report: VerifyReport, storage_o
     for f in zips:
         try:
             with storage.open_input(f.path, storage_options) as fh:
-                read_entries(fh, None, f.path)
-        except CorruptFile as exc:
+                if legacy.is_legacy(fh.read(4)):  # no zip directory: its pickles and storage sizes instead
+                    legacy_layout(f.path, fh, f.size)
+                else:
+                    read_entries(fh, None, f.path)
+        except ZckptError as exc:
             bad.append(f"{f.rel}: {exc.message}")
         except OSError as exc:
             bad.append(f"{f.rel}: cannot be read ({exc})")
     report.add("files", not bad, "; ".join(bad[:5]) or f"{len(files)} files of the checkpoint; {len(zips)} torch "
-               "zips with intact directories")
+               "files with intact directories")
     _check_safetensors(files, report, storage_options)
 
 
@@ -510,6 +537,14 @@ def _check_safetensors(files: list[CheckpointFile], report: VerifyReport, storag
     report.add("safetensors headers", not bad, "; ".join(bad[:3]) or
                f"{len(st)} file(s), every header matches its file size (their data has no checksum: a manifest's "
                "sha256 checks it)")
+
+
+def _is_legacy_file(path: str, storage_options: dict | None = None) -> bool:
+    try:
+        with storage.open_input(path, storage_options) as f:
+            return legacy.is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None,
