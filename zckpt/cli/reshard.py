@@ -43,14 +43,20 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see docs/reshard.md for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
+    from zckpt.ops.distributed import launched
     from zckpt.ops.reshard import reshard as run
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
-                     dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
-                     bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options)
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
+                         dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
+                         bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options,
+                         group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes
     if as_json:
         emit_json(doc, path=doc.get("source", path))
