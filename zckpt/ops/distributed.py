@@ -227,6 +227,17 @@ def job_bytes(parts: list, dtype: str) -> int:
                for p in parts)
 
 
+def default_workers() -> int:
+    """Threads per process: the single-process default (CPU count, at most 8) shared by the processes of this
+    node (torchrun's LOCAL_WORLD_SIZE, srun's SLURM_NTASKS_PER_NODE), at least 2."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    try:
+        local_n = max(1, int(local))
+    except ValueError:
+        local_n = 1
+    return max(2, min(8, (os.cpu_count() or 2) // local_n))
+
+
 def chunk_size(total: int, world: int) -> int:
     """Jobs small enough to balance ``world`` ranks within about 1/64 of a share each, at most CHUNK_BYTES."""
     return max(MIN_CHUNK_BYTES, min(executor.CHUNK_BYTES, total // max(1, world * 64)))
@@ -459,7 +470,7 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
         if progress:
             progress(min(done[0], share), share)
 
-    workers = workers or min(8, os.cpu_count() or 2)
+    workers = workers or default_workers()
     own_worker, own_maps = worker is None, maps is None
     worker = worker or executor.Worker(storage_options=storage_options)
     maps = maps or torchzip.SourceMaps()
