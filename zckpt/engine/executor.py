@@ -43,8 +43,10 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 WRITE_STREAMS = 1
 _ZEROS = bytes(1 << 20)
 # Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
-# ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (two windows in memory at most).
+# ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (PREFETCH_BYTES in memory at most).
 PREFETCH_BYTES = 256 << 20
+FIRST_WINDOW_BYTES = 8 << 20  # the first window is small (writing starts soon), later ones double
+WINDOWS_AHEAD = 4  # windows of at most PREFETCH_BYTES / WINDOWS_AHEAD
 MAX_REQUEST_BYTES = 16 << 20
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_GAP_BYTES = 256 << 10  # ranges of one file closer than this are read in one request (the gap is read too)
@@ -337,23 +339,24 @@ def run_jobs(pool, fn: Callable, jobs: Iterable, worker: Worker | None = None,
              parts_of: Callable = lambda job: job[1], window: int = PREFETCH_BYTES) -> Iterator:
     """``fn(job)`` for every job on ``pool`` (or in this thread when None), results in job order.
 
-    When jobs read remote pieces, they run in windows of about ``window`` remote bytes: the next window's ranges
-    are fetched (coalesced ranged GETs, :func:`plan_requests`, many in flight) while this one is written, and
-    the worker's reader is served from them. Local-only jobs run exactly as ``pool.map``."""
+    When jobs read remote pieces, they run in windows of remote bytes (the first small, then doubling up to a
+    quarter of ``window``); up to ``window`` bytes of the windows ahead are being fetched (coalesced ranged GETs,
+    :func:`plan_requests`, many in flight) while one is written, and the worker's reader is served from them.
+    Local-only jobs run exactly as ``pool.map``."""
     jobs = list(jobs)
     ranges = [list(remote_ranges(parts_of(j))) for j in jobs] if worker is not None else []
     if not any(ranges):
         yield from (pool.map(fn, jobs) if pool is not None else map(fn, jobs))
         return
-    windows, cur, size = [], [], 0
+    windows, cur, size, limit = [], [], 0, min(FIRST_WINDOW_BYTES, window // WINDOWS_AHEAD)
     for i, rs in enumerate(ranges):
         cur.append(i)
         size += sum(r[2] for r in rs)
-        if size >= window:
-            windows.append(cur)
-            cur, size = [], 0
+        if size >= limit:
+            windows.append((cur, size))
+            cur, size, limit = [], 0, min(2 * limit, window // WINDOWS_AHEAD)
     if cur:
-        windows.append(cur)
+        windows.append((cur, size))
 
     def start(win):
         rs = [r for i in win for r in ranges[i]]
@@ -363,20 +366,26 @@ def run_jobs(pool, fn: Callable, jobs: Iterable, worker: Worker | None = None,
 
     cache = RangeCache()
     reader = worker.reader
-    pending = start(windows[0])
+    pending: list = []  # futures of the windows being fetched, in order
+    nxt, in_flight = 0, 0
     try:
-        for k, win in enumerate(windows):
+        for k, (win, _) in enumerate(windows):
+            while nxt < len(windows) and (nxt <= k or in_flight + windows[nxt][1] <= window):
+                pending.append(start(windows[nxt][0]))
+                in_flight += windows[nxt][1]
+                nxt += 1
             t0 = time.perf_counter()
-            got = [f.result() for f in pending]
+            got = [f.result() for f in pending.pop(0)]
             worker.stats.wait_seconds += time.perf_counter() - t0
-            pending = start(windows[k + 1]) if k + 1 < len(windows) else []
             cache.blocks.clear()
             for (path, off, _), data in got:
                 cache.add(path, off, data)
             reader.cache = cache
             todo = [jobs[i] for i in win]
             yield from (pool.map(fn, todo) if pool is not None else map(fn, todo))
+            in_flight -= windows[k][1]
     finally:
-        for f in pending:
-            f.cancel()
+        for futures in pending:
+            for f in futures:
+                f.cancel()
         reader.cache = None

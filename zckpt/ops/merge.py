@@ -326,6 +326,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)
         return result
+    t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
     if group is not None:
         from zckpt.ops import distributed
         stats = distributed.run_merge(group, plan, str(out), extra, workers=workers, overwrite=overwrite,
@@ -335,7 +336,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
         stats = {"ranks": 1, **execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
                                        storage_options=storage_options, output_storage_options=out_opts)}
     result.seconds = time.perf_counter() - t0
-    result.stats = {**stats, "bytes_per_second": round(plan.total_size / max(result.seconds, 1e-9))}
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_size / max(result.seconds, 1e-9))}
     log.info("merged %d bytes in %.2f s (%.1f MB/s, %d process%s)%s", plan.total_size, result.seconds,
              plan.total_size / max(result.seconds, 1e-9) / 1e6, stats["ranks"], "es" if stats["ranks"] > 1 else "",
              f"; {stats['remote_bytes']} bytes in {stats['remote_requests']} ranged GETs"

@@ -807,6 +807,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     if dry_run:
         return result
     latest = "latest" if fmt == "deepspeed" else "latest_universal"
+    t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
     if group is not None:
         from zckpt.ops import distributed
         stats = distributed.run_reshard(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
@@ -816,7 +817,8 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
         stats = {"ranks": 1, **execute(plan, out, workers, overwrite, progress, latest_name=latest, durable=durable,
                                        source=source, storage_options=ckpt.storage_options)}
     result.seconds = time.perf_counter() - t0
-    result.stats = {**stats, "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
     log.info("resharded %d bytes in %.2f s (%.1f MB/s, %d process%s)", plan.total_bytes, result.seconds,
              plan.total_bytes / max(result.seconds, 1e-9) / 1e6, stats["ranks"], "es" if stats["ranks"] > 1 else "")
     return result
