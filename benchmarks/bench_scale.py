@@ -101,6 +101,7 @@ def plan_works(case: str, ckpt: str, procs: int, shard: str):
 
 def _copy_share(works, share, out: str) -> int:
     from zckpt.engine.segments import Cast, Fill, Piece
+    from zckpt.formats.safeload import DTYPE_SIZES
     fds_in, fds_out, done = {}, {}, 0
     zeros = bytes(1 << 20)
     try:
@@ -135,8 +136,17 @@ def _copy_share(works, share, out: str) -> int:
                         k = min(left, len(zeros))
                         os.pwrite(fd, zeros[:k], off)
                         off, left = off + k, left - k
-                elif isinstance(p, Cast):
-                    raise ValueError("the copy baseline moves same-dtype bytes only")
+                elif isinstance(p, Cast):  # (frozen bf16 weights in an fp32 merge): their source bytes, uncast
+                    for q in p.pieces:
+                        fin = fds_in.get(q.path)
+                        if fin is None:
+                            fin = fds_in[q.path] = os.open(q.path, os.O_RDONLY)
+                        left, s, d = q.nbytes, q.offset, off
+                        while left:
+                            got = os.copy_file_range(fin, fd, left, s, d)
+                            left, s, d = left - got, s + got, d + got
+                        off += q.nbytes
+                    off += p.numel * DTYPE_SIZES[dtype] - sum(q.nbytes for q in p.pieces)
                 else:
                     os.pwrite(fd, p, off)
                     off += len(p)

@@ -245,7 +245,8 @@ def test_same_bad_input_same_message_everywhere(tmp_path):
     out = str(tmp_path / "o")
     errors, docs = set(), []
     args = {"info": [ckpt], "verify": [ckpt], "merge": [ckpt, "-o", out, "--dry-run"],
-            "reshard": [ckpt, "-w", "1", "-o", out, "--dry-run"], "push": [str(tmp_path), str(tmp_path / "d")]}
+            "reshard": [ckpt, "-w", "1", "-o", out, "--dry-run"], "push": [str(tmp_path), str(tmp_path / "d")],
+            "convert": [ckpt, "--to", "dcp", "-o", out, "--dry-run"]}
     having = [name for name in COMMANDS
               if any("--storage-option" in p.opts for p in main.get_command(None, name).params)]
     assert set(having) == set(args), having  # every command that takes --storage-option is checked here
@@ -265,7 +266,8 @@ def test_same_bad_input_same_message_everywhere(tmp_path):
     assert docs[0]["error"]["type"] == "UsageError" and docs[0]["error"]["exit_code"] == 2
     missing = {invoke(*cmd).stderr for cmd in (["info", str(tmp_path / "x")], ["verify", str(tmp_path / "x")],
                                                ["merge", str(tmp_path / "x"), "-o", out],
-                                               ["reshard", str(tmp_path / "x"), "-w", "1", "-o", out])}
+                                               ["reshard", str(tmp_path / "x"), "-w", "1", "-o", out],
+                                               ["convert", str(tmp_path / "x"), "--to", "dcp", "-o", out])}
     assert len(missing) == 1 and str(tmp_path / "x") in missing.pop()
 
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt.errors import IncompleteCheckpoint, UnsupportedLayout
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.ops.estimate import counts_from_checkpoint
 from zckpt.ops.info import info as info_of
 from zckpt.ops.verify import verify
@@ -100,6 +100,7 @@ def test_info_and_counts(fx):
     d = info_of(str(checkpoint_path(fx)))
     pp = spec.get("pp", 1)
     assert d["dp_world_size"] == spec["world_size"] // pp and d["mp_world_size"] == pp
+    assert d["pp_world_size"] == pp and d["tp_world_size"] == 1 and d["ep_world_size"] == spec.get("ep_size", 1)
     assert d["zero_stage"] == spec["stage"] and d["precision"] == spec["dtype"]
     assert d["counts"]["trainable"] == len(info["trainable"]) and d["counts"]["frozen"] == len(info["frozen"])
     assert d["counts"]["buffer"] == len(info["buffers"]) and d["counts"]["tied"] == 0
@@ -132,6 +133,11 @@ def test_verify_deep_catches_damaged_layer_or_expert_file(fx, tmp_path):
         int.from_bytes(data[head + 28:head + 30], "little")
     data[start] ^= 0xFF
     victim.write_bytes(bytes(data))
+    if fx in MOE and json.loads((fx / "expected" / "spec.json").read_text())["stage"] == 0:
+        # ZeRO-0 masters are told apart by the values they round to: the damage is found (and named) on reading
+        with pytest.raises(CorruptFile, match=f"{victim.name}.*fails its CRC"):
+            verify(str(copy), deep=True)
+        return
     bad = verify(str(copy), deep=True)
     assert not bad.ok and any(victim.name in c.detail for c in bad.checks if not c.ok), bad.to_json()
 
@@ -144,17 +150,30 @@ def test_pipeline_names_and_tied_module_once(fx):
     assert names.count("tied_modules.embed.weight") == 1 and "0.weight" not in names
     assert ckpt.parallel == "pipeline" and info["parts"] == [0, 3, 6]
     assert {r.name for r in ckpt.of_kind("frozen")} == {"3.proj.weight"}  # only in layer_03 (ZeRO-1)
+    assert ckpt.by_name()["3.proj.bias"].kind == "trainable"  # what tells layer 3 from a frozen tied module
 
 
 @pytest.mark.parametrize("fx", MOE, ids=[d.name for d in MOE])
 def test_moe_expert_parallel_ranks_match_engine(fx):
+    """The expert-parallel rank of every optimizer file is the live engine's: ``R % ep`` by default, ``R // (ws/ep)``
+    with ``use_data_before_expert_parallelism`` (read from the saved ds_config)."""
+    from zckpt.deepspeed.moe import expert_data_ranks
     _, info = _oracle(fx)
     ep = info["ep_size"]
-    assert info["ep_ranks"] == [r % ep for r in range(len(info["ep_ranks"]))]
+    ws = len(info["ep_ranks"])
     ckpt = zckpt.open_checkpoint(str(checkpoint_path(fx)))
+    reader = {r: e for e in range(ep) for r in expert_data_ranks(ckpt.model_state, ws, ep, e, "")}
+    assert info["ep_ranks"] == [reader[r] for r in range(ws)]
+    dbe = (json.loads((fx / "expected" / "spec.json").read_text()).get("ds_config") or {}).get(
+        "use_data_before_expert_parallelism")
+    assert info["ep_ranks"] == [r // (ws // ep) if dbe else r % ep for r in range(ws)]
     experts = [r.name for r in ckpt.records if ".deepspeed_experts." in r.name]
     ids = sorted({int(n.split(".deepspeed_experts.")[1].split(".")[0]) for n in experts})
     assert ids == list(range(info["num_experts"]))
+    if json.loads((fx / "expected" / "spec.json").read_text())["stage"] == 0:  # MoE without ZeRO: expp_rank files
+        assert sorted(f.name for f in ckpt.files if f.kind == "expp") == \
+            [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(ep)]
+        return
     counts = ckpt.optim_states[0]["optimizer_state_dict"]["partition_count"]
     assert counts == [info["world_size"], info["world_size"] // ep]
 

@@ -108,6 +108,7 @@ def test_info_reports_the_layout(fx):
     assert d["optimizer"] == ("zero0" if spec["stage"] == 0 else "zero")
     assert d["precision"] == spec["dtype"]
     assert d["dp_world_size"] == spec["world_size"] == info["world_size"]
+    assert (d["pp_world_size"], d["tp_world_size"], d["ep_world_size"]) == (1, 1, 1)
     assert d["master_dtype"] == "float32" and d["optimizer_state_dtype"] == "float32"
     assert d["counts"]["trainable"] == len(info["trainable"])
     assert d["counts"]["frozen"] == len(info["frozen"])
@@ -192,30 +193,46 @@ def test_elastic_reshard_loads_in_deepspeed(fx, ws, elastic_engine, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ name matching
 
-def test_match_groups_unique():
+def _fp(values: dict):
+    """A fingerprint over synthetic values: masters ("m", g, j) and module entries by name."""
+    return lambda key, full: values[key[:3]] if key[0] == "m" else values[key]
+
+
+def test_match_groups_needs_no_order():
     cands = [("a", (3, 2)), ("b", (2,)), ("f", (4, 4)), ("c", (3, 2)), ("d", (2,))]
-    assert match_groups([[(3, 2), (3, 2)], [(2,), (2,)]], cands, "p") == [["a", "c"], ["b", "d"]]
-    assert match_groups([[(3, 2), (2,), (3, 2), (2,)]], cands, "p") == [["a", "b", "c", "d"]]
+    vals = {("c", "a"): 1, ("c", "b"): 2, ("c", "f"): 3, ("c", "c"): 4, ("c", "d"): 5}
+    # groups in another order than the model: the values place every master
+    got = match_groups([[(3, 2), (3, 2)], [(2,), (2,)]], cands, "p",
+                       fingerprint=_fp({**vals, ("m", 0, 0): 4, ("m", 0, 1): 1, ("m", 1, 0): 5, ("m", 1, 1): 2}))
+    assert got == [["c", "a"], ["d", "b"]]
+    # shapes alone settle unique shapes, whatever the order
+    assert match_groups([[(2,), (3, 2)]], [("a", (3, 2)), ("b", (2,))], "p") == [["b", "a"]]
 
 
-def test_match_groups_refuses_ambiguous_or_impossible():
+def test_match_groups_refuses_what_the_files_cannot_tell():
     cands = [("a", (3, 2)), ("frozen", (3, 2)), ("b", (2,))]
     with pytest.raises(UnsupportedLayout, match="cannot tell"):
         match_groups([[(3, 2), (2,)]], cands, "p")  # 'a' or 'frozen'
-    with pytest.raises(UnsupportedLayout, match="do not fit"):
-        match_groups([[(2,), (3, 2)]], [("a", (3, 2)), ("b", (2,))], "p")  # out of model order
-    with pytest.raises(UnsupportedLayout, match="fits a master of param groups"):
+    with pytest.raises(UnsupportedLayout, match="cannot tell"):  # in model order, but the same shapes: no guess
+        match_groups([[(2,), (2,)]], [("x", (2,)), ("y", (2,))], "p")
+    with pytest.raises(UnsupportedLayout, match="cannot tell"):  # the same values: still no guess
+        match_groups([[(2,), (2,)]], [("x", (2,)), ("y", (2,))], "p",
+                     fingerprint=_fp({("c", "x"): 1, ("c", "y"): 1, ("m", 0, 0): 1, ("m", 0, 1): 1}))
+    with pytest.raises(UnsupportedLayout, match="fits no module parameter"):
         match_groups([[(2,)], [(2,)]], [("a", (2,))], "p")
+    with pytest.raises(UnsupportedLayout, match="fits no module parameter"):  # values match nothing
+        match_groups([[(2,)]], [("a", (2,))], "p", fingerprint=_fp({("c", "a"): 1, ("m", 0, 0): 2}))
 
 
-def test_match_groups_values_settle_same_shapes():
-    cands = [("a", (3, 2)), ("frozen", (3, 2)), ("b", (2,))]
-    truth = {(0, 0): "frozen", (0, 1): "b"}
-    assert match_groups([[(3, 2), (2,)]], cands, "p", same=lambda g, j, n: truth[(g, j)] == n) == [["frozen", "b"]]
+def test_match_groups_uses_saved_names():
     pair = [("x", (2,)), ("y", (2,))]
-    assert match_groups([[(2,), (2,)]], pair, "p", same=lambda g, j, n: True) == [["x", "y"]]
-    with pytest.raises(UnsupportedLayout, match="do not fit"):  # the values say the group is in reverse order
-        match_groups([[(2,), (2,)]], pair, "p", same=lambda g, j, n: (j, n) in {(0, "y"), (1, "x")})
+    assert match_groups([[(2,), (2,)]], pair, "p", names=[["y", "x"]]) == [["y", "x"]]
+    with pytest.raises(UnsupportedLayout, match="does not have"):
+        match_groups([[(2,), (2,)]], pair, "p", names=[["y", "z"]])
+    from zckpt.errors import CorruptFile
+    with pytest.raises(CorruptFile, match="does not round"):  # names that the values contradict
+        match_groups([[(2,), (2,)]], pair, "p", names=[["y", "x"]],
+                     fingerprint=_fp({("c", "x"): 1, ("c", "y"): 2, ("m", 0, 0): 1, ("m", 0, 1): 2}))
 
 
 # ------------------------------------------------------------------------------------------------ tensor parallel
@@ -250,6 +267,7 @@ def test_autotp_info_verify_and_reshard_refused(fx, tmp_path):
     spec = _spec(fx)
     d = info_of(str(checkpoint_path(fx)))
     assert d["mp_world_size"] == spec["tp"] and d["dp_world_size"] == spec["world_size"] // spec["tp"]
+    assert d["tp_world_size"] == spec["tp"] and d["pp_world_size"] == 1 and d["ep_world_size"] == 1
     assert d["zero_stage"] == spec["stage"] and d["precision"] == spec["dtype"]
     assert zckpt.verify(str(checkpoint_path(fx)), deep=True).ok
     with pytest.raises(UnsupportedLayout, match="tensor-parallel"):

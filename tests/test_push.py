@@ -645,6 +645,9 @@ class FakeHfApi:
             out.append(RepoFile(path=path, size=len(data), oid=oid, lfs=lfs))
         return iter(out)
 
+    def preupload_lfs_files(self, *args, **kwargs):
+        self._check("preupload_lfs_files", *args, **kwargs)  # content goes with create_commit here
+
     def create_commit(self, *args, **kwargs):
         self._check("create_commit", *args, **kwargs)
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
@@ -655,7 +658,11 @@ class FakeHfApi:
         for op in ops:
             if isinstance(op, CommitOperationAdd):
                 src = op.path_or_fileobj
-                repo[op.path_in_repo] = src if isinstance(src, bytes) else Path(src).read_bytes()
+                if hasattr(src, "read"):
+                    src.seek(0)
+                    repo[op.path_in_repo] = src.read()
+                else:
+                    repo[op.path_in_repo] = src if isinstance(src, bytes) else Path(src).read_bytes()
             elif isinstance(op, CommitOperationDelete):
                 if op.is_folder:
                     for p in [p for p in repo if p.startswith(op.path_in_repo)]:

@@ -105,7 +105,8 @@ LAYERS = [
     ("io", ["zckpt.io"]),
     ("formats", ["zckpt.formats"]),
     ("engine", ["zckpt.engine"]),
-    ("deepspeed", ["zckpt.deepspeed"]),
+    ("state", ["zckpt.state"]),
+    ("readers", ["zckpt.deepspeed", "zckpt.dcp"]),
     ("ops", ["zckpt.ops"]),
     ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
 ]

@@ -22,6 +22,7 @@ COMMANDS = {
     "verify": "zckpt.cli.verify:verify",
     "merge": "zckpt.cli.merge:merge",
     "reshard": "zckpt.cli.reshard:reshard",
+    "convert": "zckpt.cli.convert:convert",
     "push": "zckpt.cli.push:push",
     "estimate": "zckpt.cli.estimate:estimate",
 }
@@ -118,6 +119,7 @@ Examples:
   zckpt info checkpoint-400
   zckpt merge checkpoint-400 --to safetensors -o model/
   zckpt reshard ckpt/ --world-size 4 -o ckpt-ws4/
+  zckpt convert ckpt/ --to dcp -o ckpt-dcp/
   zckpt push outputs/ s3://bucket/run1 --every 30m
 
 Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks. Docs: docs/guide.md""",

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 
 from zckpt.io import storage
+from zckpt.state.model import Location, RankFile  # noqa: F401 - where a checkpoint's files are, re-exported
 from zckpt.errors import CheckpointNotFound, InvalidArgument, UnsupportedLayout
 
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -33,38 +33,6 @@ EXPP_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 TAG_SORT_RE = re.compile(r"(\d+)$")
 
 TRAINER_MARKERS = ("trainer_state.json", "training_args.bin")
-
-
-@dataclass
-class RankFile:
-    path: str
-    name: str
-    kind: str  # "model" or "optim"
-    dp_rank: int | None
-    mp_rank: int
-    size: int = -1
-    index: int | None = None  # layer files: the pipeline layer index; expert files: the MoE layer id
-    expert: int | None = None  # expert files: the global expert id
-
-
-@dataclass
-class Location:
-    """Where a checkpoint's files are."""
-
-    input_path: str
-    save_dir: str
-    tag: str
-    tag_dir: str
-    trainer_dir: str | None
-    model_files: list[RankFile] = field(default_factory=list)
-    optim_files: list[RankFile] = field(default_factory=list)
-    other_files: list[str] = field(default_factory=list)
-    has_latest: bool = False
-    layer_files: list[RankFile] = field(default_factory=list)  # pipeline: layer_XX-model_states.pt
-    expert_files: list[RankFile] = field(default_factory=list)  # MoE: layer_L_expert_E_mp_rank_XX_model_states.pt
-    universal: bool = False  # a universal checkpoint: optim_files are zero/optimizer_state.pt, zero/<param>/*.pt
-    # the fsspec options its files are read with (URLs); passed to every read, never kept process-wide, never shown
-    storage_options: dict | None = field(default=None, repr=False, compare=False)
 
 
 def _is_tag_dir(names) -> bool:
@@ -170,9 +138,8 @@ def _fill(loc: Location, names) -> Location:
         elif m := EXPERT_RE.match(name):  # mixture of experts (zckpt.deepspeed.moe)
             loc.expert_files.append(RankFile(full, name, "expert", None, int(m.group(3)),
                                              index=int(m.group(1) or 0), expert=int(m.group(2))))
-        elif EXPP_RE.match(name):
-            raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO (expp_rank_* optimizer files); "
-                                    "zckpt reads MoE checkpoints of ZeRO-1/2 only", path=loc.tag_dir)
+        elif m := EXPP_RE.match(name):  # MoE without ZeRO: expert-parallel rank e's optimizer (zckpt.deepspeed.moe)
+            loc.optim_files.append(RankFile(full, name, "expp", int(m.group(1)), int(m.group(2))))
         else:
             loc.other_files.append(name)
     if not loc.model_files and not loc.optim_files:

@@ -11,12 +11,13 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 from __future__ import annotations
 
 from zckpt.io import storage
+from zckpt.dcp import reader as dcp_reader
 from zckpt.deepspeed.discover import Location, locate
 from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-exported for callers of this module
     LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Piece, TensorRecord, check_ranks,
     check_records, common_records, load_all, metadata_errors, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsupportedLayout, ZckptError
 
 
 def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
@@ -24,7 +25,15 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
 
     ``storage_options``: fsspec options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret":
     ...}`` for S3); every read uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads
-    its bytes later. Nothing is kept process-wide: two checkpoints opened with different options stay apart."""
+    its bytes later. Nothing is kept process-wide: two checkpoints opened with different options stay apart.
+
+    A folder with DCP's ``.metadata`` (``torch.distributed.checkpoint``, FSDP2) is read by
+    :func:`zckpt.dcp.reader.open_dcp` into the same model (``ckpt.format == "dcp"``)."""
+    if dcp_reader.is_dcp(path, storage_options):
+        if tag is not None:
+            raise InvalidArgument("--tag picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
+                                  hint="drop --tag, or pass the DCP folder of the step you want")
+        return dcp_reader.open_dcp(path, storage_options)
     loc = locate(path, tag, storage_options)
     with metadata_errors(loc.tag_dir):
         return _open(loc)

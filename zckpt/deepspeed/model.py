@@ -1,245 +1,27 @@
-"""The model every DeepSpeed reader produces: a :class:`Checkpoint` of :class:`TensorRecord` s made of pieces.
+"""What the DeepSpeed readers share beyond the format-neutral model: reading rank files' metadata, checking ranks,
+the precision a config says, assembling records in ``module`` order.
 
-A :class:`TensorRecord` is one entry of the model's ``state_dict`` in model order; it holds ``Piece`` lists (file,
-byte offset, element count, dtype) for its value and, for trainable parameters, the master weights and both Adam
-moments, in the dtypes the files store. Concatenating a list's pieces gives the flat tensor. Every reader's records
-pass :func:`check_records` when the :class:`Checkpoint` is built. The readers (:mod:`zero0`, :mod:`zero12`,
-:mod:`zero3`, :mod:`pipeline`, :mod:`moe`, :mod:`tp`, :mod:`universal_read`) import from here only;
+The model itself (:class:`Checkpoint`, :class:`TensorRecord`, :class:`GroupInfo`, :func:`check_records`...) lives in
+:mod:`zckpt.state.model`, shared with the DCP reader; its names are re-exported here so the readers (:mod:`zero0`,
+:mod:`zero12`, :mod:`zero3`, :mod:`pipeline`, :mod:`moe`, :mod:`tp`, :mod:`universal_read`) import from here only;
 :mod:`zckpt.deepspeed.layout` picks the reader.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 from zckpt.formats import safeload
 from zckpt.io import storage
-from zckpt.engine.segments import Piece
-from zckpt.deepspeed.discover import Location, RankFile
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
+from zckpt.state.model import (  # noqa: F401 - the format-neutral model, re-exported for the DeepSpeed readers
+    LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Location, Piece, RankFile, TensorRecord,
+    check_records, metadata_errors, pieces_of, scalar_value, uniform_dtype,
+)
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, ZckptError
 from zckpt.formats.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class TensorRecord:
-    """One entry of the model's state dict.
-
-    kind: ``trainable`` (value = fp32 master), ``frozen`` (value in the training dtype), ``buffer``, or
-    ``tied`` (an alias of ``tied_to``; no pieces of its own).
-    """
-
-    name: str
-    shape: tuple
-    kind: str
-    dtype: str  # dtype of ``value`` pieces as stored
-    value: list[Piece] = field(default_factory=list)
-    exp_avg: list[Piece] = field(default_factory=list)
-    exp_avg_sq: list[Piece] = field(default_factory=list)
-    group: int | None = None  # optimizer param group (trainable)
-    tied_to: str | None = None
-    lp_dtype: str | None = None  # the training (low-precision) dtype of a parameter
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def state_dtype(self) -> str | None:
-        """The dtype the Adam moments are stored in (None when the checkpoint has none)."""
-        return self.exp_avg[0].dtype if self.exp_avg else None
-
-
-# dtypes a master weight or an optimizer moment may be stored in; anything else is refused, never guessed
-STATE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def uniform_dtype(tensors, what: str, path: str | None = None) -> str | None:
-    """The one dtype of ``tensors`` (LazyTensors or Pieces, ``None`` entries ignored), or a CorruptFile.
-
-    Master weights and moments are read as the dtype their files say; partitions of one group that disagree
-    (one rank saved bf16, another fp32) cannot be concatenated and are refused."""
-    dtypes = {t.dtype for t in tensors if t is not None}
-    if len(dtypes) > 1:
-        raise CorruptFile(f"{what} is stored in several dtypes ({', '.join(sorted(dtypes))})", path=path,
-                          hint="the rank files come from different saves or an unknown layout")
-    if dtypes and next(iter(dtypes)) not in STATE_DTYPES:
-        raise UnsupportedLayout(f"{what} is stored as {next(iter(dtypes))}; zckpt reads master weights and "
-                                f"optimizer states only as {', '.join(STATE_DTYPES)}", path=path)
-    return next(iter(dtypes)) if dtypes else None
-
-
-def check_records(records: list[TensorRecord], path: str | None = None) -> None:
-    """The invariant every reader's output must satisfy before anything uses it.
-
-    Each list of pieces (value, exp_avg, exp_avg_sq) is in one dtype and covers exactly the record's element
-    count; ``record.dtype`` is the dtype of its value pieces. A reader that labels bytes with a dtype they are
-    not stored in, or that mis-counts a partition, fails here instead of producing reinterpreted values."""
-    for rec in records:
-        if rec.kind == "tied":
-            continue
-        lists = [("value", rec.value)]
-        if rec.exp_avg or rec.exp_avg_sq:
-            lists += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
-        for what, pieces in lists:
-            dtypes = {p.dtype for p in pieces}
-            numel = sum(p.numel for p in pieces)
-            if numel != rec.numel:
-                raise CorruptFile(f"'{rec.name}': {what} covers {numel} elements, its shape "
-                                  f"{list(rec.shape)} has {rec.numel}", path=path)
-            if len(dtypes) > 1:
-                raise CorruptFile(f"'{rec.name}': {what} is stored in several dtypes "
-                                  f"({', '.join(sorted(dtypes))})", path=path)
-            if what == "value" and dtypes and dtypes != {rec.dtype}:
-                raise CorruptFile(f"'{rec.name}': labelled {rec.dtype} but stored as {dtypes.pop()}", path=path)
-            if dtypes and next(iter(dtypes)) not in safeload.DTYPE_SIZES:
-                raise UnsupportedLayout(f"'{rec.name}': {what} has unknown dtype {next(iter(dtypes))}", path=path)
-
-
-@dataclass
-class GroupInfo:
-    """One optimizer param group (ZeRO-3: one per user group, spanning its sub-groups)."""
-
-    index: int
-    hyperparams: dict
-    step: Any  # float or int, read from the step tensor(s)
-    names: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Checkpoint:
-    location: Location
-    stage: int  # 1, 2 or 3 (the BF16 optimizer counts as 1)
-    flavour: str  # "zero" (DeepSpeedZeroOptimizer), "bf16_optimizer", "zero3"
-    precision: str  # "bf16", "fp16" or "fp32"
-    world_size: int
-    records: list[TensorRecord]
-    groups: list[GroupInfo]
-    model_state: dict  # rank-0 model-states metadata (module tensors as LazyTensor)
-    optim_states: list[dict]  # per dp rank: the optimizer file's metadata
-    model_states: list[dict]  # per model file (ZeRO-3: per dp rank)
-    offload: bool = False
-    notes: list[str] = field(default_factory=list)
-    parallel: str | None = None  # "pipeline" or "moe" (zckpt.deepspeed.pipeline / .moe); None: data parallel only
-    reshard_refusal: str | None = None  # why ``reshard`` cannot re-partition this layout (None: it can)
-
-    def __post_init__(self):
-        check_records(self.records, self.location.tag_dir)
-
-    @property
-    def master_dtypes(self) -> list[str]:
-        """The dtypes the trainable parameters' master weights are stored in (e.g. ["float32"])."""
-        return sorted({r.dtype for r in self.records if r.kind == "trainable"})
-
-    @property
-    def state_dtypes(self) -> list[str]:
-        """The dtypes the Adam moments are stored in ([] when the checkpoint holds none)."""
-        return sorted({r.state_dtype for r in self.records if r.kind == "trainable" and r.state_dtype})
-
-    # convenience --------------------------------------------------------------------------------
-    @property
-    def tag(self) -> str:
-        return self.location.tag
-
-    @property
-    def ds_version(self) -> str | None:
-        return self.model_state.get("ds_version")
-
-    @property
-    def ds_config(self) -> dict:
-        cfg = self.model_state.get("ds_config")
-        return cfg if isinstance(cfg, dict) else {}
-
-    def by_name(self) -> dict[str, TensorRecord]:
-        return {r.name: r for r in self.records}
-
-    def of_kind(self, kind: str) -> list[TensorRecord]:
-        return [r for r in self.records if r.kind == kind]
-
-    @property
-    def storage_options(self) -> dict | None:
-        """The fsspec options this checkpoint was opened with (``open_checkpoint(..., storage_options=)``): pass
-        them on to whatever reads its files (``Worker``, ``Reader``, ``Publisher``...)."""
-        return self.location.storage_options
-
-    @property
-    def files(self) -> list[RankFile]:
-        loc = self.location
-        return loc.model_files + loc.layer_files + loc.expert_files + loc.optim_files
-
-    @property
-    def loss_scaler(self) -> dict | None:
-        osd = self.optim_states[0].get("optimizer_state_dict", {}) if self.optim_states else {}
-        scaler = osd.get("loss_scaler")
-        if scaler is None:
-            return None
-        state = {k: v for k, v in vars(scaler).items() if not k.startswith("_")}
-        return {"class": getattr(scaler, "_qualname", type(scaler).__name__).rsplit(".", 1)[-1], **state}
-
-    @property
-    def client_state(self) -> dict:
-        return {k: v for k, v in self.model_state.items() if k not in MODEL_STATE_KEYS}
-
-
-MODEL_STATE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
-    "ds_autoep_layers", "folding", "iteration",
-}
-
-
-# ------------------------------------------------------------------------------------------ piece helpers
-
-def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[Piece]:
-    """Pieces for elements [start, start+length) of ``t`` in row-major order."""
-    n = t.numel
-    length = n - start if length is None else length
-    if start < 0 or length < 0 or start + length > n:
-        raise CorruptFile(f"slice [{start}, {start + length}) outside a tensor of {n} elements",
-                          path=t.storage.path)
-    if length == 0:
-        return []
-    size = t.itemsize
-    if t.is_contiguous():
-        return [Piece(t.storage.path, t.byte_offset + start * size, length, t.dtype)]
-    # rare: a strided tensor in a state dict; describe it element run by element run
-    out: list[Piece] = []
-    shape, stride = t.shape, t.stride
-    for flat in range(start, start + length):
-        idx, rem = 0, flat
-        for dim, st in zip(reversed(shape), reversed(stride)):
-            idx += (rem % dim) * st
-            rem //= dim
-        off = t.storage.offset + (t.storage_offset + idx) * size
-        if out and out[-1].offset + out[-1].nbytes == off:
-            last = out[-1]
-            out[-1] = Piece(last.path, last.offset, last.numel + 1, last.dtype)
-        else:
-            out.append(Piece(t.storage.path, off, 1, t.dtype))
-    return out
-
-
-def scalar_value(t, storage_options: dict | None = None) -> Any:
-    """Read a 0-d (or 1-element) tensor such as Adam's ``step`` (``storage_options``: for a file behind a URL)."""
-    if not isinstance(t, LazyTensor):
-        return t
-    if t.numel != 1:
-        raise CorruptFile(f"expected a scalar, got shape {list(t.shape)}", path=t.storage.path)
-    raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize, storage_options)
-    fmt = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}.get(t.dtype)
-    if fmt is None or len(raw) != t.itemsize:
-        raise CorruptFile(f"cannot read a {t.dtype} scalar", path=t.storage.path)
-    value = struct.unpack(fmt, raw)[0]
-    return int(value) if float(value).is_integer() else value
-
 
 def precision_of(model_state: dict, module: dict | None) -> str:
     """The engine's training precision: from the saved config when it says (an fp32 engine may train fp32
@@ -260,8 +42,6 @@ def precision_of(model_state: dict, module: dict | None) -> str:
     return "fp32"
 
 
-LP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
 
 # ---------------------------------------------------------------------------------------- open_checkpoint
 
@@ -277,19 +57,6 @@ def load_all(files: list[RankFile], storage_options: dict | None = None) -> list
         with ThreadPoolExecutor(8) as pool:
             return list(pool.map(one, files))
     return [one(f) for f in files]
-
-
-@contextlib.contextmanager
-def metadata_errors(path: str):
-    """Metadata of the wrong type or shape (a hostile or damaged pickle that unpickled fine) becomes one
-    :class:`CorruptFile` naming the checkpoint, instead of a TypeError deep in a reader."""
-    try:
-        yield
-    except ZckptError:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
-        raise CorruptFile(f"unexpected metadata ({type(exc).__name__}: {exc})"[:240], path=path) from exc
-
 
 def check_ranks(loc: Location, world_size: int, per_rank_model_files: bool) -> None:
     """Every data-parallel rank 0..world_size-1 has its optimizer (and, ZeRO-3, model) file, and no extras.

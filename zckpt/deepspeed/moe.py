@@ -14,8 +14,10 @@ DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` gives exper
 groups (``moe: True``, ``name: "ep_size_N"``). A dense group is partitioned over all ``ws`` data-parallel ranks as
 usual. An expert group of ``ep_size`` N is partitioned over the ``ws/N`` ranks of an expert-data-parallel group:
 ranks ``R`` with ``R % N == e`` hold expert-parallel rank ``e``'s local experts (``groups._create_expert_and_data_
-parallel``: expert-parallel groups are blocks of N consecutive ranks), split in the order ``R // N``. Local expert
-``i`` of expert-parallel rank ``e`` is global expert ``e * num_local + i``.
+parallel``: expert-parallel groups are blocks of N consecutive ranks), split in the order ``R // N``; with
+``use_data_before_expert_parallelism: true`` (read from the saved ``ds_config``) it is the block of ``ws/N``
+consecutive ranks ``[e * ws/N, (e+1) * ws/N)`` (:func:`expert_data_ranks`). Local expert ``i`` of
+expert-parallel rank ``e`` is global expert ``e * num_local + i``.
 
 This reader builds the dense groups and each (expert group, expert-parallel rank) with
 :func:`zckpt.deepspeed.zero12.build` over a view of the files restricted to those groups and ranks, renames local
@@ -30,7 +32,9 @@ import dataclasses
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
-from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of
+from zckpt.deepspeed.model import (
+    LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, load_all, pieces_of, precision_of,
+)
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.formats.safeload import LazyTensor
 
@@ -55,8 +59,11 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
         raise UnsupportedLayout("mixture-of-experts expert files, but the model-states file has no num_experts list: "
                                 "not a native MoE save", path=mpath,
                                 hint="remove stray layer_*_expert_* files, or pass a complete MoE checkpoint")
+    if loc.optim_files and all(f.kind == "expp" for f in loc.optim_files):
+        return _build_zero0(loc, model_states, optim_states)
     if not optim_states:
-        raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO optimizer files (ZeRO-0)", path=mpath)
+        raise UnsupportedLayout("mixture-of-experts checkpoint without optimizer files (no *_optim_states.pt and no "
+                                "expp_rank_*_optim_states.pt)", path=mpath)
     if len(loc.model_files) != 1 or loc.model_files[0].dp_rank is not None:
         raise UnsupportedLayout("mixture-of-experts checkpoint of ZeRO-3 (per-rank model files); zckpt reads MoE "
                                 "checkpoints of ZeRO-1/2", path=loc.tag_dir)
@@ -95,6 +102,60 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL)
+
+
+def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
+    """MoE without ZeRO: ``module`` holds the dense model, each expert-parallel rank e's whole optimizer (dense
+    params and its own experts, as :mod:`zero0` reads it) is ``expp_rank_{e}_mp_rank_00_optim_states.pt``
+    ({"optimizer": ...}, written by its expert-data-parallel rank 0), the experts' lp weights are in the expert
+    files. Rank e's masters are matched to the dense params and to rank e's experts only (global ids
+    ``e * num_local .. (e+1) * num_local - 1``), by ``param_names`` or by values, never by position."""
+    from zckpt.deepspeed import zero0
+
+    ms0, mpath = model_states[0], loc.model_files[0].path
+    files = sorted(zip(loc.optim_files, optim_states), key=lambda p: p[0].dp_rank)
+    ep = len(files)
+    if [f.dp_rank for f, _ in files] != list(range(ep)):
+        raise IncompleteCheckpoint(f"expp_rank files of expert-parallel ranks {[f.dp_rank for f, _ in files]}, "
+                                   f"expected 0..{ep - 1}", path=loc.tag_dir)
+    module = ms0.get("module")
+    if not isinstance(module, dict):
+        raise CorruptFile("MoE model-states file without a 'module' state dict", path=mpath)
+    dense, tied = zero0.module_params(module, ms0.get("buffer_names"))
+    precision = precision_of(ms0, module)
+    counts = [int(n) for n in ms0["num_experts"]]
+    if any(n % ep for n in counts):
+        raise CorruptFile(f"num_experts {counts} do not split over {ep} expp_rank files", path=loc.tag_dir)
+    tensors = _expert_tensors(loc, ms0)
+    dense_names = {n for n, _ in dense}
+    trainable: dict[str, TensorRecord] = {}
+    groups: list[GroupInfo] = []
+    notes: list[str] = []
+    for e, (f, st) in enumerate(files):
+        mine = [(n, t) for n, t, layer, gid, _ in tensors if gid // (counts[layer] // ep) == e]
+        opt = st.get("optimizer") if isinstance(st, dict) else None
+        recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
+        notes += [f"expert-parallel rank {e}: {n}" for n in more]
+        for gi in gis:
+            expert_group = bool(gi.hyperparams.get("moe"))
+            if any((n in dense_names) == expert_group for n in gi.names):
+                raise CorruptFile(f"param group {gi.index} ({gi.hyperparams.get('name')}) mixes dense and expert "
+                                  "parameters", path=f.path)
+            if e == 0:
+                groups.append(gi)
+            elif expert_group:
+                groups[gi.index].names += gi.names
+        trainable.update({n: r for n, r in recs.items() if e == 0 or n not in dense_names})
+    ms = dict(ms0, shared_params=tied)
+    records = common_records(loc, ms, {n: r for n, r in trainable.items() if n in dense_names}, {},
+                             LP_DTYPES[precision])
+    experts = _from_expert_files(loc, ms0, {n: r for n, r in trainable.items() if n not in dense_names}, tensors)
+    records = _insert_experts(records, list(experts.values()))
+    ws = ms0.get("dp_world_size")
+    ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
+    notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
+    return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
+                      parallel="moe", reshard_refusal=REFUSAL)
 
 
 def _param_groups(osd: dict, ngroups: int) -> list[dict]:
@@ -159,7 +220,7 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
     out: dict[str, TensorRecord] = {}
     info = None
     for e in range(ep):
-        ranks = [r for r in range(ws) if r % ep == e]  # expert-data-parallel group of expert-parallel rank e
+        ranks = expert_data_ranks(ms0, ws, ep, e, loc.tag_dir)
         files = [dataclasses.replace(loc.optim_files[r], dp_rank=i) for i, r in enumerate(ranks)]
         sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
         names = []
@@ -171,6 +232,26 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
             info = GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
         info.names += names
     return out, info
+
+
+def expert_data_ranks(ms0: dict, ws: int, ep: int, e: int, path: str) -> list[int]:
+    """The data-parallel ranks holding expert-parallel rank ``e``'s experts, in partition order (DeepSpeed
+    ``groups._create_expert_and_data_parallel``, no model parallelism): ranks ``R % ep == e`` by default, the
+    block ``[e * ws/ep, (e+1) * ws/ep)`` with ``use_data_before_expert_parallelism: true`` (read from the saved
+    ``ds_config``). Where the two differ and the checkpoint has no config, the layout is refused."""
+    cfg = ms0.get("ds_config")
+    if isinstance(cfg, dict):
+        dbe = bool(cfg.get("use_data_before_expert_parallelism", False))
+    elif ep in (1, ws):  # both topologies give the same groups
+        dbe = False
+    else:
+        raise UnsupportedLayout(f"mixture-of-experts checkpoint with ep_size {ep} over {ws} ranks and no ds_config: "
+                                "which ranks hold which experts depends on use_data_before_expert_parallelism",
+                                path=path)
+    if dbe:
+        stride = ws // ep
+        return list(range(e * stride, (e + 1) * stride))
+    return [r for r in range(ws) if r % ep == e]
 
 
 def _num_local(shapes) -> dict[str, int]:
@@ -192,8 +273,9 @@ def _global_name(name: str, ep_rank: int, nlocal: dict[str, int]) -> str:
     return f"{m.group(1)}{ep_rank * nlocal[m.group(1)] + int(m.group(2))}{m.group(3)}"
 
 
-def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorRecord]) -> dict[str, TensorRecord]:
-    """Every expert-file tensor: trainable ones get their lp dtype from the file, the rest are frozen."""
+def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int, int, str]]:
+    """(global name, tensor, MoE layer, global expert id, file) of every expert-file tensor, in (layer, expert)
+    order; every expert of ``num_experts`` must have its file."""
     counts = ms0.get("num_experts")
     want = {(layer, e) for layer, n in enumerate(counts) for e in range(int(n))} \
         if isinstance(counts, (list, tuple)) else set()
@@ -202,7 +284,7 @@ def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorReco
         missing = sorted(want - have)[:4]
         raise IncompleteCheckpoint("expert files missing: " + ", ".join(
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
-    out: dict[str, TensorRecord] = {}
+    out = []
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
     for f, sd in zip(files, load_all(files, loc.storage_options)):  # metadata only; in parallel for URLs
         if not isinstance(sd, dict) or not all(isinstance(t, LazyTensor) for t in sd.values()):
@@ -211,14 +293,22 @@ def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorReco
             m = EXPERT_RE.match(name)
             if not m or int(m.group(2)) != f.expert:
                 raise CorruptFile(f"'{name}' is not a tensor of expert {f.expert}", path=f.path)
-            rec = trainable.get(name)
-            if rec is None:
-                out[name] = TensorRecord(name, tuple(t.shape), "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)
-            elif tuple(rec.shape) != tuple(t.shape):
-                raise CorruptFile(f"'{name}' has shape {list(t.shape)}, param_shapes says {list(rec.shape)}",
-                                  path=f.path)
-            else:
-                out[name] = dataclasses.replace(rec, lp_dtype=t.dtype)
+            out.append((name, t, f.index, f.expert, f.path))
+    return out
+
+
+def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorRecord],
+                       tensors: list | None = None) -> dict[str, TensorRecord]:
+    """Every expert-file tensor: trainable ones get their lp dtype from the file, the rest are frozen."""
+    out: dict[str, TensorRecord] = {}
+    for name, t, _, _, path in (_expert_tensors(loc, ms0) if tensors is None else tensors):
+        rec = trainable.get(name)
+        if rec is None:
+            out[name] = TensorRecord(name, tuple(t.shape), "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)
+        elif tuple(rec.shape) != tuple(t.shape):
+            raise CorruptFile(f"'{name}' has shape {list(t.shape)}, param_shapes says {list(rec.shape)}", path=path)
+        else:
+            out[name] = dataclasses.replace(rec, lp_dtype=t.dtype)
     lost = [n for n in trainable if n not in out]
     if lost:
         raise IncompleteCheckpoint(f"no expert file holds {', '.join(lost[:4])}", path=loc.tag_dir)

@@ -20,7 +20,8 @@ the whole ``PipelineModule.state_dict()``: ``"{layer_idx}.{key}"`` for ordinary 
 first stage's masters and moments are used; DeepSpeed keeps the copies equal by all-reducing their gradients).
 A layer file's tensor is a trainable parameter when its name is in a stage's ``param_shapes``, a buffer when it is
 in a stage's ``buffer_names``, and frozen otherwise (ZeRO-1 keeps frozen weights only in the layer files).
-Resharding is refused (the stage boundaries are fixed by the layer partition).
+Only those names say which file is a tied module: a layer file with neither (all frozen, no buffer) may be an
+ordinary frozen layer or a frozen tied module, its names are unknown, and it is refused. Resharding is refused (the stage boundaries are fixed by the layer partition).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from zckpt.io import storage
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of, precision_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
@@ -64,7 +66,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             if rec.name not in trainable:  # a tied module: the first stage's copy
                 trainable[rec.name] = dataclasses.replace(rec, group=base + (rec.group or 0))
     buffers = {n for _, ms in stages for n in (ms.get("buffer_names") or [])}
-    records = _layer_records(layers, trainable, buffers)
+    records = _layer_records(layers, trainable, buffers, loc.storage_options)
     missing = [n for n in trainable if n not in {r.name for r in records}]
     if missing:
         raise IncompleteCheckpoint(f"no layer file holds trainable parameter(s) {', '.join(missing[:5])}",
@@ -195,7 +197,8 @@ def _prod(shape) -> int:
     return n
 
 
-def _layer_records(layers, trainable: dict[str, TensorRecord], buffers: set[str]) -> list[TensorRecord]:
+def _layer_records(layers, trainable: dict[str, TensorRecord], buffers: set[str],
+                   storage_options: dict | None = None) -> list[TensorRecord]:
     """Every tensor of every layer file, named as in ``PipelineModule.state_dict()``; tied modules first."""
     tied_names: dict[str, set[str]] = {}
     for name in list(trainable) + sorted(buffers):
@@ -203,21 +206,39 @@ def _layer_records(layers, trainable: dict[str, TensorRecord], buffers: set[str]
             tied_names.setdefault(m.group(1), set()).add(m.group(2))
     tied_out: list[TensorRecord] = []
     layer_out: list[TensorRecord] = []
-    seen: set[str] = set()
+    seen: dict[str, LazyTensor] = {}
     for f, sd in layers:
         prefix = _prefix_of(f, sd, trainable, buffers, tied_names)
         out = tied_out if prefix.startswith("tied_modules.") else layer_out
         for key, t in sd.items():
             name = prefix + key
-            if name in seen:  # the same tied module saved by another layer: one copy
+            if name in seen:  # the same tied module saved by another layer: one copy (checked to be the same)
+                _same_copy(name, seen[name], t, f, storage_options)
                 continue
-            seen.add(name)
+            seen[name] = t
             out.append(_record(name, t, trainable, buffers, f.path))
     return tied_out + layer_out
 
 
+def _same_copy(name: str, first: LazyTensor, t: LazyTensor, f: RankFile, storage_options: dict | None) -> None:
+    """A second layer file taken for tied module ``name``'s must hold the same values (its first elements are
+    compared): a frozen layer of the same keys and shapes would otherwise be dropped silently."""
+    n = min(first.numel, 256)
+    same = (tuple(first.shape), first.dtype) == (tuple(t.shape), t.dtype) and first.is_contiguous() \
+        and t.is_contiguous() and storage.read_range(first.storage.path, first.byte_offset, n * first.itemsize,
+                                                      storage_options) == \
+        storage.read_range(t.storage.path, t.byte_offset, n * t.itemsize, storage_options)
+    if not same:
+        raise UnsupportedLayout(f"layer {f.index} has the keys of tied module '{name}' but other values: a frozen "
+                                "layer or another tied module, which DeepSpeed's files do not tell apart", path=f.path)
+
+
 def _prefix_of(f: RankFile, sd: dict, trainable, buffers, tied_names: dict[str, set[str]]) -> str:
-    """``"{idx}."`` for an ordinary layer, ``"tied_modules.{key}."`` for the tied module this file holds."""
+    """``"{idx}."`` for an ordinary layer, ``"tied_modules.{key}."`` for the tied module this file holds.
+
+    Only trainable and buffer names say which (``param_shapes``, ``param_slice_mappings`` and ``buffer_names``
+    list nothing else): a file with neither is an ordinary frozen layer or a frozen ``TiedLayerSpec`` module,
+    and its names in ``PipelineModule.state_dict()`` are unknown: refused."""
     plain = f"{f.index}."
     if any(plain + k in trainable or plain + k in buffers for k in sd):
         return plain
@@ -229,7 +250,15 @@ def _prefix_of(f: RankFile, sd: dict, trainable, buffers, tied_names: dict[str, 
     if len(match) > 1:
         raise UnsupportedLayout(f"layer {f.index} could be tied module {' or '.join(match)}; zckpt cannot tell "
                                 "which one this file holds", path=f.path)
-    return f"tied_modules.{match[0]}." if match else plain  # no match: a layer of frozen weights / buffers only
+    if match:
+        return f"tied_modules.{match[0]}."
+    if sd:
+        raise UnsupportedLayout(
+            f"pipeline layer {f.index} holds only frozen tensors ({', '.join(list(sd)[:3])}): DeepSpeed's files do "
+            f"not say whether they are '{plain}*' or a frozen TiedLayerSpec module's 'tied_modules.<key>.*', so "
+            "their names are unknown", path=f.path,
+            hint="resume it with DeepSpeed's own load_checkpoint and the same PipelineModule")
+    return plain
 
 
 def _record(name: str, t: LazyTensor, trainable: dict[str, TensorRecord], buffers: set[str],

@@ -84,7 +84,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     base = ranks[0]
     return Checkpoint(loc, base.stage, base.flavour, precision_of(ms0, ms0.get("module")), base.world_size,
                       records, base.groups, ms0, optim_states, model_states, offload=base.offload,
-                      reshard_refusal=REFUSAL)
+                      parallel="tensor", reshard_refusal=REFUSAL)
 
 
 def _merge_record(entry: dict, per_rank: list[TensorRecord | None], path: str) -> TensorRecord:

@@ -18,21 +18,26 @@ DeepSpeed 0.19.8 writes, for any data-parallel world size, only ``<tag>/mp_rank_
          clip_grad}; the group's module params are views of one flat lp buffer (shared storage, offsets)
       fp32: the client torch optimizer's own state_dict {state, param_groups}: the module weights are the masters
 
-FP16_Optimizer's mapping is exact (shared storage, see :func:`_fused`). For the others no file names which
-module parameter a master belongs to. The optimizer saw each group's trainable parameters in the order the client
-listed them; zckpt assumes model (``named_parameters``) order within each group, as every builder of param groups
-it knows does, and accepts the mapping only when it is the single one that fits the shapes (per group; groups
-must not claim the same parameter). With fp32 masters of bf16/fp16 weights the values settle it: the optimizer
-copies each master into its parameter, so the pair must agree when the master is rounded (the first
-``SAMPLE`` elements are compared); a shape-only answer that fails this is redone with it, which also resolves
-same-shaped candidates. Parameters no group takes are frozen. Anything still ambiguous or impossible is
-refused: a wrong mapping would silently swap weights. Merge takes the masters (what the optimizer would
-continue from), not the low-precision module copies.
+FP16_Optimizer's mapping is exact (shared storage, see :func:`_fused`). For the others the mapping is read or
+proven, never taken from positions (a client may list a group's params in any order; DeepSpeed saves no names at
+stage 0): the ``param_names`` torch saves in each param group when the optimizer was built from
+``named_parameters()`` name the masters; otherwise a master may belong to any module parameter of its shape, and
+with fp32 masters of bf16/fp16 weights the values narrow that down (the optimizer copies each master into its
+parameter, so the right pair agrees once the master is rounded: the first ``SAMPLE`` elements, then the whole
+tensors). A parameter left as a master's only choice is its owner (:func:`match_groups`). Masters that still
+fit several parameters (two LayerNorm weights that round to the same bf16 values) are refused in one line: a
+guess would silently swap them. fp32 without ``param_names``: the weights are the module's (exact), but Adam
+moments of same-shaped params cannot be placed; they are left out with a note and every param is reported as
+frozen. Parameters no group takes are frozen. Merge takes the masters (what the optimizer would continue
+from), not the low-precision module copies.
 """
 
 from __future__ import annotations
 
-from zckpt.formats import casting
+import hashlib
+import zlib
+
+from zckpt.formats import casting, zipentries
 from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
@@ -54,29 +59,10 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
     module = ms0.get("module")
     if not isinstance(module, dict):
         raise CorruptFile("ZeRO-0 model-states file without a 'module' state dict", path=mpath)
-    buffers = set(ms0.get("buffer_names") or [])
-    params = [(n, t) for n, t in module.items() if n not in buffers and isinstance(t, LazyTensor)]
-    tied = _ties(params)
-    candidates = [(n, t) for n, t in params if n not in tied]
+    candidates, tied = module_params(module, ms0.get("buffer_names"))
     precision = precision_of(ms0, module)
-    opt = ms0.get("optimizer")
-    notes: list[str] = []
-
-    if opt is None:
-        trainable, groups = {}, []
-        notes.append("saved without optimizer state: every parameter is reported as frozen (module values)")
-    elif not isinstance(opt, dict):
-        raise CorruptFile(f"'optimizer' is a {type(opt).__name__}, not a state dict", path=mpath)
-    elif "fp32_groups" in opt:
-        trainable, groups = _unfused(opt, candidates, mpath, loc.storage_options)
-    elif "fp32_groups_flat" in opt:
-        trainable, groups = _fused(opt, candidates, mpath, loc.storage_options)
-    elif "state" in opt and "param_groups" in opt:
-        trainable, groups, more = _plain(opt, candidates, precision, mpath, loc.storage_options)
-        notes += more
-    else:
-        raise UnsupportedLayout("ZeRO-0 'optimizer' has neither fp32 master groups nor a torch optimizer state "
-                                f"(keys: {', '.join(map(str, list(opt)[:8]))})", path=mpath)
+    trainable, groups, notes = read_optimizer(ms0.get("optimizer"), candidates, precision, mpath,
+                                              loc.storage_options)
 
     ms = dict(ms0, shared_params=tied)  # ties as common_records expects them (DeepSpeed saves None at ZeRO-0)
     records = common_records(loc, ms, trainable, {}, LP_DTYPES[precision])
@@ -86,6 +72,35 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
                       reshard_refusal=REFUSAL)
     ckpt.notes += notes
     return ckpt
+
+
+def module_params(module: dict, buffer_names) -> tuple[list[tuple[str, LazyTensor]], dict[str, str]]:
+    """(name, tensor) of every parameter of ``module`` that is not a buffer or a tied alias, and the ties."""
+    buffers = set(buffer_names or [])
+    params = [(n, t) for n, t in module.items() if n not in buffers and isinstance(t, LazyTensor)]
+    tied = _ties(params)
+    return [(n, t) for n, t in params if n not in tied], tied
+
+
+def read_optimizer(opt, candidates: list[tuple[str, LazyTensor]], precision: str, path: str,
+                   storage_options: dict | None = None) -> tuple[dict[str, TensorRecord], list[GroupInfo], list[str]]:
+    """The trainable records, param groups and notes of a ZeRO-0 ``optimizer`` entry (what the engine's optimizer
+    returned) for the module parameters ``candidates``; every other candidate is frozen."""
+    notes: list[str] = []
+    if opt is None:
+        return {}, [], ["saved without optimizer state: every parameter is reported as frozen (module values)"]
+    if not isinstance(opt, dict):
+        raise CorruptFile(f"'optimizer' is a {type(opt).__name__}, not a state dict", path=path)
+    if "fp32_groups" in opt:
+        trainable, groups = _unfused(opt, candidates, path, storage_options)
+    elif "fp32_groups_flat" in opt:
+        trainable, groups = _fused(opt, candidates, path, storage_options)
+    elif "state" in opt and "param_groups" in opt:
+        trainable, groups, notes = _plain(opt, candidates, precision, path, storage_options)
+    else:
+        raise UnsupportedLayout("ZeRO-0 'optimizer' has neither fp32 master groups nor a torch optimizer state "
+                                f"(keys: {', '.join(map(str, list(opt)[:8]))})", path=path)
+    return trainable, groups, notes
 
 
 def _ties(params: list[tuple[str, LazyTensor]]) -> dict[str, str]:
@@ -102,74 +117,140 @@ def _ties(params: list[tuple[str, LazyTensor]]) -> dict[str, str]:
 
 
 def match_groups(shapes: list[list[tuple]], candidates: list[tuple[str, tuple]], path: str,
-                 same=None) -> list[list[str]]:
-    """Names for each group's tensors: each group a subsequence of ``candidates`` (module order) of equal shapes.
+                 fingerprint=None, names: list | None = None) -> list[list[str]]:
+    """Names for each group's masters (group order), read or proven, never assumed from positions.
 
-    Accepted only when unique: per group, the leftmost and the rightmost fitting subsequences coincide (every
-    fit lies between them, so there is exactly one), and no name is claimed by two groups. ``same(g, j, name)``
-    (optional) says whether master j of group g holds the values of module entry ``name``: it checks the
-    shape-only answer, and settles it where shapes alone leave a choice."""
-    names = [n for n, _ in candidates]
-    cshapes = [tuple(s) for _, s in candidates]
-    out, owner = [], {}
+    ``names[g]`` (optional, per group; None where not saved): the ``param_names`` torch saved for group g (an
+    optimizer built from ``named_parameters()``): used as they are, after checking each is a module entry of the
+    master's shape (and, with ``fingerprint``, of its values). Elsewhere a master may be any module entry of its
+    shape; ``fingerprint`` (optional, ``fingerprint(key, full)`` with key ``("m", g, j, dtype)`` for master j of
+    group g rounded to ``dtype`` or ``("c", name)`` for a module entry; ``full``: the whole tensor instead of its
+    first ``SAMPLE`` elements) removes the entries whose values differ. An entry left as a master's only option
+    is its owner (and is taken from the others); a master with no option, or masters left with several, are
+    refused with ``UnsupportedLayout``: the files cannot tell them apart, and a guess would silently swap
+    weights. Parameters no master takes are frozen."""
+    cshape = {n: tuple(s) for n, s in candidates}
+    by_shape: dict[tuple, list[str]] = {}
+    for n, s in candidates:
+        by_shape.setdefault(tuple(s), []).append(n)
+    options: dict[tuple[int, int], list[str]] = {}
     for g, want in enumerate(shapes):
-        want = [tuple(s) for s in want]
-        left, right = _fit(want, cshapes, None)
-        if same is not None and (left is None or left != right or
-                                 not all(same(g, j, names[i]) for j, i in enumerate(left))):
-            left, right = _fit(want, cshapes, lambda j, i, g=g: same(g, j, names[i]))
-        if left is None:
-            raise UnsupportedLayout(f"ZeRO-0: the {len(want)} master weights of param group {g} do not fit the "
-                                    "module's parameters in order (a param group listed out of model order?)",
-                                    path=path)
-        if left != right:
-            amb = next(i for i, (a, b) in enumerate(zip(left, right)) if a != b)
-            raise UnsupportedLayout(f"ZeRO-0: cannot tell which parameter master {amb} of param group {g} belongs "
-                                    f"to ('{names[left[amb]]}' or '{names[right[amb]]}' fit; DeepSpeed saves no "
-                                    "names at stage 0)", path=path,
-                                    hint="merge the module weights instead (they are the training-dtype copy)")
-        for i in left:
-            if names[i] in owner:
-                raise UnsupportedLayout(f"ZeRO-0: '{names[i]}' fits a master of param groups {owner[names[i]]} "
-                                        f"and {g}", path=path)
-            owner[names[i]] = g
-        out.append([names[i] for i in left])
+        given = names[g] if names is not None and g < len(names) else None
+        if given is not None and len(given) != len(want):
+            raise CorruptFile(f"ZeRO-0: param group {g} names {len(given)} params but holds {len(want)} masters",
+                              path=path)
+        for j, shape in enumerate(want):
+            if given is None:
+                options[(g, j)] = list(by_shape.get(tuple(shape), []))
+            elif cshape.get(given[j]) != tuple(shape):
+                raise UnsupportedLayout(f"ZeRO-0: param group {g} names '{given[j]}' for a master of shape "
+                                        f"{list(shape)}, which the module does not have", path=path)
+            else:
+                options[(g, j)] = [given[j]]
+    if fingerprint is not None:
+        for full in (False, True):
+            for (g, j), opts in options.items():
+                if full and len(opts) < 2:
+                    continue
+                options[(g, j)] = [n for n in opts if fingerprint(("m", g, j, n), full) == fingerprint(("c", n), full)]
+                if not options[(g, j)] and names is not None and g < len(names) and names[g] is not None:
+                    raise CorruptFile(f"ZeRO-0: the master of '{names[g][j]}' (param group {g}) does not round to "
+                                      "its module weight", path=path)
+            if all(len(o) < 2 for o in options.values()):
+                break
+    return _assign(shapes, options, path, "values and shape" if fingerprint is not None else "shape")
+
+
+def _assign(shapes: list[list[tuple]], options: dict[tuple[int, int], list[str]], path: str,
+            alike: str) -> list[list[str]]:
+    """The one assignment of masters to module entries the options allow (forced choices only)."""
+    owner: dict[str, tuple[int, int]] = {}
+    pending = dict(options)
+    while pending:
+        progress = False
+        for key in list(pending):
+            left = [n for n in pending[key] if n not in owner]
+            if not left:
+                g, j = key
+                taken = [n for n in pending[key] if n in owner]
+                raise UnsupportedLayout(
+                    f"ZeRO-0: master {j} of param group {g} (shape {list(shapes[g][j])}) fits no module parameter"
+                    + (f" ('{taken[0]}' is param group {owner[taken[0]][0]}'s)" if taken else ""), path=path)
+            if len(left) == 1:
+                owner[left[0]] = key
+                del pending[key]
+                progress = True
+        if not progress:
+            (g, j), left = next((k, [n for n in v if n not in owner]) for k, v in pending.items())
+            raise UnsupportedLayout(
+                f"ZeRO-0: cannot tell which parameter master {j} of param group {g} belongs to ("
+                + " or ".join(f"'{n}'" for n in left[:3]) + f" have the same {alike}; DeepSpeed saves no "
+                "names at stage 0)", path=path,
+                hint="build the optimizer from model.named_parameters() (torch then saves param_names), or "
+                     "load the checkpoint with the same DeepSpeed engine")
+    out = [[""] * len(want) for want in shapes]
+    for name, (g, j) in owner.items():
+        out[g][j] = name
     return out
 
 
-def _fit(want: list[tuple], have: list[tuple], pred) -> tuple[list[int] | None, list[int] | None]:
-    """The leftmost and the rightmost embeddings of ``want`` in ``have`` (equal shapes and ``pred(j, i)``)."""
-    ok = (lambda j, i: want[j] == have[i] and (pred is None or pred(j, i)))
-    left, j = [], 0
-    for i in range(len(have)):
-        if j < len(want) and ok(j, i):
-            left.append(i)
-            j += 1
-    if j < len(want):
-        return None, None
-    right, j = [], len(want) - 1
-    for i in range(len(have) - 1, -1, -1):
-        if j >= 0 and ok(j, i):
-            right.append(i)
-            j -= 1
-    return left, right[::-1]
+SAMPLE = 256  # elements compared per (master, module weight) pair before the whole tensors are
 
 
-SAMPLE = 256  # elements compared per (master, module weight) pair
+def fingerprints(masters: list[list[LazyTensor]], module: dict[str, LazyTensor], storage_options: dict | None = None):
+    """``fingerprint(key, full)`` for :func:`match_groups`: the bytes of a module entry, or of a master rounded to
+    that entry's dtype (the optimizer copies every updated master into its low-precision parameter, so the right
+    pair always agrees); the first ``SAMPLE`` elements, or (``full``) a sha256 of all of them. Cached."""
+    cache: dict = {}
+
+    def fingerprint(key, full: bool):
+        if key[0] == "c":
+            t, to, k = module[key[1]], None, (key, full)
+        else:
+            _, g, j, name = key
+            t, to = masters[g][j], module[name].dtype
+            k = (("m", g, j, to), full)
+        if k not in cache:
+            cache[k] = _digest(t, to, full, storage_options)
+        return cache[k]
+
+    return fingerprint
 
 
-def rounds_to(master: LazyTensor, lp: LazyTensor, storage_options: dict | None = None) -> bool:
-    """Whether the first elements of ``master`` cast to ``lp``'s dtype are ``lp``'s (the optimizer copies every
-    updated master into its low-precision parameter, so the right pair always agrees). ``storage_options``: for
-    files behind URLs."""
-    if tuple(master.shape) != tuple(lp.shape) or not (master.is_contiguous() and lp.is_contiguous()):
-        return False
-    n = min(master.numel, SAMPLE)
-    if n == 0:
-        return True
-    raw = storage.read_range(master.storage.path, master.byte_offset, n * master.itemsize, storage_options)
-    ref = storage.read_range(lp.storage.path, lp.byte_offset, n * lp.itemsize, storage_options)
-    return bytes(casting.cast(raw, master.dtype, lp.dtype)) == bytes(ref)
+def first_damaged(tensors: list[LazyTensor], storage_options: dict | None = None) -> tuple[str, str] | None:
+    """(file, zip entry) of the first storage of ``tensors`` whose bytes fail the CRC its zip directory gives, or
+    None. Only on a failure path: it reads every storage named."""
+    entries: dict[str, dict] = {}
+    seen = set()
+    for t in tensors:
+        ref = t.storage
+        if (ref.path, ref.offset) in seen:
+            continue
+        seen.add((ref.path, ref.offset))
+        if ref.path not in entries:
+            with storage.open_input(ref.path, storage_options) as f:
+                entries[ref.path] = {e.data_offset: e for e in zipentries.read_entries(f, None, ref.path).values()}
+        e = entries[ref.path].get(ref.offset)
+        if e is not None and zlib.crc32(storage.read_range(ref.path, e.data_offset, e.size, storage_options)) != e.crc:
+            return ref.path, e.name
+    return None
+
+
+def _digest(t: LazyTensor, to: str | None, full: bool, storage_options: dict | None):
+    n = t.numel if full else min(t.numel, SAMPLE)
+    h = hashlib.sha256() if full else None
+    out = bytearray()
+    step = 1 << 20
+    for start in range(0, n, step):
+        raw = b"".join(storage.read_range(p.path, p.offset, p.numel * t.itemsize, storage_options)
+                       for p in pieces_of(t, start, min(step, n - start)))
+        if to is not None and to != t.dtype:
+            raw = bytes(casting.cast(raw, t.dtype, to))
+        if h is not None:
+            h.update(raw)
+        else:
+            out += raw
+    return (to or t.dtype, h.hexdigest() if h is not None else bytes(out))
 
 
 def _torch_state(osd: dict, path: str) -> tuple[list[list], dict]:
@@ -180,12 +261,24 @@ def _torch_state(osd: dict, path: str) -> tuple[list[list], dict]:
     return ids, state
 
 
+def _saved_names(pgs: list, path: str) -> list | None:
+    """Per param group, the ``param_names`` torch saves when the optimizer was built from ``named_parameters()``
+    (None for a group without them)."""
+    out = []
+    for pg in pgs:
+        got = pg.get("param_names") if isinstance(pg, dict) else None
+        if got is not None and not (isinstance(got, (list, tuple)) and all(isinstance(n, str) for n in got)):
+            raise CorruptFile("ZeRO-0: an optimizer param group's param_names is not a list of names", path=path)
+        out.append(list(got) if got is not None else None)
+    return out if any(n is not None for n in out) else None
+
+
 def _group_info(g: int, pg: dict, state: dict, ids: list, names: list[str],
                 storage_options: dict | None = None) -> GroupInfo:
     st = state.get(ids[0]) if ids else None
     has_step = isinstance(st, dict) and st.get("step") is not None
     step = scalar_value(st.get("step"), storage_options) if has_step else None
-    return GroupInfo(g, {k: v for k, v in pg.items() if k != "params"}, step, names)
+    return GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, step, names)
 
 
 def _moment(state: dict, pid, key: str, numel: int, path: str, name: str):
@@ -222,11 +315,18 @@ def _unfused(opt: dict, candidates: list, path: str, storage_options: dict | Non
             for grp, i in zip(fp32, ids)):
         raise CorruptFile("ZeRO-0: fp32_groups and the optimizer's param groups disagree", path=path)
     by = dict(candidates)
-    named = match_groups([[tuple(t.shape) for t in grp] for grp in fp32],
-                         [(n, tuple(t.shape)) for n, t in candidates], path,
-                         same=lambda g, j, name: rounds_to(fp32[g][j], by[name], storage_options))
-    trainable, groups = {}, []
     pgs = opt["optimizer_state_dict"]["param_groups"]
+    try:
+        named = match_groups([[tuple(t.shape) for t in grp] for grp in fp32],
+                             [(n, tuple(t.shape)) for n, t in candidates], path,
+                             fingerprint=fingerprints(fp32, by, storage_options), names=_saved_names(pgs, path))
+    except (UnsupportedLayout, CorruptFile) as exc:  # values that match nothing: damaged bytes say so first
+        bad = first_damaged([t for grp in fp32 for t in grp] + [t for _, t in candidates], storage_options)
+        if bad is not None:
+            raise CorruptFile(f"{bad[1]} fails its CRC check (the values zckpt matches masters by are damaged)",
+                              path=bad[0]) from exc
+        raise
+    trainable, groups = {}, []
     for g, (names, masters, pids) in enumerate(zip(named, fp32, ids)):
         moments = [(_moment(state, p, "exp_avg", m.numel, path, n), _moment(state, p, "exp_avg_sq", m.numel, path, n))
                    for n, m, p in zip(names, masters, pids)]
@@ -281,6 +381,8 @@ def _fused(opt: dict, candidates: list, path: str, storage_options: dict | None 
 def _plain(opt: dict, candidates: list, precision: str, path: str, storage_options: dict | None = None):
     """fp32 engine, no wrapper: the module weights are what the optimizer updates; the moments are mapped to
     names by their shapes when that is certain. Parameters whose state is missing cannot be placed."""
+    if precision != "fp32":
+        raise UnsupportedLayout(f"ZeRO-0 {precision} checkpoint whose optimizer keeps no fp32 masters", path=path)
     ids, state = _torch_state(opt, path)
     notes = []
     shapes = []
@@ -293,9 +395,16 @@ def _plain(opt: dict, candidates: list, precision: str, path: str, storage_optio
     if shapes is None:
         notes.append("some optimizer parameters have no state (frozen params passed to the optimizer, or no step "
                      "yet): parameters are not told apart from frozen ones; values are the module weights")
-        return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k != "params"}, None, [])
+        return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
                     for g, pg in enumerate(opt["param_groups"])], notes
-    named = match_groups(shapes, [(n, tuple(t.shape)) for n, t in candidates], path)
+    try:
+        named = match_groups(shapes, [(n, tuple(t.shape)) for n, t in candidates], path,
+                             names=_saved_names(opt["param_groups"], path))
+    except UnsupportedLayout as exc:  # the weights are the module's either way; the moments cannot be placed
+        notes.append(f"Adam moments not read: {exc.message}; parameters are not told apart from frozen ones; "
+                     "values are the module weights")
+        return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
+                    for g, pg in enumerate(opt["param_groups"])], notes
     by = dict(candidates)
     trainable, groups = {}, []
     for g, (names, pids) in enumerate(zip(named, ids)):
@@ -304,6 +413,4 @@ def _plain(opt: dict, candidates: list, precision: str, path: str, storage_optio
                    for n, m, p in zip(names, masters, pids)]
         trainable.update(_records_for(g, names, masters, moments, by, path))
         groups.append(_group_info(g, opt["param_groups"][g], state, pids, names, storage_options))
-    if precision != "fp32":
-        raise UnsupportedLayout(f"ZeRO-0 {precision} checkpoint whose optimizer keeps no fp32 masters", path=path)
     return trainable, groups, notes

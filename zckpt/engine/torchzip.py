@@ -398,28 +398,45 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
     CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
     conversions (:class:`Cast`) and remote pieces go through the worker's buffers (remote ranges fetched ahead,
     :func:`zckpt.engine.executor.run_jobs`). Chunk CRCs are combined with :func:`crc32_combine`, in file order."""
+    os.ftruncate(fd, archive.size + len(_central(archive)))
+    write_archives([(archive, 0)], fd, pool, progress, worker, maps)
+
+
+def write_archives(placed: list[tuple[Archive, int]], fd: int, pool=None, progress=None, worker=None,
+                   maps: "SourceMaps | None" = None) -> None:
+    """Write planned archives, each at its byte offset ``base`` of ``fd`` (a file already at its final size),
+    as :func:`write_archive` does for one: every archive's chunks go through one ``pool.map``, so many small
+    archives (DCP's one zip per tensor chunk in a ``.distcp`` file) copy as fast as one large one. Offsets inside
+    an archive stay relative to its own start (what a reader of the byte range ``[base, base + file_size)`` sees)."""
     own_worker, own_maps = worker is None, maps is None
     worker = worker or Worker()
     maps = maps or SourceMaps()
     try:
-        os.ftruncate(fd, archive.size + len(_central(archive)))
-        jobs, known = archive_jobs(archive, maps)
+        jobs, known = [], {}
+        for a, (archive, base) in enumerate(placed):
+            ajobs, aknown = archive_jobs(archive, maps)
+            jobs += [((a, idx), base + off, parts, dtype) for idx, off, parts, dtype in ajobs]
+            known.update({(a, idx): crc for idx, crc in aknown.items()})
 
         def run(job):
-            idx, off, parts, dtype = job
-            crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=idx not in known)
-            return idx, crc, n
+            key, off, parts, dtype = job
+            crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=key not in known)
+            return key, crc, n
 
-        crcs: dict[int, tuple[int, int]] = {}
-        for idx, crc, n in run_jobs(pool, run, jobs, worker, parts_of=lambda j: j[2]):  # job order: file order
-            c, length = crcs.get(idx, (0, 0))
-            crcs[idx] = (crc32_combine(c, crc, n) if length else crc, length + n)
+        crcs: dict[tuple[int, int], tuple[int, int]] = {}
+        for key, crc, n in run_jobs(pool, run, jobs, worker, parts_of=lambda j: j[2]):  # job order: file order
+            c, length = crcs.get(key, (0, 0))
+            crcs[key] = (crc32_combine(c, crc, n) if length else crc, length + n)
             if progress:
                 progress(n)
-        final = {idx: c for idx, (c, _) in crcs.items()}
-        final.update(known)
-        for off, data in archive_meta(archive, final):
-            pwrite_all(fd, memoryview(data), off)
+        final: dict[int, dict[int, int]] = {}
+        for (a, idx), (c, _) in crcs.items():
+            final.setdefault(a, {})[idx] = c
+        for (a, idx), c in known.items():
+            final.setdefault(a, {})[idx] = c
+        for a, (archive, base) in enumerate(placed):
+            for off, data in archive_meta(archive, final.get(a, {})):
+                pwrite_all(fd, memoryview(data), base + off)
     finally:
         if own_worker:
             worker.close()

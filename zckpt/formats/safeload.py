@@ -582,3 +582,46 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
         except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
             raise CorruptFile(f"damaged pickle in data.pkl ({type(exc).__name__}: {exc})"[:300], path=path) from None
         return obj
+
+
+# ------------------------------------------------------------------------------------ pickles outside a zip
+
+class _Named:
+    def __init__(self, path: str):
+        self.path = path
+
+
+class _PlainUnpickler(_Unpickler):
+    """The same allow-list for a pickle that is not a torch zip's data.pkl (DCP's ``.metadata``): ``extra`` adds
+    stand-ins for the format's own classes; a persistent id (a tensor storage) is refused."""
+
+    def __init__(self, data: bytes, path: str, extra: dict[str, Any]):
+        super().__init__(data, _Named(path))
+        self.extra = extra
+
+    def find_class(self, module, name):
+        qual = f"{module}.{name}"
+        if qual in self.extra:
+            return self.extra[qual]
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid):
+        raise CorruptFile("a plain pickle refers to a tensor storage (persistent id)", path=self.archive.path)
+
+
+def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None) -> Any:
+    """Unpickle ``data`` (a whole pickle, not a torch zip) with the allow-list of :func:`load` plus ``extra``
+    (qualified name -> stand-in), after the same opcode checks; nothing outside both is ever constructed."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise CorruptFile(f"pickle of {len(data)} bytes, over the {MAX_PICKLE_BYTES} limit", path=path)
+    _check_opcodes(data, path)
+    try:
+        return _unwrap(_PlainUnpickler(data, path, extra or {}).load())
+    except ZckptError as exc:
+        if exc.path is None:
+            exc.path = path
+        raise
+    except RecursionError:
+        raise CorruptFile("pickle nests too deeply", path=path) from None
+    except Exception as exc:
+        raise CorruptFile(f"damaged pickle ({type(exc).__name__}: {exc})"[:300], path=path) from None

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MARKER = ".zckpt.json"
 MARKER_FORMAT = "zckpt-output"
-KINDS = ("merge", "reshard")
+KINDS = ("merge", "reshard", "convert")
 _CHECKPOINT_NAME = re.compile(r"^(checkpoint-\d+|global_step\d+(_universal)?)$")
 _CHECKPOINT_FILES = ("latest", "latest_universal", "trainer_state.json")
 _RANK_FILE = re.compile(r"_(model|optim)_states\.pt$")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.formats.safeload import Inert
 
@@ -31,7 +33,56 @@ def _plain(value, depth=0):
     return str(value)
 
 
+def _counts(ckpt: Checkpoint) -> tuple[dict, dict]:
+    counts, numels = {}, {}
+    for kind in ("trainable", "frozen", "tied", "buffer"):
+        recs = ckpt.of_kind(kind)
+        counts[kind] = len(recs)
+        numels[kind] = sum(r.numel for r in recs)
+    return counts, numels
+
+
+def describe_dcp(ckpt: Checkpoint) -> dict:
+    """A DCP checkpoint (``ckpt.format == "dcp"``): what its metadata says, in the keys DeepSpeed's share."""
+    counts, numels = _counts(ckpt)
+    md = ckpt.extra["metadata"]
+    return {
+        "format": "dcp", "path": ckpt.location.input_path, "dcp_version": md.version,
+        "world_size": ckpt.world_size, "master_dtype": _one_or_list(ckpt.master_dtypes),
+        "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes), "counts": counts, "numel": numels,
+        "parameters": numels["trainable"] + numels["frozen"],
+        "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step, "lr": g.hyperparams.get("lr")}
+                         for g in ckpt.groups],
+        "without_optimizer_state": list(ckpt.extra.get("stateless") or []),
+        "other_keys": list(ckpt.extra.get("other") or []), "notes": list(ckpt.notes),
+        "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
+        "total_bytes": sum(f.size for f in ckpt.files),
+    }
+
+
+def render_dcp(d: dict) -> str:
+    c, n = d["counts"], d["numel"]
+    lines = [
+        f"checkpoint   {d['path']}",
+        f"format       PyTorch DCP (torch.distributed.checkpoint, version {d['dcp_version']}), saved by "
+        f"{d['world_size']} rank{'s' if d['world_size'] != 1 else ''}",
+        f"dtypes       parameters {_dtypes(d['master_dtype'])}, optimizer states {_dtypes(d['optimizer_state_dtype'])}",
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
+        f"{c['trainable']} with optimizer state ({n['trainable']:,}), {c['frozen']} without ({n['frozen']:,}), "
+        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
+        "optimizer    " + (", ".join(f"group {g['index']}: {g['params']} params, lr {g['lr']}, step {g['step']}"
+                                     for g in d["param_groups"]) or "no param groups"),
+        f"other keys   {', '.join(d['other_keys']) or 'none'}",
+        f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
+    ]
+    lines += [f"note         {note}" for note in d["notes"]]
+    lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    return "\n".join(lines)
+
+
 def describe(ckpt: Checkpoint) -> dict:
+    if ckpt.format == "dcp":
+        return describe_dcp(ckpt)
     counts, numels = {}, {}
     for kind in ("trainable", "frozen", "tied", "buffer"):
         recs = ckpt.of_kind(kind)
@@ -53,6 +104,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "master_dtype": _one_or_list(ckpt.master_dtypes),
         "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes),
         "dp_world_size": ckpt.world_size,
+        **parallel_sizes(ckpt),
         "mp_world_size": int(ms.get("mp_world_size") or 1),
         "offload_optimizer": ckpt.offload,
         "counts": counts,
@@ -70,6 +122,19 @@ def describe(ckpt: Checkpoint) -> dict:
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
     }
+
+
+def parallel_sizes(ckpt: Checkpoint) -> dict:
+    """``pp_world_size`` (pipeline stages), ``tp_world_size`` (tensor-parallel degree) and ``ep_world_size``
+    (expert-parallel size: one int, or the sorted sizes when expert groups differ; 1 without experts), next to
+    ``dp_world_size``. ``mp_world_size`` stays DeepSpeed's own field (stages or TP degree, whichever it counted)."""
+    ms = ckpt.model_state
+    mp = int(ms.get("mp_world_size") or 1)
+    pp = mp if ckpt.parallel == "pipeline" else 1
+    tp = mp if ckpt.parallel == "tensor" else 1
+    ep = sorted({int(m.group(1)) for g in ckpt.groups
+                 if (m := re.match(r"^ep_size_(\d+)$", str(g.hyperparams.get("name", ""))))}) or [1]
+    return {"pp_world_size": pp, "tp_world_size": tp, "ep_world_size": ep[0] if len(ep) == 1 else ep}
 
 
 def _one_or_list(dtypes: list[str]):
@@ -99,6 +164,10 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def _sizes(value) -> str:
+    return "/".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _dtypes(value) -> str:
     if value is None:
         return "none"
@@ -106,6 +175,8 @@ def _dtypes(value) -> str:
 
 
 def render(d: dict) -> str:
+    if d.get("format") == "dcp":
+        return render_dcp(d)
     c, n = d["counts"], d["numel"]
     lines = [
         f"checkpoint   {d['path']}" + ("  (Trainer checkpoint)" if d["trainer_checkpoint"] else ""),
@@ -115,7 +186,8 @@ def render(d: dict) -> str:
         + (", universal layout (zero/<param>/*.pt)" if d.get("universal") else ""),
         f"precision    {d['precision']}; master weights {_dtypes(d['master_dtype'])}, "
         f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
-        f"world size   {d['dp_world_size']} data-parallel x {d['mp_world_size']} model-parallel",
+        f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
+        f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",

@@ -166,6 +166,10 @@ class _Group:
 
 
 def _source_groups(ckpt: Checkpoint) -> list[_Group]:
+    if ckpt.format == "dcp":  # zckpt.ops.to_deepspeed: the groups as DCP saved them, one step tensor per group
+        byname, steps = ckpt.by_name(), ckpt.extra.get("group_steps") or {}
+        return [_Group(g.index, OrderedDict((k, None if k == "params" else v) for k, v in g.hyperparams.items()),
+                       steps.get(g.index), [byname[n] for n in g.names]) for g in ckpt.groups]
     osd0 = ckpt.optim_states[0]["optimizer_state_dict"]
     path = ckpt.location.optim_files[0].path
     if ckpt.flavour == "zero3":

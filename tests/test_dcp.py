@@ -1,0 +1,299 @@
+"""DCP (FSDP2) as a source: the safe ``.metadata`` reader, info / verify / merge / iter_tensors / load_state_dict
+against torch's own ``dcp_to_torch_save``, and DCP -> DeepSpeed loaded by real DeepSpeed.
+
+The oracle is real: ``tests/fsdp2_job.py`` trains the fixtures' test model (tied embedding/head, a frozen Linear,
+buffers, two param groups) with FSDP2 + ``torch.optim.AdamW`` on 3 CPU ranks (gloo) and saves ``dcp.save`` of
+``get_state_dict``, plus the full state from ``get_state_dict(full_state_dict=True)``. One torchrun for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MODEL = {"hidden": 8, "ffn": 12, "vocab": 13, "layers": 2}
+BUFFERS = "scale,idx"
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+
+
+def _fsdp2(out: Path, world_size: int, dtype: str):
+    import torch
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-port", str(_port()),
+           str(ROOT / "tests" / "fsdp2_job.py"), str(out), "2", "2", dtype]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out / "dcp", torch.load(out / "full.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """FSDP2 (fp32) saved at 3 ranks after 2 AdamW steps: (dcp folder, full state dict)."""
+    return _fsdp2(tmp_path_factory.mktemp("fsdp2"), 3, "fp32")
+
+
+def _port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------- reading FSDP2
+
+def test_records_are_fsdp2_full_state(fsdp2):
+    import torch
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.formats.tensors import load_pieces
+    path, full = fsdp2
+    ckpt = open_checkpoint(str(path))
+    assert ckpt.format == "dcp" and ckpt.world_size == 3
+    assert sorted(r.name for r in ckpt.records if r.kind == "trainable") == sorted(full["optim"]["state"])
+    for rec in ckpt.records:
+        assert torch.equal(load_pieces(rec.value, rec.dtype, rec.shape), full["model"][rec.name]), rec.name
+        st = full["optim"]["state"].get(rec.name)
+        if st is None:
+            assert not rec.exp_avg
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(load_pieces(getattr(rec, key), rec.state_dtype, rec.shape), st[key]), (rec.name, key)
+    for g, pg in zip(ckpt.groups, full["optim"]["param_groups"]):
+        assert g.names == pg["params"] and g.step == 2
+        assert {k: v for k, v in g.hyperparams.items() if k != "params"} == {k: v for k, v in pg.items()
+                                                                             if k != "params"}
+    assert sorted(ckpt.extra["stateless"]) == ["frozen.weight", "head.weight", "idx", "scale"]
+
+
+def test_merge_is_dcp_to_torch_save(fsdp2, tmp_path):
+    """zckpt merge (streaming) gives bit for bit what torch's dcp_to_torch_save (whole model in RAM) gives."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from zckpt.ops.merge import iter_tensors, load_state_dict, merge
+    path, _ = fsdp2
+    dcp_to_torch_save(str(path), str(tmp_path / "torch.pt"))
+    ref = torch.load(tmp_path / "torch.pt", weights_only=False)["model"]
+    merge(str(path), str(tmp_path / "out"))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(ref)
+    for name, t in ref.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for name, t in iter_tensors(str(path)):
+        assert torch.equal(t, ref[name]), name
+    sd = load_state_dict(str(path))
+    assert sorted(sd) == sorted(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_info_and_verify(fsdp2, tmp_path):
+    path, _ = fsdp2
+    run = subprocess.run([PY, "-m", "zckpt", "info", str(path), "--json"], env=_env(), capture_output=True,
+                         text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    d = json.loads(run.stdout)
+    assert d["format"] == "dcp" and d["world_size"] == 3 and d["counts"]["trainable"] == 13
+    assert [g["step"] for g in d["param_groups"]] == [2, 2]
+    from zckpt.ops.verify import verify
+    report = verify(str(path), deep=True)
+    assert report.ok and report.bytes_read == sum(os.path.getsize(p) for p in path.glob("*.distcp"))
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    from zckpt.dcp.reader import open_dcp
+    piece = open_dcp(str(bad)).by_name()["blocks.1.up.weight"].exp_avg[0]
+    with open(piece.path, "r+b") as f:  # one flipped bit in a moment's bytes
+        f.seek(piece.offset + 3)
+        b = f.read(1)
+        f.seek(piece.offset + 3)
+        f.write(bytes([b[0] ^ 0x10]))
+    assert verify(str(bad)).ok  # metadata alone cannot see it
+    report = verify(str(bad), deep=True)
+    assert not report.ok and "optim.state.blocks.1.up.weight.exp_avg" in report.checks[-1].detail
+
+
+# ------------------------------------------------------------------------------------------- hostile metadata
+
+@pytest.fixture(scope="module")
+def small_dcp(tmp_path_factory):
+    """A real single-process dcp.save of a tiny state dict (no process group): the base for hostile edits."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    out = tmp_path_factory.mktemp("small") / "dcp"
+    sd = {"model": {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(3)},
+          "optim": {"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(4, 3),
+                                    "exp_avg_sq": torch.zeros(4, 3)}},
+                    "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+    dcp.save(sd, checkpoint_id=str(out), no_dist=True)
+    return out
+
+
+def _edit(src: Path, dst: Path, fn) -> Path:
+    shutil.copytree(src, dst)
+    with open(dst / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the test's own file, written by torch a moment ago
+    fn(md)
+    with open(dst / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return dst
+
+
+def _chunk(md, key):
+    return md.state_dict_metadata[key].chunks
+
+
+def _storage(md, key):
+    return next(k for k in md.storage_data if k.fqn == key)
+
+
+HOSTILE = {
+    "huge size": (lambda md: setattr(md.state_dict_metadata["model.w"], "size", __import__("torch").Size([1 << 40, 1 << 20])),
+                  CorruptFile, "claims"),
+    "chunk outside": (lambda md: setattr(_chunk(md, "model.w")[0], "sizes", __import__("torch").Size([5, 3])),
+                      CorruptFile, "outside"),
+    "overlapping chunks": (lambda md: _chunk(md, "model.w").append(_chunk(md, "model.w")[0]), CorruptFile, "overlap"),
+    "not covering": (lambda md: setattr(_chunk(md, "model.w")[0], "sizes", __import__("torch").Size([3, 3])),
+                     CorruptFile, "cover 9 of its 12"),
+    "offset past the end": (lambda md: setattr(md.storage_data[_storage(md, "model.b")], "offset", 10 ** 9),
+                            CorruptFile, "past its end"),
+    "file outside the folder": (lambda md: setattr(md.storage_data[_storage(md, "model.b")], "relative_path",
+                                                   "../../etc/passwd"), CorruptFile, "not a file of the checkpoint"),
+    "transformed item": (lambda md: setattr(md.storage_data[_storage(md, "model.b")], "transform_descriptors",
+                                            ["zstd"]), UnsupportedLayout, "transforms"),
+    "no storage entry": (lambda md: md.storage_data.pop(_storage(md, "model.b")), CorruptFile, "no storage entry"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_metadata_refused(small_dcp, tmp_path, case):
+    from zckpt.deepspeed.layout import open_checkpoint
+    fn, exc, words = HOSTILE[case]
+    bad = _edit(small_dcp, tmp_path / "bad", fn)
+    with pytest.raises(exc) as info:
+        open_checkpoint(str(bad))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_metadata_with_other_globals_runs_nothing(small_dcp, tmp_path):
+    """A .metadata naming any global off the allow-list (here os.system) is refused before it is called."""
+    from zckpt.deepspeed.layout import open_checkpoint
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    bad = _edit(small_dcp, tmp_path / "bad", lambda md: setattr(md, "planner_data", Evil()))
+    with pytest.raises(UnsafePickle, match="posix.system|os.system"):
+        open_checkpoint(str(bad))
+    assert not marker.exists()
+    run = subprocess.run([PY, "-m", "zckpt", "info", str(bad)], env=_env(), capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1 and "allow-list" in run.stderr
+    assert not marker.exists()
+
+
+def test_small_dcp_reads_and_chunks_on_inner_dims(small_dcp, tmp_path):
+    """Chunks cut on dim 1 (any rectangle DCP metadata can express) are read row by row, exactly."""
+    import torch
+    from zckpt.ops.merge import load_state_dict
+    assert torch.equal(load_state_dict(str(small_dcp))["w"], torch.arange(12, dtype=torch.float32).reshape(4, 3))
+    from zckpt.formats import dcpmeta
+    te = dcpmeta.TensorEntry("x", "float32", (4, 6), [dcpmeta.Chunk((0, 0), (4, 2), "f", 0, 1),
+                                                      dcpmeta.Chunk((0, 2), (4, 4), "f", 1, 1)])
+    runs = dcpmeta.chunk_runs(te)
+    assert [(s, c.offsets, local, n) for s, c, local, n in runs][:3] == [(0, (0, 0), 0, 2), (2, (0, 2), 0, 4),
+                                                                          (6, (0, 0), 2, 2)]
+    assert sum(n for *_, n in runs) == 24
+
+
+def test_missing_metadata_is_an_incomplete_checkpoint(small_dcp, tmp_path):
+    from zckpt.dcp.reader import open_dcp
+    shutil.copytree(small_dcp, tmp_path / "x")
+    os.remove(tmp_path / "x" / ".metadata")
+    with pytest.raises(ZckptError, match="missing: DCP's .metadata"):
+        open_dcp(str(tmp_path / "x"))
+
+
+# ------------------------------------------------------------------------------------------- DCP -> DeepSpeed
+
+def _oracle_spec(world_size, stage):
+    from tests import ds_oracle
+    G = ds_oracle.generate_module()
+    return G, G.make_spec(stage=stage, dtype="fp32", world_size=world_size, param_groups=2, scheduler=False,
+                          model=MODEL)
+
+
+def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    path, _ = fsdp2
+    G, spec = _oracle_spec(2, 2)
+    with pytest.raises(UnsupportedLayout, match="buffer or a frozen weight"):
+        to_deepspeed(str(path), str(tmp_path / "a"), 2, 2, G.build_ds_config(spec))
+    with pytest.raises(UnsupportedLayout, match="loss scaler"):
+        to_deepspeed(str(path), str(tmp_path / "b"), 2, 2, dict(G.build_ds_config(spec), fp16={"enabled": True}),
+                     buffers=BUFFERS)
+    with pytest.raises(ZckptError, match="DeepSpeed config"):
+        to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, None, buffers=BUFFERS)
+    assert not any((tmp_path / n).exists() for n in "abc")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
+def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
+    """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
+    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+    from tests import ds_oracle
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    path, full = fsdp2
+    G, spec = _oracle_spec(world_size, stage)
+    out = tmp_path / "ds"
+    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
+        from zckpt.deepspeed.layout import open_checkpoint
+        assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
+    info = ds_oracle.load_with_deepspeed(spec, str(out), str(tmp_path / "oracle"))
+    got = load_file(tmp_path / "oracle" / "oracle.safetensors")
+    for name, ref in full["model"].items():
+        key = next(k for k in (f"fp32/{name}", f"buffer/{name}", f"module/{name}") if k in got)
+        assert torch.equal(got[key], ref), key
+    for name, st in full["optim"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{k}/{name}"], st[k]), (k, name)
+    assert info["step"] == 2.0 and info["global_steps"] == 2 and info["lrs"] == [0.01, 0.005]
+
+
+@pytest.mark.slow
+def test_bf16_fsdp2_to_deepspeed_zero3_odd_size(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16) at 2 ranks -> a bf16 DeepSpeed ZeRO-3 engine at 3:
+    the fp32 masters and moments bit for bit, module weights, frozen weights and buffers = FSDP2's cast to bf16."""
+    import torch
+    from safetensors.torch import load_file
+    from tests import ds_oracle
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    path, full = _fsdp2(tmp_path / "src", 2, "bf16")
+    G, spec = _oracle_spec(3, 3)
+    spec = dict(spec, dtype="bf16")
+    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 3, G.build_ds_config(spec), buffers=BUFFERS)
+    info = ds_oracle.load_with_deepspeed(spec, str(tmp_path / "ds"), str(tmp_path / "oracle"))
+    got = load_file(tmp_path / "oracle" / "oracle.safetensors")
+    for name, ref in full["model"].items():
+        if f"fp32/{name}" in got:
+            assert torch.equal(got[f"fp32/{name}"], ref), name
+        key = f"buffer/{name}" if f"buffer/{name}" in got else f"module/{name}"
+        assert torch.equal(got[key], ref.to(got[key].dtype)), key
+    for name, st in full["optim"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{k}/{name}"], st[k]), (k, name)
+    assert info["step"] == 2.0 and info["lrs"] == [0.01, 0.005]

@@ -1,0 +1,342 @@
+"""A PyTorch DCP checkpoint (``dcp.save`` of FSDP2's ``get_state_dict``) as a :class:`~zckpt.state.model.Checkpoint`.
+
+What it reads (:mod:`zckpt.formats.dcpmeta` draws the files)::
+
+    <dir>/.metadata            the safe-unpickled, checked metadata: every key, its dtype, size and chunks
+    <dir>/__{rank}_{n}.distcp  each chunk a torch.save zip at an offset: its zip directory and data.pkl are read
+                               (:func:`zckpt.formats.safeload.load` on that byte window) to find where its raw
+                               bytes start; no tensor byte is read
+
+Keys (the nested state dict's paths, from ``planner_data``), as ``get_state_dict`` and torchtitan write them::
+
+    model.<fqn>                                  a module tensor (torchtitan: <fqn> at the top level)
+    optim.state.<fqn>.{exp_avg,exp_avg_sq,step}  Adam state of parameter <fqn> (``optimizer.`` also read;
+                                                 ``state.<fqn>.<k>`` when flatten_optimizer_state_dict=True)
+    optim.param_groups.<i>.<hyperparameter>      group i's lr, betas, eps, weight_decay..., and ``params`` (FQNs)
+
+A module tensor with Adam state is ``trainable``: its value is the sharded parameter FSDP2 saved (the fp32 master
+when FSDP2 trains in fp32 with a mixed-precision policy), its moments the state's. A module tensor without state
+is a frozen weight, a buffer or a tied alias: DCP does not say which; it is read as ``frozen`` unless ``buffers``
+or ``tied`` say otherwise (names in ``Checkpoint.extra["stateless"]``). A chunk cut on dim 0 is one piece of the
+flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.formats.dcpmeta.chunk_runs`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import os
+import re
+
+from zckpt.errors import (
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, UnsafePickle, UnsupportedLayout, ZckptError,
+)
+from zckpt.formats import dcpmeta, safeload
+from zckpt.formats.safeload import LazyTensor, StorageRef
+from zckpt.io import storage
+from zckpt.state.model import (
+    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of, scalar_value,
+)
+
+METADATA = ".metadata"
+OPTIM_ROOTS = ("optim", "optimizer")
+NOT_MODEL_ROOTS = OPTIM_ROOTS + ("lr_scheduler", "lr_schedulers", "train_state", "dataloader", "extra")
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+_DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+DCP_HINTS = {
+    CorruptFile: "the DCP folder is damaged or was not written by dcp.save; re-copy it or use another step's folder",
+    UnsafePickle: "zckpt never runs code from checkpoints; this .metadata names more than DCP's own classes",
+}
+_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def is_dcp(path: str, storage_options: dict | None = None) -> bool:
+    """A folder with DCP's ``.metadata`` (its commit marker)."""
+    try:
+        return storage.isfile(storage.join(str(path), METADATA), storage_options)
+    except (OSError, ValueError):
+        return False
+
+
+class Window(io.RawIOBase):
+    """Bytes [start, start+length) of an open file, as a file of their own (one DCP item's torch zip)."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=os.SEEK_SET):
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence] + pos
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n=-1):
+        n = self.length - self.pos if n is None or n < 0 else min(n, max(self.length - self.pos, 0))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b):
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def close(self):  # the underlying file stays open for the next item
+        super().close()
+
+
+class _Items:
+    """Loads DCP items (each a torch.save zip inside a data file) through :func:`safeload.load`, one open file
+    per data file."""
+
+    def __init__(self, folder: str, opts: dict | None):
+        self.folder, self.opts, self.files = folder, opts, {}
+
+    def load(self, name: str, offset: int, length: int):
+        path = storage.join(self.folder, name)
+        f = self.files.get(name)
+        if f is None:
+            f = self.files[name] = open(path, "rb") if not storage.is_url(path) else storage.open_input(path, self.opts)
+        return safeload.load(path, opener=lambda _p: Window(f, offset, length))
+
+    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
+        """The chunk as a LazyTensor whose offsets are absolute in its data file."""
+        path = storage.join(self.folder, c.file)
+        t = self.load(c.file, c.offset, c.length)
+        if not isinstance(t, LazyTensor):
+            raise CorruptFile(f"DCP item of '{te.key}' at byte {c.offset} is not a tensor", path=path)
+        if t.dtype != te.dtype or tuple(t.shape) != tuple(c.sizes):
+            raise CorruptFile(f"DCP chunk of '{te.key}' at byte {c.offset} holds {t.dtype} {list(t.shape)}, the "
+                              f"metadata says {te.dtype} {list(c.sizes)}", path=path)
+        s = t.storage
+        return LazyTensor(StorageRef(path, s.key, s.dtype, s.offset + c.offset, s.nbytes), t.storage_offset,
+                          t.shape, t.stride, t.dtype)
+
+    def close(self):
+        for f in self.files.values():
+            f.close()
+
+
+def tensor_pieces(items: _Items, te: dcpmeta.TensorEntry, path: str) -> list:
+    """The pieces of ``te``'s row-major flat tensor, from its chunks."""
+    chunks = {}
+    out = []
+    for _, c, local, length in dcpmeta.chunk_runs(te, path):
+        if c not in chunks:
+            chunks[c] = items.tensor(te, c)
+        out += pieces_of(chunks[c], local, length)
+    return out
+
+
+def _split(md: dcpmeta.DcpMetadata):
+    """Sort the keys by role: model tensors, Adam state per parameter, param-group values, everything else."""
+    has_model_root = any(md.path_of(k)[0] == "model" and len(md.path_of(k)) > 1 for k in md.tensors)
+    model, state, groups, flat_groups, other = {}, {}, {}, {}, []
+    keys = list(md.tensors) + list(md.values)
+    order = {k: i for i, k in enumerate(md.paths)}  # the saved state dict's own order, where recorded
+    for key in sorted(keys, key=lambda k: order.get(k, len(order))):
+        p = md.path_of(key)
+        is_tensor = key in md.tensors
+        if p[0] in OPTIM_ROOTS and len(p) == 4 and p[1] == "state" and p[3] in STATE_KEYS:
+            state.setdefault(p[2], {})[p[3]] = key  # nested (get_state_dict's default)
+        elif p[0] in OPTIM_ROOTS and len(p) == 2 and p[1].startswith("state.") and p[1].count(".") >= 2 \
+                and p[1].rsplit(".", 1)[1] in STATE_KEYS:
+            fqn, k = p[1][len("state."):].rsplit(".", 1)  # flatten_optimizer_state_dict=True
+            state.setdefault(fqn, {})[k] = key
+        elif p[0] in OPTIM_ROOTS and len(p) == 4 and p[1] == "param_groups" and p[2].isdigit() and not is_tensor:
+            groups.setdefault(int(p[2]), {})[p[3]] = key
+        elif p[0] in OPTIM_ROOTS and len(p) == 2 and p[1].startswith("param_groups.") and not is_tensor:
+            fqn, k = p[1][len("param_groups."):].rsplit(".", 1)
+            flat_groups.setdefault(fqn, {})[k] = key
+        elif is_tensor and has_model_root and p[0] == "model" and len(p) > 1:
+            model[".".join(p[1:])] = key
+        elif is_tensor and not has_model_root and p[0] not in NOT_MODEL_ROOTS:
+            model[".".join(p)] = key
+        else:
+            other.append(key)
+    return model, state, groups, flat_groups, other
+
+
+def matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied: dict | None = None) -> Checkpoint:
+    """Describe the DCP checkpoint in the folder ``path`` from its metadata (no tensor bytes read).
+
+    ``buffers``: names (fnmatch patterns) of module tensors without optimizer state that are buffers; ``tied``:
+    {alias: source} for tied weights saved under both names. Others without state are read as frozen."""
+    path = str(path).rstrip("/") or "/"
+    opts = storage_options
+    if not storage.exists(path, opts):
+        raise CheckpointNotFound("no such file or folder", path=path)
+    mpath = storage.join(path, METADATA)
+    if not storage.isfile(mpath, opts):
+        raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by dcp.save: the save did "
+                                   "not finish, or this is not a DCP folder)", path=mpath,
+                                   hint="use the folder of a finished save")
+    names = storage.listdir(path, opts)
+    sizes = {n: storage.size(storage.join(path, n), opts) for n in names
+             if n != METADATA and storage.isfile(storage.join(path, n), opts)}
+    data = storage.read_bytes(mpath, opts)
+    try:
+        md = dcpmeta.read_metadata(data, mpath, sizes)
+        with metadata_errors(mpath):
+            return _build(path, opts, md, sizes, len(data), buffers, tied or {})
+    except (CorruptFile, UnsafePickle) as exc:
+        if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
+            exc.hint = DCP_HINTS[type(exc)]
+        raise
+
+
+def _values(items: _Items, md: dcpmeta.DcpMetadata, keys, mpath: str) -> dict:
+    out = {}
+    for key in keys:
+        v = md.values[key]
+        try:
+            out[key] = items.load(v.file, v.offset, v.length)
+        except ZckptError as exc:
+            raise type(exc)(f"DCP value '{key}': {exc.message}", path=exc.path or mpath, hint=exc.hint) from None
+    return out
+
+
+def _build(path, opts, md, sizes, meta_bytes, buffers, tied) -> Checkpoint:
+    mpath = storage.join(path, METADATA)
+    model, state, groups_raw, flat_groups, other = _split(md)
+    if not model:
+        raise UnsupportedLayout("DCP checkpoint without module tensors (no model.* keys)", path=mpath,
+                                hint="zckpt reads DCP checkpoints of dcp.save({'model': ..., 'optim': ...})")
+    orphans = sorted(set(state) - set(model))
+    if orphans:
+        raise CorruptFile(f"optimizer state for '{orphans[0]}'" + (f" and {len(orphans) - 1} more" if len(orphans) > 1
+                          else "") + ", which is not a module tensor", path=mpath)
+    items = _Items(path, opts)
+    try:
+        group_values = _values(items, md, [k for g in groups_raw.values() for k in g.values()], mpath)
+        records, step_tensors = [], {}
+        grouped = _group_infos(groups_raw, group_values, mpath)
+        group_of = {n: g.index for g in grouped for n in g.names}
+        unknown = sorted(set(group_of) - set(model))
+        if unknown:
+            raise CorruptFile(f"param group {group_of[unknown[0]]} lists '{unknown[0]}', which is not a module "
+                              "tensor", path=mpath)
+        stateless = []
+        for fqn, key in model.items():
+            te = md.tensors[key]
+            value = tensor_pieces(items, te, mpath)
+            st = state.get(fqn, {})
+            rec = TensorRecord(fqn, te.shape, "trainable", te.dtype, value, group=group_of.get(fqn))
+            if st:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st and st[k] in md.tensors:
+                        if md.tensors[st[k]].shape != te.shape:
+                            raise CorruptFile(f"'{fqn}': {k} has size {list(md.tensors[st[k]].shape)}, the "
+                                              f"parameter {list(te.shape)}", path=mpath)
+                        setattr(rec, k, tensor_pieces(items, md.tensors[st[k]], mpath))
+                if bool(rec.exp_avg) != bool(rec.exp_avg_sq) and te.numel:
+                    raise UnsupportedLayout(f"'{fqn}' has only one of exp_avg / exp_avg_sq: not Adam state",
+                                            path=mpath)
+                if "step" in st and st["step"] in md.tensors:
+                    ste = md.tensors[st["step"]]
+                    if ste.numel != 1:
+                        raise CorruptFile(f"'{fqn}': step has size {list(ste.shape)}", path=mpath)
+                    step_tensors[fqn] = items.tensor(ste, ste.chunks[0])
+            elif fqn in tied:
+                rec = TensorRecord(fqn, te.shape, "tied", te.dtype, tied_to=tied[fqn])
+            elif fqn not in group_of:
+                rec.kind = "buffer" if matches(fqn, buffers) else "frozen"
+                stateless.append(fqn)
+            records.append(rec)
+        for g in grouped:
+            g.step = _group_step(g, step_tensors, opts, mpath)
+        extra = {"metadata": md, "step_tensors": step_tensors, "stateless": stateless, "other": other,
+                 "flat_param_groups": bool(flat_groups), "model_keys": model,
+                 "values": _values(items, md, [k for k in other if k in md.values], mpath)}
+    finally:
+        items.close()
+    _check_tied(records, tied, mpath)
+    masters = sorted({r.dtype for r in records if r.kind == "trainable"}) or ["float32"]
+    ranks = sorted({int(m.group(1)) for n in md.files if (m := _DATA_RE.match(n))})
+    data_files = [RankFile(storage.join(path, n), n, "data", None, 0, sizes.get(n, -1)) for n in md.files]
+    data_files.append(RankFile(mpath, METADATA, "metadata", None, 0, meta_bytes))
+    loc = Location(path, path, storage.basename(path), path, None, data_files=data_files, storage_options=opts)
+    notes = []
+    if stateless:
+        notes.append(f"{len(stateless)} module tensor(s) have no optimizer state ({', '.join(stateless[:3])}"
+                     f"{'...' if len(stateless) > 3 else ''}): read as frozen weights unless named as buffers")
+    if flat_groups:
+        notes.append("the optimizer state was saved flattened (flatten_optimizer_state_dict=True): the param groups "
+                     "are not recorded")
+    return Checkpoint(loc, 0, "dcp", _PRECISION.get(masters[0], masters[0]), (ranks[-1] + 1) if ranks else len(md.files),
+                      records, grouped, {}, [], [], notes=notes, format="dcp", extra=extra,
+                      reshard_refusal="a DCP checkpoint becomes DeepSpeed files through "
+                                      "`zckpt convert SRC --to deepspeed --world-size N --stage S`")
+
+
+def _group_infos(groups_raw: dict, values: dict, mpath: str) -> list[GroupInfo]:
+    out = []
+    for i in sorted(groups_raw):
+        hp = {k: values[key] for k, key in groups_raw[i].items()}
+        params = hp.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise CorruptFile(f"param group {i}: 'params' is not a list of parameter names", path=mpath)
+        out.append(GroupInfo(i, hp, None, list(params)))
+    if [g.index for g in out] != list(range(len(out))):
+        raise CorruptFile(f"param groups {[g.index for g in out]} are not numbered 0..{len(out) - 1}", path=mpath)
+    return out
+
+
+def _group_step(g: GroupInfo, step_tensors: dict, opts, mpath: str):
+    """One step per group (what DeepSpeed keeps): torch's AdamW keeps one per parameter; they must agree."""
+    steps = {n: scalar_value(step_tensors[n], opts) for n in g.names if n in step_tensors}
+    if not steps:
+        return None
+    if len(set(steps.values())) > 1:
+        a, b = sorted(steps.items(), key=lambda kv: kv[1])[0], sorted(steps.items(), key=lambda kv: kv[1])[-1]
+        raise UnsupportedLayout(f"param group {g.index}: parameters at different Adam steps ('{a[0]}' {a[1]}, "
+                                f"'{b[0]}' {b[1]})", path=mpath, hint="one step per group is what DeepSpeed and "
+                                "zckpt's model keep")
+    return next(iter(steps.values()))
+
+
+def _check_tied(records: list[TensorRecord], tied: dict, mpath: str) -> None:
+    by = {r.name: r for r in records}
+    for alias, src in tied.items():
+        if alias not in by or src not in by or by[alias].kind != "tied" or by[src].kind == "tied" \
+                or by[src].shape != by[alias].shape:
+            raise UnsupportedLayout(f"tied '{alias}' -> '{src}': both must be module tensors of one shape, the "
+                                    "alias without optimizer state", path=mpath)
+
+
+def check_stateless_named(ckpt: Checkpoint, buffers) -> None:
+    """Refuse to write a layout that needs to tell buffers from frozen weights when the user did not say."""
+    left = ckpt.extra.get("stateless") or []
+    if left and buffers is None:
+        raise UnsupportedLayout(f"'{left[0]}'" + (f" and {len(left) - 1} more" if len(left) > 1 else "") +
+                                " have no optimizer state, and DCP does not record whether a tensor is a buffer or a "
+                                "frozen weight", path=ckpt.location.tag_dir,
+                                hint="name the buffers with --buffers 'a,b*' (--buffers '' when all are frozen "
+                                     "weights or tied aliases)")
+
+
+
+def items(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
+    """Every item of a DCP checkpoint by data file path: (offset, length, key), sorted (what ``verify --deep``
+    reads)."""
+    md: dcpmeta.DcpMetadata = ckpt.extra["metadata"]
+    out: dict[str, list] = {}
+    for te in md.tensors.values():
+        for c in te.chunks:
+            out.setdefault(storage.join(ckpt.location.tag_dir, c.file), []).append((c.offset, c.length, te.key))
+    for v in md.values.values():
+        out.setdefault(storage.join(ckpt.location.tag_dir, v.file), []).append((v.offset, v.length, v.key))
+    return {k: sorted(v) for k, v in sorted(out.items())}

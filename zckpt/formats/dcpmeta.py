@@ -1,0 +1,270 @@
+"""PyTorch Distributed Checkpoint (DCP) metadata, read without running pickle code, and checked.
+
+A DCP checkpoint written by ``FileSystemWriter`` (torch 2.x, ``torch/distributed/checkpoint/filesystem.py``)::
+
+    <dir>/.metadata          pickle of metadata.Metadata, written last (temp file + rename): DCP's commit marker
+        state_dict_metadata  flat key -> TensorStorageMetadata(properties(dtype, ...), size,
+                                                               chunks=[ChunkStorageMetadata(offsets, sizes)])
+                                       or BytesStorageMetadata()
+        storage_data         MetadataIndex(fqn, offsets) -> _StorageInfo(relative_path, offset, length)
+        planner_data         flat key -> its path in the nested state dict, e.g. "optim.state.w.exp_avg" ->
+                             ("optim", "state", "w", "exp_avg") (keys may hold dots themselves)
+    <dir>/__{rank}_{n}.distcp   data: each item is a small torch.save zip at [offset, offset+length) (a tensor
+                             chunk, or a pickled non-tensor value: BYTE_IO), one after another
+
+:func:`read_metadata` unpickles ``.metadata`` through :func:`zckpt.formats.safeload.load_plain`: DCP's dataclasses,
+``torch.Size``, the dtypes and ``torch.strided`` map to inert stand-ins; any other global is refused. It then checks
+everything a reader relies on, refusing in one line: a dtype zckpt does not know, a size over :data:`MAX_NUMEL`,
+a chunk outside its tensor, chunks that overlap or leave part of the tensor uncovered (:func:`chunk_runs`), a
+storage entry missing, in a file outside the folder, past the end of its file, or stored through a transform
+(compression, encryption) zckpt cannot read as raw bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from zckpt.errors import CorruptFile, UnsupportedLayout
+from zckpt.formats import safeload
+
+MAX_NUMEL = 1 << 44  # elements in one tensor: far beyond any real model, far below an integer overflow
+MAX_RUNS = 1 << 20  # contiguous runs one tensor's chunks may cut it into
+MAX_DIMS = 64
+_DATA_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+_M = "torch.distributed.checkpoint.metadata."
+_DCP_CLASSES = [_M + n for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                                 "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
+_DCP_CLASSES += ["torch.distributed.checkpoint.filesystem._StorageInfo"]
+
+
+def _stand_in(qual: str) -> type:
+    return type(qual.rsplit(".", 1)[-1], (safeload.Inert,), {"_qualname": qual})
+
+
+def _layout(name):
+    if name != "torch.strided":
+        raise UnsupportedLayout(f"tensor layout {str(name)[:40]} (only torch.strided is read)")
+    return "strided"
+
+
+def _path(*parts):
+    return "/".join(str(p) for p in parts)
+
+
+EXTRA_GLOBALS = {q: _stand_in(q) for q in _DCP_CLASSES}
+EXTRA_GLOBALS.update({"torch.serialization._get_layout": _layout, "pathlib.PosixPath": _path,
+                      "pathlib.WindowsPath": _path, "pathlib.Path": _path})
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved rectangle of a tensor: ``offsets``/``sizes`` per dim; its torch zip is ``length`` bytes at
+    ``offset`` of the data file ``file`` (a name inside the checkpoint folder)."""
+
+    offsets: tuple
+    sizes: tuple
+    file: str
+    offset: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass
+class TensorEntry:
+    key: str  # the flat DCP key
+    dtype: str
+    shape: tuple
+    chunks: list[Chunk]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class BytesEntry:
+    key: str
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DcpMetadata:
+    tensors: dict[str, TensorEntry]
+    values: dict[str, BytesEntry]  # non-tensor items (param groups, scalars), each a pickled torch.save zip
+    paths: dict[str, tuple]  # flat key -> path in the nested state dict (planner_data); {} when not saved
+    version: str | None = None
+    files: list[str] = field(default_factory=list)  # the data files the entries name, sorted
+
+    def path_of(self, key: str) -> tuple:
+        return self.paths.get(key) or (key,)
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def _fields(obj, cls: str, path: str) -> dict:
+    if not (isinstance(obj, safeload.Inert) and obj._qualname.endswith("." + cls)):
+        raise CorruptFile(f"DCP metadata: expected {cls}, found {type(obj).__name__}", path=path)
+    return {k: v for k, v in obj.__dict__.items() if not k.startswith("_")}
+
+
+def _ints(value, what: str, path: str) -> tuple:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise CorruptFile(f"DCP metadata: {what} is not a list of non-negative integers: {str(value)[:60]}", path=path)
+    return tuple(value)
+
+
+def _dtype(props, key: str, path: str) -> str:
+    state = props.__dict__.get("_state") if isinstance(props, safeload.Inert) else None
+    dtype = state[0] if isinstance(state, tuple) and state else _fields(props, "TensorProperties", path).get("dtype")
+    if not isinstance(dtype, safeload.TorchDtype) or str(dtype) not in safeload.DTYPE_SIZES:
+        raise UnsupportedLayout(f"DCP metadata: '{key}' has dtype {str(dtype)[:40]}, which zckpt does not read",
+                                path=path)
+    return str(dtype)
+
+
+def _storage_index(storage_data, path: str) -> dict:
+    """(fqn, offsets or None) -> (file, offset, length), every entry checked."""
+    if not isinstance(storage_data, dict):
+        raise CorruptFile("DCP metadata: storage_data is not a dict (not written by FileSystemWriter)", path=path)
+    out = {}
+    for idx, info in storage_data.items():
+        i, s = _fields(idx, "MetadataIndex", path), _fields(info, "_StorageInfo", path)
+        fqn, offs = i.get("fqn"), i.get("offset")
+        offs = None if offs is None else _ints(offs, f"the storage offset of '{fqn}'", path)
+        name, off, length = s.get("relative_path"), s.get("offset"), s.get("length")
+        if not isinstance(fqn, str) or not isinstance(name, str) or not _DATA_NAME.match(name) or name in (".", ".."):
+            raise CorruptFile(f"DCP metadata: storage entry of '{str(fqn)[:60]}' names the file {str(name)[:60]!r}, "
+                              "not a file of the checkpoint folder", path=path)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
+            raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {off!r}, length {length!r}",
+                              path=path)
+        if s.get("transform_descriptors"):
+            raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {list(s['transform_descriptors'])}"
+                                    " (compression or another extension); zckpt reads raw torch.save items only",
+                                    path=path)
+        out[(fqn, offs)] = (name, off, length)
+    return out
+
+
+def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:
+    """Check an unpickled ``Metadata`` stand-in and turn it into a :class:`DcpMetadata`. ``file_sizes`` (data
+    file name -> bytes): when given, every item must lie inside its file."""
+    md = _fields(obj, "Metadata", path)
+    sdm = md.get("state_dict_metadata")
+    if not isinstance(sdm, dict):
+        raise CorruptFile("DCP metadata: state_dict_metadata is not a dict", path=path)
+    index = _storage_index(md.get("storage_data"), path)
+    tensors, values = {}, {}
+    for key, entry in sdm.items():
+        if not isinstance(key, str):
+            raise CorruptFile(f"DCP metadata: key {str(key)[:60]!r} is not a string", path=path)
+        if isinstance(entry, safeload.Inert) and entry._qualname.endswith(".BytesStorageMetadata"):
+            where = index.get((key, None))
+            if where is None:
+                raise CorruptFile(f"DCP metadata: no storage entry for the value '{key}'", path=path)
+            values[key] = BytesEntry(key, *where)
+            continue
+        t = _fields(entry, "TensorStorageMetadata", path)
+        shape = _ints(t.get("size"), f"the size of '{key}'", path)
+        if math.prod(shape) > MAX_NUMEL:
+            raise CorruptFile(f"DCP metadata: '{key}' claims {math.prod(shape)} elements (size {list(shape)})",
+                              path=path)
+        raw = t.get("chunks")
+        if not isinstance(raw, list):
+            raise CorruptFile(f"DCP metadata: the chunks of '{key}' are not a list", path=path)
+        chunks = []
+        for c in raw:
+            cf = _fields(c, "ChunkStorageMetadata", path)
+            offs = _ints(cf.get("offsets"), f"a chunk offset of '{key}'", path)
+            sizes = _ints(cf.get("sizes"), f"a chunk size of '{key}'", path)
+            if len(offs) != len(shape) or len(sizes) != len(shape) or \
+                    any(o + s > d for o, s, d in zip(offs, sizes, shape)):
+                raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
+                                  f"lies outside its size {list(shape)}", path=path)
+            where = index.get((key, offs))
+            if where is None:
+                raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)
+            chunks.append(Chunk(offs, sizes, *where))
+        te = TensorEntry(key, _dtype(t.get("properties"), key, path), shape, chunks)
+        chunk_runs(te, path)  # the chunks cover the tensor exactly once
+        tensors[key] = te
+    if file_sizes is not None:
+        for e in [c for te in tensors.values() for c in te.chunks] + list(values.values()):
+            size = file_sizes.get(e.file)
+            if size is None:
+                raise CorruptFile(f"DCP metadata names the data file {e.file}, which is not in the folder", path=path)
+            if e.offset + e.length > size:
+                raise CorruptFile(f"DCP metadata: an item of {e.file} at bytes [{e.offset}, {e.offset + e.length}) "
+                                  f"lies past its end ({size} bytes)", path=path)
+    planner = md.get("planner_data")
+    paths = {}
+    if isinstance(planner, dict):
+        for k, v in planner.items():
+            if isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v):
+                paths[k] = tuple(str(p) for p in v)
+    version = md.get("version") if isinstance(md.get("version"), str) else None
+    files = sorted({c.file for te in tensors.values() for c in te.chunks} | {v.file for v in values.values()})
+    return DcpMetadata(tensors, values, paths, version, files)
+
+
+def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chunk, int, int]]:
+    """The chunks of ``te`` as runs of the row-major flat tensor: (flat start, chunk, start inside the chunk's own
+    row-major elements, length), sorted by flat start. A chunk cut on dim 0 is one run; a chunk cut on an inner
+    dim is one run per row of the dims before the cut. Refused unless the runs tile the tensor exactly."""
+    shape, runs, count = te.shape, [], 0
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    for c in te.chunks:
+        if c.numel == 0:
+            continue
+        k = len(shape) - 1  # the outermost dim from which the chunk spans whole rows of the tensor
+        while k > 0 and c.sizes[k] == shape[k]:
+            k -= 1
+        outer = c.sizes[:k]
+        length = c.sizes[k] * strides[k] if shape else 1
+        count += math.prod(outer)
+        if count > MAX_RUNS:
+            raise UnsupportedLayout(f"DCP metadata: the chunks of '{te.key}' cut it into more than {MAX_RUNS} runs",
+                                    path=path)
+        cstrides = [math.prod(c.sizes[d + 1:]) for d in range(len(c.sizes))]
+        for flat in range(math.prod(outer)):
+            idx, rem = [], flat
+            for d in reversed(outer):
+                idx.append(rem % d)
+                rem //= d
+            idx.reverse()
+            start = sum((c.offsets[d] + i) * strides[d] for d, i in enumerate(idx)) + \
+                (c.offsets[k] * strides[k] if shape else 0)
+            local = sum(i * cstrides[d] for d, i in enumerate(idx))
+            runs.append((start, c, local, length))
+    runs.sort(key=lambda r: r[0])
+    at = 0
+    for start, _, _, length in runs:
+        if start != at:
+            what = "overlap" if start < at else f"leave elements [{at}, {start}) uncovered"
+            raise CorruptFile(f"DCP metadata: the chunks of '{te.key}' {what} (size {list(shape)})", path=path)
+        at += length
+    if at != te.numel:
+        raise CorruptFile(f"DCP metadata: the chunks of '{te.key}' cover {at} of its {te.numel} elements", path=path)
+    return runs
+
+
+def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:
+    """``.metadata``'s bytes -> a checked :class:`DcpMetadata` (see :func:`parse`); no code from the pickle runs."""
+    obj = safeload.load_plain(data, path, EXTRA_GLOBALS)
+    try:
+        return parse(obj, path, file_sizes)
+    except (CorruptFile, UnsupportedLayout):
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+        raise CorruptFile(f"DCP metadata of an unexpected shape ({type(exc).__name__}: {exc})"[:240], path=path) from None

@@ -1,0 +1,190 @@
+"""A DCP checkpoint (FSDP2 + ``torch.optim.AdamW``, ``dcp.save`` of ``get_state_dict``) as native DeepSpeed ZeRO files.
+
+No converter of its own: the DCP reader (:mod:`zckpt.dcp.reader`) gives the training-state model, this module adds
+what a DeepSpeed engine needs and DCP does not record, and the reshard writer (:mod:`zckpt.ops.reshard`) lays it
+out for the world size and stage asked, through the one engine and the one publish path::
+
+    DCP folder --open_dcp--> Checkpoint (format "dcp") --deepspeed_source--> Checkpoint a DeepSpeed writer reads
+               --reshard.plan_reshard(world_size, stage)--> rank files --reshard.execute--> OUT/ (latest, tag/)
+
+Taken from DCP: every parameter's value (FSDP2's sharded parameters: the fp32 masters), ``exp_avg``,
+``exp_avg_sq``, the step (one per parameter in torch's AdamW; all of a group's must agree, as DeepSpeed keeps one
+per group), and every param group's hyperparameters as torch's AdamW saved them (lr, betas, eps, weight_decay...,
+in order); the group order and each group's parameter order are the optimizer's, which is what a DeepSpeed engine
+built from the same model and groups expects. Taken from the user: the world size and stage, the DeepSpeed config
+the job will run with (its precision, ``gradient_clipping``, ``zero_optimization`` options shape the files), and
+which module tensors without optimizer state are buffers (DCP does not record it). Refused: an fp16 target (its
+loss scaler state is not in DCP), optimizer state that is not Adam's, groups at different steps, params of one
+group with and without state, flattened optimizer state (``flatten_optimizer_state_dict=True``: no groups saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import OrderedDict
+from typing import Callable
+
+from zckpt.dcp.reader import check_stateless_named, matches, open_dcp
+from zckpt.errors import InvalidArgument, UnsupportedLayout
+from zckpt.io import publish, storage
+from zckpt.ops import reshard
+from zckpt.state.model import LP_DTYPES, Checkpoint
+from zckpt.formats.safeload import FLOATING
+
+DS_LAYOUT_VERSION = "0.19.8"  # the DeepSpeed release whose file layout the writer reproduces
+
+
+def _precision(cfg: dict) -> str:
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        sub = cfg.get(key)
+        if isinstance(sub, dict) and sub.get("enabled") is True:
+            return name
+    return "fp32"
+
+
+def load_config(ds_config) -> dict:
+    """``ds_config``: a dict, or the path of a DeepSpeed JSON config."""
+    if isinstance(ds_config, dict):
+        return json.loads(json.dumps(ds_config))
+    if ds_config is None:
+        raise InvalidArgument("converting to DeepSpeed needs the DeepSpeed config the job will run with",
+                              hint="pass --ds-config ds_config.json (its precision, gradient_clipping and "
+                                   "zero_optimization shape the files)")
+    try:
+        cfg = json.loads(storage.read_bytes(str(ds_config)))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read the DeepSpeed config ({exc})", path=str(ds_config)) from None
+    if not isinstance(cfg, dict):
+        raise InvalidArgument("the DeepSpeed config is not a JSON object", path=str(ds_config))
+    return cfg
+
+
+def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None) -> Checkpoint:
+    """``ckpt`` (read from DCP) with what the DeepSpeed writer needs: records classified, one step tensor per
+    group, the model-states facts (``module`` order, ``buffer_names``, ``shared_params``, steps) and the config."""
+    path = ckpt.location.tag_dir
+    if ckpt.format != "dcp":
+        raise InvalidArgument("not a DCP checkpoint", path=path)
+    precision = _precision(ds_config)
+    if precision == "fp16":
+        raise UnsupportedLayout("an fp16 DeepSpeed engine needs its loss scaler's state, which a DCP checkpoint "
+                                "does not have", path=path, hint="convert for a bf16 or fp32 config")
+    if ckpt.extra.get("flat_param_groups") or not ckpt.groups:
+        raise UnsupportedLayout("the DCP checkpoint records no optimizer param groups (saved with "
+                                "flatten_optimizer_state_dict=True, or without an optimizer)", path=path,
+                                hint="save with get_state_dict's default options: {'model': msd, 'optim': osd}")
+    check_stateless_named(ckpt, buffers)
+    records = []
+    for rec in ckpt.records:
+        rec = dataclasses.replace(rec)
+        if rec.kind in ("frozen", "buffer") and rec.group is None:
+            rec.kind = "buffer" if matches(rec.name, buffers) else "frozen"
+            if rec.kind == "frozen":
+                rec.lp_dtype = LP_DTYPES[precision] if rec.dtype in FLOATING else rec.dtype
+        records.append(rec)
+    byname = {r.name: r for r in records}
+    group_steps = {}
+    for g in ckpt.groups:
+        recs = [byname[n] for n in g.names]
+        with_state = [r for r in recs if r.exp_avg]
+        if with_state and len(with_state) != len(recs):
+            missing = next(r.name for r in recs if not r.exp_avg)
+            raise UnsupportedLayout(f"param group {g.index}: '{missing}' has no Adam state while others do (a frozen "
+                                    "parameter passed to the optimizer?)", path=path,
+                                    hint="DeepSpeed keeps state for every parameter of a group")
+        step = next((ckpt.extra["step_tensors"][n] for n in g.names if n in ckpt.extra["step_tensors"]), None)
+        if with_state and step is None:
+            raise UnsupportedLayout(f"param group {g.index} has Adam moments but no step", path=path)
+        group_steps[g.index] = step
+    other = [r.name for r in records if r.kind == "trainable" and r.group is None]
+    if other:
+        raise UnsupportedLayout(f"'{other[0]}' has optimizer state but is in no param group", path=path)
+    steps = {g.step for g in ckpt.groups if g.step is not None}
+    step = int(max(steps)) if steps else 0
+    model_state = OrderedDict([
+        ("module", OrderedDict((r.name, None) for r in records)),
+        ("buffer_names", [r.name for r in records if r.kind == "buffer"]),
+        ("shared_params", {r.name: r.tied_to for r in records if r.kind == "tied"}),
+        ("lr_scheduler", None), ("data_sampler", None), ("random_ltd", None),
+        ("skipped_steps", 0), ("global_steps", step), ("global_samples", None), ("mp_world_size", 1),
+        ("ds_config", ds_config), ("ds_version", DS_LAYOUT_VERSION),
+    ])
+    model_state.pop("global_samples")  # DeepSpeed derives it from global_steps when absent
+    loc = dataclasses.replace(ckpt.location, tag=f"global_step{step}")
+    return dataclasses.replace(ckpt, location=loc, records=records, precision=precision, model_state=model_state,
+                               optim_states=[{"optimizer_state_dict": OrderedDict()}], model_states=[model_state],
+                               reshard_refusal=None, extra={**ckpt.extra, "group_steps": group_steps})
+
+
+def _bf16_optimizer(cfg: dict, stage: int) -> bool:
+    dtypes = cfg.get("data_types") if isinstance(cfg.get("data_types"), dict) else {}
+    return stage == 1 and _precision(cfg) == "bf16" and dtypes.get("grad_accum_dtype") == "fp32"
+
+
+def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: dict,
+                      buffers=None) -> reshard.ReshardPlan:
+    """The DeepSpeed rank files of ``ckpt`` (a DCP checkpoint) at ``world_size`` and ``stage``: plain data."""
+    if stage not in (1, 2, 3):
+        raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
+    cfg = dict(ds_config)
+    cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
+    src = deepspeed_source(ckpt, cfg, buffers)
+    plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
+                      "load_lr_scheduler_states=False when the engine has a scheduler")
+    tied = [r.name for r in src.records if r.kind == "frozen" and r.name in (ckpt.extra.get("stateless") or [])]
+    if tied:
+        plan.notes.append(f"{len(tied)} module tensor(s) without optimizer state written as frozen weights "
+                          f"({', '.join(tied[:3])}{'...' if len(tied) > 3 else ''}); a tied alias among them "
+                          "loads as the same values")
+    return plan
+
+
+def parse_tied(tied) -> dict:
+    """``--tied`` values: ``{"alias": "source"}``, or strings ``"alias=source"`` (one per tie, or comma-separated)."""
+    if not tied:
+        return {}
+    if isinstance(tied, dict):
+        return dict(tied)
+    out = {}
+    for item in ([tied] if isinstance(tied, str) else list(tied)):
+        for part in (p.strip() for p in item.split(",")):
+            alias, eq, src = part.partition("=")
+            if not eq or not alias.strip() or not src.strip():
+                raise InvalidArgument(f"--tied {part!r}: expected ALIAS=SOURCE, e.g. lm_head.weight=embed.weight")
+            out[alias.strip()] = src.strip()
+    return out
+
+
+def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
+                 dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
+                 progress: Callable[[int, int], None] | None = None, durable: bool = False,
+                 storage_options: dict | None = None) -> reshard.ReshardResult:
+    """Write the DCP checkpoint at ``path`` as DeepSpeed ZeRO-``stage`` files for ``world_size`` ranks into the
+    folder ``out`` (``OUT/latest``, ``OUT/global_step<N>/...``), loadable with a plain ``engine.load_checkpoint(out)``.
+
+    ``ds_config``: the DeepSpeed config (dict or JSON path) the job will run with; ``buffers``: fnmatch patterns
+    of the module tensors without optimizer state that are buffers (``[]`` when none are; required when the
+    checkpoint has such tensors); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
+    saved under both names, written as DeepSpeed's ``shared_params``. The output is published like a reshard's (temp folder, marker, rename)."""
+    t0 = time.perf_counter()
+    if isinstance(buffers, str):
+        buffers = [b for b in buffers.split(",") if b]
+    cfg = load_config(ds_config)
+    ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
+    source = publish.source_of(ckpt.location)
+    out = str(out)
+    if storage.is_url(out):
+        raise InvalidArgument("convert writes to a local folder", path=out,
+                              hint="convert locally, then `zckpt push` the result")
+    publish.check_output(out, "reshard", source, overwrite)
+    plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers)
+    result = reshard.ReshardResult(out, plan, dry_run=dry_run)
+    if dry_run:
+        return result
+    reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
+                    storage_options=storage_options)
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,289 @@
+"""The training-state model every reader produces and every writer consumes, whatever the format.
+
+A :class:`Checkpoint` lists :class:`TensorRecord` s in the model's ``state_dict`` order; each holds ``Piece``
+lists (file, byte offset, element count, dtype) for its value and, for trainable parameters, the master weights
+and both Adam moments, in the dtypes the files store. Concatenating a list's pieces gives the flat tensor. Every
+reader's records pass :func:`check_records` when the :class:`Checkpoint` is built. :class:`GroupInfo` holds each
+optimizer param group's hyperparameters and step; :class:`Location` says where the files are.
+
+Readers: DeepSpeed (:mod:`zckpt.deepspeed.layout` picks one of its readers) and PyTorch DCP (:mod:`zckpt.dcp.reader`);
+``Checkpoint.format`` says which. Writers and consumers (:mod:`zckpt.ops.merge`, :mod:`zckpt.ops.reshard`,
+:mod:`zckpt.ops.verify`...) read this model only; nothing here knows a file format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from zckpt.formats import safeload
+from zckpt.io import storage
+from zckpt.engine.segments import Piece
+from zckpt.errors import CorruptFile, UnsupportedLayout, ZckptError
+from zckpt.formats.safeload import LazyTensor
+
+
+@dataclass
+class RankFile:
+    path: str
+    name: str
+    kind: str  # "model" or "optim" (DeepSpeed); "data" or "metadata" (DCP)
+    dp_rank: int | None
+    mp_rank: int
+    size: int = -1
+    index: int | None = None  # layer files: the pipeline layer index; expert files: the MoE layer id
+    expert: int | None = None  # expert files: the global expert id
+
+
+@dataclass
+class Location:
+    """Where a checkpoint's files are."""
+
+    input_path: str
+    save_dir: str
+    tag: str
+    tag_dir: str
+    trainer_dir: str | None
+    model_files: list[RankFile] = field(default_factory=list)
+    optim_files: list[RankFile] = field(default_factory=list)
+    other_files: list[str] = field(default_factory=list)
+    has_latest: bool = False
+    layer_files: list[RankFile] = field(default_factory=list)  # pipeline: layer_XX-model_states.pt
+    expert_files: list[RankFile] = field(default_factory=list)  # MoE: layer_L_expert_E_mp_rank_XX_model_states.pt
+    data_files: list[RankFile] = field(default_factory=list)  # DCP: the .distcp files, then .metadata
+    universal: bool = False  # a universal checkpoint: optim_files are zero/optimizer_state.pt, zero/<param>/*.pt
+    # the fsspec options its files are read with (URLs); passed to every read, never kept process-wide, never shown
+    storage_options: dict | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class TensorRecord:
+    """One entry of the model's state dict.
+
+    kind: ``trainable`` (value = fp32 master), ``frozen`` (value in the training dtype), ``buffer``, or
+    ``tied`` (an alias of ``tied_to``; no pieces of its own).
+    """
+
+    name: str
+    shape: tuple
+    kind: str
+    dtype: str  # dtype of ``value`` pieces as stored
+    value: list[Piece] = field(default_factory=list)
+    exp_avg: list[Piece] = field(default_factory=list)
+    exp_avg_sq: list[Piece] = field(default_factory=list)
+    group: int | None = None  # optimizer param group (trainable)
+    tied_to: str | None = None
+    lp_dtype: str | None = None  # the training (low-precision) dtype of a parameter
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def state_dtype(self) -> str | None:
+        """The dtype the Adam moments are stored in (None when the checkpoint has none)."""
+        return self.exp_avg[0].dtype if self.exp_avg else None
+
+
+# dtypes a master weight or an optimizer moment may be stored in; anything else is refused, never guessed
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def uniform_dtype(tensors, what: str, path: str | None = None) -> str | None:
+    """The one dtype of ``tensors`` (LazyTensors or Pieces, ``None`` entries ignored), or a CorruptFile.
+
+    Master weights and moments are read as the dtype their files say; partitions of one group that disagree
+    (one rank saved bf16, another fp32) cannot be concatenated and are refused."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) > 1:
+        raise CorruptFile(f"{what} is stored in several dtypes ({', '.join(sorted(dtypes))})", path=path,
+                          hint="the rank files come from different saves or an unknown layout")
+    if dtypes and next(iter(dtypes)) not in STATE_DTYPES:
+        raise UnsupportedLayout(f"{what} is stored as {next(iter(dtypes))}; zckpt reads master weights and "
+                                f"optimizer states only as {', '.join(STATE_DTYPES)}", path=path)
+    return next(iter(dtypes)) if dtypes else None
+
+
+def check_records(records: list[TensorRecord], path: str | None = None) -> None:
+    """The invariant every reader's output must satisfy before anything uses it.
+
+    Each list of pieces (value, exp_avg, exp_avg_sq) is in one dtype and covers exactly the record's element
+    count; ``record.dtype`` is the dtype of its value pieces. A reader that labels bytes with a dtype they are
+    not stored in, or that mis-counts a partition, fails here instead of producing reinterpreted values."""
+    for rec in records:
+        if rec.kind == "tied":
+            continue
+        lists = [("value", rec.value)]
+        if rec.exp_avg or rec.exp_avg_sq:
+            lists += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
+        for what, pieces in lists:
+            dtypes = {p.dtype for p in pieces}
+            numel = sum(p.numel for p in pieces)
+            if numel != rec.numel:
+                raise CorruptFile(f"'{rec.name}': {what} covers {numel} elements, its shape "
+                                  f"{list(rec.shape)} has {rec.numel}", path=path)
+            if len(dtypes) > 1:
+                raise CorruptFile(f"'{rec.name}': {what} is stored in several dtypes "
+                                  f"({', '.join(sorted(dtypes))})", path=path)
+            if what == "value" and dtypes and dtypes != {rec.dtype}:
+                raise CorruptFile(f"'{rec.name}': labelled {rec.dtype} but stored as {dtypes.pop()}", path=path)
+            if dtypes and next(iter(dtypes)) not in safeload.DTYPE_SIZES:
+                raise UnsupportedLayout(f"'{rec.name}': {what} has unknown dtype {next(iter(dtypes))}", path=path)
+
+
+@dataclass
+class GroupInfo:
+    """One optimizer param group (ZeRO-3: one per user group, spanning its sub-groups)."""
+
+    index: int
+    hyperparams: dict
+    step: Any  # float or int, read from the step tensor(s)
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoint:
+    location: Location
+    stage: int  # 1, 2 or 3 (the BF16 optimizer counts as 1)
+    flavour: str  # "zero" (DeepSpeedZeroOptimizer), "bf16_optimizer", "zero3"
+    precision: str  # "bf16", "fp16" or "fp32"
+    world_size: int
+    records: list[TensorRecord]
+    groups: list[GroupInfo]
+    model_state: dict  # rank-0 model-states metadata (module tensors as LazyTensor)
+    optim_states: list[dict]  # per dp rank: the optimizer file's metadata
+    model_states: list[dict]  # per model file (ZeRO-3: per dp rank)
+    offload: bool = False
+    notes: list[str] = field(default_factory=list)
+    parallel: str | None = None  # "pipeline" or "moe" (zckpt.deepspeed.pipeline / .moe); None: data parallel only
+    reshard_refusal: str | None = None  # why ``reshard`` cannot re-partition this layout (None: it can)
+    format: str = "deepspeed"  # the reader that built it: "deepspeed" or "dcp"
+    extra: dict = field(default_factory=dict)  # facts only one format has (DCP: its key scheme, scalars)
+
+    def __post_init__(self):
+        check_records(self.records, self.location.tag_dir)
+
+    @property
+    def master_dtypes(self) -> list[str]:
+        """The dtypes the trainable parameters' master weights are stored in (e.g. ["float32"])."""
+        return sorted({r.dtype for r in self.records if r.kind == "trainable"})
+
+    @property
+    def state_dtypes(self) -> list[str]:
+        """The dtypes the Adam moments are stored in ([] when the checkpoint holds none)."""
+        return sorted({r.state_dtype for r in self.records if r.kind == "trainable" and r.state_dtype})
+
+    # convenience --------------------------------------------------------------------------------
+    @property
+    def tag(self) -> str:
+        return self.location.tag
+
+    @property
+    def ds_version(self) -> str | None:
+        return self.model_state.get("ds_version")
+
+    @property
+    def ds_config(self) -> dict:
+        cfg = self.model_state.get("ds_config")
+        return cfg if isinstance(cfg, dict) else {}
+
+    def by_name(self) -> dict[str, TensorRecord]:
+        return {r.name: r for r in self.records}
+
+    def of_kind(self, kind: str) -> list[TensorRecord]:
+        return [r for r in self.records if r.kind == kind]
+
+    @property
+    def storage_options(self) -> dict | None:
+        """The fsspec options this checkpoint was opened with (``open_checkpoint(..., storage_options=)``): pass
+        them on to whatever reads its files (``Worker``, ``Reader``, ``Publisher``...)."""
+        return self.location.storage_options
+
+    @property
+    def files(self) -> list[RankFile]:
+        loc = self.location
+        return loc.model_files + loc.layer_files + loc.expert_files + loc.optim_files + loc.data_files
+
+    @property
+    def loss_scaler(self) -> dict | None:
+        osd = self.optim_states[0].get("optimizer_state_dict", {}) if self.optim_states else {}
+        scaler = osd.get("loss_scaler")
+        if scaler is None:
+            return None
+        state = {k: v for k, v in vars(scaler).items() if not k.startswith("_")}
+        return {"class": getattr(scaler, "_qualname", type(scaler).__name__).rsplit(".", 1)[-1], **state}
+
+    @property
+    def client_state(self) -> dict:
+        return {k: v for k, v in self.model_state.items() if k not in MODEL_STATE_KEYS}
+
+
+MODEL_STATE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
+    "ds_autoep_layers", "folding", "iteration",
+}
+
+
+LP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# ------------------------------------------------------------------------------------------ piece helpers
+
+def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[Piece]:
+    """Pieces for elements [start, start+length) of ``t`` in row-major order."""
+    n = t.numel
+    length = n - start if length is None else length
+    if start < 0 or length < 0 or start + length > n:
+        raise CorruptFile(f"slice [{start}, {start + length}) outside a tensor of {n} elements",
+                          path=t.storage.path)
+    if length == 0:
+        return []
+    size = t.itemsize
+    if t.is_contiguous():
+        return [Piece(t.storage.path, t.byte_offset + start * size, length, t.dtype)]
+    # rare: a strided tensor in a state dict; describe it element run by element run
+    out: list[Piece] = []
+    shape, stride = t.shape, t.stride
+    for flat in range(start, start + length):
+        idx, rem = 0, flat
+        for dim, st in zip(reversed(shape), reversed(stride)):
+            idx += (rem % dim) * st
+            rem //= dim
+        off = t.storage.offset + (t.storage_offset + idx) * size
+        if out and out[-1].offset + out[-1].nbytes == off:
+            last = out[-1]
+            out[-1] = Piece(last.path, last.offset, last.numel + 1, last.dtype)
+        else:
+            out.append(Piece(t.storage.path, off, 1, t.dtype))
+    return out
+
+
+def scalar_value(t, storage_options: dict | None = None) -> Any:
+    """Read a 0-d (or 1-element) tensor such as Adam's ``step`` (``storage_options``: for a file behind a URL)."""
+    if not isinstance(t, LazyTensor):
+        return t
+    if t.numel != 1:
+        raise CorruptFile(f"expected a scalar, got shape {list(t.shape)}", path=t.storage.path)
+    raw = storage.read_range(t.storage.path, t.byte_offset, t.itemsize, storage_options)
+    fmt = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}.get(t.dtype)
+    if fmt is None or len(raw) != t.itemsize:
+        raise CorruptFile(f"cannot read a {t.dtype} scalar", path=t.storage.path)
+    value = struct.unpack(fmt, raw)[0]
+    return int(value) if float(value).is_integer() else value
+
+
+@contextlib.contextmanager
+def metadata_errors(path: str):
+    """Metadata of the wrong type or shape (a hostile or damaged pickle that unpickled fine) becomes one
+    :class:`CorruptFile` naming the checkpoint, instead of a TypeError deep in a reader."""
+    try:
+        yield
+    except ZckptError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+        raise CorruptFile(f"unexpected metadata ({type(exc).__name__}: {exc})"[:240], path=path) from exc
