@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -67,22 +67,28 @@ def zckpt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=240)
 
 
+_SID = b".data/serialization_id"
+_UUID = rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
 def _normalized(path: Path) -> bytes:
-    """The file's bytes; in a torch zip the random ``.data/serialization_id`` (and its CRC) zeroed: torch.save
-    draws it per file, so two single-process runs differ there too."""
+    """The file's bytes with what differs between any two runs zeroed: in torch zips (one, or many concatenated in
+    a DCP ``.distcp``) the random ``.data/serialization_id`` and its CRCs (torch.save draws it per file); in DCP's
+    ``.metadata`` the random ``save_id``."""
     raw = bytearray(path.read_bytes())
-    if not zipfile.is_zipfile(path):
-        return bytes(raw)
-    with zipfile.ZipFile(path) as z:
-        start = z.start_dir
-        for info in z.infolist():
-            if info.filename.endswith(".data/serialization_id"):
-                lh = info.header_offset
-                n, m = struct.unpack("<HH", raw[lh + 26:lh + 30])
-                data = lh + 30 + n + m
-                raw[data:data + info.file_size] = bytes(info.file_size)
-                raw[lh + 14:lh + 18] = bytes(4)
-                raw[start:] = bytes(raw[start:]).replace(struct.pack("<I", info.CRC), bytes(4))
+    if path.name == ".metadata":
+        return re.sub(_UUID, b"0" * 36, bytes(raw))
+    for m in re.finditer(rb"PK\x03\x04", bytes(raw)):  # local headers
+        at = m.start()
+        n, e = struct.unpack("<HH", raw[at + 26:at + 30])
+        if raw[at + 30:at + 30 + n].endswith(_SID):
+            raw[at + 14:at + 18] = bytes(4)
+            raw[at + 30 + n + e:at + 30 + n + e + 20] = bytes(20)
+    for m in re.finditer(rb"PK\x01\x02", bytes(raw)):  # central directory records
+        at = m.start()
+        n = struct.unpack("<H", raw[at + 28:at + 30])[0]
+        if raw[at + 46:at + 46 + n].endswith(_SID):
+            raw[at + 16:at + 20] = bytes(4)
     return bytes(raw)
 
 
@@ -225,6 +231,19 @@ def test_reshard_two_ranks_trainer_checkpoint(tmp_path):
     res = torchrun(2, *args, "-o", str(tmp_path / "multi"), "-q")
     assert res.returncode == 0, res.stderr[-3000:]
     assert_same_output(tmp_path / "single", tmp_path / "multi")  # copied side files (config, rng states) too
+
+
+@pytest.mark.slow
+def test_convert_to_dcp_three_ranks(tmp_path):
+    """DeepSpeed -> DCP: many small zips per .distcp file, split by bytes like any other file; .metadata last."""
+    src = tmp_path / "z3_fp32_ws3"
+    shutil.copytree(FIX / "z3_fp32_ws3", src, ignore=shutil.ignore_patterns("*.py", "expected"))
+    out = tmp_path / "dcp"  # the same OUT for both runs: DCP's metadata names it (checkpoint_id)
+    assert zckpt("convert", str(src), "--to", "dcp", "-o", str(out), "-q").returncode == 0
+    out.rename(tmp_path / "single")
+    res = torchrun(3, "convert", str(src), "--to", "dcp", "-o", str(out), "-q")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_output(tmp_path / "single", out)
 
 
 @pytest.mark.slow

@@ -37,12 +37,18 @@ def convert(path, to, out, adam_mode, tag, workers, overwrite, durable, dry_run,
     folder appears atomically.
     """
     from zckpt.ops.convert import convert as run
+    from zckpt.ops.distributed import launched
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
-                     progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options)
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
+                         progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
+                         group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

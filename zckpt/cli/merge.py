@@ -16,7 +16,9 @@ Examples:
   zckpt merge ds_ckpt/ --tag global_step900 --to pt -o weights/
   zckpt merge checkpoint-400 -o s3://bucket/models/run1 --dtype bf16
   zckpt merge s3://a/ckpt-400 -o s3://b/model --storage-option profile=a --output-storage-option profile=b
-  zckpt merge checkpoint-400 --dry-run --json""")
+  zckpt merge checkpoint-400 --dry-run --json
+  torchrun --standalone --nproc-per-node 8 -m zckpt merge checkpoint-400 -o model/   # 8 processes
+  (under torchrun, srun or the deepspeed launcher the processes share the work: docs/distributed.md)""")
 @click.argument("path")
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True,
               help="Output format (Hugging Face layout: model.safetensors or pytorch_model.bin, sharded with an "

@@ -13,7 +13,8 @@ Examples:
   zckpt reshard checkpoint-400 --world-size 3 --stage 3 -o checkpoint-400-z3/
   zckpt reshard ckpt/ --world-size 2 --stage 1 --bf16-optimizer -o ckpt-bf16opt/
   zckpt reshard ckpt/ --world-size 8 --format universal -o ckpt-universal/
-  zckpt reshard ckpt/ --world-size 4 --dry-run --json""")
+  zckpt reshard ckpt/ --world-size 4 --dry-run --json
+  torchrun --standalone --nproc-per-node 8 -m zckpt reshard ckpt/ -w 64 -o ckpt-ws64/   # 8 processes""")
 @click.argument("path")
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(1, None), required=True,
               help="Data-parallel world size the output is for.")

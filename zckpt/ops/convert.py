@@ -289,7 +289,7 @@ def default_output(source: publish.Source, to: str) -> str:
 def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None = None, dry_run: bool = False,
             overwrite: bool = False, workers: int | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            adam_mode: str | None = None, storage_options: dict | None = None) -> ConvertResult:
+            adam_mode: str | None = None, storage_options: dict | None = None, group=None) -> ConvertResult:
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="dcp"``: a PyTorch Distributed Checkpoint that FSDP2 + ``torch.optim.AdamW`` loads at any world size
@@ -297,7 +297,8 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     ``adam_mode``: ``"adamw"`` / ``"adam"`` for DeepSpeed's FusedAdam / DeepSpeedCPUAdam when neither the groups
     nor the config say. ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
-    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``."""
+    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
+    of a launcher's job (:func:`zckpt.ops.distributed.launched`): each writes a share, rank 0 publishes."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
@@ -309,6 +310,11 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
+    if group is not None:
+        from zckpt.ops import distributed
+        distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
+                                durable=durable, source=source, storage_options=ckpt.storage_options)
+    else:
+        execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
     result.seconds = time.perf_counter() - t0
     return result

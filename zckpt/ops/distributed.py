@@ -254,9 +254,28 @@ def safetensors_work(shard, chunk: int) -> FileWork:
 
 def archive_work(relpath: str, archive: torchzip.Archive, maps: torchzip.SourceMaps, chunk: int) -> FileWork:
     """A planned torch zip: tensor chunks whose CRCs are combined per entry; headers and directory at the end."""
-    jobs, known = torchzip.archive_jobs(archive, maps, chunk)
-    jobs = [(-1 if idx in known else idx, off, parts, dtype) for idx, off, parts, dtype in jobs]
-    return FileWork(relpath, archive.file_size, jobs, lambda crcs: torchzip.archive_meta(archive, {**crcs, **known}))
+    return placed_work(relpath, archive.file_size, [(archive, 0)], maps, chunk)
+
+
+def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps, chunk: int) -> FileWork:
+    """A file of torch zips placed at byte offsets (``[(archive, base)]``: one for a ``.pt`` file, many for a DCP
+    ``.distcp`` file). Every zip entry of the file is one CRC slot."""
+    jobs, parts_meta, first = [], [], 0
+    for archive, base in placed:
+        ajobs, known = torchzip.archive_jobs(archive, maps, chunk)
+        jobs += [(-1 if idx in known else first + idx, base + off, parts, dtype) for idx, off, parts, dtype in ajobs]
+        parts_meta.append((archive, base, first, known))
+        first += len(archive.entries)
+
+    def meta(crcs: dict[int, int]) -> list[tuple[int, bytes]]:
+        out = []
+        for archive, base, first_, known in parts_meta:
+            mine = {idx: crcs[first_ + idx] for idx in range(len(archive.entries)) if first_ + idx in crcs}
+            mine.update(known)
+            out += [(base + off, data) for off, data in torchzip.archive_meta(archive, mine)]
+        return out
+
+    return FileWork(relpath, size, jobs, meta)
 
 
 # ============================================================================================ splitting
@@ -621,6 +640,31 @@ def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool =
             publish.check_output(out, "reshard", source, overwrite)
 
         return execute(group, works, archives, out, "reshard", check, source.root if source else plan.source,
+                       finish, workers, progress, durable, storage_options, None, maps=maps)
+    finally:
+        maps.close()
+
+
+def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
+                durable: bool = False, source: publish.Source | None = None,
+                storage_options: dict | None = None) -> Stats:
+    """:func:`zckpt.ops.convert.execute` with every rank of ``group``: the same files, byte for byte (DCP: every
+    ``.distcp`` file split by bytes like any other, ``.metadata``, DCP's commit, written by rank 0 last)."""
+    from zckpt.dcp.writer import METADATA
+    maps = torchzip.SourceMaps()
+    try:
+        layout = plan.layout
+        chunk = _chunk_for(group, [f.size for f in layout.files])
+        works = [placed_work(f.name, f.size, f.placed, maps, chunk) for f in layout.files]
+        archives = [a for f in layout.files for a, _ in f.placed]
+
+        def finish(pub):
+            pub.write_bytes(METADATA, layout.metadata)
+
+        def check():
+            publish.check_output(out, "convert", source, overwrite)
+
+        return execute(group, works, archives, out, "convert", check, source.root if source else plan.source,
                        finish, workers, progress, durable, storage_options, None, maps=maps)
     finally:
         maps.close()
