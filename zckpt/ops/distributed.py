@@ -316,8 +316,8 @@ def split_files(works: list[FileWork], world: int) -> list[list[int]]:
 
 
 def _test_hooks(group: Group, count: int) -> None:
-    """Fault injection for the tests: ZCKPT_TEST_RANK_EXIT=r makes rank r die (os._exit) after its first job;
-    ZCKPT_TEST_RANK_FAIL=r makes it raise."""
+    """Fault injection for the tests: ZCKPT_TEST_RANK_EXIT=r makes rank r die (os._exit) after its first job (a
+    chunk or a copied file); ZCKPT_TEST_RANK_FAIL=r makes it raise."""
     if count != 1:
         return
     if os.environ.get("ZCKPT_TEST_RANK_EXIT") == str(group.rank):
@@ -373,8 +373,10 @@ class _Writer:
             finally:
                 os.close(fd)
         self.bytes += work.size
+        self.count += 1
         if self.progress:
             self.progress(work.size)
+        _test_hooks(self.group, self.count)
 
     def whole_file(self, fi: int, work: FileWork, path: str) -> None:
         """``work`` written whole into a new local file ``path`` (URL outputs: the upload's scratch)."""
