@@ -86,6 +86,11 @@ def test_verify_detects_flipped_bit(tmp_path):
     assert run("verify", str(ck)).exit_code == 0  # metadata is intact
     res = run("verify", str(ck), "--deep", "--quiet")
     assert res.exit_code == 1 and "BAD" in res.output and "CRC" in res.output
+    bad = next(line for line in res.output.splitlines() if line.startswith("BAD"))
+    assert "copy it again" in bad and "--tag" in bad  # says what to do next
+    doc = json.loads(run("verify", str(ck), "--deep", "--json").output)
+    crc = next(c for c in doc["checks"] if not c["ok"])
+    assert "copy it again" in crc["hint"] and "--" not in crc["hint"]  # the library's words name parameters
 
 
 def test_merge_cli(tmp_path, ckpt_path):
@@ -145,7 +150,12 @@ def test_progress_bar_starts_only_after_its_delay(monkeypatch):
     """Short jobs print nothing and never import tqdm; a job that runs past the delay gets a bar on stderr."""
     import io
     from zckpt.cli._common import Progress
-    monkeypatch.setattr(sys, "stderr", io.StringIO())
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
     quick = Progress("merge", delay=60)
     for done in range(0, 101, 10):
         quick(done, 100)
@@ -253,17 +263,17 @@ def test_same_bad_input_same_message_everywhere(tmp_path):
     for name in having:
         for bad in ("oops", "=value"):
             res = invoke(name, *args[name], "--storage-option", bad)
-            assert res.exit_code == 2, (name, res.output)  # a usage error, as click's are
+            assert res.exit_code == 1, (name, res.output)  # a value its option does not take, as --dtype fp8
             assert res.stderr.count("\n") == 1 and res.stderr.startswith("zckpt: error: --storage-option")
             assert "internal error" not in res.stderr and "Usage:" not in res.stderr
             errors.add(res.stderr.replace(repr(bad), "BAD"))
         res = invoke(name, *args[name], "--storage-option", "oops", "--json")
         (line,) = res.stdout.splitlines()
         docs.append(json.loads(line))
-        assert res.exit_code == 2 and docs[-1]["command"] == name
+        assert res.exit_code == 1 and docs[-1]["command"] == name
     assert len(errors) == 1 and "KEY=VALUE" in errors.pop()
     assert all(d["error"] == docs[0]["error"] for d in docs)
-    assert docs[0]["error"]["type"] == "UsageError" and docs[0]["error"]["exit_code"] == 2
+    assert docs[0]["error"]["type"] == "InvalidArgument" and docs[0]["error"]["exit_code"] == 1
     missing = {invoke(*cmd).stderr for cmd in (["info", str(tmp_path / "x")], ["verify", str(tmp_path / "x")],
                                                ["merge", str(tmp_path / "x"), "-o", out],
                                                ["reshard", str(tmp_path / "x"), "-w", "1", "-o", out],
@@ -377,3 +387,292 @@ def test_reshard_reports_file_sizes_as_info_does(tmp_path):
     assert info["files"] and all(sizes[f["name"]] == f["bytes"] for f in info["files"])
     assert all(f["bytes"] == (out / f["name"]).stat().st_size for f in doc["files"])
     assert doc["total_bytes"] == sum(f["bytes"] for f in doc["files"])
+
+
+# ------------------------------------------------------------------------ one error table: every bad input, one line
+
+def _one_line_error(res, code, *words):
+    assert res.exit_code == code, (code, res.exit_code, res.output)
+    assert res.stdout == "" and res.stderr.count("\n") == 1 and res.stderr.startswith("zckpt: error: "), res.stderr
+    assert "Usage:" not in res.stderr and "Traceback" not in res.stderr and "internal error" not in res.stderr
+    for w in words:
+        assert w in res.stderr, (w, res.stderr)
+    return res.stderr
+
+
+def test_click_usage_errors_and_bad_values_go_through_the_table(tmp_path):
+    """click's own errors and zckpt's are said alike: a value its option does not take is exit 1 in every command
+    (as --max-shard-size banana), a command line that cannot be read is exit 2; one line naming the option."""
+    ck = str(checkpoint_path(FIXTURE_DIRS[0]))
+    out = str(tmp_path / "o")
+    values = [  # (command line, words): exit 1, the flag first
+        (["reshard", ck, "--world-size", "0", "-o", out], ["--world-size: 0 is not in the range", "zckpt reshard --help"]),
+        (["reshard", ck, "-w", "1", "--stage", "0", "-o", out], ["--stage: '0' is not one of"]),
+        (["merge", ck, "--dtype", "fp8", "-o", out], ["--dtype: 'fp8' is not one of 'fp32', 'bf16', 'fp16'"]),
+        (["merge", ck, "--max-shard-size", "banana", "-o", out], ["--max-shard-size: cannot read 'banana'"]),
+        (["push", ck, str(tmp_path / "d"), "--every", "0"], ["--every: must be more than zero"]),
+        (["push", ck, str(tmp_path / "d"), "--every", "soon"], ["--every: cannot read 'soon'"]),
+        (["push", ck, str(tmp_path / "d"), "--every", "1m", "--once"], ["--every and --once exclude each other"]),
+        (["push", ck, str(tmp_path / "d"), "--workers", "0"], ["--workers: 0 is not in the range"]),
+        (["estimate", "--params", "8B", "--largest-layer", "1M", "--gpus", "0"], ["--gpus must be at least 1"]),
+    ]
+    for cmd, words in values:
+        _one_line_error(invoke(*cmd), 1, *words)
+    for cmd in (["push", ck, str(tmp_path / "d"), "--every", "0"], ["push", ck, str(tmp_path / "d"), "--every", "x"]):
+        err = invoke(*cmd).stderr
+        assert "examples: 90s, 30m, 2h, 1h30m)" in err and ", 0" not in err  # never offers what it refuses
+    unreadable = [  # exit 2, with the usage
+        (["push"], ["SRC: missing argument", "usage: zckpt push [OPTIONS] SRC DEST"]),
+        (["push", ck], ["DEST: missing argument"]),
+        (["info"], ["PATH: missing argument"]),
+        (["merge", ck, "--no-such-flag"], ["No such option '--no-such-flag'", "zckpt merge --help"]),
+        (["info", ck, "--tag"], ["'--tag' requires an argument"]),
+        (["nosuchcommand"], ["No such command 'nosuchcommand'", "zckpt --help"]),
+        (["info", ck, "extra"], ["unexpected extra argument"]),
+    ]
+    for cmd, words in unreadable:
+        _one_line_error(invoke(*cmd), 2, *words)
+    # a missing path is the same mistake in every command: exit 1, the path named
+    for cmd in (["info", str(tmp_path / "x")], ["push", str(tmp_path / "x"), str(tmp_path / "d")],
+                ["estimate", str(tmp_path / "x")], ["merge", str(tmp_path / "x"), "-o", out]):
+        _one_line_error(invoke(*cmd), 1, f"{tmp_path / 'x'}: no such file or folder")
+    # --json: the same, as one object
+    res = invoke("reshard", ck, "-w", "0", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and doc["error"]["type"] == "InvalidArgument" and doc["error"]["exit_code"] == 1
+    res = invoke("push", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 2 and doc["error"]["type"] == "UsageError" and doc["command"] == "push"
+
+
+def test_python_api_errors_name_parameters_and_the_cli_names_flags(tmp_path):
+    import zckpt
+    from zckpt.errors import InvalidArgument, CheckpointNotFound
+    ck = str(checkpoint_path(FIXTURE_DIRS[0]))
+    cases = [(lambda: zckpt.merge(ck, str(tmp_path / "o"), max_shard_size="banana"), InvalidArgument,
+              "max_shard_size: cannot read 'banana'"),
+             (lambda: zckpt.merge(ck, str(tmp_path / "o"), dtype="fp8"), InvalidArgument, "dtype: unknown dtype"),
+             (lambda: zckpt.reshard(ck, str(tmp_path / "o"), world_size=0), InvalidArgument, "world_size: must be"),
+             (lambda: zckpt.merge(ck, str(tmp_path / "o"), tag="global_step999"), CheckpointNotFound,
+              "tag global_step999: no such tag folder")]
+    for call, kind, words in cases:
+        with pytest.raises(kind) as info:
+            call()
+        assert words in str(info.value) and "--" not in str(info.value), str(info.value)
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("x")
+    with pytest.raises(zckpt.OutputExists) as info:
+        zckpt.merge(ck, str(tmp_path / "o"))
+    assert "--" not in str(info.value) and "overwrite" in str(info.value)
+    # the CLI says the same with its flags
+    _one_line_error(invoke("merge", ck, "-o", str(tmp_path / "o")), 1, "choose another -o", "--overwrite")
+    _one_line_error(invoke("merge", ck, "--tag", "global_step999", "-o", str(tmp_path / "p")), 1,
+                    "--tag global_step999: no such tag folder")
+
+
+def test_error_hints_name_the_commands_own_output():
+    """push has no -o: a read-only or full DEST says DEST; merge says -o."""
+    import errno as E
+    from zckpt.cli._errors import command_names, describe
+    push_names, merge_names = (command_names(main.get_command(None, n)) for n in ("push", "merge"))
+    ro = OSError(E.EROFS, "Read-only file system", "/mnt/ro/run")
+    assert describe(ro, None, push_names, "push").message.endswith("(the file system is read-only; choose another DEST)")
+    assert describe(ro, None, merge_names, "merge").message.endswith("(the file system is read-only; choose another -o)")
+    assert "choose another DEST" in describe(FileExistsError(E.EEXIST, "File exists", "/d"), None, push_names).message
+
+
+def _mount_read_only(where: Path) -> bool:
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(where)],
+                          capture_output=True).returncode == 0
+
+
+def test_read_only_outputs_say_what_to_do(tmp_path):
+    """A read-only mount point as merge -o (EBUSY from the rename) and as push DEST: one line each, what to do."""
+    from tests.test_push import write_trainer_checkpoint
+    ro = tmp_path / "ro"
+    if not _mount_read_only(ro):
+        pytest.skip("needs root to mount a read-only tmpfs")
+    try:
+        ck = str(checkpoint_path(FIXTURE_DIRS[0]))
+        err = _one_line_error(invoke("merge", ck, "-o", str(ro)), 1, str(ro), "read-only", "choose another -o")
+        assert "Device or resource busy" not in err
+        _one_line_error(invoke("merge", ck, "-o", str(ro / "sub")), 1, "read-only", "choose another -o")
+        src = tmp_path / "out"
+        for step in (2, 4):
+            write_trainer_checkpoint(src, step)
+        proc, _ = _push_cli(src, str(ro / "run"))
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr  # two checkpoints, said once
+        assert "choose another DEST" in proc.stderr and "choose another -o" not in proc.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_small_part_size_is_fine_for_a_folder(tmp_path):
+    """--part-size is S3's multipart size: 1MB is refused only for s3:// (5 MiB minimum), not for a folder."""
+    from tests.test_push import write_trainer_checkpoint
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    res = invoke("push", str(src), str(tmp_path / "d"), "--settle", "0", "--part-size", "1MB")
+    assert res.exit_code == 0, res.output
+    res = invoke("push", str(src), "s3://bucket/run", "--settle", "0", "--part-size", "1MB")
+    _one_line_error(res, 1, "--part-size: must be at least 5 MiB", "s3://")
+
+
+# ------------------------------------------------------------------------------------ Ctrl-C at any moment
+
+_SIGINT_CODE = r"""
+import os, signal, subprocess, sys, time
+delay, cmd = float(sys.argv[1]), sys.argv[2:]
+p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+os.set_blocking(p.stderr.fileno(), False)
+seen, t0 = b"", time.monotonic()
+while b"zckpt.lazy" not in seen and p.poll() is None and time.monotonic() - t0 < 60:
+    seen += p.stderr.read() or b""  # -X importtime: zckpt.lazy is imported right after zckpt's handler is set
+    time.sleep(0.001)
+time.sleep(delay)
+p.send_signal(signal.SIGINT)
+os.set_blocking(p.stderr.fileno(), True)
+out, err = p.communicate()
+err = b"".join(l for l in (seen + err).splitlines(True) if not l.startswith(b"import time:"))
+sys.stdout.write(repr((p.returncode, out.decode(), err.decode())))
+"""
+
+
+def _interrupt(delay, *args):
+    cmd = [sys.executable, "-X", "importtime", "-m", "zckpt", *args]
+    proc = subprocess.run([sys.executable, "-c", _SIGINT_CODE, str(delay), *cmd], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=dict(os.environ, ZCKPT_DEBUG=""))
+    return eval(proc.stdout)  # noqa: S307 - our own repr of (int, str, str)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.8, 1.5, 3.0])
+def test_ctrl_c_at_any_moment_is_one_line(tmp_path, delay):
+    """A real SIGINT at moments from the imports to after the result: either one line and exit 130 with nothing
+    published, or the result reported as published and exit 0; never a traceback, never a half output."""
+    from tests.conftest import FIXTURES
+    out = tmp_path / "m"
+    code, stdout, stderr = _interrupt(delay, "merge", str(checkpoint_path(FIXTURES / "trainer")), "-o", str(out))
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    if code == 130:
+        assert stderr == "zckpt: interrupted\n" and stdout == "", (stdout, stderr)
+        assert not out.exists()
+    else:
+        assert code == 0, (code, stdout, stderr)
+        assert (out / "model.safetensors").exists() and (out / ".zckpt.json").exists()
+        assert stderr in ("", f"zckpt: interrupted, but the result was already published: {out} is complete\n")
+        assert "merged:" in stdout  # the report is printed whole
+    assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]  # no scratch left behind
+
+
+def test_ctrl_c_during_push_and_info(tmp_path):
+    from tests.test_push import write_trainer_checkpoint
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    for delay in (0.0, 0.3, 1.0):
+        code, stdout, stderr = _interrupt(delay, "push", str(src), str(tmp_path / "d"), "--every", "1h", "--settle", "0")
+        assert "Traceback" not in stderr and stderr.count("\n") <= 2, stderr
+        assert code in (0, 130) and stderr.strip().splitlines()[-1].startswith("zckpt: "), (code, stderr)
+        code, stdout, stderr = _interrupt(delay, "info", str(checkpoint_path(FIXTURE_DIRS[0])))
+        assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
+
+
+def test_ctrl_c_in_another_program_is_not_zckpts():
+    """Importing zckpt (or its CLI) from another program leaves that program's Ctrl-C alone."""
+    import signal
+    code = "import signal, zckpt, zckpt.cli; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "True"
+    before = signal.getsignal(signal.SIGINT)
+    invoke("estimate", "--params", "8B", "--largest-layer", "1M")
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# ------------------------------------------------------------------------------ progress bars and logging
+
+def _on_a_terminal(*args, env=None):
+    """Run zckpt with stderr on a pseudo-terminal (stdout a pipe): (exit status, stdout, what the terminal got)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal has a size
+    env = dict(os.environ, ZCKPT_DEBUG="", ZCKPT_PROGRESS_DELAY="0", COLUMNS="120", **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "zckpt", *args], stdout=subprocess.PIPE, stderr=slave, cwd=ROOT,
+                            env=env)
+    os.close(slave)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    out = proc.stdout.read().decode()
+    return proc.wait(timeout=120), out, seen.decode(errors="replace")
+
+
+def test_progress_bars_only_on_a_terminal_in_zckpts_units(tmp_path):
+    import re
+    from tests.test_push import write_trainer_checkpoint
+    ck = str(checkpoint_path(FIXTURE_DIRS[0]))
+    total = json.loads(invoke("info", ck, "--json").stdout)["total_bytes"]
+    code, out, tty = _on_a_terminal("verify", ck, "--deep")
+    assert code == 0 and "complete and consistent" in out, (out, tty)
+    totals = set(re.findall(r"/([0-9.]+)k \[", tty))
+    assert totals == {f"{total / 1000:.1f}"}, (totals, total, tty)  # kB = 1000 bytes, as zckpt.units says
+    # the same run with stderr redirected: no frames at all
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "verify", ck, "--deep"], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(os.environ, ZCKPT_PROGRESS_DELAY="0"))
+    assert proc.returncode == 0 and proc.stderr == "" and "\r" not in proc.stdout
+    # push: one bar per checkpoint being sent, fed by its bytes; none for one already up to date
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    code, out, tty = _on_a_terminal("push", str(src), str(tmp_path / "d"), "--settle", "0")
+    assert code == 0 and "checkpoint-2: pushed" in out and "checkpoint-2:" in tty and "B/s" in tty, (out, tty)
+    code, out, tty = _on_a_terminal("push", str(src), str(tmp_path / "d"), "--settle", "0")
+    assert code == 0 and "up to date" in out and tty.strip() == "", (out, tty)
+    # -q, --json and ZCKPT_DISABLE_PROGRESS_BARS: no bar on a terminal either
+    for extra, env in ((["-q"], None), (["--json"], None), ([], {"ZCKPT_DISABLE_PROGRESS_BARS": "1"})):
+        code, out, tty = _on_a_terminal("verify", ck, "--deep", *extra, env=env)
+        assert code == 0 and tty.strip() == "", (extra, tty)
+
+
+def test_verbose_logs_what_happens(tmp_path):
+    from tests.test_push import write_trainer_checkpoint
+    ck = str(checkpoint_path(FIXTURE_DIRS[0]))
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    cases = {"info": ["info", ck], "verify": ["verify", ck, "--deep"],
+             "merge": ["merge", ck, "-o", str(tmp_path / "m")],
+             "reshard": ["reshard", ck, "-w", "1", "-o", str(tmp_path / "r")],
+             "push": ["push", str(src), str(tmp_path / "d"), "--settle", "0"]}
+    info_words = {"info": ["opened", "rank files", "read metadata in"], "verify": ["metadata:", "read every byte:"],
+                  "merge": ["opened", "plan:", "tensors", "wrote and published"],
+                  "reshard": ["plan:", "wrote and published"], "push": ["sending", "pushed in"]}
+    debug_words = {"info": "read ", "verify": "CRCs match", "merge": "wrote model", "reshard": "_states.pt",
+                   "push": "sent ("}
+    for name, cmd in cases.items():
+        quiet = invoke(*cmd)
+        assert quiet.exit_code == 0 and "INFO" not in quiet.stderr, (name, quiet.stderr)
+        for out in ("m", "r", "d"):
+            shutil.rmtree(tmp_path / out, ignore_errors=True)
+        res = invoke(*cmd, "-v")
+        assert res.exit_code == 0, (name, res.output)
+        lines = [line for line in res.stderr.splitlines() if line.startswith("zckpt: INFO: ")]
+        assert lines and "DEBUG" not in res.stderr, (name, res.stderr)
+        for w in info_words[name]:
+            assert w in res.stderr, (name, w, res.stderr)
+        for out in ("m", "r", "d"):
+            shutil.rmtree(tmp_path / out, ignore_errors=True)
+        res = invoke(*cmd, "-vv")
+        assert res.exit_code == 0 and "zckpt: DEBUG: " in res.stderr and debug_words[name] in res.stderr, \
+            (name, res.stderr)
+        for out in ("m", "r", "d"):
+            shutil.rmtree(tmp_path / out, ignore_errors=True)

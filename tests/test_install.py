@@ -52,8 +52,12 @@ def installed(tmp_path_factory):
                           capture_output=True, text=True, check=True).stdout.strip()
     # the dependencies (torch, click, ...) from the suite's venv, as a plain path: its .pth hooks do not run
     Path(site, "zckpt-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # --force-reinstall: the suite's own zckpt (an editable install, seen through the .pth above) has the same
+    # version, and pip would otherwise call the wheel "already installed"
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     inst = subprocess.run([sys.executable, "-m", "pip", "--python", str(vpy), "install", "--no-deps", "--no-index",
-                           "-q", str(wheel)], capture_output=True, text=True, timeout=180)
+                           "--force-reinstall", "-q", str(wheel)], capture_output=True, text=True, timeout=180,
+                          env=clean)
     assert inst.returncode == 0, inst.stdout + inst.stderr
     return venv / "bin", wheel
 

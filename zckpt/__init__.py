@@ -16,7 +16,31 @@ options: endpoint, credentials...) for that call only; nothing is kept process-w
 
 from __future__ import annotations
 
-from zckpt.lazy import lazy_exports
+import sys as _sys
+
+
+def _run_as_program() -> bool:
+    """Whether this interpreter runs zckpt itself (``python -m zckpt``, the ``zckpt`` script), not a program that
+    imports zckpt: only then is Ctrl-C during start-up zckpt's to answer."""
+    argv = list(getattr(_sys, "orig_argv", []))[1:]
+    while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-"):
+        argv = argv[2:] if argv[0] in ("-X", "-W", "-Q") else argv[1:]  # interpreter options (-S, -X importtime)
+    if argv[:1] == ["-m"]:
+        return argv[1:2] == ["zckpt"]
+    return bool(argv) and argv[0].replace("\\", "/").rsplit("/", 1)[-1] in ("zckpt", "zckpt.exe", "zckpt-script.py")
+
+
+if _run_as_program():  # a Ctrl-C before the CLI is loaded: one line, exit 130 (zckpt.cli._interrupts from then on)
+    import os as _os
+    import signal as _signal
+
+    def _interrupted_while_starting(signum, frame):
+        _os.write(2, b"zckpt: interrupted\n")
+        _os._exit(130)
+
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
+from zckpt.lazy import lazy_exports  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,25 @@
-from zckpt.cli import main
+"""``python -m zckpt`` and the ``zckpt`` program (``[project.scripts]``): Ctrl-C is one line from the first moment.
+
+Until the CLI is loaded (click and the commands take ~0.1 s to import) a Ctrl-C just prints ``zckpt: interrupted``
+and exits with status 130: nothing has started yet. From then on ``zckpt.cli._interrupts`` takes over.
+"""
+
+import os
+import signal
+
+
+def _interrupted_while_starting(signum, frame):
+    os.write(2, b"zckpt: interrupted\n")
+    os._exit(130)
+
+
+def run() -> None:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)
+    from zckpt.cli import _interrupts, main
+
+    _interrupts.ENTRY_POINT = True
+    main(prog_name="zckpt")
+
 
 if __name__ == "__main__":
-    main()
+    run()

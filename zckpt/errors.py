@@ -2,12 +2,16 @@
 
 Every error zckpt raises on purpose is a :class:`ZckptError`. Subclasses also inherit the matching builtin
 (a missing shard is a ``FileNotFoundError`` too) so callers can catch what they already know. Each carries the
-path it is about and a hint for what to do; the CLI prints ``str(err)`` as one line.
+path it is about, the parameter at fault (``param``: the Python keyword, e.g. ``max_shard_size``) and a hint for
+what to do. Messages and hints name other parameters in backquotes (```tag```): ``str(err)``, what a Python
+caller reads, shows the keyword (``tag``); the CLI's error table shows the command's flag (``--tag``), so a
+library error never names a flag the caller did not type.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 
 class ZckptError(Exception):
@@ -15,35 +19,53 @@ class ZckptError(Exception):
 
     default_hint = ""
 
-    def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None):
+    def __init__(self, message: str, path: str | os.PathLike | None = None, hint: str | None = None,
+                 param: str | None = None):
         self.message = message
         self.path = os.fspath(path) if path is not None else None
         self.hint = hint if hint is not None else self.default_hint
+        self.param = param
         super().__init__(message)
 
-    def __str__(self) -> str:
+    def render(self, name=None) -> str:
+        """The one-line text, with each parameter shown as ``name(param)``: by default the Python keyword; the CLI
+        passes its flag lookup."""
+        name = name or (lambda param: param)
+        message = names_rendered(self.message, name)
+        if self.param:
+            message = f"{name(self.param)}: {message}"
         # a message that already opens with its path (a list of missing files, say) is not prefixed again
-        text = f"{self.path}: {self.message}" if self.path and not self.message.startswith(self.path) \
-            else self.message
+        text = f"{self.path}: {message}" if self.path and not message.startswith(self.path) else message
         if self.hint:
-            text += f" ({self.hint})"
+            text += f" ({names_rendered(self.hint, name)})"
         return text
+
+    def __str__(self) -> str:
+        return self.render()
 
     # builtin OSError subclasses take (errno, strerror); keep our own constructor everywhere
     def __reduce__(self):
-        return (self.__class__, (self.message, self.path, self.hint))
+        return (self.__class__, (self.message, self.path, self.hint, self.param))
+
+
+_NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`")
+
+
+def names_rendered(text: str, name=lambda param: param) -> str:
+    """``text`` with each backquoted parameter (```tag```) replaced by ``name(param)``."""
+    return _NAMED.sub(lambda m: name(m.group(1)), text) if "`" in text else text
 
 
 class CheckpointNotFound(ZckptError, FileNotFoundError):
     """A path, tag or rank file that should exist does not."""
 
-    default_hint = "check the path and --tag"
+    default_hint = "check the path and `tag`"
 
 
 class IncompleteCheckpoint(ZckptError, FileNotFoundError):
     """Rank files are missing or disagree: a save was interrupted or overwritten."""
 
-    default_hint = "the save may have been interrupted; use an earlier tag with --tag"
+    default_hint = "the save may have been interrupted; use an earlier tag with `tag`"
 
 
 class CorruptFile(ZckptError, ValueError):
@@ -63,13 +85,13 @@ class UnsupportedLayout(ZckptError, NotImplementedError):
 
 
 class InvalidArgument(ZckptError, ValueError):
-    """A bad option or combination of options."""
+    """A bad parameter value (``param`` names it) or combination of parameters."""
 
 
 class OutputExists(ZckptError, FileExistsError):
     """The output location holds something zckpt will not overwrite."""
 
-    default_hint = "pass --overwrite or choose another -o"
+    default_hint = "pass `overwrite` or choose another `out`"
 
 
 class StorageError(ZckptError, OSError):

@@ -21,7 +21,8 @@ Sizes are printed by :func:`format_size` in binary units with one decimal (``26.
 one style of info, merge, reshard and push; JSON output always carries exact byte counts.
 
 Durations (:func:`parse_duration`, for ``push --every`` / ``--settle``): ``90s``, ``30m``, ``2h``, ``1d``,
-``500ms``, ``1h30m``, ``1.5h``; a bare number is seconds; ``0`` is zero.
+``500ms``, ``1h30m``, ``1.5h``; a bare number is seconds; ``0`` is zero (refused for an interval such as
+``--every``, whose examples leave it out).
 """
 
 from __future__ import annotations
@@ -44,29 +45,26 @@ _NUMBER = r"([0-9][0-9_,]*(?:\.[0-9]*)?|\.[0-9]+)"
 _SIZE_RE = re.compile(_NUMBER + r"\s*([a-z]*)")
 
 
-def _prefix(flag: str | None) -> str:
-    return f"{flag}: " if flag else ""
-
-
 def parse_size(text, flag: str | None = None, what: str = "a size") -> int:
     """``'5GB'`` -> 5*10**9, ``'5G'`` -> 5*10**9, ``'5GiB'`` -> 5*2**30, ``'1024'`` / 1024 -> 1024 (bytes).
 
-    ``flag`` (e.g. ``"--max-shard-size"``) names the option in the error; raises :class:`InvalidArgument`."""
+    ``flag``: the parameter the text was given as (``"max_shard_size"``; the CLI's own checks pass the flag), named
+    by the error (``exc.param``); raises :class:`InvalidArgument`."""
     if isinstance(text, bool):
-        raise InvalidArgument(f"{_prefix(flag)}cannot read {text!r} as {what} ({SIZE_EXAMPLES})")
+        raise InvalidArgument(f"cannot read {text!r} as {what} ({SIZE_EXAMPLES})", param=flag)
     if isinstance(text, int):
         value = Decimal(text)
     else:
         m = _SIZE_RE.fullmatch(str(text).strip().lower())
         if not m or m.group(2) not in SIZE_UNITS:
-            raise InvalidArgument(f"{_prefix(flag)}cannot read {text!r} as {what} ({SIZE_EXAMPLES})")
+            raise InvalidArgument(f"cannot read {text!r} as {what} ({SIZE_EXAMPLES})", param=flag)
         try:
             value = Decimal(m.group(1).replace("_", "").replace(",", "")) * SIZE_UNITS[m.group(2)]
         except InvalidOperation:
-            raise InvalidArgument(f"{_prefix(flag)}cannot read {text!r} as {what} ({SIZE_EXAMPLES})") from None
+            raise InvalidArgument(f"cannot read {text!r} as {what} ({SIZE_EXAMPLES})", param=flag) from None
     nbytes = int(value.to_integral_value())  # round half even to a whole byte
     if nbytes <= 0:
-        raise InvalidArgument(f"{_prefix(flag)}{what} must be positive, got {text!r}")
+        raise InvalidArgument(f"{what} must be positive, got {text!r}", param=flag)
     return nbytes
 
 
@@ -85,11 +83,17 @@ def format_size(nbytes: int | float | None) -> str:
 _DURATION_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*")
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 DURATION_EXAMPLES = "examples: 90s, 30m, 2h, 1h30m, 0"
+INTERVAL_EXAMPLES = "examples: 90s, 30m, 2h, 1h30m"
 
 
-def parse_duration(text, flag: str | None = None) -> float:
-    """``'90s'`` -> 90, ``'30m'`` -> 1800, ``'1h30m'`` -> 5400, ``'0'`` / ``'15'`` -> seconds."""
+def parse_duration(text, flag: str | None = None, positive: bool = False) -> float:
+    """``'90s'`` -> 90, ``'30m'`` -> 1800, ``'1h30m'`` -> 5400, ``'0'`` / ``'15'`` -> seconds.
+
+    ``positive``: zero is refused too (an interval), and the examples offered say so."""
+    examples = INTERVAL_EXAMPLES if positive else DURATION_EXAMPLES
     if isinstance(text, (int, float)) and not isinstance(text, bool) and text >= 0:
+        if positive and not text > 0:
+            raise InvalidArgument(f"must be more than zero, got {text!r} ({examples})", param=flag)
         return float(text)
     s = str(text).strip().lower()
     pos, total = 0, 0.0
@@ -99,6 +103,8 @@ def parse_duration(text, flag: str | None = None) -> float:
         total += float(m.group(1)) * _SECONDS[m.group(2)]
         pos = m.end()
     if not s or pos != len(s):
-        raise InvalidArgument(f"{_prefix(flag)}cannot read {text!r} as a duration ({DURATION_EXAMPLES})")
+        raise InvalidArgument(f"cannot read {text!r} as a duration ({examples})", param=flag)
+    if positive and not total > 0:
+        raise InvalidArgument(f"must be more than zero, got {text!r} ({examples})", param=flag)
     return total
 

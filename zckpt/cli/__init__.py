@@ -2,8 +2,10 @@
 
 Each command lives in its own module (``zckpt/cli/<name>.py``) and is loaded only when it runs or when help is
 listed. Nothing here imports torch: ``zckpt --help`` answers at once.
-Errors are mapped to one line on stderr in :func:`_report`, by the one table in ``_errors.py`` (a traceback only
-with ``--debug`` or ``ZCKPT_DEBUG=1``; with ``--json`` also one error object on stdout).
+Errors, click's usage errors included, are mapped to one line on stderr in :func:`_report`, by the one table in
+``_errors.py`` (a traceback only with ``--debug`` or ``ZCKPT_DEBUG=1``; with ``--json`` also one error object on
+stdout). Ctrl-C at any moment is one line and exit 130 (``_interrupts.py``); after the result was published it is
+reported as published, exit 0.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import sys
+import time
 
 import click
 
-from zckpt.cli._common import configure_logging, global_options, logging_state, restore_logging, settings
-from zckpt.cli._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, describe  # noqa: F401
+from zckpt.cli import _interrupts as interrupts
+from zckpt.cli._common import Settings, configure_logging, global_options, logging_state, restore_logging, settings
+from zckpt.cli._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, command_names, describe  # noqa: F401
 
 COMMANDS = {
     "info": "zckpt.cli.info:info",
@@ -32,7 +37,8 @@ COMMANDS = {
 class LazyGroup(click.Group):
     """A group whose commands are imported on first use, so one command's imports never slow another.
 
-    It is also the one place errors become messages (:func:`_report`, by the table in ``_errors.py``)."""
+    It is also the one place errors become messages (:meth:`main`, by the table in ``_errors.py``): click's usage
+    errors, zckpt's errors and Ctrl-C alike."""
 
     def list_commands(self, ctx):
         return [name for name in COMMANDS if self._available(name)]
@@ -50,36 +56,46 @@ class LazyGroup(click.Group):
 
     def parse_args(self, ctx, args):
         ctx.meta["zckpt.argv"] = list(args)
+        ctx.meta["zckpt.started"] = time.time()
         ctx.meta.setdefault("zckpt.logging", logging_state())
         ctx.call_on_close(lambda: restore_logging(ctx.meta["zckpt.logging"]))
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            if _json_wanted(ctx):
-                _report(exc, ctx)
-            raise
+        return super().parse_args(ctx, args)
 
-    def invoke(self, ctx):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's ``main``, but every way out (result, error, Ctrl-C) is decided here: one line, one exit
+        status from the table in ``_errors.py``, then ``sys.exit``."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        args = sys.argv[1:] if args is None else list(args)
+        previous = interrupts.begin()
+        ctx, code = None, EXIT_OK
         try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.exceptions.Abort):
-            raise
-        except click.UsageError as exc:
-            if _json_wanted(ctx):
-                _report(exc, ctx)
-            raise
-        except click.ClickException:
-            raise
-        except KeyboardInterrupt as exc:
-            exc.zckpt_reported = True  # said below as "zckpt: interrupted", not as an error
-            click.echo("zckpt: interrupted", err=True)
-            _report(exc, ctx)
+            self._main_shell_completion(extra, prog_name or "zckpt", complete_var)
+            with self.make_context(prog_name or "zckpt", args, **extra) as ctx:
+                self.invoke(ctx)
+        except click.exceptions.Exit as exc:
+            code = exc.exit_code
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            code = exc.exit_code
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            code = _interrupted(ctx)
+        except SystemExit as exc:  # a command's own verdict (verify: 1)
+            code = exc.code if isinstance(exc.code, int) else EXIT_ERROR
         except Exception as exc:  # noqa: BLE001 - the one place errors become messages
-            _report(exc, ctx)
+            failed = getattr(exc, "ctx", None) or ctx
+            try:
+                code = _report(exc, failed)
+            except KeyboardInterrupt:
+                code = _interrupted(failed)
+        code = interrupts.end(previous, ctx, code)
+        sys.exit(code)
 
 
 def _json_wanted(ctx) -> bool:
     """--json given anywhere on the command line (also when parsing stopped before it was read)."""
+    if ctx is None:
+        return False
     argv = ctx.meta.get("zckpt.argv", [])
     argv = argv[:argv.index("--")] if "--" in argv else argv
     return settings(ctx).json or "--json" in argv
@@ -89,26 +105,52 @@ def debug_enabled(ctx=None) -> bool:
     return settings(ctx).show_debug
 
 
-def _report(exc: BaseException, ctx) -> None:
-    """Print ``exc`` as one line on stderr (and, with --json, as one object on stdout), then exit."""
-    if debug_enabled(ctx) and not isinstance(exc, (click.UsageError, KeyboardInterrupt)):
+def _report(exc: BaseException, ctx) -> int:
+    """Print ``exc`` as one line on stderr (and, with --json, as one object on stdout); return the exit status."""
+    if ctx is not None and debug_enabled(ctx) and not isinstance(exc, click.ClickException):
         raise exc
-    err = describe(exc, settings(ctx).output)
+    s = settings(ctx) if ctx is not None else Settings()
+    command = _command_of(ctx)
+    err = describe(exc, s.output, command_names(_command_object(ctx, command)), command)
     if _json_wanted(ctx):
-        doc = err.to_json(_command_of(ctx))
+        doc = err.to_json(command)
         partial = getattr(exc, "push_result", None)  # what a failed push did finish
         if partial is not None and hasattr(partial, "to_dict"):
             doc["result"] = partial.to_dict()
         click.echo(json.dumps(doc, default=str))
     if not getattr(exc, "zckpt_reported", False):
         click.echo(f"zckpt: error: {err.message}", err=True)
-    ctx.exit(err.exit_code)
+    return err.exit_code
+
+
+def _interrupted(ctx) -> int:
+    """Ctrl-C: one line. What was already published stays published and is said so (exit 0)."""
+    done = interrupts.published_output(ctx)
+    if done is not None:
+        click.echo(f"zckpt: interrupted, but the result was already published: {done} is complete", err=True)
+        return EXIT_OK
+    click.echo("zckpt: interrupted", err=True)
+    if ctx is not None and _json_wanted(ctx):
+        click.echo(json.dumps(describe(KeyboardInterrupt()).to_json(_command_of(ctx))))
+    return EXIT_INTERRUPTED
 
 
 def _command_of(ctx) -> str | None:
-    if ctx.invoked_subcommand:
-        return ctx.invoked_subcommand
+    if ctx is None:
+        return None
+    root = ctx.find_root()
+    if root.invoked_subcommand:
+        return root.invoked_subcommand
     return next((a for a in ctx.meta.get("zckpt.argv", []) if a in COMMANDS), None)
+
+
+def _command_object(ctx, command):
+    if ctx is None or command is None:
+        return None
+    try:
+        return main.get_command(ctx, command)
+    except Exception:  # noqa: BLE001 - only used to name flags
+        return None
 
 
 @click.group(

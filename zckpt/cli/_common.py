@@ -163,6 +163,24 @@ output_storage_option = click.option(
          "default: the --storage-option values.")
 
 
+def describe_here(exc: BaseException):
+    """``exc`` as the error table says it for the running command (its flags, its -o): a
+    :class:`zckpt.cli._errors.UserError`."""
+    from zckpt.cli._errors import command_names, describe
+
+    ctx = click.get_current_context(silent=True)
+    command = ctx.command if ctx is not None else None
+    return describe(exc, settings(ctx).output, command_names(command), ctx.info_name if ctx is not None else None)
+
+
+def published(output) -> None:
+    """The library call returned: its result is complete at ``output``. A Ctrl-C from now on is reported as
+    coming after the result was published (exit 0), once the report is printed (``zckpt.cli._interrupts``)."""
+    from zckpt.cli import _interrupts
+
+    _interrupts.published(output)
+
+
 def emit_json(obj, command: str | None = None, **fields) -> None:
     """One JSON value on one line of stdout. Objects get the common fields: ``ok`` (true unless the result says
     otherwise) and ``command``, plus ``fields`` for keys the result lacks (``path``, ``tag``, ``output``)."""
@@ -178,31 +196,52 @@ def _command_name() -> str | None:
     return ctx.info_name if ctx is not None and ctx.parent is not None else None
 
 
+def bars_wanted() -> bool:
+    """Progress bars only on a terminal: ``2>log`` gets no ``\\r`` frames. ``ZCKPT_DISABLE_PROGRESS_BARS=1``
+    turns them off there too."""
+    if os.environ.get("ZCKPT_DISABLE_PROGRESS_BARS", "") not in ("", "0"):
+        return False
+    stream = sys.stderr
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get("ZCKPT_PROGRESS_DELAY", "0.5")))
+    except ValueError:
+        return 0.5
+
+
 class Progress:
     """A tqdm bar of bytes on stderr, driven by a library ``progress(done, total)`` callback.
 
-    The bar (and the tqdm import) only starts once the work has run for ``delay`` seconds: short jobs print
-    nothing and pay nothing."""
+    Only on a terminal (:func:`bars_wanted`); sizes in zckpt's units: kB, MB, GB are powers of 1000
+    (``zckpt.units``). The bar (and the tqdm import) only starts once the work has run for ``delay`` seconds
+    (default 0.5, ``ZCKPT_PROGRESS_DELAY``) and has bytes left to do: short jobs and work already done print
+    nothing."""
 
-    def __init__(self, desc: str, enabled: bool = True, delay: float = 0.5):
-        enabled = enabled and os.environ.get("ZCKPT_DISABLE_PROGRESS_BARS", "") in ("", "0")
-        self.desc, self.enabled, self.bar = desc, enabled and sys.stderr is not None, None
-        self.start, self.delay = time.monotonic(), delay
+    def __init__(self, desc: str, enabled: bool = True, delay: float | None = None):
+        self.desc, self.enabled, self.bar = desc, enabled and bars_wanted(), None
+        self.start, self.delay = time.monotonic(), _delay() if delay is None else delay
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
         if self.bar is None:
-            if time.monotonic() - self.start < self.delay:
+            if time.monotonic() - self.start < self.delay or not total or done >= total:
                 return
             from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
+            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1000,
                             file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2)
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
     def __enter__(self):
         return self

@@ -5,7 +5,8 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, output_options, output_storage_option, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, output_storage_option, published, settings, storage_option,
+    tag_option,
 )
 
 
@@ -65,6 +66,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
                          output_storage_options=output_storage_options, group=None if dry_run else group)
     if group is not None and group.rank != 0:
         return
+    if not dry_run:
+        published(result.output)
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

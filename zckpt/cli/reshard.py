@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, settings, emit_json, global_options, output_options, storage_option, tag_option
+from zckpt.cli._common import (
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+)
 
 
 @click.command(epilog="""\b
@@ -58,6 +60,8 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
                          group=None if dry_run else group)
     if group is not None and group.rank != 0:
         return
+    if not dry_run:
+        published(result.output)
     doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes
     if as_json:
         emit_json(doc, path=doc.get("source", path))

@@ -23,17 +23,22 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
     param_shapes, versions agree, 'latest' names an existing tag. Exit status 0 when all checks pass, 1 otherwise.
     """
+    from zckpt.cli._errors import command_names
+    from zckpt.errors import names_rendered
     from zckpt.ops.verify import verify as run
+    from zckpt.units import format_size
 
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
     if as_json:
-        emit_json(report.to_json())
+        emit_json(report.to_json(), tag=tag)
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
+        flags = command_names(click.get_current_context().command)
         for c in report.checks:
             if not (quiet and c.ok):
-                click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name}: {c.detail}")
+                hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""
+                click.echo(f"{'ok ' if c.ok else 'BAD'}  {c.name}: {c.detail}{hint}")
         click.echo(f"{path}: {'complete and consistent' if report.ok else 'NOT consistent'}"
-                   + (f" ({report.bytes_read:,} bytes read)" if deep else ""))
+                   + (f" (read {format_size(report.bytes_read)})" if deep else ""))
     if not report.ok:
         raise SystemExit(1)

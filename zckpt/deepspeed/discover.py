@@ -69,7 +69,7 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
 
     if _is_tag_dir(names):
         if tag is not None and tag != os.path.basename(path.rstrip("/")):
-            raise InvalidArgument(f"--tag {tag} given, but {path} is itself a tag folder", path=path)
+            raise InvalidArgument(f"`tag` {tag} given, but {path} is itself a tag folder", path=path)
         parent = storage.parent(path)
         loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None, storage_options=opts)
         parent_names = storage.listdir(parent, opts) if parent else []
@@ -99,7 +99,7 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
         elif tags:
             newest = max(tags, key=_tag_key)
             raise InvalidArgument(f"no 'latest' file and several tags ({', '.join(sorted(tags, key=_tag_key))})",
-                                  path=path, hint=f"choose one with --tag, e.g. --tag {newest}")
+                                  path=path, hint=f"choose one with `tag`, e.g. `tag` {newest}")
         else:
             ckpts = sorted((n for n in names if n.startswith("checkpoint-")), key=_tag_key)
             if ckpts:
@@ -110,11 +110,11 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
     tag_dir = storage.join(path, tag)
     if not storage.isdir(tag_dir, opts):
         if tag_from_user:
-            raise CheckpointNotFound(f"--tag {tag}: no such tag folder", path=tag_dir,
+            raise CheckpointNotFound(f"`tag` {tag}: no such tag folder", path=tag_dir,
                                      hint=_existing_tags_hint(path, names, opts))
         where = f"'{latest_name}' names" if has_latest else "the only tag"
         raise CheckpointNotFound(f"{where} tag '{tag}' but that folder does not exist", path=tag_dir,
-                                 hint="the save may have been interrupted; pick an existing tag with --tag")
+                                 hint="the save may have been interrupted; pick an existing tag with `tag`")
     loc = Location(path, path, tag, tag_dir, trainer_dir, has_latest=has_latest, storage_options=opts)
     return _fill(loc, storage.listdir(tag_dir, opts))
 

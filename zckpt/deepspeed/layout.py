@@ -10,6 +10,9 @@ master and both Adam moments. Concatenating a list's pieces gives the flat tenso
 
 from __future__ import annotations
 
+import logging
+import time
+
 from zckpt.io import storage
 from zckpt.dcp import reader as dcp_reader
 from zckpt.deepspeed.discover import Location, locate
@@ -18,6 +21,9 @@ from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-export
     check_records, common_records, load_all, metadata_errors, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsupportedLayout, ZckptError
+from zckpt.units import format_size
+
+log = logging.getLogger(__name__)
 
 
 def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
@@ -31,12 +37,19 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
     :func:`zckpt.dcp.reader.open_dcp` into the same model (``ckpt.format == "dcp"``)."""
     if dcp_reader.is_dcp(path, storage_options):
         if tag is not None:
-            raise InvalidArgument("--tag picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
-                                  hint="drop --tag, or pass the DCP folder of the step you want")
+            raise InvalidArgument("`tag` picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
+                                  hint="drop `tag`, or pass the DCP folder of the step you want")
         return dcp_reader.open_dcp(path, storage_options)
+    t0 = time.perf_counter()
     loc = locate(path, tag, storage_options)
     with metadata_errors(loc.tag_dir):
-        return _open(loc)
+        ckpt = _open(loc)
+    files = loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files
+    log.info("opened %s: tag %s, %d rank files (%s), %d tensors, read metadata in %.2fs", path, loc.tag,
+             len(files), format_size(sum(f.size or 0 for f in files)), len(ckpt.records), time.perf_counter() - t0)
+    for f in files:
+        log.debug("  read %s (%s)", f.path, format_size(f.size))
+    return ckpt
 
 
 def _open(loc: Location) -> Checkpoint:

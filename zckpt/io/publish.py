@@ -24,7 +24,8 @@ old output whose new one never arrived is put back). ``zckpt push`` commits the 
 
 Where an output may go (:func:`check_output`, before any byte is written): never the source checkpoint, inside it,
 or containing it, where "the source" is the whole save folder (``latest`` and every tag) or Trainer
-``checkpoint-N`` folder, plus the ``checkpoint-N`` / ``global_stepN`` folders next to it. Default outputs
+``checkpoint-N`` folder, plus the ``checkpoint-N`` / ``global_stepN`` folders next to it; and never a folder next to
+it named like one (``checkpoint-N``, ``global_stepN``), whether or not it exists yet. Default outputs
 (:func:`default_output`) are siblings of the source whose names cannot be taken for checkpoints::
 
     outputs/checkpoint-4  ->  outputs/merged-checkpoint-4-fp32/         zckpt merge
@@ -194,7 +195,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
     checkpoint folder next to it), :class:`OutputExists` when it holds something ``--overwrite`` may not replace:
     anything but a previous zckpt output of the same ``kind`` (recognised by its marker)."""
     out = os.fspath(out)
-    hint = "choose an -o outside the checkpoint; the source is never modified"
+    hint = "choose an `out` outside the checkpoint; the source is never modified"
     places = [(p, True) for p in source.own] + [(p, False) for p in source.neighbours] if source else []
     relations = [(_relation(out, other), other, own) for other, own in places]
     relations.sort(key=lambda r: r[0] != "is")  # name the folder itself before one around it
@@ -208,16 +209,22 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         if rel == "contains":
             raise InvalidArgument(f"the output folder contains {what}; replacing it would delete it", path=out,
                                   hint=hint)
+    name = storage.basename(out)
+    if source is not None and _CHECKPOINT_NAME.match(name) and _relation(storage.parent(out),
+                                                                         storage.parent(source.root)) == "is":
+        raise InvalidArgument(f"the output would be named like a checkpoint ({name}) next to the source checkpoint: "
+                              "the Trainer's rotation deletes such folders and resuming would take it for one",
+                              path=out, hint="choose another name, e.g. the default: merged-... or resharded-...")
     if storage.is_url(out):
         if storage.isfile(out, storage_options):
-            raise OutputExists("output exists and is not a folder", path=out, hint="choose another -o")
+            raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
         if not storage.list_files(out, storage_options):
             return
     else:
         if not os.path.exists(out):
             return
         if not os.path.isdir(out):
-            raise OutputExists("output exists and is not a folder", path=out, hint="choose another -o")
+            raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
         if not os.listdir(out):
             return
     marker = read_marker(out, storage_options)
@@ -225,9 +232,10 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
     if not overwrite:
         what = f"holds a previous zckpt {kind} output" if same else "is not empty"
         raise OutputExists(f"output folder {what}", path=out,
-                           hint="pass --overwrite to replace it, or choose another -o" if same else
-                           f"choose another -o (--overwrite replaces only a previous zckpt {kind} output)")
+                           hint="pass `overwrite` to replace it, or choose another `out`" if same else
+                           f"choose another `out` (`overwrite` replaces only a previous zckpt {kind} output)")
     if same:
+        _check_only_ours(out, marker, kind, storage_options)
         return
     if marker:
         why = f"holds a zckpt {marker.get('kind')} output, not a {kind} output"
@@ -237,8 +245,27 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         why = "holds a checkpoint"
     else:
         why = f"is not empty and has no {MARKER}"
-    raise OutputExists(f"output folder {why}; --overwrite replaces only a previous zckpt {kind} output", path=out,
-                       hint="choose another -o, or remove the folder yourself")
+    raise OutputExists(f"output folder {why}; `overwrite` replaces only a previous zckpt {kind} output", path=out,
+                       hint="choose another `out`, or remove the folder yourself")
+
+
+def _check_only_ours(out: str, marker: dict, kind: str, storage_options: dict | None = None) -> None:
+    """``--overwrite`` replaces only what the previous output's marker lists: a file anyone else put in the folder
+    (a model card, notes, a later save) makes it refuse, naming the file, so nothing the user wrote is deleted. A
+    remote output still marked "writing" lists no files yet (an interrupted run): it is replaced whole."""
+    listed = marker.get("files")
+    if not isinstance(listed, dict):
+        if marker.get("state") == "complete":
+            raise OutputExists(f"output folder has a {MARKER} without its file list", path=out,
+                               hint="choose another `out`, or remove the folder yourself")
+        return
+    ours = set(listed) | {MARKER}
+    others = sorted(rel for rel in storage.list_files(out, storage_options) if rel not in ours)
+    if others:
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise OutputExists(f"output folder holds {others[0]}{more}, which the previous zckpt {kind} output did not "
+                           f"write; `overwrite` replaces only the files its {MARKER} lists",
+                           path=out, hint=f"move {others[0]} out of the folder, or choose another `out`")
 
 
 # ================================================================================= local: scratch + rename
@@ -322,7 +349,7 @@ def _exchange(a: str, b: str) -> bool:
 def publish_dir(tmp: str, out: str, durable: bool = False) -> None:
     """Move the finished folder ``tmp`` to ``out``. An existing ``out`` is swapped out in one step, or (where the
     kernel cannot) moved aside first; either way it is deleted only once the new one is in place."""
-    os.chmod(tmp, 0o755)
+    os.chmod(tmp, 0o777 & ~storage.umask())  # mkdtemp made it 0700: give it what mkdir would
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):
         if _exchange(tmp, out):  # tmp is now the old output
@@ -448,7 +475,7 @@ class Publisher:
         missing = [rel for rel, size in self.files.items() if there.get(rel) != size]
         if missing:
             raise StorageError(f"{len(missing)} file(s) missing after upload, e.g. {missing[0]}; not committed",
-                               path=self.out, hint="run the command again with --overwrite")
+                               path=self.out, hint="run it again with `overwrite`")
         commit_remote(self.out, MARKER, marker_bytes(self.kind, self.source, self.files), self.storage_options)
 
 

@@ -32,6 +32,7 @@ from zckpt.io import publish, storage
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument
 from zckpt.formats.safeload import FLOATING
+from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +63,12 @@ def parse_size(text) -> int:
     """``--max-shard-size``: '5GB' = '5G' -> 5*10**9, '200MiB' -> 200*2**20, 1000 -> 1000 (bytes); see zckpt.units."""
     from zckpt.units import parse_size as _parse
 
-    return _parse(text, flag="--max-shard-size", what="a shard size")
+    return _parse(text, flag="max_shard_size", what="a shard size")
 
 
 def out_dtype_name(dtype: str) -> str:
     if dtype not in DTYPE_ALIASES:
-        raise InvalidArgument(f"unknown dtype {dtype!r}", hint="use fp32, bf16 or fp16")
+        raise InvalidArgument(f"unknown dtype {dtype!r}", param="dtype", hint="use fp32, bf16 or fp16")
     return DTYPE_ALIASES[dtype]
 
 
@@ -137,7 +138,7 @@ def output_tensors(ckpt: Checkpoint, dtype: str, exclude_frozen: bool = False,
 def plan_merge(ckpt: Checkpoint, fmt: str = "safetensors", dtype: str = "fp32", max_shard_size="5GB",
                exclude_frozen: bool = False, keep_tied: bool = False) -> MergePlan:
     if fmt not in FORMATS:
-        raise InvalidArgument(f"unknown output format {fmt!r}", hint="use safetensors or pt")
+        raise InvalidArgument(f"unknown output format {fmt!r}", param="fmt", hint="use safetensors or pt")
     limit = parse_size(max_shard_size)
     tensors, tied = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
     groups: list[list[OutTensor]] = []
@@ -171,7 +172,7 @@ def layout_safetensors(shard: ShardPlan) -> None:
     header, pos = {}, 0
     for t in shard.tensors:
         if t.dtype not in ST_DTYPES:
-            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use --to pt")
+            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use `fmt` pt")
         header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     header["__metadata__"] = {"format": "pt"}
@@ -197,7 +198,7 @@ def shard_jobs(shard: ShardPlan) -> Iterator[tuple[int, list, str]]:
 def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: executor.Worker, progress,
                  durable: bool) -> None:
     executor.test_delay()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
         os.ftruncate(fd, shard.size)
         if fmt == "safetensors":
@@ -259,8 +260,11 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
                                storage_options=out_opts) as pub:
             with ThreadPoolExecutor(workers) as pool:
                 for shard in plan.shards:
+                    t0 = time.perf_counter()
                     _write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
                     pub.done(shard.filename)  # URL outputs: uploaded now
+                    log.debug("  wrote %s (%s) in %.2fs", shard.filename, format_size(shard.size),
+                              time.perf_counter() - t0)
             for name, data in (extra_files or {}).items():
                 pub.write_bytes(name, data)
             if plan.index is not None:
@@ -321,6 +325,11 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
         out = publish.default_output(source, "merged") + f"-{dtype}"
     plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     extra = trainer_files(ckpt, dtype)
+    log.info("plan: %d tensors in %d file(s), %s %s %s, %d side file(s) -> %s (planned in %.2fs)",
+             sum(len(s.tensors) for s in plan.shards), len(plan.shards), format_size(plan.total_size), dtype, fmt,
+             len(extra), out, time.perf_counter() - t0)
+    for shard in plan.shards:
+        log.debug("  %s: %d tensors, %s", shard.filename, len(shard.tensors), format_size(shard.size))
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
     out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
@@ -338,8 +347,9 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     result.seconds = time.perf_counter() - t0
     result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
                     "bytes_per_second": round(plan.total_size / max(result.seconds, 1e-9))}
-    log.info("merged %d bytes in %.2f s (%.1f MB/s, %d process%s)%s", plan.total_size, result.seconds,
-             plan.total_size / max(result.seconds, 1e-9) / 1e6, stats["ranks"], "es" if stats["ranks"] > 1 else "",
+    log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)%s", out,
+             time.perf_counter() - t_plan, result.seconds, plan.total_size / max(result.seconds, 1e-9) / 1e6,
+             stats["ranks"], "es" if stats["ranks"] > 1 else "",
              f"; {stats['remote_bytes']} bytes in {stats['remote_requests']} ranged GETs"
              if stats.get("remote_requests") else "")
     return result

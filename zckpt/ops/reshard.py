@@ -43,6 +43,7 @@ from typing import Callable
 
 from zckpt.engine import executor, torchzip
 from zckpt.io import publish, storage
+from zckpt.ops.scan import side_files
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import TorchObject
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
@@ -50,11 +51,11 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.formats.safeload import DTYPE_SIZES, LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut
+from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
 FORMATS = ("deepspeed", "universal")
-SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 # ---------------------------------------------------------------------------------------------- plan data
@@ -594,7 +595,7 @@ def _planned(obj: TorchObject) -> PlannedFile:
 
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}")
+        raise InvalidArgument(f"must be a positive integer, got {world_size!r}", param="world_size")
     if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
         raise UnsupportedLayout(ckpt.reshard_refusal, path=ckpt.location.tag_dir,
                                 hint="zckpt merge / info / verify read this layout")
@@ -604,14 +605,14 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
                                 "hyperparameters, which a ZeRO-3 or BF16-optimizer file needs",
                                 path=ckpt.location.tag_dir, hint="reshard it at ZeRO-1 or ZeRO-2")
     if stage not in (1, 2, 3):
-        raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
+        raise InvalidArgument(f"must be 1, 2 or 3, got {stage!r}", param="stage")
     if ckpt.offload:
         log.info("source used optimizer offload; the partitions are the same, offload is a config choice")
     if bf16_optimizer is None:
         bf16_optimizer = ckpt.flavour == "bf16_optimizer" and stage == 1
     if bf16_optimizer and (stage != 1 or ckpt.precision != "bf16"):
-        raise InvalidArgument("the BF16 optimizer needs --stage 1 and a bf16 checkpoint",
-                              hint="drop --bf16-optimizer, or use --stage 1 on a bf16 checkpoint")
+        raise InvalidArgument("the BF16 optimizer needs `stage` 1 and a bf16 checkpoint", param="bf16_optimizer",
+                              hint="drop `bf16_optimizer`, or use `stage` 1 on a bf16 checkpoint")
     zcfg = ckpt.ds_config.get("zero_optimization") or {}
     if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
@@ -624,7 +625,7 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the side files."""
     if fmt not in FORMATS:
-        raise InvalidArgument(f"unknown --format {fmt!r}", hint="use deepspeed or universal")
+        raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     if fmt == "universal" and is_elastic(ckpt):
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
@@ -674,34 +675,22 @@ def _copied(relpath: str, src: str, nbytes: int) -> PlannedFile:
 
 
 def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
-    """Recovery scripts, and a Trainer checkpoint's own files (config, trainer_state.json, RNG states...)."""
-    loc, opts = ckpt.location, ckpt.storage_options
+    """Everything of the checkpoint that is not its tag (:func:`zckpt.ops.scan.side_files`: a Trainer checkpoint's
+    config, trainer_state.json, scheduler, tokenizer, any subfolder..., a save folder's scripts and configs), copied
+    as it is; the RNG states renamed for the new ranks."""
     out: list[PlannedFile] = []
-    seen = set()
-    save_names = set(storage.listdir(loc.save_dir, opts)) if loc.save_dir else set()
-    for name in SCRIPTS:
-        if name in save_names:
-            p = storage.join(loc.save_dir, name)
-            out.append(_copied(name, p, storage.size(p, opts)))
-            seen.add(name)
-    if not loc.trainer_dir:
-        return out
-    names = storage.listdir(loc.trainer_dir, opts)
     rng_src = {}
-    for name in names:
-        path = storage.join(loc.trainer_dir, name)
-        if name in seen or name in ("latest", publish.MARKER) or name == loc.tag or not storage.isfile(path, opts):
+    for f in side_files(ckpt.location, ckpt.storage_options):
+        if f.rel == "rng_state.pth":
+            rng_src[0] = f
             continue
-        if name == "rng_state.pth":
-            rng_src[0] = path
+        if f.rel.startswith("rng_state_") and f.rel.endswith(".pth") and f.rel[10:-4].isdigit():
+            rng_src[int(f.rel[10:-4])] = f
             continue
-        if name.startswith("rng_state_") and name.endswith(".pth") and name[10:-4].isdigit():
-            rng_src[int(name[10:-4])] = path
-            continue
-        out.append(_copied(name, path, storage.size(path, opts)))
+        out.append(_copied(f.rel, f.path, f.size))
     for rank in range(world_size):  # ranks beyond the source's get no RNG file: the Trainer warns and goes on
         if rank in rng_src:
-            out.append(_copied(_rng_name(rank, world_size), rng_src[rank], storage.size(rng_src[rank], opts)))
+            out.append(_copied(_rng_name(rank, world_size), rng_src[rank].path, rng_src[rank].size))
     return out
 
 
@@ -801,12 +790,16 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     """
     t0 = time.perf_counter()
     if world_size is None:
-        raise InvalidArgument("a target world size is required", hint="pass --world-size M")
+        raise InvalidArgument("a target world size is required", param="world_size", hint="pass `world_size`")
     ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
     _check_out(out, overwrite, source)  # before planning or writing anything
     plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt)
+    log.info("plan: %d file(s), %s, world size %d -> %s (planned in %.2fs)", len(plan.files),
+             format_size(plan.total_bytes), world_size, out, time.perf_counter() - t0)
+    for f in plan.files:
+        log.debug("  %s (%s)", f.relpath, format_size(f.nbytes))
     result = ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
@@ -823,6 +816,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     result.seconds = time.perf_counter() - t0
     result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
                     "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
-    log.info("resharded %d bytes in %.2f s (%.1f MB/s, %d process%s)", plan.total_bytes, result.seconds,
-             plan.total_bytes / max(result.seconds, 1e-9) / 1e6, stats["ranks"], "es" if stats["ranks"] > 1 else "")
+    log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)", out,
+             time.perf_counter() - t_plan, result.seconds, plan.total_bytes / max(result.seconds, 1e-9) / 1e6,
+             stats["ranks"], "es" if stats["ranks"] > 1 else "")
     return result

@@ -4,14 +4,19 @@ Metadata checks (reading only the pickles): every rank file present and readable
 with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
 names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
 Deep checks: the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is caught), and the hashes of a
-``zckpt-manifest.json`` when one is present (written by ``zckpt push``). zckpt outputs (merged weights, reshard
+``zckpt-manifest.json`` when one is present (written by ``zckpt push``). Legacy (non-zip) torch files have no
+CRCs: for them every byte is read and hashed (and checked against the manifest's sha256 when there is one), the
+layout re-checked (pickles, storage keys, storage sizes that end the file) and every storage's size field compared
+with the pickle in the stream. zckpt outputs (merged weights, reshard
 results) are checked against their ``.zckpt.json`` marker: without a complete one they are incomplete.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +26,30 @@ from typing import Callable
 from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
-from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError
-from zckpt.formats.safeload import LazyTensor
+from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError, names_rendered
+from zckpt.formats import legacy
+from zckpt.formats.safeload import LazyTensor, legacy_layout
 from zckpt.formats.zipentries import read_entries
+from zckpt.units import format_size
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
+
+log = logging.getLogger(__name__)
+
+
+#: what to do when a check fails, by check name (parameters in backquotes, shown as flags by the CLI)
+NEXT_STEPS = {
+    "CRC of every entry": "the bytes of that file are damaged: copy it again from where it was saved (or a "
+                          "backup), or use an earlier tag with `tag`",
+    "manifest": "files differ from what zckpt push sent: push again from the source, or copy them again",
+    "zckpt output committed": "the output was interrupted or is still being written: run the command again",
+    "safetensors headers": "a weight file is damaged or truncated: run the merge again",
+    "versions agree": "the rank files come from different saves: use an earlier tag with `tag`",
+    "dp_world_size": "the rank files come from different saves: use an earlier tag with `tag`",
+    "shapes agree": "the rank files come from different saves or are damaged: use an earlier tag with `tag`",
+    "optimizer state": "some parameters have no Adam moments: use an earlier tag with `tag`",
+    "steps agree": "the rank files come from different steps: use an earlier tag with `tag`",
+}
 
 
 @dataclass
@@ -33,6 +57,11 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+
+    @property
+    def hint(self) -> str:
+        """What to do about a failed check ("" when it passed)."""
+        return "" if self.ok else NEXT_STEPS.get(self.name, "")
 
 
 @dataclass
@@ -50,7 +79,8 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         return {"path": self.path, "ok": self.ok, "bytes_read": self.bytes_read,
-                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]}
+                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
+                            "hint": names_rendered(c.hint) or None} for c in self.checks]}
 
 
 def verify(path: str, tag: str | None = None, deep: bool = False,
@@ -73,12 +103,18 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
             check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
         raise
+    t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
+    log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
+             sum(not c.ok for c in report.checks), time.perf_counter() - t0)
     if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard output
         report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, opts, check_files=False))
     if deep:
+        t0 = time.perf_counter()
         check_bytes(ckpt, report, progress)
+        log.info("read every byte: %d files, %s in %.2fs", len(ckpt.files), format_size(report.bytes_read),
+                 time.perf_counter() - t0)
     else:
         check_manifest(ckpt.location.input_path, report, hashes=False, storage_options=opts)
     return report
@@ -210,6 +246,8 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
     read of the same bytes."""
     with storage.open_input(path, storage_options) as f:
+        if legacy.is_legacy(f.read(4)):
+            return _scan_legacy(f, path)
         try:
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
@@ -238,6 +276,20 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     return pos, bad, digest
 
 
+def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
+    """A legacy (non-zip) file has no CRCs: its layout is checked (pickles, storage keys, sizes that end the file,
+    each storage's size field), then every byte is read and hashed, the size fields compared again in the stream."""
+    size = f.seek(0, 2)
+    try:
+        _obj, places, _n = legacy_layout(path, f, size)
+    except ZckptError as exc:
+        return 0, [exc.message], ""
+    check = legacy.FieldCheck(legacy.size_fields(places))
+    f.seek(0)
+    digest = hashing.sha256_stream(f, on_chunk=check, name=path)
+    return check.pos, check.problems(size), digest
+
+
 def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     if ckpt.format == "dcp":
         return check_dcp_bytes(ckpt, report, progress)
@@ -254,8 +306,20 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
             if progress:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
-    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {done} bytes")
+            log.debug("  %s: %s, %s", path, format_size(n), f"{len(bad)} damaged entries" if bad else "CRCs match")
+    n_legacy = sum(1 for f in ckpt.files if _is_legacy_file(f.path, ckpt.storage_options))
+    note = f" ({n_legacy} legacy files: no CRCs; layout, size fields and every byte read)" if n_legacy else ""
+    report.add("CRC of every entry", not damaged,
+               "; ".join(damaged[:5]) or f"{len(files)} files, {format_size(done)}{note}")
     check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes, storage_options=ckpt.storage_options)
+
+
+def _is_legacy_file(path: str, storage_options: dict | None = None) -> bool:
+    try:
+        with storage.open_input(path, storage_options) as f:
+            return legacy.is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None,

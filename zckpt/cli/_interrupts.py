@@ -1,0 +1,86 @@
+"""Ctrl-C at any moment: one line on stderr, exit status 130, no traceback; after the result was published, it is
+reported as published and the exit status is 0.
+
+The moments, and who answers:
+
+- interpreter start-up, before any zckpt code runs: Python itself (nothing can be done there; a few tens of ms);
+- imports (``zckpt.__main__.run`` before the CLI is loaded): a handler that prints the line and exits at once,
+  since nothing has started that needs cleaning up;
+- the command (:func:`begin`): SIGINT raises ``KeyboardInterrupt`` so that the library removes its scratch files;
+  the group's ``main`` reports it (``_interrupted`` in ``cli/__init__.py``);
+- the library published the result but had not returned yet: the output's commit marker, written by this run, says
+  it is complete (:func:`published_output`);
+- the result is published (:func:`published`, called by each command as soon as the library call returns): Ctrl-C
+  no longer stops the report from printing; it is noted once at the end, exit 0;
+- after the outcome is decided (:func:`end`): ignored, when zckpt runs as the ``zckpt`` program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import click
+
+#: True when zckpt runs as its own program (``zckpt.__main__.run``), not inside another (tests, notebooks)
+ENTRY_POINT = False
+
+_PUBLISHED = "zckpt.published"
+_LATE = "zckpt.late-interrupt"
+_MARKER = ".zckpt.json"  # zckpt.io.publish.MARKER (not imported: this runs while interrupted)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def begin():
+    """While the command runs, Ctrl-C raises ``KeyboardInterrupt`` (cleanup runs); returns the handler to put back."""
+    if not _main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def published(output, ctx: click.Context | None = None) -> None:
+    """The command's result is complete at ``output``: from now on a Ctrl-C waits for the report to print."""
+    ctx = ctx or click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    ctx.meta[_PUBLISHED] = str(output) if output else "the output"
+    if _main_thread():
+        def later(signum, frame):
+            ctx.meta[_LATE] = True
+        signal.signal(signal.SIGINT, later)
+
+
+def published_output(ctx: click.Context | None) -> str | None:
+    """What this run already published, or None: the command said so, or the ``-o`` folder holds a complete
+    marker that this run wrote (the library was interrupted after its rename, before it returned)."""
+    if ctx is None:
+        return None
+    if ctx.meta.get(_PUBLISHED):
+        return ctx.meta[_PUBLISHED]
+    settings = ctx.meta.get("zckpt.settings")
+    out, started = getattr(settings, "output", None), ctx.meta.get("zckpt.started")
+    if not out or started is None or "://" in str(out):
+        return None
+    marker = os.path.join(str(out), _MARKER)
+    try:
+        if os.stat(marker).st_mtime < started - 1:
+            return None
+        with open(marker, encoding="utf-8") as fh:
+            return str(out) if json.load(fh).get("state") == "complete" else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def end(previous, ctx: click.Context | None, code: int) -> int:
+    """The outcome is decided: note a Ctrl-C that came after publishing, stop listening; returns the status."""
+    if ctx is not None and ctx.meta.get(_LATE) and code == 0:
+        click.echo(f"zckpt: interrupted, but the result was already published: {ctx.meta.get(_PUBLISHED)} is "
+                   "complete", err=True)
+    if _main_thread() and previous is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if ENTRY_POINT else previous)
+    return code
