@@ -420,3 +420,30 @@ def test_dcp_behind_an_s3_url(fsdp2, s3_server, tmp_path):
     merge(str(path), str(tmp_path / "local"))
     remote, local = (tmp_path / d / "model.safetensors" for d in ("remote", "local"))
     assert remote.read_bytes() == local.read_bytes()
+
+
+def test_torchtitan_style_keys(tmp_path):
+    """Model keys at the top level, ``optimizer`` saved with flatten_optimizer_state_dict=True, scheduler and train
+    state beside them (torchtitan's layout): the moments are found per parameter; merge gives the model; converting
+    to DeepSpeed is refused in one line (the flattened form records no param groups)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from zckpt.dcp.reader import open_dcp
+    from zckpt.ops.merge import load_state_dict
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1}},
+             checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    ckpt = open_dcp(str(tmp_path / "tt"))
+    assert [r.name for r in ckpt.records if r.exp_avg] == list(msd)
+    assert {"lr_scheduler.last_epoch", "train_state.step"} <= set(ckpt.extra["other"])
+    sd = load_state_dict(str(tmp_path / "tt"))
+    assert sorted(sd) == sorted(msd) and all(torch.equal(sd[k], msd[k]) for k in msd)
+    with pytest.raises(UnsupportedLayout, match="no optimizer param groups"):
+        to_deepspeed(str(tmp_path / "tt"), str(tmp_path / "ds"), 1, 1, {"zero_optimization": {"stage": 1}}, buffers="")

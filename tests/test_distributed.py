@@ -245,6 +245,16 @@ def test_convert_to_dcp_three_ranks(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert_same_output(tmp_path / "single", out)
 
+    # a Trainer checkpoint-N: the Trainer / Accelerate layout (two DCP folders and the Trainer's files, copied)
+    trainer = str(FIX / "trainer" / "checkpoint-4")
+    out2 = tmp_path / "trainer-dcp"
+    assert zckpt("convert", trainer, "--to", "dcp", "-o", str(out2), "-q").returncode == 0
+    out2.rename(tmp_path / "trainer-single")
+    res = torchrun(2, "convert", trainer, "--to", "dcp", "-o", str(out2), "-q")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out2 / "optimizer_0" / ".metadata").is_file()
+    assert_same_output(tmp_path / "trainer-single", out2)
+
 
 @pytest.mark.slow
 def test_a_rank_that_dies_publishes_nothing_and_a_rerun_completes(tmp_path):

@@ -10,7 +10,8 @@ from zckpt.cli._common import Progress, emit_json, global_options, output_option
 @click.command(epilog="""\b
 Examples:
   zckpt convert ckpt/ --to dcp -o ckpt-dcp/
-  zckpt convert checkpoint-400 --to dcp -o checkpoint-400-dcp/
+  zckpt convert checkpoint-400 --to dcp -o checkpoint-400-fsdp/
+  zckpt convert checkpoint-400 --to dcp --layout dcp -o checkpoint-400-dcp/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
   zckpt convert ckpt/ --to dcp --dry-run --json
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/""")
@@ -34,6 +35,10 @@ Examples:
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
+@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer"]), default="auto", show_default=True,
+              help="--to dcp: dcp = one DCP folder (model, optim, scheduler, counters); trainer = a Hugging Face "
+                   "Trainer / Accelerate FSDP2 checkpoint folder (pytorch_model_fsdp_0/, optimizer_0/, the "
+                   "Trainer's scheduler.pt, trainer_state.json, rng states); auto = trainer for a checkpoint-N.")
 @click.option("--adam-mode", type=click.Choice(["adamw", "adam"]), default=None,
               help="For DeepSpeed's FusedAdam / DeepSpeedCPUAdam when the checkpoint does not say: adamw "
                    "(decoupled weight decay, their default) or adam (L2). Default: from the saved config.")
@@ -42,7 +47,7 @@ Examples:
 @output_options("convert", "files, keys, sizes")
 @storage_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mode, tag, workers, overwrite, durable,
+def convert(path, to, world_size, stage, ds_config, buffers, tied, out, layout, adam_mode, tag, workers, overwrite, durable,
             dry_run, storage_options, as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
 
@@ -63,7 +68,7 @@ def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mod
             result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
                          progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
                          world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
-                         group=None if dry_run else group)
+                         layout=layout, group=None if dry_run else group)
     if group is not None and group.rank != 0:
         return
     if as_json:
@@ -76,11 +81,12 @@ def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mod
         return _render_deepspeed(s, result, dry_run, human_bytes)
     verb = "would write" if dry_run else "wrote"
     for f in s["files"]:
-        click.echo(f"{verb} {f['name']:<40} {human_bytes(f['bytes']):>10}")
+        click.echo(f"{verb} {f['name']:<48} {human_bytes(f['bytes']):>10}")
     for note in s["notes"]:
         click.echo(f"note: {note}")
     opt = f", optimizer {s['optimizer']}" if s["optimizer"] else ""
-    click.echo(f"{'plan' if dry_run else 'converted'}: {s['from']} -> {s['to']}, {s['keys']} keys{opt}, "
+    click.echo(f"{'plan' if dry_run else 'converted'}: {s['from']} -> {s['to']} ({s['layout']} layout), "
+               f"{s['keys']} keys{opt}, "
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
 

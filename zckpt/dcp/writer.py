@@ -283,11 +283,14 @@ def metadata_bytes(items: list[Item], checkpoint_id: str | None = None) -> bytes
 
 # ------------------------------------------------------------------------------------------- writing
 
-def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False) -> None:
-    """Write ``plan`` through ``pub`` (a :class:`zckpt.io.publish.Publisher`): every ``.distcp`` file, then
-    ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called with the bytes written."""
+def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False,
+               folder: str = "") -> None:
+    """Write ``plan`` through ``pub`` (a :class:`zckpt.io.publish.Publisher`), into its sub-folder ``folder``
+    when given: every ``.distcp`` file, then ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called
+    with the bytes written."""
     for f in plan.files:
-        dst = pub.path(f.name)
+        rel = f"{folder}/{f.name}" if folder else f.name
+        dst = pub.path(rel)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
@@ -298,7 +301,7 @@ def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=N
             os.close(fd)
         if progress:
             progress(f.size - sum(a.payload_bytes for a, _ in f.placed))
-        pub.done(f.name)
-    pub.write_bytes(METADATA, plan.metadata)
+        pub.done(rel)
+    pub.write_bytes(f"{folder}/{METADATA}" if folder else METADATA, plan.metadata)
     if progress:
         progress(len(plan.metadata))

@@ -650,18 +650,24 @@ def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool =
 def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
                 durable: bool = False, source: publish.Source | None = None,
                 storage_options: dict | None = None) -> Stats:
-    """:func:`zckpt.ops.convert.execute` with every rank of ``group``: the same files, byte for byte (DCP: every
-    ``.distcp`` file split by bytes like any other, ``.metadata``, DCP's commit, written by rank 0 last)."""
+    """:func:`zckpt.ops.convert.execute` with every rank of ``group``: the same files, byte for byte. Each DCP part
+    (``plan.parts``: sub-folder, layout) has its ``.distcp`` files split by bytes like any other file and its
+    ``.metadata`` (DCP's commit) written by rank 0 at the end; ``plan.copies`` are copied whole."""
     from zckpt.dcp.writer import METADATA
     maps = torchzip.SourceMaps()
     try:
-        layout = plan.layout
-        chunk = _chunk_for(group, [f.size for f in layout.files])
-        works = [placed_work(f.name, f.size, f.placed, maps, chunk) for f in layout.files]
-        archives = [a for f in layout.files for a, _ in f.placed]
+        def rel(folder: str, name: str) -> str:
+            return f"{folder}/{name}" if folder else name
+
+        files = [(rel(folder, f.name), f) for folder, part in plan.parts for f in part.files]
+        chunk = _chunk_for(group, [f.size for _, f in files])
+        works = [FileWork(r, size, src=src) for r, src, size in plan.copies]
+        works += [placed_work(r, f.size, f.placed, maps, chunk) for r, f in files]
+        archives = [a for _, f in files for a, _ in f.placed]
 
         def finish(pub):
-            pub.write_bytes(METADATA, layout.metadata)
+            for folder, part in plan.parts:
+                pub.write_bytes(rel(folder, METADATA), part.metadata)
 
         def check():
             publish.check_output(out, "convert", source, overwrite)
