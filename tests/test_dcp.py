@@ -242,8 +242,10 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
     with pytest.raises(UnsupportedLayout, match="loss scaler"):
         to_deepspeed(str(path), str(tmp_path / "b"), 2, 2, dict(G.build_ds_config(spec), fp16={"enabled": True}),
                      buffers=BUFFERS)
-    with pytest.raises(ZckptError, match="DeepSpeed config"):
+    with pytest.raises(ZckptError, match="precision"):
         to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, None, buffers=BUFFERS)
+    with pytest.raises(ZckptError, match="disagrees"):
+        to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, G.build_ds_config(spec), buffers=BUFFERS, dtype="bf16")
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
@@ -251,7 +253,8 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 @pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
-    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
+    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit.
+    The ZeRO-1 case is converted without the job's config (``dtype="fp32"``: DeepSpeed's defaults)."""
     import torch
     from safetensors.torch import load_file
     from tests import ds_oracle
@@ -259,7 +262,9 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, ti
     path, full = fsdp2
     G, spec = _oracle_spec(world_size, stage)
     out = tmp_path / "ds"
-    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    config = G.build_ds_config(spec) if stage != 1 else None
+    to_deepspeed(str(path), str(out), world_size, stage, config, buffers=BUFFERS, tied=tied,
+                 dtype=None if config else "fp32")
     if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
         from zckpt.deepspeed.layout import open_checkpoint
         assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"

@@ -368,12 +368,13 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             overwrite: bool = False, workers: int | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
-            stage: int | None = None, ds_config=None, buffers=None, tied=None, layout: str = "auto",
-            group=None):
+            stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
+            layout: str = "auto", group=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
-    ``world_size`` ranks, for the DeepSpeed config ``ds_config`` (dict or JSON path); ``buffers`` / ``tied`` say
+    ``world_size`` ranks, for the DeepSpeed config ``ds_config`` (dict or JSON path) or the precision ``dtype``;
+    ``buffers`` / ``tied`` say
     what DCP does not (:func:`zckpt.ops.to_deepspeed.to_deepspeed`, which this returns the result of).
 
     ``to="dcp"``: a PyTorch Distributed Checkpoint that FSDP2 + ``torch.optim.AdamW`` loads at any world size
@@ -396,7 +397,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
         if tag is not None:
             raise InvalidArgument("--tag picks a DeepSpeed tag; --to deepspeed reads a DCP folder",
                                   hint="pass the DCP folder itself")
-        return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dry_run=dry_run,
+        return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run=dry_run,
                                          overwrite=overwrite, workers=workers, progress=progress, durable=durable,
                                          storage_options=storage_options)
     ckpt = open_checkpoint(path, tag, storage_options)

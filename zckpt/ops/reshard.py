@@ -467,7 +467,9 @@ def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int) -> TorchObject:
     osd = OrderedDict()
     if t.flavour == "zero":
         osd.update(_loss_scaler_state(t))
-    osd["clip_grad"] = _clip_grad(t)
+    clip = _clip_grad(t)
+    if clip is not None:  # None: not known (a DCP source converted without a config): the engine keeps its own
+        osd["clip_grad"] = clip
     osd["base_optimizer_state"] = _elastic_base(state, gpads) if t.elastic else {"state": state,
                                                                                   "param_groups": pgroups}
     if t.elastic and "base_optimizer_state_step" in t.osd0:
