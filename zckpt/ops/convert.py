@@ -182,6 +182,10 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None) -> tuple[dict, lis
     """The state dict ``dcp.save`` would get from FSDP2 + torch's AdamW, from ``ckpt``'s files (no tensor read):
     ``(state, notes, optimizer name)``."""
     path = ckpt.location.tag_dir
+    if ckpt.state_refusal:  # the files hold optimizer state zckpt cannot place: never a DCP without it, exit 0
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
+                                hint="zckpt merge reads the weights exactly; for the optimizer state, save from an "
+                                     "optimizer built from model.named_parameters() (torch then saves the names)")
     byname = ckpt.by_name()
     model: dict = {}
     for rec in ckpt.records:
