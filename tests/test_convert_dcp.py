@@ -90,6 +90,16 @@ def test_dcp_holds_deepspeeds_training_state(name, tmp_path):
     check_against_oracle(load_dcp(out), name)
 
 
+def test_universal_source(tmp_path):
+    """A universal checkpoint (zckpt's own, which DeepSpeed's load_universal loads: tests/test_reshard.py) converts
+    to the same training state as its source."""
+    from zckpt.ops.reshard import reshard
+    reshard(str(FIXTURES / "z3_bf16_ws2"), str(tmp_path / "u"), world_size=3, fmt="universal")
+    res = convert(str(tmp_path / "u"), out=str(tmp_path / "dcp"))
+    assert any("universal" in n for n in res.plan.notes)
+    check_against_oracle(load_dcp(tmp_path / "dcp"), "z3_bf16_ws2")
+
+
 def test_keys_and_metadata_are_torchs_own(tmp_path):
     """Saving the loaded state again with torch's dcp.save gives the same keys, sizes, dtypes and nesting (torch's
     chunks differ: one per tensor); the .metadata is torch's Metadata dataclass."""
