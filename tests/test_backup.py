@@ -29,7 +29,8 @@ from zckpt.ops import scan
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = FIXTURES / "trainer" / "checkpoint-4"
 SAVE = FIXTURES / "z2_bf16_ws2"  # a DeepSpeed save folder: latest, global_step3/, zero_to_*.py
-PUSH_FILES = {scan.MANIFEST_NAME, scan.RECORD_NAME}
+MANIFEST, RECORD = "zckpt-manifest.json", ".zckpt-push.json"  # push's commit (written last) and record (first)
+PUSH_FILES = {MANIFEST, RECORD}
 
 
 def digest(data: bytes) -> tuple[int, str]:
@@ -92,11 +93,11 @@ def _expected_at_dest(name: str, src: Path, whole: Path) -> dict:
 
 def _check_manifests(name: str, got: dict, read) -> None:
     """Every pushed checkpoint has a push record and a manifest listing exactly its files, sizes and sha256."""
-    manifests = [k for k in got if k.rsplit("/", 1)[-1] == scan.MANIFEST_NAME]
+    manifests = [k for k in got if k.rsplit("/", 1)[-1] == MANIFEST]
     assert manifests, f"{name}: no manifest at DEST"
     for m in manifests:
-        base = m[: -len(scan.MANIFEST_NAME)]
-        assert base + scan.RECORD_NAME in got, f"{name}: {m} without its push record"
+        base = m[: -len(MANIFEST)]
+        assert base + RECORD in got, f"{name}: {m} without its push record"
         doc = json.loads(read(m))
         listed = {base + f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
         under = {k: v for k, v in without_push_files(got).items() if k.startswith(base)}
@@ -198,7 +199,7 @@ def test_pushed_and_published_files_get_ordinary_permissions(tmp_path, umask):
         want = 0o777 & ~umask if (reference / rel).is_dir() else mode
         assert pushed[rel] == want, (rel, oct(pushed[rel]), oct(want))
     assert pushed["zero_to_fp32.py"] == 0o755 & ~umask and pushed["config.json"] == 0o644 & ~umask
-    for rel in (scan.MANIFEST_NAME, scan.RECORD_NAME):
+    for rel in (MANIFEST, RECORD):
         assert pushed[rel] == 0o666 & ~umask, rel
     # merge and reshard outputs: the published folder, its subfolders and files
     for command in (["merge", src, "-o", tmp_path / "merged"], ["reshard", src, "-w", "2", "-o", tmp_path / "rs"]):
@@ -372,12 +373,12 @@ def test_verify_deep_catches_damage_to_a_pushed_trainer_checkpoint_at_every_leve
     def do(folder: Path) -> None:
         ck = folder / "checkpoint-4"
         if damage == "edited manifest":
-            doc = json.loads((ck / scan.MANIFEST_NAME).read_text())
+            doc = json.loads((ck / MANIFEST).read_text())
             entry = next(f for f in doc["files"] if f["path"] == "global_step4/mp_rank_00_model_states.pt")
             entry["sha256"] = "0" * 64
-            (ck / scan.MANIFEST_NAME).write_text(json.dumps(doc))
+            (ck / MANIFEST).write_text(json.dumps(doc))
         elif damage == "deleted manifest":
-            (ck / scan.MANIFEST_NAME).unlink()
+            (ck / MANIFEST).unlink()
         else:
             flip(ck / damage, 0.98 if damage == "model.safetensors" else 0.5)  # tensor data, not the header
 
@@ -400,11 +401,11 @@ def test_verify_catches_damage_to_a_pushed_save_folder_at_every_level(tmp_path, 
     def do(folder: Path) -> None:
         tag = folder / "global_step3"
         if damage == "edited manifest":
-            doc = json.loads((tag / scan.MANIFEST_NAME).read_text())
+            doc = json.loads((tag / MANIFEST).read_text())
             doc["files"][0]["sha256"] = "f" * 64
-            (tag / scan.MANIFEST_NAME).write_text(json.dumps(doc))
+            (tag / MANIFEST).write_text(json.dumps(doc))
         elif damage == "deleted manifest":
-            (tag / scan.MANIFEST_NAME).unlink()
+            (tag / MANIFEST).unlink()
         elif damage == "rank file":
             flip(next(tag.glob("*optim_states.pt")))
         else:
@@ -449,7 +450,7 @@ def test_verify_a_push_that_did_not_finish(tmp_path):
     shutil.copytree(TRAINER, src)
     dest = tmp_path / "dest"
     zckpt.push(str(tmp_path / "outputs"), str(dest), settle=0)
-    (dest / "checkpoint-4" / scan.MANIFEST_NAME).unlink()
+    (dest / "checkpoint-4" / MANIFEST).unlink()
     (dest / "checkpoint-4" / "scheduler.pt").unlink()  # what had not arrived yet
     proc = cli("verify", dest / "checkpoint-4")
     assert proc.returncode == 1 and "not complete" in proc.stdout, proc.stdout
@@ -476,5 +477,5 @@ def test_verify_a_backup_on_s3(s3_server, tmp_path):
         storage.write_bytes_atomic(key, bytes(data))
         for level in ("checkpoint-4", "checkpoint-4/global_step4"):
             assert not zckpt.verify(s3_server.url(prefix, *level.split("/")), deep=True).ok, level
-        storage.remove(storage.join(dest, "checkpoint-4", scan.MANIFEST_NAME))
+        storage.remove(storage.join(dest, "checkpoint-4", MANIFEST))
         assert not zckpt.verify(s3_server.url(prefix, "checkpoint-4")).ok
