@@ -61,14 +61,19 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     files for the world size and stage named (latest and the marker written last).
     """
     from zckpt.ops.convert import convert as run
+    from zckpt.ops.distributed import launched
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
-                     progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
-                     world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
-                     dtype=dtype, layout=layout)
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
+                         progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
+                         world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
+                         dtype=dtype, layout=layout, group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     if as_json:
         emit_json(result.to_json(), path=path, tag=tag)
         return

@@ -135,7 +135,7 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
         mine = [(n, t) for n, t, layer, gid, _ in tensors if gid // (counts[layer] // ep) == e]
         opt = st.get("optimizer") if isinstance(st, dict) else None
         recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
-        notes += [f"expert-parallel rank {e}: {n}" for n in more]
+        notes += [type(n)(f"expert-parallel rank {e}: {n}") for n in more]
         for gi in gis:
             expert_group = bool(gi.hyperparams.get("moe"))
             if any((n in dense_names) == expert_group for n in gi.names):
@@ -155,7 +155,8 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
     notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
-                      parallel="moe", reshard_refusal=REFUSAL)
+                      parallel="moe", reshard_refusal=REFUSAL,
+                      state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
 
 
 def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:

@@ -182,6 +182,10 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None) -> tuple[dict, lis
     """The state dict ``dcp.save`` would get from FSDP2 + torch's AdamW, from ``ckpt``'s files (no tensor read):
     ``(state, notes, optimizer name)``."""
     path = ckpt.location.tag_dir
+    if ckpt.state_refusal:  # the files hold optimizer state zckpt cannot place: never a DCP without it, exit 0
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
+                                hint="zckpt merge reads the weights exactly; for the optimizer state, save from an "
+                                     "optimizer built from model.named_parameters() (torch then saves the names)")
     byname = ckpt.by_name()
     model: dict = {}
     for rec in ckpt.records:
@@ -369,7 +373,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
-            layout: str = "auto"):
+            layout: str = "auto", group=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -384,12 +388,16 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     checkpoint folder; see :func:`plan_convert`), ``"auto"`` (trainer for a Trainer checkpoint-N, else dcp).
     ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
-    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``."""
+    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
+    of a launcher's job (:func:`zckpt.ops.distributed.launched`): each writes a share, rank 0 publishes."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if to == "deepspeed":
         from zckpt.ops import to_deepspeed
+        if group is not None:
+            raise InvalidArgument("convert --to deepspeed runs in one process, not under a launcher",
+                                  hint="run it without torchrun / srun (then zckpt reshard can use many)")
         if tag is not None:
             raise InvalidArgument("--tag picks a DeepSpeed tag; --to deepspeed reads a DCP folder",
                                   hint="pass the DCP folder itself")
@@ -404,6 +412,11 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
+    if group is not None:
+        from zckpt.ops import distributed
+        distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
+                                durable=durable, source=source, storage_options=ckpt.storage_options)
+    else:
+        execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
     result.seconds = time.perf_counter() - t0
     return result

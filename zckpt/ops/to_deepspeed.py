@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from zckpt.dcp.reader import check_stateless_named, is_dcp, matches, open_dcp
+from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
 from zckpt.ops import reshard
@@ -146,6 +146,9 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
     src = deepspeed_source(ckpt, cfg, buffers, config_known)
     plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied by the
+    # writer; its DCP folders are what the rank files replace
+    plan.files = [f for f in plan.files if not (f.kind == "copy" and f.relpath.split("/")[0] in TRAINER_PARTS)]
     plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
                       "load_lr_scheduler_states=False when the engine has a scheduler")
     if not config_known:
