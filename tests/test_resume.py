@@ -61,7 +61,8 @@ def _torch_load(path):
     return torch.load(str(path), map_location="cpu", weights_only=False)
 
 
-def resume_case(fixture_dir, tmp_path, name, ws, stage=None, bf16opt=None, train_steps=2, trace=False):
+def resume_case(fixture_dir, tmp_path, name, ws, stage=None, bf16opt=None, train_steps=2, trace=False,
+                oracle_prefixes=None):
     src_fx = fixture_dir(name)
     src = _ckpt(src_fx)
     offline = tmp_path / "offline"
@@ -80,7 +81,7 @@ def resume_case(fixture_dir, tmp_path, name, ws, stage=None, bf16opt=None, train
     losses = json.loads((out / "losses.json").read_text())
     assert losses["api"] == losses["offline"] and len(losses["api"]) == train_steps
     skip = ("loss_scaler",) if bf16opt else ()
-    assert_same_state(src_fx / "expected", out / "oracle", skip=skip)
+    assert_same_state(src_fx / "expected", out / "oracle", skip=skip, prefixes=oracle_prefixes)
     return out
 
 
@@ -125,7 +126,11 @@ OFFLOAD_CASES = [
 def test_resume_with_optimizer_offload_equals_offline_reshard(fixture_dir, tmp_path, name, ws, stage, bf16opt):
     """Offloaded optimizer states (CPU Adam; bf16 masters and moments): every rank's engine state after the
     in-memory load is bit-identical to a plain load of ``zckpt reshard``'s output, and so are the next losses."""
-    resume_case(fixture_dir, tmp_path, name, ws, stage, bf16opt)
+    # bf16 masters with fp32 CPU-Adam moments: DeepSpeed's own load rounds the moments to bf16 (docs/layouts.md),
+    # on both routes alike, so the source's moments are not what any engine holds after a load
+    rounded = name == "z2_bf16master_offload_ws2"
+    resume_case(fixture_dir, tmp_path, name, ws, stage, bf16opt,
+                oracle_prefixes=("fp32/", "module/", "buffer/") if rounded else None)
 
 
 def _overlap(reads) -> int:
