@@ -242,8 +242,10 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
     with pytest.raises(UnsupportedLayout, match="loss scaler"):
         to_deepspeed(str(path), str(tmp_path / "b"), 2, 2, dict(G.build_ds_config(spec), fp16={"enabled": True}),
                      buffers=BUFFERS)
-    with pytest.raises(ZckptError, match="DeepSpeed config"):
+    with pytest.raises(ZckptError, match="precision"):
         to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, None, buffers=BUFFERS)
+    with pytest.raises(ZckptError, match="disagrees"):
+        to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, G.build_ds_config(spec), buffers=BUFFERS, dtype="bf16")
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
@@ -251,7 +253,8 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 @pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
-    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
+    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit.
+    The ZeRO-1 case is converted without the job's config (``dtype="fp32"``: DeepSpeed's defaults)."""
     import torch
     from safetensors.torch import load_file
     from tests import ds_oracle
@@ -259,7 +262,9 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, ti
     path, full = fsdp2
     G, spec = _oracle_spec(world_size, stage)
     out = tmp_path / "ds"
-    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    config = G.build_ds_config(spec) if stage != 1 else None
+    to_deepspeed(str(path), str(out), world_size, stage, config, buffers=BUFFERS, tied=tied,
+                 dtype=None if config else "fp32")
     if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
         from zckpt.deepspeed.layout import open_checkpoint
         assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
@@ -420,3 +425,61 @@ def test_dcp_behind_an_s3_url(fsdp2, s3_server, tmp_path):
     merge(str(path), str(tmp_path / "local"))
     remote, local = (tmp_path / d / "model.safetensors" for d in ("remote", "local"))
     assert remote.read_bytes() == local.read_bytes()
+
+
+def test_torchtitan_style_keys(tmp_path):
+    """Model keys at the top level, ``optimizer`` saved with flatten_optimizer_state_dict=True, scheduler and train
+    state beside them (torchtitan's layout): the moments are found per parameter; merge gives the model; converting
+    to DeepSpeed is refused in one line (the flattened form records no param groups)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from zckpt.dcp.reader import open_dcp
+    from zckpt.ops.merge import load_state_dict
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1}},
+             checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    ckpt = open_dcp(str(tmp_path / "tt"))
+    assert [r.name for r in ckpt.records if r.exp_avg] == list(msd)
+    assert {"lr_scheduler.last_epoch", "train_state.step"} <= set(ckpt.extra["other"])
+    sd = load_state_dict(str(tmp_path / "tt"))
+    assert sorted(sd) == sorted(msd) and all(torch.equal(sd[k], msd[k]) for k in msd)
+    with pytest.raises(UnsupportedLayout, match="no optimizer param groups"):
+        to_deepspeed(str(tmp_path / "tt"), str(tmp_path / "ds"), 1, 1, {"zero_optimization": {"stage": 1}}, buffers="")
+
+
+def test_trainer_fsdp_checkpoint_as_source(tmp_path):
+    """A Trainer / Accelerate FSDP checkpoint (pytorch_model_fsdp_0/ + optimizer_0/, SHARDED_STATE_DICT; here
+    made by ``convert --to dcp --layout trainer`` from the Trainer fixture) is one checkpoint: merge gives the
+    DeepSpeed checkpoint's weights and a from_pretrained folder; --to deepspeed gives its state back identical."""
+    from tests.conftest import FIXTURES
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.ops.convert import convert
+    from zckpt.ops.merge import merge
+    from zckpt.ops.verify import verify
+    src_path = FIXTURES / "trainer" / "checkpoint-4"
+    src = open_checkpoint(str(src_path))
+    convert(str(src_path), to="dcp", out=str(tmp_path / "fsdp"), layout="trainer")
+    ckpt = open_checkpoint(str(tmp_path / "fsdp"))
+    assert ckpt.format == "dcp" and {f.name for f in ckpt.files if f.kind == "metadata"} == {
+        "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"}
+    assert verify(str(tmp_path / "fsdp"), deep=True).ok
+    merge(str(tmp_path / "fsdp"), str(tmp_path / "m-dcp"))
+    merge(str(src_path), str(tmp_path / "m-ds"))
+    assert (tmp_path / "m-dcp" / "config.json").exists()
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "m-dcp" / "model.safetensors"), load_file(tmp_path / "m-ds" / "model.safetensors")
+    assert set(b) <= set(a) and all(a[k].equal(b[k]) for k in b)
+    tied = [f"{r.name}={r.tied_to}" for r in src.of_kind("tied")]
+    convert(str(tmp_path / "fsdp"), to="deepspeed", out=str(tmp_path / "ds"), world_size=src.world_size,
+            stage=src.stage, ds_config=src.ds_config, buffers=",".join(r.name for r in src.of_kind("buffer")),
+            tied=tied)
+    from zckpt.dcp.reader import is_dcp
+    assert not is_dcp(str(tmp_path / "ds")) and (tmp_path / "ds" / "trainer_state.json").exists()
+    assert _state(open_checkpoint(str(tmp_path / "ds"))) == _state(src)

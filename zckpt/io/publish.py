@@ -436,6 +436,11 @@ class Publisher:
                              storage_options=self.storage_options)
             os.remove(local)
 
+    def adopt(self, rel: str, size: int) -> None:
+        """``rel`` (``size`` bytes) was written into the output by another process (a distributed run's rank):
+        list it in the marker; :meth:`commit` checks it is there, at that size, on object stores."""
+        self.files[rel.replace(os.sep, "/")] = int(size)
+
     def write_bytes(self, rel: str, data: bytes) -> None:
         if self.remote:
             storage.write_bytes_atomic(storage.join(self.out, rel), data, self.storage_options)
