@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, output_options, settings, storage_option, tag_option
+from zckpt.cli._common import (
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+)
 
 
 @click.command(epilog="""\b
@@ -16,7 +18,7 @@ Examples:
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
-                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see docs/migrate-fsdp2.md).")
+                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2).")
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
@@ -43,8 +45,16 @@ def convert(path, to, out, adam_mode, tag, workers, overwrite, durable, dry_run,
     with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
                      progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options)
+    if not dry_run:
+        published(result.output)
     if as_json:
-        emit_json(result.to_json(), path=path, tag=tag)
+        doc = result.to_json()
+        doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
+        # "format" is what was written, as in merge and reshard ("to"/"from" are reshard's layouts)
+        doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
+        mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer" is the ZeRO optimizer)
+        doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
+        emit_json(doc)
         return
     if quiet:  # -q: silent on success
         return

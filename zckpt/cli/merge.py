@@ -62,7 +62,7 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     if not dry_run:
         published(result.output)
     if as_json:
-        emit_json(result.to_json(), path=path, tag=tag)
+        emit_json(result.to_json())
         return
     if quiet:  # -q: silent on success
         return

@@ -59,22 +59,32 @@ class Check:
         """What to do about a failed check ("" when it passed)."""
         return "" if self.ok else NEXT_STEPS.get(self.name, "")
 
+    def __repr__(self) -> str:
+        return f"<Check {'ok' if self.ok else 'BAD'} {self.name}: {self.detail[:80]}>"
+
 
 @dataclass
 class VerifyReport:
     path: str
     checks: list[Check] = field(default_factory=list)
     bytes_read: int = 0
+    tag: str | None = None  # the tag checked (None: a merge output or pushed folder, which have none)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
+    def __repr__(self) -> str:
+        bad = [c.name for c in self.checks if not c.ok]
+        verdict = "consistent" if not bad else f"NOT consistent ({', '.join(bad[:3])})"
+        read = f", read {format_size(self.bytes_read)}" if self.bytes_read else ""
+        return f"<VerifyReport {self.path!r}: {verdict}, {len(self.checks)} checks{read}>"
+
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
     def to_json(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "bytes_read": self.bytes_read,
+        return {"path": self.path, "tag": self.tag, "ok": self.ok, "bytes_read": self.bytes_read,
                 "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
                             "hint": names_rendered(c.hint) or None} for c in self.checks]}
 
@@ -99,6 +109,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
             check_manifest(str(path), report, hashes=True, progress=progress, storage_options=opts)
             return report
         raise
+    report.tag = ckpt.location.tag
     t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
