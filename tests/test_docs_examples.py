@@ -3,7 +3,8 @@ the generated docs/cli.md) runs here, against small copies of the committed fixt
 
 Names the docs use stand for fixtures: ``checkpoint-400`` is the Trainer checkpoint, ``ckpt/``, ``ds_ckpt/`` and
 ``ds_save/`` a DeepSpeed save folder, ``outputs/`` a training output folder holding both, ``config.json`` and
-``Qwen3-8B/`` a Qwen3-8B config. Examples that cannot run here are skipped with the reason: S3 and Hub URLs
+``Qwen3-8B/`` a Qwen3-8B config, ``fsdp2-step-1200/`` a DCP checkpoint (``dcp.save`` of ``get_state_dict`` of a
+small model and its AdamW) and ``ds_config.json`` a DeepSpeed config. Examples that cannot run here are skipped with the reason: S3 and Hub URLs
 (tests/test_push.py covers them against a real local S3 server), ``--every`` (runs until Ctrl-C), and synopsis lines
 with placeholders (``--params P``).
 """
@@ -79,9 +80,30 @@ def workspace(tmp_path, monkeypatch):
     for where in ("config.json", "Qwen3-8B/config.json"):
         (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / where).write_text(json.dumps(QWEN3_8B))
+    _dcp(tmp_path / "fsdp2-step-1200")
+    (tmp_path / "ds_config.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+                                                         "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
     (tmp_path / "fixtures").symlink_to(FIXTURES)
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+def _dcp(path: Path) -> None:
+    """A real DCP checkpoint: torch's dcp.save (one process) of get_state_dict after one AdamW step."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming ... a single process"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), no_dist=True)
 
 
 def _args(command: str, workspace: Path) -> list[str]:

@@ -151,3 +151,37 @@ def test_moe_data_before_expert_parallelism_merges_exactly(tmp_path):
     d = info_of(ck)
     assert (d["dp_world_size"], d["ep_world_size"], d["pp_world_size"], d["tp_world_size"]) == (4, 2, 1, 1)
     assert zckpt.verify(ck, deep=True).ok
+
+
+# ------------------------------------------------------------------------------------------------ ZeRO-2 ties
+
+def _without_recorded_tie(tmp_path: Path, change=None) -> Path:
+    """``z2_bf16_ws2`` as DeepSpeed writes a tie it did not record (AutoEP's router alias, 0.19.8: ``shared_params``
+    empty, the alias a separate copy in ``module``): ``head.weight`` cloned, its ``shared_params`` entry gone."""
+    import shutil
+    src = checkpoint_path(FIXTURES / "z2_bf16_ws2")
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck, ignore=shutil.ignore_patterns("expected"))
+    f = ck / (ck / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=False)
+    sd["shared_params"].pop("head.weight")
+    sd["module"]["head.weight"] = sd["module"]["head.weight"].clone()
+    if change is not None:
+        change(sd["module"]["head.weight"])
+    torch.save(sd, f)
+    return ck
+
+
+def test_zero2_unrecorded_tie_is_found_by_its_bytes(tmp_path):
+    oracle, _ = _oracle(FIXTURES / "z2_bf16_ws2")
+    ck = _without_recorded_tie(tmp_path)
+    rec = zckpt.open_checkpoint(str(ck)).by_name()["head.weight"]
+    assert rec.kind == "tied" and rec.tied_to == "emb.weight"
+    sd = zckpt.load_state_dict(str(ck))
+    assert torch.equal(sd["head.weight"], oracle["fp32/emb.weight"])  # the master, not its bf16 copy
+
+
+def test_zero2_unlisted_entry_matching_no_parameter_refused(tmp_path):
+    ck = _without_recorded_tie(tmp_path, change=lambda t: t.view(-1)[0].add_(1.0))
+    with pytest.raises(UnsupportedLayout, match="'head.weight' is in 'module' but in neither.*no parameter holds"):
+        zckpt.open_checkpoint(str(ck))

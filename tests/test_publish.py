@@ -133,7 +133,9 @@ def test_default_outputs_lie_next_to_the_checkpoint(outputs):
     assert sorted(Path(p).name for p in sort_checkpoints(str(outputs))) == ["checkpoint-2", "checkpoint-4"]
     assert Path(get_last_checkpoint(str(outputs))).name == "checkpoint-4"
     found, _ = find_checkpoints(str(outputs))
-    assert [c.name for c in found] == ["checkpoint-2", "checkpoint-4"]
+    assert [c.name for c in found if c.kind != "skip"] == ["checkpoint-2", "checkpoint-4"]
+    assert {c.name: c.kind for c in found if c.kind == "skip"} == {"merged-checkpoint-4-bf16": "skip",
+                                                                   "resharded-checkpoint-4-ws3": "skip"}
     # the outputs are verifiable as what they are
     assert verify(res.output).ok
     assert verify(rs.output).ok
@@ -363,9 +365,14 @@ def test_push_never_takes_a_zckpt_output_for_a_checkpoint(outputs, tmp_path, mon
     assert check_complete(str(outputs / "checkpoint-4"))[0]
     dest = tmp_path / "dest"
     result = push(str(outputs), str(dest), settle=0)
-    assert sorted(c.name for c in result.checkpoints) == ["checkpoint-2", "checkpoint-4"]
+    assert {c.name: c.status for c in result.checkpoints} == {
+        "checkpoint-2": "pushed", "checkpoint-4": "pushed", "merged-checkpoint-4-fp32": "skipped",
+        "resharded-checkpoint-4-ws3": "skipped"}  # said, not silently left out
+    assert "zckpt reshard output" in {c.name: c.reason for c in result.checkpoints}["resharded-checkpoint-4-ws3"]
     assert sorted(p.name for p in dest.iterdir()) == ["checkpoint-2", "checkpoint-4"]
     assert not (dest / "checkpoint-4" / "old-merge").exists()
     assert (dest / "checkpoint-4" / "zckpt-manifest.json").exists()
-    # a merge output given as SRC is not a checkpoint either
-    assert push(str(outputs / "merged-checkpoint-4-fp32"), str(tmp_path / "dest2"), settle=0).checkpoints == []
+    # a merge output given as SRC is not a checkpoint either: refused, saying why
+    with pytest.raises(InvalidArgument, match="zckpt merge output"):
+        push(str(outputs / "merged-checkpoint-4-fp32"), str(tmp_path / "dest2"), settle=0)
+    assert not (tmp_path / "dest2").exists()

@@ -32,6 +32,7 @@ P = importlib.import_module("zckpt.ops.push")  # the module (zckpt.ops.push is a
 ROOT = Path(__file__).resolve().parent.parent
 REAL_TRAINER = ROOT / "fixtures" / "trainer" / "checkpoint-4"
 MANIFEST = P.MANIFEST_NAME
+PUSH_FILES = (P.MANIFEST_NAME, P.RECORD_NAME)  # push's commit (written last) and its record (written first)
 
 
 # ============================================================================================ builders
@@ -190,8 +191,8 @@ def test_real_deepspeed_tags(tag, tmp_path):
     copy = tmp_path / tag.name
     shutil.copytree(tag, copy)
     ranks = sorted(copy.glob("*zero_pp_rank_*"), key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
-    if not ranks:  # ZeRO-0: one model-states file holds everything, no per-rank files to lose
-        assert not list(copy.glob("*optim_states.pt"))
+    if not ranks:  # ZeRO-0: one model-states file holds everything, no per-dp-rank files to lose (MoE without
+        assert not list(copy.glob("*zero_pp_rank_*optim_states.pt"))  # ZeRO: expp_rank_* per expert-parallel rank)
         return
     last = ranks[-1].name.split("zero_pp_rank_")[1].split("_")[0]
     for p in copy.glob(f"*zero_pp_rank_{last}_*"):
@@ -240,12 +241,13 @@ def test_push_s3_complete_arrives_identical_incomplete_held_back(s3, tmp_path, m
     want = local_files(good)
     got = {k[len("checkpoint-2/"):]: hashlib.sha256(v).hexdigest() for k, v in objects.items()}
     manifest = json.loads(objects[f"checkpoint-2/{MANIFEST}"])
-    assert {k: v for k, v in got.items() if k != MANIFEST} == want  # byte-identical
+    assert {k: v for k, v in got.items() if k not in PUSH_FILES} == want  # byte-identical
     assert {f["path"]: f["sha256"] for f in manifest["files"]} == want
     assert {f["path"]: f["size"] for f in manifest["files"]} == {k: len(objects["checkpoint-2/" + k]) for k in want}
     # the manifest is written last
     uploads = rec.uploads()
-    assert uploads[-1].endswith(f"checkpoint-2/{MANIFEST}") and len(uploads) == len(want) + 1
+    assert uploads[-1].endswith(f"checkpoint-2/{MANIFEST}") and len(uploads) == len(want) + 2
+    assert uploads[0].endswith(f"checkpoint-2/{P.RECORD_NAME}")  # the push record before any file
     # s3 objects carry their sha256, so a resumed push can trust them without a manifest
     meta = storage.metadata(storage.join(dest, "checkpoint-2", "latest"))
     assert meta["sha256"] == want["latest"]
@@ -319,7 +321,7 @@ def test_sigkill_mid_upload_leaves_no_manifest_and_resumes(s3, tmp_path):
     assert c["bytes_sent"] <= total - sum(finished.values())
     assert c["files_skipped"] >= len(finished)
     objects = s3_objects(s3, f"{s3.prefix}/checkpoint-8")
-    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k != MANIFEST} == want
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k not in PUSH_FILES} == want
 
 
 def test_server_stopped_mid_upload_then_restarted(s3, tmp_path):
@@ -354,7 +356,7 @@ def test_server_stopped_mid_upload_then_restarted(s3, tmp_path):
     # (the retries may happen inside botocore/s3fs, or in zckpt's own per-file retry loop: both are fine)
     objects = s3_objects(s3, f"{s3.prefix}/checkpoint-6")
     want = local_files(ckpt)
-    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k != MANIFEST} == want
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k not in PUSH_FILES} == want
     assert json.loads(objects[MANIFEST])["total_bytes"] == sum(len(objects[k]) for k in want)
 
 
@@ -415,7 +417,7 @@ def test_real_trainer_fixture_to_s3(s3, tmp_path):
     result = P.push(str(src), dest, settle=0)
     assert [c.status for c in result.checkpoints] == ["pushed"]
     objects = s3_objects(s3, f"{s3.prefix}/checkpoint-4")
-    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k != MANIFEST} == \
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k not in PUSH_FILES} == \
         local_files(src / "checkpoint-4")
     assert P.push(str(src), dest, settle=0).files_sent == 0
 
@@ -589,7 +591,7 @@ def test_trainer_callback_with_a_real_trainer(tmp_path):
         manifest = json.loads((dest / f"checkpoint-{step}" / MANIFEST).read_text())
         assert "trainer_state.json" in {f["path"] for f in manifest["files"]}
         assert local_files(tmp_path / "out" / f"checkpoint-{step}") == \
-            {k: v for k, v in local_files(dest / f"checkpoint-{step}").items() if k != MANIFEST}
+            {k: v for k, v in local_files(dest / f"checkpoint-{step}").items() if k not in PUSH_FILES}
 
 
 # ============================================================================================ the Hub
@@ -778,7 +780,7 @@ def test_cli_storage_options_reach_s3(s3_server, tmp_path, monkeypatch):
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
     objects = s3_objects(s3_server, f"{prefix}/checkpoint-2")
-    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k != MANIFEST} == local_files(ckpt)
+    assert {k: hashlib.sha256(v).hexdigest() for k, v in objects.items() if k not in PUSH_FILES} == local_files(ckpt)
     fs, _ = storage.get_fs(s3_server.url(prefix))  # the CLI does not leak its options into later calls
     assert "key" not in fs.storage_options and fs.storage_options.get("endpoint_url") != opts["endpoint_url"]
 

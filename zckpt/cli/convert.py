@@ -14,11 +14,25 @@ Examples:
   zckpt convert ckpt/ --to dcp -o ckpt-dcp/
   zckpt convert checkpoint-400 --to dcp -o checkpoint-400-dcp/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
-  zckpt convert ckpt/ --to dcp --dry-run --json""")
+  zckpt convert ckpt/ --to dcp --dry-run --json
+  zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/""")
 @click.argument("path")
-@click.option("--to", "to", type=click.Choice(["dcp"]), default="dcp", show_default=True,
+@click.option("--to", "to", type=click.Choice(["dcp", "deepspeed"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
-                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2).")
+                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
+                   "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
+                   "engine.load_checkpoint restores (needs --world-size, --stage, --ds-config).")
+@click.option("--world-size", type=click.IntRange(1), default=None, help="--to deepspeed: the DeepSpeed job's ranks.")
+@click.option("--stage", type=click.IntRange(1, 3), default=None, help="--to deepspeed: the ZeRO stage (1, 2, 3).")
+@click.option("--ds-config", default=None, metavar="JSON",
+              help="--to deepspeed: the DeepSpeed config the job runs with (precision, gradient_clipping and "
+                   "zero_optimization shape the files).")
+@click.option("--buffers", default=None, metavar="NAMES",
+              help="--to deepspeed: comma-separated names or fnmatch patterns of the module tensors without "
+                   "optimizer state that are buffers (DCP does not record it); '' when none are.")
+@click.option("--tied", multiple=True, metavar="ALIAS=SOURCE",
+              help="--to deepspeed: a weight FSDP2 saved under two names (e.g. lm_head.weight=embed.weight), "
+                   "written as DeepSpeed's shared_params. Repeatable.")
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
@@ -30,13 +44,15 @@ Examples:
 @output_options("convert", "files, keys, sizes")
 @storage_option
 @global_options()
-def convert(path, to, out, adam_mode, tag, workers, overwrite, durable, dry_run, storage_options, as_json, quiet):
-    """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, keeping the whole training state.
+def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mode, tag, workers, overwrite, durable,
+            dry_run, storage_options, as_json, quiet):
+    """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
 
     The fp32 masters become the model parameters; Adam moments, steps and param groups (lr, betas, eps, weight
     decay) become torch AdamW state under each parameter's name; frozen weights, buffers, the LR scheduler state
     and counters are kept, bit for bit. Bytes stream from the source files; .metadata is written last and the
-    folder appears atomically.
+    folder appears atomically. With --to deepspeed, a DCP checkpoint of FSDP2 + AdamW becomes DeepSpeed ZeRO-1/2/3
+    files for the world size and stage named (latest and the marker written last).
     """
     from zckpt.ops.convert import convert as run
     from zckpt.units import format_size as human_bytes
@@ -44,21 +60,26 @@ def convert(path, to, out, adam_mode, tag, workers, overwrite, durable, dry_run,
     settings().output = out
     with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
         result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
-                     progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options)
+                     progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
+                     world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied))
     if not dry_run:
         published(result.output)
     if as_json:
         doc = result.to_json()
         doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
-        # "format" is what was written, as in merge and reshard ("to"/"from" are reshard's layouts)
-        doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
-        mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer" is the ZeRO optimizer)
-        doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
+        if to == "dcp":  # "format" is what was written, as in merge and reshard ("to"/"from": reshard's layouts)
+            doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
+            mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer": the ZeRO optimizer)
+            doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
+        else:  # --to deepspeed: reshard's result (from / to: the layouts)
+            doc["source_format"] = "dcp"
         emit_json(doc)
         return
     if quiet:  # -q: silent on success
         return
     s = result.plan.summary()
+    if to == "deepspeed":
+        return _render_deepspeed(s, result, dry_run, human_bytes)
     verb = "would write" if dry_run else "wrote"
     for f in s["files"]:
         click.echo(f"{verb} {f['name']:<40} {human_bytes(f['bytes']):>10}")
@@ -68,3 +89,15 @@ def convert(path, to, out, adam_mode, tag, workers, overwrite, durable, dry_run,
     click.echo(f"{'plan' if dry_run else 'converted'}: {s['from']} -> {s['to']}, {s['keys']} keys{opt}, "
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
+
+
+def _render_deepspeed(s: dict, result, dry_run: bool, human_bytes) -> None:
+    verb = "would write" if dry_run else "wrote"
+    for f in s["files"]:
+        click.echo(f"{verb} {f['name']:<56} {human_bytes(f['bytes']):>10}")
+    for note in s["notes"]:
+        click.echo(f"note: {note}")
+    to = s["to"]
+    click.echo(f"{'plan' if dry_run else 'converted'}: DCP ({s['from']['world_size']} ranks) -> DeepSpeed ZeRO-"
+               f"{to['stage']} x {to['world_size']} ranks ({s['precision']}), {human_bytes(s['total_bytes'])} -> "
+               f"{result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else ""))

@@ -123,7 +123,7 @@ def _render(result, as_json: bool, quiet: bool) -> None:
         for name in result.root_files_sent:
             click.echo(f"{name}: {'would update' if result.dry_run else 'updated'} at DEST")
         if not result.checkpoints:
-            click.echo("no checkpoints found in SRC")
+            click.echo("no checkpoints found in SRC")  # a one-shot push then fails, unless --allow-empty
 
 
 @click.command(epilog="""\b
@@ -151,10 +151,13 @@ AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Guide: 
               help="S3 multipart part size (default 50MiB): 64MB = 64M = 64*10**6 bytes, 8MiB = 8*2**20.")
 @click.option("--retries", type=click.IntRange(min=0), default=5, show_default=True,
               help="Retries per file and request, with growing pauses, before a checkpoint fails.")
+@click.option("--allow-empty", is_flag=True,
+              help="Exit 0 when nothing was pushed (no checkpoint found, none complete); by default that is an error "
+                   "(--every always goes on waiting).")
 @storage_option
 @global_options()
-def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, storage_options, as_json,
-         quiet):
+def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, allow_empty,
+         storage_options, as_json, quiet):
     """Copy complete checkpoints from SRC to DEST (a folder, s3://..., hf://...).
 
     Only whole checkpoints are pushed (all rank files with intact zips, trainer_state.json, no file
@@ -175,7 +178,7 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
         if every:
             _run_every(src, dest, interval, kwargs, as_json, quiet)
         else:
-            _run_once(src, dest, kwargs, as_json, quiet)
+            _run_once(src, dest, {**kwargs, "allow_empty": allow_empty}, as_json, quiet)
     except KeyboardInterrupt:
         progress.close()
         click.echo("zckpt: interrupted; the unfinished checkpoint has no manifest; run again to resume", err=True)
@@ -196,7 +199,7 @@ def _run_once(src, dest, kwargs, as_json, quiet) -> None:
         result = _lib().push(src, dest, **kwargs)
     except Exception as exc:
         partial = getattr(exc, "push_result", None)
-        if partial is not None and not as_json:  # with --json the error object carries it ("result")
+        if partial is not None and not as_json and partial.checkpoints:  # --json: the error object carries it
             _render(partial, as_json, quiet)
             _report_other_failures(partial, exc)
         raise

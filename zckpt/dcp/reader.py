@@ -324,8 +324,8 @@ def check_stateless_named(ckpt: Checkpoint, buffers) -> None:
         raise UnsupportedLayout(f"'{left[0]}'" + (f" and {len(left) - 1} more" if len(left) > 1 else "") +
                                 " have no optimizer state, and DCP does not record whether a tensor is a buffer or a "
                                 "frozen weight", path=ckpt.location.tag_dir,
-                                hint="name the buffers with --buffers 'a,b*' (--buffers '' when all are frozen "
-                                     "weights or tied aliases)")
+                                hint="name the buffers with --buffers 'a,b*', or --buffers '' when all are frozen "
+                                     "weights or tied aliases")
 
 
 

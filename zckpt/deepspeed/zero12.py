@@ -24,8 +24,10 @@ them only in ``module`` (handled by :func:`layout.common_records`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 
+from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
@@ -175,6 +177,8 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                               f"{math.prod(shape)}", path=mpath)
         frozen[name] = TensorRecord(name, shape, "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)
 
+    if stage == 2 and isinstance(ms0.get("frozen_param_shapes"), dict):
+        ms0 = _with_unrecorded_ties(ms0, module, trainable, frozen, mpath, loc.storage_options)
     records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision])
     cfg = ms0.get("ds_config") or {}
     zcfg = cfg.get("zero_optimization") or {} if isinstance(cfg, dict) else {}
@@ -182,6 +186,44 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     offload = bool(zcfg.get("cpu_offload")) or (isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
     return Checkpoint(loc, stage, flavour, precision, ws, records, groups, ms0, optim_states, model_states,
                       offload=offload)
+
+
+def _with_unrecorded_ties(ms0: dict, module: dict, trainable: dict, frozen: dict, path: str,
+                          storage_options: dict | None = None) -> dict:
+    """ZeRO-2 lists every parameter: trainable ones in ``param_shapes``, all others (frozen, zero-size) in
+    ``frozen_param_shapes``, both walked with ``named_parameters()``, which yields a shared parameter once. A
+    ``module`` entry in neither (nor a buffer, nor in ``shared_params``) is therefore a second name of a parameter
+    whose tie DeepSpeed did not record (``shared_params`` is found by ``data_ptr``; ``torch.save`` copies may have
+    split the storage, as in AutoEP's router alias). It is tied to the one parameter holding the same bytes;
+    none or several such parameters are refused: as a frozen tensor it would give the training-dtype copy where
+    the engine has the master."""
+    shared = dict(ms0.get("shared_params") or {})
+    listed = set(trainable) | set(frozen) | set(shared) | set(ms0.get("buffer_names") or [])
+    extra = [n for n, t in module.items() if n not in listed and isinstance(t, LazyTensor)]
+    if not extra:
+        return ms0
+    digests: dict[str, tuple] = {}
+
+    def digest(name: str) -> tuple:
+        if name not in digests:
+            t = module[name]
+            h = hashlib.sha256()
+            for p in pieces_of(t):
+                h.update(storage.read_range(p.path, p.offset, p.nbytes, storage_options))
+            digests[name] = (tuple(t.shape), t.dtype, h.hexdigest())
+        return digests[name]
+
+    for name in extra:
+        t = module[name]
+        same = [n for n in list(trainable) + list(frozen) if isinstance(module.get(n), LazyTensor)
+                and (tuple(module[n].shape), module[n].dtype) == (tuple(t.shape), t.dtype) and digest(n) == digest(name)]
+        if len(same) != 1:
+            raise UnsupportedLayout(f"'{name}' is in 'module' but in neither param_shapes nor frozen_param_shapes (a "
+                                    "parameter shared under a second name), and " +
+                                    (f"{len(same)} parameters ({', '.join(same[:3])}) hold its values" if same else
+                                     "no parameter holds its values") + ": which one it is cannot be told", path=path)
+        shared[name] = same[0]
+    return dict(ms0, shared_params=shared)
 
 
 def param_shapes_alignment(osd: dict, g: int, nparams: int) -> list[int]:

@@ -425,7 +425,7 @@ def write_planned(archive: Archive, path: str, pool=None, progress=None, worker=
                   maps: "SourceMaps | None" = None) -> int:
     """Write an archive planned by :func:`plan_archive` as the new file ``path`` (nothing is pickled again);
     returns the file size, ``archive.file_size``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
         write_archive(archive, fd, pool, progress, worker, maps)
         if fsync:

@@ -24,7 +24,8 @@ old output whose new one never arrived is put back). ``zckpt push`` commits the 
 
 Where an output may go (:func:`check_output`, before any byte is written): never the source checkpoint, inside it,
 or containing it, where "the source" is the whole save folder (``latest`` and every tag) or Trainer
-``checkpoint-N`` folder, plus the ``checkpoint-N`` / ``global_stepN`` folders next to it. Default outputs
+``checkpoint-N`` folder, plus the ``checkpoint-N`` / ``global_stepN`` folders next to it; and never a folder next to
+it named like one (``checkpoint-N``, ``global_stepN``), whether or not it exists yet. Default outputs
 (:func:`default_output`) are siblings of the source whose names cannot be taken for checkpoints::
 
     outputs/checkpoint-4  ->  outputs/merged-checkpoint-4-fp32/         zckpt merge
@@ -208,6 +209,12 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         if rel == "contains":
             raise InvalidArgument(f"the output folder contains {what}; replacing it would delete it", path=out,
                                   hint=hint)
+    name = storage.basename(out)
+    if source is not None and _CHECKPOINT_NAME.match(name) and _relation(storage.parent(out),
+                                                                         storage.parent(source.root)) == "is":
+        raise InvalidArgument(f"the output would be named like a checkpoint ({name}) next to the source checkpoint: "
+                              "the Trainer's rotation deletes such folders and resuming would take it for one",
+                              path=out, hint="choose another name, e.g. the default: merged-... or resharded-...")
     if storage.is_url(out):
         if storage.isfile(out, storage_options):
             raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
@@ -322,7 +329,7 @@ def _exchange(a: str, b: str) -> bool:
 def publish_dir(tmp: str, out: str, durable: bool = False) -> None:
     """Move the finished folder ``tmp`` to ``out``. An existing ``out`` is swapped out in one step, or (where the
     kernel cannot) moved aside first; either way it is deleted only once the new one is in place."""
-    os.chmod(tmp, 0o755)
+    os.chmod(tmp, 0o777 & ~storage.umask())  # mkdtemp made it 0700: give it what mkdir would
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):
         if _exchange(tmp, out):  # tmp is now the old output

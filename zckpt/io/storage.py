@@ -33,7 +33,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO, Any
@@ -358,12 +357,44 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+_umask_lock = threading.Lock()
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; elsewhere set and restored under a
+    lock, which other threads creating files at that instant could see)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    with _umask_lock:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def _create_temp(folder: str, name: str, mode: int) -> tuple[int, str]:
+    """A new file ``.<name>.<random>.tmp`` in ``folder`` created with ``mode`` (the umask applies, as for ``cp``:
+    ``tempfile.mkstemp`` would make it 0600, unreadable to the rest of a team sharing the disk)."""
+    import secrets
+
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {name}", os.path.join(folder, name))
+
+
 @contextlib.contextmanager
-def _local_atomic(target: str) -> Iterator[IO[bytes]]:
-    """Write ``target`` through a temp file in the same folder, fsync, rename; nothing is left on failure."""
+def _local_atomic(target: str, mode: int = 0o666) -> Iterator[IO[bytes]]:
+    """Write ``target`` through a temp file in the same folder, fsync, rename; nothing is left on failure.
+    The file gets ``mode`` less the umask (what ``open()`` or ``cp`` would give)."""
     folder = os.path.dirname(os.path.abspath(target)) or "."
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    fd, tmp = _create_temp(folder, os.path.basename(target), mode)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -375,6 +406,13 @@ def _local_atomic(target: str) -> Iterator[IO[bytes]]:
             os.unlink(tmp)
         raise
     fsync_dir(folder)
+
+
+def _copy_mode(fd: int) -> int:
+    """The mode a copy gets (before the umask): the source's permission bits, as ``cp`` without ``-p``."""
+    import stat
+
+    return stat.S_IMODE(os.fstat(fd).st_mode) & 0o777
 
 
 def put_file(local_path_: str | os.PathLike, url: str | os.PathLike, callback: Callable[[int], Any] | None = None,
@@ -392,7 +430,7 @@ def put_file(local_path_: str | os.PathLike, url: str | os.PathLike, callback: C
     url = os.fspath(url)
     if not is_url(url):
         cb = callback or (lambda n: None)
-        with open(src, "rb") as fin, _local_atomic(local_path(url)) as fout:
+        with open(src, "rb") as fin, _local_atomic(local_path(url), _copy_mode(fin.fileno())) as fout:
             while True:
                 chunk = fin.read(_COPY_CHUNK)
                 if not chunk:

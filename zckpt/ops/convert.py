@@ -50,7 +50,7 @@ from zckpt.io import publish, storage
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("dcp",)
+FORMATS = ("dcp", "deepspeed")
 ADAM_MODES = ("adamw", "adam")
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 # torch 2.13 AdamW's param-group defaults besides the four above (what get_state_dict saves for every group)
@@ -296,8 +296,13 @@ def default_output(source: publish.Source, to: str) -> str:
 def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None = None, dry_run: bool = False,
             overwrite: bool = False, workers: int | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            adam_mode: str | None = None, storage_options: dict | None = None) -> ConvertResult:
+            adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
+            stage: int | None = None, ds_config=None, buffers=None, tied=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
+
+    ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
+    ``world_size`` ranks, for the DeepSpeed config ``ds_config`` (dict or JSON path); ``buffers`` / ``tied`` say
+    what DCP does not (:func:`zckpt.ops.to_deepspeed.to_deepspeed`, which this returns the result of).
 
     ``to="dcp"``: a PyTorch Distributed Checkpoint that FSDP2 + ``torch.optim.AdamW`` loads at any world size
     with ``dcp.load`` + ``set_state_dict`` (keys in this module's docstring and docs/migrate-fsdp2.md).
@@ -308,6 +313,14 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
+    if to == "deepspeed":
+        from zckpt.ops import to_deepspeed
+        if tag is not None:
+            raise InvalidArgument("--tag picks a DeepSpeed tag; --to deepspeed reads a DCP folder",
+                                  hint="pass the DCP folder itself")
+        return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dry_run=dry_run,
+                                         overwrite=overwrite, workers=workers, progress=progress, durable=durable,
+                                         storage_options=storage_options)
     ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)

@@ -23,16 +23,24 @@ from typing import Any
 
 from zckpt.io import hashing, publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
-from zckpt.ops.scan import TAG_STEP_RE, TRAINER_RE, step_of
+from zckpt.ops.scan import MANIFEST_NAME, RECORD_NAME, TAG_STEP_RE, TRAINER_RE, step_of  # noqa: F401
 
 # ``ctx`` arguments are the running push's ``zckpt.ops.push.PushContext`` (pool, cancel flag, retries, hashes); the
 # annotation is a name only: this module sits below push and never imports it
 
 log = logging.getLogger(__name__)
 
-MANIFEST_NAME = "zckpt-manifest.json"
 MANIFEST_FORMAT = "zckpt-manifest"
 MANIFEST_VERSION = 1
+
+
+def record_bytes(name: str) -> bytes:
+    """The push record (``.zckpt-push.json``), written before any file of a checkpoint is sent and kept: it makes
+    the folder a push destination, whose checkpoint is complete only with its manifest (a push killed half-way,
+    or a manifest deleted later, leaves it incomplete to ``zckpt verify``). Always the same bytes."""
+    doc = {"format": "zckpt-push", "version": 1, "checkpoint": name,
+           "complete_when": f"{MANIFEST_NAME} is here and every file it lists matches it"}
+    return (json.dumps(doc, indent=1) + "\n").encode()
 
 
 @dataclasses.dataclass
@@ -145,10 +153,17 @@ class FsDestination:
 
     # ---------------------------------------------------------------- writing
 
-    def begin(self, name: str, ctx: PushContext) -> None:
-        """Withdraw the commit (the manifest) before anything of a changed checkpoint is replaced."""
-        url = self.url_of(name, MANIFEST_NAME)
-        ctx.retry(lambda: publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options), url, name)
+    def begin(self, name: str, ctx: PushContext, withdraw: bool = True, record: bool = True) -> None:
+        """Before any file of the checkpoint is sent: withdraw the commit (the manifest) of a changed checkpoint,
+        then write the push record (unless it is there), so that from now on a reader (``zckpt verify``) knows
+        this folder is a push destination, complete only once its manifest is there."""
+        if withdraw:
+            url = self.url_of(name, MANIFEST_NAME)
+            ctx.retry(lambda: publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options), url,
+                      name)
+        if record:
+            url = self.url_of(name, RECORD_NAME)
+            ctx.retry(lambda: storage.write_bytes_atomic(url, record_bytes(name), self.storage_options), url, name)
 
     def send(self, name: str, tasks: list[FileTask], ctx: PushContext) -> None:
         # fewer files than workers: let each file use the spare workers as parallel multipart streams
@@ -237,7 +252,7 @@ class FsDestination:
             return False
 
     def write_root_files(self, files: dict[str, bytes], ctx: PushContext) -> None:
-        for rel, data in files.items():  # ROOT_FILES order: latest last
+        for rel, data in files.items():  # latest last (zckpt.ops.scan.find_checkpoints)
             url = self.url_of("", rel)
             ctx.retry(functools.partial(storage.write_bytes_atomic, url, data, self.storage_options), url)
 
@@ -438,8 +453,8 @@ class HubDestination:
         entry = self._list().get(self.path_of(name, MANIFEST_NAME))
         return entry is not None and entry.blob_id == hashing.git_blob_sha1_bytes(manifest)
 
-    def begin(self, name: str, ctx: PushContext) -> None:
-        pass  # the commit replaces files and manifest at once
+    def begin(self, name: str, ctx: PushContext, withdraw: bool = True, record: bool = True) -> None:
+        pass  # the commit replaces files and manifest at once (no push record: nothing is ever half there)
 
     def check_sizes(self, name: str, tasks: list[FileTask]) -> None:
         """Refuse, before anything is uploaded, a file over the Hub's per-file limit."""
@@ -534,7 +549,8 @@ class HubDestination:
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
         local = {t.rel for t in tasks}
-        stale = [rel for rel in self.remote_files(name) if rel not in local and rel != MANIFEST_NAME]
+        remote = self.remote_files(name)
+        stale = [rel for rel in remote if rel not in local and rel not in (MANIFEST_NAME, RECORD_NAME)]
         uploaded = self._ops.pop(name, {})
         ops, readers, pending = [], [], []
         for t in sends:

@@ -208,7 +208,7 @@ def shard_jobs(shard: ShardPlan) -> Iterator[tuple[int, list, str]]:
 def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: executor.Worker, progress,
                  durable: bool) -> None:
     executor.test_delay()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
         os.ftruncate(fd, shard.size)
         if fmt == "safetensors":

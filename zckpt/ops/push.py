@@ -42,17 +42,28 @@ from typing import Any
 
 from zckpt.io import hashing, storage
 from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
-    MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, FileTask, FsDestination, HubDestination, RemoteFile, FileChanged,
+    MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, RECORD_NAME, FileTask, FsDestination, HubDestination,
+    RemoteFile, FileChanged,
     check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
 )
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
-from zckpt.io.publish import has_marker
-from zckpt.ops.scan import LocalCheckpoint, check_complete, find_checkpoints, newest_mtime  # noqa: F401
+from zckpt.ops.scan import (  # noqa: F401 - check_complete is also zckpt.ops.push.check_complete
+    LocalCheckpoint, check_complete, checkpoint_files, find_checkpoints, newest_mtime,
+)
 
 log = logging.getLogger(__name__)
 
 
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3 multipart minimum
+
+
+class NothingPushed(ZckptError):
+    """A one-shot push found no checkpoint to push, or none complete: nothing is at DEST that was not before.
+
+    Raised by :func:`push` only with ``allow_empty=False`` (the CLI's default for a one-shot push, so that a cron
+    job with a wrong path fails); ``exc.push_result`` holds what was found."""
+
+    default_hint = "check SRC; pass --allow-empty if pushing nothing is fine"
 
 
 # ============================================================================================ hashing
@@ -267,20 +278,16 @@ def manifest_bytes(name: str, tasks: list[FileTask]) -> bytes:
 
 
 def _local_tasks(folder: str) -> list[FileTask]:
+    """One task per file of the checkpoint (:func:`zckpt.ops.scan.checkpoint_files`: every file, whatever the
+    folder is called)."""
     tasks = []
-    for dirpath, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if not has_marker(os.path.join(dirpath, d))]  # a zckpt output is not part of it
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, folder).replace(os.sep, "/")
-            if rel == MANIFEST_NAME:
-                continue
-            st = os.stat(path)
-            tasks.append(FileTask(rel, path, st.st_size, st.st_mtime_ns))
-    return sorted(tasks, key=lambda t: t.rel)
+    for f in checkpoint_files(folder):
+        st = os.stat(f.path)
+        tasks.append(FileTask(f.rel, f.path, st.st_size, st.st_mtime_ns))
+    return tasks
 
 
-def _plan(ckpt: LocalCheckpoint, dest, ctx: PushContext) -> tuple[list[FileTask], dict | None]:
+def _plan(ckpt: LocalCheckpoint, dest, ctx: PushContext) -> tuple[list[FileTask], dict | None, dict]:
     """Decide which files to send: a file is skipped when DEST has it with the same size and sha256."""
     tasks = _local_tasks(ckpt.path)
     remote = ctx.retry(lambda: dest.remote_files(ckpt.name), dest.url_of(ckpt.name), ckpt.name)
@@ -309,13 +316,13 @@ def _plan(ckpt: LocalCheckpoint, dest, ctx: PushContext) -> tuple[list[FileTask]
     for t in tasks:
         t.send = True
     wait_all([ctx.pool.submit(decide, t) for t in comparable], ctx)
-    return tasks, manifest
+    return tasks, manifest, remote
 
 
 def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> CheckpointResult:
     started = time.monotonic()
     result = CheckpointResult(ckpt.name, "failed", step=ckpt.step, dest=dest.url_of(ckpt.name))
-    tasks, remote_manifest = _plan(ckpt, dest, ctx)
+    tasks, remote_manifest, remote = _plan(ckpt, dest, ctx)
     sends = [t for t in tasks if t.send]
     result.files_total, result.bytes_total = len(tasks), sum(t.size for t in tasks)
     result.files_sent, result.bytes_sent = len(sends), sum(t.size for t in sends)
@@ -332,8 +339,8 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> C
         result.status, result.seconds = "dry-run", time.monotonic() - started
         return result
     ctx.emit("checkpoint-start", checkpoint=ckpt.name, total=result.bytes_sent, files=len(sends))
-    if remote_manifest is not None:
-        dest.begin(ckpt.name, ctx)  # the old manifest goes before any file of the checkpoint is replaced
+    # the old manifest goes before any file of the checkpoint is replaced; the push record comes before any file
+    dest.begin(ckpt.name, ctx, withdraw=remote_manifest is not None, record=RECORD_NAME not in remote)
     dest.send(ckpt.name, sends, ctx)
     for t in tasks:
         ctx.sha256(t)
@@ -347,6 +354,10 @@ def _select(checkpoints, settle, wait_settle, ctx, results):
     """Complete, settled checkpoints (waiting for ``settle`` where that is all they lack)."""
     ready = []
     for ckpt in checkpoints:
+        if ckpt.kind == "skip":  # next to the checkpoints, not one: said, never silently left out
+            results.append(CheckpointResult(ckpt.name, "skipped", ckpt.reason, ckpt.step))
+            ctx.emit("skipped", checkpoint=ckpt.name, message=ckpt.reason)
+            continue
         ok, reason = check_complete(ckpt.path)
         if not ok:
             results.append(CheckpointResult(ckpt.name, "incomplete", reason, ckpt.step))
@@ -417,7 +428,7 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
          dry_run: bool = False, storage_options: dict | None = None, progress: Callable[[PushEvent], Any] | None = None,
          hub_api=None, retries: int = 5, part_size: int | None = None, hash_cache: bool | str = True,
          only: Iterable[str] | None = None, wait_settle: bool = True,
-         cancel: threading.Event | None = None) -> PushResult:
+         cancel: threading.Event | None = None, allow_empty: bool = True) -> PushResult:
     """Push every complete checkpoint under ``src`` to ``dest`` (newest first) and return what happened.
 
     ``settle``: seconds no file may have changed (a complete but recent checkpoint is waited for when
@@ -426,7 +437,9 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     cleanly. ``hub_api``: an ``HfApi`` for ``hf://`` destinations. ``storage_options``: fsspec options for a URL
     ``dest`` (endpoint, credentials...: the CLI's ``--storage-option``), for this call only; ``src`` is always a
     local folder. Raises the first failure after trying every
-    checkpoint (the result is attached as ``exc.push_result``); incomplete checkpoints are not failures.
+    checkpoint (the result is attached as ``exc.push_result``); incomplete checkpoints are not failures, unless
+    none at all was pushed or found at DEST up to date and ``allow_empty`` is False: then :class:`NothingPushed`
+    (saying why: nothing found, or each checkpoint's reason) is raised, with the result attached.
     """
     started = time.monotonic()
     if workers < 1:
@@ -494,7 +507,31 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
         exc = PushInterrupted("push interrupted", path=src)
         exc.push_result = result
         raise exc
+    why = None if allow_empty else nothing_pushed(result)
+    if why is not None:
+        found = any(c.status != "skipped" for c in result.checkpoints)
+        exc = NothingPushed(why, path=src, hint="run it again once the checkpoint is complete; --allow-empty "
+                            "makes this exit 0" if found else None)
+        exc.push_result = result
+        raise exc
     return result
+
+
+def nothing_pushed(result: PushResult) -> str | None:
+    """Why ``result`` leaves nothing at DEST (no checkpoint found, or none complete), or None when at least one
+    checkpoint was pushed, is up to date there, or would be sent (``--dry-run``)."""
+    if any(c.status in ("pushed", "up-to-date", "dry-run") for c in result.checkpoints):
+        return None
+    if not any(c.status != "skipped" for c in result.checkpoints):
+        skipped = [c for c in result.checkpoints if c.status == "skipped"]
+        found = f"; {skipped[0].name}: {skipped[0].reason}" if skipped else ""
+        return "nothing pushed: no checkpoint found (a checkpoint-N or tag folder, a save folder, or a training " \
+               f"output folder holding them){found}"
+    first = next(c for c in result.checkpoints if c.status != "skipped")
+    n = sum(c.status != "skipped" for c in result.checkpoints)
+    return (f"nothing pushed: {'no checkpoint is' if n > 1 else 'the checkpoint is not'} complete "
+            f"({first.name or '.'}: {first.status}{': ' + first.reason if first.reason else ''}"
+            + (f"; and {n - 1} more" if n > 1 else "") + ")")
 
 
 def _run_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> CheckpointResult:

@@ -43,6 +43,7 @@ from typing import Callable
 
 from zckpt.engine import executor, torchzip
 from zckpt.io import publish, storage
+from zckpt.ops.scan import side_files
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import TorchObject
 from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
@@ -55,7 +56,6 @@ from zckpt.units import format_size
 log = logging.getLogger(__name__)
 
 FORMATS = ("deepspeed", "universal")
-SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 # ---------------------------------------------------------------------------------------------- plan data
@@ -686,34 +686,22 @@ def _copied(relpath: str, src: str, nbytes: int) -> PlannedFile:
 
 
 def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
-    """Recovery scripts, and a Trainer checkpoint's own files (config, trainer_state.json, RNG states...)."""
-    loc, opts = ckpt.location, ckpt.storage_options
+    """Everything of the checkpoint that is not its tag (:func:`zckpt.ops.scan.side_files`: a Trainer checkpoint's
+    config, trainer_state.json, scheduler, tokenizer, any subfolder..., a save folder's scripts and configs), copied
+    as it is; the RNG states renamed for the new ranks."""
     out: list[PlannedFile] = []
-    seen = set()
-    save_names = set(storage.listdir(loc.save_dir, opts)) if loc.save_dir else set()
-    for name in SCRIPTS:
-        if name in save_names:
-            p = storage.join(loc.save_dir, name)
-            out.append(_copied(name, p, storage.size(p, opts)))
-            seen.add(name)
-    if not loc.trainer_dir:
-        return out
-    names = storage.listdir(loc.trainer_dir, opts)
     rng_src = {}
-    for name in names:
-        path = storage.join(loc.trainer_dir, name)
-        if name in seen or name in ("latest", publish.MARKER) or name == loc.tag or not storage.isfile(path, opts):
+    for f in side_files(ckpt.location, ckpt.storage_options):
+        if f.rel == "rng_state.pth":
+            rng_src[0] = f
             continue
-        if name == "rng_state.pth":
-            rng_src[0] = path
+        if f.rel.startswith("rng_state_") and f.rel.endswith(".pth") and f.rel[10:-4].isdigit():
+            rng_src[int(f.rel[10:-4])] = f
             continue
-        if name.startswith("rng_state_") and name.endswith(".pth") and name[10:-4].isdigit():
-            rng_src[int(name[10:-4])] = path
-            continue
-        out.append(_copied(name, path, storage.size(path, opts)))
+        out.append(_copied(f.rel, f.path, f.size))
     for rank in range(world_size):  # ranks beyond the source's get no RNG file: the Trainer warns and goes on
         if rank in rng_src:
-            out.append(_copied(_rng_name(rank, world_size), rng_src[rank], storage.size(rng_src[rank], opts)))
+            out.append(_copied(_rng_name(rank, world_size), rng_src[rank].path, rng_src[rank].size))
     return out
 
 

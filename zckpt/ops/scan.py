@@ -1,9 +1,13 @@
-"""Which checkpoints in a folder are complete: Trainer ``checkpoint-N`` folders, DeepSpeed tags and save folders.
+"""A checkpoint's files, and which checkpoints in a folder are complete.
 
-Used by ``zckpt push`` before anything is sent: a checkpoint counts only when every rank file named by the layout
-is there and whole (zip directory and safetensors header readable, ``dp_world_size`` ranks present, Trainer state
-written). Folders holding a zckpt output marker (``.zckpt.json``: merged weights, reshard results) are never taken
-for checkpoints nor swept into one's upload. Nothing here unpickles tensors or imports torch.
+:func:`checkpoint_files` is the one definition of "the checkpoint's files" (push sends them, verify and info list
+and check them, reshard copies the ones outside the tag): every file below the checkpoint folder, whatever the
+folder is called, or a refusal naming what cannot be copied. :func:`find_checkpoints` says what a push's SRC holds
+(a Trainer checkpoint however named, a tag folder, a training output folder, a DeepSpeed save folder);
+:func:`check_complete` whether a checkpoint is whole: every rank file named by the layout there and whole (zip
+directory and safetensors header readable, ``dp_world_size`` ranks present, Trainer state written). Folders holding
+a zckpt output marker (``.zckpt.json``: merged weights, reshard results) are never taken for checkpoints nor swept
+into one's upload (and are reported). Nothing here unpickles tensors or imports torch.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 
 from zckpt.io import storage
-from zckpt.errors import CheckpointNotFound, ZckptError
+from zckpt.deepspeed.discover import EXPERT_RE, LAYER_RE, TRAINER_MARKERS
+from zckpt.deepspeed.discover import MODEL_RE as DS_MODEL_RE
+from zckpt.deepspeed.discover import OPTIM_RE as DS_OPTIM_RE
+from zckpt.errors import CheckpointNotFound, InvalidArgument, ZckptError
 from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
-from zckpt.io.publish import has_marker, read_marker
+from zckpt.io.publish import MARKER, has_marker, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +36,123 @@ TRAINER_RE = re.compile(r"^checkpoint-(\d+)$")
 TAG_STEP_RE = re.compile(r"^global_step(\d+)(_universal)?$")
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_RE = re.compile(r"^(zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-ROOT_FILES = ("zero_to_fp32.py", "zero_to_torch.py", "latest_universal", "latest")  # DeepSpeed save dir; latest last
+
+
+# ================================================================================= the checkpoint's files
+
+MANIFEST_NAME = "zckpt-manifest.json"  # push's commit record at DEST (zckpt.ops.destinations writes it)
+RECORD_NAME = ".zckpt-push.json"  # push's "a push of this checkpoint began here", written before any file
+PUSH_FILES = (MANIFEST_NAME, RECORD_NAME)  # describe a checkpoint's files; never one of them
+_WARNED: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFile:
+    """One file of a checkpoint: ``rel`` (posix, relative to the checkpoint folder), where it is, its size."""
+
+    rel: str
+    path: str
+    size: int
+
+
+class NotBackedUp(InvalidArgument):
+    """A checkpoint folder holds something zckpt cannot copy as a file (a dangling link, a socket, a folder it
+    may not read): refused rather than left out."""
+
+
+def is_trainer_folder(folder_name: str, names) -> bool:
+    """A Trainer checkpoint, whatever it is called now: named ``checkpoint-N``, or holding what the Trainer writes
+    (``trainer_state.json``, ``training_args.bin``; the rule ``zckpt info`` uses, :data:`TRAINER_MARKERS`)."""
+    return bool(TRAINER_RE.match(folder_name)) or any(m in names for m in TRAINER_MARKERS)
+
+
+def checkpoint_files(folder: str, storage_options: dict | None = None, *,
+                     exclude_dirs: tuple[str, ...] = ()) -> list[CheckpointFile]:
+    """Every file of the checkpoint folder ``folder``, recursively, sorted by ``rel``: the one definition push, verify,
+    info and reshard use. Left out, by rule: push's own records (``zckpt-manifest.json``, ``.zckpt-push.json``,
+    which describe the files), subfolders holding a zckpt output marker (merged weights or a reshard result put
+    inside the checkpoint: not part of it; logged) and ``exclude_dirs`` (relative folder names: the other tags of a
+    save folder, pushed as checkpoints of their own). Anything that is not a plain file or folder (a dangling
+    link, a socket, a folder that cannot be read) raises :class:`NotBackedUp`: never a silent subset.
+    Links to files and folders are followed (a link loop is refused)."""
+    folder = os.fspath(folder)
+    if storage.is_url(folder):
+        found = storage.list_files(folder, storage_options)
+        nested = {rel.rsplit("/", 1)[0] for rel in found if rel.rsplit("/", 1)[-1] == MARKER and "/" in rel}
+        return [CheckpointFile(rel, storage.join(folder, rel), size) for rel, size in sorted(found.items())
+                if rel.rsplit("/", 1)[-1] not in PUSH_FILES and rel.split("/", 1)[0] not in exclude_dirs
+                and not any(rel.startswith(n + "/") for n in nested)]
+    root = os.path.abspath(storage.local_path(folder))
+    out: list[CheckpointFile] = []
+    seen = {os.path.realpath(root)}
+
+    def walk(path: str, rel: str) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as exc:
+            raise NotBackedUp(f"cannot list {rel or '.'} ({exc.strerror or exc})", path=path,
+                              hint="make it readable, or move it out of the checkpoint") from exc
+        for e in entries:
+            r = f"{rel}/{e.name}" if rel else e.name
+            try:
+                st = os.stat(e.path)  # follows links
+            except OSError as exc:
+                raise NotBackedUp(f"{r} cannot be read ({exc.strerror or exc}: a dangling link?)", path=e.path,
+                                  hint="remove the link or restore what it points to") from exc
+            if stat.S_ISDIR(st.st_mode):
+                if not rel and e.name in exclude_dirs:
+                    continue
+                if os.path.isfile(os.path.join(e.path, MARKER)):
+                    if e.path not in _WARNED:  # once per process, not at every scan
+                        _WARNED.add(e.path)
+                        log.warning("%s: a zckpt output inside the checkpoint, not part of it; left out", e.path)
+                    continue
+                real = os.path.realpath(e.path)
+                if real in seen:
+                    raise NotBackedUp(f"{r} links back into the checkpoint (a loop)", path=e.path)
+                seen.add(real)
+                walk(e.path, r)
+                seen.discard(real)
+            elif stat.S_ISREG(st.st_mode):
+                if e.name not in PUSH_FILES:
+                    out.append(CheckpointFile(r, e.path, st.st_size))
+            else:
+                raise NotBackedUp(f"{r} is not a regular file (a socket, pipe or device)", path=e.path,
+                                  hint="move it out of the checkpoint")
+
+    walk(root, "")
+    return sorted(out, key=lambda f: f.rel)
+
+
+def _is_rank_file(name: str) -> bool:
+    return any(r.match(name) for r in (DS_MODEL_RE, DS_OPTIM_RE, LAYER_RE, EXPERT_RE))
+
+
+def side_files(loc, storage_options: dict | None = None) -> list[CheckpointFile]:
+    """The files of a located checkpoint (:class:`zckpt.deepspeed.discover.Location`) that are neither a DeepSpeed
+    tag folder's nor ``latest``: what a reshard carries over as they are. A Trainer checkpoint: every file of it
+    (:func:`checkpoint_files`, subfolders included) outside its tag folders; a save folder: every file at its top
+    (scripts, configs); a tag folder on its own: the recovery scripts next to it. zckpt's own marker is left out
+    (the new output writes its own)."""
+    opts = storage_options if storage_options is not None else getattr(loc, "storage_options", None)
+    skip = ("latest", "latest_universal", MARKER)
+    if loc.trainer_dir:
+        files = checkpoint_files(loc.trainer_dir, opts)
+        tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and _is_rank_file(f.rel.split("/")[1])}
+        tags.add(loc.tag)
+        return [f for f in files if f.rel.split("/", 1)[0] not in tags and f.rel not in skip]
+    if not loc.save_dir or loc.save_dir == loc.tag_dir:
+        return []
+    names = storage.listdir(loc.save_dir, opts)
+    if not (loc.has_latest or loc.input_path == loc.save_dir):  # a tag folder on its own: not its parent's files
+        names = [n for n in names if n in ("zero_to_fp32.py", "zero_to_torch.py")]
+    out = []
+    for name in names:
+        path = storage.join(loc.save_dir, name)
+        if name in skip or name in PUSH_FILES or name == loc.tag or not storage.isfile(path, opts):
+            continue
+        out.append(CheckpointFile(name, path, storage.size(path, opts)))
+    return out
 
 
 # ============================================================================================ scanning
@@ -36,12 +160,16 @@ ROOT_FILES = ("zero_to_fp32.py", "zero_to_torch.py", "latest_universal", "latest
 
 @dataclasses.dataclass
 class LocalCheckpoint:
-    """A checkpoint folder under SRC. ``name`` is its path relative to SRC ("" when SRC is the checkpoint)."""
+    """A checkpoint folder under SRC. ``name`` is its path relative to SRC ("" when SRC is the checkpoint).
+
+    ``kind``: "trainer" (a Trainer checkpoint, whatever its name), "deepspeed" (one tag folder), "skip" (a folder
+    next to the checkpoints that is not pushed: ``reason`` says why, and push reports it)."""
 
     name: str
     path: str
-    kind: str  # "trainer" | "deepspeed" | "folder"
+    kind: str  # "trainer" | "deepspeed" | "skip"
     step: int | None
+    reason: str = ""
 
 
 def step_of(name: str) -> int | None:
@@ -63,45 +191,83 @@ def _zckpt_output(folder: str) -> str | None:
 
 def _has_rank_files(folder: str) -> bool:
     try:
-        return any(MODEL_RE.match(n) for n in os.listdir(folder))
+        return any(MODEL_RE.match(n) or OPTIM_RE.match(n) for n in os.listdir(folder))
     except OSError:
         return False
 
 
+def _subfolders(src: str) -> list[str]:
+    return [n for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))]
+
+
 def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
-    """Checkpoints under ``src`` (oldest first) and the DeepSpeed save-dir root files to mirror after them."""
+    """Checkpoints under ``src`` (oldest first) and the save folder's own files to mirror after them.
+
+    What SRC is decides what its checkpoints are (the first rule that fits)::
+
+        checkpoint-N, or a folder with trainer_state.json / training_args.bin and no checkpoint-N inside
+                                      one Trainer checkpoint: every file (a renamed copy, a reshard output...)
+        a folder with rank files      one tag folder: every file
+        a folder with checkpoint-N/   a training output folder: each checkpoint-N (or renamed Trainer
+                                      checkpoint) inside is one; other folders (runs/...) are not checkpoints
+        a folder with tag folders     a DeepSpeed save folder: each tag is one; every file at its top
+                                      (latest, zero_to_fp32.py, ...) is mirrored, ``latest`` last
+        a zckpt merge output          refused (merged weights are not a checkpoint)
+
+    Folders next to the checkpoints that look like checkpoints but are not pushed (zckpt outputs, a save folder
+    inside a training output folder, a tag-named folder without rank files) come back as kind "skip" with a
+    reason, so that push can say so."""
     src = os.path.abspath(storage.local_path(src))
     if not os.path.isdir(src):
         raise CheckpointNotFound("no such folder", path=src, hint="SRC must be a local training output folder")
     base = os.path.basename(src.rstrip(os.sep))
-    if TRAINER_RE.match(base):
+    names = os.listdir(src)
+    subs = _subfolders(src)
+    kind = _zckpt_output(src)
+    if kind == "merge":
+        raise InvalidArgument("a zckpt merge output (merged weights), not a checkpoint", path=src,
+                              hint="push checkpoints; to put merged weights on DEST, zckpt merge -o DEST")
+    trainer_inside = [n for n in subs if TRAINER_RE.match(n)]
+    if TRAINER_RE.match(base) or (is_trainer_folder(base, names) and not trainer_inside):
         return [LocalCheckpoint("", src, "trainer", step_of(base))], []
-    if _zckpt_output(src) == "merge":  # merged weights, not a checkpoint
-        log.info("%s is a zckpt merge output, not a checkpoint: nothing to push", src)
-        return [], []
+    if _has_rank_files(src):
+        return [LocalCheckpoint("", src, "deepspeed", step_of(base))], []
     found: list[LocalCheckpoint] = []
-    for name in sorted(os.listdir(src)):
+    save_folder = not trainer_inside and (any(n in names for n in ("latest", "latest_universal"))
+                                          or any(_has_rank_files(os.path.join(src, n)) for n in subs))
+    for name in subs:
         path = os.path.join(src, name)
-        if not os.path.isdir(path):
-            continue
-        if has_marker(path):  # a zckpt merge/reshard output next to the checkpoints: never one of them
-            log.info("%s: a zckpt output, not a checkpoint; skipped", path)
-            continue
-        if TRAINER_RE.match(name):
+        inner = os.listdir(path) if os.access(path, os.R_OK | os.X_OK) else []
+        sub_kind = _zckpt_output(path)
+        if sub_kind is not None:  # a zckpt output next to the checkpoints: never one of them
+            found.append(LocalCheckpoint(name, path, "skip", step_of(name),
+                                         f"a zckpt {sub_kind} output, not one of the checkpoints"
+                                         + (f" (push it on its own: zckpt push {path} DEST)"
+                                            if sub_kind == "reshard" else "")))
+        elif is_trainer_folder(name, inner):
             found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
         elif _has_rank_files(path):
             found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))
-    if not found:  # no checkpoint folders inside: SRC itself is one checkpoint (or nothing)
-        if _has_rank_files(src):
-            return [LocalCheckpoint("", src, "deepspeed", step_of(base))], []
-        if os.path.isfile(os.path.join(src, "trainer_state.json")):
-            return [LocalCheckpoint("", src, "trainer", step_of(base))], []
-        return [], []
+        elif save_folder and TAG_STEP_RE.match(name):
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))  # being written: incomplete
+        elif save_folder:
+            found.append(LocalCheckpoint(name, path, "skip", None, "not a tag folder of this save folder (no rank "
+                                         f"files; push it on its own: zckpt push {path} DEST)"))
+        elif _looks_like_checkpoint(inner):
+            found.append(LocalCheckpoint(name, path, "skip", None, "holds a checkpoint but is not one itself (a "
+                                         f"DeepSpeed save folder? push it on its own: zckpt push {path} DEST)"))
     found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
     roots: list[str] = []
-    if found and all(c.kind == "deepspeed" for c in found):
-        roots = [n for n in ROOT_FILES if os.path.isfile(os.path.join(src, n))]
+    if save_folder and any(c.kind != "skip" for c in found):
+        files = [n for n in sorted(names) if os.path.isfile(os.path.join(src, n)) and n not in PUSH_FILES]
+        roots = [n for n in files if n not in ("latest", "latest_universal")] + [
+            n for n in ("latest_universal", "latest") if n in files]  # ``latest`` last
     return found, roots
+
+
+def _looks_like_checkpoint(names) -> bool:
+    """What only a checkpoint (or a save folder) has: ``latest``, ``trainer_state.json``, rank files."""
+    return any(n in ("latest", "latest_universal", *TRAINER_MARKERS) or MODEL_RE.match(n) for n in names)
 
 
 # ========================================================================================= completeness
@@ -221,7 +387,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         return False, "folder is missing"
     base = os.path.basename(checkpoint_dir.rstrip(os.sep))
     entries = os.listdir(checkpoint_dir)
-    trainer = bool(TRAINER_RE.match(base)) or "trainer_state.json" in entries
+    trainer = is_trainer_folder(base, entries)
     if trainer and "trainer_state.json" not in entries:
         return False, "trainer_state.json missing (the Trainer writes it last)"
     if "latest" in entries and os.path.isfile(os.path.join(checkpoint_dir, "latest")):
@@ -240,25 +406,28 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         if not ok:
             where = os.path.relpath(tag, checkpoint_dir)
             return False, reason if where == "." else f"{where}: {reason}"
-    for dirpath, dirs, files in os.walk(checkpoint_dir):
-        dirs[:] = [d for d in dirs if not has_marker(os.path.join(dirpath, d))]  # nested zckpt outputs: not pushed
-        for name in files:
-            path = os.path.join(dirpath, name)
-            reason = None
-            if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(path)):
-                reason = check_torch_zip(path)
-            elif name.endswith(".safetensors"):
-                reason = check_safetensors(path)
-            if reason:
-                where = os.path.relpath(dirpath, checkpoint_dir)
-                return False, reason if where == "." else f"{where}/{reason}"
+    try:
+        files = checkpoint_files(checkpoint_dir)
+    except NotBackedUp as exc:
+        return False, exc.message
+    for f in files:
+        name = f.rel.rsplit("/", 1)[-1]
+        reason = None
+        if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(f.path)):
+            reason = check_torch_zip(f.path)
+        elif name.endswith(".safetensors"):
+            reason = check_safetensors(f.path)
+        if reason:
+            where = f.rel.rsplit("/", 1)[0] if "/" in f.rel else "."
+            return False, reason if where == "." else f"{where}/{reason}"
     return True, "complete"
 
 
 def newest_mtime(folder: str) -> float:
+    """When the newest file of the checkpoint folder changed (every file :func:`checkpoint_files` counts)."""
     newest = 0.0
-    for dirpath, _dirs, files in os.walk(folder):
-        for name in files:
+    with contextlib.suppress(NotBackedUp):
+        for f in checkpoint_files(folder):
             with contextlib.suppress(OSError):
-                newest = max(newest, os.stat(os.path.join(dirpath, name)).st_mtime)
+                newest = max(newest, os.stat(f.path).st_mtime)
     return newest

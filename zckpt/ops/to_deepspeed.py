@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from zckpt.dcp.reader import check_stateless_named, matches, open_dcp
+from zckpt.dcp.reader import check_stateless_named, is_dcp, matches, open_dcp
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
 from zckpt.ops import reshard
@@ -138,7 +138,7 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     if tied:
         plan.notes.append(f"{len(tied)} module tensor(s) without optimizer state written as frozen weights "
                           f"({', '.join(tied[:3])}{'...' if len(tied) > 3 else ''}); a tied alias among them "
-                          "loads as the same values")
+                          "loads with the same values, or name it with --tied ALIAS=SOURCE")
     return plan
 
 
@@ -158,7 +158,7 @@ def parse_tied(tied) -> dict:
     return out
 
 
-def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
+def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
                  storage_options: dict | None = None) -> reshard.ReshardResult:
@@ -167,15 +167,25 @@ def to_deepspeed(path: str, out: str, world_size: int, stage: int, ds_config=Non
 
     ``ds_config``: the DeepSpeed config (dict or JSON path) the job will run with; ``buffers``: fnmatch patterns
     of the module tensors without optimizer state that are buffers (``[]`` when none are; required when the
-    checkpoint has such tensors); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
-    saved under both names, written as DeepSpeed's ``shared_params``. The output is published like a reshard's (temp folder, marker, rename)."""
+    checkpoint has such tensors; a comma-separated string is split); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
+    saved under both names, written as DeepSpeed's ``shared_params``. Default ``out``: next to the source,
+    ``runs/step-1200`` -> ``runs/converted-step-1200-deepspeed``. The output is published like a reshard's (temp
+    folder, ``latest`` and the marker last, rename)."""
     t0 = time.perf_counter()
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}",
+                              hint="pass --world-size N: the number of ranks the DeepSpeed job runs on")
+    if stage not in (1, 2, 3):
+        raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}", hint="pass --stage S")
+    if not is_dcp(path, storage_options):
+        raise InvalidArgument("--to deepspeed reads a PyTorch DCP checkpoint (a folder with .metadata)", path=path,
+                              hint="for a DeepSpeed checkpoint at another size or stage use zckpt reshard")
     if isinstance(buffers, str):
         buffers = [b for b in buffers.split(",") if b]
     cfg = load_config(ds_config)
     ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
     source = publish.source_of(ckpt.location)
-    out = str(out)
+    out = str(out) if out is not None else publish.default_output(source, "converted") + "-deepspeed"
     if storage.is_url(out):
         raise InvalidArgument("convert writes to a local folder", path=out,
                               hint="convert locally, then `zckpt push` the result")
