@@ -36,7 +36,7 @@ def _title(path: str) -> str:
 Examples:
   zckpt help                 # the topics, and where they are
   zckpt help guide           # set-up, every command, the Python API
-  zckpt help json | less     # the --json schema of every command""")
+  zckpt help json            # the --json schema of every command""")
 @click.argument("topic", required=False)
 def help_command(topic):
     """Read zckpt's guides in the terminal: the user guide, the command reference, the --json schemas, push,

@@ -68,11 +68,13 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
         return
     s = result.plan.summary()
     for f in s["files"]:
-        click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} "
-                   f"{human_bytes(f['bytes']) if f['bytes'] is not None else '':>10}  {f['tensors'] or ''}")
+        size = human_bytes(f["bytes"]) if f["bytes"] is not None else ""
+        count = f"  {f['tensors']} tensor{'s' if f['tensors'] != 1 else ''}" if f["tensors"] else "  (index)"
+        click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} {size:>10}{count}")
     for name in result.copied:
         click.echo(f"{'would copy' if dry_run else 'copied'} {name}")
-    tied = ", ".join(f"{a} -> {b}" for a, b in s["tied"].items())
+    tied = ", ".join(f"{a} as {b}" for a, b in s["tied"].items())
     click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
                f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")
-               + (f"; tied stored once: {tied}" if tied else ""))
+               + (f"; {len(s['tied'])} tied alias{'es' if len(s['tied']) > 1 else ''} stored once, as "
+                  f"save_pretrained does ({tied}; --keep-tied writes them too)" if tied else ""))

@@ -159,6 +159,13 @@ def check_output_marker(folder: str, report: VerifyReport, storage_options: dict
             report.add("safetensors headers", not bad, "; ".join(bad[:3]) or "every header matches its file size")
 
 
+def _entries(ckpt: Checkpoint) -> str:
+    """``21 state-dict entries (1 tied alias, which merge stores once)``: why merge reports one tensor fewer."""
+    tied = len(ckpt.of_kind("tied"))
+    return f"{len(ckpt.records)} state-dict entries" + (
+        f" ({tied} tied alias{'es' if tied > 1 else ''}, which merge stores once)" if tied else "")
+
+
 def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     loc = ckpt.location
     if ckpt.format == "dcp":
@@ -187,7 +194,7 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
         have = sum(p.numel for p in rec.value)
         if rec.kind != "tied" and have != math.prod(rec.shape):
             bad.append(f"{rec.name}: {have} elements for shape {list(rec.shape)}")
-    report.add("shapes agree", not bad, "; ".join(bad[:5]) or f"{len(ckpt.records)} tensors")
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
     moments = [r for r in ckpt.of_kind("trainable") if not r.exp_avg or not r.exp_avg_sq]
     report.add("optimizer state", not moments or len(moments) == len(ckpt.of_kind("trainable")),
                "Adam moments present" if not moments else f"no moments for {len(moments)} params")
@@ -205,7 +212,7 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("data files", True, f"{len(data)} .distcp files, every item inside its file")
     bad = [f"{r.name}: {sum(p.numel for p in r.value)} elements for shape {list(r.shape)}" for r in ckpt.records
            if r.kind != "tied" and sum(p.numel for p in r.value) != math.prod(r.shape)]
-    report.add("shapes agree", not bad, "; ".join(bad[:5]) or f"{len(ckpt.records)} tensors")
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
     groups = {n for g in ckpt.groups for n in g.names}
     moments = [r for r in ckpt.of_kind("trainable") if r.name in groups and (not r.exp_avg or not r.exp_avg_sq)]
     report.add("optimizer state", not moments or len(moments) == len(groups),
