@@ -153,6 +153,52 @@ def deepspeed_case(G, case: dict, rank: int, ws: int) -> None:
         save(Path(case["out"]), "deepspeed", after, {"losses": losses, "deepspeed": deepspeed.__version__})
 
 
+def accelerate_case(G, case: dict, mesh, rank: int, ws: int) -> None:
+    """The Trainer fixture's Llama under FSDP2 (``fully_shard`` per decoder layer and the root), loaded from the
+    converted ``checkpoint-N`` by Accelerate's own ``load_fsdp_model`` / ``load_fsdp_optimizer`` (what
+    ``Trainer._load_from_checkpoint`` and ``_load_optimizer_and_scheduler`` call for FSDP2 + SHARDED_STATE_DICT;
+    Accelerate runs FSDP on GPUs only, so its plugin and accelerator are stood in for by the fields those two
+    functions read), plus the Trainer's ``scheduler.pt`` into a fresh linear schedule."""
+    import types
+    import torch
+    import transformers
+    from accelerate import PartialState
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer
+    from torch.distributed.fsdp import StateDictType, fully_shard
+
+    PartialState(cpu=True)  # accelerate's logging wants its state (the process group already exists)
+    spec = case["spec"]
+    transformers.set_seed(spec["seed"] + 99)
+    model = G.build_hf_model(spec["model"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    decay = set(transformers.trainer_pt_utils.get_parameter_names(model, [torch.nn.LayerNorm], ["bias", "norm"]))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.5},
+                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.5}], lr=99.0)
+    sched = transformers.get_linear_schedule_with_warmup(opt, 0, 10)
+    plugin = types.SimpleNamespace(fsdp_version=2, state_dict_type=StateDictType.SHARDED_STATE_DICT,
+                                   state_dict_config=types.SimpleNamespace(offload_to_cpu=False, rank0_only=False),
+                                   optim_state_dict_config=None)
+    accel = types.SimpleNamespace(wait_for_everyone=torch.distributed.barrier, process_index=rank,
+                                  num_processes=ws, is_fsdp2=True, is_main_process=rank == 0)
+    load_fsdp_model(plugin, accel, model, case["dcp"])
+    load_fsdp_optimizer(plugin, accel, opt, model, case["dcp"])
+    sched.load_state_dict(torch.load(Path(case["dcp"]) / "scheduler.pt", weights_only=True))
+    loaded = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        loaded[f"param/{n}"] = p.detach().full_tensor()
+        for k, v in opt.state.get(p, {}).items():
+            loaded[f"{k}/{n}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    info = {"world_size": ws, "last_lr": sched.get_last_lr(), "scheduler": sched.state_dict()["last_epoch"],
+            "groups": [{"names": [names[id(p)] for p in g["params"]], "lr": g["lr"], "betas": list(g["betas"]),
+                        "eps": g["eps"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]}
+    if rank == 0:
+        save(Path(case["out"]), "accelerate", loaded, info)
+
+
 def main(job_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -169,12 +215,14 @@ def main(job_path: str) -> None:
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     mesh = None
-    if job["mode"] == "fsdp2":
+    if job["mode"] in ("fsdp2", "accelerate"):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (ws,))
     for case in job["cases"]:
         if job["mode"] == "fsdp2":
             fsdp2_case(G, case, mesh, rank, ws)
+        elif job["mode"] == "accelerate":
+            accelerate_case(G, case, mesh, rank, ws)
         else:
             deepspeed_case(G, case, rank, ws)
         dist.barrier()

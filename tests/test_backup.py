@@ -277,3 +277,37 @@ def test_outputs_named_like_a_checkpoint_next_to_the_source_are_refused(tmp_path
     # elsewhere the name is the user's business (a new run resuming from a resharded copy)
     proc = cli("reshard", outputs / "checkpoint-4", "-w", "2", "-o", tmp_path / "new-run" / "checkpoint-4", "--quiet")
     assert proc.returncode == 0, proc.stderr
+
+
+# ============================================================================================ --overwrite
+
+
+def test_overwrite_never_deletes_what_the_user_added(tmp_path):
+    """``merge ... --overwrite`` deleted a README.md the user had put next to the shards, without a word."""
+    src = tmp_path / "outputs" / "checkpoint-4"
+    shutil.copytree(TRAINER, src)
+    out = tmp_path / "model"
+    zckpt.merge(str(src), str(out))
+    (out / "README.md").write_text("# my model card")
+    (out / "eval").mkdir()
+    (out / "eval" / "scores.json").write_text("{}")
+    before = tree(out)
+    proc = cli("merge", src, "-o", out, "--overwrite", "--dtype", "bf16", "--quiet")
+    assert proc.returncode == 1 and "README.md" in proc.stderr and "\n" not in proc.stderr.strip(), proc.stderr
+    assert "(and 1 more)" in proc.stderr
+    assert tree(out) == before  # nothing replaced, nothing deleted
+    (out / "README.md").unlink()
+    shutil.rmtree(out / "eval")
+    assert cli("merge", src, "-o", out, "--overwrite", "--dtype", "bf16", "--quiet").returncode == 0
+    assert json.loads((out / ".zckpt.json").read_text())["kind"] == "merge"
+    # reshard alike: a later DeepSpeed save into the resharded folder is the user's
+    rs = tmp_path / "rs"
+    zckpt.reshard(str(src), str(rs), world_size=2)
+    shutil.copytree(rs / "global_step4", rs / "global_step6")
+    before = tree(rs)
+    proc = cli("reshard", src, "-w", "3", "-o", rs, "--overwrite", "--quiet")
+    assert proc.returncode == 1 and "global_step6/" in proc.stderr, proc.stderr
+    assert tree(rs) == before
+    shutil.rmtree(rs / "global_step6")
+    assert cli("reshard", src, "-w", "3", "-o", rs, "--overwrite", "--quiet").returncode == 0
+    assert zckpt.open_checkpoint(str(rs)).world_size == 3

@@ -84,10 +84,20 @@ def check_against_oracle(sd: dict, name: str) -> None:
 @pytest.mark.parametrize("name", ENGINE)
 def test_dcp_holds_deepspeeds_training_state(name, tmp_path):
     out = tmp_path / "dcp"
-    res = convert(str(checkpoint_path(FIXTURES / name)), out=str(out))
+    res = convert(str(checkpoint_path(FIXTURES / name)), out=str(out), layout="dcp")
     assert (out / ".metadata").is_file() and (out / ".zckpt.json").is_file()
     assert res.plan.optimizer == "AdamW"
     check_against_oracle(load_dcp(out), name)
+
+
+def test_universal_source(tmp_path):
+    """A universal checkpoint (zckpt's own, which DeepSpeed's load_universal loads: tests/test_reshard.py) converts
+    to the same training state as its source."""
+    from zckpt.ops.reshard import reshard
+    reshard(str(FIXTURES / "z3_bf16_ws2"), str(tmp_path / "u"), world_size=3, fmt="universal")
+    res = convert(str(tmp_path / "u"), out=str(tmp_path / "dcp"))
+    assert any("universal" in n for n in res.plan.notes)
+    check_against_oracle(load_dcp(tmp_path / "dcp"), "z3_bf16_ws2")
 
 
 def test_keys_and_metadata_are_torchs_own(tmp_path):
@@ -123,9 +133,10 @@ def test_large_tensors_are_split_into_row_blocks(tmp_path):
     from zckpt.ops.convert import execute, plan_convert
     ckpt = open_checkpoint(str(FIXTURES / "z2_bf16_ws2"))
     plan = plan_convert(ckpt, chunk_bytes=64, file_bytes=4096)  # 16 fp32 per chunk, files of ~4 KiB
-    emb = next(i for i in plan.layout.items if i.key == "model.emb.weight")
+    (_, layout), = plan.parts
+    emb = next(i for i in layout.items if i.key == "model.emb.weight")
     assert [c.offsets for c in emb.chunks] == [(r, 0) for r in range(0, 13, 2)]  # 2 rows of 7 per chunk
-    assert len(plan.layout.files) > 3
+    assert len(layout.files) > 3
     execute(plan, str(tmp_path / "dcp"))
     check_against_oracle(load_dcp(tmp_path / "dcp"), "z2_bf16_ws2")
 
@@ -153,6 +164,8 @@ def test_refusals_are_one_line(tmp_path):
     assert torch_group({**fused, "weight_decay": 0.0}, 0, {}, None, "p")[1] == "AdamW"
     with pytest.raises(InvalidArgument):
         convert(str(FIXTURES / "z2_bf16_ws2"), to="nope", out=str(tmp_path / "a"))
+    with pytest.raises(InvalidArgument, match="Trainer checkpoint-N"):
+        convert(str(FIXTURES / "z2_bf16_ws2"), out=str(tmp_path / "a"), layout="trainer")
 
 
 def test_fused_adam_mapped_with_mode(tmp_path):

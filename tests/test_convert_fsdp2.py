@@ -74,6 +74,11 @@ def runs(tmp_path_factory):
             cases.append(case)
             done[name] = case
         _torchrun({"mode": "fsdp2", "cases": cases}, m)
+    trainer = {"name": "trainer", "spec": _spec("trainer"), "dcp": str(base / "trainer.fsdp"),
+               "out": str(base / "trainer")}
+    convert(str(checkpoint_path(FIXTURES / "trainer")), out=trainer["dcp"])  # layout "trainer" by default
+    _torchrun({"mode": "accelerate", "cases": [trainer]}, 3)
+    done["trainer"] = trainer
     for case in done.values():
         if case.get("train_steps"):
             ds = dict(case, ckpt=str(checkpoint_path(FIXTURES / case["name"])))
@@ -159,3 +164,30 @@ def test_fsdp2_continues_like_deepspeed(runs, name):
     assert moved > 1e-4  # the steps did move the weights
     assert abs(finfo["losses"][0] - dinfo["losses"][0]) < (1e-5 if case["spec"]["dtype"] == "fp32" else 2e-2)
     assert worst < (1e-6 if case["spec"]["dtype"] == "fp32" else 0.05 * moved), (worst, moved)
+
+
+def test_accelerate_loads_the_trainer_layout(runs):
+    """A Trainer checkpoint-N converted with the default layout is what a Trainer / Accelerate FSDP2 run
+    (``fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}``) resumes from: Accelerate's own
+    ``load_fsdp_model`` / ``load_fsdp_optimizer`` at 3 ranks (the source had 2) restore DeepSpeed's state bit for
+    bit, and the Trainer's ``scheduler.pt`` (copied) its schedule."""
+    from safetensors.torch import load_file
+    case = runs["trainer"]
+    folder = Path(case["dcp"])
+    assert (folder / "pytorch_model_fsdp_0" / ".metadata").is_file()
+    assert (folder / "optimizer_0" / ".metadata").is_file()
+    assert (folder / "scheduler.pt").is_file() and (folder / "trainer_state.json").is_file()
+    assert not (folder / "latest").exists() and not any(folder.glob("global_step*"))
+    assert all(k.startswith("model.") for k in _metadata_keys(folder / "pytorch_model_fsdp_0"))
+    assert all(k.startswith("optimizer.") for k in _metadata_keys(folder / "optimizer_0"))
+    got, info = _load(case, "accelerate")
+    want = load_file(str(FIXTURES / "trainer" / "expected" / "oracle.safetensors"))
+    oracle = json.loads((FIXTURES / "trainer" / "expected" / "oracle.json").read_text())
+    for n in oracle["trainable"]:
+        assert _exact(got[f"param/{n}"], want[f"fp32/{n}"]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert _exact(got[f"{k}/{n}"], want[f"{k}/{n}"]), (k, n)
+        assert float(got[f"step/{n}"]) == float(oracle["step"]), n
+    for g, want_g, lr in zip(info["groups"], oracle["param_groups"], oracle["lrs"]):
+        assert (g["names"], g["lr"], g["weight_decay"]) == (want_g["names"], lr, want_g["weight_decay"])
+    assert info["scheduler"] == oracle["hf_lr_scheduler"]["last_epoch"]

@@ -242,8 +242,10 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
     with pytest.raises(UnsupportedLayout, match="loss scaler"):
         to_deepspeed(str(path), str(tmp_path / "b"), 2, 2, dict(G.build_ds_config(spec), fp16={"enabled": True}),
                      buffers=BUFFERS)
-    with pytest.raises(ZckptError, match="DeepSpeed config"):
+    with pytest.raises(ZckptError, match="precision"):
         to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, None, buffers=BUFFERS)
+    with pytest.raises(ZckptError, match="disagrees"):
+        to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, G.build_ds_config(spec), buffers=BUFFERS, dtype="bf16")
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
@@ -251,7 +253,8 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 @pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
-    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit."""
+    every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit.
+    The ZeRO-1 case is converted without the job's config (``dtype="fp32"``: DeepSpeed's defaults)."""
     import torch
     from safetensors.torch import load_file
     from tests import ds_oracle
@@ -259,7 +262,9 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, ti
     path, full = fsdp2
     G, spec = _oracle_spec(world_size, stage)
     out = tmp_path / "ds"
-    to_deepspeed(str(path), str(out), world_size, stage, G.build_ds_config(spec), buffers=BUFFERS, tied=tied)
+    config = G.build_ds_config(spec) if stage != 1 else None
+    to_deepspeed(str(path), str(out), world_size, stage, config, buffers=BUFFERS, tied=tied,
+                 dtype=None if config else "fp32")
     if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
         from zckpt.deepspeed.layout import open_checkpoint
         assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
@@ -325,3 +330,156 @@ def test_cli_convert_to_deepspeed(fsdp2, tmp_path):
         rec = ds.by_name()[name]
         assert torch.equal(load_pieces(rec.value, rec.dtype, rec.shape), full["model"][name]), name
         assert torch.equal(load_pieces(rec.exp_avg_sq, rec.state_dtype, rec.shape), st["exp_avg_sq"]), name
+
+
+# ------------------------------------------------------------------------------------------- round trip
+
+def _state(ckpt) -> dict:
+    """Every tensor's bytes (value, moments) and kind, each group's names, step and Adam hyperparameters."""
+    from zckpt.formats.tensors import load_pieces
+    out = {}
+    for r in ckpt.records:
+        if r.kind == "tied":
+            out[r.name] = ("tied", r.tied_to)
+            continue
+        t = [load_pieces(r.value, r.dtype, r.shape)]
+        if r.exp_avg:
+            t += [load_pieces(getattr(r, k), r.state_dtype, r.shape) for k in ("exp_avg", "exp_avg_sq")]
+        out[r.name] = (r.kind, r.dtype, [x.view(-1).view(__import__("torch").uint8).tolist() for x in t])
+    keys = ("lr", "betas", "eps", "weight_decay")
+    groups = [(g.names, g.step, {k: tuple(v) if isinstance(v, list) else v for k, v in g.hyperparams.items()
+                                 if k in keys}) for g in ckpt.groups]
+    return {"records": out, "groups": groups}
+
+
+@pytest.mark.parametrize("fixture", ["z2_bf16_ws2", "z3_fp32_ws3"])
+def test_round_trip_deepspeed_dcp_deepspeed(tmp_path, fixture):
+    """DeepSpeed -> DCP (zckpt convert --to dcp) -> DeepSpeed (--to deepspeed, same size and stage): every master,
+    moment, frozen weight, buffer, tied alias, step and group hyperparameter identical, dtypes kept."""
+    from tests.conftest import FIXTURES, checkpoint_path
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.ops.convert import convert
+    src = open_checkpoint(str(checkpoint_path(FIXTURES / fixture)))
+    convert(str(checkpoint_path(FIXTURES / fixture)), to="dcp", out=str(tmp_path / "dcp"))
+    tied = [f"{r.name}={r.tied_to}" for r in src.of_kind("tied")]
+    buffers = ",".join(r.name for r in src.of_kind("buffer"))
+    convert(str(tmp_path / "dcp"), to="deepspeed", out=str(tmp_path / "ds"), world_size=src.world_size,
+            stage=src.stage, ds_config=src.ds_config, buffers=buffers, tied=tied)
+    back = open_checkpoint(str(tmp_path / "ds"))
+    assert (back.stage, back.world_size, back.precision, back.tag) == (src.stage, src.world_size, src.precision,
+                                                                       src.tag)
+    a, b = _state(src), _state(back)
+    assert a["groups"] == b["groups"]
+    assert a["records"].keys() == b["records"].keys()
+    for name in a["records"]:
+        assert a["records"][name] == b["records"][name], name
+
+
+def test_chunks_cut_on_an_inner_dim_match_torch(tmp_path):
+    """A tensor saved as two column blocks (chunks cut on dim 1, as a Shard(1) DTensor is): zckpt reads it row by
+    row and gives what torch's own DCP reader assembles."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from zckpt.ops.merge import load_state_dict
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6) * 0.5
+    src = tmp_path / "src"
+    dcp.save({"model": {"a": full[:, :2].clone(), "b": full[:, 2:].clone()}}, checkpoint_id=str(src), no_dist=True)
+
+    def join(md):  # one tensor "model.w" of size (4, 6) made of the two saved items
+        a, b = md.state_dict_metadata.pop("model.a"), md.state_dict_metadata.pop("model.b")
+        a.size = torch.Size([4, 6])
+        a.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 2])),
+                    ChunkStorageMetadata(torch.Size([0, 2]), torch.Size([4, 4]))]
+        md.state_dict_metadata["model.w"] = a
+        sa = md.storage_data.pop(next(k for k in md.storage_data if k.fqn == "model.a"))
+        sb = md.storage_data.pop(next(k for k in md.storage_data if k.fqn == "model.b"))
+        md.storage_data[MetadataIndex("model.w", [0, 0])] = sa
+        md.storage_data[MetadataIndex("model.w", [0, 2])] = sb
+        md.planner_data = {"model.w": ("model", "w")}
+
+    w = _edit(src, tmp_path / "w", join)
+    dcp_to_torch_save(str(w), str(tmp_path / "torch.pt"))
+    ref = torch.load(tmp_path / "torch.pt", weights_only=False)["model"]["w"]
+    assert torch.equal(ref, full)
+    assert torch.equal(load_state_dict(str(w))["w"], full)
+
+
+def test_dcp_behind_an_s3_url(fsdp2, s3_server, tmp_path):
+    """A DCP folder on a real S3 server (SeaweedFS on loopback): info, verify --deep and merge read it through the
+    storage layer with the options given, and merge gives the bytes of the local merge."""
+    import uuid
+    from zckpt.ops.info import info
+    from zckpt.ops.merge import merge
+    from zckpt.ops.verify import verify
+    path, _ = fsdp2
+    prefix = f"dcp-{uuid.uuid4().hex[:8]}"
+    client = s3_server.client()
+    for f in path.iterdir():
+        client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{f.name}", Body=f.read_bytes())
+    url, opts = s3_server.url(prefix), s3_server.storage_options()
+    assert info(url, storage_options=opts)["format"] == "dcp"
+    assert verify(url, deep=True, storage_options=opts).ok
+    merge(url, str(tmp_path / "remote"), storage_options=opts)
+    merge(str(path), str(tmp_path / "local"))
+    remote, local = (tmp_path / d / "model.safetensors" for d in ("remote", "local"))
+    assert remote.read_bytes() == local.read_bytes()
+
+
+def test_torchtitan_style_keys(tmp_path):
+    """Model keys at the top level, ``optimizer`` saved with flatten_optimizer_state_dict=True, scheduler and train
+    state beside them (torchtitan's layout): the moments are found per parameter; merge gives the model; converting
+    to DeepSpeed is refused in one line (the flattened form records no param groups)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from zckpt.dcp.reader import open_dcp
+    from zckpt.ops.merge import load_state_dict
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 1}, "train_state": {"step": 1}},
+             checkpoint_id=str(tmp_path / "tt"), no_dist=True)
+    ckpt = open_dcp(str(tmp_path / "tt"))
+    assert [r.name for r in ckpt.records if r.exp_avg] == list(msd)
+    assert {"lr_scheduler.last_epoch", "train_state.step"} <= set(ckpt.extra["other"])
+    sd = load_state_dict(str(tmp_path / "tt"))
+    assert sorted(sd) == sorted(msd) and all(torch.equal(sd[k], msd[k]) for k in msd)
+    with pytest.raises(UnsupportedLayout, match="no optimizer param groups"):
+        to_deepspeed(str(tmp_path / "tt"), str(tmp_path / "ds"), 1, 1, {"zero_optimization": {"stage": 1}}, buffers="")
+
+
+def test_trainer_fsdp_checkpoint_as_source(tmp_path):
+    """A Trainer / Accelerate FSDP checkpoint (pytorch_model_fsdp_0/ + optimizer_0/, SHARDED_STATE_DICT; here
+    made by ``convert --to dcp --layout trainer`` from the Trainer fixture) is one checkpoint: merge gives the
+    DeepSpeed checkpoint's weights and a from_pretrained folder; --to deepspeed gives its state back identical."""
+    from tests.conftest import FIXTURES
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.ops.convert import convert
+    from zckpt.ops.merge import merge
+    from zckpt.ops.verify import verify
+    src_path = FIXTURES / "trainer" / "checkpoint-4"
+    src = open_checkpoint(str(src_path))
+    convert(str(src_path), to="dcp", out=str(tmp_path / "fsdp"), layout="trainer")
+    ckpt = open_checkpoint(str(tmp_path / "fsdp"))
+    assert ckpt.format == "dcp" and {f.name for f in ckpt.files if f.kind == "metadata"} == {
+        "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"}
+    assert verify(str(tmp_path / "fsdp"), deep=True).ok
+    merge(str(tmp_path / "fsdp"), str(tmp_path / "m-dcp"))
+    merge(str(src_path), str(tmp_path / "m-ds"))
+    assert (tmp_path / "m-dcp" / "config.json").exists()
+    from safetensors.torch import load_file
+    a, b = load_file(tmp_path / "m-dcp" / "model.safetensors"), load_file(tmp_path / "m-ds" / "model.safetensors")
+    assert set(b) <= set(a) and all(a[k].equal(b[k]) for k in b)
+    tied = [f"{r.name}={r.tied_to}" for r in src.of_kind("tied")]
+    convert(str(tmp_path / "fsdp"), to="deepspeed", out=str(tmp_path / "ds"), world_size=src.world_size,
+            stage=src.stage, ds_config=src.ds_config, buffers=",".join(r.name for r in src.of_kind("buffer")),
+            tied=tied)
+    from zckpt.dcp.reader import is_dcp
+    assert not is_dcp(str(tmp_path / "ds")) and (tmp_path / "ds" / "trainer_state.json").exists()
+    assert _state(open_checkpoint(str(tmp_path / "ds"))) == _state(src)

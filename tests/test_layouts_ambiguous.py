@@ -121,6 +121,11 @@ def test_zero0_fp32_without_names_leaves_the_moments_out(tmp_path):
     for n in info["trainable"]:
         assert torch.equal(got[n], oracle[f"fp32/{n}"]), n
     assert zckpt.verify(ck, deep=True).ok
+    # what carries the whole training state refuses rather than write it without the moments, exit 0
+    assert ckpt.state_refusal and "cannot tell" in ckpt.state_refusal
+    with pytest.raises(UnsupportedLayout, match="optimizer state cannot be carried"):
+        zckpt.convert(ck, to="dcp", out=str(tmp_path / "dcp"))
+    assert not (tmp_path / "dcp").exists()
 
 
 # ------------------------------------------------------------------------------------------------ pipeline

@@ -92,6 +92,7 @@ CASES = [
     ("z2_fp16_ws2", 3, None, None),  # fp16: dynamic loss scaler
     ("z2_bf16_ws2", 3, 3, None),  # ZeRO-2 -> ZeRO-3
     ("z3_bf16_ws4", 2, 1, None),  # ZeRO-3 at 4 -> ZeRO-1 at 2, two param groups
+    ("z3_bf16_ws2_legacy", 1, 2, None),  # legacy (non-zip) source files, ZeRO-3 at 2 -> ZeRO-2 at 1
 ]
 
 

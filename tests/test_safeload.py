@@ -108,11 +108,16 @@ def test_not_a_checkpoint(tmp_path):
         safeload.load(str(zpath))
 
 
-def test_legacy_format_is_refused_clearly(tmp_path):
+def test_legacy_format_is_read(tmp_path):
+    """Legacy (non-zip) files read through the same allow-list (tests/test_legacy.py covers them in depth)."""
     path = tmp_path / "legacy.pt"
-    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
-    with pytest.raises(UnsupportedLayout, match="legacy"):
+    torch.save({"w": torch.arange(5.0), "n": 2}, path, _use_new_zipfile_serialization=False)
+    obj = safeload.load(str(path))
+    assert obj["n"] == 2 and torch.equal(_read(obj["w"]), torch.arange(5.0))
+    torch.save({"w": torch.ones(2), "x": Evil()}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(UnsafePickle, match="posix.system"):
         safeload.load(str(path))
+    assert not os.path.exists(MARKER)
 
 
 def test_storage_overrun_is_refused(tmp_path):

@@ -8,6 +8,7 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
     zckpt.load_state_dict(path, dtype="fp32") -> dict
     zckpt.load_into_module(module, path, strict=True)
     zckpt.reshard(path, out, world_size=..., stage=None, ...)
+    zckpt.convert(path, to="dcp" | "deepspeed", out=...)   # DeepSpeed <-> PyTorch DCP (FSDP2), whole training state
     zckpt.estimate(...)
 
 Every function that reads or writes a URL (``s3://``, ``hf://``...) takes ``storage_options={...}`` (fsspec
@@ -53,6 +54,7 @@ _LAZY = {
     "load_state_dict": "zckpt.ops.merge",
     "load_into_module": "zckpt.ops.merge",
     "reshard": "zckpt.ops.reshard",
+    "convert": "zckpt.ops.convert",
     "estimate": "zckpt.ops.estimate",
     "push": "zckpt.ops.push",
     "Pusher": "zckpt.ops.push",

@@ -12,7 +12,8 @@ from zckpt.cli._common import (
 @click.command(epilog="""\b
 Examples:
   zckpt convert ckpt/ --to dcp -o ckpt-dcp/
-  zckpt convert checkpoint-400 --to dcp -o checkpoint-400-dcp/
+  zckpt convert checkpoint-400 --to dcp -o checkpoint-400-fsdp/
+  zckpt convert checkpoint-400 --to dcp --layout dcp -o checkpoint-400-dcp/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
   zckpt convert ckpt/ --to dcp --dry-run --json
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/""")
@@ -21,12 +22,15 @@ Examples:
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
                    "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
                    "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
-                   "engine.load_checkpoint restores (needs --world-size, --stage, --ds-config).")
+                   "engine.load_checkpoint restores (needs --world-size, --stage, and --ds-config or --dtype).")
 @click.option("--world-size", type=click.IntRange(1), default=None, help="--to deepspeed: the DeepSpeed job's ranks.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None, help="--to deepspeed: the ZeRO stage (1, 2, 3).")
 @click.option("--ds-config", default=None, metavar="JSON",
               help="--to deepspeed: the DeepSpeed config the job runs with (precision, gradient_clipping and "
                    "zero_optimization shape the files).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default=None,
+              help="--to deepspeed without --ds-config: the precision the DeepSpeed engine trains in (DeepSpeed's "
+                   "defaults shape the rest; gradient clipping is left to the engine).")
 @click.option("--buffers", default=None, metavar="NAMES",
               help="--to deepspeed: comma-separated names or fnmatch patterns of the module tensors without "
                    "optimizer state that are buffers (DCP does not record it); '' when none are.")
@@ -36,6 +40,10 @@ Examples:
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
+@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer"]), default="auto", show_default=True,
+              help="--to dcp: dcp = one DCP folder (model, optim, scheduler, counters); trainer = a Hugging Face "
+                   "Trainer / Accelerate FSDP2 checkpoint folder (pytorch_model_fsdp_0/, optimizer_0/, the "
+                   "Trainer's scheduler.pt, trainer_state.json, rng states); auto = trainer for a checkpoint-N.")
 @click.option("--adam-mode", type=click.Choice(["adamw", "adam"]), default=None,
               help="For DeepSpeed's FusedAdam / DeepSpeedCPUAdam when the checkpoint does not say: adamw "
                    "(decoupled weight decay, their default) or adam (L2). Default: from the saved config.")
@@ -44,8 +52,8 @@ Examples:
 @output_options("convert", "files, keys, sizes")
 @storage_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mode, tag, workers, overwrite, durable,
-            dry_run, storage_options, as_json, quiet):
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, adam_mode, tag, workers,
+            overwrite, durable, dry_run, storage_options, as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
 
     The fp32 masters become the model parameters; Adam moments, steps and param groups (lr, betas, eps, weight
@@ -55,13 +63,19 @@ def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mod
     files for the world size and stage named (latest and the marker written last).
     """
     from zckpt.ops.convert import convert as run
+    from zckpt.ops.distributed import launched
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
-                     progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
-                     world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied))
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
+                         progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
+                         world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
+                         dtype=dtype, layout=layout, group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     if not dry_run:
         published(result.output)
     if as_json:
@@ -82,11 +96,12 @@ def convert(path, to, world_size, stage, ds_config, buffers, tied, out, adam_mod
         return _render_deepspeed(s, result, dry_run, human_bytes)
     verb = "would write" if dry_run else "wrote"
     for f in s["files"]:
-        click.echo(f"{verb} {f['name']:<40} {human_bytes(f['bytes']):>10}")
+        click.echo(f"{verb} {f['name']:<48} {human_bytes(f['bytes']):>10}")
     for note in s["notes"]:
         click.echo(f"note: {note}")
     opt = f", optimizer {s['optimizer']}" if s["optimizer"] else ""
-    click.echo(f"{'plan' if dry_run else 'converted'}: {s['from']} -> {s['to']}, {s['keys']} keys{opt}, "
+    click.echo(f"{'plan' if dry_run else 'converted'}: {s['from']} -> {s['to']} ({s['layout']} layout), "
+               f"{s['keys']} keys{opt}, "
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
 

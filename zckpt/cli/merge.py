@@ -17,7 +17,9 @@ Examples:
   zckpt merge ds_ckpt/ --tag global_step900 --to pt -o weights/
   zckpt merge checkpoint-400 -o s3://bucket/models/run1 --dtype bf16
   zckpt merge s3://a/ckpt-400 -o s3://b/model --storage-option profile=a --output-storage-option profile=b
-  zckpt merge checkpoint-400 --dry-run --json""")
+  zckpt merge checkpoint-400 --dry-run --json
+  torchrun --standalone --nproc-per-node 8 -m zckpt merge checkpoint-400 -o model/   # 8 processes
+  (under torchrun, srun or the deepspeed launcher the processes share the work: zckpt help distributed)""")
 @click.argument("path")
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True,
               help="Output format (Hugging Face layout: model.safetensors or pytorch_model.bin, sharded with an "
@@ -50,15 +52,20 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     output folder loads with AutoModel*.from_pretrained. Bytes stream through a fixed-size buffer; the output
     appears atomically.
     """
+    from zckpt.ops.distributed import launched
     from zckpt.ops.merge import merge as run, parse_size
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
-                     exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
-                     overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
-                     output_storage_options=output_storage_options)
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("merge", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
+                         exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
+                         overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
+                         output_storage_options=output_storage_options, group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     if not dry_run:
         published(result.output)
     if as_json:

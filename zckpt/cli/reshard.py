@@ -15,7 +15,8 @@ Examples:
   zckpt reshard checkpoint-400 --world-size 3 --stage 3 -o checkpoint-400-z3/
   zckpt reshard ckpt/ --world-size 2 --stage 1 --bf16-optimizer -o ckpt-bf16opt/
   zckpt reshard ckpt/ --world-size 8 --format universal -o ckpt-universal/
-  zckpt reshard ckpt/ --world-size 4 --dry-run --json""")
+  zckpt reshard ckpt/ --world-size 4 --dry-run --json
+  torchrun --standalone --nproc-per-node 8 -m zckpt reshard ckpt/ -w 64 -o ckpt-ws64/   # 8 processes""")
 @click.argument("path")
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(1, None), required=True,
               help="Data-parallel world size the output is for.")
@@ -45,14 +46,20 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see zckpt help reshard for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
+    from zckpt.ops.distributed import launched
     from zckpt.ops.reshard import reshard as run
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
-    with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
-        result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
-                     dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
-                     bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options)
+    with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
+        quiet = quiet or (group is not None and group.rank != 0)
+        with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
+            result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
+                         dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
+                         bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options,
+                         group=None if dry_run else group)
+    if group is not None and group.rank != 0:
+        return
     if not dry_run:
         published(result.output)
     doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes

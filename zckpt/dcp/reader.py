@@ -23,6 +23,7 @@ flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.for
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import io
 import os
@@ -39,6 +40,8 @@ from zckpt.state.model import (
 )
 
 METADATA = ".metadata"
+TRAINER_PARTS = ("pytorch_model_fsdp_0", "optimizer_0")  # accelerate's FSDP_MODEL_NAME_0 / OPTIMIZER_NAME_0 folders
+TRAINER_MARKERS = ("trainer_state.json", "training_args.bin")
 OPTIM_ROOTS = ("optim", "optimizer")
 NOT_MODEL_ROOTS = OPTIM_ROOTS + ("lr_scheduler", "lr_schedulers", "train_state", "dataloader", "extra")
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -50,12 +53,24 @@ DCP_HINTS = {
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def is_dcp(path: str, storage_options: dict | None = None) -> bool:
-    """A folder with DCP's ``.metadata`` (its commit marker)."""
+def dcp_parts(path: str, storage_options: dict | None = None) -> list[str]:
+    """The DCP folders ``path`` stands for, relative to it: ``[""]`` for a DCP folder; a Trainer / Accelerate FSDP
+    checkpoint (``SHARDED_STATE_DICT``) holds two, ``pytorch_model_fsdp_0`` ({"model": ...}) and ``optimizer_0``
+    ({"optimizer": ...}), read as one checkpoint. ``[]``: not DCP."""
     try:
-        return storage.isfile(storage.join(str(path), METADATA), storage_options)
+        if storage.isfile(storage.join(str(path), METADATA), storage_options):
+            return [""]
+        if storage.isfile(storage.join(str(path), TRAINER_PARTS[0], METADATA), storage_options):
+            return [p for p in TRAINER_PARTS if p == TRAINER_PARTS[0]
+                    or storage.isfile(storage.join(str(path), p, METADATA), storage_options)]
     except (OSError, ValueError):
-        return False
+        pass
+    return []
+
+
+def is_dcp(path: str, storage_options: dict | None = None) -> bool:
+    """A folder with DCP's ``.metadata`` (its commit marker), or a Trainer FSDP checkpoint of DCP folders."""
+    return bool(dcp_parts(path, storage_options))
 
 
 class Window(io.RawIOBase):
@@ -179,23 +194,57 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
     opts = storage_options
     if not storage.exists(path, opts):
         raise CheckpointNotFound("no such file or folder", path=path)
-    mpath = storage.join(path, METADATA)
-    if not storage.isfile(mpath, opts):
+    parts = dcp_parts(path, opts)
+    if not parts:
+        mpath = storage.join(path, METADATA)
         raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by dcp.save: the save did "
                                    "not finish, or this is not a DCP folder)", path=mpath,
                                    hint="use the folder of a finished save")
-    names = storage.listdir(path, opts)
-    sizes = {n: storage.size(storage.join(path, n), opts) for n in names
-             if n != METADATA and storage.isfile(storage.join(path, n), opts)}
-    data = storage.read_bytes(mpath, opts)
+    metas, sizes, mds = [], {}, []
     try:
-        md = dcpmeta.read_metadata(data, mpath, sizes)
-        with metadata_errors(mpath):
-            return _build(path, opts, md, sizes, len(data), buffers, tied or {})
+        for part in parts:
+            folder = storage.join(path, part) if part else path
+            mpath = storage.join(folder, METADATA)
+            names = storage.listdir(folder, opts)
+            own = {n: storage.size(storage.join(folder, n), opts) for n in names
+                   if n != METADATA and storage.isfile(storage.join(folder, n), opts)}
+            data = storage.read_bytes(mpath, opts)
+            mds.append(_relative(dcpmeta.read_metadata(data, mpath, own), part))
+            sizes.update({f"{part}/{n}" if part else n: size for n, size in own.items()})
+            metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
+        md = _joined(mds, storage.join(path, metas[0][0]))
+        with metadata_errors(storage.join(path, metas[0][0])):
+            return _build(path, opts, md, sizes, metas, buffers, tied or {})
     except (CorruptFile, UnsafePickle) as exc:
         if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
             exc.hint = DCP_HINTS[type(exc)]
         raise
+
+
+def _relative(md: dcpmeta.DcpMetadata, part: str) -> dcpmeta.DcpMetadata:
+    """``md`` with its data files named relative to the checkpoint folder (``optimizer_0/__0_0.distcp``)."""
+    if not part:
+        return md
+    for te in md.tensors.values():
+        te.chunks = [dataclasses.replace(c, file=f"{part}/{c.file}") for c in te.chunks]
+    md.values = {k: dataclasses.replace(v, file=f"{part}/{v.file}") for k, v in md.values.items()}
+    md.files = [f"{part}/{f}" for f in md.files]
+    return md
+
+
+def _joined(mds: list[dcpmeta.DcpMetadata], mpath: str) -> dcpmeta.DcpMetadata:
+    if len(mds) == 1:
+        return mds[0]
+    out = dcpmeta.DcpMetadata({}, {}, {}, mds[0].version, [])
+    for md in mds:
+        clash = (set(md.tensors) | set(md.values)) & (set(out.tensors) | set(out.values))
+        if clash:
+            raise CorruptFile(f"key '{sorted(clash)[0]}' is saved in two DCP folders of one checkpoint", path=mpath)
+        out.tensors.update(md.tensors)
+        out.values.update(md.values)
+        out.paths.update(md.paths)
+        out.files += md.files
+    return out
 
 
 def _values(items: _Items, md: dcpmeta.DcpMetadata, keys, mpath: str) -> dict:
@@ -209,8 +258,8 @@ def _values(items: _Items, md: dcpmeta.DcpMetadata, keys, mpath: str) -> dict:
     return out
 
 
-def _build(path, opts, md, sizes, meta_bytes, buffers, tied) -> Checkpoint:
-    mpath = storage.join(path, METADATA)
+def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
+    mpath = storage.join(path, metas[0][0])
     model, state, groups_raw, flat_groups, other = _split(md)
     if not model:
         raise UnsupportedLayout("DCP checkpoint without module tensors (no model.* keys)", path=mpath,
@@ -265,10 +314,11 @@ def _build(path, opts, md, sizes, meta_bytes, buffers, tied) -> Checkpoint:
         items.close()
     _check_tied(records, tied, mpath)
     masters = sorted({r.dtype for r in records if r.kind == "trainable"}) or ["float32"]
-    ranks = sorted({int(m.group(1)) for n in md.files if (m := _DATA_RE.match(n))})
+    ranks = sorted({int(m.group(1)) for n in md.files if (m := _DATA_RE.match(n.rsplit("/", 1)[-1]))})
     data_files = [RankFile(storage.join(path, n), n, "data", None, 0, sizes.get(n, -1)) for n in md.files]
-    data_files.append(RankFile(mpath, METADATA, "metadata", None, 0, meta_bytes))
-    loc = Location(path, path, storage.basename(path), path, None, data_files=data_files, storage_options=opts)
+    data_files += [RankFile(storage.join(path, n), n, "metadata", None, 0, size) for n, size in metas]
+    trainer = path if any(storage.isfile(storage.join(path, m), opts) for m in TRAINER_MARKERS) else None
+    loc = Location(path, path, storage.basename(path), path, trainer, data_files=data_files, storage_options=opts)
     notes = []
     if stateless:
         notes.append(f"{len(stateless)} module tensor(s) have no optimizer state ({', '.join(stateless[:3])}"

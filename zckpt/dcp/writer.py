@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from zckpt.engine import torchzip
 from zckpt.engine.segments import slice_segments
-from zckpt.engine.torchzip import Archive, GlobalRef, Reduce, TensorOut, plain_object
+from zckpt.engine.torchzip import Archive, GlobalRef, Reduce, TensorOut
 from zckpt.errors import UnsupportedLayout
 from zckpt.formats.safeload import DTYPE_SIZES
 
@@ -236,43 +236,56 @@ def _place(items: list[Item], file_bytes: int) -> list[DcpFile]:
 
 # ------------------------------------------------------------------------------------------- .metadata
 
-def _size(dims) -> Reduce:
-    return Reduce(GlobalRef("torch", "Size"), (tuple(int(d) for d in dims),))
+class _Refs:
+    """One object per global name / shared value, so the pickler's memo writes each once (a third of the size)."""
 
+    def __init__(self):
+        self.cache: dict = {}
 
-def _properties(dtype: str):
-    # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory-format encoding, pin_memory)
-    layout = Reduce(GlobalRef("torch.serialization", "_get_layout"), ("torch.strided",))
-    contiguous = Reduce(GlobalRef(_META, "_MEM_FORMAT_ENCODING"), (0,))
-    return plain_object(_META, "TensorProperties",
-                        (GlobalRef("torch", _TORCH_DTYPES[dtype]), layout, False, contiguous, False))
+    def ref(self, module: str, name: str) -> GlobalRef:
+        return self.cache.setdefault((module, name), GlobalRef(module, name))
 
+    def obj(self, module: str, name: str, state):
+        """``plain_object`` with its class reference shared."""
+        return Reduce(self.ref("copyreg", "_reconstructor"), (self.ref(module, name), self.ref("builtins", "object"),
+                                                              None), state)
 
-def _index(key: str, offsets, index: int | None):
-    return plain_object(_META, "MetadataIndex", {"fqn": key, "offset": None if offsets is None else _size(offsets),
-                                                  "index": index})
+    def size(self, dims) -> Reduce:
+        return Reduce(self.ref("torch", "Size"), (tuple(int(d) for d in dims),))
+
+    def properties(self, dtype: str):
+        # TensorProperties.__getstate__: (dtype, layout, requires_grad, memory-format encoding, pin_memory)
+        key = ("properties", dtype)
+        if key not in self.cache:
+            layout = Reduce(self.ref("torch.serialization", "_get_layout"), ("torch.strided",))
+            contiguous = Reduce(self.ref(_META, "_MEM_FORMAT_ENCODING"), (0,))
+            self.cache[key] = self.obj(_META, "TensorProperties", (self.ref("torch", _TORCH_DTYPES[dtype]), layout,
+                                                                   False, contiguous, False))
+        return self.cache[key]
 
 
 def metadata_object(items: list[Item], checkpoint_id: str | None = None):
     """torch's ``Metadata`` for ``items`` as a pickle-ready object tree (classes named, never imported)."""
+    r = _Refs()
     sd_meta, storage, planner = {}, {}, {}
     for item in items:
         if item.dtype is None:
-            sd_meta[item.key] = plain_object(_META, "BytesStorageMetadata", {})
+            sd_meta[item.key] = r.obj(_META, "BytesStorageMetadata", {})
         else:
-            chunks = [plain_object(_META, "ChunkStorageMetadata", {"offsets": _size(c.offsets),
-                                                                   "sizes": _size(c.sizes)}) for c in item.chunks]
-            sd_meta[item.key] = plain_object(_META, "TensorStorageMetadata", {
-                "properties": _properties(item.dtype), "size": _size(item.shape), "chunks": chunks})
+            chunks = [r.obj(_META, "ChunkStorageMetadata", {"offsets": r.size(c.offsets), "sizes": r.size(c.sizes)})
+                      for c in item.chunks]
+            sd_meta[item.key] = r.obj(_META, "TensorStorageMetadata", {
+                "properties": r.properties(item.dtype), "size": r.size(item.shape), "chunks": chunks})
         for i, c in enumerate(item.chunks):
-            idx = _index(item.key, c.offsets, None if item.dtype is None else i)
-            storage[idx] = plain_object(_FS, "_StorageInfo", {"relative_path": c.file, "offset": c.offset,
-                                                              "length": c.length})
+            idx = r.obj(_META, "MetadataIndex", {"fqn": item.key, "offset": None if c.offsets is None else
+                                                 r.size(c.offsets), "index": None if item.dtype is None else i})
+            storage[idx] = r.obj(_FS, "_StorageInfo", {"relative_path": c.file, "offset": c.offset,
+                                                       "length": c.length})
         planner[item.key] = tuple(item.path)
-    meta = plain_object(_META, "StorageMeta", {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
-                                               "load_id": None, "modules": []})
-    return plain_object(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner,
-                                            "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION})
+    meta = r.obj(_META, "StorageMeta", {"checkpoint_id": checkpoint_id, "save_id": str(uuid.uuid4()),
+                                        "load_id": None, "modules": []})
+    return r.obj(_META, "Metadata", {"state_dict_metadata": sd_meta, "planner_data": planner,
+                                     "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION})
 
 
 def metadata_bytes(items: list[Item], checkpoint_id: str | None = None) -> bytes:
@@ -283,11 +296,14 @@ def metadata_bytes(items: list[Item], checkpoint_id: str | None = None) -> bytes
 
 # ------------------------------------------------------------------------------------------- writing
 
-def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False) -> None:
-    """Write ``plan`` through ``pub`` (a :class:`zckpt.io.publish.Publisher`): every ``.distcp`` file, then
-    ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called with the bytes written."""
+def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False,
+               folder: str = "") -> None:
+    """Write ``plan`` through ``pub`` (a :class:`zckpt.io.publish.Publisher`), into its sub-folder ``folder``
+    when given: every ``.distcp`` file, then ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called
+    with the bytes written."""
     for f in plan.files:
-        dst = pub.path(f.name)
+        rel = f"{folder}/{f.name}" if folder else f.name
+        dst = pub.path(rel)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, f.size)
@@ -298,7 +314,7 @@ def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=N
             os.close(fd)
         if progress:
             progress(f.size - sum(a.payload_bytes for a, _ in f.placed))
-        pub.done(f.name)
-    pub.write_bytes(METADATA, plan.metadata)
+        pub.done(rel)
+    pub.write_bytes(f"{folder}/{METADATA}" if folder else METADATA, plan.metadata)
     if progress:
         progress(len(plan.metadata))

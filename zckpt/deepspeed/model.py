@@ -147,6 +147,13 @@ def _optim_prefix(name: str) -> str:
     return name.split("zero_pp_rank_")[0]
 
 
+def _memory(t) -> tuple | None:
+    """Where a ``module`` tensor's bytes are (storage, offset, shape, stride): equal for tied parameters."""
+    if not isinstance(t, LazyTensor) or not t.numel:
+        return None
+    return (t.storage.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
+
+
 def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord], frozen: dict[str, TensorRecord],
                    lp_dtype: str, module_has_params: bool = True) -> list[TensorRecord]:
     """Assemble the final record list in ``module`` order: buffers and params from their sources, tied aliases,
@@ -164,11 +171,16 @@ def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord],
         return TensorRecord(name, tuple(t.shape), kind, t.dtype, pieces_of(t),
                             lp_dtype=t.dtype if kind == "frozen" else None)
 
+    seen: dict[tuple, str] = {}  # where each parameter's module tensor is -> its name
     order = list(module.keys())
     for extra in list(trainable) + list(frozen) + list(shared) + buffer_names:
         if extra not in module:
             order.append(extra)
     for name in order:
+        mem = _memory(module.get(name))
+        tie = seen.get(mem) if mem is not None else None
+        if mem is not None and name not in buffer_names and name not in shared:
+            seen.setdefault(mem, name)
         if name in trainable:
             records[name] = trainable[name]
         elif name in frozen:
@@ -180,6 +192,11 @@ def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord],
             records[name] = None  # filled below, once the source is known
         elif name in buffer_names:
             records[name] = module_record(name, "buffer")
+        elif name in module and module_has_params and tie is not None:
+            # the very bytes of a parameter already seen: a tie whose shared_params entry is missing (DeepSpeed
+            # fills shared_params on global rank 0 only; with a 0.17.1+ writer engine another rank writes the file)
+            shared[name] = tie
+            records[name] = None
         elif name in module and module_has_params:
             # in module but in no optimizer group: a frozen weight of ZeRO-1 / BF16 optimizer (or a zero-size param)
             records[name] = module_record(name, "frozen")

@@ -29,6 +29,7 @@ Names are the live model's ``state_dict`` keys with global expert ids: the model
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
@@ -53,8 +54,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     ms0 = model_states[0]
     mpath = loc.model_files[0].path
     if ms0.get("ds_autoep_layers"):
-        raise UnsupportedLayout("AutoEP mixture-of-experts checkpoint (ds_autoep_layers); zckpt reads native "
-                                "deepspeed.moe.layer.MoE checkpoints only", path=mpath)
+        return _build_autoep(loc, model_states, optim_states)
     if not isinstance(ms0.get("num_experts"), (list, tuple)) or not ms0["num_experts"]:
         raise UnsupportedLayout("mixture-of-experts expert files, but the model-states file has no num_experts list: "
                                 "not a native MoE save", path=mpath,
@@ -135,7 +135,7 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
         mine = [(n, t) for n, t, layer, gid, _ in tensors if gid // (counts[layer] // ep) == e]
         opt = st.get("optimizer") if isinstance(st, dict) else None
         recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
-        notes += [f"expert-parallel rank {e}: {n}" for n in more]
+        notes += [type(n)(f"expert-parallel rank {e}: {n}") for n in more]
         for gi in gis:
             expert_group = bool(gi.hyperparams.get("moe"))
             if any((n in dense_names) == expert_group for n in gi.names):
@@ -155,7 +155,158 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
     notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
-                      parallel="moe", reshard_refusal=REFUSAL)
+                      parallel="moe", reshard_refusal=REFUSAL,
+                      state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
+
+
+def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
+    """AutoEP (DeepSpeed 0.19.2+) at ZeRO-1/2: ``ds_autoep_layers`` in the model states describes each MoE layer
+    (``module_path``, ``num_experts``, ``ep_size``, ``expert_placement``, and an ``affine_maps`` entry per fused
+    expert parameter ``{module_path}.experts.w1/w2/w3``: its logical ``[num_experts, ...]`` shape and, per
+    expert-parallel rank, which block of it that rank's ``[num_local, ...]`` shard is). Expert params are in their
+    own optimizer groups (``ep_size_N``), partitioned over each expert-parallel rank's expert-data-parallel ranks;
+    every rank's shard is read with :func:`zckpt.deepspeed.zero12.build` and the shards are put where the map says
+    (only whole contiguous blocks without scale; anything else is refused). The expert files
+    (``layer_{L}_expert_{E}``, one ``experts.wK.{E}`` slice each) give the training dtype and must all be there.
+    ZeRO-3 AutoEP (partitioned expert state in the ZeRO-3 shards) is refused."""
+    from zckpt.deepspeed import zero12
+
+    ms0, mpath = model_states[0], loc.model_files[0].path
+    layers = ms0["ds_autoep_layers"]
+    if not isinstance(layers, list) or not all(isinstance(x, dict) for x in layers):
+        raise CorruptFile("ds_autoep_layers is not a list of layer descriptions", path=mpath)
+    if not optim_states or len(loc.model_files) != 1 or any(f.kind != "optim" for f in loc.optim_files):
+        raise UnsupportedLayout("AutoEP checkpoint of ZeRO-3 or without ZeRO (no per-rank ZeRO-1/2 optimizer files); "
+                                "zckpt reads AutoEP checkpoints of ZeRO-1/2", path=loc.tag_dir)
+    maps: dict[str, dict] = {}
+    for layer in layers:
+        if layer.get("checkpoint_format") != "per_expert_files" or (layer.get("affine_maps") or {}).get("version") != 1:
+            raise UnsupportedLayout(f"AutoEP layer {layer.get('module_path')}: checkpoint_format "
+                                    f"{layer.get('checkpoint_format')!r}, affine map version "
+                                    f"{(layer.get('affine_maps') or {}).get('version')!r} (zckpt reads "
+                                    "per_expert_files, version 1)", path=mpath)
+        for name, amap in ((layer.get("affine_maps") or {}).get("params") or {}).items():
+            maps[name] = {**amap, "_layer": layer}
+    osds = [st.get("optimizer_state_dict") for st in optim_states]
+    if not all(isinstance(o, dict) for o in osds) or int(osds[0].get("zero_stage") or 0) not in (1, 2):
+        raise UnsupportedLayout("AutoEP checkpoint whose optimizer files are not ZeRO-1/2", path=loc.tag_dir)
+    ws = len(loc.optim_files)
+    param_shapes = ms0.get("param_shapes")
+    ngroups = len(osds[0].get("single_partition_of_fp32_groups") or [])
+    if not isinstance(param_shapes, list) or len(param_shapes) != ngroups:
+        raise CorruptFile(f"param_shapes lists {len(param_shapes or [])} groups, the optimizer {ngroups}", path=mpath)
+    hyper = _param_groups(osds[0], ngroups)
+    experts = [g for g in range(ngroups) if any(n in maps for n in param_shapes[g])]
+    for g in experts:
+        if not all(n in maps for n in param_shapes[g]):
+            raise CorruptFile(f"param group {g} mixes AutoEP expert and dense parameters", path=mpath)
+    dense = [g for g in range(ngroups) if g not in experts]
+    drop = (lambda d: None if d is None else {k: v for k, v in d.items() if k not in maps})
+    ms_dense = {**ms0, "param_shapes": [param_shapes[g] for g in dense],
+                "frozen_param_shapes": drop(ms0.get("frozen_param_shapes")),
+                "frozen_param_fragments": drop(ms0.get("frozen_param_fragments"))}
+    base = zero12.build(_sub_location(loc, loc.optim_files), [ms_dense], [_select(st, dense) for st in optim_states])
+    groups = [dataclasses.replace(gi, index=dense[gi.index]) for gi in base.groups]
+    records = [dataclasses.replace(r, group=dense[r.group]) if r.group is not None else r for r in base.records]
+    lp = _autoep_expert_files(loc, layers, maps)
+    counts = osds[0].get("partition_count")
+    expert_recs: list[TensorRecord] = []
+    for g in experts:
+        ep = _ep_size(hyper[g], counts[g] if isinstance(counts, (list, tuple)) else counts, ws, g, mpath)
+        ms_g = {**ms0, "module": None, "param_shapes": [param_shapes[g]], "frozen_param_shapes": None,
+                "frozen_param_fragments": None, "shared_params": {}, "buffer_names": []}
+        shards: dict[str, dict[int, TensorRecord]] = {}
+        info = None
+        for e in range(ep):
+            ranks = expert_data_ranks(ms0, ws, ep, e, loc.tag_dir)
+            files = [dataclasses.replace(loc.optim_files[r], dp_rank=i) for i, r in enumerate(ranks)]
+            sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
+            for rec in sub.of_kind("trainable"):
+                shards.setdefault(rec.name, {})[e] = rec
+            info = info or GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
+        for name in param_shapes[g]:
+            expert_recs.append(_autoep_full(name, shards[name], maps[name], g, lp[name], mpath))
+            info.names.append(name)
+        groups.append(info)
+    groups.sort(key=lambda gi: gi.index)
+    for layer in layers:
+        mine = [r for r in expert_recs if r.name in maps and maps[r.name]["_layer"] is layer]
+        prefix = f"{layer.get('module_path')}."
+        at = max((i + 1 for i, r in enumerate(records) if r.name.startswith(prefix)), default=len(records))
+        records[at:at] = mine
+    notes = [f"AutoEP: {len(layers)} MoE layer(s), {len(loc.expert_files)} expert files, expert groups "
+             + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
+                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL)
+
+
+def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict]) -> dict[str, str]:
+    """The training dtype of each fused expert parameter, from the expert files (``{param}.{E}`` of shape
+    ``logical[1:]`` in ``layer_{L}_expert_{E}``), every one of which must be present."""
+    have = {(f.index, f.expert): f for f in loc.expert_files}
+    want = {(int(x.get("moe_layer_id", i)), e) for i, x in enumerate(layers) for e in range(int(x["num_experts"]))}
+    if want - set(have):
+        missing = sorted(want - set(have))[:4]
+        raise IncompleteCheckpoint("expert files missing: " + ", ".join(
+            f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
+    files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
+    dtypes: dict[str, set] = {}
+    for f, sd in zip(files, load_all(files, loc.storage_options)):
+        for key, t in sd.items():
+            name, _, gid = key.rpartition(".")
+            amap = maps.get(name)
+            if amap is None or not gid.isdigit() or int(gid) != f.expert or not isinstance(t, LazyTensor) \
+                    or tuple(t.shape) != tuple(amap["logical_shape"][1:]):
+                raise CorruptFile(f"'{key}' is not a slice of an AutoEP expert parameter of expert {f.expert}",
+                                  path=f.path)
+            dtypes.setdefault(name, set()).add(t.dtype)
+    if set(dtypes) != set(maps) or any(len(d) != 1 for d in dtypes.values()):
+        raise CorruptFile("the expert files do not hold every AutoEP expert parameter in one dtype", path=loc.tag_dir)
+    return {n: d.pop() for n, d in dtypes.items()}
+
+
+def _autoep_full(name: str, shards: dict[int, TensorRecord], amap: dict, g: int, lp_dtype: str,
+                 path: str) -> TensorRecord:
+    """One fused expert parameter at its logical shape: each expert-parallel rank's shard where the affine map
+    puts it (whole contiguous blocks only)."""
+    logical = tuple(int(d) for d in amap["logical_shape"])
+    ranks = amap.get("ranks") or {}
+    runs = []
+    for e, rec in shards.items():
+        entry = ranks.get(e, ranks.get(str(e)))
+        pieces = (entry or {}).get("pieces") or []
+        shard = tuple(int(d) for d in (entry or {}).get("shard_shape", ()))
+        if tuple(rec.shape) != shard or len(pieces) != 1:
+            raise UnsupportedLayout(f"AutoEP '{name}': expert-parallel rank {e}'s shard {list(rec.shape)} is not one "
+                                    "whole piece of the affine map", path=path)
+        pc = pieces[0]
+        (soff, sstr), (doff, dstr) = pc["source"], pc["dest"]
+        if tuple(pc["shape"]) != shard or int(doff) != 0 or tuple(dstr) != _strides(shard) or \
+                tuple(sstr) != _strides(logical) or float(pc.get("scale", 1)) != 1.0:
+            raise UnsupportedLayout(f"AutoEP '{name}': rank {e}'s piece is not a contiguous block of the full tensor "
+                                    "(strided or scaled pieces are not read)", path=path)
+        runs.append((int(soff), rec.numel, e))
+    runs.sort()
+    end = 0
+    for soff, n, _ in runs:
+        if soff != end:
+            raise CorruptFile(f"AutoEP '{name}': the shards leave a gap or overlap at element {end}", path=path)
+        end += n
+    if end != math.prod(logical):
+        raise CorruptFile(f"AutoEP '{name}': the shards cover {end} of {math.prod(logical)} elements", path=path)
+    order = [shards[e] for _, _, e in runs]
+    has = all(r.exp_avg for r in order)
+    return TensorRecord(name, logical, "trainable", order[0].dtype, [p for r in order for p in r.value],
+                        [p for r in order for p in r.exp_avg] if has else [],
+                        [p for r in order for p in r.exp_avg_sq] if has else [], group=g, lp_dtype=lp_dtype)
+
+
+def _strides(shape: tuple) -> tuple:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= int(d)
+    return tuple(reversed(out))
 
 
 def _param_groups(osd: dict, ngroups: int) -> list[dict]:

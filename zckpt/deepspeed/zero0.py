@@ -71,7 +71,12 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
     ckpt = Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states,
                       reshard_refusal=REFUSAL)
     ckpt.notes += notes
+    ckpt.state_refusal = next((n for n in notes if isinstance(n, StateNotRead)), None)
     return ckpt
+
+
+class StateNotRead(str):
+    """A note saying the files hold optimizer state that cannot be placed (the checkpoint's ``state_refusal``)."""
 
 
 def module_params(module: dict, buffer_names) -> tuple[list[tuple[str, LazyTensor]], dict[str, str]]:
@@ -401,8 +406,8 @@ def _plain(opt: dict, candidates: list, precision: str, path: str, storage_optio
         named = match_groups(shapes, [(n, tuple(t.shape)) for n, t in candidates], path,
                              names=_saved_names(opt["param_groups"], path))
     except UnsupportedLayout as exc:  # the weights are the module's either way; the moments cannot be placed
-        notes.append(f"Adam moments not read: {exc.message}; parameters are not told apart from frozen ones; "
-                     "values are the module weights")
+        notes.append(StateNotRead(f"Adam moments not read: {exc.message}; parameters are not told apart from "
+                                  "frozen ones; values are the module weights"))
         return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
                     for g, pg in enumerate(opt["param_groups"])], notes
     by = dict(candidates)

@@ -22,12 +22,14 @@ reads and casts stay parallel. No torch or numpy import here: casts import numpy
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import threading
 import time
 import zlib
-from typing import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
 
 from zckpt.io import storage
 from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
@@ -40,6 +42,15 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # need the CPU, use the whole pool.
 WRITE_STREAMS = 1
 _ZEROS = bytes(1 << 20)
+# Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
+# ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (PREFETCH_BYTES in memory at most).
+PREFETCH_BYTES = 256 << 20
+FIRST_WINDOW_BYTES = 8 << 20  # the first window is small (writing starts soon), later ones double
+WINDOWS_AHEAD = 4  # windows of at most PREFETCH_BYTES / WINDOWS_AHEAD
+MAX_REQUEST_BYTES = 16 << 20
+MIN_REQUEST_BYTES = 1 << 20
+REQUEST_GAP_BYTES = 256 << 10  # ranges of one file closer than this are read in one request (the gap is read too)
+REQUESTS_IN_FLIGHT = 16
 
 
 def zeros_crc(n: int, crc: int = 0) -> int:
@@ -53,10 +64,10 @@ def zeros_crc(n: int, crc: int = 0) -> int:
 
 # ---------------------------------------------------------------------------------------------- chunker
 
-def chunks(segments: list, dtype: str) -> Iterator[tuple[int, list]]:
-    """Split one output tensor's segments into jobs of at most CHUNK_BYTES: (byte offset in the tensor, parts)."""
+def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, list]]:
+    """Split one output tensor's segments into jobs of at most ``chunk_bytes``: (byte offset in the tensor, parts)."""
     size = DTYPE_SIZES[dtype]
-    per = max(1, CHUNK_BYTES // max(size, 4))
+    per = max(1, chunk_bytes // max(size, 4))
     pos = 0
     cur, cur_n, cur_start = [], 0, 0
     for seg in segments:
@@ -108,6 +119,10 @@ class Worker:
         from zckpt.formats.tensors import Reader
         # pieces whose path is a URL are read with ``storage_options`` (the checkpoint's: ``ckpt.storage_options``)
         self.reader = reader or Reader(storage_options)
+        self.storage_options = storage_options if storage_options is not None else \
+            getattr(self.reader, "storage_options", None)
+        self.stats = FetchStats()
+        self._fetcher: ThreadPoolExecutor | None = None
         self.local = threading.local()
         self.use_cfr = hasattr(os, "copy_file_range")
         self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded
@@ -210,5 +225,167 @@ class Worker:
                 crc = zeros_crc(p.nbytes, crc) if isinstance(p, Fill) else crc_of(p.path, p.offset, p.nbytes, crc)
         return crc, pos - offset
 
+    def fetcher(self) -> ThreadPoolExecutor:
+        """The threads that run this worker's ranged GETs (made on first remote read)."""
+        if self._fetcher is None:
+            self._fetcher = ThreadPoolExecutor(REQUESTS_IN_FLIGHT, thread_name_prefix="zckpt-get")
+        return self._fetcher
+
     def close(self):
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True)
+            self._fetcher = None
         self.reader.close()
+
+
+# ---------------------------------------------------------------------------------------------- remote reads
+
+class FetchStats:
+    """What a worker read from remote sources: bytes, ranged GETs and the seconds spent waiting for them."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.requests = 0
+        self.wait_seconds = 0.0
+        self.lock = threading.Lock()
+
+    def to_json(self) -> dict:
+        return {"remote_bytes": self.bytes, "remote_requests": self.requests,
+                "remote_wait_seconds": round(self.wait_seconds, 3)}
+
+
+class RangeCache:
+    """Fetched byte ranges of remote files, served to the worker's reader (``Reader.cache``) instead of a GET."""
+
+    def __init__(self):
+        self.blocks: dict[str, tuple[list[int], list[bytes]]] = {}
+
+    def add(self, path: str, start: int, data: bytes) -> None:
+        starts, datas = self.blocks.setdefault(path, ([], []))
+        i = bisect.bisect(starts, start)
+        starts.insert(i, start)
+        datas.insert(i, data)
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> bool:
+        """Fill ``buf`` with the bytes at ``offset`` of ``path`` if they were fetched (from one or more blocks)."""
+        have = self.blocks.get(path)
+        if not have:
+            return False
+        starts, datas = have
+        i = bisect.bisect(starts, offset) - 1
+        pos, n = 0, len(buf)
+        while pos < n:
+            if i < 0 or i >= len(starts):
+                return False
+            lo = offset + pos - starts[i]
+            if not 0 <= lo < len(datas[i]):
+                return False
+            k = min(n - pos, len(datas[i]) - lo)
+            buf[pos:pos + k] = memoryview(datas[i])[lo:lo + k]
+            pos += k
+            i += 1
+        return True
+
+
+def remote_ranges(parts: list) -> Iterator[tuple[str, int, int]]:
+    """(path, offset, nbytes) of every input range behind a URL among a job's parts (inside casts too)."""
+    for p in parts:
+        if isinstance(p, Piece) and storage.is_url(p.path):
+            yield p.path, p.offset, p.nbytes
+        elif isinstance(p, Cast):
+            for q in p.pieces:
+                if storage.is_url(q.path):
+                    yield q.path, q.offset, q.nbytes
+
+
+def plan_requests(ranges: Iterable[tuple[str, int, int]], max_request: int = MAX_REQUEST_BYTES,
+                  gap: int = REQUEST_GAP_BYTES) -> list[tuple[str, int, int]]:
+    """Coalesce byte ranges into ranged GETs: per file, sorted, neighbours closer than ``gap`` merged, none
+    longer than ``max_request`` (a longer range is split into several requests)."""
+    byfile: dict[str, list[tuple[int, int]]] = {}
+    for path, off, n in ranges:
+        if n:
+            byfile.setdefault(path, []).append((off, off + n))
+    out = []
+    for path, spans in byfile.items():
+        spans.sort()
+        merged: list[list[int]] = []
+        for lo, hi in spans:
+            if merged and lo <= merged[-1][1] + gap:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            for s in range(lo, hi, max_request):
+                out.append((path, s, min(max_request, hi - s)))
+    return out
+
+
+def _fetch(worker: Worker, requests: list[tuple[str, int, int]]):
+    """Start the ranged GETs of ``requests`` on the worker's fetch threads; returns their futures."""
+    def get(req):
+        path, off, n = req
+        data = storage.read_range(path, off, n, worker.storage_options)
+        with worker.stats.lock:
+            worker.stats.bytes += len(data)
+            worker.stats.requests += 1
+        return req, data
+
+    pool = worker.fetcher()
+    return [pool.submit(get, r) for r in requests]
+
+
+def run_jobs(pool, fn: Callable, jobs: Iterable, worker: Worker | None = None,
+             parts_of: Callable = lambda job: job[1], window: int = PREFETCH_BYTES) -> Iterator:
+    """``fn(job)`` for every job on ``pool`` (or in this thread when None), results in job order.
+
+    When jobs read remote pieces, they run in windows of remote bytes (the first small, then doubling up to a
+    quarter of ``window``); up to ``window`` bytes of the windows ahead are being fetched (coalesced ranged GETs,
+    :func:`plan_requests`, many in flight) while one is written, and the worker's reader is served from them.
+    Local-only jobs run exactly as ``pool.map``."""
+    jobs = list(jobs)
+    ranges = [list(remote_ranges(parts_of(j))) for j in jobs] if worker is not None else []
+    if not any(ranges):
+        yield from (pool.map(fn, jobs) if pool is not None else map(fn, jobs))
+        return
+    windows, cur, size, limit = [], [], 0, min(FIRST_WINDOW_BYTES, window // WINDOWS_AHEAD)
+    for i, rs in enumerate(ranges):
+        cur.append(i)
+        size += sum(r[2] for r in rs)
+        if size >= limit:
+            windows.append((cur, size))
+            cur, size, limit = [], 0, min(2 * limit, window // WINDOWS_AHEAD)
+    if cur:
+        windows.append((cur, size))
+
+    def start(win):
+        rs = [r for i in win for r in ranges[i]]
+        total = sum(r[2] for r in rs)
+        size_ = min(MAX_REQUEST_BYTES, max(MIN_REQUEST_BYTES, total // REQUESTS_IN_FLIGHT))  # from the plan
+        return _fetch(worker, plan_requests(rs, size_))
+
+    cache = RangeCache()
+    reader = worker.reader
+    pending: list = []  # futures of the windows being fetched, in order
+    nxt, in_flight = 0, 0
+    try:
+        for k, (win, _) in enumerate(windows):
+            while nxt < len(windows) and (nxt <= k or in_flight + windows[nxt][1] <= window):
+                pending.append(start(windows[nxt][0]))
+                in_flight += windows[nxt][1]
+                nxt += 1
+            t0 = time.perf_counter()
+            got = [f.result() for f in pending.pop(0)]
+            worker.stats.wait_seconds += time.perf_counter() - t0
+            cache.blocks.clear()
+            for (path, off, _), data in got:
+                cache.add(path, off, data)
+            reader.cache = cache
+            todo = [jobs[i] for i in win]
+            yield from (pool.map(fn, todo) if pool is not None else map(fn, todo))
+            in_flight -= windows[k][1]
+    finally:
+        for futures in pending:
+            for f in futures:
+                f.cancel()
+        reader.cache = None

@@ -23,7 +23,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zckpt.engine.executor import Worker, chunks, pwrite_all, zeros_crc
+from zckpt.engine.executor import CHUNK_BYTES, Worker, chunks, pwrite_all, run_jobs, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
 
 ALIGN = 64
@@ -196,6 +196,22 @@ def plan_archive(obj, archive_name: str) -> Archive:
     return archive
 
 
+def serialization_id(archive: Archive) -> bytes:
+    """The archive's ``.data/serialization_id`` (random per file, as torch.save's)."""
+    return next((e.data for e in archive.entries if e.name.endswith("/.data/serialization_id")), b"")
+
+
+def set_serialization_id(archive: Archive, value: bytes) -> None:
+    """Give the archive another serialization id of the same length (processes writing one file agree on it)."""
+    for e in archive.entries:
+        if e.name.endswith("/.data/serialization_id"):
+            if len(value) != e.size:
+                raise ValueError(f"a serialization id of {len(value)} bytes for an entry of {e.size}")
+            e.data, e.crc = bytes(value), zlib.crc32(value)
+            zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
+            e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
+
+
 def _central(archive: Archive) -> bytes:
     out = io.BytesIO()
     start = archive.size
@@ -341,14 +357,47 @@ class SourceMaps:
             self._maps.clear()
 
 
+def archive_jobs(archive: Archive, maps: "SourceMaps", chunk_bytes: int = CHUNK_BYTES) -> tuple[list, dict]:
+    """``(jobs, known)`` of a planned archive: jobs ``(entry index, file offset, parts, dtype)`` of every tensor
+    entry's chunks in file order; ``known``: entry index -> CRC, for tensors made of whole input entries (their CRC
+    comes from the inputs' central directories, nothing to compute)."""
+    fast = hasattr(os, "copy_file_range")
+    jobs, known = [], {}
+    for idx, e in enumerate(archive.entries):
+        if isinstance(e.data, TensorOut):
+            e.data.segments = coalesce(e.data.segments)
+            crc = maps.tensor_crc(e.data) if fast else None
+            if crc is not None:
+                known[idx] = crc
+            for start, parts in chunks(e.data.segments, e.data.dtype, chunk_bytes):
+                jobs.append((idx, e.data_offset + start, parts, e.data.dtype))
+    return jobs, known
+
+
+def archive_meta(archive: Archive, crcs: dict[int, int]) -> list[tuple[int, bytes]]:
+    """Every byte of the archive that is not tensor data, as ``(file offset, bytes)``: local headers (with the
+    tensor CRCs ``crcs``, entry index -> CRC-32), the small entries and the central directory."""
+    out = []
+    for idx, e in enumerate(archive.entries):
+        if isinstance(e.data, TensorOut):
+            e.crc = crcs.get(idx, 0)
+            zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
+            e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
+        else:
+            out.append((e.data_offset, e.data))
+        out.append((e.header_offset, e.local_header))
+    out.append((archive.size, _central(archive)))
+    return out
+
+
 def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=None,
                   maps: "SourceMaps | None" = None) -> None:
     """Write a planned archive to ``fd`` (a new file), chunks in parallel when ``pool`` is given.
 
     Same-dtype local pieces move in-kernel (``copy_file_range``); a tensor made of whole input entries gets its
     CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
-    conversions (:class:`Cast`) and remote pieces go through the worker's buffers. Chunk CRCs are combined with
-    :func:`crc32_combine`, in file order."""
+    conversions (:class:`Cast`) and remote pieces go through the worker's buffers (remote ranges fetched ahead,
+    :func:`zckpt.engine.executor.run_jobs`). Chunk CRCs are combined with :func:`crc32_combine`, in file order."""
     os.ftruncate(fd, archive.size + len(_central(archive)))
     write_archives([(archive, 0)], fd, pool, progress, worker, maps)
 
@@ -362,41 +411,32 @@ def write_archives(placed: list[tuple[Archive, int]], fd: int, pool=None, progre
     own_worker, own_maps = worker is None, maps is None
     worker = worker or Worker()
     maps = maps or SourceMaps()
-    fast = hasattr(os, "copy_file_range")
     try:
         jobs, known = [], {}
         for a, (archive, base) in enumerate(placed):
-            for idx, e in enumerate(archive.entries):
-                if isinstance(e.data, TensorOut):
-                    e.data.segments = coalesce(e.data.segments)
-                    crc = maps.tensor_crc(e.data) if fast else None
-                    if crc is not None:
-                        known[a, idx] = crc
-                    for start, parts in chunks(e.data.segments, e.data.dtype):
-                        jobs.append(((a, idx), base + e.data_offset + start, parts, e.data.dtype))
+            ajobs, aknown = archive_jobs(archive, maps)
+            jobs += [((a, idx), base + off, parts, dtype) for idx, off, parts, dtype in ajobs]
+            known.update({(a, idx): crc for idx, crc in aknown.items()})
 
         def run(job):
             key, off, parts, dtype = job
             crc, n = worker.write(fd, off, parts, dtype, crc_of=maps.crc, want_crc=key not in known)
             return key, crc, n
 
-        results = pool.map(run, jobs) if pool is not None else map(run, jobs)
         crcs: dict[tuple[int, int], tuple[int, int]] = {}
-        for key, crc, n in results:  # map keeps job order, so chunks combine in file order
+        for key, crc, n in run_jobs(pool, run, jobs, worker, parts_of=lambda j: j[2]):  # job order: file order
             c, length = crcs.get(key, (0, 0))
             crcs[key] = (crc32_combine(c, crc, n) if length else crc, length + n)
             if progress:
                 progress(n)
+        final: dict[int, dict[int, int]] = {}
+        for (a, idx), (c, _) in crcs.items():
+            final.setdefault(a, {})[idx] = c
+        for (a, idx), c in known.items():
+            final.setdefault(a, {})[idx] = c
         for a, (archive, base) in enumerate(placed):
-            for idx, e in enumerate(archive.entries):
-                if isinstance(e.data, TensorOut):
-                    e.crc = known[a, idx] if (a, idx) in known else crcs.get((a, idx), (0, 0))[0]
-                    zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
-                    e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
-                else:
-                    pwrite_all(fd, memoryview(e.data), base + e.data_offset)
-                pwrite_all(fd, memoryview(e.local_header), base + e.header_offset)
-            pwrite_all(fd, memoryview(_central(archive)), base + archive.size)
+            for off, data in archive_meta(archive, final.get(a, {})):
+                pwrite_all(fd, memoryview(data), base + off)
     finally:
         if own_worker:
             worker.close()

@@ -15,22 +15,29 @@ of its storage in the file. Bytes are read later, only for the ranges asked for.
 
 Any other global is refused with :class:`~zckpt.errors.UnsafePickle` naming it; a damaged zip, a truncated
 file or a storage that lies outside the file is a :class:`~zckpt.errors.CorruptFile`.
+
+Legacy (non-zip) files (``torch.save(..., _use_new_zipfile_serialization=False)``, DeepSpeed's
+``checkpoint_serialization: false``) are read the same way: their object pickle through the same allow-list, their
+storages placed by :mod:`zckpt.formats.legacy` (after each one's 8-byte size field), so a :class:`LazyTensor` of
+either kind is a byte range of the file.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import dataclasses
 import functools
 import io
 import math
 import os
 import pickle
-import pickletools
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
+from zckpt.formats import legacy
+from zckpt.formats.pickles import scan
 from zckpt.formats.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
@@ -352,9 +359,16 @@ ALLOWED_GLOBALS = frozenset(_ALLOWED) | {
 class _PendingStorage:
     """A storage seen in the pickle; becomes a :class:`StorageRef` once its zip entry is located."""
 
-    def __init__(self, reader: "_Archive", key: str, dtype: str):
+    def __init__(self, reader: "_Archive | _LegacyArchive", key: str, dtype: str, numel):
         self.reader, self.key, self.dtype = reader, key, dtype
-        self.ref = reader.storage_ref(key, dtype)
+        self.ref = reader.storage_ref(key, dtype, numel)
+        self.tensors: list[LazyTensor] = []
+
+    def place(self, offset: int) -> None:
+        """Give the storage (and its tensors) their byte offset, once a legacy file's layout is known."""
+        self.ref = dataclasses.replace(self.ref, offset=offset)
+        for t in self.tensors:
+            t.storage = dataclasses.replace(t.storage, offset=offset)
 
     def tensor(self, storage_offset, shape, stride, dtype):
         if dtype != self.dtype and self.dtype != "uint8":
@@ -367,11 +381,13 @@ class _PendingStorage:
         if span and (storage_offset + span) * DTYPE_SIZES[dtype] > ref.nbytes:
             raise CorruptFile(f"tensor of shape {list(shape)} overruns its storage {self.key} "
                               f"({ref.nbytes} bytes)")
-        return LazyTensor(ref, storage_offset, shape, stride, dtype)
+        t = LazyTensor(ref, storage_offset, shape, stride, dtype)
+        self.tensors.append(t)
+        return t
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, archive: "_Archive"):
+    def __init__(self, data: bytes, archive: "_Archive | _LegacyArchive"):
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.archive = archive
         self.storages: dict[str, _PendingStorage] = {}
@@ -399,8 +415,10 @@ class _Unpickler(pickle.Unpickler):
         stype, key = pid[1], str(pid[2])
         if not (isinstance(stype, tuple) and stype[0] == "storage"):
             raise CorruptFile(f"storage of unknown type {str(stype)[:80]!r}")
+        if len(pid) > 5 and pid[5] is not None:  # legacy files: torch writes None (views are whole storages)
+            raise UnsupportedLayout("legacy torch file with a storage view", path=self.archive.path)
         if key not in self.storages:
-            self.storages[key] = _PendingStorage(self.archive, key, stype[1])
+            self.storages[key] = _PendingStorage(self.archive, key, stype[1], pid[4])
         return self.storages[key]
 
 
@@ -456,7 +474,7 @@ class _Archive:
             raise CorruptFile(f"entry {entry.name} is truncated", path=self.path)
         return data
 
-    def storage_ref(self, key: str, dtype: str) -> StorageRef:
+    def storage_ref(self, key: str, dtype: str, numel=None) -> StorageRef:
         if dtype not in DTYPE_SIZES:
             raise UnsupportedLayout(f"storage dtype {dtype} is not supported", path=self.path)
         entry = self.entries.get(f"{self.prefix}data/{key}")
@@ -465,73 +483,10 @@ class _Archive:
         return StorageRef(self.path, key, dtype, entry.data_offset, entry.size)
 
 
-_MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET")
-
-
-def _opcode_table() -> dict[int, tuple[int, int, bool]]:
-    """opcode byte -> (argument size code as in pickletools, lines to skip for text arguments, is a memo op)."""
-    table = {}
-    for op in pickletools.opcodes:
-        n = op.arg.n if op.arg is not None else 0
-        lines = 2 if op.arg is not None and op.arg.name == "stringnl_noescape_pair" else 1
-        table[ord(op.code)] = (n, lines, op.name in _MEMO_OPS)
-    return table
-
-
-_OPCODES = _opcode_table()
-_LENGTH_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
-                 pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
-
-
 def _check_opcodes(data: bytes, path: str) -> None:
-    """Refuse pickles that would make the C unpickler allocate far more than their size.
-
-    ``LONG_BINPUT 678654301`` (5 bytes) makes CPython grow its memo table to that index: gigabytes. A real memo
-    index is below the number of opcodes, so anything past the pickle's length is forged. One pass over the
-    opcodes (the walk of ``pickletools.genops``, without building its argument objects: ~2x faster)."""
-    limit, end, pos = len(data), len(data), 0
-    table, lengths = _OPCODES, _LENGTH_BYTES
-
-    def damaged(what: str):
-        return CorruptFile(f"damaged pickle in data.pkl ({what} at byte {pos})", path=path)
-
-    while pos < end:
-        code = data[pos]
-        entry = table.get(code)
-        if entry is None:
-            raise damaged(f"unknown opcode {code:#04x}")
-        pos += 1
-        n, lines, memo = entry
-        if code == 0x2E:  # STOP
-            return
-        if n > 0:
-            if pos + n > end:
-                raise damaged("truncated argument")
-            if memo and (slot := int.from_bytes(data[pos:pos + n], "little")) > limit:
-                raise CorruptFile(f"pickle uses memo slot {slot} in a {limit}-byte pickle", path=path)
-            pos += n
-        elif n == pickletools.UP_TO_NEWLINE:
-            start = pos
-            for _ in range(lines):
-                nl = data.find(b"\n", pos)
-                if nl < 0:
-                    raise damaged("unterminated text argument")
-                pos = nl + 1
-            if memo:
-                text = data[start:pos - 1]
-                if not text.isdigit():
-                    raise damaged("memo index is not a number")
-                if int(text) > limit:
-                    raise CorruptFile(f"pickle uses memo slot {int(text)} in a {limit}-byte pickle", path=path)
-        elif n < 0:
-            width, signed = lengths[n]
-            if pos + width > end:
-                raise damaged("truncated length")
-            size = int.from_bytes(data[pos:pos + width], "little", signed=signed)
-            if size < 0 or pos + width + size > end:
-                raise damaged("length past the end")
-            pos += width + size
-    raise CorruptFile("damaged pickle in data.pkl (no STOP opcode)", path=path)
+    """Refuse pickles that would make the C unpickler allocate far more than their size (a memo index past the
+    pickle's length: ``LONG_BINPUT 678654301`` is 5 bytes and gigabytes of memo table), or that are damaged."""
+    scan(data, 0, path, "data.pkl", limit=len(data))
 
 
 def _default_opener(path: str, storage_options: dict | None = None) -> BinaryIO:
@@ -560,9 +515,8 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
         f.seek(0)
         magic = f.read(4)
         if magic != LOCAL_SIG:
-            if magic[:2] == b"\x80\x02" or (magic and magic[0] == 0x80):
-                raise UnsupportedLayout("legacy (non-zip) torch serialization is not supported; re-save with "
-                                        "checkpoint_serialization enabled", path=path)
+            if legacy.is_legacy(magic):
+                return _load_legacy(path, f, size)
             raise CorruptFile("not a torch checkpoint (no zip signature)" if size else "file is empty", path=path)
         archive = _Archive(path, f, size)
         info = archive.entries[archive.prefix + "data.pkl"]
@@ -570,18 +524,54 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
         if zlib.crc32(data) != info.crc:
             raise CorruptFile("data.pkl fails its CRC check (the file is damaged)", path=path)
         _check_opcodes(data, path)
-        unpickler = _Unpickler(data, archive)
-        try:
-            obj = _unwrap(unpickler.load())
-        except ZckptError as exc:  # raised by a stand-in deep in the pickle: name the file
-            if exc.path is None:
-                exc.path = path
-            raise
-        except RecursionError:
-            raise CorruptFile("pickle nests too deeply", path=path) from None
-        except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
-            raise CorruptFile(f"damaged pickle in data.pkl ({type(exc).__name__}: {exc})"[:300], path=path) from None
-        return obj
+        return _unwrap(_unpickle(_Unpickler(data, archive), path))
+
+
+def _unpickle(unpickler: "_Unpickler", path: str, what: str = "data.pkl") -> Any:
+    try:
+        return unpickler.load()
+    except ZckptError as exc:  # raised by a stand-in deep in the pickle: name the file
+        if exc.path is None:
+            exc.path = path
+        raise
+    except RecursionError:
+        raise CorruptFile("pickle nests too deeply", path=path) from None
+    except Exception as exc:  # pickle.UnpicklingError, EOFError, TypeError from bad arguments ...
+        raise CorruptFile(f"damaged pickle in {what} ({type(exc).__name__}: {exc})"[:300], path=path) from None
+
+
+class _LegacyArchive:
+    """A legacy file's storages while its object pickle is read: sizes from the pickle, places found after."""
+
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
+
+    def storage_ref(self, key: str, dtype: str, numel) -> StorageRef:
+        if dtype not in DTYPE_SIZES:
+            raise UnsupportedLayout(f"storage dtype {dtype} is not supported", path=self.path)
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 \
+                or numel * DTYPE_SIZES[dtype] > self.size:
+            raise CorruptFile(f"storage {key} claims {numel!r} elements: more than the file holds", path=self.path)
+        return StorageRef(self.path, key, dtype, -1, numel * DTYPE_SIZES[dtype])
+
+
+def legacy_layout(path: str, f: BinaryIO, size: int) -> tuple[Any, dict, int]:
+    """A legacy (non-zip) file read: (the object, key -> :class:`zckpt.formats.legacy.Place`, bytes read).
+
+    See :mod:`zckpt.formats.legacy` for the layout and what is refused."""
+    header = legacy.read_header(f, size, path)
+    unpickler = _Unpickler(header.obj_pickle, _LegacyArchive(path, size))
+    obj = _unpickle(unpickler, path, "the object pickle")
+    storages = {k: (st.ref.nbytes // DTYPE_SIZES[st.dtype], DTYPE_SIZES[st.dtype])
+                for k, st in unpickler.storages.items()}
+    places, read = legacy.locate(f, header, storages)
+    for key, st in unpickler.storages.items():
+        st.place(places[key].offset)
+    return _unwrap(obj), places, header.bytes_read + read
+
+
+def _load_legacy(path: str, f: BinaryIO, size: int) -> Any:
+    return legacy_layout(path, f, size)[0]
 
 
 # ------------------------------------------------------------------------------------ pickles outside a zip

@@ -23,7 +23,10 @@ class Reader:
     """Reads pieces into buffers; caches one file descriptor per local file.
 
     ``storage_options``: fsspec options for pieces whose path is a URL (the checkpoint's, ``ckpt.storage_options``);
-    given here, never taken from anywhere process-wide."""
+    given here, never taken from anywhere process-wide. ``cache``: byte ranges fetched ahead (the engine's
+    ``RangeCache``, set while a window of jobs runs); URL pieces found there are not read again."""
+
+    cache = None
 
     def __init__(self, storage_options: dict | None = None):
         self.storage_options = storage_options
@@ -45,6 +48,9 @@ class Reader:
         """Fill ``buf`` (exactly ``piece.nbytes`` long) with the piece's bytes."""
         n = piece.nbytes
         if storage.is_url(piece.path):
+            cache = self.cache
+            if cache is not None and cache.read_into(piece.path, piece.offset, buf[:n]):
+                return
             data = storage.read_range(piece.path, piece.offset, n, self.storage_options)
             if len(data) != n:
                 raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)

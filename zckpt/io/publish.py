@@ -235,6 +235,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
                            hint="pass `overwrite` to replace it, or choose another `out`" if same else
                            f"choose another `out` (`overwrite` replaces only a previous zckpt {kind} output)")
     if same:
+        _check_only_ours(out, marker, kind, storage_options)
         return
     if marker:
         why = f"holds a zckpt {marker.get('kind')} output, not a {kind} output"
@@ -246,6 +247,25 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         why = f"is not empty and has no {MARKER}"
     raise OutputExists(f"output folder {why}; `overwrite` replaces only a previous zckpt {kind} output", path=out,
                        hint="choose another `out`, or remove the folder yourself")
+
+
+def _check_only_ours(out: str, marker: dict, kind: str, storage_options: dict | None = None) -> None:
+    """``--overwrite`` replaces only what the previous output's marker lists: a file anyone else put in the folder
+    (a model card, notes, a later save) makes it refuse, naming the file, so nothing the user wrote is deleted. A
+    remote output still marked "writing" lists no files yet (an interrupted run): it is replaced whole."""
+    listed = marker.get("files")
+    if not isinstance(listed, dict):
+        if marker.get("state") == "complete":
+            raise OutputExists(f"output folder has a {MARKER} without its file list", path=out,
+                               hint="choose another `out`, or remove the folder yourself")
+        return
+    ours = set(listed) | {MARKER}
+    others = sorted(rel for rel in storage.list_files(out, storage_options) if rel not in ours)
+    if others:
+        more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+        raise OutputExists(f"output folder holds {others[0]}{more}, which the previous zckpt {kind} output did not "
+                           f"write; `overwrite` replaces only the files its {MARKER} lists",
+                           path=out, hint=f"move {others[0]} out of the folder, or choose another `out`")
 
 
 # ================================================================================= local: scratch + rename
@@ -415,6 +435,11 @@ class Publisher:
             storage.put_file(local, storage.join(self.out, rel.replace(os.sep, "/")),
                              storage_options=self.storage_options)
             os.remove(local)
+
+    def adopt(self, rel: str, size: int) -> None:
+        """``rel`` (``size`` bytes) was written into the output by another process (a distributed run's rank):
+        list it in the marker; :meth:`commit` checks it is there, at that size, on object stores."""
+        self.files[rel.replace(os.sep, "/")] = int(size)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         if self.remote:

@@ -290,9 +290,31 @@ def read_range(path: str | os.PathLike, offset: int, length: int,
         with open(local_path(path), "rb") as f:
             f.seek(offset)
             return f.read(length)
+    if protocol(path) in ("s3", "s3a"):
+        boto = _boto3_client(dict(storage_options or {}))
+        if boto is not None:  # thread-safe and parallel (s3fs runs every GET on one event-loop thread)
+            return _boto3_get(boto[0], path, offset, length)
     fs, inner = get_fs(path, storage_options)
     with _errors(path, "read"):
         return fs.cat_file(inner, start=offset, end=offset + length)
+
+
+def _boto3_get(client, url: str, offset: int, length: int) -> bytes:
+    """One ranged GET through boto3 (``length`` bytes from ``offset``; fewer at the end of the object)."""
+    if length <= 0:
+        return b""
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    try:
+        resp = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+        return resp["Body"].read()
+    except Exception as exc:
+        if isinstance(exc, _PASSTHROUGH) or not _is_boto_error(exc):
+            raise
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") == "InvalidRange":
+            return b""  # past the end: the caller reports the short read with the file's name
+        _raise_boto(exc, url, "read")
 
 
 def read_text(path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
@@ -528,19 +550,26 @@ def _boto3_put(client, extra, src, url, callback, metadata, chunksize, max_concu
     except Exception as exc:
         if isinstance(exc, _PASSTHROUGH) or not _is_boto_error(exc):
             raise
-        client_error = exc if isinstance(exc, ClientError) else _find_cause(exc, ClientError)
-        if client_error is not None:
-            from s3fs.errors import translate_boto_error
+        _raise_boto(exc, url, "upload")
 
-            translated = translate_boto_error(client_error)
-            if isinstance(translated, (FileNotFoundError, PermissionError)):
-                raise type(translated)(translated.errno, f"{translated.strerror or translated}", url) from exc
-            if isinstance(translated, OSError):
-                raise StorageError(f"upload failed: {' '.join(str(translated).split())}", path=url,
-                                   hint="") from translated
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        raise StorageError(f"upload failed: {type(exc).__name__}: {text}", path=url,
-                           hint="check the URL, the credentials and that the server is reachable") from exc
+
+def _raise_boto(exc: BaseException, url: str, op: str):
+    """Raise a boto3 failure as the builtin / StorageError s3fs would have raised, naming ``url``."""
+    from botocore.exceptions import ClientError
+
+    client_error = exc if isinstance(exc, ClientError) else _find_cause(exc, ClientError)
+    if client_error is not None:
+        from s3fs.errors import translate_boto_error
+
+        translated = translate_boto_error(client_error)
+        if isinstance(translated, (FileNotFoundError, PermissionError)):
+            raise type(translated)(translated.errno, f"{translated.strerror or translated}", url) from exc
+        if isinstance(translated, OSError):
+            raise StorageError(f"{op} failed: {' '.join(str(translated).split())}", path=url,
+                               hint="") from translated
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    raise StorageError(f"{op} failed: {type(exc).__name__}: {text}", path=url,
+                       hint="check the URL, the credentials and that the server is reachable") from exc
 
 
 def _is_boto_error(exc: BaseException) -> bool:

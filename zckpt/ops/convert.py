@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,24 +64,38 @@ _DS_ONLY_KEYS = ("bias_correction", "step")  # FusedAdam / DeepSpeedCPUAdam keys
 
 @dataclass
 class ConvertPlan:
+    """``parts``: (sub-folder, DCP layout) pairs (one at the top for ``layout="dcp"``; the Trainer's
+    ``pytorch_model_fsdp_0`` and ``optimizer_0`` for ``layout="trainer"``); ``copies``: (relpath, source file,
+    size) copied as they are (a Trainer checkpoint's scheduler.pt, trainer_state.json, config...)."""
+
     source: str
     tag: str
     to: str
     source_format: str
-    layout: dcpw.DcpPlan
+    parts: list[tuple[str, dcpw.DcpPlan]]
     notes: list[str] = field(default_factory=list)
     optimizer: str = ""
+    layout: str = "dcp"
+    copies: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
-        return self.layout.total_bytes
+        return sum(p.total_bytes for _, p in self.parts) + sum(c[2] for c in self.copies)
 
     def summary(self) -> dict:
-        files = [{"name": f.name, "bytes": f.size} for f in self.layout.files]
-        files.append({"name": dcpw.METADATA, "bytes": len(self.layout.metadata)})
+        files = []
+        for folder, part in self.parts:
+            files += [{"name": _rel(folder, f.name), "bytes": f.size} for f in part.files]
+            files.append({"name": _rel(folder, dcpw.METADATA), "bytes": len(part.metadata)})
+        files += [{"name": rel, "bytes": size} for rel, _, size in self.copies]
         return {"source": self.source, "tag": self.tag, "from": self.source_format, "to": self.to,
-                "optimizer": self.optimizer, "keys": len(self.layout.items), "total_bytes": self.total_bytes,
-                "payload_bytes": self.layout.payload_bytes, "files": files, "notes": self.notes}
+                "layout": self.layout, "optimizer": self.optimizer,
+                "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
+                "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes}
+
+
+def _rel(folder: str, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
 
 
 @dataclass
@@ -174,6 +189,10 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None) -> tuple[dict, lis
     """The state dict ``dcp.save`` would get from FSDP2 + torch's AdamW, from ``ckpt``'s files (no tensor read):
     ``(state, notes, optimizer name)``."""
     path = ckpt.location.tag_dir
+    if ckpt.state_refusal:  # the files hold optimizer state zckpt cannot place: never a DCP without it, exit 0
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
+                                hint="zckpt merge reads the weights exactly; for the optimizer state, save from an "
+                                     "optimizer built from model.named_parameters() (torch then saves the names)")
     byname = ckpt.by_name()
     model: dict = {}
     for rec in ckpt.records:
@@ -241,17 +260,67 @@ def _extra_state(ckpt: Checkpoint, state: dict, notes: list[str]) -> None:
         state["loss_scaler"] = scaler
 
 
+LAYOUTS = ("auto", "dcp", "trainer")
+TRAINER_MODEL_DIR, TRAINER_OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"  # accelerate's FSDP_MODEL_NAME_0, ...
+_DEEPSPEED_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
+
+
 def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None, checkpoint_id: str | None = None,
-                 chunk_bytes: int = dcpw.CHUNK_BYTES, file_bytes: int = dcpw.FILE_BYTES) -> ConvertPlan:
-    """The whole output of converting ``ckpt``, laid out as plain data (nothing is read or written)."""
-    if to not in FORMATS:
-        raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
+                 chunk_bytes: int = dcpw.CHUNK_BYTES, file_bytes: int = dcpw.FILE_BYTES,
+                 layout: str = "auto") -> ConvertPlan:
+    """The whole output of converting ``ckpt``, laid out as plain data (nothing is read or written).
+
+    ``layout="dcp"``: one DCP folder holding ``model``, ``optim`` and the extras. ``layout="trainer"`` (the
+    default for a Trainer ``checkpoint-N``): the checkpoint folder a Hugging Face Trainer / Accelerate run with
+    FSDP2 and ``SHARDED_STATE_DICT`` saves and resumes from: ``pytorch_model_fsdp_0/`` (DCP of ``{"model": ...}``),
+    ``optimizer_0/`` (DCP of ``{"optimizer": ...}``), and the Trainer's own files copied (``scheduler.pt``,
+    ``trainer_state.json``, ``rng_state_*.pth``, config, tokenizer), DeepSpeed's tag folders left out."""
+    if to != "dcp":
+        raise InvalidArgument(f"plan_convert writes DCP, not {to!r}", hint="convert(..., to='deepspeed') for DCP "
+                                                                              "-> DeepSpeed")
     if adam_mode is not None and adam_mode not in ADAM_MODES:
         raise InvalidArgument(f"unknown adam mode {adam_mode!r}", hint="use adamw or adam")
+    if layout not in LAYOUTS:
+        raise InvalidArgument(f"unknown layout {layout!r}", hint=f"choose one of {', '.join(LAYOUTS)}")
+    trainer_dir = ckpt.location.trainer_dir
+    if layout == "auto":
+        layout = "trainer" if trainer_dir else "dcp"
+    if layout == "trainer" and not trainer_dir:
+        raise InvalidArgument("--layout trainer needs a Hugging Face Trainer checkpoint-N as the source",
+                              path=ckpt.location.input_path, hint="use --layout dcp for a DeepSpeed save folder")
     state, notes, optimizer = dcp_state(ckpt, adam_mode)
-    layout = dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes)
-    return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, ckpt.format, layout, notes + list(ckpt.notes),
-                       optimizer)
+    meta_notes = notes + list(ckpt.notes)
+    source_format = ckpt.format
+    if layout == "dcp":
+        return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format,
+                           [("", dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes))], meta_notes, optimizer)
+    parts = [(TRAINER_MODEL_DIR, dcpw.plan_dcp({"model": state["model"]}, _sub(checkpoint_id, TRAINER_MODEL_DIR),
+                                                chunk_bytes, file_bytes))]
+    if "optim" in state:
+        parts.append((TRAINER_OPTIM_DIR, dcpw.plan_dcp({"optimizer": state["optim"]},
+                                                       _sub(checkpoint_id, TRAINER_OPTIM_DIR), chunk_bytes,
+                                                       file_bytes)))
+    copies = trainer_copies(trainer_dir, ckpt.location.tag_dir, ckpt.storage_options)
+    if not any(rel == "scheduler.pt" for rel, _, _ in copies) and "optim" in state:
+        meta_notes.append("no scheduler.pt in the checkpoint: the Trainer loads the optimizer only when it finds "
+                          "one")
+    return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format, parts, meta_notes, optimizer,
+                       "trainer", copies)
+
+
+def _sub(checkpoint_id: str | None, folder: str) -> str | None:
+    return os.path.join(checkpoint_id, folder) if checkpoint_id else None
+
+
+def trainer_copies(trainer_dir: str, tag_dir: str, storage_options: dict | None = None) -> list[tuple[str, str, int]]:
+    """The files of a Trainer ``checkpoint-N`` that are not DeepSpeed's (its tag folders, ``latest``, the
+    ``zero_to_*.py`` scripts): (name, path, size) of each, copied as they are."""
+    out = []
+    for name, size in sorted(storage.list_files(trainer_dir, storage_options).items()):
+        if "/" in name or name in _DEEPSPEED_FILES or name == publish.MARKER:
+            continue
+        out.append((name, storage.join(trainer_dir, name), size))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- execute
@@ -280,12 +349,25 @@ def execute(plan: ConvertPlan, out: str, workers: int | None = None, overwrite: 
     worker, maps = executor.Worker(storage_options=storage_options), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
+            for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
+                _copy(src, pub.path(rel), storage_options)
+                pub.done(rel)
+                step(os.path.getsize(pub.path(rel)))
             with ThreadPoolExecutor(workers) as pool:
-                dcpw.write_plan(plan.layout, pub, pool, worker, maps, step, fsync=durable)
+                for folder, part in plan.parts:
+                    dcpw.write_plan(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
             pub.commit()
     finally:
         worker.close()
         maps.close()
+
+
+def _copy(src: str, dst: str, storage_options: dict | None = None) -> None:
+    if storage.is_url(src):
+        with open(dst, "wb") as f:
+            f.write(storage.read_bytes(src, storage_options))
+    else:
+        shutil.copyfile(src, dst)
 
 
 def default_output(source: publish.Source, to: str) -> str:
@@ -297,38 +379,51 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             overwrite: bool = False, workers: int | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
-            stage: int | None = None, ds_config=None, buffers=None, tied=None):
+            stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
+            layout: str = "auto", group=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
-    ``world_size`` ranks, for the DeepSpeed config ``ds_config`` (dict or JSON path); ``buffers`` / ``tied`` say
+    ``world_size`` ranks, for the DeepSpeed config ``ds_config`` (dict or JSON path) or the precision ``dtype``;
+    ``buffers`` / ``tied`` say
     what DCP does not (:func:`zckpt.ops.to_deepspeed.to_deepspeed`, which this returns the result of).
 
     ``to="dcp"``: a PyTorch Distributed Checkpoint that FSDP2 + ``torch.optim.AdamW`` loads at any world size
     with ``dcp.load`` + ``set_state_dict`` (keys in this module's docstring and docs/migrate-fsdp2.md).
     ``adam_mode``: ``"adamw"`` / ``"adam"`` for DeepSpeed's FusedAdam / DeepSpeedCPUAdam when neither the groups
-    nor the config say. ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
+    nor the config say. ``layout``: ``"dcp"`` (one DCP folder), ``"trainer"`` (a Trainer / Accelerate FSDP2
+    checkpoint folder; see :func:`plan_convert`), ``"auto"`` (trainer for a Trainer checkpoint-N, else dcp).
+    ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
-    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``."""
+    a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
+    of a launcher's job (:func:`zckpt.ops.distributed.launched`): each writes a share, rank 0 publishes."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if to == "deepspeed":
         from zckpt.ops import to_deepspeed
+        if group is not None:
+            raise InvalidArgument("convert --to deepspeed runs in one process, not under a launcher",
+                                  hint="run it without torchrun / srun (then zckpt reshard can use many)")
         if tag is not None:
             raise InvalidArgument("--tag picks a DeepSpeed tag; --to deepspeed reads a DCP folder",
                                   hint="pass the DCP folder itself")
-        return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dry_run=dry_run,
+        return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run=dry_run,
                                          overwrite=overwrite, workers=workers, progress=progress, durable=durable,
                                          storage_options=storage_options)
     ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)
     _check_out(out, overwrite, source)  # before planning or writing anything
-    plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out))
+    plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out), layout=layout)
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
+    if group is not None:
+        from zckpt.ops import distributed
+        distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
+                                durable=durable, source=source, storage_options=ckpt.storage_options)
+    else:
+        execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
     result.seconds = time.perf_counter() - t0
     return result

@@ -98,6 +98,49 @@ def retryable(exc: BaseException) -> bool:
     return True
 
 
+#: (what the exception chain shows, what zckpt says, what the user should do)
+_FAULTS = (
+    (("EndpointConnectionError", "ConnectionRefusedError", "Connection refused", "Could not connect to the endpoint"),
+     "unreachable (connection refused)", "retry when it is back"),
+    (("ConnectTimeoutError", "Connect timeout"), "unreachable (connect timed out)", "retry when it is back"),
+    (("ReadTimeoutError", "Read timeout", "ReadTimeout", "timed out"),
+     "stalled (no answer within the read timeout)", "retry when it answers again"),
+    (("TooManyRequests", "429 Too Many", "(429)"), "throttled the upload (429 Too Many Requests)",
+     "retry later, or with fewer --workers"),
+    (("SlowDown", "reduce your request rate", "Throttl"),
+     "throttled the upload (503 SlowDown)", "retry later, or with fewer --workers"),
+    (("ConnectionClosedError", "ConnectionResetError", "Connection was closed", "reset by peer", "ProtocolError",
+      "RemoteDisconnected", "BrokenPipeError", "IncompleteRead", "Broken pipe"),
+     "dropped the connection", "retry when it is stable again"),
+    (("InternalError", "ServiceUnavailable", "BadGateway", "GatewayTimeout", "(500)", "(502)", "(503)", "(504)"),
+     "answered with a server error (HTTP 5xx)", "retry when it is healthy again"),
+)
+RESUME_NOTE = "finished files will not be resent"
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, seen = [], 0
+    while exc is not None and seen < 8:
+        out.append(exc)
+        exc, seen = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__), seen + 1
+    return out
+
+
+def describe_fault(exc: BaseException) -> tuple[str, str] | None:
+    """``(what happened, what to do)`` for a network or server fault in ``exc``'s chain, else None (a refusal
+    or a local error keeps its own message)."""
+    chain = _chain(exc)
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
+        return None
+    text = " | ".join(f"{type(e).__name__}: {e}" for e in chain)
+    if any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in chain):  # s3fs's word for SlowDown
+        text += " SlowDown"
+    for needles, what, todo in _FAULTS:
+        if any(n in text for n in needles):
+            return what, todo
+    return None
+
+
 def check_unchanged(task: FileTask) -> None:
     st = os.stat(task.local)
     if st.st_size != task.size or st.st_mtime_ns != task.mtime_ns:
@@ -123,15 +166,47 @@ class FsDestination:
     def url_of(self, name: str, rel: str = "") -> str:
         return storage.join(self.url, *(p for p in (name, rel) if p))
 
+    @property
+    def endpoint(self) -> str:
+        """The server DEST is on, as the user would name it (S3: the endpoint URL)."""
+        proto = storage.protocol(self.url)
+        if proto not in ("s3", "s3a"):
+            return f"{proto}:// server"
+        opts = self.storage_options or {}
+        url = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+               or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        return f"S3 endpoint {url}" if url else "S3"
+
+    @contextlib.contextmanager
+    def _faults(self, doing: str, url: str):
+        """Say a network or server fault, or a full disk, in one line naming the cause and what to do; the cause
+        chain stays for :func:`retryable`."""
+        try:
+            yield
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, PushInterrupted,
+                InvalidArgument):
+            raise
+        except Exception as exc:
+            if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _chain(exc)):
+                raise StorageError(f"no space left at DEST while {doing}", path=url,
+                                   hint=f"free space at DEST and run again; {RESUME_NOTE}") from exc
+            fault = describe_fault(exc) if storage.is_url(url) else None
+            if fault is None:
+                raise
+            raise StorageError(f"{self.endpoint} {fault[0]} while {doing}", path=url,
+                               hint=f"{fault[1]}; {RESUME_NOTE}") from exc
+
     # ---------------------------------------------------------------- state
 
     def remote_files(self, name: str) -> dict[str, RemoteFile]:
-        files = storage.list_files(self.url_of(name), self.storage_options)
+        with self._faults("listing it", self.url_of(name)):
+            files = storage.list_files(self.url_of(name), self.storage_options)
         return {rel: RemoteFile(size) for rel, size in files.items()}
 
     def read_manifest(self, name: str) -> dict | None:
         try:
-            data = storage.read_bytes(self.url_of(name, MANIFEST_NAME), self.storage_options)
+            with self._faults("reading its manifest", self.url_of(name, MANIFEST_NAME)):
+                data = storage.read_bytes(self.url_of(name, MANIFEST_NAME), self.storage_options)
         except FileNotFoundError:
             return None
         try:
@@ -141,15 +216,17 @@ class FsDestination:
         return manifest if isinstance(manifest, dict) else {}
 
     def has_manifest(self, name: str) -> bool:
-        return storage.exists(self.url_of(name, MANIFEST_NAME), self.storage_options)
+        with self._faults("looking for its manifest", self.url_of(name, MANIFEST_NAME)):
+            return storage.exists(self.url_of(name, MANIFEST_NAME), self.storage_options)
 
     def remote_sha256(self, name: str, rel: str, remote: RemoteFile, ctx: PushContext) -> str | None:
         url = self.url_of(name, rel)
-        if self._hash_remote:
-            if not storage.is_url(url):
-                return ctx.sha256(FileTask(rel, storage.local_path(url), remote.size, 0))
-            return hashing.sha256_file(url, cancel=ctx.cancel, storage_options=self.storage_options)
-        return storage.metadata(url, self.storage_options).get("sha256")
+        with self._faults("comparing it", url):
+            if self._hash_remote:
+                if not storage.is_url(url):
+                    return ctx.sha256(FileTask(rel, storage.local_path(url), remote.size, 0))
+                return hashing.sha256_file(url, cancel=ctx.cancel, storage_options=self.storage_options)
+            return storage.metadata(url, self.storage_options).get("sha256")
 
     # ---------------------------------------------------------------- writing
 
@@ -159,11 +236,20 @@ class FsDestination:
         this folder is a push destination, complete only once its manifest is there."""
         if withdraw:
             url = self.url_of(name, MANIFEST_NAME)
-            ctx.retry(lambda: publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options), url,
-                      name)
+
+            def withdraw_manifest():
+                with self._faults("withdrawing the old manifest", url):
+                    publish.begin_remote(self.url_of(name), MANIFEST_NAME, self.storage_options)
+
+            ctx.retry(withdraw_manifest, url, name)
         if record:
-            url = self.url_of(name, RECORD_NAME)
-            ctx.retry(lambda: storage.write_bytes_atomic(url, record_bytes(name), self.storage_options), url, name)
+            rurl = self.url_of(name, RECORD_NAME)
+
+            def write_record():
+                with self._faults("writing the push record", rurl):
+                    storage.write_bytes_atomic(rurl, record_bytes(name), self.storage_options)
+
+            ctx.retry(write_record, rurl, name)
 
     def send(self, name: str, tasks: list[FileTask], ctx: PushContext) -> None:
         # fewer files than workers: let each file use the spare workers as parallel multipart streams
@@ -185,9 +271,10 @@ class FsDestination:
                 ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=n)
 
             try:
-                storage.put_file(task.local, url, callback=on_bytes, storage_options=self.storage_options,
-                                 metadata={"sha256": digest}, chunksize=self.part_size,
-                                 max_concurrency=parts if parts > 1 else None)
+                with self._faults("uploading it" if storage.is_url(url) else "copying it", url):
+                    storage.put_file(task.local, url, callback=on_bytes, storage_options=self.storage_options,
+                                     metadata={"sha256": digest}, chunksize=self.part_size,
+                                     max_concurrency=parts if parts > 1 else None)
             except BaseException:
                 if sent[0]:
                     ctx.emit("bytes", checkpoint=name, path=task.rel, nbytes=-sent[0])  # this try did not count
@@ -203,9 +290,12 @@ class FsDestination:
     def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
         # every file must be there with its size before the manifest says so (repair once if the store lost any)
         expected = {t.rel: t.size for t in tasks}
+        def missing():
+            with self._faults("checking what arrived", self.url_of(name)):
+                return publish.missing_remote(self.url_of(name), expected, self.storage_options)
+
         for attempt in range(2):
-            gone = set(ctx.retry(lambda: publish.missing_remote(self.url_of(name), expected, self.storage_options),
-                                 self.url_of(name), name))
+            gone = set(ctx.retry(missing, self.url_of(name), name))
             missing = [t for t in tasks if t.rel in gone]
             if not missing:
                 break
@@ -215,8 +305,12 @@ class FsDestination:
             log.warning("%s: %d file(s) missing at DEST after upload; sending them again", name, len(missing))
             self.send(name, missing, ctx)
         url = self.url_of(name, MANIFEST_NAME)  # the commit, last (zckpt.io.publish's object-store rule)
-        ctx.retry(lambda: publish.commit_remote(self.url_of(name), MANIFEST_NAME, manifest, self.storage_options),
-                  url, name)
+
+        def commit():
+            with self._faults("writing the manifest", url):
+                publish.commit_remote(self.url_of(name), MANIFEST_NAME, manifest, self.storage_options)
+
+        ctx.retry(commit, url, name)
 
     def manifest_matches(self, name: str, manifest: bytes, remote_manifest: dict | None) -> bool:
         return remote_manifest is not None and json.dumps(remote_manifest, sort_keys=True) == json.dumps(
@@ -307,7 +401,7 @@ def hub_bars_off():
 
 
 @contextlib.contextmanager
-def _hub_errors(url: str, op: str):
+def _hub_errors(url: str, op: str, endpoint: str | None = None):
     """huggingface_hub's failures as zckpt's: an abandon stays one; anything else becomes a StorageError naming
     ``url`` whose cause chain :func:`retryable` reads (an HTTP 4xx or a ValueError is final, a lost connection or
     a 5xx is retried)."""
@@ -321,6 +415,10 @@ def _hub_errors(url: str, op: str):
             if isinstance(cur, PushInterrupted):
                 raise cur from None
             cur, seen = cur.__cause__ or cur.__context__, seen + 1
+        fault = describe_fault(exc)
+        if fault is not None and endpoint:
+            raise StorageError(f"the Hub at {endpoint} {fault[0]} while {op}", path=url,
+                               hint=f"{fault[1]}; {RESUME_NOTE}") from exc
         inner = exc.__cause__ if isinstance(exc, RuntimeError) and exc.__cause__ is not None else exc
         text = " ".join(str(inner).split()) or type(inner).__name__
         raise StorageError(f"{op} failed: {type(inner).__name__}: {text}", path=url,
@@ -388,6 +486,10 @@ class HubDestination:
     def __str__(self) -> str:
         return self.url
 
+    @property
+    def _endpoint(self) -> str | None:
+        return getattr(self.api, "endpoint", None)
+
     @staticmethod
     def _xet() -> bool:
         """Whether huggingface_hub will upload through Xet (then it reads the files itself, by path)."""
@@ -408,7 +510,7 @@ class HubDestination:
             from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
             try:
-                with _hub_errors(self.url, "list"):
+                with _hub_errors(self.url, "listing the repo", self._endpoint):
                     try:
                         entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=self.prefix or None,
                                                                recursive=True, repo_type=self.repo_type,
@@ -503,7 +605,7 @@ class HubDestination:
             if not xet:  # (Xet reads the file by its path itself; it would refuse a file object)
                 reader = op.path_or_fileobj = _CountingReader(task.local, on_bytes)
             try:
-                with hub_bars_off(), _hub_errors(url, "upload"):
+                with hub_bars_off(), _hub_errors(url, "uploading it", self._endpoint):
                     self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
                                                  revision=self.revision, num_threads=1, free_memory=False)
             except BaseException:
@@ -527,7 +629,7 @@ class HubDestination:
     def _ensure_repo(self, ctx: PushContext, name: str = "") -> None:
         if self._repo_missing:
             def create():
-                with _hub_errors(self.url, "create repo"):
+                with _hub_errors(self.url, "creating the repo", self._endpoint):
                     self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private,
                                          exist_ok=True)
 
@@ -538,7 +640,7 @@ class HubDestination:
         self._ensure_repo(ctx, name)
 
         def commit():
-            with hub_bars_off(), _hub_errors(self.url_of(name), "commit"):
+            with hub_bars_off(), _hub_errors(self.url_of(name), "committing", self._endpoint):
                 return self.api.create_commit(self.repo_id, operations=operations, commit_message=message,
                                               repo_type=self.repo_type, revision=self.revision,
                                               num_threads=max(1, ctx.workers))

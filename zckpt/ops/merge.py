@@ -213,7 +213,7 @@ def _write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: executor.W
         os.ftruncate(fd, shard.size)
         if fmt == "safetensors":
             executor.pwrite_all(fd, shard.header, 0)
-            for _, n in pool.map(lambda job: worker.write(fd, *job), shard_jobs(shard)):
+            for _, n in executor.run_jobs(pool, lambda job: worker.write(fd, *job), shard_jobs(shard), worker):
                 progress(n)
         else:
             from zckpt.engine import torchzip
@@ -233,10 +233,12 @@ class MergeResult:
     dry_run: bool = False
     path: str | None = None  # the checkpoint read
     tag: str | None = None  # the tag read (the one 'latest' names, unless one was asked for)
+    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (ops.distributed.Stats)
 
     def to_json(self) -> dict:
         return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
-                "seconds": round(self.seconds, 3), "copied": self.copied, **self.plan.summary()}
+                "seconds": round(self.seconds, 3), "copied": self.copied, **self.plan.summary(),
+                **({"stats": self.stats} if self.stats else {})}
 
     def __repr__(self) -> str:
         s = self.plan.summary()
@@ -250,8 +252,9 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             extra_files: dict[str, bytes] | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             source: publish.Source | None = None, storage_options: dict | None = None,
-            output_storage_options: dict | None = None) -> None:
-    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`).
+            output_storage_options: dict | None = None) -> dict:
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`); returns
+    what was read from remote sources (bytes, ranged GETs, seconds waited for them).
 
     The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
     previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
@@ -289,6 +292,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             pub.commit()
     finally:
         worker.close()
+    return worker.stats.to_json()
 
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
@@ -319,7 +323,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None,
-          output_storage_options: dict | None = None) -> MergeResult:
+          output_storage_options: dict | None = None, group=None) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -330,6 +334,9 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path``, and for a
     URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
     (the CLI's ``--storage-option`` and ``--output-storage-option``).
+    ``group``: the ranks of a launcher's job (:func:`zckpt.ops.distributed.launched`); every rank calls ``merge``
+    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.ops.distributed`). ``progress`` then counts
+    this rank's share.
     """
     t0 = time.perf_counter()
     ckpt = open_checkpoint(path, tag, storage_options)
@@ -349,11 +356,23 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)
         return result
-    t1 = time.perf_counter()
-    execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
-            storage_options=storage_options, output_storage_options=out_opts)
+    t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
+    if group is not None:
+        from zckpt.ops import distributed
+        stats = distributed.run_merge(group, plan, str(out), extra, workers=workers, overwrite=overwrite,
+                                      progress=progress, durable=durable, source=source,
+                                      storage_options=storage_options, output_storage_options=out_opts).to_json()
+    else:
+        stats = {"ranks": 1, **execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
+                                       storage_options=storage_options, output_storage_options=out_opts)}
     result.seconds = time.perf_counter() - t0
-    log.info("wrote and published %s in %.2fs (%.2fs in all)", out, time.perf_counter() - t1, result.seconds)
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_size / max(result.seconds, 1e-9))}
+    log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)%s", out,
+             time.perf_counter() - t_plan, result.seconds, plan.total_size / max(result.seconds, 1e-9) / 1e6,
+             stats["ranks"], "es" if stats["ranks"] > 1 else "",
+             f"; {stats['remote_bytes']} bytes in {stats['remote_requests']} ranged GETs"
+             if stats.get("remote_requests") else "")
     return result
 
 

@@ -130,10 +130,11 @@ class ReshardResult:
     plan: ReshardPlan
     seconds: float = 0.0
     dry_run: bool = False
+    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (ops.distributed.Stats)
 
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
-                **self.plan.summary()}
+                **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
 
     def __repr__(self) -> str:
         what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
@@ -478,7 +479,9 @@ def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int) -> TorchObject:
     osd = OrderedDict()
     if t.flavour == "zero":
         osd.update(_loss_scaler_state(t))
-    osd["clip_grad"] = _clip_grad(t)
+    clip = _clip_grad(t)
+    if clip is not None:  # None: not known (a DCP source converted without a config): the engine keeps its own
+        osd["clip_grad"] = clip
     osd["base_optimizer_state"] = _elastic_base(state, gpads) if t.elastic else {"state": state,
                                                                                   "param_groups": pgroups}
     if t.elastic and "base_optimizer_state_step" in t.osd0:
@@ -727,13 +730,14 @@ def _copy_file(src: str, dst: str, storage_options: dict | None = None) -> int:
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None,
-            storage_options: dict | None = None) -> None:
+            storage_options: dict | None = None) -> dict:
     """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
     ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
-    ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's)."""
+    ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's). Returns what was read
+    from remote sources (bytes, ranged GETs, seconds waited for them)."""
     if any(f.kind not in ("torch", "copy") for f in plan.files):
         raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
                               hint="plan with plan_reshard")
@@ -770,6 +774,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
     finally:
         worker.close()
         maps.close()
+    return worker.stats.to_json()
 
 
 def default_output(source: publish.Source, world_size: int, stage: int | None, fmt: str) -> str:
@@ -783,7 +788,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
             fmt: str = "deepspeed", tag: str | None = None, dry_run: bool = False, overwrite: bool = False,
             workers: int | None = None, progress: Callable[[int, int], None] | None = None,
             bf16_optimizer: bool | None = None, durable: bool = False,
-            storage_options: dict | None = None) -> ReshardResult:
+            storage_options: dict | None = None, group=None) -> ReshardResult:
     """Re-partition the checkpoint at ``path`` for ``world_size`` ranks (and ``stage``) into the folder ``out``.
 
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
@@ -794,6 +799,8 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
     (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
     ``storage_options``: fsspec options for a URL ``path`` (the output is always local), for this call only.
+    ``group``: the ranks of a launcher's job (:func:`zckpt.ops.distributed.launched`); every rank calls ``reshard``
+    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.ops.distributed`).
     """
     t0 = time.perf_counter()
     if world_size is None:
@@ -810,10 +817,20 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     result = ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    t1 = time.perf_counter()
-    execute(plan, out, workers, overwrite, progress,
-            latest_name="latest" if fmt == "deepspeed" else "latest_universal", durable=durable, source=source,
-            storage_options=ckpt.storage_options)
+    latest = "latest" if fmt == "deepspeed" else "latest_universal"
+    t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
+    if group is not None:
+        from zckpt.ops import distributed
+        stats = distributed.run_reshard(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
+                                        latest_name=latest, durable=durable, source=source,
+                                        storage_options=ckpt.storage_options).to_json()
+    else:
+        stats = {"ranks": 1, **execute(plan, out, workers, overwrite, progress, latest_name=latest, durable=durable,
+                                       source=source, storage_options=ckpt.storage_options)}
     result.seconds = time.perf_counter() - t0
-    log.info("wrote and published %s in %.2fs (%.2fs in all)", out, time.perf_counter() - t1, result.seconds)
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
+    log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)", out,
+             time.perf_counter() - t_plan, result.seconds, plan.total_bytes / max(result.seconds, 1e-9) / 1e6,
+             stats["ranks"], "es" if stats["ranks"] > 1 else "")
     return result

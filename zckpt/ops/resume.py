@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 from zckpt import errors
 from zckpt.io import storage
 from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
-from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout, ZckptError
+from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout
 from zckpt.formats.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
 from zckpt.engine.segments import Cast, Fill, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
+from zckpt.ops.distributed import agree
 
 log = logging.getLogger(__name__)
 
-MESSAGE_BYTES = 1024  # per rank, in the error all-reduce
 
 
 # ---------------------------------------------------------------------------------------------- target
@@ -280,47 +280,8 @@ class Materializer:
 
 
 # ---------------------------------------------------------------------------------------------- agreement
-
-def agree(error: BaseException | None, device=None) -> None:
-    """Every rank learns whether any rank failed, through one all-reduce; all raise the lowest failing rank's error.
-
-    Each rank writes a flag and its one-line message (UTF-8, at most ``MESSAGE_BYTES``) into its own row of a
-    zero ``(world, 1 + MESSAGE_BYTES)`` uint8 tensor; a SUM all-reduce gives every rank every row."""
-    import torch
-    import torch.distributed as tdist
-    if not (tdist.is_available() and tdist.is_initialized()):
-        if error is not None:
-            raise error
-        return
-    world, rank = tdist.get_world_size(), tdist.get_rank()
-    rows = torch.zeros((world, 1 + MESSAGE_BYTES), dtype=torch.uint8)
-    if error is not None:
-        msg = f"{type(error).__name__}\x00{_one_line(error)}".encode()[:MESSAGE_BYTES]
-        rows[rank, 0] = 1
-        rows[rank, 1:1 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
-    if device is not None and str(device) != "cpu":
-        rows = rows.to(device)
-    tdist.all_reduce(rows, op=tdist.ReduceOp.SUM)
-    rows = rows.cpu()
-    failed = [r for r in range(world) if int(rows[r, 0])]
-    if not failed:
-        return
-    raw = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\x00").decode(errors="replace")
-    cls_name, _, text = raw.partition("\x00")
-    cls = getattr(errors, cls_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
-        cls = ZckptError
-    err = cls(text, hint="")
-    err.ranks = failed
-    if error is not None:
-        raise err from error
-    raise err
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error) if isinstance(error, ZckptError) else f"{type(error).__name__}: {error}"
-    return " ".join(text.split())
-
+# agree(error, device): one all_reduce of every rank's error flag and one-line message, the same for every job that
+# coordinates ranks (zckpt.ops.distributed: merge and reshard under a launcher, too)
 
 # ---------------------------------------------------------------------------------------------- the load
 

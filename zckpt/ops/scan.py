@@ -27,6 +27,7 @@ from zckpt.deepspeed.discover import EXPERT_RE, LAYER_RE, TRAINER_MARKERS
 from zckpt.deepspeed.discover import MODEL_RE as DS_MODEL_RE
 from zckpt.deepspeed.discover import OPTIM_RE as DS_OPTIM_RE
 from zckpt.errors import CheckpointNotFound, InvalidArgument, ZckptError
+from zckpt.formats.legacy import is_legacy
 from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import MARKER, has_marker, read_marker
 
@@ -295,7 +296,9 @@ def check_torch_zip(path: str) -> str | None:
     """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
 
     The checks of :func:`zckpt.formats.zipentries.read_entries`: every entry inside the file and agreeing with its local
-    header; reads the directory and the local headers only."""
+    header; reads the directory and the local headers only. A legacy (non-zip) torch file: :func:`check_torch_legacy`."""
+    if _is_legacy(path):
+        return check_torch_legacy(path)
     try:
         entries = read_file_entries(path)
     except OSError as exc:
@@ -305,6 +308,29 @@ def check_torch_zip(path: str) -> str | None:
     if not any(name.endswith("data.pkl") for name in entries):
         return f"{os.path.basename(path)} has no data.pkl entry"
     return None
+
+
+def check_torch_legacy(path: str) -> str | None:
+    """Why a legacy (non-zip) torch file is not whole: the checks of :func:`zckpt.formats.legacy.locate` (its
+    pickles end, its storage keys match the object pickle, the storages' sizes end the file exactly and agree with
+    their size fields); reads the pickles and the 8-byte size fields only."""
+    from zckpt.formats import safeload
+    try:
+        with open(path, "rb") as f:
+            safeload.legacy_layout(path, f, os.fstat(f.fileno()).st_size)
+    except OSError as exc:
+        return f"{os.path.basename(path)} cannot be read ({exc.strerror or exc})"
+    except ZckptError as exc:
+        return f"{os.path.basename(path)} is not a complete legacy torch file ({exc.message})"
+    return None
+
+
+def _is_legacy(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_safetensors(path: str) -> str | None:
@@ -413,7 +439,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     for f in files:
         name = f.rel.rsplit("/", 1)[-1]
         reason = None
-        if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and _is_zip(f.path)):
+        if name.endswith((".pt", ".pth")) or (name.endswith(".bin") and (_is_zip(f.path) or _is_legacy(f.path))):
             reason = check_torch_zip(f.path)
         elif name.endswith(".safetensors"):
             reason = check_safetensors(f.path)

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from zckpt.dcp.reader import check_stateless_named, is_dcp, matches, open_dcp
+from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
 from zckpt.ops import reshard
@@ -44,24 +44,36 @@ def _precision(cfg: dict) -> str:
     return "fp32"
 
 
-def load_config(ds_config) -> dict:
-    """``ds_config``: a dict, or the path of a DeepSpeed JSON config."""
-    if isinstance(ds_config, dict):
-        return json.loads(json.dumps(ds_config))
+def load_config(ds_config, dtype: str | None = None) -> tuple[dict, bool]:
+    """(config, whether it is the job's own): ``ds_config`` a dict or the path of a DeepSpeed JSON config; without
+    one, ``dtype`` ("bf16" / "fp32", the engine's precision) and DeepSpeed's defaults for everything else."""
     if ds_config is None:
-        raise InvalidArgument("converting to DeepSpeed needs the DeepSpeed config the job will run with",
-                              hint="pass --ds-config ds_config.json (its precision, gradient_clipping and "
-                                   "zero_optimization shape the files)")
+        if dtype not in ("bf16", "fp32", "fp16"):
+            raise InvalidArgument("DCP does not record the precision the DeepSpeed engine trains in",
+                                  hint="pass --dtype bf16 or --dtype fp32, or --ds-config ds_config.json (the "
+                                       "job's config: precision, gradient_clipping, zero_optimization)")
+        return {"bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"}}, False
+    if isinstance(ds_config, dict):
+        cfg = json.loads(json.dumps(ds_config))
+        _check_dtype(cfg, dtype)
+        return cfg, True
     try:
         cfg = json.loads(storage.read_bytes(str(ds_config)))
     except (OSError, ValueError) as exc:
         raise InvalidArgument(f"cannot read the DeepSpeed config ({exc})", path=str(ds_config)) from None
     if not isinstance(cfg, dict):
         raise InvalidArgument("the DeepSpeed config is not a JSON object", path=str(ds_config))
-    return cfg
+    _check_dtype(cfg, dtype)
+    return cfg, True
 
 
-def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None) -> Checkpoint:
+def _check_dtype(cfg: dict, dtype: str | None) -> None:
+    if dtype is not None and _precision(cfg) != dtype:
+        raise InvalidArgument(f"--dtype {dtype} disagrees with the DeepSpeed config ({_precision(cfg)})",
+                              hint="drop --dtype: the config says the precision")
+
+
+def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None, config_known: bool = True) -> Checkpoint:
     """``ckpt`` (read from DCP) with what the DeepSpeed writer needs: records classified, one step tensor per
     group, the model-states facts (``module`` order, ``buffer_names``, ``shared_params``, steps) and the config."""
     path = ckpt.location.tag_dir
@@ -113,8 +125,10 @@ def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None) -> Checkpo
     ])
     model_state.pop("global_samples")  # DeepSpeed derives it from global_steps when absent
     loc = dataclasses.replace(ckpt.location, tag=f"global_step{step}")
+    # without the job's config, clip_grad is left out of the files: DeepSpeed then keeps its configured value
+    osd = OrderedDict() if config_known else OrderedDict([("clip_grad", None)])
     return dataclasses.replace(ckpt, location=loc, records=records, precision=precision, model_state=model_state,
-                               optim_states=[{"optimizer_state_dict": OrderedDict()}], model_states=[model_state],
+                               optim_states=[{"optimizer_state_dict": osd}], model_states=[model_state],
                                reshard_refusal=None, extra={**ckpt.extra, "group_steps": group_steps})
 
 
@@ -124,16 +138,22 @@ def _bf16_optimizer(cfg: dict, stage: int) -> bool:
 
 
 def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: dict,
-                      buffers=None) -> reshard.ReshardPlan:
+                      buffers=None, config_known: bool = True) -> reshard.ReshardPlan:
     """The DeepSpeed rank files of ``ckpt`` (a DCP checkpoint) at ``world_size`` and ``stage``: plain data."""
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
     cfg = dict(ds_config)
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
-    src = deepspeed_source(ckpt, cfg, buffers)
+    src = deepspeed_source(ckpt, cfg, buffers, config_known)
     plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
+    # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied by the
+    # writer; its DCP folders are what the rank files replace
+    plan.files = [f for f in plan.files if not (f.kind == "copy" and f.relpath.split("/")[0] in TRAINER_PARTS)]
     plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
                       "load_lr_scheduler_states=False when the engine has a scheduler")
+    if not config_known:
+        plan.notes.append("no DeepSpeed config given: DeepSpeed's defaults shape the files (sub_group_size 1e9, no "
+                          "parameter_alignment); gradient clipping is left to the engine's config")
     tied = [r.name for r in src.records if r.kind == "frozen" and r.name in (ckpt.extra.get("stateless") or [])]
     if tied:
         plan.notes.append(f"{len(tied)} module tensor(s) without optimizer state written as frozen weights "
@@ -159,13 +179,14 @@ def parse_tied(tied) -> dict:
 
 
 def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
-                 dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
+                 dtype: str | None = None, dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
                  storage_options: dict | None = None) -> reshard.ReshardResult:
     """Write the DCP checkpoint at ``path`` as DeepSpeed ZeRO-``stage`` files for ``world_size`` ranks into the
     folder ``out`` (``OUT/latest``, ``OUT/global_step<N>/...``), loadable with a plain ``engine.load_checkpoint(out)``.
 
-    ``ds_config``: the DeepSpeed config (dict or JSON path) the job will run with; ``buffers``: fnmatch patterns
+    ``ds_config``: the DeepSpeed config (dict or JSON path) the job will run with; or ``dtype`` ("bf16" / "fp32":
+    the engine's precision) and DeepSpeed's defaults for the rest, gradient clipping left to the engine; ``buffers``: fnmatch patterns
     of the module tensors without optimizer state that are buffers (``[]`` when none are; required when the
     checkpoint has such tensors; a comma-separated string is split); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
     saved under both names, written as DeepSpeed's ``shared_params``. Default ``out``: next to the source,
@@ -182,7 +203,7 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
                               hint="for a DeepSpeed checkpoint at another size or stage use zckpt reshard")
     if isinstance(buffers, str):
         buffers = [b for b in buffers.split(",") if b]
-    cfg = load_config(ds_config)
+    cfg, config_known = load_config(ds_config, dtype)
     ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
     source = publish.source_of(ckpt.location)
     out = str(out) if out is not None else publish.default_output(source, "converted") + "-deepspeed"
@@ -190,7 +211,7 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
         raise InvalidArgument("convert writes to a local folder", path=out,
                               hint="convert locally, then `zckpt push` the result")
     publish.check_output(out, "reshard", source, overwrite)
-    plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers)
+    plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known)
     result = reshard.ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result

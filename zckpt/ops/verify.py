@@ -4,7 +4,10 @@ Metadata checks (reading only the pickles): every rank file present and readable
 with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
 names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
 Deep checks: the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is caught), and the hashes of a
-``zckpt-manifest.json`` when one is present (written by ``zckpt push``). zckpt outputs (merged weights, reshard
+``zckpt-manifest.json`` when one is present (written by ``zckpt push``). Legacy (non-zip) torch files have no
+CRCs: for them every byte is read and hashed (and checked against the manifest's sha256 when there is one), the
+layout re-checked (pickles, storage keys, storage sizes that end the file) and every storage's size field compared
+with the pickle in the stream. zckpt outputs (merged weights, reshard
 results) are checked against their ``.zckpt.json`` marker: without a complete one they are incomplete.
 """
 
@@ -24,7 +27,8 @@ from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, ZckptError, names_rendered
-from zckpt.formats.safeload import LazyTensor
+from zckpt.formats import legacy
+from zckpt.formats.safeload import LazyTensor, legacy_layout
 from zckpt.formats.zipentries import read_entries
 from zckpt.units import format_size
 
@@ -260,6 +264,8 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
     read of the same bytes."""
     with storage.open_input(path, storage_options) as f:
+        if legacy.is_legacy(f.read(4)):
+            return _scan_legacy(f, path)
         try:
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
@@ -288,6 +294,20 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
     return pos, bad, digest
 
 
+def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
+    """A legacy (non-zip) file has no CRCs: its layout is checked (pickles, storage keys, sizes that end the file,
+    each storage's size field), then every byte is read and hashed, the size fields compared again in the stream."""
+    size = f.seek(0, 2)
+    try:
+        _obj, places, _n = legacy_layout(path, f, size)
+    except ZckptError as exc:
+        return 0, [exc.message], ""
+    check = legacy.FieldCheck(legacy.size_fields(places))
+    f.seek(0)
+    digest = hashing.sha256_stream(f, on_chunk=check, name=path)
+    return check.pos, check.problems(size), digest
+
+
 def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     if ckpt.format == "dcp":
         return check_dcp_bytes(ckpt, report, progress)
@@ -305,8 +325,19 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
                 progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
             log.debug("  %s: %s, %s", path, format_size(n), f"{len(bad)} damaged entries" if bad else "CRCs match")
-    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or f"{len(files)} files, {format_size(done)}")
+    n_legacy = sum(1 for f in ckpt.files if _is_legacy_file(f.path, ckpt.storage_options))
+    note = f" ({n_legacy} legacy files: no CRCs; layout, size fields and every byte read)" if n_legacy else ""
+    report.add("CRC of every entry", not damaged,
+               "; ".join(damaged[:5]) or f"{len(files)} files, {format_size(done)}{note}")
     check_manifest(ckpt.location.input_path, report, hashes=True, known=hashes, storage_options=ckpt.storage_options)
+
+
+def _is_legacy_file(path: str, storage_options: dict | None = None) -> bool:
+    try:
+        with storage.open_input(path, storage_options) as f:
+            return legacy.is_legacy(f.read(4))
+    except OSError:
+        return False
 
 
 def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progress=None,

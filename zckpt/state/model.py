@@ -176,6 +176,9 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     parallel: str | None = None  # "pipeline" or "moe" (zckpt.deepspeed.pipeline / .moe); None: data parallel only
     reshard_refusal: str | None = None  # why ``reshard`` cannot re-partition this layout (None: it can)
+    # why the optimizer state the files hold cannot be carried (None: it can): the weights are read exactly, but
+    # whatever carries the whole training state (convert, resume) must refuse rather than drop it
+    state_refusal: str | None = None
     format: str = "deepspeed"  # the reader that built it: "deepspeed" or "dcp"
     extra: dict = field(default_factory=dict)  # facts only one format has (DCP: its key scheme, scalars)
 

@@ -1,0 +1,678 @@
+"""One command, many processes: merge / reshard split across the ranks of a launcher's job by bytes.
+
+Under ``torchrun``, the ``deepspeed`` launcher or ``srun``, every process runs the same command; nothing but
+``torch.distributed`` (gloo: a few small collectives) coordinates them::
+
+    launcher   RANK / WORLD_SIZE / MASTER_ADDR (torchrun, deepspeed), SLURM_PROCID / SLURM_STEP_NUM_TASKS (srun,
+               MASTER_ADDR / MASTER_PORT as the user sets them)          -> init_process_group("gloo")
+    plan       every rank: open_checkpoint + plan, from metadata alone (the same plan on every rank)
+    agree      rank 0's serialization ids broadcast; the layout's digest compared; any rank's error -> all raise it
+    scratch    rank 0: the publish scratch folder (next to OUT, on the shared filesystem), every file at its size
+    write      rank r: the jobs (<= CHUNK_BYTES of one output file) whose bytes fall in [r*T/P, (r+1)*T/P) of the
+               plan's T output bytes, in plan order: it reads only the source ranges those jobs need and pwrites
+               them into the shared scratch files; CRC-32s of its part of every zip entry (combined in rank order)
+    agree      every rank's error flag (one all-reduce) and CRCs (one all-gather)
+    publish    rank 0: headers and central directories, side files, the marker, rename into place; then a last
+               agreement, so every rank exits with the same status
+
+A URL output (``s3://``) has no shared scratch: whole output files are dealt out by bytes (largest first, to the
+least loaded rank), each rank writes its files through a local scratch file of one shard at most and uploads it
+(multipart); rank 0 writes the ``writing`` marker first and the commit marker last (:mod:`zckpt.io.publish`).
+
+A failure on any rank (an exception) fails every rank with the same one-line error; a rank that dies makes the
+launcher stop the others (torchrun does; under srun pass ``--kill-on-bad-exit=1``): nothing is published, and the
+next run sweeps the scratch folder. The work is described generically, as output files x byte ranges x segments
+(:class:`FileWork`), so any plan the engine writes (merge, reshard, conversion) is split the same way. Without a
+launcher nothing here runs, and torch is not imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from zckpt.engine import executor, torchzip
+from zckpt.engine.segments import seg_numel
+from zckpt import errors
+from zckpt.errors import InvalidArgument, StorageError, ZckptError
+from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.io import publish, storage
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 4 * 3600  # a collective waits this long for the slowest rank (ZCKPT_DIST_TIMEOUT seconds)
+MIN_CHUNK_BYTES = 256
+MESSAGE_BYTES = 1024  # per rank, in the error all-reduce
+
+
+# ============================================================================================ agreement
+
+
+def agree(error: BaseException | None, device=None) -> None:
+    """Every rank learns whether any rank failed, through one all-reduce; all raise the lowest failing rank's error.
+
+    Each rank writes a flag and its one-line message (UTF-8, at most ``MESSAGE_BYTES``) into its own row of a
+    zero ``(world, 1 + MESSAGE_BYTES)`` uint8 tensor; a SUM all-reduce gives every rank every row. Without an
+    initialized process group, ``error`` is raised as it is. (Also :mod:`zckpt.ops.resume`'s agreement.)"""
+    import torch
+    import torch.distributed as tdist
+    if not (tdist.is_available() and tdist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    rows = torch.zeros((world, 1 + MESSAGE_BYTES), dtype=torch.uint8)
+    if error is not None:
+        msg = f"{type(error).__name__}\x00{one_line(error)}".encode()[:MESSAGE_BYTES]
+        rows[rank, 0] = 1
+        rows[rank, 1:1 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
+    if device is not None and str(device) != "cpu":
+        rows = rows.to(device)
+    tdist.all_reduce(rows, op=tdist.ReduceOp.SUM)
+    rows = rows.cpu()
+    failed = [r for r in range(world) if int(rows[r, 0])]
+    if not failed:
+        return
+    raw = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\x00").decode(errors="replace")
+    cls_name, _, text = raw.partition("\x00")
+    cls = getattr(errors, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
+        cls = ZckptError
+    err = cls(text, hint="")
+    err.ranks = failed
+    if error is not None:
+        raise err from error
+    raise err
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error) if isinstance(error, ZckptError) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+# ============================================================================================ the launcher
+
+
+def launcher_env(env=None) -> dict | None:
+    """``{"rank", "world_size", "local_rank", "launcher"}`` when this process is one of several started by a
+    launcher, else None. ``ZCKPT_DISTRIBUTED=0`` turns detection off."""
+    env = os.environ if env is None else env
+    if env.get("ZCKPT_DISTRIBUTED", "").lower() in ("0", "no", "off", "false"):
+        return None
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, the deepspeed launcher, torch's env:// convention
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        launcher = "torchrun" if env.get("TORCHELASTIC_RUN_ID") else "env"
+    elif "SLURM_PROCID" in env and env.get("SLURM_STEP_NUM_TASKS"):  # a task of an srun step (not sbatch's script)
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        launcher = "srun"
+    else:
+        return None
+    if world <= 1:
+        return None
+    if not env.get("MASTER_ADDR"):
+        raise InvalidArgument(f"this is task {rank} of {world} ({launcher}) but MASTER_ADDR is not set, so the "
+                              "tasks cannot coordinate",
+                              hint="export MASTER_ADDR=<first node> MASTER_PORT=<free port> before srun, "
+                                   "or run a single task")
+    return {"rank": rank, "world_size": world, "local_rank": local, "launcher": launcher}
+
+
+@dataclass
+class Group:
+    """The processes of one job: this one's ``rank`` of ``world``; collectives through torch.distributed (gloo)."""
+
+    rank: int
+    world: int
+    launcher: str = "env"
+
+    def agree(self, error: BaseException | None) -> None:
+        """All ranks learn whether any failed; all raise the lowest failing rank's one-line error."""
+        agree(error)
+
+    def phase(self, fn: Callable, *args):
+        """``fn(*args)`` on this rank, then :meth:`agree`: its result, or every rank raises the same error."""
+        error, out = None, None
+        try:
+            out = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - said to every rank, raised below
+            error = exc
+        self.agree(error)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank."""
+        import torch
+        import torch.distributed as dist
+        n = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(n, 0)
+        size = int(n[0])
+        if not size:
+            return b""
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+            torch.zeros(size, dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        return bytes(buf.numpy())
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of int64s (all the same length), in rank order."""
+        import torch
+        import torch.distributed as dist
+        mine = torch.tensor(values or [0], dtype=torch.int64)
+        out = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine)
+        return [t.tolist()[:len(values)] for t in out]
+
+
+@contextlib.contextmanager
+def launched() -> Iterator[Group | None]:
+    """The :class:`Group` of this launcher's job (process group set up, torn down at the end), or None without a
+    launcher (torch is then not imported)."""
+    env = launcher_env()
+    if env is None:
+        yield None
+        return
+    import datetime
+
+    import torch.distributed as dist
+    owned = not dist.is_initialized()
+    if owned:
+        os.environ.setdefault("MASTER_PORT", "29500")
+        timeout = float(os.environ.get("ZCKPT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+        dist.init_process_group("gloo", init_method="env://", rank=env["rank"], world_size=env["world_size"],
+                                timeout=datetime.timedelta(seconds=timeout))
+    try:
+        yield Group(dist.get_rank(), dist.get_world_size(), env["launcher"])
+    finally:
+        if owned:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+# ============================================================================================ the work
+
+
+@dataclass
+class FileWork:
+    """One output file as byte ranges x segments: ``jobs`` ``(slot, offset, parts, dtype)`` (``slot``: the zip
+    entry whose CRC-32 the job's bytes are part of, or -1), and ``meta(crcs)``: the file's other bytes
+    ``[(offset, bytes)]`` once the CRC of every slot is known. ``src``: a file copied whole instead."""
+
+    relpath: str
+    size: int
+    jobs: list = field(default_factory=list)
+    meta: Callable[[dict[int, int]], list[tuple[int, bytes]]] = lambda crcs: []
+    src: str | None = None
+
+    def digest(self, h) -> None:
+        """The layout (name, size, job offsets and lengths, the bytes of ``meta`` without CRCs) into ``h``."""
+        h.update(f"{self.relpath}\0{self.size}\0{self.src is not None}\0".encode())
+        for slot, off, parts, dtype in self.jobs:
+            h.update(f"{slot},{off},{job_bytes(parts, dtype)};".encode())
+        for off, data in self.meta({}):
+            h.update(f"{off}:".encode() + bytes(data))
+
+
+def job_bytes(parts: list, dtype: str) -> int:
+    return sum(len(p) if isinstance(p, (bytes, bytearray)) else seg_numel(p, dtype) * DTYPE_SIZES[dtype]
+               for p in parts)
+
+
+def default_workers() -> int:
+    """Threads per process: the single-process default (CPU count, at most 8) shared by the processes of this
+    node (torchrun's LOCAL_WORLD_SIZE, srun's SLURM_NTASKS_PER_NODE), at least 2."""
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+    try:
+        local_n = max(1, int(local))
+    except ValueError:
+        local_n = 1
+    return max(2, min(8, (os.cpu_count() or 2) // local_n))
+
+
+def chunk_size(total: int, world: int) -> int:
+    """Jobs small enough to balance ``world`` ranks within about 1/64 of a share each, at most CHUNK_BYTES."""
+    return max(MIN_CHUNK_BYTES, min(executor.CHUNK_BYTES, total // max(1, world * 64)))
+
+
+def safetensors_work(shard, chunk: int) -> FileWork:
+    """A merge shard (``zckpt.ops.merge.ShardPlan``) in safetensors: its header, then tensor chunks."""
+    from zckpt.engine.segments import source_segments
+    jobs = [(-1, t.offset + start, parts, t.dtype) for t in shard.tensors
+            for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype, chunk)]
+    header = shard.header
+    return FileWork(shard.filename, shard.size, jobs, lambda crcs: [(0, header)])
+
+
+def archive_work(relpath: str, archive: torchzip.Archive, maps: torchzip.SourceMaps, chunk: int) -> FileWork:
+    """A planned torch zip: tensor chunks whose CRCs are combined per entry; headers and directory at the end."""
+    return placed_work(relpath, archive.file_size, [(archive, 0)], maps, chunk)
+
+
+def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps, chunk: int) -> FileWork:
+    """A file of torch zips placed at byte offsets (``[(archive, base)]``: one for a ``.pt`` file, many for a DCP
+    ``.distcp`` file). Every zip entry of the file is one CRC slot."""
+    jobs, parts_meta, first = [], [], 0
+    for archive, base in placed:
+        ajobs, known = torchzip.archive_jobs(archive, maps, chunk)
+        jobs += [(-1 if idx in known else first + idx, base + off, parts, dtype) for idx, off, parts, dtype in ajobs]
+        parts_meta.append((archive, base, first, known))
+        first += len(archive.entries)
+
+    def meta(crcs: dict[int, int]) -> list[tuple[int, bytes]]:
+        out = []
+        for archive, base, first_, known in parts_meta:
+            mine = {idx: crcs[first_ + idx] for idx in range(len(archive.entries)) if first_ + idx in crcs}
+            mine.update(known)
+            out += [(base + off, data) for off, data in torchzip.archive_meta(archive, mine)]
+        return out
+
+    return FileWork(relpath, size, jobs, meta)
+
+
+# ============================================================================================ splitting
+
+
+def split_ranges(works: list[FileWork], world: int) -> list[list[tuple[int, int]]]:
+    """Per rank, the ``(file index, job index)`` pairs it writes: the plan's output bytes in order, cut into
+    ``world`` equal spans (a job belongs to the span holding its middle byte; a copied file is one job)."""
+    items = []
+    for fi, w in enumerate(works):
+        if w.src is not None:
+            items.append((fi, -1, w.size))
+        else:
+            items += [(fi, ji, job_bytes(job[2], job[3])) for ji, job in enumerate(w.jobs)]
+    total = sum(n for _, _, n in items) or 1
+    out: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    pos = 0
+    for fi, ji, n in items:
+        rank = min(world - 1, (2 * pos + n) * world // (2 * total))
+        out[rank].append((fi, ji))
+        pos += n
+    return out
+
+
+def split_files(works: list[FileWork], world: int) -> list[list[int]]:
+    """Per rank, whole files: largest first, each to the least loaded rank (ties: the lowest rank)."""
+    loads, out = [0] * world, [[] for _ in range(world)]
+    for fi in sorted(range(len(works)), key=lambda i: (-works[i].size, i)):
+        r = min(range(world), key=lambda k: (loads[k], k))
+        out[r].append(fi)
+        loads[r] += works[fi].size
+    for files in out:
+        files.sort()
+    return out
+
+
+# ============================================================================================ writing
+
+
+def _test_hooks(group: Group, count: int) -> None:
+    """Fault injection for the tests: ZCKPT_TEST_RANK_EXIT=r makes rank r die (os._exit) after its first job (a
+    chunk or a copied file); ZCKPT_TEST_RANK_FAIL=r makes it raise."""
+    if count != 1:
+        return
+    if os.environ.get("ZCKPT_TEST_RANK_EXIT") == str(group.rank):
+        os._exit(17)
+    if os.environ.get("ZCKPT_TEST_RANK_FAIL") == str(group.rank):
+        raise StorageError(f"injected failure on rank {group.rank}", hint="a test asked for it")
+
+
+class _Writer:
+    """One rank's share: jobs into files that already exist at their final size; CRC parts per (file, slot)."""
+
+    def __init__(self, group: Group, pool, worker: executor.Worker, maps: torchzip.SourceMaps, progress,
+                 durable: bool, storage_options: dict | None):
+        self.group, self.pool, self.worker, self.maps = group, pool, worker, maps
+        self.progress, self.durable, self.storage_options = progress, durable, storage_options
+        self.crcs: dict[tuple[int, int], tuple[int, int]] = {}  # (file, slot) -> (crc, length) of this rank's part
+        self.count = 0
+        self.bytes = 0
+
+    def write_jobs(self, fi: int, path: str, jobs: list) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            def run(job):
+                slot, off, parts, dtype = job
+                crc, n = self.worker.write(fd, off, parts, dtype, crc_of=self.maps.crc, want_crc=slot >= 0)
+                return slot, crc, n
+
+            for slot, crc, n in executor.run_jobs(self.pool, run, jobs, self.worker, parts_of=lambda j: j[2]):
+                if slot >= 0:
+                    c, length = self.crcs.get((fi, slot), (0, 0))
+                    self.crcs[(fi, slot)] = (torchzip.crc32_combine(c, crc, n) if length else crc, length + n)
+                self.count += 1
+                self.bytes += n
+                if self.progress:
+                    self.progress(n)
+                _test_hooks(self.group, self.count)
+            if self.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def copy(self, work: FileWork, dst: str) -> None:
+        if storage.is_url(work.src):
+            data = storage.read_bytes(work.src, self.storage_options)
+            with open(dst, "wb") as f:
+                f.write(data)
+        else:
+            shutil.copyfile(work.src, dst)
+        if self.durable:
+            fd = os.open(dst, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        self.bytes += work.size
+        self.count += 1
+        if self.progress:
+            self.progress(work.size)
+        _test_hooks(self.group, self.count)
+
+    def whole_file(self, fi: int, work: FileWork, path: str) -> None:
+        """``work`` written whole into a new local file ``path`` (URL outputs: the upload's scratch)."""
+        if work.src is not None:
+            self.copy(work, path)
+            return
+        _create(path, work.size)
+        self.write_jobs(fi, path, work.jobs)
+        crcs = {slot: c for (f, slot), (c, _) in self.crcs.items() if f == fi}
+        _write_meta(path, work.meta(crcs), self.durable)
+
+
+def _create(path: str, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _write_meta(path: str, meta: list[tuple[int, bytes]], durable: bool) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for off, data in meta:
+            executor.pwrite_all(fd, memoryview(data), off)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _combine(parts_by_rank: list[list[int]], slots: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """The CRC of every (file, slot) from each rank's (crc, length) parts, combined in rank order."""
+    out = {}
+    for k, key in enumerate(slots):
+        crc, length = 0, 0
+        for row in parts_by_rank:
+            c, n = row[2 * k], row[2 * k + 1]
+            if n:
+                crc = torchzip.crc32_combine(crc, c & 0xFFFFFFFF, n) if length else c & 0xFFFFFFFF
+                length += n
+        out[key] = crc
+    return out
+
+
+def _align_archives(group: Group, archives: list[torchzip.Archive]) -> None:
+    """Every rank's archives get rank 0's serialization ids (torch.save's random per-file id)."""
+    mine = b"".join(torchzip.serialization_id(a) for a in archives)
+    ids = group.broadcast_bytes(mine)
+    if len(ids) != len(mine):
+        raise InvalidArgument("the ranks planned different outputs (another number of torch files)",
+                              hint="every rank must see the same checkpoint at the same path")
+    pos = 0
+    for a in archives:
+        n = len(torchzip.serialization_id(a))
+        torchzip.set_serialization_id(a, ids[pos:pos + n])
+        pos += n
+
+
+def _check_same_plan(group: Group, works: list[FileWork]) -> None:
+    h = hashlib.sha256()
+    for w in works:
+        w.digest(h)
+    mine = h.digest()
+    theirs = group.broadcast_bytes(mine)
+    if theirs != mine:
+        raise InvalidArgument(f"rank {group.rank} planned another output than rank 0 (the checkpoint differs "
+                              "between the processes)", hint="every rank must see the same checkpoint, "
+                              "e.g. on a shared filesystem, at the same path")
+
+
+@dataclass
+class Stats:
+    """What one distributed execution did: ranks, bytes (this rank's and all), seconds, remote reads."""
+
+    ranks: int
+    total_bytes: int
+    rank_bytes: int = 0
+    seconds: float = 0.0
+    fetch: dict = field(default_factory=dict)
+    split_entries: int = 0  # zip entries written by more than one rank (their CRCs combined across ranks)
+
+    def to_json(self) -> dict:
+        return {"ranks": self.ranks, "rank_bytes": self.rank_bytes, "total_bytes": self.total_bytes,
+                "seconds": round(self.seconds, 3), "split_entries": self.split_entries, **self.fetch}
+
+
+def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive], out: str, kind: str,
+            check: Callable[[], None], source: str | None, finish: Callable, workers: int | None = None,
+            progress: Callable[[int, int], None] | None = None, durable: bool = False,
+            storage_options: dict | None = None, output_storage_options: dict | None = None,
+            worker: executor.Worker | None = None, maps: torchzip.SourceMaps | None = None) -> Stats:
+    """Write ``works`` into ``out`` with every rank of ``group`` and publish it once, from rank 0.
+
+    ``archives``: the torch zips among the works (their serialization ids are made rank 0's); ``check()``: rank 0's
+    output check (before anything is written); ``finish(pub)``: rank 0 adds the small files (index, ``latest``,
+    config) before the commit. Every step ends with an agreement: an error on any rank is raised on all."""
+    t0 = time.perf_counter()
+    remote = storage.is_url(out)
+    group.phase(_align_archives, group, archives)
+    group.phase(_check_same_plan, group, works)
+    total = sum(w.size for w in works)
+    if remote:
+        share = sum(works[fi].size for fi in split_files(works, group.world)[group.rank])
+    else:
+        share = sum(job_bytes(works[fi].jobs[ji][2], works[fi].jobs[ji][3]) if ji >= 0 else works[fi].size
+                    for fi, ji in split_ranges(works, group.world)[group.rank])
+    done = [0]
+
+    def step(n):  # this rank's part of the work
+        done[0] += n
+        if progress:
+            progress(min(done[0], share), share)
+
+    workers = workers or default_workers()
+    own_worker, own_maps = worker is None, maps is None
+    worker = worker or executor.Worker(storage_options=storage_options)
+    maps = maps or torchzip.SourceMaps()
+    stack, split = contextlib.ExitStack(), 0
+    try:
+        pool = stack.enter_context(ThreadPoolExecutor(workers))
+        writer = _Writer(group, pool, worker, maps, step, durable, storage_options)
+        pub = group.phase(_open_publisher, group, stack, works, out, kind, check, source, durable,
+                          output_storage_options)
+        if remote:
+            group.phase(_write_files_remote, group, writer, works, out, output_storage_options)
+            group.phase(_publish, group, pub, works, None, finish)
+        else:
+            tmp = group.broadcast_bytes(pub.tmp.encode() if group.rank == 0 else None).decode()
+            group.phase(_write_ranges, group, writer, works, tmp)
+            slots = sorted({(fi, job[0]) for fi, w in enumerate(works) for job in w.jobs if job[0] >= 0})
+            mine = []
+            for key in slots:
+                c, n = writer.crcs.get(key, (0, 0))
+                mine += [c, n]
+            rows = group.all_gather_ints(mine)
+            split = sum(1 for k in range(len(slots)) if sum(1 for row in rows if row[2 * k + 1]) > 1)
+            crcs = _combine(rows, slots)
+            group.phase(_publish, group, pub, works, crcs, finish)
+    finally:
+        stack.close()
+        if own_worker:
+            worker.close()
+        if own_maps:
+            maps.close()
+    return Stats(group.world, total, writer.bytes, time.perf_counter() - t0, worker.stats.to_json(), split)
+
+
+def _open_publisher(group: Group, stack, works, out, kind, check, source, durable, output_storage_options):
+    """Rank 0: the output check, the scratch folder (local: every file created at its final size)."""
+    if group.rank != 0:
+        return None
+    check()
+    pub = stack.enter_context(publish.Publisher(out, kind, source, durable, storage_options=output_storage_options))
+    if not storage.is_url(out):
+        for w in works:
+            _create(pub.path(w.relpath), w.size)
+    return pub
+
+
+def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str) -> None:
+    mine = split_ranges(works, group.world)[group.rank]
+    byfile: dict[int, list] = {}
+    for fi, ji in mine:
+        byfile.setdefault(fi, []).append(ji)
+    for fi, jis in byfile.items():
+        w = works[fi]
+        path = os.path.join(tmp, w.relpath)
+        if w.src is not None:
+            writer.copy(w, path)
+        else:
+            writer.write_jobs(fi, path, [w.jobs[j] for j in jis])
+
+
+def _write_files_remote(group: Group, writer: _Writer, works, out, output_storage_options) -> None:
+    """This rank's whole files, each written to a local scratch file and uploaded (multipart), one at a time."""
+    scratch = tempfile.mkdtemp(prefix=f".zckpt-rank{group.rank}-")
+    try:
+        for fi in split_files(works, group.world)[group.rank]:
+            w = works[fi]
+            local = os.path.join(scratch, w.relpath.replace("/", "_"))
+            writer.whole_file(fi, w, local)
+            storage.put_file(local, storage.join(out, w.relpath), storage_options=output_storage_options,
+                             max_concurrency=8)
+            os.remove(local)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _publish(group: Group, pub, works, crcs, finish) -> None:
+    """Rank 0: the bytes that needed every rank's CRCs, the side files, the marker; the output appears."""
+    if group.rank != 0:
+        return
+    for fi, w in enumerate(works):
+        if crcs is not None:
+            if w.src is None:
+                mine = {slot: c for (f, slot), c in crcs.items() if f == fi}
+                _write_meta(pub.path(w.relpath), w.meta(mine), pub.durable)
+            pub.done(w.relpath)
+        else:
+            pub.adopt(w.relpath, w.size)
+    finish(pub)
+    pub.commit()
+
+
+# ============================================================================================ merge, reshard
+
+
+def _chunk_for(group: Group, sizes) -> int:
+    return chunk_size(sum(sizes), group.world)
+
+
+def run_merge(group: Group, plan, out: str, extra_files: dict[str, bytes] | None, *, workers=None,
+              overwrite: bool = False, progress=None, durable: bool = False, source: publish.Source | None = None,
+              storage_options: dict | None = None, output_storage_options: dict | None = None) -> Stats:
+    """:func:`zckpt.ops.merge.execute` with every rank of ``group``: the same files, byte for byte."""
+    maps = torchzip.SourceMaps()
+    try:
+        chunk = _chunk_for(group, [s.size for s in plan.shards])
+        works = [archive_work(s.filename, s.archive, maps, chunk) if plan.fmt == "pt" else safetensors_work(s, chunk)
+                 for s in plan.shards]
+        archives = [s.archive for s in plan.shards if plan.fmt == "pt"]
+
+        def finish(pub):
+            for name, data in (extra_files or {}).items():
+                pub.write_bytes(name, data)
+            if plan.index is not None:
+                import json
+                pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
+
+        def check():
+            publish.check_output(out, "merge", source, overwrite, output_storage_options)
+
+        return execute(group, works, archives, out, "merge", check, source.root if source else None, finish,
+                       workers, progress, durable, storage_options, output_storage_options, maps=maps)
+    finally:
+        maps.close()
+
+
+def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
+                latest_name: str = "latest", durable: bool = False, source: publish.Source | None = None,
+                storage_options: dict | None = None) -> Stats:
+    """:func:`zckpt.ops.reshard.execute` with every rank of ``group``: the same files, byte for byte."""
+    maps = torchzip.SourceMaps()
+    try:
+        chunk = _chunk_for(group, [f.nbytes for f in plan.files])
+        works, archives = [], []
+        for f in plan.files:
+            if f.kind == "torch":
+                works.append(archive_work(f.relpath, f.archive, maps, chunk))
+                archives.append(f.archive)
+            elif f.kind == "copy":
+                works.append(FileWork(f.relpath, f.nbytes, src=f.src))
+            else:
+                raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
+                                      hint="plan with plan_reshard")
+        tag = (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode()
+
+        def finish(pub):
+            pub.write_bytes(latest_name, tag)  # DeepSpeed writes the bare tag, no newline
+
+        def check():
+            publish.check_output(out, "reshard", source, overwrite)
+
+        return execute(group, works, archives, out, "reshard", check, source.root if source else plan.source,
+                       finish, workers, progress, durable, storage_options, None, maps=maps)
+    finally:
+        maps.close()
+
+
+def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
+                durable: bool = False, source: publish.Source | None = None,
+                storage_options: dict | None = None) -> Stats:
+    """:func:`zckpt.ops.convert.execute` with every rank of ``group``: the same files, byte for byte. Each DCP part
+    (``plan.parts``: sub-folder, layout) has its ``.distcp`` files split by bytes like any other file and its
+    ``.metadata`` (DCP's commit) written by rank 0 at the end; ``plan.copies`` are copied whole."""
+    from zckpt.dcp.writer import METADATA
+    maps = torchzip.SourceMaps()
+    try:
+        def rel(folder: str, name: str) -> str:
+            return f"{folder}/{name}" if folder else name
+
+        files = [(rel(folder, f.name), f) for folder, part in plan.parts for f in part.files]
+        chunk = _chunk_for(group, [f.size for _, f in files])
+        works = [FileWork(r, size, src=src) for r, src, size in plan.copies]
+        works += [placed_work(r, f.size, f.placed, maps, chunk) for r, f in files]
+        archives = [a for _, f in files for a, _ in f.placed]
+
+        def finish(pub):
+            for folder, part in plan.parts:
+                pub.write_bytes(rel(folder, METADATA), part.metadata)
+
+        def check():
+            publish.check_output(out, "convert", source, overwrite)
+
+        return execute(group, works, archives, out, "convert", check, source.root if source else plan.source,
+                       finish, workers, progress, durable, storage_options, None, maps=maps)
+    finally:
+        maps.close()
