@@ -623,7 +623,7 @@ def test_progress_bars_only_on_a_terminal_in_zckpts_units(tmp_path):
     import re
     from tests.test_push import write_trainer_checkpoint
     ck = str(checkpoint_path(FIXTURE_DIRS[0]))
-    total = json.loads(invoke("info", ck, "--json").stdout)["total_bytes"]
+    total = json.loads(invoke("info", ck, "--json").stdout)["checkpoint_bytes"]  # verify --deep reads every file
     code, out, tty = _on_a_terminal("verify", ck, "--deep")
     assert code == 0 and "complete and consistent" in out, (out, tty)
     totals = set(re.findall(r"/([0-9.]+)k \[", tty))

@@ -14,14 +14,18 @@ Examples:
   zckpt verify s3://bucket/run1/checkpoint-400 --json""")
 @click.argument("path")
 @tag_option
-@click.option("--deep", is_flag=True, help="Read every byte: check the CRC of every zip entry and any manifest.")
+@click.option("--deep", is_flag=True,
+              help="Read every byte of every file: the CRC of every zip entry, sha256 against any push manifest.")
 @storage_option
 @global_options()
 def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.
 
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
-    param_shapes, versions agree, 'latest' names an existing tag. Exit status 0 when all checks pass, 1 otherwise.
+    param_shapes, versions agree, 'latest' names an existing tag; every file of the checkpoint readable (zip
+    directories, safetensors headers); a push manifest's files present (a push that never wrote its manifest is
+    not complete). PATH: a save folder, tag, checkpoint-N or push destination. Exit status 0 when all checks pass,
+    1 otherwise.
     """
     from zckpt.cli._errors import command_names
     from zckpt.errors import names_rendered

@@ -398,8 +398,10 @@ def _plain(opt: dict, candidates: list, precision: str, path: str, storage_optio
             break
         shapes.append([tuple(s["exp_avg"].shape) for s in st])
     if shapes is None:
-        notes.append("some optimizer parameters have no state (frozen params passed to the optimizer, or no step "
-                     "yet): parameters are not told apart from frozen ones; values are the module weights")
+        note = ("some optimizer parameters have no state (frozen params passed to the optimizer, or no step "
+                "yet): parameters are not told apart from frozen ones; values are the module weights")
+        has_some = any(isinstance(s, dict) and isinstance(s.get("exp_avg"), LazyTensor) for s in state.values())
+        notes.append(StateNotRead(note) if has_some else note)  # moments that exist but are not read: a refusal
         return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
                     for g, pg in enumerate(opt["param_groups"])], notes
     try:

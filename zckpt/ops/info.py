@@ -6,6 +6,7 @@ import re
 
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.formats.safeload import Inert
+from zckpt.ops.scan import NotBackedUp, files_in_folder
 
 FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
@@ -147,7 +148,20 @@ def info(path: str, tag: str | None = None, storage_options: dict | None = None)
     metadata alone. ``storage_options``: fsspec options for a URL ``path`` (the CLI's ``--storage-option``)."""
     ckpt = open_checkpoint(path, tag, storage_options)
     with metadata_errors(ckpt.location.tag_dir):
-        return describe(ckpt)
+        d = describe(ckpt)
+    d.update(all_files(ckpt))
+    return d
+
+
+def all_files(ckpt: Checkpoint) -> dict:
+    """``checkpoint_files`` (every file of the checkpoint in the folder given, as push sends and ``verify --deep``
+    reads them: :func:`zckpt.ops.scan.files_in_folder`) and ``checkpoint_bytes``; ``files`` lists the rank files."""
+    try:
+        files = files_in_folder(ckpt.location, ckpt.format, ckpt.storage_options)
+    except NotBackedUp as exc:
+        return {"checkpoint_files": None, "checkpoint_bytes": None, "checkpoint_files_error": exc.message}
+    return {"checkpoint_files": [{"name": f.rel, "bytes": f.size} for f in files],
+            "checkpoint_bytes": sum(f.size for f in files)}
 
 
 def human_bytes(n: int | None) -> str:
@@ -215,5 +229,15 @@ def render(d: dict) -> str:
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
     lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    lines += _all_files_line(d)
     return "\n".join(lines)
+
+
+def _all_files_line(d: dict) -> list[str]:
+    if d.get("checkpoint_files_error"):
+        return [f"all files    {d['checkpoint_files_error']}"]
+    if d.get("checkpoint_files") is None:
+        return []
+    return [f"all files    {len(d['checkpoint_files'])}, {human_bytes(d['checkpoint_bytes'])} (every file of the "
+            "checkpoint here: what push sends, verify --deep reads)"]
 
