@@ -794,7 +794,7 @@ def test_reprs_are_short_and_say_what_matters(tmp_path):
     rs = zckpt.reshard(ck, str(tmp_path / "r"), world_size=1)
     assert len(repr(rs)) < 300 and "x2 -> ZeRO-2 x1" in repr(rs), repr(rs)
     v = zckpt.verify(ck)
-    assert len(repr(v)) < 300 and "consistent" in repr(v) and "7 checks" in repr(v), repr(v)
+    assert len(repr(v)) < 300 and "consistent" in repr(v) and f"{len(v.checks)} checks" in repr(v), repr(v)
     src = tmp_path / "out"
     write_trainer_checkpoint(src, 2)
     p = zckpt.push(str(src), str(tmp_path / "d"), settle=0)
