@@ -29,7 +29,8 @@ from zckpt.ops import scan
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = FIXTURES / "trainer" / "checkpoint-4"
 SAVE = FIXTURES / "z2_bf16_ws2"  # a DeepSpeed save folder: latest, global_step3/, zero_to_*.py
-PUSH_FILES = {scan.MANIFEST_NAME, scan.RECORD_NAME}
+MANIFEST, RECORD = "zckpt-manifest.json", ".zckpt-push.json"  # push's commit (written last) and record (first)
+PUSH_FILES = {MANIFEST, RECORD}
 
 
 def digest(data: bytes) -> tuple[int, str]:
@@ -92,11 +93,11 @@ def _expected_at_dest(name: str, src: Path, whole: Path) -> dict:
 
 def _check_manifests(name: str, got: dict, read) -> None:
     """Every pushed checkpoint has a push record and a manifest listing exactly its files, sizes and sha256."""
-    manifests = [k for k in got if k.rsplit("/", 1)[-1] == scan.MANIFEST_NAME]
+    manifests = [k for k in got if k.rsplit("/", 1)[-1] == MANIFEST]
     assert manifests, f"{name}: no manifest at DEST"
     for m in manifests:
-        base = m[: -len(scan.MANIFEST_NAME)]
-        assert base + scan.RECORD_NAME in got, f"{name}: {m} without its push record"
+        base = m[: -len(MANIFEST)]
+        assert base + RECORD in got, f"{name}: {m} without its push record"
         doc = json.loads(read(m))
         listed = {base + f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
         under = {k: v for k, v in without_push_files(got).items() if k.startswith(base)}
@@ -150,6 +151,21 @@ def test_the_issue_example_sends_the_trainer_files(tmp_path):
     assert importlib.import_module("zckpt.ops.info").info(str(ren))["trainer_checkpoint"]
 
 
+def test_a_training_output_folder_with_a_renamed_checkpoint_and_a_saved_model(tmp_path):
+    """Inside a training output folder a renamed Trainer checkpoint (trainer_state.json) is one; a model saved with
+    trainer.save_model() (training_args.bin, no trainer_state.json) is not, like runs/."""
+    outputs = tmp_path / "outputs"
+    shutil.copytree(TRAINER, outputs / "checkpoint-4")
+    shutil.copytree(TRAINER, outputs / "best-run")
+    final = outputs / "final"
+    final.mkdir()
+    for name in ("config.json", "model.safetensors", "training_args.bin"):
+        shutil.copyfile(TRAINER / name, final / name)
+    result = zckpt.push(str(outputs), str(tmp_path / "dest"), settle=0)
+    assert {c.name: c.status for c in result.checkpoints} == {"checkpoint-4": "pushed", "best-run": "pushed"}
+    assert without_push_files(tree(tmp_path / "dest" / "best-run")) == tree(outputs / "best-run")
+
+
 def test_checkpoint_files_refuses_what_it_cannot_copy(tmp_path):
     ck = tmp_path / "checkpoint-4"
     shutil.copytree(TRAINER, ck)
@@ -198,7 +214,7 @@ def test_pushed_and_published_files_get_ordinary_permissions(tmp_path, umask):
         want = 0o777 & ~umask if (reference / rel).is_dir() else mode
         assert pushed[rel] == want, (rel, oct(pushed[rel]), oct(want))
     assert pushed["zero_to_fp32.py"] == 0o755 & ~umask and pushed["config.json"] == 0o644 & ~umask
-    for rel in (scan.MANIFEST_NAME, scan.RECORD_NAME):
+    for rel in (MANIFEST, RECORD):
         assert pushed[rel] == 0o666 & ~umask, rel
     # merge and reshard outputs: the published folder, its subfolders and files
     for command in (["merge", src, "-o", tmp_path / "merged"], ["reshard", src, "-w", "2", "-o", tmp_path / "rs"]):
@@ -311,3 +327,170 @@ def test_overwrite_never_deletes_what_the_user_added(tmp_path):
     shutil.rmtree(rs / "global_step6")
     assert cli("reshard", src, "-w", "3", "-o", rs, "--overwrite", "--quiet").returncode == 0
     assert zckpt.open_checkpoint(str(rs)).world_size == 3
+
+
+# ============================================================================================ verify
+
+
+def flip(path: Path, where: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    i = min(len(data) - 1, int(len(data) * where))
+    data[i] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _pushed(tmp_path: Path) -> dict[str, Path]:
+    """A Trainer output folder and a DeepSpeed save folder, pushed to local folders."""
+    outputs = tmp_path / "outputs"
+    shutil.copytree(TRAINER, outputs / "checkpoint-4")
+    save = _save_folder(tmp_path)
+    zckpt.push(str(outputs), str(tmp_path / "dest-trainer"), settle=0)
+    zckpt.push(str(save), str(tmp_path / "dest-save"), settle=0)
+    return {"trainer": tmp_path / "dest-trainer", "save": tmp_path / "dest-save", "outputs": outputs, "src": save}
+
+
+#: the levels a user verifies a backup at: (which push, path below its DEST)
+TRAINER_LEVELS = ["", "checkpoint-4", "checkpoint-4/global_step4"]  # a push destination, checkpoint-N, a tag
+SAVE_LEVELS = ["", "global_step3"]  # a save folder, a tag
+
+
+def _damaged_copy(dests: dict, which: str, tmp_path: Path, damage) -> Path:
+    copy = tmp_path / f"damaged-{uuid.uuid4().hex[:6]}"
+    shutil.copytree(dests[which], copy)
+    damage(copy)
+    return copy
+
+
+def _caught(folder: Path, level: str, deep: bool) -> tuple[bool, str]:
+    report = zckpt.verify(str(folder / level) if level else str(folder), deep=deep)
+    bad = [f"{c.name}: {c.detail}" for c in report.checks if not c.ok]
+    return not report.ok, "; ".join(bad)
+
+
+def test_verify_checks_every_level_of_an_intact_backup(tmp_path):
+    dests = _pushed(tmp_path)
+    for which, levels in (("trainer", TRAINER_LEVELS), ("save", SAVE_LEVELS)):
+        for level in levels:
+            for deep in (False, True):
+                report = zckpt.verify(str(dests[which] / level), deep=deep)
+                assert report.ok, (which, level, deep, [c for c in report.checks if not c.ok])
+                names = {c.name.split(": ", 1)[-1] for c in report.checks}
+                assert "manifest" in names, (which, level, names)  # found and checked at every level
+                if deep:
+                    assert report.bytes_read >= sum(f.stat().st_size for f in (dests[which] / level).rglob("*.pt"))
+
+
+@pytest.mark.parametrize("damage", ["rng_state_0.pth", "scheduler.pt", "model.safetensors", "edited manifest",
+                                    "deleted manifest"])
+def test_verify_deep_catches_damage_to_a_pushed_trainer_checkpoint_at_every_level(tmp_path, damage):
+    dests = _pushed(tmp_path)
+
+    def do(folder: Path) -> None:
+        ck = folder / "checkpoint-4"
+        if damage == "edited manifest":
+            doc = json.loads((ck / MANIFEST).read_text())
+            entry = next(f for f in doc["files"] if f["path"] == "global_step4/mp_rank_00_model_states.pt")
+            entry["sha256"] = "0" * 64
+            (ck / MANIFEST).write_text(json.dumps(doc))
+        elif damage == "deleted manifest":
+            (ck / MANIFEST).unlink()
+        else:
+            flip(ck / damage, 0.98 if damage == "model.safetensors" else 0.5)  # tensor data, not the header
+
+    copy = _damaged_copy(dests, "trainer", tmp_path, do)
+    for level in TRAINER_LEVELS:
+        caught, why = _caught(copy, level, deep=True)
+        assert caught, (damage, level)
+        if damage == "deleted manifest":
+            assert "not complete" in why and _caught(copy, level, deep=False)[0], (level, why)
+        elif damage != "edited manifest":
+            assert damage in why or "sha256" in why, (level, why)
+    proc = cli("verify", copy / "checkpoint-4", "--deep")
+    assert proc.returncode == 1 and "NOT consistent" in proc.stdout
+
+
+@pytest.mark.parametrize("damage", ["rank file", "edited manifest", "deleted manifest", "zero_to_fp32.py"])
+def test_verify_catches_damage_to_a_pushed_save_folder_at_every_level(tmp_path, damage):
+    dests = _pushed(tmp_path)
+
+    def do(folder: Path) -> None:
+        tag = folder / "global_step3"
+        if damage == "edited manifest":
+            doc = json.loads((tag / MANIFEST).read_text())
+            doc["files"][0]["sha256"] = "f" * 64
+            (tag / MANIFEST).write_text(json.dumps(doc))
+        elif damage == "deleted manifest":
+            (tag / MANIFEST).unlink()
+        elif damage == "rank file":
+            flip(next(tag.glob("*optim_states.pt")))
+        else:
+            (folder / "zero_to_fp32.py").unlink()
+
+    copy = _damaged_copy(dests, "save", tmp_path, do)
+    for level in SAVE_LEVELS:
+        if damage == "zero_to_fp32.py":  # top-level files of a save folder are not in a tag's manifest: said
+            assert zckpt.verify(str(copy / level), deep=True).ok
+            continue
+        assert _caught(copy, level, deep=True)[0], (damage, level)
+        if damage == "deleted manifest":
+            assert _caught(copy, level, deep=False)[0], level
+
+
+def test_verify_deep_reads_every_file_of_a_source_checkpoint(tmp_path):
+    """No manifest at the source: torch zips (rng states, scheduler, training args) are caught by their CRCs; a
+    safetensors file's data has no checksum (its header is checked)."""
+    from zckpt.formats.zipentries import read_file_entries
+
+    for damage in ("rng_state_0.pth", "scheduler.pt", "training_args.bin"):
+        ck = tmp_path / damage / "checkpoint-4"
+        shutil.copytree(TRAINER, ck)
+        entry = max(read_file_entries(str(ck / damage)).values(), key=lambda e: e.size)  # inside an entry's data
+        data = bytearray((ck / damage).read_bytes())  # (the padding between entries has no CRC)
+        data[entry.data_offset + entry.size // 2] ^= 0x40
+        (ck / damage).write_bytes(bytes(data))
+        report = zckpt.verify(str(ck), deep=True)
+        assert not report.ok and damage in str([c.detail for c in report.checks if not c.ok]), damage
+        assert report.bytes_read >= sum(p.stat().st_size for p in ck.rglob("*") if p.is_file())
+    ck = tmp_path / "header" / "checkpoint-4"
+    shutil.copytree(TRAINER, ck)
+    with open(ck / "model.safetensors", "ab") as f:
+        f.write(b"x")  # longer than its header says
+    assert not zckpt.verify(str(ck)).ok and not zckpt.verify(str(ck), deep=True).ok
+
+
+def test_verify_a_push_that_did_not_finish(tmp_path):
+    """The push record is written before any file: a killed push (no manifest) is reported as not complete at DEST,
+    even when every rank file had arrived; an ordinary checkpoint (no record) needs no manifest."""
+    src = tmp_path / "outputs" / "checkpoint-4"
+    shutil.copytree(TRAINER, src)
+    dest = tmp_path / "dest"
+    zckpt.push(str(tmp_path / "outputs"), str(dest), settle=0)
+    (dest / "checkpoint-4" / MANIFEST).unlink()
+    (dest / "checkpoint-4" / "scheduler.pt").unlink()  # what had not arrived yet
+    proc = cli("verify", dest / "checkpoint-4")
+    assert proc.returncode == 1 and "not complete" in proc.stdout, proc.stdout
+    shutil.rmtree(dest / "checkpoint-4" / "global_step4")  # not even the rank files: still said the same way
+    proc = cli("verify", dest / "checkpoint-4")
+    assert proc.returncode == 1 and "not complete" in proc.stdout + proc.stderr, proc
+    assert zckpt.verify(str(src), deep=True).ok
+
+
+def test_verify_a_backup_on_s3(s3_server, tmp_path):
+    outputs = tmp_path / "outputs"
+    shutil.copytree(TRAINER, outputs / "checkpoint-4")
+    with s3_server.environ():
+        prefix = f"verify-{uuid.uuid4().hex[:10]}"
+        dest = s3_server.url(prefix)
+        zckpt.push(str(outputs), dest, settle=0)
+        for level in ("", "checkpoint-4", "checkpoint-4/global_step4"):
+            url = s3_server.url(prefix, *level.split("/")) if level else dest
+            assert zckpt.verify(url, deep=True).ok, level
+        from zckpt.io import storage
+        key = storage.join(dest, "checkpoint-4", "rng_state_0.pth")
+        data = bytearray(storage.read_bytes(key))
+        data[len(data) // 2] ^= 1
+        storage.write_bytes_atomic(key, bytes(data))
+        for level in ("checkpoint-4", "checkpoint-4/global_step4"):
+            assert not zckpt.verify(s3_server.url(prefix, *level.split("/")), deep=True).ok, level
+        storage.remove(storage.join(dest, "checkpoint-4", MANIFEST))
+        assert not zckpt.verify(s3_server.url(prefix, "checkpoint-4")).ok

@@ -250,7 +250,7 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,stage,tied", [(2, 2, None), (4, 3, "head.weight=emb.weight"), (1, 1, None)])
+@pytest.mark.parametrize("world_size,stage,tied", [(4, 3, "head.weight=emb.weight"), (1, 1, None)])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
     every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit.
@@ -280,17 +280,17 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, ti
 
 
 @pytest.mark.slow
-def test_bf16_fsdp2_to_deepspeed_zero3_odd_size(tmp_path):
-    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16) at 2 ranks -> a bf16 DeepSpeed ZeRO-3 engine at 3:
+def test_bf16_fsdp2_to_deepspeed_zero2_odd_size(tmp_path):
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bfloat16) at 2 ranks -> a bf16 DeepSpeed ZeRO-2 engine at 3:
     the fp32 masters and moments bit for bit, module weights, frozen weights and buffers = FSDP2's cast to bf16."""
     import torch
     from safetensors.torch import load_file
     from tests import ds_oracle
     from zckpt.ops.to_deepspeed import to_deepspeed
     path, full = _fsdp2(tmp_path / "src", 2, "bf16")
-    G, spec = _oracle_spec(3, 3)
+    G, spec = _oracle_spec(3, 2)
     spec = dict(spec, dtype="bf16")
-    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 3, G.build_ds_config(spec), buffers=BUFFERS)
+    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 2, G.build_ds_config(spec), buffers=BUFFERS)
     info = ds_oracle.load_with_deepspeed(spec, str(tmp_path / "ds"), str(tmp_path / "oracle"))
     got = load_file(tmp_path / "oracle" / "oracle.safetensors")
     for name, ref in full["model"].items():

@@ -14,14 +14,18 @@ Examples:
   zckpt verify s3://bucket/run1/checkpoint-400 --json""")
 @click.argument("path")
 @tag_option
-@click.option("--deep", is_flag=True, help="Read every byte: check the CRC of every zip entry and any manifest.")
+@click.option("--deep", is_flag=True,
+              help="Read every byte of every file: the CRC of every zip entry, sha256 against any push manifest.")
 @storage_option
 @global_options()
 def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.
 
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
-    param_shapes, versions agree, 'latest' names an existing tag. Exit status 0 when all checks pass, 1 otherwise.
+    param_shapes, versions agree, 'latest' names an existing tag; every file of the checkpoint readable (zip
+    directories, safetensors headers); a push manifest's files present (a push that never wrote its manifest is
+    not complete). PATH: a save folder, tag, checkpoint-N or push destination. Exit status 0 when all checks pass,
+    1 otherwise.
     """
     from zckpt.cli._errors import command_names
     from zckpt.errors import names_rendered
@@ -31,7 +35,7 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
     if as_json:
-        emit_json(report.to_json(), tag=tag)
+        emit_json(report.to_json())
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
         flags = command_names(click.get_current_context().command)
         for c in report.checks:

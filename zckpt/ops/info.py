@@ -6,6 +6,7 @@ import re
 
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.formats.safeload import Inert
+from zckpt.ops.scan import NotBackedUp, files_in_folder
 
 FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
@@ -147,7 +148,20 @@ def info(path: str, tag: str | None = None, storage_options: dict | None = None)
     metadata alone. ``storage_options``: fsspec options for a URL ``path`` (the CLI's ``--storage-option``)."""
     ckpt = open_checkpoint(path, tag, storage_options)
     with metadata_errors(ckpt.location.tag_dir):
-        return describe(ckpt)
+        d = describe(ckpt)
+    d.update(all_files(ckpt))
+    return d
+
+
+def all_files(ckpt: Checkpoint) -> dict:
+    """``checkpoint_files`` (every file of the checkpoint in the folder given, as push sends and ``verify --deep``
+    reads them: :func:`zckpt.ops.scan.files_in_folder`) and ``checkpoint_bytes``; ``files`` lists the rank files."""
+    try:
+        files = files_in_folder(ckpt.location, ckpt.format, ckpt.storage_options)
+    except NotBackedUp as exc:
+        return {"checkpoint_files": None, "checkpoint_bytes": None, "checkpoint_files_error": exc.message}
+    return {"checkpoint_files": [{"name": f.rel, "bytes": f.size} for f in files],
+            "checkpoint_bytes": sum(f.size for f in files)}
 
 
 def human_bytes(n: int | None) -> str:
@@ -174,6 +188,20 @@ def _dtypes(value) -> str:
     return "+".join(value) if isinstance(value, list) else value
 
 
+def _scaler(scaler) -> str:
+    """``LossScaler, static, scale 1`` (not a Python dict): the class, dynamic or not, the current scale."""
+    if not scaler:
+        return "none"
+    if not isinstance(scaler, dict):
+        return str(scaler)
+    parts = [str(scaler.get("class") or "loss scaler")]
+    if "dynamic" in scaler:
+        parts.append("dynamic" if scaler["dynamic"] else "static")
+    if isinstance(scaler.get("cur_scale"), (int, float)):
+        parts.append(f"scale {scaler['cur_scale']:g}")
+    return ", ".join(parts)
+
+
 def render(d: dict) -> str:
     if d.get("format") == "dcp":
         return render_dcp(d)
@@ -194,12 +222,22 @@ def render(d: dict) -> str:
         f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
         f"skipped={d['skipped_steps']}; optimizer step "
         + ", ".join(f"group {g['index']}: {g['step']}" for g in d["param_groups"]),
-        f"loss scaler  {d['loss_scaler']}" if d["loss_scaler"] else "loss scaler  none",
+        f"loss scaler  {_scaler(d['loss_scaler'])}",
         f"scheduler    {'saved' if d['lr_scheduler'] else 'none'}",
         f"client state {', '.join(d['client_state_keys']) or 'none'}",
         f"deepspeed    {d['ds_version']}",
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
     lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    lines += _all_files_line(d)
     return "\n".join(lines)
+
+
+def _all_files_line(d: dict) -> list[str]:
+    if d.get("checkpoint_files_error"):
+        return [f"all files    {d['checkpoint_files_error']}"]
+    if d.get("checkpoint_files") is None:
+        return []
+    return [f"all files    {len(d['checkpoint_files'])}, {human_bytes(d['checkpoint_bytes'])} (every file of the "
+            "checkpoint here: what push sends, verify --deep reads)"]
 

@@ -125,7 +125,8 @@ def checkpoint_files(folder: str, storage_options: dict | None = None, *,
     return sorted(out, key=lambda f: f.rel)
 
 
-def _is_rank_file(name: str) -> bool:
+def is_rank_file(name: str) -> bool:
+    """A DeepSpeed rank file's name (model or optimizer states, pipeline layer, MoE expert)."""
     return any(r.match(name) for r in (DS_MODEL_RE, DS_OPTIM_RE, LAYER_RE, EXPERT_RE))
 
 
@@ -139,7 +140,7 @@ def side_files(loc, storage_options: dict | None = None) -> list[CheckpointFile]
     skip = ("latest", "latest_universal", MARKER)
     if loc.trainer_dir:
         files = checkpoint_files(loc.trainer_dir, opts)
-        tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and _is_rank_file(f.rel.split("/")[1])}
+        tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and is_rank_file(f.rel.split("/")[1])}
         tags.add(loc.tag)
         return [f for f in files if f.rel.split("/", 1)[0] not in tags and f.rel not in skip]
     if not loc.save_dir or loc.save_dir == loc.tag_dir:
@@ -154,6 +155,28 @@ def side_files(loc, storage_options: dict | None = None) -> list[CheckpointFile]
             continue
         out.append(CheckpointFile(name, path, storage.size(path, opts)))
     return out
+
+
+def files_in_folder(loc, fmt: str = "deepspeed", storage_options: dict | None = None) -> list[CheckpointFile]:
+    """The checkpoint's files in the folder a user named (``loc``: a located checkpoint,
+    :class:`zckpt.deepspeed.discover.Location`): :func:`checkpoint_files` of ``loc.input_path``; in a DeepSpeed save
+    folder, its top-level files and the chosen tag's (what push sends of it: other tags are checkpoints of their
+    own); in a Trainer checkpoint, every file but other tags'. What ``zckpt verify`` checks and ``zckpt info``
+    lists; raises :class:`NotBackedUp` like :func:`checkpoint_files`."""
+    opts = storage_options if storage_options is not None else getattr(loc, "storage_options", None)
+    files = checkpoint_files(loc.input_path, opts)
+    if fmt == "dcp" or _key(loc.input_path) == _key(loc.tag_dir):
+        return files
+    tag = storage.basename(loc.tag_dir)
+    if not (loc.trainer_dir and _key(loc.trainer_dir) == _key(loc.input_path)):  # a save folder: as push sends it
+        return [f for f in files if "/" not in f.rel or f.rel.split("/", 1)[0] == tag]
+    tags = {f.rel.split("/", 1)[0] for f in files if f.rel.count("/") == 1 and is_rank_file(f.rel.split("/")[1])}
+    tags.discard(tag)
+    return [f for f in files if f.rel.split("/", 1)[0] not in tags]
+
+
+def _key(path: str) -> str:
+    return path if storage.is_url(path) else os.path.abspath(storage.local_path(path))
 
 
 # ============================================================================================ scanning
@@ -245,8 +268,10 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
                                          f"a zckpt {sub_kind} output, not one of the checkpoints"
                                          + (f" (push it on its own: zckpt push {path} DEST)"
                                             if sub_kind == "reshard" else "")))
-        elif is_trainer_folder(name, inner):
+        elif TRAINER_RE.match(name) or "trainer_state.json" in inner:  # however it is called now
             found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
+        elif not save_folder and "training_args.bin" in inner and not _has_rank_files(path):
+            continue  # trainer.save_model("final"): a saved model, not a checkpoint (like runs/)
         elif _has_rank_files(path):
             found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))
         elif save_folder and TAG_STEP_RE.match(name):
@@ -333,20 +358,26 @@ def _is_legacy(path: str) -> bool:
         return False
 
 
-def check_safetensors(path: str) -> str | None:
-    """Why a ``.safetensors`` file is not whole (header JSON parses and its last offset ends the file)."""
+def check_safetensors(path: str, storage_options: dict | None = None) -> str | None:
+    """Why a ``.safetensors`` file is not whole (header JSON parses and its last offset ends the file), naming it."""
+    why = safetensors_problem(path, storage_options)
+    return f"{storage.basename(path)} {why}" if why else None
+
+
+def safetensors_problem(path: str, storage_options: dict | None = None) -> str | None:
+    """What is wrong with a ``.safetensors`` file's header ("is truncated (header)", ...), or None."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        size = storage.size(path, storage_options)
+        with storage.open_input(path, storage_options) as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
-                return f"{os.path.basename(path)} is truncated (header)"
+                return "is truncated (header)"
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as exc:
-        return f"{os.path.basename(path)} has no valid header ({exc})"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError, IndexError) as exc:
+        return f"has no valid header ({exc})"
     if 8 + n + end != size:
-        return f"{os.path.basename(path)} is {size} bytes, its header says {8 + n + end}"
+        return f"is {size} bytes, its header says {8 + n + end}"
     return None
 
 
