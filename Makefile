@@ -23,7 +23,11 @@ demo: setup
 	$(BIN)/zckpt info fixtures/trainer/checkpoint-4
 	$(BIN)/zckpt verify fixtures/trainer/checkpoint-4
 	$(BIN)/zckpt merge fixtures/trainer/checkpoint-4 --to safetensors -o out/demo-model --overwrite
-	@echo "merged model written to out/demo-model:" && ls -l out/demo-model
+	@HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error $(BIN)/python -c "from transformers import AutoModelForCausalLM; \
+	m = AutoModelForCausalLM.from_pretrained('out/demo-model'); \
+	print(f'out/demo-model loads: {type(m).__name__}, {sum(p.numel() for p in m.parameters()):,} parameters')" \
+	2>/dev/null
+	@echo "Load it in Python: AutoModelForCausalLM.from_pretrained('out/demo-model')"
 
 # the suite builds DeepSpeed's CPU ops into its own folder: one built by another venv cannot break it
 test: setup

@@ -44,9 +44,97 @@ def build_engine(G, spec):
             buf.add_(3.0 if buf.is_floating_point() else 5)
     groups = G._param_groups(model, spec)
     torch_groups = [{"params": g["params"], "lr": g["lr"], "weight_decay": g["weight_decay"]} for g in groups]
-    opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
+    if spec.get("optimizer") == "cpuadam":  # ZeRO-Offload: DeepSpeed's CPU Adam, as the fixture was trained
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        opt = DeepSpeedCPUAdam(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, adamw_mode=True,
+                               **(spec.get("optimizer_kwargs") or {}))
+    else:
+        opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return engine, model, groups
+
+
+class ReadTrace:
+    """Every read of a file under ``root`` at the operating-system boundary (builtin ``open`` with a
+    counting raw file under any buffering, ``os.preadv`` / ``os.pread`` on descriptors from ``os.open``): an
+    independent count of what a call read, as (path, offset, bytes) triples."""
+
+    def __init__(self, root: str):
+        import builtins
+        import io
+        import threading
+        self.root, self.reads, self.lock, self.fds = os.path.abspath(root) + os.sep, [], threading.Lock(), {}
+        self.saved = (builtins.open, os.open, os.preadv, os.pread, os.close)
+        trace = self
+
+        class CountingIO(io.FileIO):
+            def read(self, n=-1):
+                at = self.tell()
+                data = super().read(n)
+                trace.add(self.name, at, len(data))
+                return data
+
+            def readinto(self, buf):
+                at = self.tell()
+                n = super().readinto(buf)
+                trace.add(self.name, at, n or 0)
+                return n
+
+            def readall(self):
+                at = self.tell()
+                data = super().readall()
+                trace.add(self.name, at, len(data))
+                return data
+
+        real_open, real_os_open, real_preadv, real_pread, real_close = self.saved
+
+        def traced_open(file, mode="r", buffering=-1, *args, **kw):
+            if self.covers(file) and mode in ("rb", "br") and not args and not kw:
+                raw = CountingIO(file, "r")
+                return raw if buffering == 0 else io.BufferedReader(raw)
+            return real_open(file, mode, buffering, *args, **kw)
+
+        def traced_os_open(path, flags, *args, **kw):
+            fd = real_os_open(path, flags, *args, **kw)
+            if self.covers(path):
+                self.fds[fd] = os.fspath(path)
+            return fd
+
+        def traced_preadv(fd, buffers, offset, *args):
+            n = real_preadv(fd, buffers, offset, *args)
+            if fd in self.fds:
+                self.add(self.fds[fd], offset, n)
+            return n
+
+        def traced_pread(fd, n, offset):
+            data = real_pread(fd, n, offset)
+            if fd in self.fds:
+                self.add(self.fds[fd], offset, len(data))
+            return data
+
+        def traced_close(fd):
+            self.fds.pop(fd, None)
+            return real_close(fd)
+
+        self.patched = (traced_open, traced_os_open, traced_preadv, traced_pread, traced_close)
+
+    def covers(self, path) -> bool:
+        return isinstance(path, (str, os.PathLike)) and os.path.abspath(os.fspath(path)).startswith(self.root)
+
+    def add(self, path, offset: int, n: int) -> None:
+        if n:
+            with self.lock:
+                self.reads.append((os.path.relpath(os.path.abspath(path), self.root), int(offset), int(n)))
+
+    def __enter__(self):
+        import builtins
+        builtins.open, os.open, os.preadv, os.pread, os.close = self.patched
+        return self
+
+    def __exit__(self, *exc):
+        import builtins
+        builtins.open, os.open, os.preadv, os.pread, os.close = self.saved
+        return False
 
 
 def capture(engine, client_state) -> dict:
@@ -210,7 +298,12 @@ def main(job_path: str) -> None:
             src = job["source"] if not job.get("rank_source") else job["rank_source"].get(str(rank), job["source"])
             try:
                 force = job.get("force_reshard", False) and route == "api"  # "api_native": never forced
-                load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
+                if job.get("trace"):
+                    with ReadTrace(src) as trace:
+                        load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
+                    (out / f"trace_rank{rank}.json").write_text(json.dumps(trace.reads))
+                else:
+                    load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
             except Exception as exc:  # noqa: BLE001
                 if not job.get("expect_error"):
                     raise

@@ -151,6 +151,21 @@ def test_the_issue_example_sends_the_trainer_files(tmp_path):
     assert importlib.import_module("zckpt.ops.info").info(str(ren))["trainer_checkpoint"]
 
 
+def test_a_training_output_folder_with_a_renamed_checkpoint_and_a_saved_model(tmp_path):
+    """Inside a training output folder a renamed Trainer checkpoint (trainer_state.json) is one; a model saved with
+    trainer.save_model() (training_args.bin, no trainer_state.json) is not, like runs/."""
+    outputs = tmp_path / "outputs"
+    shutil.copytree(TRAINER, outputs / "checkpoint-4")
+    shutil.copytree(TRAINER, outputs / "best-run")
+    final = outputs / "final"
+    final.mkdir()
+    for name in ("config.json", "model.safetensors", "training_args.bin"):
+        shutil.copyfile(TRAINER / name, final / name)
+    result = zckpt.push(str(outputs), str(tmp_path / "dest"), settle=0)
+    assert {c.name: c.status for c in result.checkpoints} == {"checkpoint-4": "pushed", "best-run": "pushed"}
+    assert without_push_files(tree(tmp_path / "dest" / "best-run")) == tree(outputs / "best-run")
+
+
 def test_checkpoint_files_refuses_what_it_cannot_copy(tmp_path):
     ck = tmp_path / "checkpoint-4"
     shutil.copytree(TRAINER, ck)

@@ -98,7 +98,8 @@ def test_merge_cli(tmp_path, ckpt_path):
     res = run("merge", str(ckpt_path), "-o", str(out), "--dtype", "bf16", "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    assert d["dtype"] == "bfloat16" and (out / "model.safetensors").exists()
+    assert d["dtype"] == "bf16" and (out / "model.safetensors").exists()  # as the flag spells it
+    assert d["tag"] == json.loads(run("info", str(ckpt_path), "--json").output)["tag"]  # the tag it read
     res = run("merge", str(ckpt_path), "-o", str(out))
     assert res.exit_code == 1 and str(out) in res.stderr and "--overwrite" in res.stderr  # refused, says how
 
@@ -676,3 +677,128 @@ def test_verbose_logs_what_happens(tmp_path):
             (name, res.stderr)
         for out in ("m", "r", "d"):
             shutil.rmtree(tmp_path / out, ignore_errors=True)
+
+
+
+# ------------------------------------------------------------------------------ --json: one written schema each
+
+def _schemas() -> dict:
+    """The JSON schemas of docs/json.md: {"info": ..., ..., "error": ...}, by the heading above each block."""
+    import re
+    text = (ROOT / "docs" / "json.md").read_text()
+    out = {}
+    for m in re.finditer(r"^## (zckpt (\w+)|Errors)\n(.*?)```json\n(.*?)```", text, re.S | re.M):
+        out[m.group(2) or "error"] = json.loads(m.group(4))
+    return out
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "integer": int, "number": (int, float), "boolean": bool,
+          "null": type(None)}
+
+
+def _check(value, schema, where="$"):
+    """The subset of JSON Schema docs/json.md uses: type, enum, required, properties, items."""
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else types
+        ok = any(isinstance(value, _TYPES[t]) and not (t in ("integer", "number") and isinstance(value, bool))
+                 for t in names)
+        assert ok, f"{where}: {value!r} is not {names}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{where}: {value!r} not in {schema['enum']}"
+    if isinstance(value, dict):
+        missing = [k for k in schema.get("required", []) if k not in value]
+        assert not missing, f"{where}: missing {missing}"
+        for k, sub in schema.get("properties", {}).items():
+            if k in value:
+                _check(value[k], sub, f"{where}.{k}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _check(item, schema["items"], f"{where}[{i}]")
+
+
+def test_json_outputs_match_the_written_schemas(tmp_path):
+    from tests.conftest import FIXTURES
+    from tests.test_push import write_trainer_checkpoint
+    schemas = _schemas()
+    # every command has its schema written down (help prints a guide, not a result)
+    assert set(schemas) == set(COMMANDS) - {"help"} | {"error"}, sorted(schemas)
+    # one field name, one type, in every command that has it
+    seen: dict[str, tuple] = {}
+    for name, schema in schemas.items():
+        for field, sub in schema.get("properties", {}).items():
+            t = tuple(sorted(set([sub["type"]] if isinstance(sub["type"], str) else sub["type"]) - {"null"}))
+            if field in seen and field not in ("ok", "command"):
+                assert seen[field][0] == t, (field, name, t, seen[field])
+            seen.setdefault(field, (t, name))
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    runs = [("info", [str(checkpoint_path(d)) for d in FIXTURE_DIRS]),
+            ("verify", [ck, "--deep"]), ("merge", [ck, "-o", str(tmp_path / "m")]),
+            ("merge", [ck, "--dry-run", "--max-shard-size", "20KB", "--dtype", "bf16", "-o", str(tmp_path / "m2")]),
+            ("reshard", [ck, "-w", "1", "-o", str(tmp_path / "r")]),
+            ("reshard", [ck, "-w", "3", "--stage", "3", "--dry-run", "-o", str(tmp_path / "r2")]),
+            ("convert", [ck, "-o", str(tmp_path / "c")]), ("push", [str(src), str(tmp_path / "d"), "--settle", "0"]),
+            ("push", [str(src), str(tmp_path / "d"), "--settle", "0"]),  # up to date
+            ("estimate", ["--params", "8B", "--largest-layer", "600M", "--gpu-memory", "80GiB"]),
+            ("estimate", [ck]), ("verify", [str(tmp_path / "m")])]
+    docs = []
+    for name, args in runs:
+        if name == "info":
+            for path in args:
+                docs.append(("info", invoke("info", path, "--json")))
+            continue
+        docs.append((name, invoke(name, *args, "--json")))
+    for name, res in docs:
+        assert res.exit_code == 0, (name, res.output)
+        (line,) = res.stdout.splitlines()
+        doc = json.loads(line)
+        _check(doc, schemas[name], name)
+        if name not in ("push", "estimate") and doc.get("tag") is None:
+            assert name == "verify" and doc["path"] == str(tmp_path / "m")  # a merge output has no tag
+    # errors: the same object for every command, whatever went wrong
+    errors = [invoke("info", str(tmp_path / "missing"), "--json"), invoke("merge", ck, "--dtype", "fp8", "--json"),
+              invoke("push", "--json"), invoke("reshard", ck, "--json"),
+              invoke("push", str(src), "foo://bucket/run", "--settle", "0", "--json")]
+    for res in errors:
+        assert res.exit_code in (1, 2), res.output
+        _check(json.loads(res.stdout), schemas["error"], "error")
+    failed = json.loads(errors[-1].stdout)
+    _check(failed["result"], schemas["push"], "error.result")
+
+
+def test_json_dtypes_are_spelled_as_the_flags_spell_them():
+    from tests.conftest import FIXTURES
+    for name, master in (("z2_bf16master_ws2", "bf16"), ("z2_bf16_ws2", "fp32")):
+        doc = json.loads(invoke("info", str(checkpoint_path(FIXTURES / name)), "--json").stdout)
+        assert doc["master_dtype"] == master and doc["precision"] == "bf16"
+
+
+# ------------------------------------------------------------------------------------------------ reprs
+
+def test_reprs_are_short_and_say_what_matters(tmp_path):
+    import zckpt
+    from tests.conftest import FIXTURES
+    from tests.test_push import write_trainer_checkpoint
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    c = zckpt.open_checkpoint(ck)
+    r = repr(c)
+    assert len(r) < 300 and "ZeRO-2" in r and "bf16" in r and "world size 2" in r and "6,736 parameters" in r, r
+    assert "global_step4" in r and "3 files" in r and "KiB" in r
+    for obj in (c.records[0], c.groups[0], c.files[0], c.location):
+        assert len(repr(obj)) < 300, repr(obj)
+    m = zckpt.merge(ck, str(tmp_path / "m"))
+    assert len(repr(m)) < 300 and "20 tensors" in repr(m) and "fp32 safetensors" in repr(m), repr(m)
+    assert "header" not in repr(m) and "\\x" not in repr(m) and len(repr(m.plan)) < 300
+    rs = zckpt.reshard(ck, str(tmp_path / "r"), world_size=1)
+    assert len(repr(rs)) < 300 and "x2 -> ZeRO-2 x1" in repr(rs), repr(rs)
+    v = zckpt.verify(ck)
+    assert len(repr(v)) < 300 and "consistent" in repr(v) and f"{len(v.checks)} checks" in repr(v), repr(v)
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2)
+    p = zckpt.push(str(src), str(tmp_path / "d"), settle=0)
+    assert len(repr(p)) < 300 and "1 pushed" in repr(p) and len(repr(p.checkpoints[0])) < 300, repr(p)
+    from zckpt.ops import estimate as est
+    rec = est.recommend(est.estimate(8 * 10**9, 6 * 10**8, 8, 1, 1.5), 80 * 2**30, 0.25)
+    assert len(repr(rec)) < 300 and "GiB" in repr(rec), repr(rec)

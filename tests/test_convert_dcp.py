@@ -212,6 +212,7 @@ def test_cli_convert(tmp_path):
                                     "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["to"] == "dcp" and doc["optimizer"] == "AdamW" and doc["files"][-1]["name"] == ".metadata"
+    assert doc["format"] == "dcp" and doc["source_format"] == "deepspeed" and doc["adam_mode"] == "adamw"
+    assert doc["files"][-1]["name"] == ".metadata"
     res = CliRunner().invoke(main, ["convert", str(FIXTURES / "z2_bf16_ws2_offload"), "-o", str(tmp_path / "d")])
     assert res.exit_code != 0 and res.stderr.count("\n") == 1 and "--adam-mode" in res.stderr

@@ -281,6 +281,15 @@ def test_a_rank_that_fails_fails_every_rank_with_one_error(tmp_path):
     assert "injected failure on rank 2" in lines[0]
     assert not out.exists() and _scratch(tmp_path) == []
 
+    # a refusal on rank 0 (the output check) reads on every rank exactly as the single-process command says it
+    exists = tmp_path / "exists"
+    assert zckpt("merge", str(FIX / "z2_bf16_ws2"), "-o", str(exists), "-q").returncode == 0
+    single = zckpt("merge", str(FIX / "z2_bf16_ws2"), "-o", str(exists))
+    res = torchrun(2, "merge", str(FIX / "z2_bf16_ws2"), "-o", str(exists))
+    assert res.returncode != 0 and single.returncode == 1
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zckpt: error:")]
+    assert lines == single.stderr.splitlines() * 2, (lines, single.stderr)
+
 
 # ------------------------------------------------------------------------------------------------ S3 on loopback
 

@@ -136,3 +136,52 @@ def test_doc_example_runs(where, command, workspace):
     if "--json" in args:
         for line in res.stdout.splitlines():
             json.loads(line)  # one JSON object per line
+
+
+# ------------------------------------------------------------------------- fixtures/README.md: the table of sizes
+
+def fixture_folders() -> list[Path]:
+    """Every committed fixture: a folder under fixtures/ (or fixtures/ambiguous/) holding a checkpoint."""
+    found = []
+    for d in sorted(p for p in FIXTURES.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+        if (d / "expected").is_dir() or (d / "latest").exists():
+            found.append(d)
+        else:
+            found += [c for c in sorted(d.iterdir()) if c.is_dir() and ((c / "expected").is_dir() or
+                                                                        (c / "latest").exists())]
+    return found
+
+
+def fixtures_table() -> str:
+    """The Sizes table of fixtures/README.md, from the files themselves."""
+    from zckpt.units import format_size
+    lines = ["| fixture | files | size | of which the checkpoint |", "|---|---:|---:|---:|"]
+    total = 0
+    for d in fixture_folders():
+        files = [p for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        size = sum(p.stat().st_size for p in files)
+        ckpt = sum(p.stat().st_size for p in files if "expected" not in p.relative_to(d).parts)
+        total += size
+        lines.append(f"| `{d.relative_to(FIXTURES).as_posix()}` | {len(files)} | {format_size(size)} | "
+                     f"{format_size(ckpt)} |")
+    lines.append(f"| all | | {format_size(total)} | |")
+    return "\n".join(lines)
+
+
+def test_fixtures_readme_lists_every_fixture_with_its_size():
+    text = (FIXTURES / "README.md").read_text()
+    start, end = "<!-- fixtures-table -->\n", "<!-- /fixtures-table -->"
+    assert start in text and end in text
+    table = text[text.index(start) + len(start):text.index(end)].strip()
+    assert table == fixtures_table(), "fixtures/README.md is stale: run python -m tests.test_docs_examples " \
+                                      "--fixtures-table and paste it between the fixtures-table markers"
+    # every fixture is also described: a row of its own in one of the README's tables
+    described = set(re.findall(r"^\| `([\w./-]+)` \|", text[:text.index(start)], re.M))
+    missing = [d.name for d in fixture_folders() if d.name not in described]
+    assert not missing, f"fixtures without a row in fixtures/README.md: {missing}"
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] == ["--fixtures-table"]:
+        print(fixtures_table())

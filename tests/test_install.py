@@ -32,9 +32,10 @@ def installed(tmp_path_factory):
     # build from a copy: the build writes build/ and *.egg-info, and other runs share the working tree
     src = work / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "zckpt", src / "zckpt", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(ROOT / "docs", src / "docs")  # installed for `zckpt help`
     wheels = work / "wheels"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
                             "-w", str(wheels), str(src)], capture_output=True, text=True, timeout=180)
@@ -76,6 +77,28 @@ def test_wheel_holds_every_module(installed):
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert "License-Expression: Apache-2.0" in text
+    # the license text itself, as the repository has it
+    (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert "License-File: LICENSE" in text
+    body = zipfile.ZipFile(wheel).read(license_name).decode()
+    assert body == (ROOT / "LICENSE").read_text() and "Apache License" in body and "END OF TERMS" in body
+    assert "Version 2.0, January 2004" in body
+    # the guides, for `zckpt help`
+    docs = {n.rsplit("/", 1)[-1] for n in names if "/share/doc/zckpt/" in n}
+    assert {p.name for p in (ROOT / "docs").glob("*.md")} <= docs, docs
+
+
+def test_help_reaches_the_installed_guides(installed, tmp_path):
+    bindir, _ = installed
+    res = _run(bindir, "zckpt", "--help", cwd=tmp_path)
+    assert "zckpt help" in res.stdout and "docs/guide.md" not in res.stdout
+    res = _run(bindir, "zckpt", "help", cwd=tmp_path)
+    assert res.returncode == 0 and "guide" in res.stdout and str(bindir.parent) in res.stdout, res.stdout
+    res = _run(bindir, "zckpt", "help", "guide", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout == (ROOT / "docs" / "guide.md").read_text()
+    for name in ("info", "verify", "merge", "reshard", "push", "estimate", "convert", "help"):
+        res = _run(bindir, "zckpt", name, "--help", cwd=tmp_path)
+        assert "docs/" not in res.stdout.replace("zckpt help", ""), (name, res.stdout)
 
 
 def test_installed_package_is_the_wheel(installed, tmp_path):

@@ -18,7 +18,10 @@ def run() -> None:
     from zckpt.cli import _interrupts, main
 
     _interrupts.ENTRY_POINT = True
-    main(prog_name="zckpt")
+    try:
+        main(prog_name="zckpt")
+    except KeyboardInterrupt:  # between the CLI's own handlers (they answer every other moment): still one line
+        _interrupted_while_starting(signal.SIGINT, None)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import time
 import click
 
 from zckpt.cli import _interrupts as interrupts
-from zckpt.cli._common import Settings, configure_logging, global_options, logging_state, restore_logging, settings
+from zckpt.cli._common import (
+    Settings, configure_logging, flag_dtypes, global_options, logging_state, restore_logging, settings,
+)
 from zckpt.cli._errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, command_names, describe  # noqa: F401
 
 COMMANDS = {
@@ -30,6 +32,7 @@ COMMANDS = {
     "convert": "zckpt.cli.convert:convert",
     "push": "zckpt.cli.push:push",
     "estimate": "zckpt.cli.estimate:estimate",
+    "help": "zckpt.cli.help:help_command",
 }
 
 
@@ -116,7 +119,9 @@ def _report(exc: BaseException, ctx) -> int:
         doc = err.to_json(command)
         partial = getattr(exc, "push_result", None)  # what a failed push did finish
         if partial is not None and hasattr(partial, "to_dict"):
-            doc["result"] = partial.to_dict()
+            from zckpt.cli.push import result_json
+
+            doc["result"] = flag_dtypes({"ok": False, "command": command, **result_json(partial)})
         click.echo(json.dumps(doc, default=str))
     if not getattr(exc, "zckpt_reported", False):
         click.echo(f"zckpt: error: {err.message}", err=True)
@@ -164,7 +169,10 @@ Examples:
   zckpt convert ckpt/ --to dcp -o ckpt-dcp/
   zckpt push outputs/ s3://bucket/run1 --every 30m
 
-Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks. Docs: docs/guide.md""",
+\b
+Guides (installed with zckpt): zckpt help [TOPIC]. Every option: zckpt COMMAND --help.
+Exit status: 0 done, 1 refused or failed, 2 command line unreadable, 130 interrupted.
+Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks.""",
 )
 @click.version_option(package_name="zckpt", prog_name="zckpt")
 @global_options(expose=False)

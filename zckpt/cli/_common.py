@@ -181,13 +181,30 @@ def published(output) -> None:
     _interrupts.published(output)
 
 
+#: dtypes as the flags spell them (``--dtype fp32``); others (int64, ...) as torch names them
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def flag_dtypes(value, key: str = ""):
+    """``value`` with every dtype field (``dtype``, ``*_dtype``, their lists) spelled as the flags spell it."""
+    if isinstance(value, dict):
+        return {k: flag_dtypes(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [flag_dtypes(v, key) for v in value]
+    if isinstance(value, str) and (key == "dtype" or key.endswith("_dtype")):
+        return DTYPE_NAMES.get(value, value)
+    return value
+
+
 def emit_json(obj, command: str | None = None, **fields) -> None:
-    """One JSON value on one line of stdout. Objects get the common fields: ``ok`` (true unless the result says
-    otherwise) and ``command``, plus ``fields`` for keys the result lacks (``path``, ``tag``, ``output``)."""
+    """One JSON value on one line of stdout, in the shape docs/json.md writes down. Objects get the common
+    fields: ``ok`` (true unless the result says otherwise) and ``command``, plus ``fields`` for keys the result
+    lacks (``path``, ``tag``, ``output``); dtypes are spelled as the flags spell them (:func:`flag_dtypes`)."""
     if isinstance(obj, dict):
         obj = {"ok": obj.get("ok", True), "command": command or _command_name(), **obj}
         for key, value in fields.items():
             obj.setdefault(key, value)
+        obj = flag_dtypes(obj)
     click.echo(json.dumps(obj, default=str))
 
 

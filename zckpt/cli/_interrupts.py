@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 
 import click
@@ -83,4 +84,13 @@ def end(previous, ctx: click.Context | None, code: int) -> int:
                    "complete", err=True)
     if _main_thread() and previous is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN if ENTRY_POINT else previous)
+    if ENTRY_POINT and code == 130:
+        # interrupted, cleanup done, the line said: leave now, so that nothing in the interpreter's shutdown (worker
+        # threads still being joined) can turn the exit status into death by signal
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(code)
     return code

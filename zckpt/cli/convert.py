@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, output_options, settings, storage_option, tag_option
+from zckpt.cli._common import (
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+)
 
 
 @click.command(epilog="""\b
@@ -18,7 +20,7 @@ Examples:
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp", "deepspeed"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
-                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see docs/migrate-fsdp2.md). "
+                   "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
                    "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
                    "engine.load_checkpoint restores (needs --world-size, --stage, and --ds-config or --dtype).")
 @click.option("--world-size", type=click.IntRange(1), default=None, help="--to deepspeed: the DeepSpeed job's ranks.")
@@ -74,8 +76,18 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          dtype=dtype, layout=layout, group=None if dry_run else group)
     if group is not None and group.rank != 0:
         return
+    if not dry_run:
+        published(result.output)
     if as_json:
-        emit_json(result.to_json(), path=path, tag=tag)
+        doc = result.to_json()
+        doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
+        if to == "dcp":  # "format" is what was written, as in merge and reshard ("to"/"from": reshard's layouts)
+            doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
+            mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer": the ZeRO optimizer)
+            doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
+        else:  # --to deepspeed: reshard's result (from / to: the layouts)
+            doc["source_format"] = "dcp"
+        emit_json(doc)
         return
     if quiet:  # -q: silent on success
         return

@@ -109,7 +109,8 @@ def _read_config(path: str) -> dict:
 
 @click.command(epilog=EPILOG, context_settings={"max_content_width": 100})
 @click.argument("path", required=False, metavar="[PATH]")
-@click.option("--tag", default=None, help="Checkpoint tag to read with PATH (default: the 'latest' file).")
+@click.option("--tag", "-t", default=None, metavar="TAG",
+              help="Checkpoint tag to read with PATH (default: the one named in 'latest').")
 @click.option("--params", "params_text", metavar="P", default=None, help="Total parameters (tied weights once).")
 @click.option("--largest-layer", "largest_text", metavar="L", default=None,
               help="Most parameters owned directly by one module (usually the embedding or LM head).")

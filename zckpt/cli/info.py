@@ -25,4 +25,4 @@ def info(path, tag, storage_options, as_json, quiet):
     from zckpt.ops.info import info as run, render
 
     result = run(path, tag, storage_options=storage_options)
-    emit_json(result) if as_json else click.echo(render(result))
+    emit_json(result, tag=None) if as_json else click.echo(render(result))  # a DCP folder has no tag

@@ -19,7 +19,7 @@ Examples:
   zckpt merge s3://a/ckpt-400 -o s3://b/model --storage-option profile=a --output-storage-option profile=b
   zckpt merge checkpoint-400 --dry-run --json
   torchrun --standalone --nproc-per-node 8 -m zckpt merge checkpoint-400 -o model/   # 8 processes
-  (under torchrun, srun or the deepspeed launcher the processes share the work: docs/distributed.md)""")
+  (under torchrun, srun or the deepspeed launcher the processes share the work: zckpt help distributed)""")
 @click.argument("path")
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True,
               help="Output format (Hugging Face layout: model.safetensors or pytorch_model.bin, sharded with an "
@@ -69,17 +69,19 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     if not dry_run:
         published(result.output)
     if as_json:
-        emit_json(result.to_json(), path=path, tag=tag)
+        emit_json(result.to_json())
         return
     if quiet:  # -q: silent on success
         return
     s = result.plan.summary()
     for f in s["files"]:
-        click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} "
-                   f"{human_bytes(f['bytes']) if f['bytes'] is not None else '':>10}  {f['tensors'] or ''}")
+        size = human_bytes(f["bytes"]) if f["bytes"] is not None else ""
+        count = f"  {f['tensors']} tensor{'s' if f['tensors'] != 1 else ''}" if f["tensors"] else "  (index)"
+        click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} {size:>10}{count}")
     for name in result.copied:
         click.echo(f"{'would copy' if dry_run else 'copied'} {name}")
-    tied = ", ".join(f"{a} -> {b}" for a, b in s["tied"].items())
+    tied = ", ".join(f"{a} as {b}" for a, b in s["tied"].items())
     click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
                f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")
-               + (f"; tied stored once: {tied}" if tied else ""))
+               + (f"; {len(s['tied'])} tied alias{'es' if len(s['tied']) > 1 else ''} stored once, as "
+                  f"save_pretrained does ({tied}; --keep-tied writes them too)" if tied else ""))

@@ -107,10 +107,18 @@ def _label(checkpoint: str | None) -> str:
     return checkpoint if checkpoint and checkpoint != "." else "SRC"
 
 
+def result_json(result) -> dict:
+    """A PushResult as --json says it: SRC is ``path`` and DEST ``output``, as in every command (each checkpoint's
+    own place at DEST is its ``output`` too)."""
+    doc = result.to_dict()
+    doc = {"path": doc.pop("src"), "output": doc.pop("dest"), **doc}
+    doc["checkpoints"] = [{("output" if k == "dest" else k): v for k, v in c.items()} for c in doc["checkpoints"]]
+    return doc
+
+
 def _render(result, as_json: bool, quiet: bool) -> None:
     if as_json:
-        doc = result.to_dict()
-        emit_json(doc, command="push", path=doc.get("src"), output=doc.get("dest"))
+        emit_json(result_json(result), command="push")
     elif not quiet:
         for name in result.root_files_sent:
             click.echo(f"{name}: {'would update' if result.dry_run else 'updated'} at DEST")
@@ -128,7 +136,7 @@ Examples:
 
 \b
 S3 credentials and endpoint come from the usual AWS variables (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Docs: docs/push.md""")
+AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Guide: zckpt help push""")
 @click.argument("src")
 @click.argument("dest")
 @click.option("--every", "every", metavar="INTERVAL", help="Push again every INTERVAL (90s, 30m, 2h) until Ctrl-C.")
@@ -218,7 +226,7 @@ def _run_every(src, dest, interval, kwargs, as_json, quiet) -> None:
         if as_json:
             doc = err.to_json("push")
             if getattr(exc, "push_result", None) is not None:
-                doc["result"] = exc.push_result.to_dict()
+                doc["result"] = {"ok": False, "command": "push", **result_json(exc.push_result)}
             emit_json(doc, command="push")
         click.echo(f"zckpt: error: {err.message} (trying again next run)", err=True)
 

@@ -43,7 +43,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
 
     Every rank file is rebuilt with the target's partitions, paddings, sub-groups and metadata: fp32 masters,
     Adam moments and step, frozen weights, buffers, loss scaler, scheduler, global steps and client state are
-    all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see docs/reshard.md for the
+    all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see zckpt help reshard for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
     from zckpt.ops.distributed import launched
@@ -64,7 +64,8 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
         published(result.output)
     doc = result.to_json()  # sizes are the planned files' (a dry run's too); payload_bytes: the tensor bytes
     if as_json:
-        emit_json(doc, path=doc.get("source", path))
+        doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
+        emit_json(doc)
         return
     if quiet:  # -q: silent on success
         return

@@ -35,7 +35,7 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
     if as_json:
-        emit_json(report.to_json(), tag=tag)
+        emit_json(report.to_json())
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
         flags = command_names(click.get_current_context().command)
         for c in report.checks:

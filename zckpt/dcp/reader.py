@@ -63,8 +63,8 @@ def dcp_parts(path: str, storage_options: dict | None = None) -> list[str]:
         if storage.isfile(storage.join(str(path), TRAINER_PARTS[0], METADATA), storage_options):
             return [p for p in TRAINER_PARTS if p == TRAINER_PARTS[0]
                     or storage.isfile(storage.join(str(path), p, METADATA), storage_options)]
-    except (OSError, ValueError):
-        pass
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # not there: discovery names what is missing
+        pass  # a refused or failed request (PermissionError, a lost connection) is the caller's error, said once
     return []
 
 

@@ -38,7 +38,7 @@ from zckpt.formats.pickles import Truncated, plain_loads, scan
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 SIZE_FIELD = 8  # the int64 numel in front of each storage's bytes
-FIRST_READ = 64 << 10  # the pickles of most files fit; more is read only while one is unfinished
+FIRST_READ = 16 << 10  # the pickles of most optimizer files fit; more is read only while one is unfinished
 MAX_HEADER_BYTES = 1 << 30  # pickles larger than this together are not a checkpoint we should trust
 _SMALL_PICKLE = 4096  # the magic, protocol and sys-info pickles are a few dozen bytes each
 
@@ -64,10 +64,11 @@ class Header:
 
 def read_header(f: BinaryIO, size: int, path: str | None = None) -> Header:
     """Find and check the five pickles at the start of ``f`` (``size`` bytes, open for random access)."""
-    want = min(size, FIRST_READ)
-    while True:
-        f.seek(0)
-        buf = f.read(want)
+    buf, want = bytearray(), min(size, FIRST_READ)
+    f.seek(0)
+    while True:  # read on (never again from the start) while a pickle is unfinished
+        more = f.read(want - len(buf))
+        buf += more
         if len(buf) != want:
             raise CorruptFile(f"file is shorter than its size ({len(buf)} of {want} bytes readable)", path=path)
         try:
@@ -80,6 +81,7 @@ def read_header(f: BinaryIO, size: int, path: str | None = None) -> Header:
                 raise CorruptFile(f"legacy torch file's pickles run past {MAX_HEADER_BYTES} bytes", path=path) \
                     from None
             want = min(size, want * 4, MAX_HEADER_BYTES)
+    buf = bytes(buf)
     (m0, m1), (p0, p1), (s0, s1), (o0, o1), (k0, k1) = spans
     magic = plain_loads(buf[m0:m1], path, "magic number pickle")
     if magic != MAGIC_NUMBER:

@@ -490,10 +490,38 @@ def _check_opcodes(data: bytes, path: str) -> None:
 
 
 def _default_opener(path: str, storage_options: dict | None = None) -> BinaryIO:
+    from zckpt.io import storage
     if "://" in str(path):
-        from zckpt.io import storage
         return storage.open_input(path, storage_options)
-    return open(path, "rb")
+    # unbuffered: each read is one read of exactly the bytes asked for (headers, pickles), nothing ahead of it
+    return storage.metered(open(path, "rb", buffering=0), path)
+
+
+class _Head:
+    """A file whose first bytes (already read) are served from memory: every byte is read from the file once."""
+
+    def __init__(self, f: BinaryIO, head: bytes):
+        self.f, self.head, self.pos = f, head, len(head)
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = self.f.seek(pos, whence)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        out = b""
+        if self.pos < len(self.head):
+            out = self.head[self.pos:self.pos + n if n >= 0 else None]
+            self.pos += len(out)
+            n = n - len(out) if n >= 0 else n
+            if n == 0:
+                return out
+            self.f.seek(self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return out + data
 
 
 def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_options: dict | None = None) -> Any:
@@ -514,6 +542,7 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
         size = f.tell()
         f.seek(0)
         magic = f.read(4)
+        f = _Head(f, magic)  # the first bytes are not read again for the first header
         if magic != LOCAL_SIG:
             if legacy.is_legacy(magic):
                 return _load_legacy(path, f, size)

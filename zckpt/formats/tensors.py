@@ -63,6 +63,7 @@ class Reader:
             if got <= 0:
                 raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
             done += got
+        storage.count_read(piece.path, n)
 
     def read_pieces(self, pieces, buf: memoryview) -> int:
         pos = 0

@@ -10,7 +10,7 @@ its bytes, then the central directory::
                  [zip64 end record + locator, when needed][end of central directory: PK\\x05\\x06]
 
 :func:`read_entries` reads the end record, the central directory and each entry's local header (a few dozen
-bytes each, in one read when the data ends within 1 MiB; never the payload) and refuses, as
+bytes each; never the payload) and refuses, as
 :class:`~zckpt.errors.CorruptFile` naming the file and the entry:
 
 - a directory that cannot be parsed (no end record, bad signatures, a record count or size that disagrees, a
@@ -46,7 +46,6 @@ ZIP64_END = struct.Struct("<4sQHHIIQQQQ")  # sig, size, versions, disks, entries
 _DATA_DESCRIPTOR = 0x08  # flag bit 3: sizes and CRC follow the data, the local header holds zeros
 _DESCRIPTOR_GAPS = (12, 16, 20, 24)  # crc + 32- or 64-bit sizes, with or without the PK\x07\x08 signature
 _UTF8 = 0x800
-_BATCH = 1 << 20  # files whose data ends before this read their local headers in one read
 _FFFF, _FFFFFFFF = 0xFFFF, 0xFFFFFFFF
 
 
@@ -77,10 +76,6 @@ def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = N
     records = _central_records(cd, damaged)
     if len(records) != count:
         raise damaged(f"zip directory holds {len(records)} records, its end record says {count}")
-    blob = None
-    if cd_start <= _BATCH:  # small files (most metadata files): every local header in one read
-        f.seek(0)
-        blob = f.read(cd_start)
     entries: dict[str, ZipEntry] = {}
     described: set[str] = set()  # entries followed by a data descriptor
     for raw_name, flags, method, crc, csize, usize, header_offset in records:
@@ -91,18 +86,15 @@ def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = N
             raise damaged(f"zip entry {_short(name)}: directory gives {csize} stored bytes but a size of {usize}")
         if name in entries:
             raise damaged(f"zip entry {_short(name)} appears twice in the directory")
-        entries[name], has_descriptor = _check_local(f, blob, name, raw_name, crc, usize, header_offset, cd_start,
+        entries[name], has_descriptor = _check_local(f, name, raw_name, crc, usize, header_offset, cd_start,
                                                      damaged)
         if has_descriptor:
             described.add(name)
     ordered = sorted(entries.values(), key=lambda e: e.header_offset)
     for e, gap in _check_spacing(ordered, described, cd_start, damaged):
         end = e.data_offset + e.size
-        if blob is not None:
-            raw = blob[end:end + gap]
-        else:
-            f.seek(end)
-            raw = f.read(gap)
+        f.seek(end)  # local headers and descriptors are read one by one: never the tensor bytes between them
+        raw = f.read(gap)
         _check_descriptor(e, raw, damaged)
     return entries
 
@@ -145,9 +137,13 @@ def _check_descriptor(e: ZipEntry, raw: bytes, damaged) -> None:
 
 def _central_directory(f: BinaryIO, file_size: int, damaged) -> tuple[int, bytes, int]:
     """(offset, bytes, entry count) of the central directory, from the end record (and the zip64 end record)."""
-    tail_len = min(file_size, END.size + 0xFFFF)
+    tail_len = min(file_size, END.size)  # torch writes no comment: the end record ends the file
     f.seek(file_size - tail_len)
     tail = f.read(tail_len)
+    if len(tail) < END.size or tail[:4] != b"PK\x05\x06" or END.unpack_from(tail)[7]:
+        tail_len = min(file_size, END.size + 0xFFFF)  # a comment (or damage): the end record is further back
+        f.seek(file_size - tail_len)
+        tail = f.read(tail_len)
     last = pos = tail.rfind(b"PK\x05\x06")
     while pos >= 0:  # the end record whose comment ends the file (a signature inside a comment is skipped)
         if pos + END.size <= len(tail) and pos + END.size + END.unpack_from(tail, pos)[7] == len(tail):
@@ -231,18 +227,15 @@ def _short(name: str) -> str:
     return name.split("/", 1)[1] if "/" in name else name
 
 
-def _check_local(f: BinaryIO, blob: bytes | None, name: str, raw_name: bytes, crc: int, size: int,
+def _check_local(f: BinaryIO, name: str, raw_name: bytes, crc: int, size: int,
                  header_offset: int, cd_start: int, damaged) -> tuple[ZipEntry, bool]:
     """The entry's local header read and compared with its directory record."""
     n = LOCAL_HEADER.size + len(raw_name)
     if header_offset + n > cd_start:
         raise damaged(f"zip entry {_short(name)}: local header offset {header_offset} lies outside the data "
                       "(the zip directory is damaged or the file truncated)")
-    if blob is not None:
-        head = blob[header_offset:header_offset + n]
-    else:
-        f.seek(header_offset)
-        head = f.read(n)
+    f.seek(header_offset)
+    head = f.read(n)
     if len(head) != n or head[:4] != LOCAL_SIG:
         raise damaged(f"zip entry {_short(name)}: no local header at byte {header_offset}")
     _sig, _ver, flags, method, _t, _d, lcrc, lcsize, lusize, nlen, elen = LOCAL_HEADER.unpack_from(head)
@@ -254,11 +247,8 @@ def _check_local(f: BinaryIO, blob: bytes | None, name: str, raw_name: bytes, cr
     data_offset = header_offset + n + elen
     if not flags & _DATA_DESCRIPTOR:  # the local header carries sizes and CRC: they must agree
         if _FFFFFFFF in (lcsize, lusize):
-            if blob is not None and data_offset <= len(blob):
-                extra = blob[header_offset + n:data_offset]
-            else:
-                f.seek(header_offset + n)
-                extra = f.read(elen)
+            f.seek(header_offset + n)
+            extra = f.read(elen)
             lusize, lcsize = _zip64_fields(extra, (lusize, lcsize), raw_name, damaged)
         if (lcsize, lusize) != (size, size) or lcrc != crc:
             raise damaged(f"zip entry {_short(name)}: local header gives {lusize} bytes (CRC {lcrc:08x}), "

@@ -192,6 +192,89 @@ def _errors(url: str, op: str):
 # ------------------------------------------------------------------------------------------------ reading
 
 
+class ReadMeter:
+    """The bytes read from files under ``root`` while it is active (:func:`read_meter`): everything this module
+    reads (:func:`open_input` files, :func:`read_range`, :func:`read_bytes`), and what other readers report with
+    :func:`count_read` (``os.preadv`` of tensor pieces)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = _meter_key(root).rstrip("/") + "/"
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+
+_METERS: list[ReadMeter] = []  # active meters (almost always none: then nothing is counted or wrapped)
+_METERS_LOCK = threading.Lock()
+
+
+def _meter_key(path: str | os.PathLike) -> str:
+    path = os.fspath(path)
+    return path if is_url(path) else os.path.abspath(local_path(path))
+
+
+@contextlib.contextmanager
+def read_meter(root: str | os.PathLike) -> Iterator[ReadMeter]:
+    """Count every byte read from files under ``root`` (a folder or URL prefix) while the block runs, in any
+    thread (``zckpt.deepspeed.load_checkpoint`` reports it as ``bytes_read``)."""
+    meter = ReadMeter(root)
+    with _METERS_LOCK:
+        _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        with _METERS_LOCK:
+            _METERS.remove(meter)
+
+
+def count_read(path: str | os.PathLike, n: int) -> None:
+    """Add ``n`` bytes read from ``path`` to the active meters whose root holds it."""
+    if not _METERS or not n:
+        return
+    key = _meter_key(path)
+    for meter in list(_METERS):
+        if key.startswith(meter.root):
+            meter.add(n)
+
+
+class _MeteredFile:
+    """A binary file whose reads are counted by the active meters (other attributes pass through)."""
+
+    def __init__(self, f, path: str):
+        self._f, self._path = f, path
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        count_read(self._path, len(data))
+        return data
+
+    def readinto(self, buf) -> int:
+        n = self._f.readinto(buf)
+        count_read(self._path, n or 0)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+        return False
+
+
+def metered(f, path: str | os.PathLike):
+    """``f`` (opened from ``path``) counted by the active meters covering ``path``; ``f`` itself when none does."""
+    if not _METERS:
+        return f
+    key = _meter_key(path)
+    return _MeteredFile(f, os.fspath(path)) if any(key.startswith(m.root) for m in list(_METERS)) else f
+
+
 def open_input(path: str | os.PathLike, storage_options: dict[str, Any] | None = None, *,
                block_size: int = REMOTE_BLOCK_SIZE) -> IO[bytes]:
     """A binary file for random reads (seek/tell/read).
@@ -201,10 +284,10 @@ def open_input(path: str | os.PathLike, storage_options: dict[str, Any] | None =
     """
     path = os.fspath(path)
     if not is_url(path):
-        return open(local_path(path), "rb")
+        return metered(open(local_path(path), "rb"), path)
     fs, inner = get_fs(path, storage_options)
     with _errors(path, "open"):
-        return fs.open(inner, "rb", block_size=block_size, cache_type="readahead")
+        return metered(fs.open(inner, "rb", block_size=block_size, cache_type="readahead"), path)
 
 
 def listdir(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[str]:
@@ -276,27 +359,32 @@ def read_bytes(path: str | os.PathLike, storage_options: dict[str, Any] | None =
     path = os.fspath(path)
     if not is_url(path):
         with open(local_path(path), "rb") as f:
-            return f.read()
-    fs, inner = get_fs(path, storage_options)
-    with _errors(path, "read"):
-        return fs.cat_file(inner)
+            data = f.read()
+    else:
+        fs, inner = get_fs(path, storage_options)
+        with _errors(path, "read"):
+            data = fs.cat_file(inner)
+    count_read(path, len(data))
+    return data
 
 
 def read_range(path: str | os.PathLike, offset: int, length: int,
                storage_options: dict[str, Any] | None = None) -> bytes:
     """``length`` bytes from ``offset`` (one ranged GET on object stores)."""
     path = os.fspath(path)
+    boto = _boto3_client(dict(storage_options or {})) if is_url(path) and protocol(path) in ("s3", "s3a") else None
     if not is_url(path):
-        with open(local_path(path), "rb") as f:
+        with open(local_path(path), "rb", buffering=0) as f:  # unbuffered: exactly this range is read
             f.seek(offset)
-            return f.read(length)
-    if protocol(path) in ("s3", "s3a"):
-        boto = _boto3_client(dict(storage_options or {}))
-        if boto is not None:  # thread-safe and parallel (s3fs runs every GET on one event-loop thread)
-            return _boto3_get(boto[0], path, offset, length)
-    fs, inner = get_fs(path, storage_options)
-    with _errors(path, "read"):
-        return fs.cat_file(inner, start=offset, end=offset + length)
+            data = f.read(length)
+    elif boto is not None:  # thread-safe and parallel (s3fs runs every GET on one event-loop thread)
+        data = _boto3_get(boto[0], path, offset, length)
+    else:
+        fs, inner = get_fs(path, storage_options)
+        with _errors(path, "read"):
+            data = fs.cat_file(inner, start=offset, end=offset + length)
+    count_read(path, len(data))
+    return data
 
 
 def _boto3_get(client, url: str, offset: int, length: int) -> bytes:

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from zckpt.units import format_size
 from zckpt.dcp import writer as dcpw
 from zckpt.deepspeed.layout import open_checkpoint
 from zckpt.state.model import Checkpoint
@@ -107,6 +108,12 @@ class ConvertResult:
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
                 **self.plan.summary()}
+
+    def __repr__(self) -> str:
+        what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
+        return (f"<ConvertResult {self.output!r}: {self.plan.source_format} -> {self.plan.to}, "
+                f"{len(self.plan.layout.items)} keys, {len(self.plan.layout.files) + 1} files, "
+                f"{format_size(self.plan.total_bytes)}, {what}>")
 
 
 # ------------------------------------------------------------------------------------------- optimizer mapping

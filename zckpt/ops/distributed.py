@@ -71,7 +71,12 @@ def agree(error: BaseException | None, device=None) -> None:
     world, rank = tdist.get_world_size(), tdist.get_rank()
     rows = torch.zeros((world, 1 + MESSAGE_BYTES), dtype=torch.uint8)
     if error is not None:
-        msg = f"{type(error).__name__}\x00{one_line(error)}".encode()[:MESSAGE_BYTES]
+        if isinstance(error, ZckptError):  # message, path and hint apart: every rank renders them as the failing one
+            parts = (error.message, error.path or "", error.hint or "")
+        else:
+            parts = (one_line(error), "", "")
+        msg = "\x00".join((type(error).__name__, *(" ".join(str(p).split()) for p in parts))).encode()
+        msg = msg[:MESSAGE_BYTES]
         rows[rank, 0] = 1
         rows[rank, 1:1 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
     if device is not None and str(device) != "cpu":
@@ -82,11 +87,11 @@ def agree(error: BaseException | None, device=None) -> None:
     if not failed:
         return
     raw = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\x00").decode(errors="replace")
-    cls_name, _, text = raw.partition("\x00")
+    cls_name, text, path, hint = (raw.split("\x00") + ["", "", ""])[:4]
     cls = getattr(errors, cls_name, None)
     if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
         cls = ZckptError
-    err = cls(text, hint="")
+    err = cls(text, path=path or None, hint=hint)
     err.ranks = failed
     if error is not None:
         raise err from error

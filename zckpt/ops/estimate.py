@@ -236,6 +236,12 @@ class Recommendation:
     headroom_bytes: int
     budget_bytes: int  # gpu_memory_bytes - headroom_bytes: what model states may use
 
+    def __repr__(self) -> str:
+        budget = f"{self.budget_bytes / 2**30:.2f} GiB per GPU for model states"
+        if self.row is None:
+            return f"<Recommendation: nothing fits in {budget}>"
+        return (f"<Recommendation {self.row.describe()}: {self.row.per_gpu_bytes / 2**30:.2f} GiB of {budget}>")
+
     @property
     def fits(self) -> bool:
         return self.row is not None

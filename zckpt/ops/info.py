@@ -188,6 +188,20 @@ def _dtypes(value) -> str:
     return "+".join(value) if isinstance(value, list) else value
 
 
+def _scaler(scaler) -> str:
+    """``LossScaler, static, scale 1`` (not a Python dict): the class, dynamic or not, the current scale."""
+    if not scaler:
+        return "none"
+    if not isinstance(scaler, dict):
+        return str(scaler)
+    parts = [str(scaler.get("class") or "loss scaler")]
+    if "dynamic" in scaler:
+        parts.append("dynamic" if scaler["dynamic"] else "static")
+    if isinstance(scaler.get("cur_scale"), (int, float)):
+        parts.append(f"scale {scaler['cur_scale']:g}")
+    return ", ".join(parts)
+
+
 def render(d: dict) -> str:
     if d.get("format") == "dcp":
         return render_dcp(d)
@@ -208,7 +222,7 @@ def render(d: dict) -> str:
         f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
         f"skipped={d['skipped_steps']}; optimizer step "
         + ", ".join(f"group {g['index']}: {g['step']}" for g in d["param_groups"]),
-        f"loss scaler  {d['loss_scaler']}" if d["loss_scaler"] else "loss scaler  none",
+        f"loss scaler  {_scaler(d['loss_scaler'])}",
         f"scheduler    {'saved' if d['lr_scheduler'] else 'none'}",
         f"client state {', '.join(d['client_state_keys']) or 'none'}",
         f"deepspeed    {d['ds_version']}",

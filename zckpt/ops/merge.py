@@ -37,6 +37,7 @@ from zckpt.units import format_size
 log = logging.getLogger(__name__)
 
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
+DTYPE_FLAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # as --dtype spells them
 DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -92,6 +93,9 @@ class ShardPlan:
     size: int = 0
     archive: object = None  # pt: the planned torch zip (zckpt.engine.torchzip.Archive)
 
+    def __repr__(self) -> str:
+        return f"<ShardPlan {self.filename!r}: {len(self.tensors)} tensors, {format_size(self.size)}>"
+
 
 @dataclass
 class MergePlan:
@@ -102,6 +106,12 @@ class MergePlan:
     index: dict | None
     total_size: int
     skipped_tied: dict = field(default_factory=dict)  # alias -> source (stored once, under the source)
+
+    def __repr__(self) -> str:
+        tensors = sum(len(sh.tensors) for sh in self.shards)
+        return (f"<MergePlan {tensors} tensors, {format_size(self.total_size)} "
+                f"{DTYPE_FLAGS.get(self.dtype, self.dtype)} {self.fmt} in {len(self.shards)} file(s)"
+                + (f", {len(self.skipped_tied)} tied stored once" if self.skipped_tied else "") + ">")
 
     def summary(self) -> dict:
         return {
@@ -221,11 +231,21 @@ class MergeResult:
     seconds: float = 0.0
     copied: list[str] = field(default_factory=list)
     dry_run: bool = False
+    path: str | None = None  # the checkpoint read
+    tag: str | None = None  # the tag read (the one 'latest' names, unless one was asked for)
     stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (ops.distributed.Stats)
 
     def to_json(self) -> dict:
-        return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
-                "copied": self.copied, **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
+        return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
+                "seconds": round(self.seconds, 3), "copied": self.copied, **self.plan.summary(),
+                **({"stats": self.stats} if self.stats else {})}
+
+    def __repr__(self) -> str:
+        s = self.plan.summary()
+        what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
+        return (f"<MergeResult {self.output!r}: {s['tensors']} tensors, {format_size(s['total_bytes'])} "
+                f"{DTYPE_FLAGS.get(self.plan.dtype, self.plan.dtype)} {self.plan.fmt} in {len(self.plan.shards)} "
+                f"file(s), {what}>")
 
 
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
@@ -330,7 +350,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
              len(extra), out, time.perf_counter() - t0)
     for shard in plan.shards:
         log.debug("  %s: %d tensors, %s", shard.filename, len(shard.tensors), format_size(shard.size))
-    result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run)
+    result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run, path=str(path),
+                         tag=getattr(ckpt.location, "tag", None))
     out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)

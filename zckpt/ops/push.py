@@ -161,6 +161,9 @@ class CheckpointResult:
         out["error"] = str(self.error) if self.error else None
         return out
 
+    def __repr__(self) -> str:
+        return f"<CheckpointResult {self.summary()[:200]}>"
+
     def summary(self) -> str:
         """One line for humans."""
         label = self.name or "SRC"  # SRC itself is the checkpoint
@@ -188,6 +191,14 @@ class PushResult:
     root_files_sent: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     dry_run: bool = False
+
+    def __repr__(self) -> str:
+        counts: dict[str, int] = {}
+        for c in self.checkpoints:
+            counts[c.status] = counts.get(c.status, 0) + 1
+        states = ", ".join(f"{n} {s}" for s, n in counts.items()) or "no checkpoints"
+        return (f"<PushResult {self.src!r} -> {self.dest!r}: {states}; sent {self.files_sent} file(s), "
+                f"{human_bytes(self.bytes_sent)}{' (dry run)' if self.dry_run else ''}>")
 
     @property
     def bytes_sent(self) -> int:

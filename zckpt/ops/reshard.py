@@ -81,6 +81,9 @@ class PlannedFile:
     obj: object = None  # the object tree (TensorOut leaves) the archive was pickled from
     src: str | None = None
 
+    def __repr__(self) -> str:
+        return f"<PlannedFile {self.relpath!r} ({self.kind}): {format_size(self.nbytes)}>"
+
 
 @dataclass
 class ReshardPlan:
@@ -97,6 +100,11 @@ class ReshardPlan:
     files: list[PlannedFile]
     notes: list[str] = field(default_factory=list)
     partitions: list[dict] = field(default_factory=list)  # per group / sub-group partition sizes
+
+    def __repr__(self) -> str:
+        return (f"<ReshardPlan {self.precision} ZeRO-{self.source_stage} x{self.source_world_size} -> "
+                f"ZeRO-{self.stage} x{self.world_size} ({self.fmt}): {len(self.files)} files, "
+                f"{format_size(self.total_bytes)}>")
 
     @property
     def total_bytes(self) -> int:
@@ -131,6 +139,10 @@ class ReshardResult:
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
                 **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
+
+    def __repr__(self) -> str:
+        what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
+        return f"<ReshardResult {self.output!r}: {self.plan!r}, {what}>"
 
 
 # ---------------------------------------------------------------------------------------------- planning

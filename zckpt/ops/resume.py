@@ -27,6 +27,7 @@ state is bit-identical to the offline route. The pickle is zckpt's own, made fro
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import pickle
@@ -206,78 +207,161 @@ def _own_optim(plan, target: Target):
 
 # ---------------------------------------------------------------------------------------------- materialising
 
+class _Landed:
+    """Where source bytes already read sit in the outputs: per source file, (start, end, output, byte position)
+    of every piece read, so a later piece or cast over the same bytes copies them instead of reading again."""
+
+    def __init__(self):
+        self.spans: dict[str, list[tuple[int, int, int, int]]] = {}
+
+    def add(self, piece, out: int, pos: int) -> None:
+        bisect.insort(self.spans.setdefault(piece.path, []), (piece.offset, piece.offset + piece.nbytes, out, pos))
+
+    def find(self, piece) -> list[tuple[int, int, int]] | None:
+        """(output, byte position, length) runs holding ``piece``'s bytes, or None when some are not read yet."""
+        spans = self.spans.get(piece.path)
+        if not spans:
+            return None
+        runs, cur, end = [], piece.offset, piece.offset + piece.nbytes
+        while cur < end:
+            i = bisect.bisect_right(spans, (cur, float("inf"))) - 1
+            while i >= 0 and spans[i][1] <= cur:  # the nearest span starting at or before cur that reaches past it
+                i -= 1
+            if i < 0 or spans[i][0] > cur:
+                return None
+            start, stop, out, pos = spans[i]
+            n = min(stop, end) - cur
+            runs.append((out, pos + cur - start, n))
+            cur += n
+        return runs
+
+
 class Materializer:
-    """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written file returns."""
+    """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written files returns.
+
+    :meth:`load_all` reads each source byte once for all the objects of a call: every piece is read straight into
+    the first output that holds it; a later piece over the same bytes, and a cast (bf16 module weights made from
+    fp32 masters a ZeRO-3 source does not store in bf16), copy them from there."""
 
     def __init__(self, workers: int | None = None, storage_options: dict | None = None):
         from zckpt.formats.tensors import Reader
         # thread-safe: one descriptor per file, positioned reads; URLs with the source's ``storage_options``
         self.reader = Reader(storage_options)
         self.workers = workers or min(8, os.cpu_count() or 2)
-        self.bytes_read = 0
+        self.bytes_read = 0  # tensor bytes read from the source files
         self.lock = threading.Lock()
 
-    def tensor(self, t: TensorOut):
-        """A flat torch tensor holding ``t``'s segments (pieces read, zero fill, casts as torch's ``Tensor.to``)."""
-        import torch
-        from zckpt.formats.tensors import load_pieces, torch_dtype
-        out = torch.empty(t.numel, dtype=torch_dtype(t.dtype))
-        raw = out.view(torch.uint8) if t.numel else None
-        pos, size, read = 0, DTYPE_SIZES[t.dtype], 0
-        for seg in coalesce(t.segments):
-            if isinstance(seg, (bytes, bytearray)):
-                raw[pos:pos + len(seg)].copy_(torch.frombuffer(bytearray(seg), dtype=torch.uint8))
-                pos += len(seg)
-            elif isinstance(seg, Fill):
-                raw[pos:pos + seg.numel * size].zero_()
-                pos += seg.numel * size
-            elif isinstance(seg, Cast):
-                src = load_pieces(seg.pieces, seg.src_dtype, (seg.numel,), self.reader)
-                read += src.numel() * src.element_size()
-                raw[pos:pos + seg.numel * size].copy_(src.to(out.dtype).view(torch.uint8))
-                pos += seg.numel * size
-            else:  # Piece
-                if seg.dtype != t.dtype:
-                    raise ValueError(f"piece of {seg.dtype} in a {t.dtype} tensor")
-                self.reader.read_into(seg, memoryview(raw[pos:pos + seg.nbytes].numpy()))
-                read += seg.nbytes
-                pos += seg.nbytes
-        if pos != t.numel * size:
-            raise errors.CorruptFile(f"planned segments hold {pos} bytes, the tensor needs {t.numel * size}")
+    def _read(self, piece, buf) -> None:
+        self.reader.read_into(piece, buf)
         with self.lock:
-            self.bytes_read += read
-        return out
+            self.bytes_read += piece.nbytes
+
+    def fill(self, tensors: list[TensorOut]) -> list:
+        """Flat torch tensors holding ``tensors``' segments (pieces read, zero fill, casts as torch's ``Tensor.to``)."""
+        import torch
+        from concurrent.futures import ThreadPoolExecutor
+        from zckpt.formats.tensors import torch_dtype
+        outs = [torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for t in tensors]
+        raws = [o.view(torch.uint8) if t.numel else None for o, t in zip(outs, tensors)]
+        landed, reads, copies, casts = _Landed(), [], [], []
+        for i, t in enumerate(tensors):  # plan: which piece is read, which copied, which cast
+            pos, size = 0, DTYPE_SIZES[t.dtype]
+            for seg in coalesce(t.segments):
+                if isinstance(seg, (bytes, bytearray)):
+                    raws[i][pos:pos + len(seg)].copy_(torch.frombuffer(bytearray(seg), dtype=torch.uint8))
+                    pos += len(seg)
+                elif isinstance(seg, Fill):
+                    raws[i][pos:pos + seg.numel * size].zero_()
+                    pos += seg.numel * size
+                elif isinstance(seg, Cast):
+                    casts.append((seg, i, pos))
+                    pos += seg.numel * size
+                else:  # Piece
+                    if seg.dtype != t.dtype:
+                        raise ValueError(f"piece of {seg.dtype} in a {t.dtype} tensor")
+                    runs = landed.find(seg)
+                    if runs is None:
+                        reads.append((seg, i, pos))
+                        landed.add(seg, i, pos)
+                    else:
+                        copies.append((runs, i, pos))
+                    pos += seg.nbytes
+            if pos != t.numel * size:
+                raise errors.CorruptFile(f"planned segments hold {pos} bytes, the tensor needs {t.numel * size}")
+
+        def read(job):
+            seg, i, pos = job
+            self._read(seg, memoryview(raws[i][pos:pos + seg.nbytes].numpy()))
+
+        if len(reads) > 1 and self.workers > 1:  # reads release the GIL
+            with ThreadPoolExecutor(min(self.workers, len(reads))) as pool:
+                list(pool.map(read, reads))
+        else:
+            for job in reads:
+                read(job)
+        for runs, i, pos in copies:
+            pos = self._gather(runs, raws, raws[i], pos)
+        for seg, i, pos in casts:
+            src = torch.empty(seg.numel, dtype=torch_dtype(seg.src_dtype))
+            at, raw = 0, src.view(torch.uint8) if seg.numel else None
+            for p in seg.pieces:
+                if p.dtype != seg.src_dtype:  # bytes are never relabelled
+                    raise ValueError(f"piece of {p.dtype} in a cast from {seg.src_dtype}")
+                runs = landed.find(p)
+                if runs is None:
+                    self._read(p, memoryview(raw[at:at + p.nbytes].numpy()))
+                    at += p.nbytes
+                else:
+                    at = self._gather(runs, raws, raw, at)
+            n = seg.numel * outs[i].element_size()
+            raws[i][pos:pos + n].copy_(src.to(outs[i].dtype).view(torch.uint8))
+        return outs
+
+    @staticmethod
+    def _gather(runs, raws, dst, pos: int) -> int:
+        for out, at, n in runs:
+            dst[pos:pos + n].copy_(raws[out][at:at + n])
+            pos += n
+        return pos
+
+    def tensor(self, t: TensorOut):
+        """A flat torch tensor holding ``t``'s segments."""
+        return self.fill([t])[0]
+
+    def load_all(self, objs: list) -> list:
+        """``torch.load`` of each file :func:`zckpt.engine.torchzip.save` would write for ``objs``, without the
+        files; the source bytes all of them need are read once."""
+        import io
+        import torch
+        dumped = [dumps(obj) for obj in objs]
+        flats = self.fill([t for _, tensors in dumped for t in tensors])
+        results, base = [], 0
+        for pkl, tensors in dumped:
+            mine, cache = flats[base:base + len(tensors)], {}
+            base += len(tensors)
+
+            class Unpickler(pickle.Unpickler):
+                def find_class(self, module, name):
+                    if f"{module}.{name}" not in ALLOWED_GLOBALS:  # what safeload let through, nothing else
+                        raise UnsafePickle(f"unexpected global {module}.{name} in a planned object")
+                    return super().find_class(module, name)
+
+                def persistent_load(self, pid, mine=mine, cache=cache):
+                    key = pid[2]
+                    st = cache.get(key)
+                    if st is None:
+                        flat = mine[int(key)]
+                        st = torch.storage.TypedStorage(wrap_storage=flat.untyped_storage(), dtype=flat.dtype,
+                                                        _internal=True)
+                        cache[key] = st
+                    return st
+
+            results.append(Unpickler(io.BytesIO(pkl)).load())
+        return results
 
     def load(self, obj):
         """``torch.load`` of the file :func:`zckpt.engine.torchzip.save` would write for ``obj``, without the file."""
-        import io
-        import torch
-        from concurrent.futures import ThreadPoolExecutor
-        pkl, tensors = dumps(obj)
-        if len(tensors) > 1 and self.workers > 1:  # reads release the GIL: tensors fill in parallel
-            with ThreadPoolExecutor(min(self.workers, len(tensors))) as pool:
-                flats = list(pool.map(self.tensor, tensors))
-        else:
-            flats = [self.tensor(t) for t in tensors]
-        cache: dict = {}
-
-        class Unpickler(pickle.Unpickler):
-            def find_class(self, module, name):
-                if f"{module}.{name}" not in ALLOWED_GLOBALS:  # what safeload let through, nothing else
-                    raise UnsafePickle(f"unexpected global {module}.{name} in a planned object")
-                return super().find_class(module, name)
-
-            def persistent_load(self, pid):
-                key = pid[2]
-                st = cache.get(key)
-                if st is None:
-                    flat = flats[int(key)]
-                    st = torch.storage.TypedStorage(wrap_storage=flat.untyped_storage(), dtype=flat.dtype,
-                                                    _internal=True)
-                    cache[key] = st
-                return st
-
-        return Unpickler(io.BytesIO(pkl)).load()
+        return self.load_all([obj])[0]
 
     def close(self):
         self.reader.close()
@@ -333,9 +417,11 @@ class ResumeInfo:
     source_stage: int
     stage: int
     rank: int
-    bytes_read: int = 0  # tensor bytes read from the source by this rank (metadata not counted)
+    bytes_read: int = 0  # every byte zckpt read from the source on this rank: metadata (pickles, zip directories,
+    #                      headers) and tensors; in "native" mode DeepSpeed's own reads of its files are not counted
     source_bytes: int = 0  # size of every rank file of the source
     seconds: dict = field(default_factory=dict)
+    tensor_bytes_read: int = 0  # the tensor bytes among them (each source byte at most once)
 
 
 def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
@@ -360,6 +446,8 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     objects, plan, target, ckpt, mat, error = {}, None, None, None, None, None
     native = False
     seconds = {}
+    meter = storage.read_meter(path)  # every byte zckpt reads from the source in this call, in any thread
+    read = meter.__enter__()
     try:
         target = engine_target(engine)
         ckpt = open_checkpoint(path, tag, storage_options)
@@ -383,19 +471,21 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
             mat = Materializer(storage_options=ckpt.storage_options)
-            for f in plan.files:
-                objects[os.path.basename(f.relpath)] = mat.load(f.obj)
+            for f, obj in zip(plan.files, mat.load_all([f.obj for f in plan.files])):
+                objects[os.path.basename(f.relpath)] = obj
             seconds["read"] = time.perf_counter() - t0 - seconds["open"] - seconds["plan"]
     except Exception as exc:  # noqa: BLE001 - every failure is agreed on, then raised on every rank
         error = exc
     finally:
         if mat is not None:
             mat.close()
+        meter.__exit__(None, None, None)
     agree(error, device)
 
     info = ResumeInfo(ckpt.location.input_path, ckpt.tag, "native" if native else "reshard", ckpt.world_size,
                       target.world_size, ckpt.stage, target.stage, target.rank,
-                      mat.bytes_read if mat is not None else 0, sum(max(f.size, 0) for f in ckpt.files), seconds)
+                      read.bytes, sum(max(f.size, 0) for f in ckpt.files), seconds,
+                      mat.bytes_read if mat is not None else 0)
     kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     t1 = time.perf_counter()

@@ -268,8 +268,10 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
                                          f"a zckpt {sub_kind} output, not one of the checkpoints"
                                          + (f" (push it on its own: zckpt push {path} DEST)"
                                             if sub_kind == "reshard" else "")))
-        elif is_trainer_folder(name, inner):
+        elif TRAINER_RE.match(name) or "trainer_state.json" in inner:  # however it is called now
             found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
+        elif not save_folder and "training_args.bin" in inner and not _has_rank_files(path):
+            continue  # trainer.save_model("final"): a saved model, not a checkpoint (like runs/)
         elif _has_rank_files(path):
             found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))
         elif save_folder and TAG_STEP_RE.match(name):

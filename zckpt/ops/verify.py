@@ -72,22 +72,32 @@ class Check:
         """What to do about a failed check ("" when it passed)."""
         return "" if self.ok else NEXT_STEPS.get(self.name, "")
 
+    def __repr__(self) -> str:
+        return f"<Check {'ok' if self.ok else 'BAD'} {self.name}: {self.detail[:80]}>"
+
 
 @dataclass
 class VerifyReport:
     path: str
     checks: list[Check] = field(default_factory=list)
     bytes_read: int = 0
+    tag: str | None = None  # the tag checked (None: a merge output or pushed folder, which have none)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
+    def __repr__(self) -> str:
+        bad = [c.name for c in self.checks if not c.ok]
+        verdict = "consistent" if not bad else f"NOT consistent ({', '.join(bad[:3])})"
+        read = f", read {format_size(self.bytes_read)}" if self.bytes_read else ""
+        return f"<VerifyReport {self.path!r}: {verdict}, {len(self.checks)} checks{read}>"
+
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
     def to_json(self) -> dict:
-        return {"path": self.path, "ok": self.ok, "bytes_read": self.bytes_read,
+        return {"path": self.path, "tag": self.tag, "ok": self.ok, "bytes_read": self.bytes_read,
                 "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
                             "hint": names_rendered(c.hint) or None} for c in self.checks]}
 
@@ -129,6 +139,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
         if tag is None and _verify_folder_of_checkpoints(str(path), report, deep, progress, opts):
             return report
         raise
+    report.tag = ckpt.location.tag
     t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
@@ -291,6 +302,13 @@ def check_output_marker(folder: str, report: VerifyReport, storage_options: dict
             report.add("safetensors headers", not bad, "; ".join(bad[:3]) or "every header matches its file size")
 
 
+def _entries(ckpt: Checkpoint) -> str:
+    """``21 state-dict entries (1 tied alias, which merge stores once)``: why merge reports one tensor fewer."""
+    tied = len(ckpt.of_kind("tied"))
+    return f"{len(ckpt.records)} state-dict entries" + (
+        f" ({tied} tied alias{'es' if tied > 1 else ''}, which merge stores once)" if tied else "")
+
+
 def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     loc = ckpt.location
     if ckpt.format == "dcp":
@@ -319,7 +337,7 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
         have = sum(p.numel for p in rec.value)
         if rec.kind != "tied" and have != math.prod(rec.shape):
             bad.append(f"{rec.name}: {have} elements for shape {list(rec.shape)}")
-    report.add("shapes agree", not bad, "; ".join(bad[:5]) or f"{len(ckpt.records)} tensors")
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
     moments = [r for r in ckpt.of_kind("trainable") if not r.exp_avg or not r.exp_avg_sq]
     report.add("optimizer state", not moments or len(moments) == len(ckpt.of_kind("trainable")),
                "Adam moments present" if not moments else f"no moments for {len(moments)} params")
@@ -337,7 +355,7 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("data files", True, f"{len(data)} .distcp files, every item inside its file")
     bad = [f"{r.name}: {sum(p.numel for p in r.value)} elements for shape {list(r.shape)}" for r in ckpt.records
            if r.kind != "tied" and sum(p.numel for p in r.value) != math.prod(r.shape)]
-    report.add("shapes agree", not bad, "; ".join(bad[:5]) or f"{len(ckpt.records)} tensors")
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
     groups = {n for g in ckpt.groups for n in g.names}
     moments = [r for r in ckpt.of_kind("trainable") if r.name in groups and (not r.exp_avg or not r.exp_avg_sq)]
     report.add("optimizer state", not moments or len(moments) == len(groups),

@@ -24,6 +24,7 @@ from zckpt.io import storage
 from zckpt.engine.segments import Piece
 from zckpt.errors import CorruptFile, UnsupportedLayout, ZckptError
 from zckpt.formats.safeload import LazyTensor
+from zckpt.units import format_size
 
 
 @dataclass
@@ -36,6 +37,9 @@ class RankFile:
     size: int = -1
     index: int | None = None  # layer files: the pipeline layer index; expert files: the MoE layer id
     expert: int | None = None  # expert files: the global expert id
+
+    def __repr__(self) -> str:
+        return f"<RankFile {self.name!r} ({self.kind}, {format_size(self.size) if self.size >= 0 else '? B'})>"
 
 
 @dataclass
@@ -57,6 +61,11 @@ class Location:
     universal: bool = False  # a universal checkpoint: optim_files are zero/optimizer_state.pt, zero/<param>/*.pt
     # the fsspec options its files are read with (URLs); passed to every read, never kept process-wide, never shown
     storage_options: dict | None = field(default=None, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        files = len(self.model_files) + len(self.optim_files) + len(self.layer_files) + len(self.expert_files) \
+            + len(self.data_files)
+        return f"<Location {self.input_path!r} tag {self.tag!r}: {files} files>"
 
 
 @dataclass
@@ -81,6 +90,10 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def __repr__(self) -> str:
+        extra = f" -> {self.tied_to!r}" if self.tied_to else f", {len(self.value)} piece(s)"
+        return f"<TensorRecord {self.name!r} {self.kind} {list(self.shape)} {self.dtype}{extra}>"
 
     @property
     def state_dtype(self) -> str | None:
@@ -143,6 +156,9 @@ class GroupInfo:
     step: Any  # float or int, read from the step tensor(s)
     names: list[str] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        return f"<GroupInfo {self.index}: {len(self.names)} params, step {self.step}, lr {self.hyperparams.get('lr')}>"
+
 
 @dataclass
 class Checkpoint:
@@ -168,6 +184,16 @@ class Checkpoint:
 
     def __post_init__(self):
         check_records(self.records, self.location.tag_dir)
+
+    def __repr__(self) -> str:
+        """What a REPL user wants first: where, which layout, how big (the full model is in ``records``)."""
+        files = self.files
+        params = sum(r.numel for r in self.records if r.kind in ("trainable", "frozen"))
+        layout = f"{self.format} ZeRO-{self.stage} {self.precision}" if self.format == "deepspeed" \
+            else f"{self.format} {self.precision}"
+        return (f"<Checkpoint {self.location.input_path!r} tag {self.tag!r}: {layout}, world size "
+                f"{self.world_size}, {len(self.records)} tensors ({params:,} parameters), {len(files)} files, "
+                f"{format_size(sum(max(f.size, 0) for f in files))}>")
 
     @property
     def master_dtypes(self) -> list[str]:

@@ -1,0 +1,61 @@
+"""``zckpt help``: the guides installed with zckpt (a wheel puts docs/*.md in <prefix>/share/doc/zckpt)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from zckpt.errors import InvalidArgument
+
+
+def docs_folder() -> str | None:
+    """Where the guides are: installed with the wheel (``<prefix>/share/doc/zckpt``), else the source tree's docs/."""
+    import site
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.path.join(sys.prefix, "share", "doc", "zckpt"),
+                  os.path.join(getattr(site, "USER_BASE", "") or "", "share", "doc", "zckpt"),
+                  os.path.join(here, os.pardir, os.pardir, "docs")]
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "guide.md")):
+            return os.path.normpath(folder)
+    return None
+
+
+def _title(path: str) -> str:
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.startswith("# "):
+                return line[2:].strip().replace("`", "")
+    return ""
+
+
+@click.command("help", epilog="""\b
+Examples:
+  zckpt help                 # the topics, and where they are
+  zckpt help guide           # set-up, every command, the Python API
+  zckpt help json            # the --json schema of every command""")
+@click.argument("topic", required=False)
+def help_command(topic):
+    """Read zckpt's guides in the terminal: the user guide, the command reference, the --json schemas, push,
+    reshard, estimate, layouts.
+
+    Without TOPIC, lists the topics. Every option of a command is also in zckpt COMMAND --help.
+    """
+    folder = docs_folder()
+    if folder is None:
+        raise InvalidArgument("the guides are not installed with this zckpt",
+                              hint="zckpt COMMAND --help describes every option")
+    topics = {name[:-3]: os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".md")}
+    if topic is None:
+        width = max(len(t) for t in topics)
+        for name, path in topics.items():
+            click.echo(f"{name:<{width}}  {_title(path)}")
+        click.echo(f"\n(in {folder}; read one with: zckpt help TOPIC)")
+        return
+    if topic not in topics:
+        raise InvalidArgument(f"no topic {topic!r}", param="TOPIC", hint=f"one of: {', '.join(topics)}")
+    with open(topics[topic], encoding="utf-8") as fh:
+        click.echo(fh.read(), nl=False)
