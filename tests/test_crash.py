@@ -39,7 +39,8 @@ def test_enospc_on_a_real_full_filesystem(small_fs):
     prev = small_fs / "prev"
     prev.mkdir()
     (prev / "model.safetensors").write_bytes(b"previous result")
-    (prev / ".zckpt.json").write_text('{"format": "zckpt-output", "kind": "merge", "state": "complete"}')  # ours
+    (prev / ".zckpt.json").write_text('{"format": "zckpt-output", "kind": "merge", "state": "complete", '
+                                      '"files": {"model.safetensors": 15}}')  # ours, listing what it wrote
     with open(small_fs / "ballast", "wb", buffering=0) as f:  # fill it: the merge gets its folder, then no room for bytes
         try:
             while True:
