@@ -451,9 +451,13 @@ def test_refuses_bad_targets(fixture_dir, tmp_path):
     (tmp_path / "full" / "x").unlink()
     reshard(str(src), str(tmp_path / "full"), world_size=2)
     (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(OutputExists, match="holds x"):  # a file the previous output did not write is kept
+        reshard(str(src), str(tmp_path / "full"), world_size=3, overwrite=True)
+    assert (tmp_path / "full" / "x").read_text() == "x"
+    (tmp_path / "full" / "x").unlink()
     reshard(str(src), str(tmp_path / "full"), world_size=3, overwrite=True)
     assert (tmp_path / "full" / "latest").read_text() == (src / "latest").read_text()
-    assert not (tmp_path / "full" / "x").exists()
+    assert sorted(p.name for p in (tmp_path / "full").iterdir() if p.name.startswith("global_step"))
 
 
 def test_progress_callback(fixture_dir, tmp_path):
