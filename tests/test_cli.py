@@ -522,6 +522,45 @@ def test_small_part_size_is_fine_for_a_folder(tmp_path):
     _one_line_error(res, 1, "--part-size: must be at least 5 MiB", "s3://")
 
 
+# ------------------------------------------------------------------------------------ a reader that left
+
+def _reader_gone(*args):
+    """Run the ``zckpt`` program with stdout a pipe nobody reads any more (``zckpt ... | head -1`` once head has
+    exited): every write to stdout fails with EPIPE. Returns (exit status, stderr)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zckpt", *args], stdout=w, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, timeout=120, env=dict(os.environ, ZCKPT_DEBUG=""))
+    finally:
+        os.close(w)
+    return proc.returncode, proc.stderr
+
+
+def test_a_reader_that_left_is_not_a_failure(tmp_path):
+    """``zckpt reshard ... | head -1``: the output is published; that nobody reads the report is not an error (it
+    was "zckpt: error: Broken pipe", exit 1, after a complete reshard). The exit status stays the work's own."""
+    from tests.conftest import FIXTURES
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    for name, args, out in [("reshard", ["-w", "1"], "r"), ("convert", [], "c"), ("merge", [], "m"),
+                            ("merge", ["--json"], "mj")]:
+        code, stderr = _reader_gone(name, ck, *args, "-o", str(tmp_path / out))
+        assert (code, stderr) == (0, ""), (name, code, stderr)
+        assert (tmp_path / out / ".zckpt.json").exists(), name
+    for args in (["info", ck], ["verify", ck, "--deep"], ["estimate", "--params", "8B", "--largest-layer", "1B"]):
+        assert _reader_gone(*args) == (0, ""), args
+    # a failure is still said on stderr, with its own status; verify's verdict too
+    code, stderr = _reader_gone("info", str(tmp_path / "nope"))
+    assert code == 1 and stderr.startswith("zckpt: error: ") and "Broken pipe" not in stderr, stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    tag = (bad / "latest").read_text().strip()
+    victim = sorted((bad / tag).glob("*optim_states.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    code, stderr = _reader_gone("verify", str(bad))
+    assert code == 1 and "Broken pipe" not in stderr, (code, stderr)
+
+
 # ------------------------------------------------------------------------------------ Ctrl-C at any moment
 
 _SIGINT_CODE = r"""

@@ -15,9 +15,10 @@ def _interrupted_while_starting(signum, frame):
 
 def run() -> None:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
-    from zckpt.cli import _interrupts, main
+    from zckpt.cli import _interrupts, _stdout, main
 
     _interrupts.ENTRY_POINT = True
+    _stdout.tolerate_closed_reader()  # `zckpt ... | head -1`: a reader that left is not the work's failure
     try:
         main(prog_name="zckpt")
     except KeyboardInterrupt:  # between the CLI's own handlers (they answer every other moment): still one line
