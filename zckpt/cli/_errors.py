@@ -13,7 +13,7 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       checkpoint (``verify``: a check failed), an output that cannot be written, a storage failure
 2     the command line could not be read: an unknown command or option, a missing argument or option
       value, an extra argument (click's parse errors), said in one line with the usage
-130   interrupted (Ctrl-C, or SIGTERM during ``push``), at any moment: one line, no traceback
+130   interrupted (Ctrl-C or SIGTERM), at any moment: one line, no traceback (``--json``: also the error object)
 ====  ===============================================================================================
 
 Parameters are named as the user typed them: a library error's ``param`` (``max_shard_size``) and backquoted
