@@ -298,6 +298,16 @@ def test_error_table_scratch_names_become_the_output():
     assert err.path == "/data/model/x.bin" and "zckpt-tmp" not in err.message and "-o" in err.message
     err = describe(PermissionError(13, "Permission denied", "/data/out"), output="/data/out")
     assert err.message.startswith("/data/out: cannot write the output here")
+    # a file being written into place by push (zckpt.io.storage): named as the file the user will see
+    err = describe(OSError(30, "Read-only file system", "/mnt/ro/.zero_to_fp32.py.11bae98f.tmp"))
+    assert err.path == "/mnt/ro/zero_to_fp32.py" and ".tmp" not in err.message, err
+    assert describe(OSError(2, "x", "/d/.hidden.tmp")).path == "/d/.hidden.tmp"  # not a scratch name: as it is
+    # a failed write names no file: the output it was for is named (it said only "No space left on device")
+    for code, words in ((28, "disk is full"), (27, "ulimit -f")):
+        err = describe(OSError(code, os.strerror(code)), output="model/")
+        assert err.path == "model/" and err.message.startswith("model/: cannot write the output here: "), err
+        assert words in err.message and "-o" in err.message, err
+    assert describe(OSError(28, os.strerror(28))).path is None  # no output to name (push names its own files)
     assert describe(RuntimeError("boom")).message.startswith("internal error: RuntimeError: boom")
     assert describe(ModuleNotFoundError("No module named 's3fs'", name="s3fs")).exit_code == 1
 
