@@ -292,6 +292,27 @@ def test_unwritable_output_names_the_users_path(tmp_path):
         assert "zckpt-tmp" not in res.stderr and "-o" in res.stderr
 
 
+def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
+    """``--output=~/model`` (bash expands no ``~`` after ``=``) and quoted paths: the home folder, as the shell would
+    have said it; it made a folder named ``~`` in the current one (which ``rm -rf ~`` then "cleans up")."""
+    from tests.conftest import FIXTURES
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), home / "ck")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    for cmd in (["merge", "~/ck", "--output=~/m"], ["reshard", "~/ck", "-w", "1", "--output=~/r"],
+                ["convert", "~/ck", "-o", "~/c"], ["push", "~/ck", "~/p", "--settle", "0"], ["info", "~/ck"],
+                ["verify", "~/ck"], ["estimate", "~/ck"]):
+        res = run(*cmd, "--json")
+        assert res.exit_code == 0, (cmd, res.output)
+    assert list(cwd.iterdir()) == []
+    assert (home / "m" / ".zckpt.json").exists() and (home / "r" / ".zckpt.json").exists()
+    assert (home / "c" / ".zckpt.json").exists() and (home / "p").is_dir()
+    assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
+
+
 def test_error_table_scratch_names_become_the_output():
     from zckpt.cli._errors import describe
     err = describe(FileNotFoundError(2, "No such file or directory", "/data/.model.zckpt-tmp-123-abcd/x.bin"))
