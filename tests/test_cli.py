@@ -313,6 +313,15 @@ def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
     assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
 
 
+def test_push_into_its_own_source_says_what_to_do(tmp_path):
+    from tests.conftest import FIXTURES
+    src = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), src)
+    res = invoke("push", str(src), str(src / "backup"), "--settle", "0")
+    _one_line_error(res, 1, "DEST: must not be inside SRC", "(choose a DEST outside SRC)")
+    assert not (src / "backup").exists()
+
+
 def test_error_table_scratch_names_become_the_output():
     from zckpt.cli._errors import describe
     err = describe(FileNotFoundError(2, "No such file or directory", "/data/.model.zckpt-tmp-123-abcd/x.bin"))
