@@ -682,6 +682,27 @@ def test_ctrl_c_during_push_and_info(tmp_path):
         assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
 
 
+def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkeypatch):
+    """Cleanup that fails while a Ctrl-C unwinds (a map still in use, a scratch file already gone) must not turn the
+    interrupt into "internal error" (exit 1): the user pressed Ctrl-C; it is one line and 130."""
+    import zckpt.ops.estimate as estimate_mod
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise BufferError("cannot close exported pointers exist")
+
+    monkeypatch.setattr(estimate_mod, "estimate", interrupted)
+    for extra in ([], ["--json"]):
+        res = invoke("estimate", "--params", "8B", "--largest-layer", "1B", *extra)
+        assert res.exit_code == 130 and res.stderr == "zckpt: interrupted\n", (res.exit_code, res.output)
+        if extra:
+            assert json.loads(res.stdout)["error"]["type"] == "KeyboardInterrupt"
+    res = invoke("estimate", "--params", "x")  # an error of its own is still reported as before
+    assert res.exit_code == 1 and "internal error" not in res.stderr
+
+
 def test_ctrl_c_in_another_program_is_not_zckpts():
     """Importing zckpt (or its CLI) from another program leaves that program's Ctrl-C alone."""
     import signal
