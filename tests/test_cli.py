@@ -292,12 +292,52 @@ def test_unwritable_output_names_the_users_path(tmp_path):
         assert "zckpt-tmp" not in res.stderr and "-o" in res.stderr
 
 
+def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
+    """``--output=~/model`` (bash expands no ``~`` after ``=``) and quoted paths: the home folder, as the shell would
+    have said it; it made a folder named ``~`` in the current one (which ``rm -rf ~`` then "cleans up")."""
+    from tests.conftest import FIXTURES
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), home / "ck")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    for cmd in (["merge", "~/ck", "--output=~/m"], ["reshard", "~/ck", "-w", "1", "--output=~/r"],
+                ["convert", "~/ck", "-o", "~/c"], ["push", "~/ck", "~/p", "--settle", "0"], ["info", "~/ck"],
+                ["verify", "~/ck"], ["estimate", "~/ck"]):
+        res = run(*cmd, "--json")
+        assert res.exit_code == 0, (cmd, res.output)
+    assert list(cwd.iterdir()) == []
+    assert (home / "m" / ".zckpt.json").exists() and (home / "r" / ".zckpt.json").exists()
+    assert (home / "c" / ".zckpt.json").exists() and (home / "p").is_dir()
+    assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
+
+
+def test_push_into_its_own_source_says_what_to_do(tmp_path):
+    from tests.conftest import FIXTURES
+    src = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), src)
+    res = invoke("push", str(src), str(src / "backup"), "--settle", "0")
+    _one_line_error(res, 1, "DEST: must not be inside SRC", "(choose a DEST outside SRC)")
+    assert not (src / "backup").exists()
+
+
 def test_error_table_scratch_names_become_the_output():
     from zckpt.cli._errors import describe
     err = describe(FileNotFoundError(2, "No such file or directory", "/data/.model.zckpt-tmp-123-abcd/x.bin"))
     assert err.path == "/data/model/x.bin" and "zckpt-tmp" not in err.message and "-o" in err.message
     err = describe(PermissionError(13, "Permission denied", "/data/out"), output="/data/out")
     assert err.message.startswith("/data/out: cannot write the output here")
+    # a file being written into place by push (zckpt.io.storage): named as the file the user will see
+    err = describe(OSError(30, "Read-only file system", "/mnt/ro/.zero_to_fp32.py.11bae98f.tmp"))
+    assert err.path == "/mnt/ro/zero_to_fp32.py" and ".tmp" not in err.message, err
+    assert describe(OSError(2, "x", "/d/.hidden.tmp")).path == "/d/.hidden.tmp"  # not a scratch name: as it is
+    # a failed write names no file: the output it was for is named (it said only "No space left on device")
+    for code, words in ((28, "disk is full"), (27, "ulimit -f")):
+        err = describe(OSError(code, os.strerror(code)), output="model/")
+        assert err.path == "model/" and err.message.startswith("model/: cannot write the output here: "), err
+        assert words in err.message and "-o" in err.message, err
+    assert describe(OSError(28, os.strerror(28))).path is None  # no output to name (push names its own files)
     assert describe(RuntimeError("boom")).message.startswith("internal error: RuntimeError: boom")
     assert describe(ModuleNotFoundError("No module named 's3fs'", name="s3fs")).exit_code == 1
 
@@ -640,6 +680,27 @@ def test_ctrl_c_during_push_and_info(tmp_path):
             assert doc["error"]["exit_code"] == 130 and doc["command"] == "push", doc
         code, stdout, stderr = _interrupt(delay, "info", str(checkpoint_path(FIXTURE_DIRS[0])))
         assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
+
+
+def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkeypatch):
+    """Cleanup that fails while a Ctrl-C unwinds (a map still in use, a scratch file already gone) must not turn the
+    interrupt into "internal error" (exit 1): the user pressed Ctrl-C; it is one line and 130."""
+    import zckpt.ops.estimate as estimate_mod
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise BufferError("cannot close exported pointers exist")
+
+    monkeypatch.setattr(estimate_mod, "estimate", interrupted)
+    for extra in ([], ["--json"]):
+        res = invoke("estimate", "--params", "8B", "--largest-layer", "1B", *extra)
+        assert res.exit_code == 130 and res.stderr == "zckpt: interrupted\n", (res.exit_code, res.output)
+        if extra:
+            assert json.loads(res.stdout)["error"]["type"] == "KeyboardInterrupt"
+    res = invoke("estimate", "--params", "x")  # an error of its own is still reported as before
+    assert res.exit_code == 1 and "internal error" not in res.stderr
 
 
 def test_ctrl_c_in_another_program_is_not_zckpts():
