@@ -345,7 +345,8 @@ def _message(exc: BaseException, what: str) -> str:
     """``exc`` as one line without its hint, naming ``what`` unless it names its own path."""
     if isinstance(exc, ZckptError):
         text = " ".join(exc.message.split())
-        return f"{exc.path}: {text}" if exc.path else f"{what}: {text}"
+        path = exc.path or what
+        return text if text.startswith(path) else f"{path}: {text}"
     return f"{what}: {' '.join(str(exc).split())}"
 
 
