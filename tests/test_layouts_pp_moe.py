@@ -49,6 +49,12 @@ def _live(oracle: dict, prefix: str) -> dict:
     return {k.split("/", 1)[1]: v for k, v in oracle.items() if k.startswith(prefix + "/")}
 
 
+def _ep_sizes(spec: dict):
+    """info's ep_world_size: one size, or the sorted sizes of several MoE layers' expert groups"""
+    sizes = sorted({spec.get("ep_size", 1)} | ({spec["moe2_ep_size"]} if spec.get("moe2_ep_size") else set()))
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
 def test_fixtures_present():
     assert len(PP) >= 2 and len(MOE) >= 2, "the pipeline / MoE fixtures are committed under fixtures/"
 
@@ -100,7 +106,7 @@ def test_info_and_counts(fx):
     d = info_of(str(checkpoint_path(fx)))
     pp = spec.get("pp", 1)
     assert d["dp_world_size"] == spec["world_size"] // pp and d["mp_world_size"] == pp
-    assert d["pp_world_size"] == pp and d["tp_world_size"] == 1 and d["ep_world_size"] == spec.get("ep_size", 1)
+    assert d["pp_world_size"] == pp and d["tp_world_size"] == 1 and d["ep_world_size"] == _ep_sizes(spec)
     assert d["zero_stage"] == spec["stage"] and d["precision"] == spec["dtype"]
     assert d["counts"]["trainable"] == len(info["trainable"]) and d["counts"]["frozen"] == len(info["frozen"])
     assert d["counts"]["buffer"] == len(info["buffers"]) and d["counts"]["tied"] == 0
@@ -226,7 +232,8 @@ def test_moe_loads_strictly_into_the_ep1_model(fx):
     """The merged names are the state_dict of the same model built with ep_size=1 (all experts local), in order."""
     from fixtures import gen_parallel
     oracle, _ = _oracle(fx)
-    model = gen_parallel.build_moe({"ep_size": 1})
+    spec = json.loads((fx / "expected" / "spec.json").read_text())
+    model = gen_parallel.build_moe({**spec, "ep_size": 1, "moe2_ep_size": 1 if spec.get("moe2_ep_size") else None})
     ckpt = zckpt.open_checkpoint(str(checkpoint_path(fx)))
     assert [r.name for r in ckpt.records] == list(model.state_dict())
     zckpt.load_into_module(model, ckpt)  # strict: no missing or unexpected keys

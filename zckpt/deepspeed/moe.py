@@ -124,15 +124,16 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     dense, tied = zero0.module_params(module, ms0.get("buffer_names"))
     precision = precision_of(ms0, module)
     counts = [int(n) for n in ms0["num_experts"]]
-    if any(n % ep for n in counts):
-        raise CorruptFile(f"num_experts {counts} do not split over {ep} expp_rank files", path=loc.tag_dir)
+    ws = ms0.get("dp_world_size")
+    ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
+    held = _zero0_expert_ids(ms0, files, counts, ws, loc.tag_dir)
     tensors = _expert_tensors(loc, ms0)
     dense_names = {n for n, _ in dense}
     trainable: dict[str, TensorRecord] = {}
     groups: list[GroupInfo] = []
     notes: list[str] = []
     for e, (f, st) in enumerate(files):
-        mine = [(n, t) for n, t, layer, gid, _ in tensors if gid // (counts[layer] // ep) == e]
+        mine = [(n, t) for n, t, layer, gid, _ in tensors if gid in held[e][layer]]
         opt = st.get("optimizer") if isinstance(st, dict) else None
         recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
         notes += [type(n)(f"expert-parallel rank {e}: {n}") for n in more]
@@ -151,12 +152,49 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
                              LP_DTYPES[precision])
     experts = _from_expert_files(loc, ms0, {n: r for n, r in trainable.items() if n not in dense_names}, tensors)
     records = _insert_experts(records, list(experts.values()))
-    ws = ms0.get("dp_world_size")
-    ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
     notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
                       parallel="moe", reshard_refusal=REFUSAL,
                       state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
+
+
+def _zero0_expert_ids(ms0: dict, files: list, counts: list[int], ws: int, path: str) -> list[list[set[int]]]:
+    """Per expp_rank file e, per MoE layer: the global expert ids whose masters the file may hold.
+
+    DeepSpeed writes ``expp_rank_{e}`` from the expert-data-parallel rank 0 of expert-parallel rank e of the
+    LARGEST expert group (``groups._get_max_expert_size_name``); that rank's optimizer holds every layer's experts
+    of ITS expert-parallel rank in that layer's own group. Which ep_size each layer has is not saved, only the
+    expert groups' names (``ep_size_N``): a layer's candidates are the experts that rank holds under each of those
+    sizes, and the masters are then told apart by ``param_names`` or values (:mod:`zero0`), never by position."""
+    sizes: set[int] = set()
+    for _, st in files:
+        opt = st.get("optimizer") if isinstance(st, dict) else None
+        osd = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else None
+        for pg in (osd.get("param_groups") if isinstance(osd, dict) else None) or []:
+            m = EP_NAME_RE.match(str(pg.get("name", ""))) if isinstance(pg, dict) and pg.get("moe") else None
+            if m:
+                sizes.add(int(m.group(1)))
+    ep = len(files)
+    sizes = sizes or {ep}
+    if max(sizes) != ep or any(ws % n for n in sizes):
+        raise CorruptFile(f"{ep} expp_rank files, but expert groups of ep_size {sorted(sizes)} over {ws} ranks",
+                          path=path)
+    for layer, n in enumerate(counts):
+        if not any(n % size == 0 for size in sizes):
+            raise CorruptFile(f"MoE layer {layer}'s {n} experts do not split over any expert group's ep_size "
+                              f"{sorted(sizes)}", path=path)
+    out = []
+    for e in range(ep):
+        writer = expert_data_ranks(ms0, ws, ep, e, path)[0]
+        per_layer = []
+        for n in counts:
+            ids: set[int] = set()
+            for size in (s for s in sizes if n % s == 0):
+                mine = next(r for r in range(size) if writer in expert_data_ranks(ms0, ws, size, r, path))
+                ids.update(range(mine * (n // size), (mine + 1) * (n // size)))
+            per_layer.append(ids)
+        out.append(per_layer)
+    return out
 
 
 def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
