@@ -313,6 +313,22 @@ def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
     assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
 
 
+def test_an_empty_path_is_refused(tmp_path, monkeypatch):
+    """``zckpt push ckpt "$DEST"`` with DEST unset: an empty path is refused, naming it (push wrote the checkpoint
+    into the current folder, then failed with an internal error; -o "" said ".: No such file or directory")."""
+    from tests.conftest import FIXTURES
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    monkeypatch.chdir(tmp_path)
+    for cmd, flag in ((["push", ck, ""], "DEST"), (["push", "", "d"], "SRC"), (["merge", ck, "-o", ""], "-o"),
+                      (["reshard", ck, "-w", "1", "-o", ""], "-o"), (["convert", ck, "-o", ""], "-o"),
+                      (["info", ""], "PATH"), (["verify", ""], "PATH"), (["merge", "", "-o", "m"], "PATH"),
+                      (["estimate", "--config", ""], "--config"), (["estimate", ""], "[PATH]")):
+        _one_line_error(invoke(*cmd), 1, f"{flag}: an empty path", "variable that is not set")
+        res = invoke(*cmd, "--json")
+        assert json.loads(res.stdout)["error"]["type"] == "InvalidArgument", res.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_push_into_its_own_source_says_what_to_do(tmp_path):
     from tests.conftest import FIXTURES
     src = tmp_path / "ck"
@@ -680,6 +696,27 @@ def test_ctrl_c_during_push_and_info(tmp_path):
             assert doc["error"]["exit_code"] == 130 and doc["command"] == "push", doc
         code, stdout, stderr = _interrupt(delay, "info", str(checkpoint_path(FIXTURE_DIRS[0])))
         assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
+
+
+def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkeypatch):
+    """Cleanup that fails while a Ctrl-C unwinds (a map still in use, a scratch file already gone) must not turn the
+    interrupt into "internal error" (exit 1): the user pressed Ctrl-C; it is one line and 130."""
+    import zckpt.ops.estimate as estimate_mod
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise BufferError("cannot close exported pointers exist")
+
+    monkeypatch.setattr(estimate_mod, "estimate", interrupted)
+    for extra in ([], ["--json"]):
+        res = invoke("estimate", "--params", "8B", "--largest-layer", "1B", *extra)
+        assert res.exit_code == 130 and res.stderr == "zckpt: interrupted\n", (res.exit_code, res.output)
+        if extra:
+            assert json.loads(res.stdout)["error"]["type"] == "KeyboardInterrupt"
+    res = invoke("estimate", "--params", "x")  # an error of its own is still reported as before
+    assert res.exit_code == 1 and "internal error" not in res.stderr
 
 
 def test_ctrl_c_in_another_program_is_not_zckpts():

@@ -79,6 +79,38 @@ def test_file_size_limit_names_the_output(tmp_path):
         assert list(tmp_path.iterdir()) == []
 
 
+def test_interrupt_while_a_crc_is_in_flight_stays_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C during a --to pt merge unwinds while pool threads still compute CRCs on slices of the source maps:
+    closing the maps must not raise (it did: "internal error: BufferError: cannot close exported pointers exist",
+    exit 1, instead of "zckpt: interrupted", 130)."""
+    import threading
+    import zlib
+    from zckpt.engine.torchzip import SourceMaps
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 16))
+    inside, release = threading.Event(), threading.Event()
+    real = zlib.crc32
+
+    def slow_crc(data, value=0):
+        inside.set()
+        release.wait(10)
+        return real(data, value)
+
+    monkeypatch.setattr(zlib, "crc32", slow_crc)
+    maps = SourceMaps()
+    worker = threading.Thread(target=maps.crc, args=(str(src), 100, 1000, 0))
+    worker.start()
+    assert inside.wait(10)
+    try:
+        maps.close()  # the interrupted main thread's cleanup, while the worker holds its slice
+    finally:
+        release.set()
+        worker.join(10)
+    monkeypatch.undo()
+    assert real(src.read_bytes()[100:1100]) == SourceMaps().crc(str(src), 100, 1000, 0)  # maps work afresh
+
+
 def test_injected_write_failure(tmp_path, monkeypatch):
     """Where no small filesystem can be made: a write that fails part-way (ENOSPC), via the write primitive."""
     calls = {"n": 0}

@@ -13,7 +13,8 @@ We check that
 * info and verify describe the layout (data-parallel and pipeline sizes, counts, steps, every file), and verify
   --deep catches a damaged layer or expert file;
 * the expert-parallel rank of each optimizer file is the one the live engine had (``R % ep_size``);
-* reshard of MoE and ZeRO-0 pipelines is refused with a clear message (ZeRO-1 pipelines: test_reshard_parallel); a missing layer, expert or stage file is named.
+* reshard of MoE without ZeRO and of ZeRO-0 pipelines is refused with a clear message (ZeRO-1 pipelines:
+  test_reshard_parallel; ZeRO-1/2 MoE: test_reshard_moe); a missing layer, expert or stage file is named.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ def test_moe_expert_parallel_ranks_match_engine(fx):
     assert counts == [info["world_size"], info["world_size"] // ep]
 
 
-# ZeRO-1 pipelines reshard their data-parallel size (tests/test_reshard_parallel.py); ZeRO-0 pipelines and MoE do not
-REFUSED = MOE + [d for d in PP if json.loads((d / "expected" / "spec.json").read_text())["stage"] == 0]
+# ZeRO-1 pipelines and ZeRO-1/2 MoE reshard their data-parallel size (tests/test_reshard_parallel.py,
+# tests/test_reshard_moe.py); ZeRO-0 pipelines and MoE without ZeRO do not
+REFUSED = [d for d in PP + MOE if json.loads((d / "expected" / "spec.json").read_text())["stage"] == 0]
 
 
 @pytest.mark.parametrize("fx", REFUSED, ids=[d.name for d in REFUSED])

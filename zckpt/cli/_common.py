@@ -165,9 +165,14 @@ def expand_home(value):
 
 
 def _home_expanded(f):
+    """The command, with its paths refused when empty and ``~`` expanded (:func:`expand_home`)."""
     @functools.wraps(f)
     def command(*args, **kwargs):
         for name in PATH_PARAMS:
+            if kwargs.get(name) == "":  # `-o "$OUT"` with OUT unset: it meant the current folder (push wrote there)
+                from zckpt.errors import InvalidArgument
+                raise InvalidArgument("an empty path", param=name,
+                                      hint="a shell variable that is not set? give the path")
             if name in kwargs:
                 kwargs[name] = expand_home(kwargs[name])
         return f(*args, **kwargs)
