@@ -163,6 +163,8 @@ def _worker(job_path: str) -> None:
     if spec["optimizer"] == "cpuadam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         opt = DeepSpeedCPUAdam(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, adamw_mode=True)
+    elif spec["optimizer"] == "sgd":
+        opt = torch.optim.SGD(torch_groups, lr=spec["lr"], momentum=0.9)
     else:
         opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)

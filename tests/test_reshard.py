@@ -466,3 +466,28 @@ def test_progress_callback(fixture_dir, tmp_path):
                   progress=lambda done, total: seen.append((done, total)))
     assert seen and seen[-1][0] == seen[-1][1] == res.plan.total_bytes
     assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+
+
+def test_optimizer_state_other_than_adam_is_never_dropped(tmp_path):
+    """``fixtures/z2_bf16_ws2_sgd`` (momentum SGD: ``momentum_buffer``, no ``exp_avg``): zckpt re-partitions only
+    Adam's moments, so reshard (CLI and API) and a resume's per-rank plan refuse in one line, nothing written;
+    earlier zckpt wrote the checkpoint without the momentum, exit 0 (DeepSpeed then loads an empty SGD state).
+    Merge (weights only) still works."""
+    import subprocess
+    import zckpt
+    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.errors import UnsupportedLayout
+    from zckpt.ops.reshard import plan_ranks
+    src = ROOT / "fixtures" / "z2_bf16_ws2_sgd"
+    for ws in (1, 3):
+        with pytest.raises(UnsupportedLayout, match="momentum_buffer") as err:
+            zckpt.reshard(str(src), str(tmp_path / "o"), world_size=ws)
+        assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
+    with pytest.raises(UnsupportedLayout, match="momentum_buffer"):
+        plan_ranks(open_checkpoint(str(src)), 3, [0])
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(src), "-w", "3", "-o", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=str(ROOT))
+    assert proc.returncode != 0 and "momentum_buffer" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    zckpt.merge(str(src), str(tmp_path / "m"))
+    assert (tmp_path / "m").exists()

@@ -157,7 +157,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                                      dict(enumerate(int(n) for n in ms0["num_experts"]))))
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": layout})
+                      extra={"moe": layout}, state_refusal=base.state_refusal)
 
 
 def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:

@@ -45,6 +45,10 @@ def _as_list(value, n, what, path):
     return list(value)
 
 
+#: key of the hyperparameters _moments returns: per-element optimizer state zckpt does not read (SGD's momentum_buffer)
+OTHER_STATE = "_zckpt_other_state"
+
+
 def _moments(osd: dict, g: int, path: str):
     """(step, exp_avg, exp_avg_sq, hyperparams) of group g from ``base_optimizer_state``."""
     bos = osd.get("base_optimizer_state")
@@ -67,6 +71,10 @@ def _moments(osd: dict, g: int, path: str):
         raise CorruptFile("optimizer file has no base_optimizer_state", path=path)
     if not isinstance(st, dict):
         return step, None, None, hyper  # no state yet (saved before the first step) or a stateless optimizer
+    other = sorted(str(k) for k, v in st.items() if isinstance(v, LazyTensor)
+                   and k not in ("exp_avg", "exp_avg_sq", "step"))
+    if other:
+        hyper = {**hyper, OTHER_STATE: other}
     ea, eas = st.get("exp_avg"), st.get("exp_avg_sq")
     return step, ea if isinstance(ea, LazyTensor) else None, eas if isinstance(eas, LazyTensor) else None, hyper
 
@@ -104,6 +112,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     round_robin = isinstance(zcfg, dict) and bool(zcfg.get("round_robin_gradients"))
     trainable: dict[str, TensorRecord] = {}
     groups: list[GroupInfo] = []
+    other_state: dict[str, list[int]] = {}
     for g in range(ngroups):
         fp32_parts, ea_parts, eas_parts, reals = [], [], [], []
         step = hyper = None
@@ -167,7 +176,10 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             raise CorruptFile(f"group {g}: parameters use {offset} elements but the partitions hold {avail}",
                               path=opath[0], hint="param_shapes and the optimizer files disagree")
         step_value = scalar_value(step, loc.storage_options) if step is not None else None
-        groups.append(GroupInfo(g, hyper or {}, step_value, names))
+        hyper = dict(hyper or {})
+        for key in hyper.pop(OTHER_STATE, []):
+            other_state.setdefault(key, []).append(g)
+        groups.append(GroupInfo(g, hyper, step_value, names))
 
     frozen: dict[str, TensorRecord] = {}
     fshapes = ms0.get("frozen_param_shapes") or {}
@@ -191,8 +203,14 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     offload = bool(zcfg.get("cpu_offload")) or (isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
     notes = ["round_robin_gradients: the flat groups are read in param_shapes' order; DeepSpeed's "
              "param_slice_mappings (in model order) are not checked"] if round_robin else []
+    refusal = None
+    if other_state:  # e.g. SGD's momentum_buffer: a reshard without it would drop the state, exit 0
+        refusal = (f"optimizer state {', '.join(repr(k) for k in other_state)} (param group(s) "
+                   f"{sorted({g for gs in other_state.values() for g in gs})}) is not Adam's exp_avg / exp_avg_sq, "
+                   "which is all zckpt re-partitions")
+        notes.append(f"not read: {refusal}")
     return Checkpoint(loc, stage, flavour, precision, ws, records, groups, ms0, optim_states, model_states,
-                      offload=offload, notes=notes)
+                      offload=offload, notes=notes, state_refusal=refusal)
 
 
 def _with_unrecorded_ties(ms0: dict, module: dict, trainable: dict, frozen: dict, path: str,

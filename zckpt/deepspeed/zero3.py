@@ -47,6 +47,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     module = ms0.get("module") or {}
 
     flats, moments = [], []
+    other: set[str] = set()
     for r, osd in enumerate(osds):
         fl = osd.get("fp32_flat_groups")
         if not isinstance(fl, list) or len(fl) != nsub or not all(isinstance(t, LazyTensor) for t in fl):
@@ -57,6 +58,9 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
         ea = [(state.get(s) or {}).get("exp_avg") for s in range(nsub)]
         eas = [(state.get(s) or {}).get("exp_avg_sq") for s in range(nsub)]
         moments.append((ea, eas))
+        for st in (v for v in state.values() if isinstance(v, dict)):  # e.g. SGD's momentum_buffer: not read
+            other.update(str(k) for k, v in st.items() if isinstance(v, LazyTensor)
+                         and k not in ("exp_avg", "exp_avg_sq", "step"))
     has_moments = all(isinstance(t, LazyTensor) for ea, eas in moments for t in ea + eas)
 
     trainable: dict[str, TensorRecord] = {}
@@ -103,8 +107,10 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     zcfg = (cfg.get("zero_optimization") or {}) if isinstance(cfg, dict) else {}
     off_cfg = zcfg.get("offload_optimizer") if isinstance(zcfg, dict) else None
     offload = isinstance(off_cfg, dict) and off_cfg.get("device") in ("cpu", "nvme")
+    refusal = (f"optimizer state {', '.join(repr(k) for k in sorted(other))} is not Adam's exp_avg / exp_avg_sq, "
+               "which is all zckpt re-partitions") if other else None
     ckpt = Checkpoint(loc, 3, "zero3", precision, ws, records, groups, ms0, optim_states, model_states,
-                      offload=offload)
+                      offload=offload, notes=[f"not read: {refusal}"] if refusal else [], state_refusal=refusal)
     return ckpt
 
 

@@ -627,6 +627,14 @@ def _check_world_size(world_size) -> None:
         raise InvalidArgument(f"must be a positive integer, got {world_size!r}", param="world_size")
 
 
+def _check_state(ckpt: Checkpoint) -> None:
+    """Optimizer state the reader could not place (``state_refusal``: SGD's momentum_buffer, ZeRO-0 moments it
+    cannot tell apart) is never dropped from a re-partitioned checkpoint with exit 0."""
+    if ckpt.state_refusal:
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}",
+                                path=ckpt.location.tag_dir, hint="zckpt merge / info / verify read this checkpoint")
+
+
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
     _check_world_size(world_size)
     if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
@@ -659,6 +667,8 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the side files."""
     if fmt not in FORMATS:
         raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
+    for sub in [ckpt] + list(ckpt.extra.get("pipeline_stages") or []):
+        _check_state(sub)
     if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
         return _plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt)
     if ckpt.parallel == "moe":
@@ -869,6 +879,7 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
     ``parameter_alignment``), applied where they differ from the source config's."""
     layout = None
+    _check_state(ckpt)
     if ckpt.parallel == "moe":
         layout = _check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
         stage, flavour = ckpt.stage, ckpt.flavour
