@@ -169,7 +169,12 @@ def main(argv=None) -> int:
         print(f"uploaded {ckpt} in {time.perf_counter() - t0:.1f}s", flush=True)
         ranges = merge_ranges(src, opts)
         need = sum(n for _, _, n in ranges)
-        client = server.client()
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.access_key,
+                              aws_secret_access_key=server.secret_key, region_name=server.region,
+                              config=Config(max_pool_connections=max(10, args.threads)))  # a connection a thread
         spec = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
                 "region": server.region, "ranges": ranges, "part": args.part_mb << 20, "threads": args.threads,
                 "dest": str(tmp / "boto-cmd")}
