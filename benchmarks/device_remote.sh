@@ -17,6 +17,8 @@ set -euo pipefail
 out=${1:?outdir}
 code=$(cd "${CODE:-$PWD}" && pwd)
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+for v in WHL SITE WEED_XZ; do [ -n "${!v:-}" ] && export "$v=$(realpath "${!v}")"; done
 t0=$SECONDS
 {
   python3 --version; nproc; free -g | head -2; df -h /tmp | tail -1
@@ -34,11 +36,12 @@ export PYTHONPATH=$code:${SITE:+$SITE:}$extra:${PYTHONPATH:-} DS_ACCELERATOR=cpu
 if [ -n "${WEED_XZ:-}" ]; then
   xz -dc "$WEED_XZ" > /tmp/zr-weed && chmod +x /tmp/zr-weed && export WEED=/tmp/zr-weed
 fi
-python3 -c "import deepspeed, boto3, zckpt; print('deepspeed', deepspeed.__version__, 'boto3', boto3.__version__, zckpt.__file__)" \
+(cd "$code" && python3 -c "import deepspeed, boto3, zckpt; print('deepspeed', deepspeed.__version__, 'boto3', boto3.__version__, zckpt.__file__)") \
   2>&1 | tee -a "$out/host.log"
 echo "setup done in $((SECONDS - t0))s" | tee -a "$out/host.log"
 work=${WORK:-/tmp/zr}
 mkdir -p "$work"
+cd "$code"  # (the current folder comes first on sys.path: python -m zckpt must find CODE's zckpt)
 for layers in ${SIZES:-12 40}; do
   if [ $((SECONDS - t0)) -ge "${BUDGET_S:-250}" ]; then
     echo "skipping L$layers: $((SECONDS - t0))s spent" | tee -a "$out/host.log"; continue

@@ -1,4 +1,4 @@
-"""zckpt's one storage layer: local paths on a fast path, every URL through fsspec.
+"""zckpt's one storage layer: local paths on a fast path, S3 through one boto3 client, other URLs through fsspec.
 
 Paths are plain ``str`` everywhere (a ``pathlib.Path`` would collapse the ``//`` of ``s3://``)::
 
@@ -13,6 +13,11 @@ what it is given (on S3 on top of the standard AWS variables). There is no proce
 with different endpoints or credentials in one process (a library inside a trainer) never see each other's.
 The callers thread them: :func:`zckpt.deepspeed.layout.open_checkpoint` records them on the ``Checkpoint``
 (``ckpt.storage_options``) and the ops hand them on to the readers, the executor and the publisher.
+
+On S3 every call (stat, list, ranged GET, upload) goes through one shared, thread-safe boto3 client built from the
+same options (:func:`_boto3_client`; s3fs only when the options need it or ``ZCKPT_S3_UPLOADER=s3fs``): a reading
+command never imports s3fs, and GETs run in parallel threads. Opening a remote torch file for its metadata is
+:func:`open_ranges` (a few parallel rounds; nothing fetched twice).
 
 Failures: missing paths raise ``FileNotFoundError``, refused access ``PermissionError`` (the builtins fsspec
 backends already use); any other backend failure becomes :class:`zckpt.errors.StorageError` naming the URL.
