@@ -292,12 +292,52 @@ def test_unwritable_output_names_the_users_path(tmp_path):
         assert "zckpt-tmp" not in res.stderr and "-o" in res.stderr
 
 
+def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
+    """``--output=~/model`` (bash expands no ``~`` after ``=``) and quoted paths: the home folder, as the shell would
+    have said it; it made a folder named ``~`` in the current one (which ``rm -rf ~`` then "cleans up")."""
+    from tests.conftest import FIXTURES
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), home / "ck")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    for cmd in (["merge", "~/ck", "--output=~/m"], ["reshard", "~/ck", "-w", "1", "--output=~/r"],
+                ["convert", "~/ck", "-o", "~/c"], ["push", "~/ck", "~/p", "--settle", "0"], ["info", "~/ck"],
+                ["verify", "~/ck"], ["estimate", "~/ck"]):
+        res = run(*cmd, "--json")
+        assert res.exit_code == 0, (cmd, res.output)
+    assert list(cwd.iterdir()) == []
+    assert (home / "m" / ".zckpt.json").exists() and (home / "r" / ".zckpt.json").exists()
+    assert (home / "c" / ".zckpt.json").exists() and (home / "p").is_dir()
+    assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
+
+
+def test_push_into_its_own_source_says_what_to_do(tmp_path):
+    from tests.conftest import FIXTURES
+    src = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(FIXTURES / "trainer"), src)
+    res = invoke("push", str(src), str(src / "backup"), "--settle", "0")
+    _one_line_error(res, 1, "DEST: must not be inside SRC", "(choose a DEST outside SRC)")
+    assert not (src / "backup").exists()
+
+
 def test_error_table_scratch_names_become_the_output():
     from zckpt.cli._errors import describe
     err = describe(FileNotFoundError(2, "No such file or directory", "/data/.model.zckpt-tmp-123-abcd/x.bin"))
     assert err.path == "/data/model/x.bin" and "zckpt-tmp" not in err.message and "-o" in err.message
     err = describe(PermissionError(13, "Permission denied", "/data/out"), output="/data/out")
     assert err.message.startswith("/data/out: cannot write the output here")
+    # a file being written into place by push (zckpt.io.storage): named as the file the user will see
+    err = describe(OSError(30, "Read-only file system", "/mnt/ro/.zero_to_fp32.py.11bae98f.tmp"))
+    assert err.path == "/mnt/ro/zero_to_fp32.py" and ".tmp" not in err.message, err
+    assert describe(OSError(2, "x", "/d/.hidden.tmp")).path == "/d/.hidden.tmp"  # not a scratch name: as it is
+    # a failed write names no file: the output it was for is named (it said only "No space left on device")
+    for code, words in ((28, "disk is full"), (27, "ulimit -f")):
+        err = describe(OSError(code, os.strerror(code)), output="model/")
+        assert err.path == "model/" and err.message.startswith("model/: cannot write the output here: "), err
+        assert words in err.message and "-o" in err.message, err
+    assert describe(OSError(28, os.strerror(28))).path is None  # no output to name (push names its own files)
     assert describe(RuntimeError("boom")).message.startswith("internal error: RuntimeError: boom")
     assert describe(ModuleNotFoundError("No module named 's3fs'", name="s3fs")).exit_code == 1
 
@@ -522,11 +562,50 @@ def test_small_part_size_is_fine_for_a_folder(tmp_path):
     _one_line_error(res, 1, "--part-size: must be at least 5 MiB", "s3://")
 
 
+# ------------------------------------------------------------------------------------ a reader that left
+
+def _reader_gone(*args):
+    """Run the ``zckpt`` program with stdout a pipe nobody reads any more (``zckpt ... | head -1`` once head has
+    exited): every write to stdout fails with EPIPE. Returns (exit status, stderr)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "zckpt", *args], stdout=w, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, timeout=120, env=dict(os.environ, ZCKPT_DEBUG=""))
+    finally:
+        os.close(w)
+    return proc.returncode, proc.stderr
+
+
+def test_a_reader_that_left_is_not_a_failure(tmp_path):
+    """``zckpt reshard ... | head -1``: the output is published; that nobody reads the report is not an error (it
+    was "zckpt: error: Broken pipe", exit 1, after a complete reshard). The exit status stays the work's own."""
+    from tests.conftest import FIXTURES
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    for name, args, out in [("reshard", ["-w", "1"], "r"), ("convert", [], "c"), ("merge", [], "m"),
+                            ("merge", ["--json"], "mj")]:
+        code, stderr = _reader_gone(name, ck, *args, "-o", str(tmp_path / out))
+        assert (code, stderr) == (0, ""), (name, code, stderr)
+        assert (tmp_path / out / ".zckpt.json").exists(), name
+    for args in (["info", ck], ["verify", ck, "--deep"], ["estimate", "--params", "8B", "--largest-layer", "1B"]):
+        assert _reader_gone(*args) == (0, ""), args
+    # a failure is still said on stderr, with its own status; verify's verdict too
+    code, stderr = _reader_gone("info", str(tmp_path / "nope"))
+    assert code == 1 and stderr.startswith("zckpt: error: ") and "Broken pipe" not in stderr, stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    tag = (bad / "latest").read_text().strip()
+    victim = sorted((bad / tag).glob("*optim_states.pt"))[0]
+    victim.write_bytes(victim.read_bytes()[:-8])
+    code, stderr = _reader_gone("verify", str(bad))
+    assert code == 1 and "Broken pipe" not in stderr, (code, stderr)
+
+
 # ------------------------------------------------------------------------------------ Ctrl-C at any moment
 
 _SIGINT_CODE = r"""
 import os, signal, subprocess, sys, time
-delay, cmd = float(sys.argv[1]), sys.argv[2:]
+delay, sig, cmd = float(sys.argv[1]), getattr(signal, sys.argv[2]), sys.argv[3:]
 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 os.set_blocking(p.stderr.fileno(), False)
 seen, t0 = b"", time.monotonic()
@@ -534,7 +613,7 @@ while b"zckpt.lazy" not in seen and p.poll() is None and time.monotonic() - t0 <
     seen += p.stderr.read() or b""  # -X importtime: zckpt.lazy is imported right after zckpt's handler is set
     time.sleep(0.001)
 time.sleep(delay)
-p.send_signal(signal.SIGINT)
+p.send_signal(sig)
 os.set_blocking(p.stderr.fileno(), True)
 out, err = p.communicate()
 err = b"".join(l for l in (seen + err).splitlines(True) if not l.startswith(b"import time:"))
@@ -542,9 +621,9 @@ sys.stdout.write(repr((p.returncode, out.decode(), err.decode())))
 """
 
 
-def _interrupt(delay, *args):
+def _interrupt(delay, *args, sig="SIGINT"):
     cmd = [sys.executable, "-X", "importtime", "-m", "zckpt", *args]
-    proc = subprocess.run([sys.executable, "-c", _SIGINT_CODE, str(delay), *cmd], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _SIGINT_CODE, str(delay), sig, *cmd], capture_output=True, text=True,
                           cwd=ROOT, timeout=120, env=dict(os.environ, ZCKPT_DEBUG=""))
     return eval(proc.stdout)  # noqa: S307 - our own repr of (int, str, str)
 
@@ -568,6 +647,23 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, delay):
     assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]  # no scratch left behind
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 0.5, 1.5])
+def test_sigterm_is_answered_as_ctrl_c(tmp_path, delay):
+    """kill (a job scheduler's SIGTERM) during reshard: one line, exit 130 and the scratch folder removed, as for
+    Ctrl-C (it was death by signal, status -15, the scratch folder left for a later run to sweep)."""
+    from tests.conftest import FIXTURES
+    out = tmp_path / "r"
+    code, stdout, stderr = _interrupt(delay, "reshard", str(checkpoint_path(FIXTURES / "trainer")), "-w", "3", "-o",
+                                      str(out), sig="SIGTERM")
+    assert "Traceback" not in stderr, stderr
+    if code == 130:
+        assert stderr == "zckpt: interrupted\n" and stdout == "" and not out.exists(), (stdout, stderr)
+    else:
+        assert code == 0 and (out / ".zckpt.json").exists() and "resharded:" in stdout, (code, stdout, stderr)
+        assert stderr in ("", f"zckpt: interrupted, but the result was already published: {out} is complete\n")
+    assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]  # no scratch left behind
+
+
 def test_ctrl_c_during_push_and_info(tmp_path):
     from tests.test_push import write_trainer_checkpoint
     src = tmp_path / "out"
@@ -576,8 +672,35 @@ def test_ctrl_c_during_push_and_info(tmp_path):
         code, stdout, stderr = _interrupt(delay, "push", str(src), str(tmp_path / "d"), "--every", "1h", "--settle", "0")
         assert "Traceback" not in stderr and stderr.count("\n") <= 2, stderr
         assert code in (0, 130) and stderr.strip().splitlines()[-1].startswith("zckpt: "), (code, stderr)
+        code, stdout, stderr = _interrupt(delay, "push", str(src), str(tmp_path / "dj"), "--every", "1h", "--settle",
+                                          "0", "--json")
+        if code == 130:  # --json: the interruption is one error object on stdout too (it printed nothing)
+            doc = json.loads(stdout.splitlines()[-1])
+            assert doc["ok"] is False and doc["error"]["type"] == "KeyboardInterrupt", stdout
+            assert doc["error"]["exit_code"] == 130 and doc["command"] == "push", doc
         code, stdout, stderr = _interrupt(delay, "info", str(checkpoint_path(FIXTURE_DIRS[0])))
         assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
+
+
+def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkeypatch):
+    """Cleanup that fails while a Ctrl-C unwinds (a map still in use, a scratch file already gone) must not turn the
+    interrupt into "internal error" (exit 1): the user pressed Ctrl-C; it is one line and 130."""
+    import zckpt.ops.estimate as estimate_mod
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise BufferError("cannot close exported pointers exist")
+
+    monkeypatch.setattr(estimate_mod, "estimate", interrupted)
+    for extra in ([], ["--json"]):
+        res = invoke("estimate", "--params", "8B", "--largest-layer", "1B", *extra)
+        assert res.exit_code == 130 and res.stderr == "zckpt: interrupted\n", (res.exit_code, res.output)
+        if extra:
+            assert json.loads(res.stdout)["error"]["type"] == "KeyboardInterrupt"
+    res = invoke("estimate", "--params", "x")  # an error of its own is still reported as before
+    assert res.exit_code == 1 and "internal error" not in res.stderr
 
 
 def test_ctrl_c_in_another_program_is_not_zckpts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -52,8 +53,62 @@ def test_enospc_on_a_real_full_filesystem(small_fs):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "No space left" in lines[0] and "disk is full" in lines[0], proc.stderr
+    assert lines[0].startswith(f"zckpt: error: {prev}: cannot write the output here"), lines  # which disk: -o's
     assert (prev / "model.safetensors").read_bytes() == b"previous result"
     assert sorted(p.name for p in small_fs.iterdir()) == ["ballast", "prev"]  # no temp folder left
+
+
+def test_file_size_limit_names_the_output(tmp_path):
+    """``ulimit -f`` (a batch system's file-size limit): EFBIG is one line naming the output and the limit, and
+    nothing is left (it was "zckpt: error: File too large", no path, no hint)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))  # the merged model is 2.6 KB
+
+    out = tmp_path / "model"
+    for cmd in (["merge", str(CKPT), "-o", str(out)], ["reshard", str(CKPT), "-w", "2", "-o", str(out)]):
+        proc = subprocess.run([sys.executable, "-m", "zckpt", *cmd, "--json"], capture_output=True, text=True,
+                              cwd=ROOT, preexec_fn=limit)
+        assert proc.returncode == 1, proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"zckpt: error: {out}: cannot write the output here: File too large"), line
+        assert "ulimit -f" in line and "-o" in line, line
+        err = json.loads(proc.stdout)["error"]
+        assert err["path"] == str(out) and err["hint"] and "ulimit -f" in err["hint"], err
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupt_while_a_crc_is_in_flight_stays_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C during a --to pt merge unwinds while pool threads still compute CRCs on slices of the source maps:
+    closing the maps must not raise (it did: "internal error: BufferError: cannot close exported pointers exist",
+    exit 1, instead of "zckpt: interrupted", 130)."""
+    import threading
+    import zlib
+    from zckpt.engine.torchzip import SourceMaps
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(1 << 16))
+    inside, release = threading.Event(), threading.Event()
+    real = zlib.crc32
+
+    def slow_crc(data, value=0):
+        inside.set()
+        release.wait(10)
+        return real(data, value)
+
+    monkeypatch.setattr(zlib, "crc32", slow_crc)
+    maps = SourceMaps()
+    worker = threading.Thread(target=maps.crc, args=(str(src), 100, 1000, 0))
+    worker.start()
+    assert inside.wait(10)
+    try:
+        maps.close()  # the interrupted main thread's cleanup, while the worker holds its slice
+    finally:
+        release.set()
+        worker.join(10)
+    monkeypatch.undo()
+    assert real(src.read_bytes()[100:1100]) == SourceMaps().crc(str(src), 100, 1000, 0)  # maps work afresh
 
 
 def test_injected_write_failure(tmp_path, monkeypatch):

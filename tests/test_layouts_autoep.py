@@ -10,7 +10,8 @@ parameter put together from both expert-parallel ranks' local experts. We check 
   tie is tied to its parameter (DeepSpeed's own ``ds_to_universal`` gives its bf16 copy instead);
 * the Adam moments of every parameter equal the engine's;
 * info reports the layout (dp 2, ep 2), verify --deep passes and catches a damaged expert file;
-* reshard is refused in one line.
+* reshard to a data-parallel size that is not a multiple of ep is refused in one line (the data-parallel
+  reshard itself: tests/test_reshard_moe.py).
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def test_info_verify_and_reshard_refused(oracle, tmp_path):
     assert d["zero_stage"] == 2 and d["precision"] == "bf16" and d["global_steps"] == info["global_steps"]
     assert d["counts"]["tied"] == len(info["tied"])
     assert zckpt.verify(str(ck), deep=True).ok
-    with pytest.raises(UnsupportedLayout, match="mixture-of-experts") as err:
+    with pytest.raises(UnsupportedLayout, match="mixture-of-experts") as err:  # ep 2 is kept (test_reshard_moe)
         zckpt.reshard(str(ck), str(tmp_path / "o"), world_size=1)
-    assert "does not reshard" in str(err.value) and not (tmp_path / "o").exists()
+    assert "not a multiple of the expert-parallel size 2" in str(err.value) and not (tmp_path / "o").exists()
     copy = tmp_path / "ck"
     shutil.copytree(ck, copy)
     tag = (copy / "latest").read_text().strip()

@@ -13,7 +13,8 @@ We check that
 * info and verify describe the layout (data-parallel and pipeline sizes, counts, steps, every file), and verify
   --deep catches a damaged layer or expert file;
 * the expert-parallel rank of each optimizer file is the one the live engine had (``R % ep_size``);
-* reshard of MoE and ZeRO-0 pipelines is refused with a clear message (ZeRO-1 pipelines: test_reshard_parallel); a missing layer, expert or stage file is named.
+* reshard of MoE without ZeRO and of ZeRO-0 pipelines is refused with a clear message (ZeRO-1 pipelines:
+  test_reshard_parallel; ZeRO-1/2 MoE: test_reshard_moe); a missing layer, expert or stage file is named.
 """
 
 from __future__ import annotations
@@ -47,6 +48,12 @@ def _oracle(d: Path) -> tuple[dict, dict]:
 
 def _live(oracle: dict, prefix: str) -> dict:
     return {k.split("/", 1)[1]: v for k, v in oracle.items() if k.startswith(prefix + "/")}
+
+
+def _ep_sizes(spec: dict):
+    """info's ep_world_size: one size, or the sorted sizes of several MoE layers' expert groups"""
+    sizes = sorted({spec.get("ep_size", 1)} | ({spec["moe2_ep_size"]} if spec.get("moe2_ep_size") else set()))
+    return sizes[0] if len(sizes) == 1 else sizes
 
 
 def test_fixtures_present():
@@ -100,7 +107,7 @@ def test_info_and_counts(fx):
     d = info_of(str(checkpoint_path(fx)))
     pp = spec.get("pp", 1)
     assert d["dp_world_size"] == spec["world_size"] // pp and d["mp_world_size"] == pp
-    assert d["pp_world_size"] == pp and d["tp_world_size"] == 1 and d["ep_world_size"] == spec.get("ep_size", 1)
+    assert d["pp_world_size"] == pp and d["tp_world_size"] == 1 and d["ep_world_size"] == _ep_sizes(spec)
     assert d["zero_stage"] == spec["stage"] and d["precision"] == spec["dtype"]
     assert d["counts"]["trainable"] == len(info["trainable"]) and d["counts"]["frozen"] == len(info["frozen"])
     assert d["counts"]["buffer"] == len(info["buffers"]) and d["counts"]["tied"] == 0
@@ -178,8 +185,9 @@ def test_moe_expert_parallel_ranks_match_engine(fx):
     assert counts == [info["world_size"], info["world_size"] // ep]
 
 
-# ZeRO-1 pipelines reshard their data-parallel size (tests/test_reshard_parallel.py); ZeRO-0 pipelines and MoE do not
-REFUSED = MOE + [d for d in PP if json.loads((d / "expected" / "spec.json").read_text())["stage"] == 0]
+# ZeRO-1 pipelines and ZeRO-1/2 MoE reshard their data-parallel size (tests/test_reshard_parallel.py,
+# tests/test_reshard_moe.py); ZeRO-0 pipelines and MoE without ZeRO do not
+REFUSED = [d for d in PP + MOE if json.loads((d / "expected" / "spec.json").read_text())["stage"] == 0]
 
 
 @pytest.mark.parametrize("fx", REFUSED, ids=[d.name for d in REFUSED])
@@ -226,7 +234,8 @@ def test_moe_loads_strictly_into_the_ep1_model(fx):
     """The merged names are the state_dict of the same model built with ep_size=1 (all experts local), in order."""
     from fixtures import gen_parallel
     oracle, _ = _oracle(fx)
-    model = gen_parallel.build_moe({"ep_size": 1})
+    spec = json.loads((fx / "expected" / "spec.json").read_text())
+    model = gen_parallel.build_moe({**spec, "ep_size": 1, "moe2_ep_size": 1 if spec.get("moe2_ep_size") else None})
     ckpt = zckpt.open_checkpoint(str(checkpoint_path(fx)))
     assert [r.name for r in ckpt.records] == list(model.state_dict())
     zckpt.load_into_module(model, ckpt)  # strict: no missing or unexpected keys

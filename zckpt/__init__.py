@@ -37,9 +37,16 @@ if _run_as_program():  # a Ctrl-C before the CLI is loaded: one line, exit 130 (
 
     def _interrupted_while_starting(signum, frame):
         _os.write(2, b"zckpt: interrupted\n")
+        args = _sys.argv[1:]
+        if "--json" in (args[:args.index("--")] if "--" in args else args):  # errors are JSON too
+            command = next((a for a in args if not a.startswith("-")), None)
+            _os.write(1, ('{"ok": false, "command": %s, "error": {"type": "KeyboardInterrupt", "message": '
+                          '"interrupted", "path": null, "hint": null, "exit_code": 130}}\n'
+                          % ('"%s"' % command if command and command.isalnum() else "null")).encode())
         _os._exit(130)
 
     _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+    _signal.signal(_signal.SIGTERM, _interrupted_while_starting)
 
 from zckpt.lazy import lazy_exports  # noqa: E402
 

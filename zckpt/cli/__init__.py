@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import logging
 import sys
 import time
 
@@ -88,11 +89,24 @@ class LazyGroup(click.Group):
         except Exception as exc:  # noqa: BLE001 - the one place errors become messages
             failed = getattr(exc, "ctx", None) or ctx
             try:
-                code = _report(exc, failed)
+                code = _interrupted(failed) if _raised_while_interrupted(exc) else _report(exc, failed)
             except KeyboardInterrupt:
                 code = _interrupted(failed)
         code = interrupts.end(previous, ctx, code)
         sys.exit(code)
+
+
+def _raised_while_interrupted(exc: BaseException) -> bool:
+    """``exc`` came from cleanup code that ran because of a Ctrl-C (its context is the KeyboardInterrupt): what
+    happened is the interrupt, not a failure; the cleanup's own error is logged (-v)."""
+    seen, context = set(), exc.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, KeyboardInterrupt):
+            logging.getLogger("zckpt").info("while interrupted: %s: %s", type(exc).__name__, exc)
+            return True
+        seen.add(id(context))
+        context = context.__context__
+    return False
 
 
 def _json_wanted(ctx) -> bool:

@@ -7,6 +7,7 @@ Every command (and the ``zckpt`` group itself, so they work before or after the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -94,10 +95,34 @@ def _remember(field: str):
     return callback
 
 
+#: the parameters that name local paths or URLs, in every command that has them
+PATH_PARAMS = ("path", "out", "src", "dest", "ds_config", "config_path")
+
+
+def expand_home(value):
+    """``~/ckpt`` is the home folder's ``ckpt`` also where the shell left the ``~`` alone (``--output=~/m``, a quoted
+    path, a script's argument list): it was taken as a folder named ``~`` in the current one. URLs stay as they are."""
+    if isinstance(value, str) and value.startswith("~") and "://" not in value:
+        return os.path.expanduser(value)
+    return value
+
+
+def _home_expanded(f):
+    @functools.wraps(f)
+    def command(*args, **kwargs):
+        for name in PATH_PARAMS:
+            if name in kwargs:
+                kwargs[name] = expand_home(kwargs[name])
+        return f(*args, **kwargs)
+    return command
+
+
 def global_options(expose: bool = True):
     """``--json``, ``-q``, ``-v``, ``--debug`` for the group (``expose=False``) and for every command (the command
-    receives ``as_json`` and ``quiet``)."""
+    receives ``as_json`` and ``quiet``; its paths, ``~`` expanded: :func:`expand_home`)."""
     def decorate(f):
+        if expose:
+            f = _home_expanded(f)
         for decorator in reversed([
             click.option("--json", "as_json", is_flag=True, expose_value=expose, callback=_remember("json"),
                          help="Print the result as JSON on stdout, one object per line (errors too)."),

@@ -13,7 +13,7 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       checkpoint (``verify``: a check failed), an output that cannot be written, a storage failure
 2     the command line could not be read: an unknown command or option, a missing argument or option
       value, an extra argument (click's parse errors), said in one line with the usage
-130   interrupted (Ctrl-C, or SIGTERM during ``push``), at any moment: one line, no traceback
+130   interrupted (Ctrl-C or SIGTERM), at any moment: one line, no traceback (``--json``: also the error object)
 ====  ===============================================================================================
 
 Parameters are named as the user typed them: a library error's ``param`` (``max_shard_size``) and backquoted
@@ -69,14 +69,19 @@ _ERRNO_HINTS = {
     errno.ENOSPC: "the disk is full; free space or choose another `out`",
     errno.EDQUOT: "the disk quota is exceeded; free space or choose another `out`",
     errno.EROFS: "the file system is read-only; choose another `out`",
+    errno.EFBIG: "a file is larger than this file system or the file-size limit (ulimit -f) allows; choose another "
+                 "`out`",
     errno.EACCES: "check the permissions of that path",
     errno.EPERM: "check the permissions of that path",
     errno.ENOENT: "check the path",
 }
 
-# scratch names of a publish in progress: ".<name>.zckpt-tmp-<pid>-<random>" (and variants); the user never
-# typed them, so messages name the output the user asked for instead
-_SCRATCH = re.compile(r"\.(?P<name>[^/\s]+?)\.zckpt-(?:tmp|new|old|staging)[-.][^/\s:]*")
+# scratch names of a publish in progress: ".<name>.zckpt-tmp-<pid>-<random>" (and variants), and of one file being
+# written into place (".<name>.<8 hex>.tmp", zckpt.io.storage); the user never typed them, so messages name the
+# output the user asked for instead
+_SCRATCH = re.compile(r"\.(?P<name>[^/\s]+?)\.(?:zckpt-(?:tmp|new|old|staging)[-.][^/\s:]*|[0-9a-f]{8}\.tmp(?![^/\s:]))")
+#: errors of writing bytes, which name no file (a write into an open file): the output is what failed
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 #: parameters with the same name in every command, as the CLI spells them when the command has no such option
 _NAMES = {"out": "-o", "fmt": "--to", "src": "SRC", "dest": "DEST", "path": "PATH"}
@@ -215,13 +220,15 @@ def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
 def _os_error(exc: OSError, code: int, default_hint: str, name, output) -> UserError:
     path = user_path(exc.filename) if getattr(exc, "filename", None) else None
     scratch = bool(exc.filename and _SCRATCH.search(str(exc.filename))) or _same_path(exc.filename, output)
+    if path is None and output and exc.errno in _WRITE_ERRNOS:  # a write into the output: name it
+        path, scratch = str(output), True
     what = _one_line(exc.strerror or str(exc))
     hint = default_hint or names_rendered(_ERRNO_HINTS.get(exc.errno or -1, ""), name)
     if scratch:  # failed creating the output: say so about the user's own -o
         what = f"cannot write the output here: {what}"
         if exc.errno == errno.EBUSY and exc.filename and os.path.ismount(os.fspath(exc.filename)):
             what, hint = _mount_point(os.fspath(exc.filename), name)
-        elif exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        elif exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
             hint = names_rendered("choose another `out`", name)
     message = f"{path}: {what}" if path else what
     if getattr(exc, "filename2", None):

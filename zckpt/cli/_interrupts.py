@@ -1,5 +1,7 @@
 """Ctrl-C at any moment: one line on stderr, exit status 130, no traceback; after the result was published, it is
-reported as published and the exit status is 0.
+reported as published and the exit status is 0. SIGTERM (``kill``, a job scheduler, torchrun stopping the other
+ranks) is answered the same way, so that the scratch folder of an interrupted merge is removed rather than left
+for the next run to sweep.
 
 The moments, and who answers:
 
@@ -37,11 +39,22 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+#: the signals that interrupt a command: Ctrl-C and kill's default
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def begin():
-    """While the command runs, Ctrl-C raises ``KeyboardInterrupt`` (cleanup runs); returns the handler to put back."""
+    """While the command runs, Ctrl-C or SIGTERM raises ``KeyboardInterrupt`` (cleanup runs); returns the handlers
+    to put back."""
     if not _main_thread():
         return None
-    return signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_interrupt)
+    return previous
 
 
 def published(output, ctx: click.Context | None = None) -> None:
@@ -53,7 +66,8 @@ def published(output, ctx: click.Context | None = None) -> None:
     if _main_thread():
         def later(signum, frame):
             ctx.meta[_LATE] = True
-        signal.signal(signal.SIGINT, later)
+        for signum in SIGNALS:
+            signal.signal(signum, later)
 
 
 def published_output(ctx: click.Context | None) -> str | None:
@@ -83,7 +97,9 @@ def end(previous, ctx: click.Context | None, code: int) -> int:
         click.echo(f"zckpt: interrupted, but the result was already published: {ctx.meta.get(_PUBLISHED)} is "
                    "complete", err=True)
     if _main_thread() and previous is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN if ENTRY_POINT else previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if ENTRY_POINT else (handler if handler is not None else
+                                                                       signal.SIG_DFL))
     if ENTRY_POINT and code == 130:
         # interrupted, cleanup done, the line said: leave now, so that nothing in the interpreter's shutdown (worker
         # threads still being joined) can turn the exit status into death by signal

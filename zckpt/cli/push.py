@@ -179,8 +179,10 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
             _run_every(src, dest, interval, kwargs, as_json, quiet)
         else:
             _run_once(src, dest, {**kwargs, "allow_empty": allow_empty}, as_json, quiet)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         progress.close()
+        if as_json:  # errors too are one object on stdout
+            emit_json(describe_here(exc).to_json("push"), command="push")
         click.echo("zckpt: interrupted; the unfinished checkpoint has no manifest; run again to resume", err=True)
         raise SystemExit(130) from None
     finally:

@@ -23,7 +23,19 @@ This reader builds the dense groups and each (expert group, expert-parallel rank
 :func:`zckpt.deepspeed.zero12.build` over a view of the files restricted to those groups and ranks, renames local
 expert ids to global ones, and takes the experts' lp dtypes (and any frozen expert tensors) from the expert files.
 Names are the live model's ``state_dict`` keys with global expert ids: the model one would build with
-``ep_size=1``. Resharding is refused.
+``ep_size=1``.
+
+Reshard (:mod:`zckpt.ops.reshard`, also on load in :mod:`zckpt.ops.resume`) changes the data-parallel size W
+only; ``Checkpoint.extra["moe"]`` (:class:`MoELayout`) keeps what it needs: each expert group's ep_size and, per
+expert-parallel rank, its flat group (names as ``param_slice_mappings`` gives them, records). At the new size
+(W a multiple of every ep_size) dense groups are partitioned over all W ranks, expert group g of ep_size N for each
+expert-parallel rank e over its W/N expert-data-parallel ranks (:func:`expert_data_ranks` at W, the same
+topology option), rank R's file holding R's window of each (``partition_count`` [W, W/N]); the expert files and
+``mp_rank_00_model_states.pt`` do not depend on W (the latter gets the new ``dp_world_size``, AutoEP layers their
+``expert_data_parallel_world_size``). DeepSpeed 0.19.8 checks only ``dp_world_size`` against the live size on
+load (``_load_zero_checkpoint``); each rank then reads its own file. Refused in one line: another expert-parallel
+size, ZeRO stage or optimizer, the universal format, elastic files, and MoE without ZeRO (``expp_rank_*``: each
+expert-parallel rank's optimizer whole, loaded as it is at any data-parallel size).
 """
 
 from __future__ import annotations
@@ -44,8 +56,38 @@ EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")
 PER_GROUP_KEYS = ("single_partition_of_fp32_groups", "group_paddings", "partition_count",
                   "param_alignment_paddings", "param_slice_mappings")
 
-REFUSAL = ("mixture-of-experts checkpoint: zckpt merges it (merge, info, verify) but does not reshard it; resume "
-           "it with the same data-parallel and expert-parallel sizes")
+REFUSAL = ("mixture-of-experts checkpoint: zckpt reshards only its data-parallel size, in the DeepSpeed layout, "
+           "keeping the expert-parallel size, the ZeRO stage and the optimizer")
+ZERO0_REFUSAL = ("mixture-of-experts checkpoint without ZeRO: each expert-parallel rank's whole optimizer is in "
+                 "expp_rank_{e}_mp_rank_00_optim_states.pt, which DeepSpeed loads at any data-parallel size with the "
+                 "same expert-parallel size as it is; nothing to reshard (changing the expert-parallel size is not "
+                 "supported)")
+
+
+@dataclasses.dataclass
+class MoELayout:
+    """How a ZeRO-1/2 MoE checkpoint's expert groups lie over the ranks (``Checkpoint.extra["moe"]``), what
+    :mod:`zckpt.ops.reshard` needs to lay them out at another data-parallel size.
+
+    ``ep``: expert param group -> its ep_size. ``shards``: expert group -> expert-parallel rank -> that rank's flat
+    group as (the name ``param_slice_mappings`` gives it on that rank, its record), in flat-group order: native MoE
+    names a local expert id (``deepspeed_experts.0``) and its record is the global expert; AutoEP's record is the
+    rank's ``[num_local, ...]`` block of the fused parameter. ``expert_files``: per expert file (its name) its
+    tensors in file order and (ep_size, the expert-parallel rank that loads it)."""
+
+    ep: dict[int, int]
+    shards: dict[int, dict[int, list[tuple[str, TensorRecord]]]]
+    expert_files: dict[str, tuple[list[tuple[str, LazyTensor]], int, int]]
+    autoep: bool = False
+
+    def ep_rank(self, ms0: dict, ws: int, ep: int, rank: int, path: str) -> tuple[int, int]:
+        """(expert-parallel rank, index in its expert-data-parallel group) of data-parallel rank ``rank`` at world
+        size ``ws`` (:func:`expert_data_ranks`)."""
+        for e in range(ep):
+            ranks = expert_data_ranks(ms0, ws, ep, e, path)
+            if rank in ranks:
+                return e, ranks.index(rank)
+        raise ValueError(f"rank {rank} is in no expert-data-parallel group of {ws} ranks")
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -91,17 +133,31 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     records = [dataclasses.replace(r, group=dense[r.group]) if r.group is not None else r for r in base.records]
 
     expert_recs: dict[str, TensorRecord] = {}
+    placed: dict[int, tuple[int, dict[int, list[tuple[str, str]]]]] = {}
     for g in experts:
-        recs, info = _expert_group(loc, ms0, optim_states, hyper[g], g, param_shapes[g], ws)
+        recs, info, ep, by_rank = _expert_group(loc, ms0, optim_states, hyper[g], g, param_shapes[g], ws)
         expert_recs.update(recs)
         groups.append(info)
+        placed[g] = (ep, by_rank)
     groups.sort(key=lambda gi: gi.index)
-    expert_recs = _from_expert_files(loc, ms0, expert_recs)
+    tensors = _expert_tensors(loc, ms0)
+    expert_recs = _from_expert_files(loc, ms0, expert_recs, tensors)
     records = _insert_experts(records, list(expert_recs.values()))
     notes = [f"mixture of experts: {len(loc.expert_files)} expert files, expert groups "
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    ep_of = {name: ep for ep, by_rank in placed.values() for pairs in by_rank.values() for _, name in pairs}
+    layer_ep: dict[int, int] = {}
+    for name, _, layer, _, _ in tensors:
+        if name in ep_of:
+            layer_ep.setdefault(layer, ep_of[name])
+    layout = MoELayout({g: ep for g, (ep, _) in placed.items()},
+                       {g: {e: [(local, expert_recs[name]) for local, name in pairs] for e, pairs in by_rank.items()}
+                        for g, (_, by_rank) in placed.items()},
+                       _file_tensors(loc, [(f, n, t) for n, t, _, _, f in tensors], layer_ep,
+                                     dict(enumerate(int(n) for n in ms0["num_experts"]))))
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
-                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL)
+                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
+                      extra={"moe": layout})
 
 
 def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -124,15 +180,16 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     dense, tied = zero0.module_params(module, ms0.get("buffer_names"))
     precision = precision_of(ms0, module)
     counts = [int(n) for n in ms0["num_experts"]]
-    if any(n % ep for n in counts):
-        raise CorruptFile(f"num_experts {counts} do not split over {ep} expp_rank files", path=loc.tag_dir)
+    ws = ms0.get("dp_world_size")
+    ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
+    held = _zero0_expert_ids(ms0, files, counts, ws, loc.tag_dir)
     tensors = _expert_tensors(loc, ms0)
     dense_names = {n for n, _ in dense}
     trainable: dict[str, TensorRecord] = {}
     groups: list[GroupInfo] = []
     notes: list[str] = []
     for e, (f, st) in enumerate(files):
-        mine = [(n, t) for n, t, layer, gid, _ in tensors if gid // (counts[layer] // ep) == e]
+        mine = [(n, t) for n, t, layer, gid, _ in tensors if gid in held[e][layer]]
         opt = st.get("optimizer") if isinstance(st, dict) else None
         recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
         notes += [type(n)(f"expert-parallel rank {e}: {n}") for n in more]
@@ -151,12 +208,49 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
                              LP_DTYPES[precision])
     experts = _from_expert_files(loc, ms0, {n: r for n, r in trainable.items() if n not in dense_names}, tensors)
     records = _insert_experts(records, list(experts.values()))
-    ws = ms0.get("dp_world_size")
-    ws = int(ws) if isinstance(ws, int) and ws > 0 else ep
     notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
-                      parallel="moe", reshard_refusal=REFUSAL,
+                      parallel="moe", reshard_refusal=ZERO0_REFUSAL,
                       state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
+
+
+def _zero0_expert_ids(ms0: dict, files: list, counts: list[int], ws: int, path: str) -> list[list[set[int]]]:
+    """Per expp_rank file e, per MoE layer: the global expert ids whose masters the file may hold.
+
+    DeepSpeed writes ``expp_rank_{e}`` from the expert-data-parallel rank 0 of expert-parallel rank e of the
+    LARGEST expert group (``groups._get_max_expert_size_name``); that rank's optimizer holds every layer's experts
+    of ITS expert-parallel rank in that layer's own group. Which ep_size each layer has is not saved, only the
+    expert groups' names (``ep_size_N``): a layer's candidates are the experts that rank holds under each of those
+    sizes, and the masters are then told apart by ``param_names`` or values (:mod:`zero0`), never by position."""
+    sizes: set[int] = set()
+    for _, st in files:
+        opt = st.get("optimizer") if isinstance(st, dict) else None
+        osd = opt.get("optimizer_state_dict", opt) if isinstance(opt, dict) else None
+        for pg in (osd.get("param_groups") if isinstance(osd, dict) else None) or []:
+            m = EP_NAME_RE.match(str(pg.get("name", ""))) if isinstance(pg, dict) and pg.get("moe") else None
+            if m:
+                sizes.add(int(m.group(1)))
+    ep = len(files)
+    sizes = sizes or {ep}
+    if max(sizes) != ep or any(ws % n for n in sizes):
+        raise CorruptFile(f"{ep} expp_rank files, but expert groups of ep_size {sorted(sizes)} over {ws} ranks",
+                          path=path)
+    for layer, n in enumerate(counts):
+        if not any(n % size == 0 for size in sizes):
+            raise CorruptFile(f"MoE layer {layer}'s {n} experts do not split over any expert group's ep_size "
+                              f"{sorted(sizes)}", path=path)
+    out = []
+    for e in range(ep):
+        writer = expert_data_ranks(ms0, ws, ep, e, path)[0]
+        per_layer = []
+        for n in counts:
+            ids: set[int] = set()
+            for size in (s for s in sizes if n % s == 0):
+                mine = next(r for r in range(size) if writer in expert_data_ranks(ms0, ws, size, r, path))
+                ids.update(range(mine * (n // size), (mine + 1) * (n // size)))
+            per_layer.append(ids)
+        out.append(per_layer)
+    return out
 
 
 def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -208,9 +302,11 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
     base = zero12.build(_sub_location(loc, loc.optim_files), [ms_dense], [_select(st, dense) for st in optim_states])
     groups = [dataclasses.replace(gi, index=dense[gi.index]) for gi in base.groups]
     records = [dataclasses.replace(r, group=dense[r.group]) if r.group is not None else r for r in base.records]
-    lp = _autoep_expert_files(loc, layers, maps)
+    lp, file_tensors = _autoep_expert_files(loc, layers, maps)
     counts = osds[0].get("partition_count")
     expert_recs: list[TensorRecord] = []
+    eps: dict[int, int] = {}
+    shards_of: dict[int, dict[int, list[tuple[str, TensorRecord]]]] = {}
     for g in experts:
         ep = _ep_size(hyper[g], counts[g] if isinstance(counts, (list, tuple)) else counts, ws, g, mpath)
         ms_g = {**ms0, "module": None, "param_shapes": [param_shapes[g]], "frozen_param_shapes": None,
@@ -223,7 +319,10 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
             sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
             for rec in sub.of_kind("trainable"):
                 shards.setdefault(rec.name, {})[e] = rec
+                shards_of.setdefault(g, {}).setdefault(e, []).append(
+                    (rec.name, dataclasses.replace(rec, group=g, lp_dtype=lp.get(rec.name))))
             info = info or GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
+        eps[g] = ep
         for name in param_shapes[g]:
             expert_recs.append(_autoep_full(name, shards[name], maps[name], g, lp[name], mpath))
             info.names.append(name)
@@ -237,12 +336,14 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
     notes = [f"AutoEP: {len(layers)} MoE layer(s), {len(loc.expert_files)} expert files, expert groups "
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
-                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL)
+                      model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
+                      extra={"moe": MoELayout(eps, shards_of, file_tensors, autoep=True)})
 
 
-def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict]) -> dict[str, str]:
+def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict]):
     """The training dtype of each fused expert parameter, from the expert files (``{param}.{E}`` of shape
-    ``logical[1:]`` in ``layer_{L}_expert_{E}``), every one of which must be present."""
+    ``logical[1:]`` in ``layer_{L}_expert_{E}``), every one of which must be present; and the files' tensors
+    (:func:`_file_tensors`)."""
     have = {(f.index, f.expert): f for f in loc.expert_files}
     want = {(int(x.get("moe_layer_id", i)), e) for i, x in enumerate(layers) for e in range(int(x["num_experts"]))}
     if want - set(have):
@@ -251,8 +352,10 @@ def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict
             f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
     dtypes: dict[str, set] = {}
+    seen: list[tuple[RankFile, str, LazyTensor]] = []
     for f, sd in zip(files, load_all(files, loc.storage_options)):
         for key, t in sd.items():
+            seen.append((f, key, t))
             name, _, gid = key.rpartition(".")
             amap = maps.get(name)
             if amap is None or not gid.isdigit() or int(gid) != f.expert or not isinstance(t, LazyTensor) \
@@ -262,7 +365,10 @@ def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict
             dtypes.setdefault(name, set()).add(t.dtype)
     if set(dtypes) != set(maps) or any(len(d) != 1 for d in dtypes.values()):
         raise CorruptFile("the expert files do not hold every AutoEP expert parameter in one dtype", path=loc.tag_dir)
-    return {n: d.pop() for n, d in dtypes.items()}
+    ids = [int(x.get("moe_layer_id", i)) for i, x in enumerate(layers)]
+    return {n: d.pop() for n, d in dtypes.items()}, _file_tensors(
+        loc, seen, {i: int(x.get("ep_size") or 1) for i, x in zip(ids, layers)},
+        {i: int(x["num_experts"]) for i, x in zip(ids, layers)})
 
 
 def _autoep_full(name: str, shards: dict[int, TensorRecord], amap: dict, g: int, lp_dtype: str,
@@ -358,8 +464,10 @@ def _ep_size(hyper: dict, count, ws: int, g: int, path: str) -> int:
     return ep
 
 
-def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[str, TensorRecord], GroupInfo]:
-    """Expert group ``g``: one zero12 build per expert-parallel rank, local expert ids renamed to global ones."""
+def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws):
+    """Expert group ``g``: one zero12 build per expert-parallel rank, local expert ids renamed to global ones.
+    Returns (records by global name, the group, ep_size, per expert-parallel rank its (local, global) names in
+    the order of its flat group)."""
     from zckpt.deepspeed import zero12
 
     counts = optim_states[0]["optimizer_state_dict"].get("partition_count")
@@ -369,6 +477,7 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
     ms_g = {**ms0, "module": None, "param_shapes": [shapes], "frozen_param_shapes": None,
             "frozen_param_fragments": None, "shared_params": {}, "buffer_names": []}
     out: dict[str, TensorRecord] = {}
+    by_rank: dict[int, list[tuple[str, str]]] = {}
     info = None
     for e in range(ep):
         ranks = expert_data_ranks(ms0, ws, ep, e, loc.tag_dir)
@@ -379,10 +488,11 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws) -> tuple[dict[st
             name = _global_name(rec.name, e, nlocal)
             out[name] = dataclasses.replace(rec, name=name, group=g)
             names.append(name)
+            by_rank.setdefault(e, []).append((rec.name, name))
         if info is None:
             info = GroupInfo(g, sub.groups[0].hyperparams, sub.groups[0].step, [])
         info.names += names
-    return out, info
+    return out, info, ep, by_rank
 
 
 def expert_data_ranks(ms0: dict, ws: int, ep: int, e: int, path: str) -> list[int]:
@@ -424,7 +534,20 @@ def _global_name(name: str, ep_rank: int, nlocal: dict[str, int]) -> str:
     return f"{m.group(1)}{ep_rank * nlocal[m.group(1)] + int(m.group(2))}{m.group(3)}"
 
 
-def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int, int, str]]:
+def _file_tensors(loc: Location, tensors: list[tuple[RankFile, str, LazyTensor]], eps: dict[int, int],
+                  counts: dict[int, int]) -> dict[str, tuple[list[tuple[str, LazyTensor]], int, int]]:
+    """Per expert file: its (key, tensor) pairs in file order, and (ep_size, owning expert-parallel rank) for its
+    MoE layer (``eps``: layer -> ep_size, ``counts``: layer -> num_experts)."""
+    out: dict[str, tuple[list, int, int]] = {}
+    for f, key, t in tensors:
+        name = f.path.replace("\\", "/").rsplit("/", 1)[-1]
+        ep = eps.get(f.index, 1)
+        owner = f.expert // max(1, counts.get(f.index, 1) // ep)
+        out.setdefault(name, ([], ep, owner))[0].append((key, t))
+    return out
+
+
+def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int, int, RankFile]]:
     """(global name, tensor, MoE layer, global expert id, file) of every expert-file tensor, in (layer, expert)
     order; every expert of ``num_experts`` must have its file."""
     counts = ms0.get("num_experts")
@@ -444,7 +567,7 @@ def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int
             m = EXPERT_RE.match(name)
             if not m or int(m.group(2)) != f.expert:
                 raise CorruptFile(f"'{name}' is not a tensor of expert {f.expert}", path=f.path)
-            out.append((name, t, f.index, f.expert, f.path))
+            out.append((name, t, f.index, f.expert, f))
     return out
 
 
@@ -452,7 +575,8 @@ def _from_expert_files(loc: Location, ms0: dict, trainable: dict[str, TensorReco
                        tensors: list | None = None) -> dict[str, TensorRecord]:
     """Every expert-file tensor: trainable ones get their lp dtype from the file, the rest are frozen."""
     out: dict[str, TensorRecord] = {}
-    for name, t, _, _, path in (_expert_tensors(loc, ms0) if tensors is None else tensors):
+    for name, t, _, _, f in (_expert_tensors(loc, ms0) if tensors is None else tensors):
+        path = f.path
         rec = trainable.get(name)
         if rec is None:
             out[name] = TensorRecord(name, tuple(t.shape), "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)

@@ -352,8 +352,11 @@ class SourceMaps:
     def close(self) -> None:
         with self._lock:
             for mm, view in self._maps.values():
-                view.release()
-                mm.close()
+                try:
+                    view.release()
+                    mm.close()
+                except BufferError:  # a worker still reads a slice (Ctrl-C unwinds while chunks are in flight):
+                    pass  # the map closes with its last slice; raising here would hide the interrupt
             self._maps.clear()
 
 

@@ -459,7 +459,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     if isinstance(target, FsDestination) and not storage.is_url(target.url):
         d = os.path.abspath(storage.local_path(target.url))
         if d == src or d.startswith(src + os.sep) or src.startswith(d + os.sep):
-            raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest")
+            raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest",
+                                  hint="choose a `dest` outside `src`")
     checkpoints, roots = find_checkpoints(src)
     if only is not None:
         wanted = {os.path.normpath(n) for n in only}

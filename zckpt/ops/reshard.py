@@ -30,7 +30,10 @@ Output (``fmt="deepspeed"``)::
 
 A pipeline-parallel source (``PipelineEngine``, ZeRO-1) keeps its stages: ``world_size`` is the new data-parallel
 size, and each stage's ``..._mp_rank_{SS}_optim_states.pt`` are planned by the same ZeRO-1 writer
-(:func:`_plan_pipeline`).
+(:func:`_plan_pipeline`). A mixture-of-experts source (:mod:`zckpt.deepspeed.moe`, ZeRO-1/2) keeps its
+expert-parallel size: dense groups are re-partitioned over ``world_size`` ranks, each expert group over each
+expert-parallel rank's ``world_size / ep`` expert-data-parallel ranks, by the same ZeRO-1/2 writer
+(:func:`_plan_moe`); the expert files are copied.
 """
 
 from __future__ import annotations
@@ -441,20 +444,24 @@ class _FlatGroup:
     flat: dict[str, list]
     master_dtype: str
     state_dtype: str | None
+    names: list[str] | None = None  # the names param_slice_mappings gives the records (default: theirs)
+
+
+def _flat_group(t: _Target, g: _Group, ws: int, names: list[str] | None = None) -> _FlatGroup:
+    """Group ``g`` laid out flat over ``ws`` partitions (the data-parallel size; an expert group's: its
+    expert-data-parallel size)."""
+    align = bool((t.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) and t.flavour == "zero"
+    itemsize = DTYPE_SIZES[t.lp_dtype(g.records[0])] if g.records else 2
+    lay = W.flat_group_layout([r.numel for r in g.records], ws, itemsize, align)
+    mdt, sdt = _flat_dtypes(t, g.records, f"param group {g.index}")
+    flat = {k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
+            for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+            if k == "fp32" or t.has_state}
+    return _FlatGroup(g, lay, flat, mdt, sdt, names)
 
 
 def _flat_groups(t: _Target) -> list[_FlatGroup]:
-    align = bool((t.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) and t.flavour == "zero"
-    out = []
-    for g in t.groups:
-        itemsize = DTYPE_SIZES[t.lp_dtype(g.records[0])] if g.records else 2
-        lay = W.flat_group_layout([r.numel for r in g.records], t.world_size, itemsize, align)
-        mdt, sdt = _flat_dtypes(t, g.records, f"param group {g.index}")
-        flat = {k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
-                for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-                if k == "fp32" or t.has_state}
-        out.append(_FlatGroup(g, lay, flat, mdt, sdt))
-    return out
+    return [_flat_group(t, g, t.world_size) for g in t.groups]
 
 
 def _flat_partitions(t: _Target, fgs: list[_FlatGroup]) -> list[dict]:
@@ -463,24 +470,27 @@ def _flat_partitions(t: _Target, fgs: list[_FlatGroup]) -> list[dict]:
             for fg in fgs]
 
 
-def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int) -> TorchObject:
-    """Rank ``rank``'s optimizer-states file: its window of every flat group, moments, paddings, slice maps."""
+def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int, windows: list[int] | None = None) -> TorchObject:
+    """Rank ``rank``'s optimizer-states file: its window of every flat group, moments, paddings, slice maps.
+    ``windows``: the partition each group takes (default ``rank``; an MoE expert group: the rank's index in its
+    expert-data-parallel group, whose size is the group's ``layout.ws``, its ``partition_count``)."""
     fp32_parts, state, pgroups, gpads, maps = [], OrderedDict(), [], [], []
     for gi, fg in enumerate(fgs):
         lay, flat = fg.layout, fg.flat
-        P, pad = lay.partition, lay.group_padding(rank)
+        w = rank if windows is None else windows[gi]
+        P, pad = lay.partition, lay.group_padding(w)
         keep = P if t.flavour == "bf16_optimizer" else P - pad
-        fp32_parts.append(TensorOut(fg.master_dtype, (keep,), W.slice_segments(flat["fp32"], rank * P, keep)))
+        fp32_parts.append(TensorOut(fg.master_dtype, (keep,), W.slice_segments(flat["fp32"], w * P, keep)))
         if t.has_state:
             state[gi] = OrderedDict([
                 ("step", _step_out(fg.group.step)),
-                ("exp_avg", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg"], rank * P, P))),
-                ("exp_avg_sq", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg_sq"], rank * P, P))),
+                ("exp_avg", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg"], w * P, P))),
+                ("exp_avg_sq", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg_sq"], w * P, P))),
             ])
         pgroups.append(_group_params(fg.group.hyper, [gi], t.conv))
         gpads.append(pad)
-        maps.append(OrderedDict((fg.group.records[i].name, W.fragment_address(n, s))
-                                for i, n, s in lay.slice_map(rank)))
+        names = fg.names or [r.name for r in fg.group.records]
+        maps.append(OrderedDict((names[i], W.fragment_address(n, s)) for i, n, s in lay.slice_map(w)))
     osd = OrderedDict()
     if t.flavour == "zero":
         osd.update(_loss_scaler_state(t))
@@ -497,7 +507,7 @@ def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int) -> TorchObject:
     osd["group_paddings"] = gpads
     if t.flavour == "zero":
         osd["param_alignment_paddings"] = [list(fg.layout.param_paddings) for fg in fgs]
-    osd["partition_count"] = [t.world_size] * len(fgs)
+    osd["partition_count"] = [fg.layout.ws for fg in fgs]
     osd["ds_version"] = t.version
     osd["param_slice_mappings"] = maps
     return _optim_file(t, rank, osd)
@@ -651,6 +661,8 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
         raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
     if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
         return _plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt)
+    if ckpt.parallel == "moe":
+        return _moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt)
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     if fmt == "universal" and is_elastic(ckpt):
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
@@ -725,6 +737,130 @@ def _plan_pipeline(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_op
     return plan
 
 
+# ---- mixture of experts: dense groups over the new data-parallel size, each expert group over its new
+# expert-data-parallel ranks
+
+def _check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: bool | None, fmt: str):
+    """The :class:`zckpt.deepspeed.moe.MoELayout` of an MoE checkpoint that can be laid out at ``world_size``;
+    what cannot is refused in one line."""
+    _check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    layout = ckpt.extra.get("moe")
+    if layout is None:  # MoE without ZeRO (expp_rank files): DeepSpeed loads it at any data-parallel size
+        raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
+                                path=tag_dir, hint="load it with engine.load_checkpoint at the new size")
+    if fmt != "deepspeed":
+        raise UnsupportedLayout("a mixture-of-experts checkpoint is resharded in the DeepSpeed layout only",
+                                path=tag_dir, hint="drop --format universal")
+    if stage is not None and stage != ckpt.stage:
+        raise UnsupportedLayout(f"changing the ZeRO stage of a mixture-of-experts checkpoint is not supported: keep "
+                                f"stage {ckpt.stage}; only the data-parallel size can change", path=tag_dir,
+                                hint="drop --stage")
+    if bf16_optimizer is not None and bool(bf16_optimizer) != (ckpt.flavour == "bf16_optimizer"):
+        raise UnsupportedLayout("changing the optimizer (BF16 optimizer / ZeRO) of a mixture-of-experts checkpoint "
+                                "is not supported: only the data-parallel size can change", path=tag_dir,
+                                hint="drop --bf16-optimizer")
+    if is_elastic(ckpt):
+        raise UnsupportedLayout("an elastic mixture-of-experts checkpoint (elastic_checkpoint=true) is not "
+                                "resharded", path=tag_dir)
+    zcfg = ckpt.ds_config.get("zero_optimization") or {}
+    if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
+                                path=tag_dir)
+    bad = sorted({ep for ep in layout.ep.values() if world_size % ep})
+    if bad:
+        raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
+                                f"of the expert-parallel size {bad[0]}, which is kept (changing the expert-parallel size is not supported)",
+                                path=tag_dir, hint=f"pass a multiple of {bad[0]}")
+    return layout
+
+
+def _moe_model(t: _Target, layout) -> TorchObject:
+    """``mp_rank_00_model_states.pt``: the source's (dense module, rank 0's param_shapes, num_experts...) with the
+    new ``dp_world_size`` and, for AutoEP, each layer's new ``expert_data_parallel_world_size``."""
+    def layers(v):
+        if not isinstance(v, list):
+            return v
+        return [dict(x, expert_data_parallel_world_size=t.world_size // int(x.get("ep_size") or 1))
+                if isinstance(x, dict) and "expert_data_parallel_world_size" in x else x for x in v]
+
+    ms = {}
+    for k, v in t.ms0.items():
+        if k == "dp_world_size":
+            v = t.world_size
+        elif k == "ds_autoep_layers":
+            v = layers(v)
+        elif k == "universal_checkpoint_info" and isinstance(v, dict) and "ds_autoep_layers" in v:
+            v = dict(v, ds_autoep_layers=layers(v["ds_autoep_layers"]))
+        ms[k] = t.conv(v)
+    return TorchObject(t.model_path(0), ms)
+
+
+def _plan_moe(t: _Target, layout, expert_files: str) -> tuple[list[TorchObject], list[dict]]:
+    """The model- and optimizer-states files of ``t.ranks`` (and the expert files: ``"object"`` for each rank's own
+    experts, as objects to load; ``"none"``: none, they are copied). A dense group is partitioned over all
+    ``world_size`` ranks, an expert group of ep_size N separately for each expert-parallel rank e over its
+    ``world_size / N`` expert-data-parallel ranks (:meth:`MoELayout.ep_rank`); both by the ZeRO-1/2 writer."""
+    tag_dir, ws = t.ckpt.location.tag_dir, t.world_size
+    flat: dict[tuple[int, int | None], _FlatGroup] = {}
+    partitions = []
+    for g in t.groups:
+        ep = layout.ep.get(g.index)
+        if ep is None:
+            flat[(g.index, None)] = fg = _flat_group(t, g, ws)
+            partitions.append({"group": g.index, "numel": sum(r.numel for r in g.records),
+                               "partition": fg.layout.partition,
+                               "paddings": [fg.layout.group_padding(r) for r in range(ws)]})
+            continue
+        for e, pairs in sorted(layout.shards[g.index].items()):
+            sub = _Group(g.index, g.hyper, g.step, [r for _, r in pairs])
+            flat[(g.index, e)] = fg = _flat_group(t, sub, ws // ep, [n for n, _ in pairs])
+            partitions.append({"group": g.index, "expert_parallel_rank": e, "expert_parallel_size": ep,
+                               "numel": sum(r.numel for r in sub.records), "partition": fg.layout.partition,
+                               "paddings": [fg.layout.group_padding(r) for r in range(ws // ep)]})
+    objects = [_moe_model(t, layout)]
+    own: set[tuple[int, int]] = set()
+    for rank in t.ranks:
+        fgs, windows = [], []
+        for g in t.groups:
+            ep = layout.ep.get(g.index)
+            e, w = (None, rank) if ep is None else layout.ep_rank(t.ms0, ws, ep, rank, tag_dir)
+            fgs.append(flat[(g.index, e)])
+            windows.append(w)
+            if ep is not None:
+                own.add((ep, e))
+        if not layout.ep:
+            own.add((1, 0))
+        objects.append(_zero12_optim(t, fgs, rank, windows))
+    if expert_files == "object":
+        objects += [TorchObject(t.relpath(name), OrderedDict((k, t.conv(v)) for k, v in tensors))
+                    for name, (tensors, ep, owner) in sorted(layout.expert_files.items())
+                    if (ep, owner) in own or not layout.ep]
+    return objects, partitions
+
+
+def _moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
+                 fmt: str) -> ReshardPlan:
+    """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
+    size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
+    depend on the data-parallel size and are copied."""
+    layout = _check_moe(ckpt, world_size, stage, bf16_optimizer, fmt)
+    t = _target(ckpt, world_size, ckpt.stage, ckpt.flavour)
+    objects, partitions = _plan_moe(t, layout, "none")
+    experts = [_copied(os.path.join(t.tag, f.path.replace("\\", "/").rsplit("/", 1)[-1]), f.path, f.size)
+               for f in sorted(ckpt.location.expert_files, key=lambda f: (f.index, f.expert))]
+    files = [_planned(o) for o in objects] + experts + _side_files(ckpt, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
+                       ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
+    eps = sorted(set(layout.ep.values()))
+    plan.notes.append(f"mixture of experts: expert-parallel size {', '.join(map(str, eps))} kept, data-parallel size "
+                      f"{ckpt.world_size} -> {world_size}; each expert group over "
+                      + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
+    if not t.has_state:
+        plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
+    return plan
+
+
 def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
                bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
     """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
@@ -732,14 +868,19 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     are object trees to load (kind "object"), not laid out for writing.
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
     ``parameter_alignment``), applied where they differ from the source config's."""
-    world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+    layout = None
+    if ckpt.parallel == "moe":
+        layout = _check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
+        stage, flavour = ckpt.stage, ckpt.flavour
+    else:
+        world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     t = _target(ckpt, world_size, stage, flavour, ranks)
     zcfg = t.cfg.setdefault("zero_optimization", {})
     defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
     for key, value in (zero or {}).items():
         if value is not None and zcfg.get(key, defaults.get(key)) != value:
             zcfg[key] = value
-    objects, partitions = _plan_native(t)
+    objects, partitions = _plan_native(t) if layout is None else _plan_moe(t, layout, "object")
     files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]
     return ReshardPlan(ckpt.location.input_path, t.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
                        stage, flavour, world_size, ckpt.precision, files, partitions=partitions)

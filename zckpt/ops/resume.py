@@ -80,8 +80,9 @@ def engine_target(engine) -> Target:
                                 "engine.load_checkpoint")
     if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
         raise UnsupportedLayout("model-parallel engines (mp_world_size > 1) are not supported")
-    if getattr(engine, "has_moe_layers", False):
-        raise UnsupportedLayout("mixture-of-experts engines are not supported")
+    if getattr(engine, "has_moe_layers", False) and stage == 3:
+        raise UnsupportedLayout("mixture-of-experts engines at ZeRO-3 are not supported (zckpt reshards MoE "
+                                "checkpoints of ZeRO-1/2)")
     if engine.load_universal_checkpoint():
         raise InvalidArgument("the engine config sets checkpoint.load_universal",
                               hint="drop it: zckpt loads DeepSpeed's native layout at any world size")
@@ -102,12 +103,51 @@ def engine_target(engine) -> Target:
 # ---------------------------------------------------------------------------------------------- validation
 
 def _engine_params(engine) -> dict:
-    """name -> (shape, trainable) of every parameter the engine's module has (tied aliases included)."""
+    """name -> (shape, trainable) of every parameter the engine's module has (tied aliases included), under the
+    checkpoint's names (:func:`_moe_experts`: global expert ids, AutoEP's fused experts at their full shape)."""
+    experts = _moe_experts(engine)
     out = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+        name, shape = experts.get(name, (name, shape))
         out[name] = (shape, bool(p.requires_grad))
     return out
+
+
+def _moe_experts(engine) -> dict:
+    """The engine's expert parameters: live name -> (checkpoint name, checkpoint shape). A native MoE layer's
+    local expert i of expert-parallel rank e is global expert ``e * num_local + i``; an AutoEP layer's fused
+    ``experts.wK`` of ``[num_local, ...]`` is ``[num_local * ep_size, ...]`` in the checkpoint."""
+    if not getattr(engine, "has_moe_layers", False):
+        return {}
+    import re
+    from deepspeed.utils import groups
+    out = {}
+    for mname, mod in engine.module.named_modules():
+        prefix = f"{mname}." if mname else ""
+        if type(mod).__name__ == "AutoEPMoELayer":
+            for w in ("w1", "w2", "w3"):
+                p = getattr(mod.experts, w, None)
+                if p is not None:
+                    out[f"{prefix}experts.{w}"] = (f"{prefix}experts.{w}", (int(p.shape[0]) * int(mod.ep_size),
+                                                                          *p.shape[1:]))
+        elif hasattr(mod, "expert_group_name") and hasattr(mod, "num_local_experts") and hasattr(mod, "deepspeed_moe"):
+            e, nlocal = groups._get_expert_parallel_rank(mod.expert_group_name), int(mod.num_local_experts)
+            pat = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+            for name, p in mod.named_parameters(prefix=mname, remove_duplicate=False):
+                m = pat.match(name)
+                if m:
+                    out[name] = (f"{m.group(1)}{e * nlocal + int(m.group(2))}{m.group(3)}", tuple(p.shape))
+    return out
+
+
+def _engine_ep_sizes(engine) -> set[int]:
+    """The expert-parallel sizes of the engine's MoE layers (native ``ep_size``, AutoEP ``ep_size``)."""
+    sizes = set()
+    for _, mod in engine.module.named_modules():
+        if type(mod).__name__ == "AutoEPMoELayer" or (hasattr(mod, "expert_group_name") and hasattr(mod, "ep_size")):
+            sizes.add(int(mod.ep_size))
+    return sizes
 
 
 def _engine_buffers(engine) -> dict:
@@ -127,8 +167,8 @@ def _engine_groups(engine, target: Target) -> list[list[str]] | None:
     groups = getattr(opt, attr, None)
     if groups is None:
         return None
-    names = getattr(engine, "param_names", {})
-    return [[names.get(p, "?") for p in g] for g in groups]
+    names, experts = getattr(engine, "param_names", {}), _moe_experts(engine)
+    return [[experts.get(names.get(p, "?"), (names.get(p, "?"),))[0] for p in g] for g in groups]
 
 
 def _engine_partitions(engine, target: Target) -> list[int] | None:
@@ -148,6 +188,8 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
     if ckpt.precision != target.precision:
         raise InvalidArgument(f"the checkpoint was trained in {ckpt.precision}, the engine runs {target.precision}",
                               path=path, hint="start the engine with the checkpoint's precision")
+    moe = _check_moe_engine(ckpt, engine)
+    layout = moe.layout if moe is not None else None
     params, buffers = _engine_params(engine), _engine_buffers(engine)
     recs = ckpt.by_name()
     for name, (shape, trainable) in params.items():
@@ -168,11 +210,16 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
         if rec is not None and rec.kind == "buffer" and tuple(rec.shape) != shape:
             raise InvalidArgument(f"buffer '{name}' has shape {list(rec.shape)} in the checkpoint but {list(shape)} "
                                   "in the model", path=path)
-    extra = [r.name for r in ckpt.records if r.kind != "buffer" and r.name not in params]
+    extra = [r.name for r in ckpt.records if r.kind != "buffer" and r.name not in params
+             and not (moe is not None and r.name in moe.other_experts)]  # other expert-parallel ranks'
     if extra:
         raise InvalidArgument(f"the checkpoint has parameters the model lacks: {', '.join(extra[:5])}"
                               + (" ..." if len(extra) > 5 else ""), path=path)
     want = [list(g.names) for g in ckpt.groups]
+    if layout is not None:  # an expert group holds this rank's experts only
+        want = [[r.name for _, r in layout.shards[g.index][layout.ep_rank(
+            ckpt.model_state, target.world_size, layout.ep[g.index], target.rank, path)[0]]]
+                if g.index in layout.ep else names for g, names in zip(ckpt.groups, want)]
     have = _engine_groups(engine, target)
     if have is not None and target.stage != 3 and have != want:
         raise InvalidArgument(f"the optimizer's param groups differ from the checkpoint's ({len(have)} groups of "
@@ -181,6 +228,42 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
     if have is not None and target.stage == 3 and [n for g in have for n in g] != [n for g in want for n in g]:
         raise InvalidArgument("the optimizer's parameters (or their order) differ from the checkpoint's", path=path,
                               hint="build the optimizer's param groups as the run that saved it did")
+
+
+@dataclass
+class _EngineMoE:
+    """The MoE layout of a checkpoint as one rank of the engine sees it."""
+
+    layout: object  # zckpt.deepspeed.moe.MoELayout
+    other_experts: set  # expert parameters held by other expert-parallel ranks (absent from this rank's module)
+
+
+def _check_moe_engine(ckpt: Checkpoint, engine) -> _EngineMoE | None:
+    """An MoE engine takes an MoE checkpoint of its expert-parallel sizes (resharded on its data-parallel size
+    only), anything else takes a dense one; refused in one line otherwise."""
+    path = ckpt.location.tag_dir
+    moe_engine = bool(getattr(engine, "has_moe_layers", False))
+    if ckpt.parallel == "moe" and not moe_engine:
+        raise InvalidArgument("a mixture-of-experts checkpoint into an engine without MoE layers", path=path,
+                              hint="resume with the model the checkpoint was saved from")
+    if not moe_engine:
+        return None
+    if ckpt.parallel != "moe":
+        raise InvalidArgument("the engine has mixture-of-experts layers, the checkpoint none", path=path,
+                              hint="resume with the model the checkpoint was saved from")
+    layout = ckpt.extra.get("moe")
+    if layout is None:
+        raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
+                                path=path, hint="load it with engine.load_checkpoint")
+    have, want = _engine_ep_sizes(engine), set(layout.ep.values())
+    if have != want:
+        raise UnsupportedLayout(f"the checkpoint's expert-parallel size {sorted(want)} differs from the engine's "
+                                f"{sorted(have)}: changing the expert-parallel size is not supported", path=path,
+                                hint="start the engine with the checkpoint's expert-parallel size")
+    mine = {n for n, _ in _moe_experts(engine).values()}
+    names = {r.name for by_rank in layout.shards.values() for recs in by_rank.values() for _, r in recs}
+    names |= {key for tensors, _, _ in layout.expert_files.values() for key, _ in tensors}
+    return _EngineMoE(layout, names - mine)
 
 
 def check_plan(plan, engine, target: Target) -> None:
