@@ -204,3 +204,29 @@ def test_remote_merge_written_from_fetched_blocks_is_the_local_merge(s3_server, 
     names.remove(".zckpt.json")  # the marker names the source
     for name in names:
         assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "remote" / name).read_bytes(), name
+
+
+def test_keep_fetched_scopes_of_two_threads_stay_apart():
+    """Two opens at once (two threads, each its own scope) leave and enter in any order."""
+    import threading
+
+    both_in, a_out = threading.Barrier(2, timeout=10), threading.Event()
+    errors = []
+
+    def scope(first: bool):
+        try:
+            with storage.keep_fetched():
+                both_in.wait()
+                if not first:
+                    a_out.wait(10)
+            if first:
+                a_out.set()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scope, args=(f,)) for f in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not storage._KEPT

@@ -718,8 +718,8 @@ def keep_fetched() -> Iterator[None]:
     try:
         yield
     finally:
-        with _KEPT_LOCK:
-            _KEPT.remove(kept)
+        with _KEPT_LOCK:  # by identity: two blocks' dicts may be equal (both empty)
+            del _KEPT[next(i for i, k in enumerate(_KEPT) if k is kept)]
 
 
 def _from_kept(path: str, offset: int, length: int) -> bytes | None:
