@@ -15,6 +15,10 @@ file is ``posix_fadvise(DONTNEED)``-ed after a sync; the JSON says which worked)
 
     python benchmarks/bench_scale.py --layers 26 --hidden 2048 --ffn 8192 --procs 1,2,4,8 --json-out r.json
     python benchmarks/bench_scale.py --ckpt fixtures/z3_fp32_ws3 --procs 1,2 --repeat 1     # a smoke test
+
+``--zckpt-root DIR`` runs the zckpt of another tree (e.g. a checkout of the version before a change) on the same
+checkpoint, for a before / after in one run. Each run's ``--json`` ``stats`` (plan seconds, and under torchrun
+rank 0's seconds per step: ``phases``) are kept in the raw JSON.
 """
 
 from __future__ import annotations
@@ -205,7 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true", help="also run every case with the page cache dropped")
     ap.add_argument("--cold-only", action="store_true", help="only with the page cache dropped")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--zckpt-root", default=str(ROOT), help="the tree whose zckpt runs (default: this one)")
     args = ap.parse_args(argv)
+    zroot = Path(args.zckpt_root).resolve()
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -218,13 +224,13 @@ def main(argv=None) -> int:
         params = count_params(dims)
         ckpt = ensure_checkpoint(workdir, dims, args.world_size)
     env = dict(os.environ, DS_ACCELERATOR="cpu", ZCKPT_DISABLE_PROGRESS_BARS="1", PYTHONSAFEPATH="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "zckpt")], check=True,
+               PYTHONPATH=os.pathsep.join([str(zroot), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(zroot / "zckpt")], check=True,
                    stdout=subprocess.DEVNULL)
     procs = [int(p) for p in args.procs.split(",")]
     tag = (ckpt / "latest").read_text().strip()
     src_bytes = sum(p.stat().st_size for p in (ckpt / tag).rglob("*") if p.is_file())
-    results = {"checkpoint": str(ckpt), "params": params, "checkpoint_bytes": src_bytes, "cpus": os.cpu_count(),
+    results = {"checkpoint": str(ckpt), "zckpt_root": str(zroot), "params": params, "checkpoint_bytes": src_bytes, "cpus": os.cpu_count(),
                "procs": procs, "repeat": args.repeat, "max_shard_size": args.max_shard_size, "cases": {}}
     print(f"checkpoint {ckpt} ({(params or 0) / 1e9:.2f}B params, {src_bytes / 2**30:.2f} GiB), "
           f"{os.cpu_count()} CPUs", flush=True)
@@ -240,7 +246,7 @@ def main(argv=None) -> int:
             rows: dict = {}
             for p in procs:
                 works, shares = plan_works(case, str(ckpt), p, args.max_shard_size)
-                rec = {"wall": [], "zckpt": [], "copy": [], "cache": []}
+                rec = {"wall": [], "zckpt": [], "copy": [], "cache": [], "stats": []}
                 if cache == "warm" and not rows:  # read the sources once: the page cache holds them
                     run_zckpt(1, cargs + ["-o", str(out), "--overwrite"], env)
                 for _ in range(args.repeat):
@@ -252,6 +258,7 @@ def main(argv=None) -> int:
                     wall, doc = run_zckpt(p, cargs + ["-o", str(out)], env)
                     rec["wall"].append(wall)
                     rec["zckpt"].append(doc["seconds"])
+                    rec["stats"].append(doc.get("stats", {}))
                     rec["bytes"] = doc["total_bytes"]
                     shutil.rmtree(out, ignore_errors=True)
                     if not case.startswith("merge-bf16") and not case.startswith("merge-fp16"):
@@ -262,6 +269,8 @@ def main(argv=None) -> int:
                 rows[p] = {"median_s": med, "raw": rec}
                 print(f"  {key} P={p}: wall {med['wall']:.2f}s zckpt {med['zckpt']:.2f}s"
                       + (f" copy {med['copy']:.2f}s" if "copy" in med else ""), flush=True)
+                last = rec["stats"][-1] if rec["stats"] else {}
+                print(f"    plan {last.get('plan_seconds')}s phases {last.get('phases')}", flush=True)
             base = rows[procs[0]]["median_s"]
             for p, r in rows.items():
                 m = r["median_s"]

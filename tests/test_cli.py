@@ -313,6 +313,22 @@ def test_a_tilde_the_shell_left_is_the_home_folder(tmp_path, monkeypatch):
     assert json.loads(run("info", "~/ck", "--json").output)["path"] == str(home / "ck")
 
 
+def test_an_empty_path_is_refused(tmp_path, monkeypatch):
+    """``zckpt push ckpt "$DEST"`` with DEST unset: an empty path is refused, naming it (push wrote the checkpoint
+    into the current folder, then failed with an internal error; -o "" said ".: No such file or directory")."""
+    from tests.conftest import FIXTURES
+    ck = str(checkpoint_path(FIXTURES / "trainer"))
+    monkeypatch.chdir(tmp_path)
+    for cmd, flag in ((["push", ck, ""], "DEST"), (["push", "", "d"], "SRC"), (["merge", ck, "-o", ""], "-o"),
+                      (["reshard", ck, "-w", "1", "-o", ""], "-o"), (["convert", ck, "-o", ""], "-o"),
+                      (["info", ""], "PATH"), (["verify", ""], "PATH"), (["merge", "", "-o", "m"], "PATH"),
+                      (["estimate", "--config", ""], "--config"), (["estimate", ""], "[PATH]")):
+        _one_line_error(invoke(*cmd), 1, f"{flag}: an empty path", "variable that is not set")
+        res = invoke(*cmd, "--json")
+        assert json.loads(res.stdout)["error"]["type"] == "InvalidArgument", res.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_push_into_its_own_source_says_what_to_do(tmp_path):
     from tests.conftest import FIXTURES
     src = tmp_path / "ck"

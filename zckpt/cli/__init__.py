@@ -185,7 +185,8 @@ Examples:
 
 \b
 Guides (installed with zckpt): zckpt help [TOPIC]. Every option: zckpt COMMAND --help.
-Exit status: 0 done, 1 refused or failed, 2 command line unreadable, 130 interrupted.
+Exit status: 0 done, 1 refused or failed, 2 command line unreadable, 75 network or server
+fault after the retries (run again later), 130 interrupted.
 Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks.""",
 )
 @click.version_option(package_name="zckpt", prog_name="zckpt")

@@ -29,6 +29,7 @@ launcher nothing here runs, and torch is not imported.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -195,6 +196,10 @@ def launched() -> Iterator[Group | None]:
         timeout = float(os.environ.get("ZCKPT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
         dist.init_process_group("gloo", init_method="env://", rank=env["rank"], world_size=env["world_size"],
                                 timeout=datetime.timedelta(seconds=timeout))
+        # torch's import left ~150k objects that the cyclic GC would walk at every full collection, and planning
+        # a checkpoint allocates enough to trigger some (0.2-0.4 s on each rank, where the single-process run,
+        # without torch, pays nothing): they live as long as the process, so they are frozen out of its scans
+        gc.freeze()
     try:
         yield Group(dist.get_rank(), dist.get_world_size(), env["launcher"])
     finally:
@@ -463,10 +468,12 @@ class Stats:
     seconds: float = 0.0
     fetch: dict = field(default_factory=dict)
     split_entries: int = 0  # zip entries written by more than one rank (their CRCs combined across ranks)
+    phases: dict = field(default_factory=dict)  # rank 0's seconds per step; write_max: the slowest rank's writing
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "rank_bytes": self.rank_bytes, "total_bytes": self.total_bytes,
-                "seconds": round(self.seconds, 3), "split_entries": self.split_entries, **self.fetch}
+                "seconds": round(self.seconds, 3), "split_entries": self.split_entries, **self.fetch,
+                **({"phases": {k: round(v, 3) for k, v in self.phases.items()}} if self.phases else {})}
 
 
 def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive], out: str, kind: str,
@@ -480,6 +487,14 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
     output check (before anything is written); ``finish(pub)``: rank 0 adds the small files (index, ``latest``,
     config) before the commit. Every step ends with an agreement: an error on any rank is raised on all."""
     t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    mark = [t0]
+
+    def lap(name: str) -> None:  # rank 0's time in each step (a step's agreement waits for the slowest rank)
+        now = time.perf_counter()
+        phases[name] = phases.get(name, 0.0) + now - mark[0]
+        mark[0] = now
+
     remote = storage.is_url(out)
     group.phase(_align_archives, group, archives)
     group.phase(_check_same_plan, group, works)
@@ -489,6 +504,7 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
     else:
         share = sum(job_bytes(works[fi].jobs[ji][2], works[fi].jobs[ji][3]) if ji >= 0 else works[fi].size
                     for fi, ji in split_ranges(works, group.world)[group.rank])
+    lap("agree_plan")
     done = [0]
 
     def step(n):  # this rank's part of the work
@@ -506,28 +522,37 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
         writer = _Writer(group, pool, worker, maps, step, durable, storage_options)
         pub = group.phase(_open_publisher, group, stack, works, out, kind, check, source, durable,
                           output_storage_options)
+        lap("scratch")
         if remote:
             group.phase(_write_files_remote, group, writer, works, out, output_storage_options)
+            lap("write")
             group.phase(_publish, group, pub, works, None, finish)
+            lap("publish")
         else:
             tmp = group.broadcast_bytes(pub.tmp.encode() if group.rank == 0 else None).decode()
+            t_write = time.perf_counter()
             group.phase(_write_ranges, group, writer, works, tmp)
+            write_us = int((time.perf_counter() - t_write) * 1e6)  # before the agreement: this rank's own
+            lap("write")
             slots = sorted({(fi, job[0]) for fi, w in enumerate(works) for job in w.jobs if job[0] >= 0})
             mine = []
             for key in slots:
                 c, n = writer.crcs.get(key, (0, 0))
                 mine += [c, n]
-            rows = group.all_gather_ints(mine)
+            rows = group.all_gather_ints(mine + [write_us])
+            phases["write_max"] = max(row[-1] for row in rows) / 1e6
             split = sum(1 for k in range(len(slots)) if sum(1 for row in rows if row[2 * k + 1]) > 1)
             crcs = _combine(rows, slots)
+            lap("crcs")
             group.phase(_publish, group, pub, works, crcs, finish)
+            lap("publish")
     finally:
         stack.close()
         if own_worker:
             worker.close()
         if own_maps:
             maps.close()
-    return Stats(group.world, total, writer.bytes, time.perf_counter() - t0, worker.stats.to_json(), split)
+    return Stats(group.world, total, writer.bytes, time.perf_counter() - t0, worker.stats.to_json(), split, phases)
 
 
 def _open_publisher(group: Group, stack, works, out, kind, check, source, durable, output_storage_options):

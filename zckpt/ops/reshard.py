@@ -1014,6 +1014,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     if world_size is None:
         raise InvalidArgument("a target world size is required", param="world_size", hint="pass `world_size`")
     ckpt = open_checkpoint(path, tag, storage_options)
+    t_open = time.perf_counter()
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
     _check_out(out, overwrite, source)  # before planning or writing anything
@@ -1036,7 +1037,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
         stats = {"ranks": 1, **execute(plan, out, workers, overwrite, progress, latest_name=latest, durable=durable,
                                        source=source, storage_options=ckpt.storage_options)}
     result.seconds = time.perf_counter() - t0
-    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3), "open_seconds": round(t_open - t0, 3),
                     "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
     log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)", out,
              time.perf_counter() - t_plan, result.seconds, plan.total_bytes / max(result.seconds, 1e-9) / 1e6,

@@ -201,7 +201,9 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
             raise InvalidArgument(f"'{name}' has shape {list(rec.shape)} in the checkpoint but {list(shape)} in the "
                                   "model", path=path, hint="resume with the model the checkpoint was saved from")
         kind = recs[rec.tied_to].kind if rec.kind == "tied" and rec.tied_to in recs else rec.kind
-        if (kind == "trainable") != trainable:
+        # a zero-element parameter is never the optimizer's (DeepSpeed saves it with the frozen ones, trainable
+        # or not): nothing to tell apart, nothing to restore
+        if (kind == "trainable") != trainable and 0 not in shape:
             state = "trainable" if kind == "trainable" else "frozen"
             raise InvalidArgument(f"'{name}' is {state} in the checkpoint but not in the model", path=path,
                                   hint="freeze the same parameters as the run that saved it")
