@@ -10,6 +10,7 @@
     proxy.stall_puts(1)                 # the next PUT: once its headers passed, nothing moves (the client must
                                         # time out)
     proxy.puts                          # {"/bucket/key": PUT bodies forwarded whole}, the wire's own count
+    proxy.down(); proxy.up()            # an outage: connections refused (open ones reset) until up()
     proxy.stop()
 
 It parses the client's side of each connection just enough to find request boundaries (request line, headers,
@@ -52,12 +53,14 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.puts: collections.Counter = collections.Counter()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, what the proxy did)
+        self.ranges: list[tuple[str, str, str]] = []  # (method, path, Range header or "") of every request
         self.put_bytes = 0  # PUT body bytes forwarded (whole or not)
         self._slowdown = 0
         self._slowdown_methods = ("PUT", "POST")
         self._resets = 0
         self._reset_after = 0
         self._stalls = 0
+        self._down = False  # down(): refuse connections until up()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -78,6 +81,20 @@ class FaultProxy:
     def stall_puts(self, n: int) -> None:
         with self.lock:
             self._stalls = n
+
+    def down(self) -> None:
+        """Refuse connections from now on, as a server that is not running would (its port closed; connections
+        open through the proxy are reset), until :meth:`up`. The server behind it keeps running."""
+        with self.lock:
+            self._down = True
+        self._go_down()
+        for c in list(self._conns):
+            _rst(c)
+
+    def up(self) -> None:
+        """Accept connections again (within about 0.1 s)."""
+        with self.lock:
+            self._down = False
 
     def clear(self) -> None:
         with self.lock:
@@ -124,15 +141,19 @@ class FaultProxy:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            if self.mirror and self._listener is None:
-                if self._upstream_up():
+            listener = self._listener
+            if listener is not None and self._down:
+                self._go_down()
+                continue
+            if listener is None:
+                if not self._down and (not self.mirror or self._upstream_up()):
                     with contextlib.suppress(OSError):
                         self._listen(self.port)
                 else:
-                    time.sleep(0.1)
+                    time.sleep(0.05)
                 continue
             try:
-                client, _ = self._listener.accept()
+                client, _ = listener.accept()
             except socket.timeout:
                 if self.mirror and not self._upstream_up():
                     self._go_down()
@@ -140,6 +161,9 @@ class FaultProxy:
             except OSError:
                 if self._stop.is_set():
                     return
+                continue
+            if self._down:  # (accepted just as down() closed the port)
+                _rst(client)
                 continue
             try:
                 server = socket.create_connection(self.upstream, timeout=5)
@@ -217,6 +241,7 @@ class FaultProxy:
                 self._resets -= 1  # (only bodies the reset can cut in the middle)
                 action = "reset"
             self.requests.append((method, target, action))
+            self.ranges.append((method, target, headers.get("range", "")))
         if action == "slowdown":
             body = SLOWDOWN_XML % uuid.uuid4().hex.encode()
             client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"

@@ -35,6 +35,7 @@ RevisionNotFound, EntryNotFound), which the client turns into its own exception 
 
 Files live in memory (the tests push a few MB). ``throttle`` (bytes/s) slows uploads down so a test can kill a
 client mid-upload; ``ranged`` counts ranged reads, ``received`` the bytes of every upload body, ``puts`` the uploads per LFS oid.
+``down()`` / ``up()`` make an outage: the port refuses connections, then serves again with the same state.
 """
 
 from __future__ import annotations
@@ -123,18 +124,34 @@ class HubStandIn:
         self.chunk_size = 4 * 1024 * 1024
         self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.hub = self
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port = self.server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, name="hub-stand-in", daemon=True)
+        self.serving = False
 
     # ---------------------------------------------------------------- lifecycle and access
 
     def start(self) -> HubStandIn:
         self.thread.start()
+        self.serving = True
         return self
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self.serving:
+            self.server.shutdown()
+            self.server.server_close()
+            self.serving = False
+
+    def down(self) -> None:
+        """An outage: the port is closed (connections refused) until :meth:`up`; what the Hub holds stays."""
+        self.stop()
+
+    def up(self) -> None:
+        """Back on the same port, with the same repos."""
+        self.server = _Server(("127.0.0.1", self.port), _Handler)
+        self.server.hub = self
+        self.thread = threading.Thread(target=self.server.serve_forever, name="hub-stand-in", daemon=True)
+        self.start()
 
     def env(self, base: dict | None = None) -> dict[str, str]:
         """Environment for a client process: this endpoint, a token, the LFS path (no Xet), no bars muted."""

@@ -719,6 +719,26 @@ def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkey
     assert res.exit_code == 1 and "internal error" not in res.stderr
 
 
+def test_ctrl_c_during_an_import_is_still_the_interrupt(monkeypatch):
+    """Python 3.11 wraps a Ctrl-C that lands in ``__set_name__`` while a class is being created (a dataclass of a
+    module the command imports lazily) as ``RuntimeError("Error calling __set_name__ ...")`` raised from the
+    KeyboardInterrupt: that is still the interrupt (one line, 130), not "internal error" (it made
+    test_ctrl_c_at_any_moment_is_one_line flaky)."""
+    import zckpt.ops.estimate as estimate_mod
+
+    class Interrupting:
+        def __set_name__(self, owner, name):
+            raise KeyboardInterrupt
+
+    def interrupted(*args, **kwargs):
+        type("Location", (), {"field": Interrupting()})
+
+    monkeypatch.setattr(estimate_mod, "estimate", interrupted)
+    for extra in ([], ["--json"]):
+        res = invoke("estimate", "--params", "8B", "--largest-layer", "1B", *extra)
+        assert res.exit_code == 130 and res.stderr == "zckpt: interrupted\n", (res.exit_code, res.output)
+
+
 def test_ctrl_c_in_another_program_is_not_zckpts():
     """Importing zckpt (or its CLI) from another program leaves that program's Ctrl-C alone."""
     import signal

@@ -98,6 +98,22 @@ class StorageError(ZckptError, OSError):
     """A storage backend (local disk, S3, the Hub) failed."""
 
 
+class NetworkError(StorageError):
+    """A network or server fault that outlasted the retries: throttling, HTTP 5xx, a dropped or stalled
+    connection, or the server not reachable at all (:class:`EndpointUnreachable`). Transient by nature: the same
+    command should succeed later. The CLI exits with its own status for it (75, ``EX_TEMPFAIL``)."""
+
+    default_hint = "run again later"
+
+
+class EndpointUnreachable(NetworkError):
+    """The server cannot be reached at all: connection refused, host name not resolved, no route to the host, or
+    the connection not accepted within the connect timeout. ``zckpt push`` stops at the first one that outlasts
+    its retries (nothing more can get there)."""
+
+    default_hint = "check the endpoint and the network; run again when it answers"
+
+
 class PushInterrupted(ZckptError, InterruptedError):
     """A push was stopped (Ctrl-C, ``Pusher.stop(abandon=True)``); what finished stays, no manifest was written."""
 

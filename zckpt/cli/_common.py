@@ -63,6 +63,62 @@ def configure_logging(s: Settings) -> None:
     level = logging.ERROR if s.quiet and not s.verbose else max(logging.WARNING - 10 * s.verbose, logging.DEBUG)
     root.setLevel(level)
     logging.getLogger("zckpt").setLevel(level)
+    for h in root.handlers:  # (the root's level does not apply to records of libraries' loggers: the handler's does)
+        if isinstance(h, _StderrHandler):
+            h.setLevel(level)
+    _hub_logs_through_ours()
+
+
+#: huggingface_hub's per-request retry notes (``utils/_http.py``): each retry of one request, as a warning
+_HUB_RETRY_NOTES = (" thrown while requesting ", "Retrying in ", "Rate limited. Waiting ")
+_HUB_LOGGER, _HUB_HTTP_LOGGER = "huggingface_hub", "huggingface_hub.utils._http"
+
+
+class _HubRetryNotes(logging.Filter):
+    """huggingface_hub's notes on its own retries of one request are detail, like botocore's silent ones: INFO
+    lines (-v). What the user needs is zckpt's one line when zckpt gives up (or its own retry notice)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and any(n in record.getMessage() for n in _HUB_RETRY_NOTES):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger("zckpt").isEnabledFor(logging.INFO)
+        return True
+
+
+def _hub_logs_through_ours() -> None:
+    """huggingface_hub adds its own stderr handler to its logger when imported, and its records also reach ours
+    (the root's): each line was printed twice, once bare and once as ``zckpt: WARNING: ...``. While a command
+    runs, its lines go through zckpt's handler only (so -q silences them too), its retry notes at INFO. Its
+    logging module is tiny and needs nothing else of huggingface_hub; where it is not installed, nothing to do."""
+    import importlib.util
+
+    hub = logging.getLogger(_HUB_LOGGER)
+    if getattr(hub, "_zckpt_saved", None) is None:
+        try:
+            if importlib.util.find_spec(_HUB_LOGGER) is None:
+                return
+            importlib.import_module("huggingface_hub.utils.logging")  # (adds its handler, once per process)
+        except Exception:  # noqa: BLE001 - a broken install is reported where it is used, not here
+            return
+        own = [h for h in hub.handlers if type(h) is logging.StreamHandler]
+        for h in own:
+            hub.removeHandler(h)
+        hub._zckpt_saved = own
+    http = logging.getLogger(_HUB_HTTP_LOGGER)
+    if not any(isinstance(f, _HubRetryNotes) for f in http.filters):
+        http.addFilter(_HubRetryNotes())
+
+
+def _hub_logs_restored() -> None:
+    hub = logging.getLogger(_HUB_LOGGER)
+    saved = getattr(hub, "_zckpt_saved", None)
+    if saved is not None:
+        for h in saved:
+            hub.addHandler(h)
+        hub._zckpt_saved = None
+    http = logging.getLogger(_HUB_HTTP_LOGGER)
+    for f in [f for f in http.filters if isinstance(f, _HubRetryNotes)]:
+        http.removeFilter(f)
 
 
 def logging_state():
@@ -79,6 +135,7 @@ def restore_logging(state) -> None:
             root.removeHandler(h)
     root.setLevel(root_level)
     logging.getLogger("zckpt").setLevel(zckpt_level)
+    _hub_logs_restored()
 
 
 def _remember(field: str):

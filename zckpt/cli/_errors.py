@@ -13,6 +13,10 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       checkpoint (``verify``: a check failed), an output that cannot be written, a storage failure
 2     the command line could not be read: an unknown command or option, a missing argument or option
       value, an extra argument (click's parse errors), said in one line with the usage
+75    a network or server fault outlasted the retries (``NetworkError``): the server unreachable
+      (connection refused, host name not resolved, no route, connect timeout), throttling, HTTP 5xx, a
+      dropped or stalled connection; nothing is wrong with the command: run it again later
+      (75 is ``EX_TEMPFAIL`` of sysexits.h, "temporary failure, retry later", for cron jobs and schedulers)
 130   interrupted (Ctrl-C or SIGTERM), at any moment: one line, no traceback (``--json``: also the error object)
 ====  ===============================================================================================
 
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import click
 
-from zckpt.errors import InvalidArgument, OutputExists, StorageError, ZckptError, names_rendered
+from zckpt.errors import InvalidArgument, NetworkError, OutputExists, StorageError, ZckptError, names_rendered
 
 
 class CommandLineError(InvalidArgument):
@@ -41,6 +45,7 @@ class CommandLineError(InvalidArgument):
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_NETWORK = 75
 EXIT_INTERRUPTED = 130
 
 INTERNAL_HINT = "internal error: rerun with --debug for a traceback and report it"
@@ -54,6 +59,7 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (click.UsageError, EXIT_USAGE, "see --help"),  # the command line could not be read
     (InvalidArgument, EXIT_ERROR, ""),  # the message names the parameter and the accepted forms
     (OutputExists, EXIT_ERROR, "pass `overwrite` or choose another `out`"),
+    (NetworkError, EXIT_NETWORK, ""),  # transient: the same command should succeed later (the hint says when)
     (ZckptError, EXIT_ERROR, ""),  # zckpt's own errors carry their hint
     (PermissionError, EXIT_ERROR, "check the permissions of that path"),
     (FileNotFoundError, EXIT_ERROR, "check the path"),

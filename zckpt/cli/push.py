@@ -215,7 +215,7 @@ def _report_other_failures(partial, raised) -> None:
     (the same unknown scheme or read-only DEST fails every checkpoint alike: said once)."""
     said = {describe_here(raised).message}
     for c in partial.checkpoints:
-        if c.status == "failed" and c.error is not None and c.error is not raised:
+        if c.status == "failed" and c.error is not None and c.error not in (raised, raised.__cause__):
             message = describe_here(c.error).message
             if message not in said:
                 said.add(message)

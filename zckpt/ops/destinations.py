@@ -13,16 +13,16 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import errno
-import functools
 import io
 import json
 import logging
 import os
+import socket
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from zckpt.io import hashing, publish, storage
-from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
+from zckpt.errors import EndpointUnreachable, InvalidArgument, NetworkError, PushInterrupted, StorageError
 from zckpt.ops.scan import MANIFEST_NAME, RECORD_NAME, TAG_STEP_RE, TRAINER_RE, step_of  # noqa: F401
 
 # ``ctx`` arguments are the running push's ``zckpt.ops.push.PushContext`` (pool, cancel flag, retries, hashes); the
@@ -98,23 +98,40 @@ def retryable(exc: BaseException) -> bool:
     return True
 
 
-#: (what the exception chain shows, what zckpt says, what the user should do)
+class Fault(NamedTuple):
+    what: str  # what happened, after the server's name: "unreachable (connection refused)"
+    todo: str  # what the user should do
+    unreachable: bool  # the server cannot be reached at all (push gives up on DEST: nothing more can get there)
+
+
+_AGAIN = "run again when it is back"
+#: (what the exception chain shows, what zckpt says, what the user should do, connection-level): first match wins
 _FAULTS = (
-    (("EndpointConnectionError", "ConnectionRefusedError", "Connection refused", "Could not connect to the endpoint"),
-     "unreachable (connection refused)", "retry when it is back"),
-    (("ConnectTimeoutError", "Connect timeout"), "unreachable (connect timed out)", "retry when it is back"),
+    (("gaierror", "Name or service not known", "nodename nor servname", "Temporary failure in name resolution",
+      "getaddrinfo failed", "No address associated with hostname", "ClientConnectorDNSError"),
+     "unreachable (host name not resolved)", "check the host name in the endpoint URL and the network", True),
+    (("ConnectionRefusedError", "Connection refused", "Connect call failed"),
+     "unreachable (connection refused)", f"check that it runs at that address; {_AGAIN}", True),
+    (("No route to host", "Network is unreachable", "EHOSTUNREACH", "ENETUNREACH"),
+     "unreachable (no route to the host)", f"check the network; {_AGAIN}", True),
+    (("ConnectTimeout", "Connect timeout", "connect timed out"),
+     "unreachable (connect timed out)", f"check the endpoint and any firewall; {_AGAIN}", True),
+    (("EndpointConnectionError", "Could not connect to the endpoint", "ClientConnectorError", "ConnectError"),
+     "unreachable (cannot connect)", f"check the endpoint and the network; {_AGAIN}", True),
     (("ReadTimeoutError", "Read timeout", "ReadTimeout", "timed out"),
-     "stalled (no answer within the read timeout)", "retry when it answers again"),
+     "stalled (no answer within the read timeout)", "retry when it answers again", False),
     (("TooManyRequests", "429 Too Many", "(429)"), "throttled the upload (429 Too Many Requests)",
-     "retry later, or with fewer --workers"),
+     "retry later, or with fewer --workers", False),
     (("SlowDown", "reduce your request rate", "Throttl"),
-     "throttled the upload (503 SlowDown)", "retry later, or with fewer --workers"),
+     "throttled the upload (503 SlowDown)", "retry later, or with fewer --workers", False),
     (("ConnectionClosedError", "ConnectionResetError", "Connection was closed", "reset by peer", "ProtocolError",
       "RemoteDisconnected", "BrokenPipeError", "IncompleteRead", "Broken pipe"),
-     "dropped the connection", "retry when it is stable again"),
+     "dropped the connection", "retry when it is stable again", False),
     (("InternalError", "ServiceUnavailable", "BadGateway", "GatewayTimeout", "(500)", "(502)", "(503)", "(504)"),
-     "answered with a server error (HTTP 5xx)", "retry when it is healthy again"),
+     "answered with a server error (HTTP 5xx)", "retry when it is healthy again", False),
 )
+#: errnos of a connection that could not be made at all (the first four entries of _FAULTS, by number)
+_UNREACHABLE_ERRNOS = {errno.ECONNREFUSED: 1, errno.EHOSTUNREACH: 2, errno.ENETUNREACH: 2}
 RESUME_NOTE = "finished files will not be resent"
 
 
@@ -126,19 +143,40 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return out
 
 
-def describe_fault(exc: BaseException) -> tuple[str, str] | None:
-    """``(what happened, what to do)`` for a network or server fault in ``exc``'s chain, else None (a refusal
-    or a local error keeps its own message)."""
+def describe_fault(exc: BaseException) -> Fault | None:
+    """``(what happened, what to do, connection-level)`` for a network or server fault in ``exc``'s chain, else
+    None (a refusal or a local error keeps its own message)."""
     chain = _chain(exc)
     if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain):
         return None
+    if any(isinstance(e, socket.gaierror) for e in chain):
+        return Fault(*_FAULTS[0][1:])
+    for e in chain:
+        if isinstance(e, OSError) and not isinstance(e, socket.gaierror) and e.errno in _UNREACHABLE_ERRNOS:
+            return Fault(*_FAULTS[_UNREACHABLE_ERRNOS[e.errno]][1:])
     text = " | ".join(f"{type(e).__name__}: {e}" for e in chain)
     if any(isinstance(e, OSError) and e.errno == errno.EBUSY for e in chain):  # s3fs's word for SlowDown
         text += " SlowDown"
-    for needles, what, todo in _FAULTS:
+    for needles, *fault in _FAULTS:
         if any(n in text for n in needles):
-            return what, todo
+            return Fault(*fault)
     return None
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server could not be reached at all (connection refused, host name not resolved,
+    no route, connect timeout), as opposed to a server that answered badly (throttling, 5xx) or a connection
+    that broke once made."""
+    if isinstance(exc, EndpointUnreachable):
+        return True
+    fault = describe_fault(exc)
+    return fault is not None and fault.unreachable
+
+
+def fault_error(server: str, fault: Fault, doing: str, url: str) -> NetworkError:
+    """The one-line error for ``fault`` of ``server`` while ``doing`` something to ``url``."""
+    cls = EndpointUnreachable if fault.unreachable else NetworkError
+    return cls(f"{server} {fault.what} while {doing}", path=url, hint=f"{fault.todo}; {RESUME_NOTE}")
 
 
 def check_unchanged(task: FileTask) -> None:
@@ -193,8 +231,7 @@ class FsDestination:
             fault = describe_fault(exc) if storage.is_url(url) else None
             if fault is None:
                 raise
-            raise StorageError(f"{self.endpoint} {fault[0]} while {doing}", path=url,
-                               hint=f"{fault[1]}; {RESUME_NOTE}") from exc
+            raise fault_error(self.endpoint, fault, doing, url) from exc
 
     # ---------------------------------------------------------------- state
 
@@ -321,7 +358,8 @@ class FsDestination:
     def list_remote_checkpoints(self) -> list[tuple[str, int, bool]]:
         """``(name, step, complete)`` for each checkpoint-looking folder at DEST."""
         try:
-            names = storage.listdir(self.url, self.storage_options)
+            with self._faults("listing it", self.url):
+                names = storage.listdir(self.url, self.storage_options)
         except (FileNotFoundError, NotADirectoryError):
             return []
         out = []
@@ -332,23 +370,36 @@ class FsDestination:
 
     def remove_checkpoints(self, names: list[str], ctx: PushContext) -> None:
         for n in names:  # manifest first: from then on nobody treats it as complete
-            url = self.url_of(n, MANIFEST_NAME)
-            ctx.retry(functools.partial(publish.begin_remote, self.url_of(n), MANIFEST_NAME, self.storage_options),
-                      url, n)
-            folder = self.url_of(n)
-            ctx.retry(functools.partial(storage.remove, folder, recursive=True, storage_options=self.storage_options,
-                                        missing_ok=True), folder, n)
+            url, folder = self.url_of(n, MANIFEST_NAME), self.url_of(n)
+
+            def withdraw():
+                with self._faults("withdrawing its manifest (--keep-last)", url):
+                    publish.begin_remote(folder, MANIFEST_NAME, self.storage_options)
+
+            def remove():
+                with self._faults("removing it (--keep-last)", folder):
+                    storage.remove(folder, recursive=True, storage_options=self.storage_options, missing_ok=True)
+
+            ctx.retry(withdraw, url, n)
+            ctx.retry(remove, folder, n)
 
     def root_matches(self, rel: str, data: bytes) -> bool:
+        url = self.url_of("", rel)
         try:
-            return storage.read_bytes(self.url_of("", rel), self.storage_options) == data
+            with self._faults("reading it", url):
+                return storage.read_bytes(url, self.storage_options) == data
         except FileNotFoundError:
             return False
 
     def write_root_files(self, files: dict[str, bytes], ctx: PushContext) -> None:
         for rel, data in files.items():  # latest last (zckpt.ops.scan.find_checkpoints)
             url = self.url_of("", rel)
-            ctx.retry(functools.partial(storage.write_bytes_atomic, url, data, self.storage_options), url)
+
+            def write(url=url, data=data):
+                with self._faults("writing it", url):
+                    storage.write_bytes_atomic(url, data, self.storage_options)
+
+            ctx.retry(write, url)
 
 
 def parse_hf_url(url: str) -> tuple[str, str, str | None, str]:
@@ -417,8 +468,7 @@ def _hub_errors(url: str, op: str, endpoint: str | None = None):
             cur, seen = cur.__cause__ or cur.__context__, seen + 1
         fault = describe_fault(exc)
         if fault is not None and endpoint:
-            raise StorageError(f"the Hub at {endpoint} {fault[0]} while {op}", path=url,
-                               hint=f"{fault[1]}; {RESUME_NOTE}") from exc
+            raise fault_error(f"the Hub at {endpoint}", fault, op, url) from exc
         inner = exc.__cause__ if isinstance(exc, RuntimeError) and exc.__cause__ is not None else exc
         text = " ".join(str(inner).split()) or type(inner).__name__
         raise StorageError(f"{op} failed: {type(inner).__name__}: {text}", path=url,

@@ -44,9 +44,10 @@ from zckpt.io import hashing, storage
 from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
     MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, RECORD_NAME, FileTask, FsDestination, HubDestination,
     RemoteFile, FileChanged,
-    check_unchanged, retryable, wait_all, make_destination, parse_hf_url,
+    check_unchanged, retryable, unreachable, wait_all, make_destination, parse_hf_url,
 )
-from zckpt.errors import InvalidArgument, PushInterrupted, StorageError, ZckptError
+from zckpt.ops.destinations import RESUME_NOTE, describe_fault
+from zckpt.errors import EndpointUnreachable, InvalidArgument, PushInterrupted, StorageError, ZckptError
 from zckpt.ops.scan import (  # noqa: F401 - check_complete is also zckpt.ops.push.check_complete
     LocalCheckpoint, check_complete, checkpoint_files, find_checkpoints, newest_mtime,
 )
@@ -143,7 +144,8 @@ class PushEvent:
 @dataclasses.dataclass
 class CheckpointResult:
     name: str
-    status: str  # pushed | up-to-date | incomplete | unsettled | skipped | failed | interrupted | dry-run | vanished
+    status: str  # pushed | up-to-date | incomplete | unsettled | skipped | failed | not-tried (DEST unreachable)
+    #              | interrupted | dry-run | vanished
     reason: str = ""
     step: int | None = None
     dest: str = ""
@@ -210,7 +212,7 @@ class PushResult:
 
     @property
     def failed(self) -> list[CheckpointResult]:
-        return [c for c in self.checkpoints if c.status in ("failed", "interrupted")]
+        return [c for c in self.checkpoints if c.status in ("failed", "not-tried", "interrupted")]
 
     def to_dict(self) -> dict:
         return {"src": self.src, "dest": self.dest, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
@@ -219,12 +221,52 @@ class PushResult:
                 "root_files_sent": list(self.root_files_sent)}
 
 
+#: how long DEST may go unreachable (connection refused, host name not resolved, no route, connect timeout)
+#: before a push gives up on it, counted from the start of the first request that failed so (the backend's own
+#: retries inside that request included: botocore's take 0-15 s, huggingface_hub's 23 s)
+UNREACHABLE_AFTER = 20.0
+
+
+class Reachability:
+    """Whether DEST answers, shared by every request of a push (and by the runs of :func:`push_every` and
+    :class:`Pusher`): ``since`` is when the first failed request of the current outage began, None while DEST
+    answers; any request that succeeds ends the outage. ``give_up_after``: seconds of outage after which a
+    request that cannot connect is not retried any more. The retry notice is logged once per outage."""
+
+    def __init__(self, give_up_after: float = UNREACHABLE_AFTER):
+        if give_up_after < 0:
+            raise InvalidArgument(f"must not be negative, not {give_up_after}", param="unreachable_after")
+        self.give_up_after = give_up_after
+        self.lock = threading.Lock()
+        self.since: float | None = None
+        self.noticed = False
+
+    def failed(self, began: float) -> tuple[float, bool]:
+        """A request that began at ``began`` could not connect: (seconds DEST has been unreachable, whether this
+        is the outage's first notice)."""
+        with self.lock:
+            if self.since is None:
+                self.since = began
+            first, self.noticed = not self.noticed, True
+            return time.monotonic() - self.since, first
+
+    def answered(self) -> None:
+        if self.since is None:  # (unlocked: the common case, nothing to do)
+            return
+        with self.lock:
+            was, self.since, self.noticed = self.since, None, False
+        if was is not None:
+            log.info("DEST answers again after %.0fs", time.monotonic() - was)
+
+
 class PushContext:
     """What a destination needs from the running push: pool, cancel flag, progress, retries, hashes."""
 
-    def __init__(self, pool, cancel, progress, retries, hashes, workers):
+    def __init__(self, pool, cancel, progress, retries, hashes, workers, reach: Reachability | None = None):
         self.pool, self.cancel, self.progress, self.retries = pool, cancel, progress, retries
         self.hashes, self.workers = hashes, workers
+        self.reach = reach or Reachability()
+        self.gave_up = threading.Event()  # a request of this push gave up on an unreachable DEST: the others stop
 
     def emit(self, kind: str, **kw) -> None:
         if self.progress is not None:
@@ -244,26 +286,68 @@ class PushContext:
         return task.sha256
 
     def retry(self, fn: Callable[[], Any], what: str, checkpoint: str = "") -> Any:
+        """``fn()``, retried when it fails transiently: up to ``retries`` times with pauses of 1, 2, 4, 8, 16 s;
+        a DEST that cannot be reached at all only while it has been so for less than ``reach.give_up_after``
+        seconds (then the push gives up on DEST; see :func:`push`)."""
         for attempt in range(self.retries + 1):
             if self.cancel.is_set():
                 raise PushInterrupted("interrupted", path=what)
+            began = time.monotonic()
             try:
-                return fn()
+                out = fn()
             except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, PushInterrupted,
                     InvalidArgument):
                 raise
             except OSError as exc:
-                if attempt == self.retries or not retryable(exc):
+                if not retryable(exc):
                     raise
-                delay = min(2.0 ** attempt, 30.0)
-                text = " ".join(str(exc).split())
-                msg = (text if isinstance(exc, ZckptError) and exc.path else f"{what}: {text}")
-                msg += f"; retry {attempt + 1}/{self.retries} in {delay:.0f}s"
-                log.warning("%s", msg)
-                self.emit("retry", checkpoint=checkpoint, path=what, message=msg)
-                if self.cancel.wait(delay):
-                    raise PushInterrupted("interrupted", path=what) from exc
+                if unreachable(exc):
+                    delay = self._unreachable_pause(exc, began, attempt, what, checkpoint)
+                else:
+                    if attempt == self.retries:
+                        raise
+                    delay = min(2.0 ** attempt, 30.0)
+                    msg = f"{_message(exc, what)}; retry {attempt + 1}/{self.retries} in {delay:.0f}s"
+                    log.warning("%s", msg)
+                    self.emit("retry", checkpoint=checkpoint, path=what, message=msg)
+                self._pause(delay, exc, what)
+                continue
+            self.reach.answered()
+            return out
         raise AssertionError("unreachable")
+
+    def _unreachable_pause(self, exc: OSError, began: float, attempt: int, what: str, checkpoint: str) -> float:
+        """The pause before retrying a request that could not connect, or ``exc`` raised when DEST has been
+        unreachable too long (or the retries are used up, or another request of this push gave up)."""
+        down, first = self.reach.failed(began)
+        left = self.reach.give_up_after - down
+        if attempt == self.retries or left <= 0 or self.gave_up.is_set():
+            self.gave_up.set()
+            exc.unreachable_for = down  # for push()'s one line
+            raise exc
+        delay = min(2.0 ** attempt, 30.0, left)
+        msg = f"{_message(exc, what)}; retrying for up to {left:.0f}s"
+        if first:  # once per outage, not once per request and retry
+            log.warning("%s", msg)
+        self.emit("retry", checkpoint=checkpoint, path=what, message=msg)
+        return delay
+
+    def _pause(self, delay: float, exc: OSError, what: str) -> None:
+        end = time.monotonic() + delay
+        while (left := end - time.monotonic()) > 0:
+            if self.cancel.wait(min(left, 0.25)):
+                raise PushInterrupted("interrupted", path=what) from exc
+            if self.gave_up.is_set() and unreachable(exc):
+                raise exc
+
+
+def _message(exc: BaseException, what: str) -> str:
+    """``exc`` as one line without its hint, naming ``what`` unless it names its own path."""
+    if isinstance(exc, ZckptError):
+        text = " ".join(exc.message.split())
+        path = exc.path or what
+        return text if text.startswith(path) else f"{path}: {text}"
+    return f"{what}: {' '.join(str(exc).split())}"
 
 
 # ============================================================================================ the push
@@ -428,7 +512,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
          dry_run: bool = False, storage_options: dict | None = None, progress: Callable[[PushEvent], Any] | None = None,
          hub_api=None, retries: int = 5, part_size: int | None = None, hash_cache: bool | str = True,
          only: Iterable[str] | None = None, wait_settle: bool = True,
-         cancel: threading.Event | None = None, allow_empty: bool = True) -> PushResult:
+         cancel: threading.Event | None = None, allow_empty: bool = True,
+         unreachable_after: float = UNREACHABLE_AFTER, reachability: Reachability | None = None) -> PushResult:
     """Push every complete checkpoint under ``src`` to ``dest`` (newest first) and return what happened.
 
     ``settle``: seconds no file may have changed (a complete but recent checkpoint is waited for when
@@ -440,6 +525,13 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     checkpoint (the result is attached as ``exc.push_result``); incomplete checkpoints are not failures, unless
     none at all was pushed or found at DEST up to date and ``allow_empty`` is False: then :class:`NothingPushed`
     (saying why: nothing found, or each checkpoint's reason) is raised, with the result attached.
+
+    A DEST that cannot be reached at all (connection refused, host name not resolved, no route, connect timeout)
+    is retried only while it has been so for less than ``unreachable_after`` seconds (and at most ``retries``
+    times); then the push stops at once: the checkpoints not started are ``not-tried``, ``latest`` and retention
+    are left alone, and :class:`zckpt.errors.EndpointUnreachable` is raised. ``reachability``: a
+    :class:`Reachability` shared across pushes (:func:`push_every` and :class:`Pusher` pass one, so that a DEST
+    down for a while is tried once per run, and its notice logged once per outage).
     """
     started = time.monotonic()
     if workers < 1:
@@ -470,7 +562,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
     cancel = cancel or threading.Event()
     first_error: BaseException | None = None
     with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zckpt-push") as pool:
-        ctx = PushContext(pool, cancel, progress, retries, hashes, workers)
+        ctx = PushContext(pool, cancel, progress, retries, hashes, workers,
+                          reachability or Reachability(unreachable_after))
         try:
             ready = _select(checkpoints, settle, wait_settle and not dry_run, ctx, result.checkpoints)
             ready.sort(key=lambda c: (c.step if c.step is not None else -1, c.name), reverse=True)
@@ -479,7 +572,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
                     result.checkpoints.append(CheckpointResult(ckpt.name, "skipped", f"older than the newest "
                                                                f"{keep_last} (--keep-last)", ckpt.step))
                 ready = ready[:keep_last]
-            for ckpt in ready:
+            gone = False  # DEST unreachable: nothing more can get there
+            for i, ckpt in enumerate(ready):
                 if cancel.is_set():
                     result.checkpoints.append(CheckpointResult(ckpt.name, "interrupted", "not started", ckpt.step))
                     continue
@@ -489,9 +583,15 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
                 if res.status == "failed" and first_error is None:
                     first_error = res.error
                 hashes.save()
-            if roots and not cancel.is_set():
+                if res.status == "failed" and unreachable(res.error):
+                    rest = ready[i + 1:]
+                    result.checkpoints += [CheckpointResult(c.name, "not-tried", "DEST unreachable", c.step,
+                                                            target.url_of(c.name)) for c in rest]
+                    first_error, gone = _unreachable_error(res.error, target, len(rest)), True
+                    break
+            if roots and not cancel.is_set() and not gone:
                 result.root_files_sent = _push_roots(src, roots, target, ctx, dry_run)
-            if keep_last is not None and not cancel.is_set() and any(
+            if keep_last is not None and not cancel.is_set() and not gone and any(
                     c.status in ("pushed", "up-to-date") for c in result.checkpoints):
                 result.removed = _retention(target, keep_last, {c.name for c in ready}, ctx, dry_run)
         except KeyboardInterrupt:
@@ -516,6 +616,24 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
         exc.push_result = result
         raise exc
     return result
+
+
+def _unreachable_error(exc: BaseException, dest, not_tried: int) -> EndpointUnreachable:
+    """The one line for a push that gave up on DEST: what could not be reached, for how long, what was not tried."""
+    down = getattr(exc, "unreachable_for", None)
+    if isinstance(exc, EndpointUnreachable):
+        message, path, hint = exc.message, exc.path, exc.hint
+    else:  # (a backend error that reached push() unwrapped)
+        fault = describe_fault(exc)
+        message = f"DEST {fault.what if fault else 'unreachable'}: {_message(exc, str(dest))}"
+        path, hint = str(dest), f"{fault.todo if fault else 'check the network'}; {RESUME_NOTE}"
+    if down is not None:
+        message += f", for {down:.0f}s"
+    if not_tried:
+        message += f"; stopped, {not_tried} more checkpoint{'s' if not_tried > 1 else ''} not tried"
+    err = EndpointUnreachable(message, path=path, hint=hint)
+    err.__cause__ = exc
+    return err
 
 
 def nothing_pushed(result: PushResult) -> str | None:
@@ -572,6 +690,7 @@ def push_every(src: str, dest, interval: float, *, cancel: threading.Event | Non
     if interval <= 0:
         raise InvalidArgument(f"must be more than zero, not {interval}", param="every")
     cancel = cancel or threading.Event()
+    kwargs.setdefault("reachability", Reachability(kwargs.pop("unreachable_after", UNREACHABLE_AFTER)))
     while not cancel.is_set():
         began = time.monotonic()
         try:
@@ -604,6 +723,8 @@ class Pusher:
         if every is not None and every <= 0:
             raise InvalidArgument(f"must be more than zero, not {every}", param="every")
         self.src, self.dest, self.every = src, dest, every
+        push_kwargs.setdefault("reachability", Reachability(push_kwargs.pop("unreachable_after",
+                                                                            UNREACHABLE_AFTER)))
         self.push_kwargs = push_kwargs
         self.errors: list[BaseException] = []
         self.results: list[PushResult] = []
