@@ -329,6 +329,26 @@ def test_an_empty_path_is_refused(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("damage", ["empty", "half"])
+def test_a_truncated_dcp_metadata_is_one_line(tmp_path, damage):
+    """A DCP folder whose .metadata was cut short (a copy that stopped): one line naming it, what to do, exit 1 in
+    every command that reads it (it was "internal error: KeyError: <class '...Truncated'>")."""
+    from tests.conftest import FIXTURES
+    dcp = tmp_path / "dcp"
+    assert invoke("convert", str(checkpoint_path(FIXTURES / "trainer")), "-o", str(dcp), "-q").exit_code == 0
+    meta = dcp / "pytorch_model_fsdp_0" / ".metadata"
+    meta.write_bytes(b"" if damage == "empty" else meta.read_bytes()[: meta.stat().st_size // 2])
+    for cmd in (["info", str(dcp)], ["verify", str(dcp)], ["merge", str(dcp), "-o", str(tmp_path / "m")],
+                ["convert", str(dcp), "--to", "deepspeed", "--world-size", "1", "--stage", "2", "--dtype", "bf16", "--buffers",
+                 "", "-o", str(tmp_path / "d")]):
+        res = invoke(*cmd)
+        if cmd[0] == "verify":  # verify reports it as a failed check, exit 1
+            assert res.exit_code == 1 and "internal error" not in res.output, res.output
+            continue
+        _one_line_error(res, 1, str(meta), "damaged")
+    assert not (tmp_path / "m").exists() and not (tmp_path / "d").exists()
+
+
 def test_push_into_its_own_source_says_what_to_do(tmp_path):
     from tests.conftest import FIXTURES
     src = tmp_path / "ck"
