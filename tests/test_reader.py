@@ -92,3 +92,27 @@ def test_counts_and_kinds(fixture_dir, ckpt_path):
     for pair in info.get("tied", info.get("tied_pairs", [])):
         a, b = pair if isinstance(pair, (list, tuple)) else (pair, None)
         assert kinds.get(a) == "tied" or (b and kinds.get(b) == "tied"), pair
+
+
+def test_round_robin_gradients_read_in_param_shapes_order(tmp_path):
+    """``round_robin_gradients`` (``fixtures/z2_bf16_ws2_rr``): the flat groups are in param_shapes' round-robin
+    order, while DeepSpeed 0.19.8's own param_slice_mappings name the params in model order (same-sized
+    ``blocks.0.up.weight`` / ``down.weight`` swapped). zckpt reads by param_shapes: every master rounds to the live
+    engine's bf16 weight. Earlier zckpt refused it, blaming the files ("come from different saves"); reshard still
+    refuses it in one line (the round-robin order depends on the world size)."""
+    import zckpt
+    from tests.conftest import FIXTURES
+    from zckpt.errors import UnsupportedLayout
+    fx = FIXTURES / "z2_bf16_ws2_rr"
+    osd = open_checkpoint(str(fx)).optim_states[0]["optimizer_state_dict"]
+    ckpt = open_checkpoint(str(fx))
+    # rank 0 holds emb.weight and the start of param_shapes' second param; DeepSpeed's mapping names another one
+    assert ckpt.groups[0].names[:2] == ["emb.weight", "blocks.0.down.weight"]
+    assert list(osd["param_slice_mappings"][0]) == ["emb.weight", "blocks.0.up.weight"]
+    assert any("round_robin_gradients" in n for n in ckpt.notes)
+    oracle = load_file(str(fx / "expected" / "oracle.safetensors"))
+    for rec in ckpt.of_kind("trainable"):
+        assert torch.equal(_load(rec).to(torch.bfloat16), oracle[f"module/{rec.name}"]), rec.name
+    with pytest.raises(UnsupportedLayout, match="round_robin_gradients") as err:
+        zckpt.reshard(str(fx), str(tmp_path / "o"), world_size=3)
+    assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
