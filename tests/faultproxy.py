@@ -53,6 +53,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.puts: collections.Counter = collections.Counter()
         self.requests: list[tuple[str, str, str]] = []  # (method, path, what the proxy did)
+        self.ranges: list[tuple[str, str, str]] = []  # (method, path, Range header or "") of every request
         self.put_bytes = 0  # PUT body bytes forwarded (whole or not)
         self._slowdown = 0
         self._slowdown_methods = ("PUT", "POST")
@@ -240,6 +241,7 @@ class FaultProxy:
                 self._resets -= 1  # (only bodies the reset can cut in the middle)
                 action = "reset"
             self.requests.append((method, target, action))
+            self.ranges.append((method, target, headers.get("range", "")))
         if action == "slowdown":
             body = SLOWDOWN_XML % uuid.uuid4().hex.encode()
             client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"

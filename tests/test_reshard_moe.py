@@ -8,7 +8,10 @@ same model from another seed (buffers scrambled, another learning rate), loads t
 live state as the fixture generator did (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, module
 weights, buffers, step, lr, global steps, client state; experts under their global ids). It must equal the source
 fixture's ``expected/oracle.*`` bit for bit. The engine then saves again at the new size, and every file of that
-tag must equal ours (tensors byte for byte; ``ds_config`` / ``ds_version`` aside).
+tag must equal ours (tensors byte for byte; ``ds_config`` / ``ds_version`` aside). Two shapes no committed fixture
+has are made by real DeepSpeed inside their test (``fixtures/generate.py``): the BF16 optimizer with MoE, and two
+MoE layers of ep 2 and ep 1. Without DeepSpeed: N -> M -> N gives back every source file, the refusals are one
+line, and the CLI reports the plan with ``--json``.
 
 Run as a script, this file is the torchrun worker.
 """
@@ -82,13 +85,17 @@ def _native_worker(job: dict) -> None:
                             betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=P._config(G, spec))
     client_state, resumed = _load(engine, job)
-    moe = model.moe
-    ep_rank = groups._get_expert_parallel_rank(moe.expert_group_name)
-    nlocal = moe.num_local_experts
-    pat = re.compile(r"(\.deepspeed_experts\.)(\d+)\.")
+    moes = {n: m for n, m in model.named_modules() if type(m).__name__ == "MoE"}
+    ep_of = {n: (groups._get_expert_parallel_rank(m.expert_group_name), m.num_local_experts)
+             for n, m in moes.items()}
+    ep_rank = ep_of["moe"][0]
+    pat = re.compile(r"^(.*?)(\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)\.")
 
-    def rename(name):
-        return pat.sub(lambda m: f"{m.group(1)}{ep_rank * nlocal + int(m.group(2))}.", name)
+    def rename(name):  # local expert ids -> global ones, per MoE layer (as gen_parallel.moe_worker)
+        def sub(m):
+            er, nl = ep_of[m.group(1)]
+            return f"{m.group(1)}{m.group(2)}{er * nl + int(m.group(3))}."
+        return pat.sub(sub, name)
 
     tensors, info = P._capture(G, engine, model, spec, rename)
     client = {k: v for k, v in (client_state or {}).items() if isinstance(v, (int, float, str))}
@@ -236,17 +243,30 @@ def test_moe_bf16_optimizer_dp_reshard_loads_natively(tmp_path):
     _check_loaded(src, oracle, 4)
     assert_same_files(out, again, (src / "latest").read_text().strip())
 
-RESUME = [
-    ("moe_z2_bf16_ws2_ep2", 4),
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name,ws", RESUME, ids=lambda v: str(v))
-def test_moe_resume_at_another_dp_size(tmp_path, name, ws):
-    """zckpt.deepspeed.load_checkpoint of the source at the new size: each rank's partition planned in memory."""
-    info = _run(tmp_path, name, ws, "zckpt", resave=False)
-    assert info["resumed"] == {"mode": "reshard", "source_world_size": _spec(name)["world_size"], "world_size": ws}
+def test_moe_layers_of_two_expert_parallel_sizes(tmp_path):
+    """Two MoE layers, ep 2 and ep 1 (expert groups ep_size_2 and ep_size_1, each partitioned over its own
+    expert-data-parallel ranks), ZeRO-2, made here by real DeepSpeed at 2 ranks: resharded to 4 and loaded natively
+    (and re-saved file for file), and resumed from the source at 4 by zckpt.deepspeed.load_checkpoint (each rank
+    plans its own optimizer file and the expert files of its own expert-parallel ranks, in memory)."""
+    from tests import ds_oracle
+    G = ds_oracle.generate_module()
+    src = tmp_path / "src"
+    G.generate(dict(kind="moe", name="moe_z2_bf16_ws2_ep2_ep1", stage=2, dtype="bf16", world_size=2, ep_size=2,
+                    moe2_ep_size=1, scheduler=False), str(src), expected=False)
+    assert zckpt.open_checkpoint(str(src)).extra["moe"].ep == {1: 1, 2: 2}
+    spec = json.loads((src / "expected" / "spec.json").read_text())
+    out, tag = tmp_path / "out", (src / "latest").read_text().strip()
+    reshard(str(src), str(out), world_size=4)
+    for mode, ckpt in (("native", out), ("zckpt", src)):
+        oracle, again = tmp_path / f"oracle-{mode}", tmp_path / f"resaved-{mode}"
+        _launch({"kind": "moe", "mode": mode, "spec": dict(spec, world_size=4), "ckpt": str(ckpt),
+                 "out": str(oracle), "resave": str(again) if mode == "native" else None}, 4)
+        info = _check_loaded(src, oracle, 4)
+        if mode == "native":
+            assert_same_files(out, again, tag)
+        else:
+            assert info["resumed"] == {"mode": "reshard", "source_world_size": 2, "world_size": 4}
 
 
 AUTOEP = [("moe_autoep_z2_bf16_ws2_ep2", 4, "native"), ("moe_autoep_z2_bf16_ws2_ep2", 4, "zckpt")]

@@ -98,14 +98,19 @@ class LazyGroup(click.Group):
 
 def _raised_while_interrupted(exc: BaseException) -> bool:
     """``exc`` came from cleanup code that ran because of a Ctrl-C (its context is the KeyboardInterrupt): what
-    happened is the interrupt, not a failure; the cleanup's own error is logged (-v)."""
-    seen, context = set(), exc.__context__
-    while context is not None and id(context) not in seen:
+    happened is the interrupt, not a failure; the cleanup's own error is logged (-v). Also an error raised FROM the
+    interrupt: Python 3.11 wraps a Ctrl-C that lands in a class body's ``__set_name__`` (a dataclass being imported)
+    as ``RuntimeError("Error calling __set_name__ ...")`` with the KeyboardInterrupt as its cause."""
+    seen, todo = set(), [exc.__cause__, exc.__context__]
+    while todo:
+        context = todo.pop()
+        if context is None or id(context) in seen:
+            continue
         if isinstance(context, KeyboardInterrupt):
             logging.getLogger("zckpt").info("while interrupted: %s: %s", type(exc).__name__, exc)
             return True
         seen.add(id(context))
-        context = context.__context__
+        todo += [context.__cause__, context.__context__]
     return False
 
 

@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from zckpt.cli._common import emit_json, global_options
 from zckpt.errors import InvalidArgument
 
 
@@ -36,9 +37,11 @@ def _title(path: str) -> str:
 Examples:
   zckpt help                 # the topics, and where they are
   zckpt help guide           # set-up, every command, the Python API
-  zckpt help json            # the --json schema of every command""")
+  zckpt help json            # the --json schema of every command
+  zckpt help --json          # the topics as JSON (with TOPIC: its text)""")
 @click.argument("topic", required=False)
-def help_command(topic):
+@global_options()
+def help_command(topic, as_json, quiet):
     """Read zckpt's guides in the terminal: the user guide, the command reference, the --json schemas, push,
     reshard, estimate, layouts.
 
@@ -49,13 +52,21 @@ def help_command(topic):
         raise InvalidArgument("the guides are not installed with this zckpt",
                               hint="zckpt COMMAND --help describes every option")
     topics = {name[:-3]: os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".md")}
+    if topic is not None and topic not in topics:
+        raise InvalidArgument(f"no topic {topic!r}", param="TOPIC", hint=f"one of: {', '.join(topics)}")
+    if as_json:
+        text = None
+        if topic is not None:
+            with open(topics[topic], encoding="utf-8") as fh:
+                text = fh.read()
+        emit_json({"path": topics[topic] if topic else folder, "topic": topic, "text": text,
+                   "topics": [{"name": name, "title": _title(path)} for name, path in topics.items()]})
+        return
     if topic is None:
         width = max(len(t) for t in topics)
         for name, path in topics.items():
             click.echo(f"{name:<{width}}  {_title(path)}")
         click.echo(f"\n(in {folder}; read one with: zckpt help TOPIC)")
         return
-    if topic not in topics:
-        raise InvalidArgument(f"no topic {topic!r}", param="TOPIC", hint=f"one of: {', '.join(topics)}")
     with open(topics[topic], encoding="utf-8") as fh:
         click.echo(fh.read(), nl=False)

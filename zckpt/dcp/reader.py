@@ -217,7 +217,7 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
             return _build(path, opts, md, sizes, metas, buffers, tied or {})
     except (CorruptFile, UnsafePickle) as exc:
         if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
-            exc.hint = DCP_HINTS[type(exc)]
+            exc.hint = DCP_HINTS[UnsafePickle if isinstance(exc, UnsafePickle) else CorruptFile]  # subclasses too
         raise
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from zckpt.io import storage
 from zckpt.dcp import reader as dcp_reader
@@ -42,7 +43,7 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
         return dcp_reader.open_dcp(path, storage_options)
     t0 = time.perf_counter()
     loc = locate(path, tag, storage_options)
-    with metadata_errors(loc.tag_dir):
+    with metadata_errors(loc.tag_dir), storage.keep_fetched():  # (remote: a scalar is not fetched twice)
         ckpt = _open(loc)
     files = loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files
     log.info("opened %s: tag %s, %d rank files (%s), %d tensors, read metadata in %.2fs", path, loc.tag,
@@ -52,14 +53,23 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
     return ckpt
 
 
+def _stat(f, storage_options) -> None:
+    try:
+        f.size = storage.size(f.path, storage_options)
+    except ZckptError:
+        raise
+    except OSError as exc:
+        raise CorruptFile(f"cannot stat ({exc})", path=f.path) from None
+
+
 def _open(loc: Location) -> Checkpoint:
-    for f in loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files:
-        try:
-            f.size = storage.size(f.path, loc.storage_options)
-        except ZckptError:
-            raise
-        except OSError as exc:
-            raise CorruptFile(f"cannot stat ({exc})", path=f.path) from None
+    files = loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files
+    if len(files) > 1 and storage.is_url(loc.tag_dir):  # one round trip, not one per file
+        with ThreadPoolExecutor(min(16, len(files))) as pool:
+            list(pool.map(lambda f: _stat(f, loc.storage_options), files))
+    else:
+        for f in files:
+            _stat(f, loc.storage_options)
     if not loc.model_files:
         from zckpt.deepspeed.model import missing_model_states
         raise missing_model_states(loc)  # names mp_rank_00_model_states.pt (ZeRO-3: each rank's file)
@@ -67,8 +77,8 @@ def _open(loc: Location) -> Checkpoint:
     if loc.universal:  # zero/optimizer_state.pt + zero/<param>/*.pt instead of *_optim_states.pt
         from zckpt.deepspeed import universal_read
         return universal_read.build(loc)
-    model_states = load_all(loc.model_files, loc.storage_options)
-    optim_states = load_all(loc.optim_files, loc.storage_options)
+    states = load_all(loc.model_files + loc.optim_files, loc.storage_options)  # (remote: all in parallel)
+    model_states, optim_states = states[:len(loc.model_files)], states[len(loc.model_files):]
     ms0 = model_states[0]
     for f, ms in zip(loc.model_files, model_states):
         if "module" not in ms and "param_shapes" not in ms:

@@ -48,13 +48,13 @@ def precision_of(model_state: dict, module: dict | None) -> str:
 def load_all(files: list[RankFile], storage_options: dict | None = None) -> list[dict]:
     """Every file's metadata (:func:`zckpt.formats.safeload.load`); ``storage_options``: for files behind URLs."""
     def one(f: RankFile):
-        obj = safeload.load(f.path, storage_options=storage_options)
+        obj = safeload.load(f.path, storage_options=storage_options, size_hint=f.size if f.size >= 0 else None)
         if not isinstance(obj, dict):
             raise CorruptFile(f"expected a dict at the top level, found {type(obj).__name__}", path=f.path)
         return obj
 
-    if len(files) > 2 and storage.is_url(files[0].path):
-        with ThreadPoolExecutor(8) as pool:
+    if len(files) > 1 and storage.is_url(files[0].path):  # each file's round trips beside the others'
+        with ThreadPoolExecutor(min(16, len(files))) as pool:
             return list(pool.map(one, files))
     return [one(f) for f in files]
 

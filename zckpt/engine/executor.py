@@ -190,10 +190,41 @@ class Worker:
                 return self._kernel_copy(fd, offset, parts, crc_of if want_crc else None)
             except _NoKernelCopy:
                 pass
+        views = self._fetched_views(parts, dtype)
+        if views is not None:  # remote bytes fetched ahead: written from the fetched blocks, not copied first
+            pos = offset
+            with self.write_slots:
+                for v in views:
+                    pwrite_all(fd, v, pos)
+                    pos += len(v)
+            crc = 0
+            if want_crc:
+                for v in views:
+                    crc = zlib.crc32(v, crc)
+            return crc, pos - offset
         data = self.render(parts, dtype)
         with self.write_slots:
             pwrite_all(fd, data, offset)
         return (zlib.crc32(data) if want_crc else 0), data.nbytes
+
+    def _fetched_views(self, parts: list, dtype: str) -> list[memoryview] | None:
+        """The job's bytes as views of the blocks fetched ahead (``reader.cache``), when every part is a same-dtype
+        remote piece they hold (or zeros); None otherwise (rendered into a buffer instead)."""
+        cache = getattr(self.reader, "cache", None)
+        if cache is None:
+            return None
+        views = []
+        for p in parts:
+            if isinstance(p, Piece) and p.dtype == dtype and storage.is_url(p.path):
+                vs = cache.views(p.path, p.offset, p.nbytes)
+                if vs is None:
+                    return None
+                views.extend(vs)
+            elif isinstance(p, Fill) and p.nbytes <= len(_ZEROS):
+                views.append(memoryview(_ZEROS)[:p.nbytes])
+            else:
+                return None
+        return views
 
     def _kernel_copy(self, fd_out: int, offset: int, parts: list, crc_of) -> tuple[int, int]:
         pos = offset
@@ -265,6 +296,24 @@ class RangeCache:
         i = bisect.bisect(starts, start)
         starts.insert(i, start)
         datas.insert(i, data)
+
+    def views(self, path: str, offset: int, n: int) -> list[memoryview] | None:
+        """The ``n`` bytes at ``offset`` of ``path`` as views of the fetched blocks holding them, or None."""
+        have = self.blocks.get(path)
+        if not have:
+            return None
+        starts, datas = have
+        i = bisect.bisect(starts, offset) - 1
+        out, pos, end = [], offset, offset + n
+        while pos < end:
+            if i < 0 or i >= len(starts) or not starts[i] <= pos < starts[i] + len(datas[i]):
+                return None
+            lo = pos - starts[i]
+            k = min(end - pos, len(datas[i]) - lo)
+            out.append(memoryview(datas[i])[lo:lo + k])
+            pos += k
+            i += 1
+        return out
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> bool:
         """Fill ``buf`` with the bytes at ``offset`` of ``path`` if they were fetched (from one or more blocks)."""
@@ -361,7 +410,10 @@ def run_jobs(pool, fn: Callable, jobs: Iterable, worker: Worker | None = None,
     def start(win):
         rs = [r for i in win for r in ranges[i]]
         total = sum(r[2] for r in rs)
-        size_ = min(MAX_REQUEST_BYTES, max(MIN_REQUEST_BYTES, total // REQUESTS_IN_FLIGHT))  # from the plan
+        # from the plan: a full window (PREFETCH_BYTES / WINDOWS_AHEAD) is WINDOWS_AHEAD GETs of MAX_REQUEST_BYTES,
+        # so PREFETCH_BYTES in flight are REQUESTS_IN_FLIGHT GETs of 16 MiB (what a tuned boto3 download does);
+        # the first, small windows are cut finer so that writing starts soon
+        size_ = min(MAX_REQUEST_BYTES, max(MIN_REQUEST_BYTES, total // WINDOWS_AHEAD))
         return _fetch(worker, plan_requests(rs, size_))
 
     cache = RangeCache()

@@ -450,13 +450,19 @@ def _unwrap(obj, depth=0):
 
 # --------------------------------------------------------------------------------------------- the archive
 
+def _METADATA_ENTRIES(name: str, size: int) -> bool:
+    """The entries :class:`_Archive` reads whole (fetched with the zip headers from a remote file)."""
+    return (name.endswith("/data.pkl") and name.count("/") == 1 and size <= MAX_PICKLE_BYTES) \
+        or name.endswith("/byteorder")
+
+
 class _Archive:
     """The zip directory of one torch file (checked by :func:`zckpt.formats.zipentries.read_entries`): where each entry's
     bytes start."""
 
     def __init__(self, path: str, fileobj: BinaryIO, size: int):
         self.path, self.f, self.size = path, fileobj, size
-        self.entries = read_entries(fileobj, size, path)
+        self.entries = read_entries(fileobj, size, path, payloads=_METADATA_ENTRIES)
         pkls = [n for n in self.entries if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise CorruptFile("zip archive has no torch data.pkl: not a torch checkpoint", path=path)
@@ -489,10 +495,10 @@ def _check_opcodes(data: bytes, path: str) -> None:
     scan(data, 0, path, "data.pkl", limit=len(data))
 
 
-def _default_opener(path: str, storage_options: dict | None = None) -> BinaryIO:
+def _default_opener(path: str, storage_options: dict | None = None, size: int | None = None) -> BinaryIO:
     from zckpt.io import storage
-    if "://" in str(path):
-        return storage.open_input(path, storage_options)
+    if "://" in str(path):  # fetched in a few parallel rounds (the zip directory, then what it points to)
+        return storage.open_ranges(path, storage_options, size_hint=size)
     # unbuffered: each read is one read of exactly the bytes asked for (headers, pickles), nothing ahead of it
     return storage.metered(open(path, "rb", buffering=0), path)
 
@@ -510,6 +516,11 @@ class _Head:
     def tell(self) -> int:
         return self.pos
 
+    @property
+    def prefetch(self):
+        """The file's ``prefetch(ranges)`` (a remote file fetching what the zip directory points to), or None."""
+        return getattr(self.f, "prefetch", None)
+
     def read(self, n: int = -1) -> bytes:
         out = b""
         if self.pos < len(self.head):
@@ -524,14 +535,16 @@ class _Head:
         return out + data
 
 
-def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_options: dict | None = None) -> Any:
+def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_options: dict | None = None,
+         size_hint: int | None = None) -> Any:
     """Unpickle a torch zip file's metadata safely. Tensors become :class:`LazyTensor`; no bytes are loaded.
 
     ``opener`` opens ``path`` for binary random access (defaults to zckpt's storage layer, which handles URLs,
-    with the fsspec ``storage_options`` given here).
+    with the fsspec ``storage_options`` given here; ``size_hint``, the file's size where a listing gave it, lets a
+    remote file be fetched in fewer round trips: :func:`zckpt.io.storage.open_ranges`).
     """
     if opener is None:
-        opener = functools.partial(_default_opener, storage_options=storage_options)
+        opener = functools.partial(_default_opener, storage_options=storage_options, size=size_hint)
     try:
         f = opener(path)
     except FileNotFoundError:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from zckpt.errors import CorruptFile
 
@@ -60,11 +60,17 @@ class ZipEntry:
     crc: int
 
 
-def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = None) -> dict[str, ZipEntry]:
+def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = None,
+                 payloads: Callable[[str, int], bool] | None = None) -> dict[str, ZipEntry]:
     """Every entry of the zip in ``f`` (file order), after checking the directory against the local headers.
 
     ``f`` is open for binary random access; ``file_size`` is its size (measured when None); ``path`` names the file
-    in errors. Raises :class:`~zckpt.errors.CorruptFile`."""
+    in errors. Raises :class:`~zckpt.errors.CorruptFile`.
+
+    A file with a ``prefetch(ranges)`` method (a remote :class:`zckpt.io.storage.RangeFile`) is first asked, in one
+    call, for every byte range this will read (the local headers, the data descriptors) and the bytes of the
+    entries ``payloads(name, size)`` picks (what the caller reads next, e.g. the pickle); the checks below then
+    read them exactly as from a local file."""
     if file_size is None:
         f.seek(0, os.SEEK_END)
         file_size = f.tell()
@@ -76,6 +82,9 @@ def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = N
     records = _central_records(cd, damaged)
     if len(records) != count:
         raise damaged(f"zip directory holds {len(records)} records, its end record says {count}")
+    prefetch = getattr(f, "prefetch", None)
+    if prefetch is not None:
+        prefetch(_wanted(records, cd_start, payloads))
     entries: dict[str, ZipEntry] = {}
     described: set[str] = set()  # entries followed by a data descriptor
     for raw_name, flags, method, crc, csize, usize, header_offset in records:
@@ -97,6 +106,24 @@ def read_entries(f: BinaryIO, file_size: int | None = None, path: str | None = N
         raw = f.read(gap)
         _check_descriptor(e, raw, damaged)
     return entries
+
+
+_HEADER_SLACK = 256  # bytes of a local header's extra field fetched ahead (torch pads it to 64-byte alignment)
+
+
+def _wanted(records: list[tuple], cd_start: int, payloads) -> list[tuple[int, int]]:
+    """(start, end) of the bytes :func:`read_entries` will read (each local header with some of its extra field,
+    the data descriptor before it) and of the payloads ``payloads`` picks; an estimate: reads outside it are
+    still served, one request each."""
+    out = []
+    for raw_name, flags, _method, _crc, _csize, usize, offset in records:
+        end = offset + LOCAL_HEADER.size + len(raw_name) + _HEADER_SLACK
+        if payloads is not None and payloads(raw_name.decode("utf-8" if flags & _UTF8 else "cp437", "replace"),
+                                             usize):
+            end += usize + max(_DESCRIPTOR_GAPS)
+        out.append((max(0, offset - max(_DESCRIPTOR_GAPS)), min(end, cd_start)))
+    out.append((max(0, cd_start - max(_DESCRIPTOR_GAPS)), cd_start))  # the last entry's descriptor
+    return out
 
 
 def _check_spacing(ordered: list[ZipEntry], described: set[str], cd_start: int, damaged) -> list[tuple]:

@@ -12,9 +12,14 @@ Every rank of the user's own launch runs :func:`load_checkpoint` (the same call 
     load       engine.load_checkpoint(scratch, tag)  DeepSpeed's own load path, through a CheckpointEngine that
                                                      returns the in-memory objects for the names it asks for
 
-The scratch folder holds only empty placeholders of this rank's model-states file name (DeepSpeed globs and
-``os.path.exists`` it before loading); nothing is written for the model. DeepSpeed 0.19.8 loads only its own
-optimizer file (``_get_all_zero_checkpoint_state_dicts``); for other ranks' names (an ``elastic_checkpoint``
+A mixture-of-experts engine (ZeRO-1/2, native MoE or AutoEP) takes a checkpoint of its own expert-parallel sizes
+at any data-parallel size: the plan holds the rank's optimizer file (dense groups over every rank, each expert
+group over the rank's expert-data-parallel group) and the expert files of the rank's expert-parallel ranks, which
+DeepSpeed asks for by name; names are compared under the checkpoint's global expert ids (:func:`_moe_experts`).
+
+The scratch folder holds only empty placeholders of this rank's model-states file names (DeepSpeed globs and
+``os.path.exists`` them before loading; AutoEP checks its expert files too); nothing is written for the model.
+DeepSpeed 0.19.8 loads only its own optimizer file (``_get_all_zero_checkpoint_state_dicts``); for other ranks' names (an ``elastic_checkpoint``
 engine asks for every one) the engine returns what DeepSpeed itself substitutes, ``{"optimizer_state_dict": None}``:
 rigid checkpoints (all that zckpt writes) only use the current rank's.
 
