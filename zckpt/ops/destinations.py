@@ -327,12 +327,12 @@ class FsDestination:
     def finish(self, name: str, tasks: list[FileTask], sends: list[FileTask], manifest: bytes, step, ctx) -> None:
         # every file must be there with its size before the manifest says so (repair once if the store lost any)
         expected = {t.rel: t.size for t in tasks}
-        def missing():
+        def not_there():
             with self._faults("checking what arrived", self.url_of(name)):
                 return publish.missing_remote(self.url_of(name), expected, self.storage_options)
 
         for attempt in range(2):
-            gone = set(ctx.retry(missing, self.url_of(name), name))
+            gone = set(ctx.retry(not_there, self.url_of(name), name))
             missing = [t for t in tasks if t.rel in gone]
             if not missing:
                 break
