@@ -718,6 +718,25 @@ def test_ctrl_c_during_push_and_info(tmp_path):
         assert code in (0, 130) and "Traceback" not in stderr and stderr in ("", "zckpt: interrupted\n"), stderr
 
 
+def test_ctrl_c_before_push_sends_anything_says_nothing_is_unfinished(tmp_path):
+    """Ctrl-C while push waits for a recent checkpoint to settle: nothing was started, so the line is just
+    "interrupted", exit 130 (it said "the unfinished checkpoint has no manifest" with nothing unfinished)."""
+    import signal
+    from tests.test_push import write_trainer_checkpoint
+    src = tmp_path / "out"
+    write_trainer_checkpoint(src, 2, age=0)
+    proc = subprocess.Popen([sys.executable, "-m", "zckpt", "push", str(src), str(tmp_path / "d"), "--settle", "1h"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.splitlines()[-1] == "zckpt: interrupted", (proc.returncode, err)
+    assert not list((tmp_path / "d").rglob("zckpt-manifest.json"))
+
+
 def test_a_cleanup_failure_during_ctrl_c_is_still_the_interrupt(tmp_path, monkeypatch):
     """Cleanup that fails while a Ctrl-C unwinds (a map still in use, a scratch file already gone) must not turn the
     interrupt into "internal error" (exit 1): the user pressed Ctrl-C; it is one line and 130."""

@@ -229,8 +229,9 @@ def test_s3_every_goes_on_across_an_outage(s3_server, tmp_path):
     warnings = [x for x in lines if x.startswith("zckpt: WARNING:")]
     assert len(warnings) == 1 and "retrying for up to" in warnings[0], lines  # once for the whole outage
     others = {x for x in lines if x not in errors and x not in warnings}
-    assert others <= {"zckpt: stopped",
-                      "zckpt: interrupted; the unfinished checkpoint has no manifest; run again to resume"}, lines
+    assert others <= {"zckpt: stopped", "zckpt: interrupted"} or (
+        len(others - {"zckpt: stopped"}) == 1 and list(others - {"zckpt: stopped"})[0].endswith(
+            "not finished (no manifest at DEST); run again to resume")), lines
     assert "checkpoint-4: pushed" in out and "checkpoint-2: pushed" in out, out
     _same_as_local(_s3_files(s3_server, prefix), src, ["checkpoint-2", "checkpoint-4"])
     _figures("s3-every-outage", failed_runs=len(errors), pushed_s_after_back=round(pushed_after, 1),

@@ -54,10 +54,15 @@ class _Progress:
         self.quiet, self.as_json = quiet, as_json
         self.lock = threading.Lock()
         self.bars: dict[str, list] = {}  # checkpoint -> [Progress, bytes done, total]
+        self.sending: list[str] = []  # checkpoints started and not done (what a Ctrl-C leaves unfinished)
 
     def __call__(self, event) -> None:
         _log_event(event)
         with self.lock:
+            if event.kind == "checkpoint-start":
+                self.sending.append(event.checkpoint)
+            elif event.kind == "checkpoint-done" and event.checkpoint in self.sending:
+                self.sending.remove(event.checkpoint)
             if event.kind == "checkpoint-start" and self.bars_on and event.total:
                 self.bars[event.checkpoint] = [Progress(event.checkpoint or "checkpoint"), 0, event.total]
             elif event.kind == "bytes" and event.checkpoint in self.bars:
@@ -183,7 +188,11 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
         progress.close()
         if as_json:  # errors too are one object on stdout
             emit_json(describe_here(exc).to_json("push"), command="push")
-        click.echo("zckpt: interrupted; the unfinished checkpoint has no manifest; run again to resume", err=True)
+        if progress.sending:  # between --every runs nothing is unfinished
+            names = ", ".join(_label(n) for n in progress.sending)
+            click.echo(f"zckpt: interrupted; {names} not finished (no manifest at DEST); run again to resume", err=True)
+        else:
+            click.echo("zckpt: interrupted", err=True)
         raise SystemExit(130) from None
     finally:
         progress.close()
