@@ -12,12 +12,22 @@ parameter put together from both expert-parallel ranks' local experts. We check 
 * info reports the layout (dp 2, ep 2), verify --deep passes and catches a damaged expert file;
 * reshard to a data-parallel size that is not a multiple of ep is refused in one line (the data-parallel
   reshard itself: tests/test_reshard_moe.py).
+
+``fixtures/moe_autoep_z3_bf16_ws2_ep2`` is the same model at ZeRO-3 (``checkpoint_format: zero3_partitioned``: no
+expert files, each rank's local expert shards partitioned over its expert-data-parallel group in the ZeRO-3
+optimizer file). The same merge / state / moments / tie comparisons run on it; info, verify --deep and convert to
+DCP equal the engine; reshard is refused in one line; damaged files (a wrong partition record, a short expert flat
+group, affine maps that overlap, flipped bytes) are refused or reported naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,14 +42,24 @@ from tests.conftest import FIXTURES, checkpoint_path
 from tests.test_merge import _merged
 
 FX = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2"
+FX3 = FIXTURES / "moe_autoep_z3_bf16_ws2_ep2"
+
+
+def _oracle(fx: Path):
+    if not (fx / "expected" / "spec.json").exists():
+        pytest.fail(f"fixtures/{fx.name} missing (python fixtures/generate.py --only {fx.name})")
+    return (load_file(str(fx / "expected" / "oracle.safetensors")),
+            json.loads((fx / "expected" / "oracle.json").read_text()))
 
 
 @pytest.fixture(scope="module")
 def oracle():
-    if not (FX / "expected" / "spec.json").exists():
-        pytest.fail("fixtures/moe_autoep_z2_bf16_ws2_ep2 missing (python fixtures/generate.py --only ...)")
-    return (load_file(str(FX / "expected" / "oracle.safetensors")),
-            json.loads((FX / "expected" / "oracle.json").read_text()))
+    return _oracle(FX)
+
+
+@pytest.fixture(scope="module", params=[FX, FX3], ids=["zero2", "zero3"])
+def both(request):
+    return request.param, _oracle(request.param)
 
 
 def _live(tensors: dict, prefix: str) -> dict:
@@ -47,10 +67,10 @@ def _live(tensors: dict, prefix: str) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_merge_equals_live_engine(oracle, tmp_path, dtype):
-    tensors, info = oracle
+def test_merge_equals_live_engine(both, tmp_path, dtype):
+    fx, (tensors, info) = both
     masters = _live(tensors, "fp32")
-    zckpt.merge(str(checkpoint_path(FX)), str(tmp_path / "out"), dtype=dtype)
+    zckpt.merge(str(checkpoint_path(fx)), str(tmp_path / "out"), dtype=dtype)
     got = _merged(tmp_path / "out")
     target = torch.float32 if dtype == "fp32" else torch.bfloat16
     aliases = {a: b for a, b in info["tied"]}
@@ -62,9 +82,9 @@ def test_merge_equals_live_engine(oracle, tmp_path, dtype):
         assert got[name].shape[0] == info["model_dims"]["experts"], name
 
 
-def test_state_dict_moments_and_tie_equal_live_engine(oracle):
-    tensors, info = oracle
-    ck = str(checkpoint_path(FX))
+def test_state_dict_moments_and_tie_equal_live_engine(both):
+    fx, (tensors, info) = both
+    ck = str(checkpoint_path(fx))
     sd = zckpt.load_state_dict(ck)
     masters = _live(tensors, "fp32")
     for name in info["param_names"]:
@@ -117,9 +137,101 @@ def test_missing_expert_file_named(tmp_path):
         zckpt.open_checkpoint(str(copy))
 
 
-def test_autoep_zero3_refused_in_one_line():
-    fx = FIXTURES / "ambiguous" / "moe_autoep_z3_bf16_ws2_ep2"
-    if not (fx / "expected" / "spec.json").exists():
-        pytest.fail(f"{fx} missing (python fixtures/generate.py --only ambiguous/moe_autoep_z3_bf16_ws2_ep2)")
-    with pytest.raises(UnsupportedLayout, match="AutoEP checkpoint of ZeRO-3"):
-        zckpt.open_checkpoint(str(checkpoint_path(fx)))
+def test_zero3_info_verify_convert_and_reshard_refused(tmp_path):
+    tensors, info = _oracle(FX3)
+    ck = checkpoint_path(FX3)
+    d = info_of(str(ck))
+    assert (d["dp_world_size"], d["ep_world_size"], d["pp_world_size"], d["tp_world_size"]) == (2, 2, 1, 1)
+    assert d["zero_stage"] == 3 and d["precision"] == "bf16" and d["global_steps"] == info["global_steps"]
+    assert d["counts"]["tied"] == len(info["tied"])
+    ckpt = zckpt.open_checkpoint(str(ck))
+    steps = {g.hyperparams.get("name"): g.step for g in ckpt.groups}
+    assert steps == {"dense-params": info["step"], "ep_size_2": info["step"]}
+    assert zckpt.verify(str(ck), deep=True).ok
+    for ws in (1, 4):
+        with pytest.raises(UnsupportedLayout, match="AutoEP checkpoint of ZeRO-3") as err:
+            zckpt.reshard(str(ck), str(tmp_path / "o"), world_size=ws)
+        assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
+    # to DCP: every master and moment under its name, = the engine (the router alias is tied: no state of its own)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    zckpt.convert(str(ck), out=str(tmp_path / "dcp"))
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "dcp.pt"))
+    sd = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    aliases = {a for a, _ in info["tied"]}
+    for name, want in _live(tensors, "fp32").items():
+        assert torch.equal(sd["model"][name], want), name
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for name, want in _live(tensors, kind).items():
+            if name not in aliases:
+                got = sd["optim"]["state"][name][kind]
+                assert torch.equal(got, want.reshape(got.shape)), (kind, name)
+
+
+def _rewrite(path: Path, change) -> None:
+    """Load one DeepSpeed file with torch, change it, save it back (the damaged copy of a real file)."""
+    obj = torch.load(path, weights_only=False, map_location="cpu")
+    change(obj)
+    torch.save(obj, path)
+
+
+def _z3_copy(tmp_path) -> Path:
+    copy = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(FX3), copy)
+    return copy / (copy / "latest").read_text().strip()
+
+
+def _edp_rank(ms):  # rank 1 says it is the second rank of its expert-data-parallel group (of 1)
+    ms["ds_autoep_layers"][0]["expert_data_parallel_rank"] = 1
+
+
+def _partition_ranks(st):  # rank 1 says its expert sub-group is partitioned over rank 0
+    st["optimizer_state_dict"]["ds_zero_partition_groups"][1]["partition_ranks"] = [0]
+
+
+def _short_flat(st):
+    osd = st["optimizer_state_dict"]
+    osd["fp32_flat_groups"][1] = osd["fp32_flat_groups"][1][:-8].clone()
+
+
+def _overlap(ms):  # ep rank 1's block put over ep rank 0's: one block twice, one never
+    for layer in (ms["ds_autoep_layers"], ms["universal_checkpoint_info"]["ds_autoep_layers"]):
+        layer[0]["affine_maps"]["params"]["model.layers.0.mlp.experts.w2"]["ranks"][1]["pieces"][0]["source"][0] = 0
+
+
+@pytest.mark.parametrize("victim,change,message", [
+    ("zero_pp_rank_1_mp_rank_00_model_states.pt", _edp_rank, "not partitioned as its expert-data-parallel group"),
+    ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", _partition_ranks, "says ranks \\[0\\], rank 0 of 1"),
+    ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", _short_flat, "expert sub-group 1: fp32 partition has 760"),
+    ("*model_states.pt", _overlap, "experts.w2': the shards leave a gap or overlap"),
+], ids=["edp-rank", "partition-ranks", "short-expert-group", "overlapping-maps"])
+def test_zero3_damaged_file_refused_in_one_line(tmp_path, victim, change, message):
+    tag = _z3_copy(tmp_path)
+    files = sorted(tag.glob(victim))
+    for f in files:
+        _rewrite(f, change)
+    with pytest.raises(Exception, match=message) as err:
+        zckpt.open_checkpoint(str(tag.parent))
+    named = {getattr(err.value, "path", "") or ""} | {str(err.value)}
+    assert any(f.name in n for f in files for n in named) and "\n" not in str(err.value)
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "info", str(tag.parent)], capture_output=True, text=True,
+                          cwd=FIXTURES.parent, env={**os.environ, "PYTHONPATH": str(FIXTURES.parent)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and re.search(message, lines[0]) and not proc.stdout, proc.stderr
+    assert any(f.name in lines[0] for f in files)
+
+
+def test_zero3_flipped_bytes_and_missing_rank_named(tmp_path):
+    tag = _z3_copy(tmp_path)
+    victim = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    try:
+        bad = zckpt.verify(str(tag.parent), deep=True)
+    except Exception as exc:  # damage in the zip structure itself: refused, naming the file
+        assert victim.name in str(exc) or victim.name in str(getattr(exc, "path", ""))
+    else:
+        assert not bad.ok and any(victim.name in c.detail for c in bad.checks if not c.ok)
+    victim.unlink()
+    with pytest.raises(Exception, match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        zckpt.open_checkpoint(str(tag.parent))

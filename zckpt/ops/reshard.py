@@ -758,7 +758,8 @@ def _check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: 
     layout = ckpt.extra.get("moe")
     if layout is None:  # MoE without ZeRO (expp_rank files): DeepSpeed loads it at any data-parallel size
         raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
-                                path=tag_dir, hint="load it with engine.load_checkpoint at the new size")
+                                path=tag_dir, hint="load it with engine.load_checkpoint at the new size"
+                                if ckpt.stage == 0 else "zckpt merge / info / verify / convert read this layout")
     if fmt != "deepspeed":
         raise UnsupportedLayout("a mixture-of-experts checkpoint is resharded in the DeepSpeed layout only",
                                 path=tag_dir, hint="drop --format universal")
