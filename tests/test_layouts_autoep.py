@@ -18,6 +18,10 @@ expert files, each rank's local expert shards partitioned over its expert-data-p
 optimizer file). The same merge / state / moments / tie comparisons run on it; info, verify --deep and convert to
 DCP equal the engine; reshard is refused in one line; damaged files (a wrong partition record, a short expert flat
 group, affine maps that overlap, flipped bytes) are refused or reported naming the file.
+
+``fixtures/moe_autoep_z3_bf16_ws4_ep2`` is that model on 4 ranks, ep 2: expert-data-parallel size 2 (groups [0, 2]
+and [1, 3]), each local expert parameter split in ceil(n/2) slices over its two ranks. The merge / state / moments /
+tie / info / verify / convert tests run on it too; two ranks of one group claiming the same slice are refused.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tests.test_merge import _merged
 
 FX = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2"
 FX3 = FIXTURES / "moe_autoep_z3_bf16_ws2_ep2"
+FX3W4 = FIXTURES / "moe_autoep_z3_bf16_ws4_ep2"  # expert-data-parallel size 2: expert shards split over 2 ranks
 
 
 def _oracle(fx: Path):
@@ -57,7 +62,7 @@ def oracle():
     return _oracle(FX)
 
 
-@pytest.fixture(scope="module", params=[FX, FX3], ids=["zero2", "zero3"])
+@pytest.fixture(scope="module", params=[FX, FX3, FX3W4], ids=["zero2", "zero3", "zero3-edp2"])
 def both(request):
     return request.param, _oracle(request.param)
 
@@ -137,18 +142,20 @@ def test_missing_expert_file_named(tmp_path):
         zckpt.open_checkpoint(str(copy))
 
 
-def test_zero3_info_verify_convert_and_reshard_refused(tmp_path):
-    tensors, info = _oracle(FX3)
-    ck = checkpoint_path(FX3)
+@pytest.mark.parametrize("fx", [FX3, FX3W4], ids=["edp1", "edp2"])
+def test_zero3_info_verify_convert_and_reshard_refused(tmp_path, fx):
+    tensors, info = _oracle(fx)
+    ck = checkpoint_path(fx)
     d = info_of(str(ck))
-    assert (d["dp_world_size"], d["ep_world_size"], d["pp_world_size"], d["tp_world_size"]) == (2, 2, 1, 1)
+    ws = info["world_size"]
+    assert (d["dp_world_size"], d["ep_world_size"], d["pp_world_size"], d["tp_world_size"]) == (ws, 2, 1, 1)
     assert d["zero_stage"] == 3 and d["precision"] == "bf16" and d["global_steps"] == info["global_steps"]
     assert d["counts"]["tied"] == len(info["tied"])
     ckpt = zckpt.open_checkpoint(str(ck))
     steps = {g.hyperparams.get("name"): g.step for g in ckpt.groups}
     assert steps == {"dense-params": info["step"], "ep_size_2": info["step"]}
     assert zckpt.verify(str(ck), deep=True).ok
-    for ws in (1, 4):
+    for ws in sorted({1, 4, 8} - {info["world_size"]}):
         with pytest.raises(UnsupportedLayout, match="AutoEP checkpoint of ZeRO-3") as err:
             zckpt.reshard(str(ck), str(tmp_path / "o"), world_size=ws)
         assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
@@ -218,6 +225,19 @@ def test_zero3_damaged_file_refused_in_one_line(tmp_path, victim, change, messag
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1 and re.search(message, lines[0]) and not proc.stdout, proc.stderr
     assert any(f.name in lines[0] for f in files)
+
+
+def test_zero3_edp2_duplicate_slice_refused(tmp_path):
+    """Rank 2 (second of expert-data-parallel group [0, 2]) says it holds slice 0, as rank 0 does."""
+    copy = tmp_path / "ck"
+    shutil.copytree(checkpoint_path(FX3W4), copy)
+    victim = copy / (copy / "latest").read_text().strip() / "zero_pp_rank_2_mp_rank_00_model_states.pt"
+    ms = torch.load(victim, weights_only=False, map_location="cpu")
+    assert ms["ds_autoep_layers"][0]["expert_data_parallel_rank"] == 1  # the real file: rank 2 holds slice 1
+    _rewrite(victim, lambda m: m["ds_autoep_layers"][0].__setitem__("expert_data_parallel_rank", 0))
+    with pytest.raises(Exception, match="not partitioned as its expert-data-parallel group") as err:
+        zckpt.open_checkpoint(str(copy))
+    assert victim.name in str(err.value) + str(getattr(err.value, "path", "")) and "\n" not in str(err.value)
 
 
 def test_zero3_flipped_bytes_and_missing_rank_named(tmp_path):
