@@ -22,6 +22,8 @@ group, affine maps that overlap, flipped bytes) are refused or reported naming t
 ``fixtures/moe_autoep_z3_bf16_ws4_ep2`` is that model on 4 ranks, ep 2: expert-data-parallel size 2 (groups [0, 2]
 and [1, 3]), each local expert parameter split in ceil(n/2) slices over its two ranks. The merge / state / moments /
 tie / info / verify / convert tests run on it too; two ranks of one group claiming the same slice are refused.
+``fixtures/moe_autoep_z3_bf16_ws6_ep2`` (6 ranks, ep 2: edp 3) has local expert params of 256 elements, not a
+multiple of 3: 86 per rank, the last slice 84 and 2 of padding; the same tests run on it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from tests.test_merge import _merged
 FX = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2"
 FX3 = FIXTURES / "moe_autoep_z3_bf16_ws2_ep2"
 FX3W4 = FIXTURES / "moe_autoep_z3_bf16_ws4_ep2"  # expert-data-parallel size 2: expert shards split over 2 ranks
+FX3W6 = FIXTURES / "moe_autoep_z3_bf16_ws6_ep2"  # edp 3: 256 elements per local expert param, ceil(256/3) = 86
 
 
 def _oracle(fx: Path):
@@ -62,7 +65,7 @@ def oracle():
     return _oracle(FX)
 
 
-@pytest.fixture(scope="module", params=[FX, FX3, FX3W4], ids=["zero2", "zero3", "zero3-edp2"])
+@pytest.fixture(scope="module", params=[FX, FX3, FX3W4, FX3W6], ids=["zero2", "zero3", "zero3-edp2", "zero3-edp3"])
 def both(request):
     return request.param, _oracle(request.param)
 
@@ -142,7 +145,7 @@ def test_missing_expert_file_named(tmp_path):
         zckpt.open_checkpoint(str(copy))
 
 
-@pytest.mark.parametrize("fx", [FX3, FX3W4], ids=["edp1", "edp2"])
+@pytest.mark.parametrize("fx", [FX3, FX3W4, FX3W6], ids=["edp1", "edp2", "edp3"])
 def test_zero3_info_verify_convert_and_reshard_refused(tmp_path, fx):
     tensors, info = _oracle(fx)
     ck = checkpoint_path(fx)
