@@ -36,8 +36,22 @@ from zckpt.ops.reshard import reshard  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "resume_worker.py"
 
 
+ABORT = "terminate called without an active exception"
+
+
 def run_job(job: dict, world_size: int, timeout: float = 420) -> subprocess.CompletedProcess:
-    """torchrun the worker; on timeout the whole process group is killed and the test fails (a hang)."""
+    """torchrun the worker; on timeout the whole process group is killed and the test fails (a hang).
+
+    Once in about 1,500 CI tests a CPU-rank DeepSpeed job died in C++ (``std::terminate``: a joinable thread
+    destroyed, SIGABRT) with no Python error on any rank; that abort, and only that, is retried once, visibly."""
+    res = _run_job_once(job, world_size, timeout)
+    if res.returncode != 0 and ABORT in res.stdout and "Traceback" not in res.stdout.split(ABORT)[0]:
+        print(f"run_job: a rank aborted in C++ ({ABORT}) with no Python error; running the job once more")
+        res = _run_job_once(job, world_size, timeout)
+    return res
+
+
+def _run_job_once(job: dict, world_size: int, timeout: float) -> subprocess.CompletedProcess:
     G = ds_oracle.generate_module()
     with tempfile.TemporaryDirectory(prefix="zckpt-resume-job-") as tmp:
         path = Path(tmp) / "job.json"
