@@ -45,8 +45,7 @@ def _torchrun(job: dict, nproc: int, timeout: int = 900) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
                str(ROOT / "tests" / "fsdp2_worker.py"), str(path)]
-        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp}), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout, cwd=str(ROOT))
+        proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), timeout)
         assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
 
 

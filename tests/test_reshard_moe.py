@@ -39,8 +39,7 @@ def _launch(job: dict, nproc: int, timeout: float = 600) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()), str(Path(__file__).resolve()),
                str(path)]
-        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp}), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout, cwd=str(ROOT))
+        proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"DeepSpeed MoE load at {nproc} ranks failed (rc={proc.returncode}):\n"
                                + proc.stdout.decode(errors="replace")[-6000:])

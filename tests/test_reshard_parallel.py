@@ -34,8 +34,7 @@ def _load_pipeline(spec: dict, ckpt: str, out: str, resave: str, timeout: float 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
                str(spec["world_size"]), "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
                str(Path(__file__).resolve()), str(job)]
-        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp}), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout, cwd=str(ROOT))
+        proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), timeout)
         if proc.returncode != 0:
             raise RuntimeError(f"DeepSpeed pipeline load at {spec['world_size']} ranks failed "
                                f"(rc={proc.returncode}):\n" + proc.stdout.decode(errors="replace")[-6000:])

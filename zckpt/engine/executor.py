@@ -27,13 +27,14 @@ import os
 import sys
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from zckpt.io import storage
+from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
 from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.io.hashing import crc32, crc32_combine
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
@@ -57,7 +58,7 @@ def zeros_crc(n: int, crc: int = 0) -> int:
     """CRC-32 of ``n`` zero bytes following ``crc``."""
     while n:
         k = min(n, len(_ZEROS))
-        crc = zlib.crc32(memoryview(_ZEROS)[:k], crc)
+        crc = crc32(memoryview(_ZEROS)[:k], crc)
         n -= k
     return crc
 
@@ -115,10 +116,14 @@ class Worker:
     weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
     import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
 
-    def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None):
+    def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None,
+                 check: InputCheck | None = None):
         from zckpt.formats.tensors import Reader
         # pieces whose path is a URL are read with ``storage_options`` (the checkpoint's: ``ckpt.storage_options``)
         self.reader = reader or Reader(storage_options)
+        # every input byte read is reported to ``check`` (its zip entry's CRC-32 checked before publishing)
+        self.check = check
+        self.reader.check = check
         self.storage_options = storage_options if storage_options is not None else \
             getattr(self.reader, "storage_options", None)
         self.stats = FetchStats()
@@ -184,8 +189,10 @@ class Worker:
         """Write one job at ``offset`` of ``fd``; returns (CRC-32 of the bytes or 0, bytes written).
 
         ``want_crc``: compute the CRC; for kernel copies it comes from ``crc_of(path, offset, n, crc)`` (the
-        caller's read-only maps of the sources), otherwise from the rendered bytes."""
-        if self.kernel_copyable(parts, dtype) and (crc_of is not None or not want_crc):
+        caller's read-only maps of the sources), otherwise from the rendered bytes. With an input check, the CRC
+        of every source byte is reported to it (kernel copies: from a read-only map, which is then the output's
+        CRC too)."""
+        if self.kernel_copyable(parts, dtype) and (crc_of is not None or not want_crc or self.check is not None):
             try:
                 return self._kernel_copy(fd, offset, parts, crc_of if want_crc else None)
             except _NoKernelCopy:
@@ -197,15 +204,30 @@ class Worker:
                 for v in views:
                     pwrite_all(fd, v, pos)
                     pos += len(v)
+            if self.check is not None:
+                self._check_views(parts, views)
             crc = 0
             if want_crc:
                 for v in views:
-                    crc = zlib.crc32(v, crc)
+                    crc = crc32(v, crc)
             return crc, pos - offset
         data = self.render(parts, dtype)
         with self.write_slots:
             pwrite_all(fd, data, offset)
-        return (zlib.crc32(data) if want_crc else 0), data.nbytes
+        return (crc32(data) if want_crc else 0), data.nbytes
+
+    def _check_views(self, parts: list, views: list[memoryview]) -> None:
+        """Report the fetched views of a job's remote pieces (in order) to the input check."""
+        it = iter(views)
+        for p in parts:
+            left, crc = p.nbytes, 0
+            while left:
+                v = next(it)
+                if isinstance(p, Piece):
+                    crc = crc32(v, crc)
+                left -= len(v)
+            if isinstance(p, Piece):
+                self.check.add_crc(p.path, p.offset, p.nbytes, crc)
 
     def _fetched_views(self, parts: list, dtype: str) -> list[memoryview] | None:
         """The job's bytes as views of the blocks fetched ahead (``reader.cache``), when every part is a same-dtype
@@ -250,10 +272,15 @@ class Worker:
                             raise _NoKernelCopy()
                         src, dst, left = src + got, dst + got, left - got
                 pos += n
-        crc = 0
-        if crc_of is not None:  # of the sources' bytes (read-only maps), which are what was copied
+        crc, check = 0, self.check
+        if crc_of is not None or check is not None:  # of the sources' bytes (read-only maps): what was copied
             for p in parts:
-                crc = zeros_crc(p.nbytes, crc) if isinstance(p, Fill) else crc_of(p.path, p.offset, p.nbytes, crc)
+                if isinstance(p, Fill):
+                    crc = zeros_crc(p.nbytes, crc) if crc_of is not None else 0
+                elif check is not None:
+                    crc = crc32_combine(crc, check.add_mapped(p.path, p.offset, p.nbytes), p.nbytes)
+                else:
+                    crc = crc_of(p.path, p.offset, p.nbytes, crc)
         return crc, pos - offset
 
     def fetcher(self) -> ThreadPoolExecutor:

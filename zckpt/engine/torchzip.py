@@ -19,12 +19,13 @@ import math
 import os
 import pickle
 import struct
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from zckpt.engine.checked import MappedCrc
 from zckpt.engine.executor import CHUNK_BYTES, Worker, chunks, pwrite_all, run_jobs, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
+from zckpt.io.hashing import crc32, crc32_combine
 
 ALIGN = 64
 STORAGE_CLASSES = {
@@ -187,7 +188,7 @@ def plan_archive(obj, archive_name: str) -> Archive:
         e.header_offset = pos
         zip64 = e.size >= 0xFFFFFFFF or pos >= 0xFFFFFFFF
         if isinstance(e.data, bytes):
-            e.crc = zlib.crc32(e.data)
+            e.crc = crc32(e.data)
         e.local_header = _local_header(e.name.encode(), e.size, e.crc, pos, zip64)
         e.data_offset = pos + len(e.local_header)
         pos = e.data_offset + e.size
@@ -207,7 +208,7 @@ def set_serialization_id(archive: Archive, value: bytes) -> None:
         if e.name.endswith("/.data/serialization_id"):
             if len(value) != e.size:
                 raise ValueError(f"a serialization id of {len(value)} bytes for an entry of {e.size}")
-            e.data, e.crc = bytes(value), zlib.crc32(value)
+            e.data, e.crc = bytes(value), crc32(value)
             zip64 = e.size >= 0xFFFFFFFF or e.header_offset >= 0xFFFFFFFF
             e.local_header = _local_header(e.name.encode(), e.size, e.crc, e.header_offset, zip64)
 
@@ -238,47 +239,6 @@ def _central(archive: Archive) -> bytes:
 
 # ---------------------------------------------------------------------------------------------- CRC combine
 
-_POLY = 0xEDB88320
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC-32 polynomial (reflected), as zlib's ``multmodp``."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if not a & (m - 1):
-                break
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return p
-
-
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32_combine(crc1: int, crc2: int, length: int) -> int:
-    """CRC of A+B from crc(A), crc(B) and len(B): zlib 1.2.12's ``crc32_combine`` (x^(8*len) mod P by repeated
-    squaring), ~30x faster in Python than the GF(2) matrix method."""
-    if length <= 0:
-        return crc1
-    n, k, p = length, 3, 1 << 31
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
-
 # ---------------------------------------------------------------------------------------------- writing
 
 class SourceMaps:
@@ -288,7 +248,7 @@ class SourceMaps:
 
     def __init__(self):
         import threading
-        self._maps: dict[str, tuple] = {}
+        self._mapped = MappedCrc()
         self._entries_cache: dict[str, dict] = {}
         self._lock = threading.Lock()
 
@@ -308,30 +268,10 @@ class SourceMaps:
         return ent
 
     def crc(self, path: str, offset: int, n: int, crc: int) -> int:
-        import mmap
-        import zlib
         whole = self._entries(path).get(offset)
         if whole is not None and whole[0] == n:  # a whole input entry: its stored CRC, no need to read it
             return crc32_combine(crc, whole[1], n)
-        m = self._maps.get(path)
-        if m is None:
-            with self._lock:
-                m = self._maps.get(path)
-                if m is None:
-                    fd = os.open(path, os.O_RDONLY)
-                    try:
-                        mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-                    finally:
-                        os.close(fd)
-                    m = (mm, memoryview(mm))
-                    self._maps[path] = m
-        if offset + n > len(m[1]):
-            raise OSError(f"{path}: range beyond the end of the file (truncated?)")
-        crc = zlib.crc32(m[1][offset:offset + n], crc)
-        if hasattr(m[0], "madvise"):  # drop the pages from our mapping (they stay in the page cache): RSS stays flat
-            start = offset - offset % mmap.PAGESIZE
-            m[0].madvise(mmap.MADV_DONTNEED, start, offset + n - start)
-        return crc
+        return self._mapped.crc(path, offset, n, crc)
 
     def tensor_crc(self, t: TensorOut) -> int | None:
         """The CRC of a whole output tensor from metadata alone, when it is made of whole input entries and zero
@@ -350,14 +290,7 @@ class SourceMaps:
         return crc
 
     def close(self) -> None:
-        with self._lock:
-            for mm, view in self._maps.values():
-                try:
-                    view.release()
-                    mm.close()
-                except BufferError:  # a worker still reads a slice (Ctrl-C unwinds while chunks are in flight):
-                    pass  # the map closes with its last slice; raising here would hide the interrupt
-            self._maps.clear()
+        self._mapped.close()
 
 
 def archive_jobs(archive: Archive, maps: "SourceMaps", chunk_bytes: int = CHUNK_BYTES) -> tuple[list, dict]:

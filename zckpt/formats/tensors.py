@@ -27,6 +27,7 @@ class Reader:
     ``RangeCache``, set while a window of jobs runs); URL pieces found there are not read again."""
 
     cache = None
+    check = None  # an InputCheck (zckpt.engine.checked): every piece read is reported to it
 
     def __init__(self, storage_options: dict | None = None):
         self.storage_options = storage_options
@@ -49,12 +50,13 @@ class Reader:
         n = piece.nbytes
         if storage.is_url(piece.path):
             cache = self.cache
-            if cache is not None and cache.read_into(piece.path, piece.offset, buf[:n]):
-                return
-            data = storage.read_range(piece.path, piece.offset, n, self.storage_options)
-            if len(data) != n:
-                raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
-            buf[:n] = data
+            if cache is None or not cache.read_into(piece.path, piece.offset, buf[:n]):
+                data = storage.read_range(piece.path, piece.offset, n, self.storage_options)
+                if len(data) != n:
+                    raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
+                buf[:n] = data
+            if self.check is not None:
+                self.check.add(piece.path, piece.offset, buf[:n])
             return
         fd = self.fd(piece.path)
         done = 0
@@ -64,6 +66,8 @@ class Reader:
                 raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
             done += got
         storage.count_read(piece.path, n)
+        if self.check is not None:
+            self.check.add(piece.path, piece.offset, buf[:n])
 
     def read_pieces(self, pieces, buf: memoryview) -> int:
         pos = 0

@@ -286,6 +286,33 @@ def _check_local(f: BinaryIO, name: str, raw_name: bytes, crc: int, size: int,
     return ZipEntry(name, header_offset, data_offset, size, crc), bool(flags & _DATA_DESCRIPTOR)
 
 
+class StreamedCrcs:
+    """The CRC-32 of every entry of a zip, over the file's bytes as they stream past once from its start (a
+    hash of the whole file, ``on_chunk``): call it with each chunk in order, then :meth:`damaged`."""
+
+    def __init__(self, entries):
+        # [data start, data end, expected CRC, name, running CRC]
+        self.spans = sorted([e.data_offset, e.data_offset + e.size, e.crc, e.name, 0] for e in entries)
+        self.pos, self.first = 0, 0
+
+    def __call__(self, chunk: memoryview) -> None:
+        from zckpt.io.hashing import crc32
+        pos, end = self.pos, self.pos + len(chunk)
+        for span in self.spans[self.first:]:
+            if span[0] >= end:
+                break
+            lo, hi = max(span[0], pos), min(span[1], end)
+            if lo < hi:
+                span[4] = crc32(chunk[lo - pos:hi - pos], span[4])
+        while self.first < len(self.spans) and self.spans[self.first][1] <= end:
+            self.first += 1
+        self.pos = end
+
+    def damaged(self) -> list[str]:
+        """Names of the entries whose bytes did not stream past whole or do not match their CRC."""
+        return [name for _start, stop, want, name, crc in self.spans if stop > self.pos or crc != want]
+
+
 def read_file_entries(path: str) -> dict[str, ZipEntry]:
     """:func:`read_entries` of a local file by name."""
     with open(path, "rb") as f:

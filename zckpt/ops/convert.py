@@ -45,9 +45,11 @@ from zckpt.dcp import writer as dcpw
 from zckpt.deepspeed.layout import open_checkpoint
 from zckpt.state.model import Checkpoint
 from zckpt.engine import executor, torchzip
+from zckpt.engine.checked import InputCheck
 from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
+from zckpt.ops import checksums
 
 log = logging.getLogger(__name__)
 
@@ -334,9 +336,11 @@ def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None
 
 def execute(plan: ConvertPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            source: publish.Source | None = None, storage_options: dict | None = None) -> None:
+            source: publish.Source | None = None, storage_options: dict | None = None,
+            check: InputCheck | None = None) -> None:
     """Write ``plan`` into the folder ``out``: a scratch sibling, the data files, ``.metadata`` (DCP's commit),
-    zckpt's marker, then one rename (:class:`zckpt.io.publish.Publisher`)."""
+    zckpt's marker, then one rename (:class:`zckpt.io.publish.Publisher`). ``check``: the input check every byte
+    read is reported to, checked before the rename."""
     _check_out(out, overwrite, source)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
@@ -346,16 +350,20 @@ def execute(plan: ConvertPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    worker, maps = executor.Worker(storage_options=storage_options), torchzip.SourceMaps()
+    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
             for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
                 _copy(src, pub.path(rel), storage_options)
+                if check is not None:
+                    check.check_copy(src, pub.path(rel))
                 pub.done(rel)
                 step(os.path.getsize(pub.path(rel)))
             with ThreadPoolExecutor(workers) as pool:
                 for folder, part in plan.parts:
                     dcpw.write_plan(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
             pub.commit()
     finally:
         worker.close()
@@ -419,11 +427,16 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    if group is not None:
-        from zckpt.ops import distributed
-        distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
-                                durable=durable, source=source, storage_options=ckpt.storage_options)
-    else:
-        execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options)
+    check = checksums.input_check(ckpt)
+    try:
+        if group is not None:
+            from zckpt.ops import distributed
+            distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
+                                    durable=durable, source=source, storage_options=ckpt.storage_options,
+                                    check=check)
+        else:
+            execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options, check)
+    finally:
+        check.close()
     result.seconds = time.perf_counter() - t0
     return result

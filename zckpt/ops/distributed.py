@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from zckpt.engine import executor, torchzip
+from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import seg_numel
 from zckpt import errors
 from zckpt.errors import InvalidArgument, StorageError, ZckptError
@@ -168,6 +169,20 @@ class Group:
             torch.zeros(size, dtype=torch.uint8)
         dist.broadcast(buf, 0)
         return bytes(buf.numpy())
+
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0 (in rank order); None on the other ranks."""
+        import torch
+        import torch.distributed as dist
+        lengths = [row[0] for row in self.all_gather_ints([len(data)])]
+        mine = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros_like(mine) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(mine, out, dst=0)
+        if self.rank != 0:
+            return None
+        return [bytes(t.numpy()[:n]) for t, n in zip(out, lengths)]
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of int64s (all the same length), in rank order."""
@@ -382,6 +397,8 @@ class _Writer:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+        if self.worker.check is not None:
+            self.worker.check.check_copy(work.src, dst)
         self.bytes += work.size
         self.count += 1
         if self.progress:
@@ -477,15 +494,18 @@ class Stats:
 
 
 def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive], out: str, kind: str,
-            check: Callable[[], None], source: str | None, finish: Callable, workers: int | None = None,
+            check_out: Callable[[], None], source: str | None, finish: Callable, workers: int | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             storage_options: dict | None = None, output_storage_options: dict | None = None,
-            worker: executor.Worker | None = None, maps: torchzip.SourceMaps | None = None) -> Stats:
+            worker: executor.Worker | None = None, maps: torchzip.SourceMaps | None = None,
+            check: InputCheck | None = None) -> Stats:
     """Write ``works`` into ``out`` with every rank of ``group`` and publish it once, from rank 0.
 
-    ``archives``: the torch zips among the works (their serialization ids are made rank 0's); ``check()``: rank 0's
-    output check (before anything is written); ``finish(pub)``: rank 0 adds the small files (index, ``latest``,
-    config) before the commit. Every step ends with an agreement: an error on any rank is raised on all."""
+    ``archives``: the torch zips among the works (their serialization ids are made rank 0's); ``check_out()``: rank
+    0's output check (before anything is written); ``finish(pub)``: rank 0 adds the small files (index, ``latest``,
+    config) before the commit. ``check``: this rank's input check; rank 0 gathers every rank's spans and checks
+    the CRC-32 of every input zip entry read before publishing. Every step ends with an agreement: an error on
+    any rank is raised on all."""
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
     mark = [t0]
@@ -514,18 +534,21 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
 
     workers = workers or default_workers()
     own_worker, own_maps = worker is None, maps is None
-    worker = worker or executor.Worker(storage_options=storage_options)
+    worker = worker or executor.Worker(storage_options=storage_options, check=check)
     maps = maps or torchzip.SourceMaps()
     stack, split = contextlib.ExitStack(), 0
     try:
         pool = stack.enter_context(ThreadPoolExecutor(workers))
         writer = _Writer(group, pool, worker, maps, step, durable, storage_options)
-        pub = group.phase(_open_publisher, group, stack, works, out, kind, check, source, durable,
+        pub = group.phase(_open_publisher, group, stack, works, out, kind, check_out, source, durable,
                           output_storage_options)
         lap("scratch")
         if remote:
             group.phase(_write_files_remote, group, writer, works, out, output_storage_options)
             lap("write")
+            if check is not None:
+                group.phase(_check_inputs, group, check)
+                lap("crc_check")
             group.phase(_publish, group, pub, works, None, finish)
             lap("publish")
         else:
@@ -544,6 +567,9 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             split = sum(1 for k in range(len(slots)) if sum(1 for row in rows if row[2 * k + 1]) > 1)
             crcs = _combine(rows, slots)
             lap("crcs")
+            if check is not None:
+                group.phase(_check_inputs, group, check)
+                lap("crc_check")
             group.phase(_publish, group, pub, works, crcs, finish)
             lap("publish")
     finally:
@@ -553,6 +579,17 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
         if own_maps:
             maps.close()
     return Stats(group.world, total, writer.bytes, time.perf_counter() - t0, worker.stats.to_json(), split, phases)
+
+
+def _check_inputs(group: Group, check: InputCheck) -> None:
+    """Rank 0: every rank's input spans joined and the CRC-32 of every input zip entry they fall in checked."""
+    import json
+    rows = group.gather_bytes(json.dumps(check.export()).encode())
+    if rows is None:
+        return
+    for row in rows:
+        check.absorb(json.loads(row))
+    check.finish()
 
 
 def _open_publisher(group: Group, stack, works, out, kind, check, source, durable, output_storage_options):
@@ -621,7 +658,8 @@ def _chunk_for(group: Group, sizes) -> int:
 
 def run_merge(group: Group, plan, out: str, extra_files: dict[str, bytes] | None, *, workers=None,
               overwrite: bool = False, progress=None, durable: bool = False, source: publish.Source | None = None,
-              storage_options: dict | None = None, output_storage_options: dict | None = None) -> Stats:
+              storage_options: dict | None = None, output_storage_options: dict | None = None,
+              check: InputCheck | None = None) -> Stats:
     """:func:`zckpt.ops.merge.execute` with every rank of ``group``: the same files, byte for byte."""
     maps = torchzip.SourceMaps()
     try:
@@ -637,18 +675,19 @@ def run_merge(group: Group, plan, out: str, extra_files: dict[str, bytes] | None
                 import json
                 pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
 
-        def check():
+        def check_out():
             publish.check_output(out, "merge", source, overwrite, output_storage_options)
 
-        return execute(group, works, archives, out, "merge", check, source.root if source else None, finish,
-                       workers, progress, durable, storage_options, output_storage_options, maps=maps)
+        return execute(group, works, archives, out, "merge", check_out, source.root if source else None, finish,
+                       workers, progress, durable, storage_options, output_storage_options, maps=maps,
+                       check=check)
     finally:
         maps.close()
 
 
 def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
                 latest_name: str = "latest", durable: bool = False, source: publish.Source | None = None,
-                storage_options: dict | None = None) -> Stats:
+                storage_options: dict | None = None, check: InputCheck | None = None) -> Stats:
     """:func:`zckpt.ops.reshard.execute` with every rank of ``group``: the same files, byte for byte."""
     maps = torchzip.SourceMaps()
     try:
@@ -668,18 +707,18 @@ def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool =
         def finish(pub):
             pub.write_bytes(latest_name, tag)  # DeepSpeed writes the bare tag, no newline
 
-        def check():
+        def check_out():
             publish.check_output(out, "reshard", source, overwrite)
 
-        return execute(group, works, archives, out, "reshard", check, source.root if source else plan.source,
-                       finish, workers, progress, durable, storage_options, None, maps=maps)
+        return execute(group, works, archives, out, "reshard", check_out, source.root if source else plan.source,
+                       finish, workers, progress, durable, storage_options, None, maps=maps, check=check)
     finally:
         maps.close()
 
 
 def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool = False, progress=None,
                 durable: bool = False, source: publish.Source | None = None,
-                storage_options: dict | None = None) -> Stats:
+                storage_options: dict | None = None, check: InputCheck | None = None) -> Stats:
     """:func:`zckpt.ops.convert.execute` with every rank of ``group``: the same files, byte for byte. Each DCP part
     (``plan.parts``: sub-folder, layout) has its ``.distcp`` files split by bytes like any other file and its
     ``.metadata`` (DCP's commit) written by rank 0 at the end; ``plan.copies`` are copied whole."""
@@ -699,10 +738,10 @@ def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool =
             for folder, part in plan.parts:
                 pub.write_bytes(rel(folder, METADATA), part.metadata)
 
-        def check():
+        def check_out():
             publish.check_output(out, "convert", source, overwrite)
 
-        return execute(group, works, archives, out, "convert", check, source.root if source else plan.source,
-                       finish, workers, progress, durable, storage_options, None, maps=maps)
+        return execute(group, works, archives, out, "convert", check_out, source.root if source else plan.source,
+                       finish, workers, progress, durable, storage_options, None, maps=maps, check=check)
     finally:
         maps.close()

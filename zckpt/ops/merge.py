@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from zckpt.engine import executor
+from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import Shaped, source_segments
 from zckpt.io import publish, storage
+from zckpt.ops import checksums
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument
 from zckpt.formats.safeload import FLOATING
@@ -252,7 +254,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
             extra_files: dict[str, bytes] | None = None,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             source: publish.Source | None = None, storage_options: dict | None = None,
-            output_storage_options: dict | None = None) -> dict:
+            output_storage_options: dict | None = None, check: InputCheck | None = None) -> dict:
     """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`); returns
     what was read from remote sources (bytes, ranged GETs, seconds waited for them).
 
@@ -260,7 +262,8 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
     every file before the rename, so the result survives a power failure (slower: waits for the disk).
     ``storage_options``: fsspec options for reading pieces behind URLs; ``output_storage_options``: for a URL
-    ``out`` (default: ``storage_options``)."""
+    ``out`` (default: ``storage_options``). ``check``: the input check every byte read is reported to
+    (:func:`zckpt.ops.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
     out_opts = storage_options if output_storage_options is None else output_storage_options
     publish.check_output(out, "merge", source, overwrite, out_opts)
     workers = workers or min(8, os.cpu_count() or 2)
@@ -274,7 +277,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options)
+    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
@@ -289,6 +292,8 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
                 pub.write_bytes(name, data)
             if plan.index is not None:
                 pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
             pub.commit()
     finally:
         worker.close()
@@ -357,14 +362,21 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
         publish.check_output(str(out), "merge", source, overwrite, out_opts)
         return result
     t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
-    if group is not None:
-        from zckpt.ops import distributed
-        stats = distributed.run_merge(group, plan, str(out), extra, workers=workers, overwrite=overwrite,
-                                      progress=progress, durable=durable, source=source,
-                                      storage_options=storage_options, output_storage_options=out_opts).to_json()
-    else:
-        stats = {"ranks": 1, **execute(plan, str(out), workers, overwrite, extra, progress, durable, source=source,
-                                       storage_options=storage_options, output_storage_options=out_opts)}
+    check = checksums.input_check(ckpt)
+    try:
+        if group is not None:
+            from zckpt.ops import distributed
+            stats = distributed.run_merge(group, plan, str(out), extra, workers=workers, overwrite=overwrite,
+                                          progress=progress, durable=durable, source=source,
+                                          storage_options=storage_options, output_storage_options=out_opts,
+                                          check=check).to_json()
+        else:
+            stats = {"ranks": 1, **execute(plan, str(out), workers, overwrite, extra, progress, durable,
+                                           source=source, storage_options=storage_options,
+                                           output_storage_options=out_opts, check=check)}
+    finally:
+        check.close()
+    stats["crc_checked_entries"] = check.checked
     result.seconds = time.perf_counter() - t0
     result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
                     "bytes_per_second": round(plan.total_size / max(result.seconds, 1e-9))}
@@ -389,12 +401,18 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
     from zckpt.formats.tensors import Reader, load_pieces, torch_dtype
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
-    with Reader(ckpt.storage_options) as reader:
-        for t in tensors:
-            value = load_pieces(t.pieces, t.src_dtype, t.shape, reader)
-            if t.dtype != t.src_dtype:
-                value = value.to(torch_dtype(t.dtype))
-            yield t.name, value
+    check = checksums.input_check(ckpt)
+    try:
+        with Reader(ckpt.storage_options) as reader:
+            for t in tensors:
+                for p in t.pieces:  # the zip entries holding it checked (each once) before the tensor is yielded
+                    check.ensure(p.path, p.offset, p.nbytes)
+                value = load_pieces(t.pieces, t.src_dtype, t.shape, reader)
+                if t.dtype != t.src_dtype:
+                    value = value.to(torch_dtype(t.dtype))
+                yield t.name, value
+    finally:
+        check.close()
 
 
 def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False,

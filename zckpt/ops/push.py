@@ -47,7 +47,8 @@ from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zc
     check_unchanged, retryable, unreachable, wait_all, make_destination, parse_hf_url,
 )
 from zckpt.ops.destinations import RESUME_NOTE, describe_fault
-from zckpt.errors import EndpointUnreachable, InvalidArgument, PushInterrupted, StorageError, ZckptError
+from zckpt.errors import CorruptFile, EndpointUnreachable, InvalidArgument, PushInterrupted, StorageError, ZckptError
+from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_file_entries
 from zckpt.ops.scan import (  # noqa: F401 - check_complete is also zckpt.ops.push.check_complete
     LocalCheckpoint, check_complete, checkpoint_files, find_checkpoints, newest_mtime,
 )
@@ -90,7 +91,7 @@ class HashCache:
             with contextlib.suppress(OSError, ValueError):
                 with open(self.path, encoding="utf-8") as f:
                     data = json.load(f)
-                if isinstance(data, dict) and isinstance(data.get("files"), dict):
+                if isinstance(data, dict) and data.get("version") == 2 and isinstance(data.get("files"), dict):
                     self._entries = data["files"]
 
     def get(self, path: str, st: os.stat_result) -> str | None:
@@ -112,7 +113,7 @@ class HashCache:
             entries = {p: e for p, e in self._entries.items() if os.path.exists(p)}
             self._entries, self._dirty = entries, False
         try:
-            storage.write_bytes_atomic(self.path, json.dumps({"version": 1, "files": entries}).encode())
+            storage.write_bytes_atomic(self.path, json.dumps({"version": 2, "files": entries}).encode())
         except OSError as exc:
             log.debug("cannot save hash cache %s: %s", self.path, exc)
 
@@ -276,11 +277,13 @@ class PushContext:
                 log.debug("progress callback failed", exc_info=True)
 
     def sha256(self, task: FileTask) -> str:
+        """The file's sha256; a torch zip's entries are CRC-checked over the same bytes (a damaged file raises
+        :class:`CorruptFile`, and only checked files enter the hash cache)."""
         if task.sha256 is None:
             st = os.stat(task.local)
             digest = self.hashes.get(task.local, st)
             if digest is None:
-                digest = hashing.sha256_file(task.local, cancel=self.cancel)
+                digest = checked_sha256(task.local, self.cancel)
                 self.hashes.put(task.local, st, digest)
             task.sha256 = digest
         return task.sha256
@@ -339,6 +342,27 @@ class PushContext:
                 raise PushInterrupted("interrupted", path=what) from exc
             if self.gave_up.is_set() and unreachable(exc):
                 raise exc
+
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save zips (rank files, scheduler.pt, rng_state_N.pth, ...)
+
+
+def checked_sha256(path: str, cancel: threading.Event | None = None) -> str:
+    """sha256 of a local file; for a torch zip, the CRC-32 of every entry checked over the same bytes."""
+    crcs = None
+    if path.endswith(TORCH_SUFFIXES):
+        with open(path, "rb") as f:
+            if f.read(4) == LOCAL_SIG:
+                crcs = StreamedCrcs(read_file_entries(path).values())
+    digest = hashing.sha256_file(path, cancel=cancel, on_chunk=crcs)
+    bad = crcs.damaged() if crcs is not None else []
+    if bad:
+        name = bad[0].split("/", 1)[1] if "/" in bad[0] else bad[0]
+        raise CorruptFile(f"zip entry {name}{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}: the bytes "
+                          "do not match the CRC-32 the file records: the file is damaged, so the checkpoint is "
+                          "not pushed", path=path,
+                          hint="copy the file again from where it was saved, or push another checkpoint")
+    return digest
 
 
 def _message(exc: BaseException, what: str) -> str:
@@ -422,6 +446,7 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> C
     if dry_run:
         result.status, result.seconds = "dry-run", time.monotonic() - started
         return result
+    list(ctx.pool.map(ctx.sha256, sends))  # every file read (torch zips CRC-checked) before anything is sent
     ctx.emit("checkpoint-start", checkpoint=ckpt.name, total=result.bytes_sent, files=len(sends))
     # the old manifest goes before any file of the checkpoint is replaced; the push record comes before any file
     dest.begin(ckpt.name, ctx, withdraw=remote_manifest is not None, record=RECORD_NAME not in remote)

@@ -49,7 +49,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.engine import executor, torchzip
+from zckpt.engine.checked import InputCheck
 from zckpt.io import publish, storage
+from zckpt.ops import checksums
 from zckpt.ops.scan import side_files
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import TorchObject
@@ -937,27 +939,31 @@ def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None
     publish.check_output(out, "reshard", source, overwrite)
 
 
-def _copy_file(src: str, dst: str, storage_options: dict | None = None) -> int:
+def _copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
     if storage.is_url(src):
         data = storage.read_bytes(src, storage_options)
         with open(dst, "wb") as f:
             f.write(data)
-        return len(data)
-    shutil.copyfile(src, dst)
+    else:
+        shutil.copyfile(src, dst)
+    if check is not None:
+        check.check_copy(src, dst)
     return os.path.getsize(dst)
 
 
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None,
-            storage_options: dict | None = None) -> dict:
+            storage_options: dict | None = None, check: InputCheck | None = None) -> dict:
     """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
     ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
     ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's). Returns what was read
-    from remote sources (bytes, ranged GETs, seconds waited for them)."""
+    from remote sources (bytes, ranged GETs, seconds waited for them). ``check``: the input check every byte read
+    is reported to; the CRC-32 of every input zip entry read is checked before anything is published (copied
+    files are checked as they are copied)."""
     if any(f.kind not in ("torch", "copy") for f in plan.files):
         raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
                               hint="plan with plan_reshard")
@@ -970,7 +976,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
         if progress:
             progress(done[0], total)
 
-    worker, maps = executor.Worker(storage_options=storage_options), torchzip.SourceMaps()
+    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
             written = []
@@ -982,7 +988,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
                         torchzip.write_planned(f.archive, dst, pool=pool, progress=step, worker=worker, maps=maps)
                         step(f.nbytes - f.payload_bytes)  # pickle, headers, central directory
                     else:
-                        step(_copy_file(f.src, dst, storage_options))
+                        step(_copy_file(f.src, dst, storage_options, check))
                     pub.done(f.relpath)
                     if durable:  # flushes while the next file is written
                         written.append(syncer.submit(torchzip.fsync_all, [dst]))
@@ -990,6 +996,8 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
                     fut.result()
             # DeepSpeed writes the bare tag, no newline
             pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
             pub.commit()
     finally:
         worker.close()
@@ -1040,14 +1048,20 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
         return result
     latest = "latest" if fmt == "deepspeed" else "latest_universal"
     t_plan = time.perf_counter()  # reading the metadata and planning: the rest is moving bytes
-    if group is not None:
-        from zckpt.ops import distributed
-        stats = distributed.run_reshard(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
-                                        latest_name=latest, durable=durable, source=source,
-                                        storage_options=ckpt.storage_options).to_json()
-    else:
-        stats = {"ranks": 1, **execute(plan, out, workers, overwrite, progress, latest_name=latest, durable=durable,
-                                       source=source, storage_options=ckpt.storage_options)}
+    check = checksums.input_check(ckpt)
+    try:
+        if group is not None:
+            from zckpt.ops import distributed
+            stats = distributed.run_reshard(group, plan, out, workers=workers, overwrite=overwrite,
+                                            progress=progress, latest_name=latest, durable=durable, source=source,
+                                            storage_options=ckpt.storage_options, check=check).to_json()
+        else:
+            stats = {"ranks": 1, **execute(plan, out, workers, overwrite, progress, latest_name=latest,
+                                           durable=durable, source=source, storage_options=ckpt.storage_options,
+                                           check=check)}
+    finally:
+        check.close()
+    stats["crc_checked_entries"] = check.checked
     result.seconds = time.perf_counter() - t0
     result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3), "open_seconds": round(t_open - t0, 3),
                     "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}

@@ -49,6 +49,7 @@ from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout
 from zckpt.formats.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
 from zckpt.engine.segments import Cast, Fill, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
+from zckpt.ops import checksums
 from zckpt.ops.distributed import agree
 
 log = logging.getLogger(__name__)
@@ -333,10 +334,11 @@ class Materializer:
     the first output that holds it; a later piece over the same bytes, and a cast (bf16 module weights made from
     fp32 masters a ZeRO-3 source does not store in bf16), copy them from there."""
 
-    def __init__(self, workers: int | None = None, storage_options: dict | None = None):
+    def __init__(self, workers: int | None = None, storage_options: dict | None = None, check=None):
         from zckpt.formats.tensors import Reader
         # thread-safe: one descriptor per file, positioned reads; URLs with the source's ``storage_options``
         self.reader = Reader(storage_options)
+        self.reader.check = check  # every piece read reported to the input check (zckpt.engine.checked)
         self.workers = workers or min(8, os.cpu_count() or 2)
         self.bytes_read = 0  # tensor bytes read from the source files
         self.lock = threading.Lock()
@@ -512,12 +514,14 @@ class ResumeInfo:
     source_bytes: int = 0  # size of every rank file of the source
     seconds: dict = field(default_factory=dict)
     tensor_bytes_read: int = 0  # the tensor bytes among them (each source byte at most once)
+    crc_checked_entries: int = 0  # source zip entries whose CRC-32 this rank checked
+    crc_unchecked_entries: int = 0  # entries this rank read only in part (others' partitions), not checked
 
 
 def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, scratch_dir: str | None = None, force_reshard: bool = False,
-                    storage_options: dict | None = None):
+                    storage_options: dict | None = None, verify: bool = False):
     """Load the checkpoint at ``path`` into ``engine``, whatever world size and ZeRO stage it was saved at.
 
     Call it on every rank, like ``engine.load_checkpoint``, whose arguments and result (``(load_path,
@@ -529,11 +533,17 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     touched. ``force_reshard``: take the in-memory route even where a plain load would do (tests, benchmarks).
     ``scratch_dir``: where the empty placeholder file goes (default: the system temp folder).
     ``storage_options``: fsspec options for a URL ``path`` (endpoint, credentials...), for this call only.
+
+    Checksums: every source zip entry this rank reads whole (or all but a sixteenth of: partition padding) has its
+    CRC-32 checked before anything is loaded; an entry it reads only a part of (a partition split across the new
+    ranks) cannot be checked from that part. ``verify=True`` reads every entry this rank reads from whole, and in
+    the plain-load case (same size and stage) every entry of the files this rank's DeepSpeed loads, and checks
+    them all (more reads; ``zckpt verify --deep`` checks every file once, offline).
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
     device = getattr(engine, "device", None)
-    objects, plan, target, ckpt, mat, error = {}, None, None, None, None, None
+    objects, plan, target, ckpt, mat, error, check = {}, None, None, None, None, None, None
     native = False
     seconds = {}
     meter = storage.read_meter(path)  # every byte zckpt reads from the source in this call, in any thread
@@ -560,22 +570,32 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
                               zero=target.zero)
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
-            mat = Materializer(storage_options=ckpt.storage_options)
+            check = checksums.input_check(ckpt, max_fill=None if verify else 1 / 16)
+            mat = Materializer(storage_options=ckpt.storage_options, check=check)
             for f, obj in zip(plan.files, mat.load_all([f.obj for f in plan.files])):
                 objects[os.path.basename(f.relpath)] = obj
+            check.finish()
             seconds["read"] = time.perf_counter() - t0 - seconds["open"] - seconds["plan"]
+        elif verify:
+            check = checksums.input_check(ckpt)
+            for f in ckpt.files:  # what this rank's DeepSpeed loads: the shared files and its own
+                if f.dp_rank in (None, target.rank):
+                    check.check_copy(f.path, f.path)
     except Exception as exc:  # noqa: BLE001 - every failure is agreed on, then raised on every rank
         error = exc
     finally:
         if mat is not None:
             mat.close()
+        if check is not None:
+            check.close()
         meter.__exit__(None, None, None)
     agree(error, device)
 
     info = ResumeInfo(ckpt.location.input_path, ckpt.tag, "native" if native else "reshard", ckpt.world_size,
                       target.world_size, ckpt.stage, target.stage, target.rank,
                       read.bytes, sum(max(f.size, 0) for f in ckpt.files), seconds,
-                      mat.bytes_read if mat is not None else 0)
+                      mat.bytes_read if mat is not None else 0,
+                      check.checked if check is not None else 0, check.unchecked if check is not None else 0)
     kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     t1 = time.perf_counter()

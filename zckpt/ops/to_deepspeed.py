@@ -29,7 +29,7 @@ from typing import Callable
 from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
-from zckpt.ops import reshard
+from zckpt.ops import checksums, reshard
 from zckpt.state.model import LP_DTYPES, Checkpoint
 from zckpt.formats.safeload import FLOATING
 
@@ -215,7 +215,11 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     result = reshard.ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
-                    storage_options=storage_options)
+    check = checksums.input_check(ckpt)
+    try:
+        reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
+                        storage_options=storage_options, check=check)
+    finally:
+        check.close()
     result.seconds = time.perf_counter() - t0
     return result

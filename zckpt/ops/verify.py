@@ -21,7 +21,6 @@ import math
 import os
 import re
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -34,7 +33,7 @@ from zckpt.errors import (
 )
 from zckpt.formats import legacy
 from zckpt.formats.safeload import LazyTensor, legacy_layout
-from zckpt.formats.zipentries import LOCAL_SIG, read_entries
+from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
 from zckpt.ops.scan import (
     RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file,
     safetensors_problem, step_of,
@@ -386,7 +385,7 @@ def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> No
                         block = window.read(min(left, 4 << 20))
                         if not block:
                             break
-                        crc, left = zlib.crc32(block, crc), left - len(block)
+                        crc, left = hashing.crc32(block, crc), left - len(block)
                     if left or crc != e.crc:
                         damaged.append(f"{storage.basename(path)}@{offset} ({key}):{e.name}")
                 done += length
@@ -409,28 +408,10 @@ def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, lis
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
             return 0, [exc.message], ""
-        # [data start, data end, expected CRC, name, running CRC]
-        spans = [[e.data_offset, e.data_offset + e.size, e.crc, e.name, 0] for e in entries.values()]
-        spans.sort()
+        crcs = StreamedCrcs(entries.values())  # each entry's CRC over the bytes as they are hashed
         f.seek(0)
-        pos, first = 0, 0
-
-        def add_crcs(chunk: memoryview) -> None:  # each entry's CRC over the bytes as they are hashed
-            nonlocal pos, first
-            end = pos + len(chunk)
-            for span in spans[first:]:
-                if span[0] >= end:
-                    break
-                lo, hi = max(span[0], pos), min(span[1], end)
-                if lo < hi:
-                    span[4] = zlib.crc32(chunk[lo - pos:hi - pos], span[4])
-            while first < len(spans) and spans[first][1] <= end:
-                first += 1
-            pos = end
-
-        digest = hashing.sha256_stream(f, on_chunk=add_crcs, name=path)
-    bad = [name for start, stop, want, name, crc in spans if stop > pos or crc != want]
-    return pos, bad, digest
+        digest = hashing.sha256_stream(f, on_chunk=crcs, name=path)
+    return crcs.pos, crcs.damaged(), digest
 
 
 def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
