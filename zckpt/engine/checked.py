@@ -3,8 +3,8 @@
 ``torch.save`` writes each storage as a stored zip entry whose CRC-32 is in the central directory; ``torch.load``
 never checks it, so a flipped bit in a rank file loads as a wrong number. The engine reports what it read here::
 
-    kernel copies (copy_file_range)   the CRC of the source range, on a read-only map of the page-cached file
-    reads into a buffer (casts, ...)  the CRC of the bytes just read (Reader.read_into)
+    plain copies and casts            the CRC of the bytes just read into the worker's buffer (no copy_file_range
+                                      while checking: it would need a second read of the source for its CRC)
     remote blocks fetched ahead       the CRC of the fetched views
 
 as spans ``(path, offset, length, crc)``. :meth:`InputCheck.finish` then takes every zip entry a span falls in,
@@ -100,7 +100,6 @@ class InputCheck:
         self._entries: dict[str, tuple[list[int], list[ZipEntry]]] = {}
         self._done: set[tuple[str, int]] = set()  # (path, data offset) of entries already checked
         self._lock = threading.Lock()
-        self.maps = MappedCrc()
         self.checked = 0  # entries checked
         self.checked_bytes = 0
         self.unchecked = 0  # entries read only in part, left unchecked (max_fill)
@@ -115,12 +114,6 @@ class InputCheck:
     def add_crc(self, path: str, offset: int, n: int, crc: int) -> None:
         if n:
             self._spans.append((path, offset, n, crc))
-
-    def add_mapped(self, path: str, offset: int, n: int) -> int:
-        """A local range copied in the kernel: its CRC on a read-only map, recorded and returned."""
-        crc = self.maps.crc(path, offset, n)
-        self.add_crc(path, offset, n, crc)
-        return crc
 
     # -------------------------------------------------------------------------------- spans between ranks
     def export(self) -> list[tuple[str, int, int, int]]:
@@ -163,7 +156,7 @@ class InputCheck:
         """A file copied whole (local ``dst``): every zip entry of the copy checked; errors name ``src``."""
         for e in zip_entries(dst):
             if e.size:
-                self._compare(src, e, self.maps.crc(dst, e.data_offset, e.size))
+                self._compare(src, e, self._read_crc(dst, e.data_offset, e.size))
 
     def _entries_for(self, path: str) -> tuple[list[int], list[ZipEntry]]:
         got = self._entries.get(path)
@@ -235,17 +228,29 @@ class InputCheck:
                                "damaged entry)")
 
     def _read_crc(self, path: str, offset: int, n: int) -> int:
-        if not storage.is_url(path):
-            return self.maps.crc(path, offset, n)
-        crc, pos = 0, offset
-        while pos < offset + n:
-            k = min(_READ_BLOCK, offset + n - pos)
-            data = storage.read_range(path, pos, k, self.storage_options)
-            if len(data) != k:
-                raise CorruptFile(f"short read at byte {pos} (file truncated?)", path=path)
-            crc = crc32(data, crc)
-            pos += k
+        """The CRC-32 of bytes the engine did not read (padding, a copied file, ``ensure``): read in blocks (with
+        ``pread``: on the lent host's gVisor kernel a read-only map of the file was slower)."""
+        crc, pos, end = 0, offset, offset + n
+        local = not storage.is_url(path)
+        if local:
+            fd = os.open(path, os.O_RDONLY)
+            buf = bytearray(min(_READ_BLOCK, max(n, 1)))
+        try:
+            while pos < end:
+                k = min(_READ_BLOCK, end - pos)
+                if local:
+                    got = os.preadv(fd, [memoryview(buf)[:k]], pos)
+                    data = memoryview(buf)[:got]
+                else:
+                    data = storage.read_range(path, pos, k, self.storage_options)
+                if len(data) != k:
+                    raise CorruptFile(f"short read at byte {pos + len(data)} (file truncated?)", path=path)
+                crc = crc32(data, crc)
+                pos += k
+        finally:
+            if local:
+                os.close(fd)
         return crc
 
     def close(self) -> None:
-        self.maps.close()
+        pass

@@ -192,7 +192,9 @@ class Worker:
         caller's read-only maps of the sources), otherwise from the rendered bytes. With an input check, the CRC
         of every source byte is reported to it (kernel copies: from a read-only map, which is then the output's
         CRC too)."""
-        if self.kernel_copyable(parts, dtype) and (crc_of is not None or not want_crc or self.check is not None):
+        if self.check is not None and self.kernel_copyable(parts, dtype):
+            return self._checked_copy(fd, offset, parts, dtype, want_crc)
+        if self.kernel_copyable(parts, dtype) and (crc_of is not None or not want_crc):
             try:
                 return self._kernel_copy(fd, offset, parts, crc_of if want_crc else None)
             except _NoKernelCopy:
@@ -215,6 +217,29 @@ class Worker:
         with self.write_slots:
             pwrite_all(fd, data, offset)
         return (crc32(data) if want_crc else 0), data.nbytes
+
+    def _checked_copy(self, fd: int, offset: int, parts: list, dtype: str, want_crc: bool) -> tuple[int, int]:
+        """Same-dtype local pieces with an input check: read into this thread's buffer, each piece's CRC reported
+        to the check (and combined into the output's), written with one pwrite. (In-kernel copies would need a
+        second read of the source for its CRC; on the lent host a read-only map of it made the check cost 28% of
+        a merge.)"""
+        total = sum(p.nbytes for p in parts)
+        view = self.buffer(total, "out")
+        pos, crc = 0, 0
+        for p in parts:
+            n = p.nbytes
+            if isinstance(p, Fill):
+                view[pos:pos + n] = bytes(n) if n > len(_ZEROS) else memoryview(_ZEROS)[:n]
+                c = zeros_crc(n) if want_crc else 0
+            else:
+                self.reader.read_raw(p, view[pos:pos + n])
+                c = crc32(view[pos:pos + n])
+                self.check.add_crc(p.path, p.offset, n, c)
+            crc = crc32_combine(crc, c, n) if want_crc else 0
+            pos += n
+        with self.write_slots:
+            pwrite_all(fd, view[:total], offset)
+        return crc, total
 
     def _check_views(self, parts: list, views: list[memoryview]) -> None:
         """Report the fetched views of a job's remote pieces (in order) to the input check."""
@@ -272,15 +297,10 @@ class Worker:
                             raise _NoKernelCopy()
                         src, dst, left = src + got, dst + got, left - got
                 pos += n
-        crc, check = 0, self.check
-        if crc_of is not None or check is not None:  # of the sources' bytes (read-only maps): what was copied
+        crc = 0
+        if crc_of is not None:  # of the sources' bytes (read-only maps), which are what was copied
             for p in parts:
-                if isinstance(p, Fill):
-                    crc = zeros_crc(p.nbytes, crc) if crc_of is not None else 0
-                elif check is not None:
-                    crc = crc32_combine(crc, check.add_mapped(p.path, p.offset, p.nbytes), p.nbytes)
-                else:
-                    crc = crc_of(p.path, p.offset, p.nbytes, crc)
+                crc = zeros_crc(p.nbytes, crc) if isinstance(p, Fill) else crc_of(p.path, p.offset, p.nbytes, crc)
         return crc, pos - offset
 
     def fetcher(self) -> ThreadPoolExecutor:

@@ -46,7 +46,13 @@ class Reader:
         return fd
 
     def read_into(self, piece, buf: memoryview) -> None:
-        """Fill ``buf`` (exactly ``piece.nbytes`` long) with the piece's bytes."""
+        """Fill ``buf`` (exactly ``piece.nbytes`` long) with the piece's bytes (reported to ``check``)."""
+        self.read_raw(piece, buf)
+        if self.check is not None:
+            self.check.add(piece.path, piece.offset, buf[:piece.nbytes])
+
+    def read_raw(self, piece, buf: memoryview) -> None:
+        """:meth:`read_into` without reporting to ``check`` (the caller does, with the CRC it computes)."""
         n = piece.nbytes
         if storage.is_url(piece.path):
             cache = self.cache
@@ -55,8 +61,6 @@ class Reader:
                 if len(data) != n:
                     raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
                 buf[:n] = data
-            if self.check is not None:
-                self.check.add(piece.path, piece.offset, buf[:n])
             return
         fd = self.fd(piece.path)
         done = 0
@@ -66,8 +70,6 @@ class Reader:
                 raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
             done += got
         storage.count_read(piece.path, n)
-        if self.check is not None:
-            self.check.add(piece.path, piece.offset, buf[:n])
 
     def read_pieces(self, pieces, buf: memoryview) -> int:
         pos = 0
