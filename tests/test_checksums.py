@@ -153,3 +153,23 @@ def test_push_refuses_a_damaged_checkpoint_and_sends_nothing_of_it(tmp_path):
     sent = [p for p in dest.rglob("*") if p.is_file()] if dest.exists() else []
     assert not [p for p in sent if "manifest" in p.name], sent
     assert not [p for p in sent if p.name.endswith(".pt")], sent  # checked before anything was sent
+
+
+def test_push_checks_the_items_of_a_distcp_file(tmp_path):
+    """A Trainer FSDP2 checkpoint (DCP folders inside checkpoint-N): a flipped byte in an item of a .distcp file is
+    found by push's hashing through the .metadata beside it, and nothing of the checkpoint is sent."""
+    out = tmp_path / "run" / "checkpoint-4"
+    res = zckpt("convert", checkpoint_path(FIXTURES / "trainer"), "--to", "dcp", "-o", out, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    (out / ".zckpt.json").unlink()  # as a training job would have written it
+    import zckpt as z
+    rec = next(r for r in z.open_checkpoint(str(out)).records if r.kind == "trainable")
+    piece = rec.exp_avg[0]
+    flip(piece.path, piece.offset + piece.nbytes // 2)
+    dest = tmp_path / "dest"
+    res = subprocess.run([sys.executable, "-m", "zckpt", "push", str(out.parent), str(dest), "--settle", "0"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), ZCKPT_CACHE_DIR=str(tmp_path / "cache")))
+    assert res.returncode == 1, res.stderr
+    assert "__0_0.distcp" in res.stderr and "CRC-32" in res.stderr
+    assert not (dest.exists() and [p for p in dest.rglob("*") if p.is_file()])

@@ -32,19 +32,36 @@ def entries_of(ckpt: Checkpoint):
     if ckpt.format != "dcp":
         return lambda path: zip_entries(path, opts)
     from zckpt.dcp import reader as dcp_reader
-    from zckpt.formats.zipentries import read_entries
     by_file = dcp_reader.items(ckpt)
+    return lambda path: item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], opts)
 
-    def dcp_entries(path: str) -> list[ZipEntry]:
-        out = []
-        opener = storage.open_ranges if storage.is_url(path) else storage.open_input
-        with opener(path, opts) as f:
-            for offset, length, _key in by_file.get(path, ()):
-                for e in read_entries(dcp_reader.Window(f, offset, length), length, path).values():
-                    out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
-        return out
 
-    return dcp_entries
+def item_entries(path: str, items: list[tuple[int, int]], storage_options: dict | None = None) -> list[ZipEntry]:
+    """The entries of the torch zips at ``(offset, length)`` ``items`` of a DCP data file, at their offsets in it."""
+    from zckpt.dcp.reader import Window
+    from zckpt.formats.zipentries import read_entries
+    out = []
+    opener = storage.open_ranges if storage.is_url(path) else storage.open_input
+    with opener(path, storage_options) as f:
+        for offset, length in items:
+            for e in read_entries(Window(f, offset, length), length, path).values():
+                out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
+    return out
+
+
+def distcp_entries(path: str) -> list[ZipEntry] | None:
+    """The entries of a local ``.distcp`` file's items, from the ``.metadata`` beside it (None without one)."""
+    import os
+    from zckpt.formats import dcpmeta
+    meta = os.path.join(os.path.dirname(path), ".metadata")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta, "rb") as f:
+        md = dcpmeta.read_metadata(f.read(), meta)
+    name = os.path.basename(path)
+    items = [(c.offset, c.length) for te in md.tensors.values() for c in te.chunks if c.file == name]
+    items += [(v.offset, v.length) for v in md.values.values() if v.file == name]
+    return item_entries(path, sorted(items))
 
 
 def describer(ckpt: Checkpoint):

@@ -345,15 +345,21 @@ class PushContext:
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")  # torch.save zips (rank files, scheduler.pt, rng_state_N.pth, ...)
+# and DCP's .distcp files: a torch zip per item, at the offsets the .metadata beside it gives
 
 
 def checked_sha256(path: str, cancel: threading.Event | None = None) -> str:
-    """sha256 of a local file; for a torch zip, the CRC-32 of every entry checked over the same bytes."""
+    """sha256 of a local file; for a torch zip (or a ``.distcp`` file's items), the CRC-32 of every entry checked
+    over the same bytes."""
     crcs = None
     if path.endswith(TORCH_SUFFIXES):
         with open(path, "rb") as f:
             if f.read(4) == LOCAL_SIG:
                 crcs = StreamedCrcs(read_file_entries(path).values())
+    elif path.endswith(".distcp"):  # DCP: one torch zip per item, where the .metadata beside it says
+        from zckpt.ops.checksums import distcp_entries
+        entries = distcp_entries(path)
+        crcs = StreamedCrcs(entries) if entries is not None else None
     digest = hashing.sha256_file(path, cancel=cancel, on_chunk=crcs)
     bad = crcs.damaged() if crcs is not None else []
     if bad:
