@@ -303,7 +303,8 @@ def main(job_path: str) -> None:
                         load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
                     (out / f"trace_rank{rank}.json").write_text(json.dumps(trace.reads))
                 else:
-                    load_path, client = zd.load_checkpoint(engine, src, force_reshard=force)
+                    load_path, client = zd.load_checkpoint(engine, src, force_reshard=force,
+                                                           verify=bool(job.get("verify")))
             except Exception as exc:  # noqa: BLE001
                 if not job.get("expect_error"):
                     raise

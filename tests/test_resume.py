@@ -239,6 +239,35 @@ def test_missing_file_on_one_rank_fails_everywhere(fixture_dir, tmp_path):
     assert "rank 1 of 2" in msg, msg
 
 
+@pytest.mark.parametrize("ws,verify", [(1, False), (3, True)], ids=["whole-reads", "verify"])
+def test_flipped_byte_in_the_source_fails_everywhere(fixture_dir, tmp_path, ws, verify):
+    """One bit flipped in a fp32 master of the source: at 1 rank every entry is read whole and checked; at 3 ranks
+    each reads parts of the old partitions, which ``verify=True`` reads whole. Every rank raises the same one-line
+    CorruptFile naming the file and the entry, before any state is touched."""
+    import zckpt
+    src_fx = fixture_dir("z2_bf16_ws2")
+    broken = tmp_path / "broken"
+    shutil.copytree(_ckpt(src_fx), broken)
+    rec = next(r for r in zckpt.open_checkpoint(str(broken)).records if r.kind == "trainable")
+    piece = rec.value[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + piece.nbytes // 2)
+        b = f.read(1)
+        f.seek(piece.offset + piece.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = tmp_path / "out"
+    out.mkdir()
+    job = {"spec": ds_oracle.target_spec(_spec(src_fx), ws), "out": str(out), "routes": ["api"],
+           "source": str(broken), "expect_error": True, "verify": verify}
+    res = run_job(job, ws, timeout=300)
+    assert res.returncode == 0, res.stdout[-6000:]
+    errs = _errors(out, ws)
+    assert len(set(errs)) == 1, errs
+    cls, msg = errs[0].split("|", 1)
+    assert cls == "CorruptFile" and "\n" not in msg and "CRC-32" in msg, errs[0]
+    assert os.path.basename(piece.path) in msg and "zip entry data/" in msg, msg
+
+
 def test_shape_mismatch_refused_before_loading(fixture_dir, tmp_path):
     src_fx = fixture_dir("z3_bf16_ws2")
     out = tmp_path / "out"
