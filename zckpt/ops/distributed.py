@@ -548,7 +548,7 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             lap("write")
             if check is not None:
                 group.phase(_check_inputs, group, check)
-                lap("crc_check")
+                lap("crcs")
             group.phase(_publish, group, pub, works, None, finish)
             lap("publish")
         else:
@@ -566,10 +566,9 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             phases["write_max"] = max(row[-1] for row in rows) / 1e6
             split = sum(1 for k in range(len(slots)) if sum(1 for row in rows if row[2 * k + 1]) > 1)
             crcs = _combine(rows, slots)
-            lap("crcs")
-            if check is not None:
+            if check is not None:  # the inputs' CRCs: counted in the same step as the outputs'
                 group.phase(_check_inputs, group, check)
-                lap("crc_check")
+            lap("crcs")
             group.phase(_publish, group, pub, works, crcs, finish)
             lap("publish")
     finally:
