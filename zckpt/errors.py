@@ -114,6 +114,30 @@ class EndpointUnreachable(NetworkError):
     default_hint = "check the endpoint and the network; run again when it answers"
 
 
+class MissingDependency(ZckptError, ImportError):
+    """An optional package this call needs is not installed: torch for the functions that return tensors
+    (``iter_tensors``, ``load_state_dict``, ``load_into_module``) and for runs under a distributed launcher
+    (torch.distributed). The hint is the install line (:data:`TORCH_INSTALL`)."""
+
+
+#: how to get torch for zckpt; the second half for machines whose default index serves CUDA builds
+TORCH_INSTALL = ("pip install 'zckpt[torch]'; a CPU-only torch: pip install torch "
+                 "--index-url https://download.pytorch.org/whl/cpu")
+
+
+def require_torch(needed_for: str, module: str = "torch", also: str = ""):
+    """``import module`` (torch or one of its submodules), or :class:`MissingDependency` saying that
+    ``needed_for`` needs torch and how to install it (``also``: another way out, after the install line).
+    zckpt's core (every command on one process) needs no torch."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if not (getattr(exc, "name", None) or "torch").split(".")[0] == "torch":
+            raise  # torch is there but something it needs is not: that message says what
+        raise MissingDependency(f"{needed_for} needs torch, which is not installed", hint=TORCH_INSTALL + (f"; {also}" if also else "")) from exc
+
+
 class PushInterrupted(ZckptError, InterruptedError):
     """A push was stopped (Ctrl-C, ``Pusher.stop(abandon=True)``); what finished stays, no manifest was written."""
 

@@ -49,7 +49,23 @@ EXIT_NETWORK = 75
 EXIT_INTERRUPTED = 130
 
 INTERNAL_HINT = "internal error: rerun with --debug for a traceback and report it"
-INSTALL_HINT = "install the missing package (for s3:// URLs: pip install 'zckpt[s3]')"
+INSTALL_HINT = "install the missing package; s3:// URLs: pip install 'zckpt[s3]', hf:// URLs: pip install 'zckpt[hub]'"
+#: a missing package (ImportError.name, its top level) -> the install line of the extra that brings it
+_EXTRAS = {"torch": "torch", "s3fs": "s3", "boto3": "s3", "botocore": "s3", "aiobotocore": "s3",
+           "huggingface_hub": "hub"}
+
+
+def install_hint(exc: BaseException) -> str:
+    """The install line for the package whose import failed in ``exc`` (its chain is walked): the zckpt extra that
+    brings it, else :data:`INSTALL_HINT`."""
+    seen = 0
+    while exc is not None and seen < 8:
+        name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+        extra = _EXTRAS.get((name or "").split(".")[0])
+        if extra:
+            return f"pip install 'zckpt[{extra}]'"
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return INSTALL_HINT
 
 #: exception type -> (exit code, next step when the exception carries none). First match (in order) wins.
 #: Hints name parameters in backquotes (```out```): shown as the command's flag (``-o``; push: ``DEST``).
@@ -174,8 +190,9 @@ def describe(exc: BaseException, output: str | None = None, name=None, command: 
         return _os_error(exc, code, default_hint, name, output)
     if isinstance(exc, ImportError):
         missing = getattr(exc, "name", None)
+        hint = install_hint(exc)
         return UserError(code, type(exc).__name__, _finish(f"missing package {missing or ''}: {_one_line(exc)}",
-                                                           default_hint), None, default_hint)
+                                                           hint), None, hint)
     text = _one_line(f"{type(exc).__name__}: {exc}")
     return UserError(code, type(exc).__name__, f"internal error: {text} (rerun with --debug for a traceback and "
                                                f"report it)", None, INTERNAL_HINT)
@@ -213,7 +230,7 @@ def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
     # StorageError wraps a backend failure: a missing package or an unknown scheme is not a server problem
     cause = exc.__cause__
     if isinstance(exc, StorageError) and isinstance(cause, ImportError) and not exc.hint:
-        hint = INSTALL_HINT
+        hint = install_hint(cause)
     message = _one_line(names_rendered(exc.message, name))
     if exc.param:
         message = f"{name(exc.param)}: {message}"

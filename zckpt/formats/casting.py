@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from zckpt.errors import require_torch
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -76,7 +78,8 @@ def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
     if src == dst:
         return raw
     if use_torch or _has_nan(raw, src) or not ({src, dst} <= {"float32", "bfloat16", "float16"}):
-        import torch
+        what = "a chunk holding NaN" if not use_torch and {src, dst} <= {"float32", "bfloat16", "float16"} else "it"
+        torch = require_torch(f"casting {src} to {dst} ({what}: torch's own kernels decide those bits)")
         t = torch.from_numpy(raw).view(getattr(torch, src)).to(getattr(torch, dst))
         return t.view(torch.uint8).numpy()
     if src == "bfloat16" and dst == "float32":

@@ -189,7 +189,9 @@ def launched() -> Iterator[Group | None]:
         return
     import datetime
 
-    import torch.distributed as dist
+    dist = errors.require_torch(f"a run of {env['world_size']} tasks under {env['launcher']} (this is task "
+                                f"{env['rank']}; the tasks coordinate through torch.distributed)", "torch.distributed",
+                                also="or run one task, or set ZCKPT_DISTRIBUTED=0")
     owned = not dist.is_initialized()
     if owned:
         os.environ.setdefault("MASTER_PORT", "29500")

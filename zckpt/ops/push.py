@@ -553,6 +553,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
         if d == src or d.startswith(src + os.sep) or src.startswith(d + os.sep):
             raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest",
                                   hint="choose a `dest` outside `src`")
+    if isinstance(target, FsDestination) and storage.is_url(target.url):
+        storage.get_fs(target.url, storage_options)  # a missing backend (s3fs): said once, before any checkpoint
     checkpoints, roots = find_checkpoints(src)
     if only is not None:
         wanted = {os.path.normpath(n) for n in only}
@@ -701,13 +703,18 @@ def push_every(src: str, dest, interval: float, *, cancel: threading.Event | Non
             if cancel.is_set():
                 break
         except (ZckptError, OSError) as exc:
-            if on_error is None:
+            if on_error is None or _missing_package(exc):  # no later run can succeed: said once, the loop ends
                 raise
             on_error(exc)
         try:
             cancel.wait(max(0.0, began + interval - time.monotonic()))
         except KeyboardInterrupt:
             return  # stopped between runs: nothing was abandoned
+
+
+def _missing_package(exc: BaseException) -> bool:
+    """Whether ``exc`` is a package that is not installed (a DEST backend: s3fs, huggingface_hub)."""
+    return isinstance(exc, ImportError) or isinstance(exc.__cause__, ImportError)
 
 
 class Pusher:
