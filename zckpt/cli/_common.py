@@ -200,8 +200,31 @@ def global_options(expose: bool = True):
     return decorate
 
 
-tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
-                          help="Tag folder to read (default: the one named in 'latest').")
+_tag = click.option("--tag", "-t", default=None, metavar="TAG",
+                    help="Tag folder to read (default: the one named in 'latest').")
+_latest = click.option("--latest", is_flag=True,
+                       help="PATH is a training output folder (or DeepSpeed save folder): read its newest complete "
+                            "checkpoint by step, never an incomplete one; one line says which.")
+
+
+def tag_option(f):
+    """``--tag`` and ``--latest`` of a command reading one checkpoint at ``path``. With ``--latest``, ``path`` is
+    replaced by the newest complete checkpoint under it (:func:`zckpt.ops.latest.newest_complete`) before the
+    command runs, and one line on stderr says which (not with -q, nor on ranks other than 0 of a launcher)."""
+    @functools.wraps(f)
+    def command(*args, latest=False, **kwargs):
+        if latest:
+            from zckpt.errors import InvalidArgument
+            from zckpt.ops.latest import newest_complete
+            if kwargs.get("tag") is not None:
+                raise InvalidArgument("--latest and --tag do not go together (--latest picks a checkpoint, --tag a "
+                                      "tag inside one)", hint="pass the checkpoint with --tag, or --latest alone")
+            choice = newest_complete(expand_home(kwargs["path"]))
+            kwargs["path"] = choice.path
+            if not kwargs.get("quiet") and os.environ.get("RANK", "0") == "0":
+                click.echo(f"zckpt: {choice.line()}", err=True)
+        return f(*args, **kwargs)
+    return _tag(_latest(command))
 
 
 def output_options(kind: str, plan: str):

@@ -223,8 +223,12 @@ def _usage(exc: click.UsageError, code: int, hint: str, name) -> UserError:
 
 def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
     path = user_path(exc.path)
-    own_hint = names_rendered(exc.hint, name) if exc.hint else ""
-    if type(exc).default_hint and exc.hint == type(exc).default_hint and default_hint:
+    raw_hint = exc.hint
+    if raw_hint and "earlier tag" in raw_hint:  # a checkpoint-N's earlier state is the checkpoint next to it
+        from zckpt.ops.latest import with_earlier_checkpoint
+        raw_hint = with_earlier_checkpoint(raw_hint, exc.path)
+    own_hint = names_rendered(raw_hint, name) if raw_hint else ""
+    if type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint:
         own_hint = default_hint  # the table's wording for the CLI
     hint = own_hint or default_hint
     # StorageError wraps a backend failure: a missing package or an unknown scheme is not a server problem

@@ -32,12 +32,17 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     from zckpt.ops.verify import verify as run
     from zckpt.units import format_size
 
+    from zckpt.ops.latest import with_earlier_checkpoint
+
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
+    for c in report.checks:  # a checkpoint-N's earlier state is the checkpoint next to it, not another tag
+        if not c.ok and c.hint:
+            c.advice = with_earlier_checkpoint(c.hint, path)
+    flags = command_names(click.get_current_context().command)
     if as_json:
-        emit_json(report.to_json())
+        emit_json(report.to_json(flags))
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
-        flags = command_names(click.get_current_context().command)
         for c in report.checks:
             if not (quiet and c.ok):
                 hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""

@@ -182,7 +182,7 @@ def layout_safetensors(shard: ShardPlan) -> None:
     header, pos = {}, 0
     for t in shard.tensors:
         if t.dtype not in ST_DTYPES:
-            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use `fmt` pt")
+            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use `fmt`=pt")
         header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     header["__metadata__"] = {"format": "pt"}

@@ -652,8 +652,8 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
     if bf16_optimizer is None:
         bf16_optimizer = ckpt.flavour == "bf16_optimizer" and stage == 1
     if bf16_optimizer and (stage != 1 or ckpt.precision != "bf16"):
-        raise InvalidArgument("the BF16 optimizer needs `stage` 1 and a bf16 checkpoint", param="bf16_optimizer",
-                              hint="drop `bf16_optimizer`, or use `stage` 1 on a bf16 checkpoint")
+        raise InvalidArgument("the BF16 optimizer needs `stage`=1 and a bf16 checkpoint", param="bf16_optimizer",
+                              hint="drop `bf16_optimizer`, or use `stage`=1 on a bf16 checkpoint")
     zcfg = ckpt.ds_config.get("zero_optimization") or {}
     if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",

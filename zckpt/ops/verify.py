@@ -30,7 +30,7 @@ from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import (
-    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered,
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered, python_name,
 )
 from zckpt.formats import legacy
 from zckpt.formats.safeload import LazyTensor, legacy_layout
@@ -66,11 +66,12 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    advice: str = ""  # what to do, from a caller that knows more (the CLI: the checkpoint next to a checkpoint-N)
 
     @property
     def hint(self) -> str:
         """What to do about a failed check ("" when it passed)."""
-        return "" if self.ok else NEXT_STEPS.get(self.name, "")
+        return "" if self.ok else (self.advice or NEXT_STEPS.get(self.name, ""))
 
     def __repr__(self) -> str:
         return f"<Check {'ok' if self.ok else 'BAD'} {self.name}: {self.detail[:80]}>"
@@ -96,10 +97,11 @@ class VerifyReport:
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
-    def to_json(self) -> dict:
+    def to_json(self, name=None) -> dict:
+        """``name``: parameter -> how the caller names it (the CLI: its flags); by default as Python passes it."""
         return {"path": self.path, "tag": self.tag, "ok": self.ok, "bytes_read": self.bytes_read,
                 "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
-                            "hint": names_rendered(c.hint) or None} for c in self.checks]}
+                            "hint": names_rendered(c.hint, name or python_name) or None} for c in self.checks]}
 
 
 def verify(path: str, tag: str | None = None, deep: bool = False,
