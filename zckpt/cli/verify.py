@@ -11,6 +11,7 @@ from zckpt.cli._common import Progress, emit_json, global_options, storage_optio
 Examples:
   zckpt verify checkpoint-400
   zckpt verify checkpoint-400 --deep          # also read every byte (CRC of every entry)
+  zckpt verify outputs/ --latest              # the newest complete checkpoint of a training run
   zckpt verify s3://bucket/run1/checkpoint-400 --json""")
 @click.argument("path")
 @tag_option
