@@ -1,0 +1,60 @@
+"""What a new user meets first (issue 32): the guides in the terminal, one exit-status table everywhere, errors
+that name their path, and words that say what they mean."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def _run_in_terminal(args, env) -> str:
+    """Run ``args`` with stdin and stdout on a pseudo-terminal; what it wrote there."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 30)
+        if not ready:
+            break
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    proc.wait(timeout=60)
+    os.close(master)
+    return out.decode("utf-8", "replace").replace("\r\n", "\n")
+
+
+def test_help_guide_uses_a_pager_on_a_terminal(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PAGER="sed s/^/PAGED:/", TERM="xterm")
+    out = _run_in_terminal([sys.executable, "-m", "zckpt", "help", "guide"], env)
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines and all(line.startswith("PAGED:") for line in lines), out[:500]
+    assert len(lines) > 100
+    # piped: the text as it is, no pager
+    res = subprocess.run([sys.executable, "-m", "zckpt", "help", "guide"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout == (ROOT / "docs" / "guide.md").read_text()
+
+
+def test_help_lists_user_guides_only():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", "zckpt", "help"], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    topics = [line.split()[0] for line in res.stdout.splitlines() if line.strip() and not line.startswith("(")]
+    assert "guide" in topics and "gpu-validation" not in topics, topics
+    assert not re.search(r"\bissue \d+", res.stdout), res.stdout  # internal notes are not user guides
+    for doc in (ROOT / "docs").glob("*.md"):
+        assert not re.search(r"\(issue \d+", doc.read_text()), doc.name
