@@ -58,3 +58,39 @@ def test_help_lists_user_guides_only():
     assert not re.search(r"\bissue \d+", res.stdout), res.stdout  # internal notes are not user guides
     for doc in (ROOT / "docs").glob("*.md"):
         assert not re.search(r"\(issue \d+", doc.read_text()), doc.name
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.replace("`", "").split())
+
+
+def test_one_exit_status_table_everywhere():
+    """zckpt/cli/_errors.py (its table and docstring), docs/guide.md, README.md and zckpt --help say the same
+    statuses in the same words, and the one Ctrl-C that is not 130 (push --every between runs)."""
+    from zckpt.cli import _errors
+    codes = [c for c, _ in _errors.EXIT_STATUSES]
+    assert sorted({c for _, c, _ in _errors.ERROR_TABLE} | {_errors.EXIT_OK}) == sorted(codes)
+    doc = _errors.__doc__
+    table = doc[doc.index("===="):doc.rindex("====")]
+    assert [int(m) for m in re.findall(r"^(\d+) {2,}", table, re.M)] == codes, table
+    assert _errors.STOPPED_BETWEEN_RUNS in _flat(table)
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    rows = guide[guide.index("| status | kind of mistake |"):].split("\n\n")[0]
+    assert [int(m) for m in re.findall(r"^\| (\d+) \|", rows, re.M)] == codes, rows
+    assert _errors.STOPPED_BETWEEN_RUNS in _flat(rows)
+
+    readme = _flat((ROOT / "README.md").read_text())
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    helptext = _flat(subprocess.run([sys.executable, "-m", "zckpt", "--help"], capture_output=True, text=True,
+                                    env=env).stdout)
+    for where, text in (("README.md", readme), ("zckpt --help", helptext), ("docs/cli.md",
+                                                                           _flat((ROOT / "docs/cli.md").read_text()))):
+        said = text[text.index("exit status"  if where == "README.md" else "Exit status:"):][:400]
+        listed = ", ".join(f"{c} {words}" for c, words in _errors.EXIT_STATUSES)
+        assert all(f"{c} {words}" in said for c, words in _errors.EXIT_STATUSES), (where, said, listed)
+        assert _errors.STOPPED_BETWEEN_RUNS in said, (where, said)
+    # --json's error object: the non-zero statuses
+    schema = (ROOT / "docs" / "json.md").read_text()
+    assert re.search(r'"exit_code": \{"type": "integer", "enum": \[1, 2, 75, 130\]\}', schema)
+    assert codes[1:] == [1, 2, 75, 130]

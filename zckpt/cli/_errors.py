@@ -6,7 +6,8 @@ printed as one object (:meth:`UserError.to_json`). No torch here.
 Exit status, by kind of mistake (the same in every command; docs/guide.md has this table too):
 
 ====  ===============================================================================================
-0     success (also when Ctrl-C comes after the result was published: it is reported as published)
+0     success (also when Ctrl-C comes after the result was published: it is reported as published);
+      push --every stopped by Ctrl-C between runs exits 0 ("zckpt: stopped"; during an upload: 130)
 1     the command line was read, but zckpt refused it or the work failed: a value its option does not
       take (``--world-size 0``, ``--dtype fp8``, ``--max-shard-size banana``, ``--every soon``,
       ``--storage-option novalue``), options that do not go together, a missing, incomplete or damaged
@@ -17,7 +18,8 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       (connection refused, host name not resolved, no route, connect timeout), throttling, HTTP 5xx, a
       dropped or stalled connection; nothing is wrong with the command: run it again later
       (75 is ``EX_TEMPFAIL`` of sysexits.h, "temporary failure, retry later", for cron jobs and schedulers)
-130   interrupted (Ctrl-C or SIGTERM), at any moment: one line, no traceback (``--json``: also the error object)
+130   interrupted (Ctrl-C or SIGTERM) while a command works: one line, no traceback (``--json``: also the error
+      object)
 ====  ===============================================================================================
 
 Parameters are named as the user typed them: a library error's ``param`` (``max_shard_size``) and backquoted
@@ -47,6 +49,13 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NETWORK = 75
 EXIT_INTERRUPTED = 130
+
+#: each status in a few words, as ``zckpt --help``, README.md and docs/guide.md say them (tests/test_newcomer.py
+#: compares them with this table and the one above)
+EXIT_STATUSES = ((EXIT_OK, "done"), (EXIT_ERROR, "refused or failed"), (EXIT_USAGE, "command line unreadable"),
+                 (EXIT_NETWORK, "network or server fault after the retries"), (EXIT_INTERRUPTED, "interrupted"))
+#: the one Ctrl-C that is not 130, said in each of them
+STOPPED_BETWEEN_RUNS = "push --every stopped by Ctrl-C between runs exits 0"
 
 INTERNAL_HINT = "internal error: rerun with --debug for a traceback and report it"
 INSTALL_HINT = "install the missing package; s3:// URLs: pip install 'zckpt[s3]', hf:// URLs: pip install 'zckpt[hub]'"
