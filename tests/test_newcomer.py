@@ -94,3 +94,15 @@ def test_one_exit_status_table_everywhere():
     schema = (ROOT / "docs" / "json.md").read_text()
     assert re.search(r'"exit_code": \{"type": "integer", "enum": \[1, 2, 75, 130\]\}', schema)
     assert codes[1:] == [1, 2, 75, 130]
+
+
+def test_every_cited_doc_exists():
+    """Each ``docs/NAME.md`` that the code, the docs or the fixtures cite is in the repository (no citations of
+    notes that never shipped, like a docs/deepspeed-format.md with sections 2.1-2.4)."""
+    cited = {}
+    for path in [*ROOT.glob("zckpt/**/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("fixtures/*.py"),
+                 *ROOT.glob("fixtures/*.md"), *ROOT.glob("benchmarks/*.md"), *ROOT.glob("benchmarks/*.py")]:
+        for name in re.findall(r"\bdocs/([\w.-]+\.md)\b", path.read_text(encoding="utf-8", errors="replace")):
+            cited.setdefault(name, path.relative_to(ROOT).as_posix())
+    missing = {name: where for name, where in cited.items() if not (ROOT / "docs" / name).is_file()}
+    assert cited and not missing, missing
