@@ -106,3 +106,34 @@ def test_every_cited_doc_exists():
             cited.setdefault(name, path.relative_to(ROOT).as_posix())
     missing = {name: where for name, where in cited.items() if not (ROOT / "docs" / name).is_file()}
     assert cited and not missing, missing
+
+
+def _zckpt(cwd, *args):
+    return subprocess.run([sys.executable, "-m", "zckpt", *args], capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, ZCKPT_DEBUG="", PYTHONPATH=str(ROOT)), timeout=300)
+
+
+def test_verify_dcp_and_convert_outputs_say_what_they_are(tmp_path):
+    """verify --deep of a DCP folder: one check per name (the .distcp items, then the other files); a
+    convert --to deepspeed output is called a convert output, and --overwrite replaces it."""
+    import json
+
+    from tests.conftest import FIXTURES, checkpoint_path
+    for layout in ("trainer", "dcp"):
+        res = _zckpt(tmp_path, "convert", str(checkpoint_path(FIXTURES / "trainer")), "--to", "dcp", "--layout",
+                     layout, "-o", f"dcp-{layout}", "-q")
+        assert res.returncode == 0, res.stderr
+        res = _zckpt(tmp_path, "verify", f"dcp-{layout}", "--deep", "--json")
+        assert res.returncode == 0, res.stderr
+        names = [c["name"] for c in json.loads(res.stdout)["checks"]]
+        assert len(names) == len(set(names)) and "CRC of every item" in names, names
+        other = [c for c in json.loads(res.stdout)["checks"] if c["name"] == "CRC of the other files"]
+        assert all("besides the .distcp items" in c["detail"] for c in other), other
+    args = ["convert", "dcp-trainer", "--to", "deepspeed", "--world-size", "2", "--stage", "2", "--dtype", "bf16",
+            "--buffers", "", "-o", "ds", "-q"]
+    assert _zckpt(tmp_path, *args).returncode == 0
+    assert json.loads((tmp_path / "ds" / ".zckpt.json").read_text())["kind"] == "convert"
+    res = _zckpt(tmp_path, "verify", "ds")
+    assert "zckpt convert output, committed" in res.stdout and "reshard output" not in res.stdout, res.stdout
+    res = _zckpt(tmp_path, *args, "--overwrite")
+    assert res.returncode == 0, res.stderr

@@ -930,11 +930,11 @@ def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
 
 # ---------------------------------------------------------------------------------------------- execute
 
-def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None:
+def _check_out(out: str, overwrite: bool, source: publish.Source | None, kind: str = "reshard") -> None:
     if storage.is_url(out):
-        raise InvalidArgument("reshard writes to a local folder", path=out,
-                              hint="reshard locally, then `zckpt push` the result")
-    publish.check_output(out, "reshard", source, overwrite)
+        raise InvalidArgument(f"{kind} writes to a local folder", path=out,
+                              hint=f"{kind} locally, then `zckpt push` the result")
+    publish.check_output(out, kind, source, overwrite)
 
 
 def _copy_file(src: str, dst: str, storage_options: dict | None = None) -> int:
@@ -950,9 +950,10 @@ def _copy_file(src: str, dst: str, storage_options: dict | None = None) -> int:
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None,
-            storage_options: dict | None = None) -> dict:
+            storage_options: dict | None = None, kind: str = "reshard") -> dict:
     """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
-    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
+    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt output of ``kind`` (the
+    command that made it, in the marker: "reshard", or "convert" for ``zckpt convert --to deepspeed``).
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
@@ -961,7 +962,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
     if any(f.kind not in ("torch", "copy") for f in plan.files):
         raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
                               hint="plan with plan_reshard")
-    _check_out(out, overwrite, source)
+    _check_out(out, overwrite, source, kind)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
 
@@ -972,7 +973,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
 
     worker, maps = executor.Worker(storage_options=storage_options), torchzip.SourceMaps()
     try:
-        with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
+        with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
             written = []
             with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
                 for f in plan.files:
