@@ -137,3 +137,33 @@ def test_verify_dcp_and_convert_outputs_say_what_they_are(tmp_path):
     assert "zckpt convert output, committed" in res.stdout and "reshard output" not in res.stdout, res.stdout
     res = _zckpt(tmp_path, *args, "--overwrite")
     assert res.returncode == 0, res.stderr
+
+
+def test_a_full_disk_under_a_launcher_names_the_output(tmp_path):
+    """A rank's OSError (ENOSPC while writing the output) reaches every rank as that OSError, so the one error
+    table names the output and says the disk is full (it was "zckpt: error: OSError: [Errno 28] No space left on
+    device": no path, no hint). Through a real gloo group of one process; the CLI's rendering of the result."""
+    code = """
+import errno, socket, sys
+import torch.distributed as dist
+from zckpt.ops.distributed import agree
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+try:
+    agree(OSError(errno.ENOSPC, "No space left on device"))
+except BaseException as e:
+    from zckpt.cli._errors import describe
+    print(type(e).__name__, e.errno, describe(e, output=sys.argv[1]).message)
+try:
+    agree(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x/y"))
+except BaseException as e:
+    print(type(e).__name__, e.filename)
+dist.destroy_process_group()
+"""
+    res = subprocess.run([sys.executable, "-c", code, "out/model"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.splitlines()
+    assert first == ("OSError 28 out/model: cannot write the output here: No space left on device (the disk is "
+                     "full; free space or choose another -o)"), first
+    assert second == "FileNotFoundError /x/y", second
