@@ -167,3 +167,21 @@ dist.destroy_process_group()
     assert first == ("OSError 28 out/model: cannot write the output here: No space left on device (the disk is "
                      "full; free space or choose another -o)"), first
     assert second == "FileNotFoundError /x/y", second
+
+
+def test_progress_bar_sizes_are_the_summary_sizes():
+    """The bar says 254.6 MiB where the summary does (it said tqdm's 267M next to a summary's 254.7 MiB)."""
+    import io
+    import time
+
+    from zckpt.cli._common import byte_bar
+    from zckpt.units import format_size
+    out = io.StringIO()
+    bar = byte_bar(280_000_000, "merge", out)
+    time.sleep(0.25)
+    bar.update(267_000_000)
+    bar.refresh()
+    bar.close()
+    frame = out.getvalue().split("\r")[-2] if out.getvalue().endswith("\r") else out.getvalue().split("\r")[-1]
+    assert f"{format_size(267_000_000)}/{format_size(280_000_000)}" in out.getvalue(), out.getvalue()
+    assert "267M" not in out.getvalue() and "MiB/s" in out.getvalue(), frame
