@@ -28,9 +28,11 @@ class ZckptError(Exception):
         super().__init__(message)
 
     def render(self, name=None) -> str:
-        """The one-line text, with each parameter shown as ``name(param)``: by default as a Python caller passes it
-        (``tag=...``, ``overwrite=True``: :func:`python_name`); the CLI passes its flag lookup."""
-        message = names_rendered(self.message, name or python_name)
+        """The one-line text, with each parameter shown as ``name(param)``; the CLI passes its flag lookup. By
+        default the message names the Python keyword (``tag global_step9: no such tag folder``) and the hint says
+        it as a Python caller passes it (``use an earlier tag with tag=...``, ``pass overwrite=True``:
+        :func:`python_name`)."""
+        message = names_rendered(self.message, name or (lambda param: param))
         if self.param:
             message = f"{name(self.param) if name else self.param}: {message}"
         name = name or python_name

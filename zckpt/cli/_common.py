@@ -359,7 +359,7 @@ def byte_bar(total: int, desc: str, file):
             d = super().format_dict
             elapsed = d.get("elapsed") or 0
             d.update(done_size=format_size(d["n"]), total_size=format_size(d["total"]),
-                     speed=f"{format_size(d['n'] / elapsed)}/s" if elapsed > 0 else "? /s")
+                     speed=f"{format_size(d['n'] / elapsed)}/s" if elapsed > 0 else "? B/s")
             return d
 
     return _Bar(total=total, desc=desc, unit="B", bar_format=BAR_FORMAT, file=file, leave=False,

@@ -40,10 +40,10 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     for c in report.checks:  # a checkpoint-N's earlier state is the checkpoint next to it, not another tag
         if not c.ok and c.hint:
             c.advice = with_earlier_checkpoint(c.hint, path)
-    flags = command_names(click.get_current_context().command)
-    if as_json:
-        emit_json(report.to_json(flags))
+    if as_json:  # (the hints in the library's words, as the JSON schema says)
+        emit_json(report.to_json())
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
+        flags = command_names(click.get_current_context().command)
         for c in report.checks:
             if not (quiet and c.ok):
                 hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""

@@ -553,13 +553,20 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
         if d == src or d.startswith(src + os.sep) or src.startswith(d + os.sep):
             raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest",
                                   hint="choose a `dest` outside `src`")
-    if isinstance(target, FsDestination) and storage.is_url(target.url):
-        storage.get_fs(target.url, storage_options)  # a missing backend (s3fs): said once, before any checkpoint
     checkpoints, roots = find_checkpoints(src)
     if only is not None:
         wanted = {os.path.normpath(n) for n in only}
         checkpoints = [c for c in checkpoints if os.path.normpath(c.name or ".") in wanted]
     result = PushResult(src, str(target), dry_run=dry_run)
+    if isinstance(target, FsDestination) and storage.is_url(target.url):
+        try:  # a missing backend (s3fs) or an unknown scheme: no checkpoint can get there; said once, for DEST
+            storage.get_fs(target.url, storage_options)
+        except StorageError as exc:
+            result.checkpoints = [CheckpointResult(c.name, "skipped", c.reason, c.step) if c.kind == "skip" else
+                                  CheckpointResult(c.name, "failed", str(exc), c.step, target.url_of(c.name), error=exc)
+                                  for c in checkpoints]
+            exc.push_result = result
+            raise
     hashes = HashCache(hash_cache if isinstance(hash_cache, str) else None, enabled=bool(hash_cache))
     cancel = cancel or threading.Event()
     first_error: BaseException | None = None
