@@ -280,3 +280,17 @@ def test_push_missing_backend_is_said_once(bare, tmp_path):
         (line,) = res.stderr.splitlines()
         assert line == ("zckpt: error: s3://bucket/run1: no backend for s3:// is installed "
                         "(pip install 'zckpt[s3]')"), (mode, line)
+
+
+def test_make_setup_installs_the_tested_torch_then_every_extra():
+    """``make demo`` / ``make test`` (the README's two commands): torch 2.13.0 first (the CPU wheel from this
+    machine's index, or TORCH_INDEX's), then zckpt with the extras the suite needs, all of which pyproject has."""
+    import tomllib
+    recipe = (ROOT / "Makefile").read_text()
+    torch_at = recipe.index("pip install -q torch==2.13.0 $(TORCH_INDEX)")
+    extras_at = recipe.index("pip install -q -e '.[torch,s3,hub,test]'")
+    assert torch_at < extras_at
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"torch", "s3", "hub", "test"} <= set(extras)
+    readme = (ROOT / "README.md").read_text()
+    assert "https://download.pytorch.org/whl/cpu" in readme and "pip install 'zckpt[torch]'" in readme
