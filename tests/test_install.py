@@ -294,3 +294,25 @@ def test_make_setup_installs_the_tested_torch_then_every_extra():
     assert {"torch", "s3", "hub", "test"} <= set(extras)
     readme = (ROOT / "README.md").read_text()
     assert "https://download.pytorch.org/whl/cpu" in readme and "pip install 'zckpt[torch]'" in readme
+
+
+def test_documented_examples_without_torch(bare, tmp_path, monkeypatch):
+    """Every ``zckpt ...`` example of README.md and docs/ that tests/test_docs_examples.py runs, run as written by
+    the console script of the torch-free install (each in a fresh copy of the same workspace)."""
+    from tests import test_docs_examples as docs
+    (tmp_path / "template").mkdir()
+    template = docs.workspace.__wrapped__(tmp_path / "template", monkeypatch)  # the names the docs use
+    failed, ran, seen = [], 0, set()
+    for i, (where, command) in enumerate(docs.EXAMPLES):
+        if docs.skip_reason(command) or command in seen:  # (the same line in two docs: run once)
+            continue
+        seen.add(command)
+        ws = tmp_path / f"ws{i}"
+        shutil.copytree(template, ws, symlinks=True)
+        args = docs._args(command, ws)
+        res = _run(bare, "zckpt", *args, cwd=ws)
+        ran += 1
+        if res.returncode != 0 or "Traceback" in res.stderr:
+            failed.append(f"{where}: zckpt {' '.join(args)}: {res.stderr.strip()[-300:]}")
+        shutil.rmtree(ws)
+    assert ran >= 25 and not failed, "\n".join(failed)
