@@ -302,17 +302,21 @@ def test_documented_examples_without_torch(bare, tmp_path, monkeypatch):
     from tests import test_docs_examples as docs
     (tmp_path / "template").mkdir()
     template = docs.workspace.__wrapped__(tmp_path / "template", monkeypatch)  # the names the docs use
-    failed, ran, seen = [], 0, set()
-    for i, (where, command) in enumerate(docs.EXAMPLES):
-        if docs.skip_reason(command) or command in seen:  # (the same line in two docs: run once)
-            continue
-        seen.add(command)
+    runnable = list(dict.fromkeys(c for _, c in docs.EXAMPLES if not docs.skip_reason(c)))  # (a line in two docs:
+    where = {c: w for w, c in reversed(docs.EXAMPLES)}                                     # run once)
+
+    def run(i: int, command: str) -> str | None:
         ws = tmp_path / f"ws{i}"
         shutil.copytree(template, ws, symlinks=True)
         args = docs._args(command, ws)
         res = _run(bare, "zckpt", *args, cwd=ws)
-        ran += 1
-        if res.returncode != 0 or "Traceback" in res.stderr:
-            failed.append(f"{where}: zckpt {' '.join(args)}: {res.stderr.strip()[-300:]}")
         shutil.rmtree(ws)
+        if res.returncode != 0 or "Traceback" in res.stderr:
+            return f"{where[command]}: zckpt {' '.join(args)}: {res.stderr.strip()[-300:]}"
+        return None
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(4) as pool:  # (subprocesses: the examples are independent, each in its own copy)
+        failed = [f for f in pool.map(run, range(len(runnable)), runnable) if f]
+    ran = len(runnable)
     assert ran >= 25 and not failed, "\n".join(failed)
