@@ -56,9 +56,8 @@ def newest_complete(src: str) -> Choice:
     checkpoints, _ = scan.find_checkpoints(src)
     candidates = sorted((c for c in checkpoints if c.kind != "skip"), key=_key, reverse=True)
     if not candidates:
-        raise CheckpointNotFound("--latest: no checkpoint in this folder (no checkpoint-N, tag folder or rank "
-                                      "files)", path=shown, hint="pass a training output folder or a DeepSpeed save "
-                                                               "folder")
+        raise CheckpointNotFound("--latest: no checkpoint in this folder (no checkpoint-N, tag folder or rank files)",
+                                 path=shown, hint="pass a training output folder or a DeepSpeed save folder")
     passed: list[tuple[str, str]] = []
     for c in candidates:
         ok, reason = scan.check_complete(c.path)
@@ -67,8 +66,8 @@ def newest_complete(src: str) -> Choice:
         passed.append((c.name or os.path.basename(c.path), reason))
     first, reason = passed[0]
     raise IncompleteCheckpoint(f"--latest: no complete checkpoint here ({len(passed)} found); the newest, {first}: "
-                               f"{reason}", path=shown, hint="wait for the save to finish; zckpt verify says what "
-                                                             "is missing")
+                               f"{reason}", path=shown,
+                               hint="wait for the save to finish; zckpt verify says what is missing")
 
 
 _TRAINER_PART = re.compile(r"^checkpoint-(\d+)$")
