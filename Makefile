@@ -9,11 +9,15 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# torch first: a bare "torch" requirement would pull a multi-GB CUDA build
+# torch first, the tested version (this machine's package index serves its CPU wheel; elsewhere add
+# --index-url https://download.pytorch.org/whl/cpu, or pip brings a multi-GB CUDA build); then zckpt with every
+# extra the suite needs (torch, s3, hub, test). zckpt itself needs none of them: pip install zckpt is the small core
+# (make setup TORCH_INDEX='--index-url https://download.pytorch.org/whl/cpu')
+TORCH_INDEX ?=
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_INDEX)
 	@# PYTHONWARNINGS: without it setuptools prints a notice box about editable installs
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[test,s3]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[torch,s3,hub,test]'
 	touch $@
 
 setup: $(VENV)/.installed

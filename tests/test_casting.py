@@ -51,3 +51,23 @@ def test_pure_bf16_upcast_is_torch_on_every_pattern():
     every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8)
     out = np.frombuffer(upcast_bf16_pure(memoryview(every.tobytes())), dtype=np.uint8)
     assert np.array_equal(out, _torch(every, "bfloat16", "float32"))
+
+
+@pytest.mark.parametrize("src", ["int64", "int32", "int16", "int8", "uint8", "bool"])
+@pytest.mark.parametrize("dst", ["float32", "float64"])
+def test_integers_to_floats_match_torch_without_torch(src, dst, monkeypatch):
+    """Integers (a step count, an index buffer: reshard --format universal writes them as fp32) are cast by numpy
+    exactly as torch does, round to nearest even past 2**24 / 2**53 included; torch is not needed for it."""
+    import sys
+    rng = np.random.default_rng(0)
+    if src == "bool":
+        a = rng.integers(0, 2, 4096).astype(bool)
+    elif src == "int64":
+        a = np.concatenate([rng.integers(-2**63, 2**63 - 1, 4096, dtype=np.int64),
+                            np.array([2**24 + 1, 2**24 + 3, 2**53 + 1, -(2**63), 2**63 - 1], dtype=np.int64)])
+    else:
+        info = np.iinfo(src)
+        a = rng.integers(info.min, info.max, 4096, dtype=src, endpoint=True)
+    want = torch.from_numpy(a.copy()).to(getattr(torch, dst)).numpy().view(np.uint8).tobytes()
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would fail here
+    assert cast(a.view(np.uint8), src, dst).tobytes() == want

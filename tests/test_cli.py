@@ -819,13 +819,15 @@ def _on_a_terminal(*args, env=None):
 
 def test_progress_bars_only_on_a_terminal_in_zckpts_units(tmp_path):
     import re
+
+    from zckpt.units import format_size
     from tests.test_push import write_trainer_checkpoint
     ck = str(checkpoint_path(FIXTURE_DIRS[0]))
     total = json.loads(invoke("info", ck, "--json").stdout)["checkpoint_bytes"]  # verify --deep reads every file
     code, out, tty = _on_a_terminal("verify", ck, "--deep")
     assert code == 0 and "complete and consistent" in out, (out, tty)
-    totals = set(re.findall(r"/([0-9.]+)k \[", tty))
-    assert totals == {f"{total / 1000:.1f}"}, (totals, total, tty)  # kB = 1000 bytes, as zckpt.units says
+    totals = set(re.findall(r"/([0-9.]+ [KMG]?i?B) \[", tty))
+    assert totals == {format_size(total)}, (totals, total, tty)  # as the summaries print sizes (zckpt.units)
     # the same run with stderr redirected: no frames at all
     proc = subprocess.run([sys.executable, "-m", "zckpt", "verify", ck, "--deep"], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, ZCKPT_PROGRESS_DELAY="0"))

@@ -128,6 +128,28 @@ def test_zero0_fp32_without_names_leaves_the_moments_out(tmp_path):
     assert not (tmp_path / "dcp").exists()
 
 
+def test_zero0_unplaced_state_is_said_as_trainable_in_info():
+    """info does not call the parameters whose Adam moments cannot be placed "frozen": they are trainable (the live
+    engine's optimizer held them); said with the note, in the text and in --json (it said "0 trainable, 8
+    frozen")."""
+    fx = _need(AMBIGUOUS / "z0_fp32_ws1_swap_unnamed")
+    _, info = _oracle(fx)
+    trainable, frozen = len(info["trainable"]), len(info["frozen"])
+    assert trainable and frozen  # (7 and 1: which one is frozen, the files do not say)
+    res = _cli("info", str(checkpoint_path(fx)), "--json")
+    doc = json.loads(res.stdout)
+    assert doc["state_not_placed"] == trainable and doc["counts"]["frozen"] == trainable + frozen, doc["counts"]
+    assert any("Adam moments not read" in n for n in doc["notes"])
+    res = _cli("info", str(checkpoint_path(fx)))
+    line = next(x for x in res.stdout.splitlines() if x.startswith("parameters"))
+    assert f"{trainable + frozen} not told apart" in line and f"{trainable} trainable whose optimizer state cannot " \
+        f"be placed, {frozen} frozen" in line and "0 trainable" not in line, line
+    assert any(x.startswith("note ") and "Adam moments not read" in x for x in res.stdout.splitlines()), res.stdout
+    # a checkpoint whose state is placed: as before
+    res = _cli("info", str(checkpoint_path(FIXTURES / "z0_bf16_ws1_swap")), "--json")
+    assert json.loads(res.stdout)["state_not_placed"] is None
+
+
 # ------------------------------------------------------------------------------------------------ pipeline
 
 def test_frozen_tied_pipeline_module_refused(tmp_path):

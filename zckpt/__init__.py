@@ -72,6 +72,7 @@ from zckpt.errors import (  # noqa: E402, F401  (re-exported)
     CorruptFile,
     IncompleteCheckpoint,
     InvalidArgument,
+    MissingDependency,
     OutputExists,
     StorageError,
     UnsafePickle,
@@ -81,8 +82,8 @@ from zckpt.errors import (  # noqa: E402, F401  (re-exported)
 
 
 __all__ = sorted(list(_LAZY) + [
-    "CheckpointNotFound", "CorruptFile", "IncompleteCheckpoint", "InvalidArgument", "OutputExists", "StorageError",
-    "UnsafePickle", "UnsupportedLayout", "ZckptError", "__version__",
+    "CheckpointNotFound", "CorruptFile", "IncompleteCheckpoint", "InvalidArgument", "MissingDependency", "OutputExists",
+    "StorageError", "UnsafePickle", "UnsupportedLayout", "ZckptError", "__version__",
 ])
 
 

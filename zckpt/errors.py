@@ -28,12 +28,14 @@ class ZckptError(Exception):
         super().__init__(message)
 
     def render(self, name=None) -> str:
-        """The one-line text, with each parameter shown as ``name(param)``: by default the Python keyword; the CLI
-        passes its flag lookup."""
-        name = name or (lambda param: param)
-        message = names_rendered(self.message, name)
+        """The one-line text, with each parameter shown as ``name(param)``; the CLI passes its flag lookup. By
+        default the message names the Python keyword (``tag global_step9: no such tag folder``) and the hint says
+        it as a Python caller passes it (``use an earlier tag with tag=...``, ``pass overwrite=True``:
+        :func:`python_name`)."""
+        message = names_rendered(self.message, name or (lambda param: param))
         if self.param:
-            message = f"{name(self.param)}: {message}"
+            message = f"{name(self.param) if name else self.param}: {message}"
+        name = name or python_name
         # a message that already opens with its path (a list of missing files, say) is not prefixed again
         text = f"{self.path}: {message}" if self.path and not message.startswith(self.path) else message
         if self.hint:
@@ -48,12 +50,38 @@ class ZckptError(Exception):
         return (self.__class__, (self.message, self.path, self.hint, self.param))
 
 
-_NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`")
+#: ```tag``` names a parameter; ```tag`=global_step9`` a parameter with a value (CLI: ``--tag global_step9``;
+#: Python: ``tag='global_step9'``)
+_NAMED = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`(?:=([^\s,;()]+))?")
+
+
+def _with_value(named: str, value: str | None) -> str:
+    if value is None:
+        return named
+    if named.endswith("=..."):  # a Python keyword
+        literal = value if re.fullmatch(r"-?\d+(\.\d+)?|True|False|None", value) else repr(value)
+        return named[:-3] + literal
+    return f"{named} {value}"
+
+
+#: keyword parameters that are switches: a Python caller passes ``overwrite=True``
+_SWITCHES = {"overwrite", "strict", "exclude_frozen", "keep_tied", "dry_run", "durable", "allow_empty", "deep",
+             "bf16_optimizer", "latest"}
+
+
+def python_name(param: str) -> str:
+    """A parameter as a Python caller writes it in a hint: ``tag=...``, ``overwrite=True``. (Bare, ``tag`` would
+    read as a word of the sentence: "use an earlier tag with tag".)"""
+    if param.startswith("-") or param.isupper():  # already a flag or a placeholder
+        return param
+    return f"{param}=True" if param in _SWITCHES else f"{param}=..."
 
 
 def names_rendered(text: str, name=lambda param: param) -> str:
-    """``text`` with each backquoted parameter (```tag```) replaced by ``name(param)``."""
-    return _NAMED.sub(lambda m: name(m.group(1)), text) if "`" in text else text
+    """``text`` with each backquoted parameter (```tag```) replaced by ``name(param)``, and a parameter with a
+    value (```tag`=global_step9``) by that and the value, as ``name`` writes it (a flag and its value, or a
+    keyword argument)."""
+    return _NAMED.sub(lambda m: _with_value(name(m.group(1)), m.group(2)), text) if "`" in text else text
 
 
 class CheckpointNotFound(ZckptError, FileNotFoundError):
@@ -112,6 +140,30 @@ class EndpointUnreachable(NetworkError):
     its retries (nothing more can get there)."""
 
     default_hint = "check the endpoint and the network; run again when it answers"
+
+
+class MissingDependency(ZckptError, ImportError):
+    """An optional package this call needs is not installed: torch for the functions that return tensors
+    (``iter_tensors``, ``load_state_dict``, ``load_into_module``) and for runs under a distributed launcher
+    (torch.distributed). The hint is the install line (:data:`TORCH_INSTALL`)."""
+
+
+#: how to get torch for zckpt; the second half for machines whose default index serves CUDA builds
+TORCH_INSTALL = ("pip install 'zckpt[torch]'; a CPU-only torch: pip install torch "
+                 "--index-url https://download.pytorch.org/whl/cpu")
+
+
+def require_torch(needed_for: str, module: str = "torch", also: str = ""):
+    """``import module`` (torch or one of its submodules), or :class:`MissingDependency` saying that
+    ``needed_for`` needs torch and how to install it (``also``: another way out, after the install line).
+    zckpt's core (every command on one process) needs no torch."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if not (getattr(exc, "name", None) or "torch").split(".")[0] == "torch":
+            raise  # torch is there but something it needs is not: that message says what
+        raise MissingDependency(f"{needed_for} needs torch, which is not installed", hint=TORCH_INSTALL + (f"; {also}" if also else "")) from exc
 
 
 class PushInterrupted(ZckptError, InterruptedError):

@@ -4,8 +4,8 @@ Each command lives in its own module (``zckpt/cli/<name>.py``) and is loaded onl
 listed. Nothing here imports torch: ``zckpt --help`` answers at once.
 Errors, click's usage errors included, are mapped to one line on stderr in :func:`_report`, by the one table in
 ``_errors.py`` (a traceback only with ``--debug`` or ``ZCKPT_DEBUG=1``; with ``--json`` also one error object on
-stdout). Ctrl-C at any moment is one line and exit 130 (``_interrupts.py``); after the result was published it is
-reported as published, exit 0.
+stdout). Ctrl-C at any moment is one line and exit 130 (``_interrupts.py``; ``push --every`` between runs: 0);
+after the result was published it is reported as published, exit 0.
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ Examples:
 \b
 Guides (installed with zckpt): zckpt help [TOPIC]. Every option: zckpt COMMAND --help.
 Exit status: 0 done, 1 refused or failed, 2 command line unreadable, 75 network or server
-fault after the retries (run again later), 130 interrupted.
+fault after the retries (run again later), 130 interrupted; push --every stopped by Ctrl-C
+between runs exits 0.
 Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks.""",
 )
 @click.version_option(package_name="zckpt", prog_name="zckpt")

@@ -200,8 +200,31 @@ def global_options(expose: bool = True):
     return decorate
 
 
-tag_option = click.option("--tag", "-t", default=None, metavar="TAG",
-                          help="Tag folder to read (default: the one named in 'latest').")
+_tag = click.option("--tag", "-t", default=None, metavar="TAG",
+                    help="Tag folder to read (default: the one named in 'latest').")
+_latest = click.option("--latest", is_flag=True,
+                       help="PATH is a training output folder (or DeepSpeed save folder): read its newest complete "
+                            "checkpoint by step, never an incomplete one; one line says which.")
+
+
+def tag_option(f):
+    """``--tag`` and ``--latest`` of a command reading one checkpoint at ``path``. With ``--latest``, ``path`` is
+    replaced by the newest complete checkpoint under it (:func:`zckpt.ops.latest.newest_complete`) before the
+    command runs, and one line on stderr says which (not with -q, nor on ranks other than 0 of a launcher)."""
+    @functools.wraps(f)
+    def command(*args, latest=False, **kwargs):
+        if latest:
+            from zckpt.errors import InvalidArgument
+            from zckpt.ops.latest import newest_complete
+            if kwargs.get("tag") is not None:
+                raise InvalidArgument("--latest and --tag do not go together (--latest picks a checkpoint, --tag a "
+                                      "tag inside one)", hint="pass the checkpoint with --tag, or --latest alone")
+            choice = newest_complete(expand_home(kwargs["path"]))
+            kwargs["path"] = choice.path
+            if not kwargs.get("quiet") and os.environ.get("RANK", "0") == "0":
+                click.echo(f"zckpt: {choice.line()}", err=True)
+        return f(*args, **kwargs)
+    return _tag(_latest(command))
 
 
 def output_options(kind: str, plan: str):
@@ -319,11 +342,35 @@ def _delay() -> float:
         return 0.5
 
 
+#: a bar's text: sizes and speed as every summary prints them (``zckpt.units.format_size``: 254.7 MiB), not tqdm's
+#: own SI letters (267M)
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {done_size}/{total_size} [{elapsed}<{remaining}, {speed}]"
+
+
+def byte_bar(total: int, desc: str, file):
+    """A tqdm bar of ``total`` bytes on ``file`` whose sizes are zckpt's (:data:`BAR_FORMAT`)."""
+    from tqdm import tqdm
+
+    from zckpt.units import format_size
+
+    class _Bar(tqdm):
+        @property
+        def format_dict(self):
+            d = super().format_dict
+            elapsed = d.get("elapsed") or 0
+            d.update(done_size=format_size(d["n"]), total_size=format_size(d["total"]),
+                     speed=f"{format_size(d['n'] / elapsed)}/s" if elapsed > 0 else "? B/s")
+            return d
+
+    return _Bar(total=total, desc=desc, unit="B", bar_format=BAR_FORMAT, file=file, leave=False,
+                dynamic_ncols=True, mininterval=0.2)
+
+
 class Progress:
     """A tqdm bar of bytes on stderr, driven by a library ``progress(done, total)`` callback.
 
-    Only on a terminal (:func:`bars_wanted`); sizes in zckpt's units: kB, MB, GB are powers of 1000
-    (``zckpt.units``). The bar (and the tqdm import) only starts once the work has run for ``delay`` seconds
+    Only on a terminal (:func:`bars_wanted`); sizes as the summaries print them (binary units, one decimal:
+    ``zckpt.units.format_size``). The bar (and the tqdm import) only starts once the work has run for ``delay`` seconds
     (default 0.5, ``ZCKPT_PROGRESS_DELAY``) and has bytes left to do: short jobs and work already done print
     nothing."""
 
@@ -337,9 +384,7 @@ class Progress:
         if self.bar is None:
             if time.monotonic() - self.start < self.delay or not total or done >= total:
                 return
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1000,
-                            file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2)
+            self.bar = byte_bar(total, self.desc, sys.stderr)
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:

@@ -6,7 +6,8 @@ printed as one object (:meth:`UserError.to_json`). No torch here.
 Exit status, by kind of mistake (the same in every command; docs/guide.md has this table too):
 
 ====  ===============================================================================================
-0     success (also when Ctrl-C comes after the result was published: it is reported as published)
+0     success (also when Ctrl-C comes after the result was published: it is reported as published);
+      push --every stopped by Ctrl-C between runs exits 0 ("zckpt: stopped"; during an upload: 130)
 1     the command line was read, but zckpt refused it or the work failed: a value its option does not
       take (``--world-size 0``, ``--dtype fp8``, ``--max-shard-size banana``, ``--every soon``,
       ``--storage-option novalue``), options that do not go together, a missing, incomplete or damaged
@@ -17,7 +18,8 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       (connection refused, host name not resolved, no route, connect timeout), throttling, HTTP 5xx, a
       dropped or stalled connection; nothing is wrong with the command: run it again later
       (75 is ``EX_TEMPFAIL`` of sysexits.h, "temporary failure, retry later", for cron jobs and schedulers)
-130   interrupted (Ctrl-C or SIGTERM), at any moment: one line, no traceback (``--json``: also the error object)
+130   interrupted (Ctrl-C or SIGTERM) while a command works: one line, no traceback (``--json``: also the error
+      object)
 ====  ===============================================================================================
 
 Parameters are named as the user typed them: a library error's ``param`` (``max_shard_size``) and backquoted
@@ -48,8 +50,31 @@ EXIT_USAGE = 2
 EXIT_NETWORK = 75
 EXIT_INTERRUPTED = 130
 
+#: each status in a few words, as ``zckpt --help``, README.md and docs/guide.md say them (tests/test_newcomer.py
+#: compares them with this table and the one above)
+EXIT_STATUSES = ((EXIT_OK, "done"), (EXIT_ERROR, "refused or failed"), (EXIT_USAGE, "command line unreadable"),
+                 (EXIT_NETWORK, "network or server fault after the retries"), (EXIT_INTERRUPTED, "interrupted"))
+#: the one Ctrl-C that is not 130, said in each of them
+STOPPED_BETWEEN_RUNS = "push --every stopped by Ctrl-C between runs exits 0"
+
 INTERNAL_HINT = "internal error: rerun with --debug for a traceback and report it"
-INSTALL_HINT = "install the missing package (for s3:// URLs: pip install 'zckpt[s3]')"
+INSTALL_HINT = "install the missing package; s3:// URLs: pip install 'zckpt[s3]', hf:// URLs: pip install 'zckpt[hub]'"
+#: a missing package (ImportError.name, its top level) -> the install line of the extra that brings it
+_EXTRAS = {"torch": "torch", "s3fs": "s3", "boto3": "s3", "botocore": "s3", "aiobotocore": "s3",
+           "huggingface_hub": "hub"}
+
+
+def install_hint(exc: BaseException) -> str:
+    """The install line for the package whose import failed in ``exc`` (its chain is walked): the zckpt extra that
+    brings it, else :data:`INSTALL_HINT`."""
+    seen = 0
+    while exc is not None and seen < 8:
+        name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+        extra = _EXTRAS.get((name or "").split(".")[0])
+        if extra:
+            return f"pip install 'zckpt[{extra}]'"
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return INSTALL_HINT
 
 #: exception type -> (exit code, next step when the exception carries none). First match (in order) wins.
 #: Hints name parameters in backquotes (```out```): shown as the command's flag (``-o``; push: ``DEST``).
@@ -174,8 +199,9 @@ def describe(exc: BaseException, output: str | None = None, name=None, command: 
         return _os_error(exc, code, default_hint, name, output)
     if isinstance(exc, ImportError):
         missing = getattr(exc, "name", None)
+        hint = install_hint(exc)
         return UserError(code, type(exc).__name__, _finish(f"missing package {missing or ''}: {_one_line(exc)}",
-                                                           default_hint), None, default_hint)
+                                                           hint), None, hint)
     text = _one_line(f"{type(exc).__name__}: {exc}")
     return UserError(code, type(exc).__name__, f"internal error: {text} (rerun with --debug for a traceback and "
                                                f"report it)", None, INTERNAL_HINT)
@@ -206,14 +232,18 @@ def _usage(exc: click.UsageError, code: int, hint: str, name) -> UserError:
 
 def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
     path = user_path(exc.path)
-    own_hint = names_rendered(exc.hint, name) if exc.hint else ""
-    if type(exc).default_hint and exc.hint == type(exc).default_hint and default_hint:
+    raw_hint = exc.hint
+    if raw_hint and "earlier tag" in raw_hint:  # a checkpoint-N's earlier state is the checkpoint next to it
+        from zckpt.ops.latest import with_earlier_checkpoint
+        raw_hint = with_earlier_checkpoint(raw_hint, exc.path)
+    own_hint = names_rendered(raw_hint, name) if raw_hint else ""
+    if type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint:
         own_hint = default_hint  # the table's wording for the CLI
     hint = own_hint or default_hint
     # StorageError wraps a backend failure: a missing package or an unknown scheme is not a server problem
     cause = exc.__cause__
     if isinstance(exc, StorageError) and isinstance(cause, ImportError) and not exc.hint:
-        hint = INSTALL_HINT
+        hint = install_hint(cause)
     message = _one_line(names_rendered(exc.message, name))
     if exc.param:
         message = f"{name(exc.param)}: {message}"

@@ -16,6 +16,7 @@ Examples:
   zckpt convert checkpoint-400 --to dcp --layout dcp -o checkpoint-400-dcp/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
   zckpt convert ckpt/ --to dcp --dry-run --json
+  zckpt convert outputs/ --latest --to dcp -o latest-dcp/   # the newest complete checkpoint
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/""")
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp", "deepspeed"]), default="dcp", show_default=True,

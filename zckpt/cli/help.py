@@ -45,7 +45,8 @@ def help_command(topic, as_json, quiet):
     """Read zckpt's guides in the terminal: the user guide, the command reference, the --json schemas, push,
     reshard, estimate, layouts.
 
-    Without TOPIC, lists the topics. Every option of a command is also in zckpt COMMAND --help.
+    Without TOPIC, lists the topics. On a terminal a guide is shown through $PAGER (default: less); piped, it is
+    printed as it is. Every option of a command is also in zckpt COMMAND --help.
     """
     folder = docs_folder()
     if folder is None:
@@ -69,4 +70,8 @@ def help_command(topic, as_json, quiet):
         click.echo(f"\n(in {folder}; read one with: zckpt help TOPIC)")
         return
     with open(topics[topic], encoding="utf-8") as fh:
-        click.echo(fh.read(), nl=False)
+        text = fh.read()
+    if sys.stdout.isatty() and sys.stdin.isatty():  # a guide is hundreds of lines: $PAGER (else less) on a terminal
+        click.echo_via_pager(text)
+    else:  # a pipe or a file gets the text as it is
+        click.echo(text, nl=False)

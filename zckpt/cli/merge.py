@@ -18,6 +18,7 @@ Examples:
   zckpt merge checkpoint-400 -o s3://bucket/models/run1 --dtype bf16
   zckpt merge s3://a/ckpt-400 -o s3://b/model --storage-option profile=a --output-storage-option profile=b
   zckpt merge checkpoint-400 --dry-run --json
+  zckpt merge outputs/ --latest -o model/          # the newest complete checkpoint of a training run
   torchrun --standalone --nproc-per-node 8 -m zckpt merge checkpoint-400 -o model/   # 8 processes
   (under torchrun, srun or the deepspeed launcher the processes share the work: zckpt help distributed)""")
 @click.argument("path")

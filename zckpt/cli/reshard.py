@@ -16,6 +16,7 @@ Examples:
   zckpt reshard ckpt/ --world-size 2 --stage 1 --bf16-optimizer -o ckpt-bf16opt/
   zckpt reshard ckpt/ --world-size 8 --format universal -o ckpt-universal/
   zckpt reshard ckpt/ --world-size 4 --dry-run --json
+  zckpt reshard outputs/ --latest --world-size 2 -o resume-ws2/   # the newest complete checkpoint
   torchrun --standalone --nproc-per-node 8 -m zckpt reshard ckpt/ -w 64 -o ckpt-ws64/   # 8 processes""")
 @click.argument("path")
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(1, None), required=True,

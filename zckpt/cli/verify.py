@@ -11,6 +11,7 @@ from zckpt.cli._common import Progress, emit_json, global_options, storage_optio
 Examples:
   zckpt verify checkpoint-400
   zckpt verify checkpoint-400 --deep          # also read every byte (CRC of every entry)
+  zckpt verify outputs/ --latest              # the newest complete checkpoint of a training run
   zckpt verify s3://bucket/run1/checkpoint-400 --json""")
 @click.argument("path")
 @tag_option
@@ -32,9 +33,14 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     from zckpt.ops.verify import verify as run
     from zckpt.units import format_size
 
+    from zckpt.ops.latest import with_earlier_checkpoint
+
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)
-    if as_json:
+    for c in report.checks:  # a checkpoint-N's earlier state is the checkpoint next to it, not another tag
+        if not c.ok and c.hint:
+            c.advice = with_earlier_checkpoint(c.hint, path)
+    if as_json:  # (the hints in the library's words, as the JSON schema says)
         emit_json(report.to_json())
     elif not (quiet and report.ok):  # -q: silent on success; failures still print
         flags = command_names(click.get_current_context().command)

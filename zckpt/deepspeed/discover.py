@@ -69,7 +69,7 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
 
     if _is_tag_dir(names):
         if tag is not None and tag != os.path.basename(path.rstrip("/")):
-            raise InvalidArgument(f"`tag` {tag} given, but {path} is itself a tag folder", path=path)
+            raise InvalidArgument(f"`tag`={tag} given, but {path} is itself a tag folder", path=path)
         parent = storage.parent(path)
         loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None, storage_options=opts)
         parent_names = storage.listdir(parent, opts) if parent else []
@@ -99,12 +99,13 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
         elif tags:
             newest = max(tags, key=_tag_key)
             raise InvalidArgument(f"no 'latest' file and several tags ({', '.join(sorted(tags, key=_tag_key))})",
-                                  path=path, hint=f"choose one with `tag`, e.g. `tag` {newest}")
+                                  path=path, hint=f"choose one with `tag`, e.g. `tag`={newest}")
         else:
             ckpts = sorted((n for n in names if n.startswith("checkpoint-")), key=_tag_key)
             if ckpts:
                 raise InvalidArgument("this is a training output folder, not a checkpoint", path=path,
-                                      hint=f"pass one of its checkpoints, e.g. {storage.join(path, ckpts[-1])}")
+                                      hint=f"pass one of its checkpoints, e.g. {storage.join(path, ckpts[-1])}; "
+                                           "zckpt's --latest picks the newest complete one")
             raise CheckpointNotFound("no DeepSpeed checkpoint here (no 'latest' file and no *_states.pt files)",
                                      path=path, hint="pass a DeepSpeed save folder, a tag folder or a checkpoint-N")
     tag_dir = storage.join(path, tag)

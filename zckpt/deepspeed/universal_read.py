@@ -1,6 +1,6 @@
 """Reading DeepSpeed's universal checkpoints (``ds_to_universal``, or ``zckpt reshard --format universal``).
 
-The layout (DeepSpeed 0.19.8, ``deepspeed/checkpoint/ds_to_universal.py``; docs/deepspeed-format.md 4.3)::
+The layout (DeepSpeed 0.19.8, ``deepspeed/checkpoint/ds_to_universal.py``)::
 
     <tag>_universal/mp_rank_00_model_states.pt        stage 1/2: the source's model states (module, param_shapes,
                                                       frozen_param_fragments, buffers, client state), copied

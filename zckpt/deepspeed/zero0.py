@@ -76,7 +76,17 @@ def build(loc: Location, model_states: list[dict]) -> Checkpoint:
 
 
 class StateNotRead(str):
-    """A note saying the files hold optimizer state that cannot be placed (the checkpoint's ``state_refusal``)."""
+    """A note saying the files hold optimizer state that cannot be placed (the checkpoint's ``state_refusal``).
+    ``params``: how many parameters that state is for (trainable ones, reported among the frozen since their state
+    has no owner), or None where unknown."""
+
+    params: int | None = None
+
+    @classmethod
+    def of(cls, text: str, params: int | None) -> "StateNotRead":
+        note = cls(text)
+        note.params = params
+        return note
 
 
 def module_params(module: dict, buffer_names) -> tuple[list[tuple[str, LazyTensor]], dict[str, str]]:
@@ -401,15 +411,17 @@ def _plain(opt: dict, candidates: list, precision: str, path: str, storage_optio
         note = ("some optimizer parameters have no state (frozen params passed to the optimizer, or no step "
                 "yet): parameters are not told apart from frozen ones; values are the module weights")
         has_some = any(isinstance(s, dict) and isinstance(s.get("exp_avg"), LazyTensor) for s in state.values())
-        notes.append(StateNotRead(note) if has_some else note)  # moments that exist but are not read: a refusal
+        with_state = sum(isinstance(s, dict) and isinstance(s.get("exp_avg"), LazyTensor) for s in state.values())
+        # moments that exist but are not read: a refusal
+        notes.append(StateNotRead.of(note, with_state) if has_some else note)
         return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
                     for g, pg in enumerate(opt["param_groups"])], notes
     try:
         named = match_groups(shapes, [(n, tuple(t.shape)) for n, t in candidates], path,
                              names=_saved_names(opt["param_groups"], path))
     except UnsupportedLayout as exc:  # the weights are the module's either way; the moments cannot be placed
-        notes.append(StateNotRead(f"Adam moments not read: {exc.message}; parameters are not told apart from "
-                                  "frozen ones; values are the module weights"))
+        notes.append(StateNotRead.of(f"Adam moments not read: {exc.message}; parameters are not told apart from "
+                                     "frozen ones; values are the module weights", sum(len(p) for p in ids)))
         return {}, [GroupInfo(g, {k: v for k, v in pg.items() if k not in ("params", "param_names")}, None, [])
                     for g, pg in enumerate(opt["param_groups"])], notes
     by = dict(candidates)

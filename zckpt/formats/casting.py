@@ -13,6 +13,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from zckpt.errors import require_torch
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -55,6 +57,10 @@ def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
     return out
 
 
+#: torch's integer and bool dtype names (numpy's are the same)
+_INTEGERS = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
 def _has_nan(raw: np.ndarray, dtype: str) -> bool:
     import numpy as np
     if dtype == "float32":
@@ -75,8 +81,16 @@ def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
         raw = np.frombuffer(raw, dtype=np.uint8)
     if src == dst:
         return raw
+    if not use_torch and src in _INTEGERS and dst in ("float32", "float64"):
+        # integers (a step count, an index buffer) to fp32/fp64: C's conversion, round to nearest even, as torch's
+        # static_cast; no NaN can arise. (Not to bf16/fp16: torch goes through float there, rounding twice.)
+        ints = raw.view(np.dtype(src))
+        out = _scratch(f"int-{dst}", ints.size, np.dtype(dst))
+        np.copyto(out, ints, casting="unsafe")
+        return out.view(np.uint8)
     if use_torch or _has_nan(raw, src) or not ({src, dst} <= {"float32", "bfloat16", "float16"}):
-        import torch
+        what = "a chunk holding NaN" if not use_torch and {src, dst} <= {"float32", "bfloat16", "float16"} else "it"
+        torch = require_torch(f"casting {src} to {dst} ({what}: torch's own kernels decide those bits)")
         t = torch.from_numpy(raw).view(getattr(torch, src)).to(getattr(torch, dst))
         return t.view(torch.uint8).numpy()
     if src == "bfloat16" and dst == "float32":

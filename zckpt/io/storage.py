@@ -172,8 +172,12 @@ def get_fs(path: str | os.PathLike, storage_options: dict[str, Any] | None = Non
     try:
         fs = fsspec.filesystem(proto, **options)
     except ImportError as exc:
-        extra = {"s3": "pip install s3fs (or zckpt[s3])"}.get(proto, f"install the fsspec backend for {proto}://")
-        raise StorageError(f"no backend for {proto}:// ({exc})", path=path, hint=extra) from exc
+        extra = {"s3": "s3", "s3a": "s3", "hf": "hub"}.get(proto)
+        if extra:
+            raise StorageError(f"no backend for {proto}:// is installed", path=path,
+                               hint=f"pip install 'zckpt[{extra}]'") from exc
+        raise StorageError(f"no backend for {proto}:// ({exc})", path=path,
+                           hint=f"install the fsspec backend for {proto}://") from exc
     except ValueError as exc:
         raise StorageError(f"cannot use {proto}:// ({exc})", path=path) from exc
     return fs, fs._strip_protocol(path)

@@ -73,11 +73,15 @@ def agree(error: BaseException | None, device=None) -> None:
     world, rank = tdist.get_world_size(), tdist.get_rank()
     rows = torch.zeros((world, 1 + MESSAGE_BYTES), dtype=torch.uint8)
     if error is not None:
+        kind = type(error).__name__
         if isinstance(error, ZckptError):  # message, path and hint apart: every rank renders them as the failing one
             parts = (error.message, error.path or "", error.hint or "")
+        elif isinstance(error, OSError) and error.errno and error.strerror:  # an OSError again on every rank, so
+            kind = f"OSError:{error.errno}"  # that the one error table names the path or output (a full disk)
+            parts = (error.strerror, error.filename or "", "")
         else:
             parts = (one_line(error), "", "")
-        msg = "\x00".join((type(error).__name__, *(" ".join(str(p).split()) for p in parts))).encode()
+        msg = "\x00".join((kind, *(" ".join(str(p).split()) for p in parts))).encode()
         msg = msg[:MESSAGE_BYTES]
         rows[rank, 0] = 1
         rows[rank, 1:1 + len(msg)] = torch.frombuffer(bytearray(msg), dtype=torch.uint8)
@@ -90,10 +94,13 @@ def agree(error: BaseException | None, device=None) -> None:
         return
     raw = bytes(rows[failed[0], 1:].tolist()).rstrip(b"\x00").decode(errors="replace")
     cls_name, text, path, hint = (raw.split("\x00") + ["", "", ""])[:4]
-    cls = getattr(errors, cls_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
-        cls = ZckptError
-    err = cls(text, path=path or None, hint=hint)
+    if cls_name.startswith("OSError:") and cls_name[8:].isdigit():
+        err = OSError(int(cls_name[8:]), text, path or None)  # (FileNotFoundError for ENOENT ..., as raised)
+    else:
+        cls = getattr(errors, cls_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, ZckptError)):
+            cls = ZckptError
+        err = cls(text, path=path or None, hint=hint)
     err.ranks = failed
     if error is not None:
         raise err from error
@@ -204,7 +211,9 @@ def launched() -> Iterator[Group | None]:
         return
     import datetime
 
-    import torch.distributed as dist
+    dist = errors.require_torch(f"a run of {env['world_size']} tasks under {env['launcher']} (this is task "
+                                f"{env['rank']}; the tasks coordinate through torch.distributed)", "torch.distributed",
+                                also="or run one task, or set ZCKPT_DISTRIBUTED=0")
     owned = not dist.is_initialized()
     if owned:
         os.environ.setdefault("MASTER_PORT", "29500")

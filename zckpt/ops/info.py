@@ -122,6 +122,10 @@ def describe(ckpt: Checkpoint) -> dict:
         "ds_version": ckpt.ds_version,
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
+        # trainable parameters whose optimizer state the files do not place (ZeRO-0 masters of one shape, no names
+        # saved): counted under "frozen", which holds them (their values are the module's), said as what they are
+        "state_not_placed": getattr(ckpt.state_refusal, "params", None),
+        "notes": [str(n) for n in ckpt.notes],
     }
 
 
@@ -216,8 +220,7 @@ def render(d: dict) -> str:
         f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
         f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
-        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
-        f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {_kinds(d)}, "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
         f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
         f"skipped={d['skipped_steps']}; optimizer step "
@@ -228,9 +231,27 @@ def render(d: dict) -> str:
         f"deepspeed    {d['ds_version']}",
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
+    lines += [f"note         {note}" for note in d.get("notes") or []]
     lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
     lines += _all_files_line(d)
     return "\n".join(lines)
+
+
+def _kinds(d: dict) -> str:
+    """``13 trainable (463), 1 frozen (49)``; where the optimizer state of some trainable parameters cannot be
+    placed, those are said as such, not as frozen (:func:`describe`'s ``state_not_placed``)."""
+    c, n = d["counts"], d["numel"]
+    unplaced = d.get("state_not_placed")
+    placed = f"{c['trainable']} trainable ({n['trainable']:,})"
+    if not unplaced:
+        return f"{placed}, {c['frozen']} frozen ({n['frozen']:,})"
+    rest = c["frozen"] - unplaced
+    if rest <= 0:
+        return (f"{placed + ', ' if c['trainable'] else ''}{unplaced} trainable whose optimizer state cannot be "
+                f"placed ({n['frozen']:,}), 0 frozen")
+    return (f"{placed + ', ' if c['trainable'] else ''}{c['frozen']} not told apart ({n['frozen']:,}): {unplaced} "
+            f"trainable whose optimizer state cannot be placed, {rest} frozen")
+
 
 
 def _all_files_line(d: dict) -> list[str]:

@@ -32,7 +32,7 @@ from zckpt.engine.segments import Shaped, source_segments
 from zckpt.io import publish, storage
 from zckpt.ops import checksums
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
-from zckpt.errors import InvalidArgument
+from zckpt.errors import InvalidArgument, require_torch
 from zckpt.formats.safeload import FLOATING
 from zckpt.units import format_size
 
@@ -184,7 +184,7 @@ def layout_safetensors(shard: ShardPlan) -> None:
     header, pos = {}, 0
     for t in shard.tensors:
         if t.dtype not in ST_DTYPES:
-            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use `fmt` pt")
+            raise InvalidArgument(f"safetensors cannot store dtype {t.dtype} of '{t.name}'", hint="use `fmt`=pt")
         header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     header["__metadata__"] = {"format": "pt"}
@@ -396,8 +396,14 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
 
     Tied aliases are yielded too (as a separate tensor equal to the source) unless ``keep_tied=False``.
     ``path`` may be an opened :class:`Checkpoint` (read with its own ``storage_options``); ``storage_options``:
-    fsspec options for a URL ``path``.
+    fsspec options for a URL ``path``. Needs torch (``pip install 'zckpt[torch]'``): without it,
+    :class:`~zckpt.errors.MissingDependency` is raised here, before anything is read.
     """
+    require_torch("iter_tensors (it yields torch tensors)")
+    return _iter_tensors(path, dtype, tag, exclude_frozen, keep_tied, storage_options)
+
+
+def _iter_tensors(path, dtype, tag, exclude_frozen, keep_tied, storage_options):
     from zckpt.formats.tensors import Reader, load_pieces, torch_dtype
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
@@ -418,7 +424,8 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
 def load_state_dict(path: str, dtype: str = "fp32", tag: str | None = None, exclude_frozen: bool = False,
                     storage_options: dict | None = None) -> dict:
     """The consolidated state dict (tied aliases share one tensor, as in the model). ``storage_options``: fsspec
-    options for a URL ``path``."""
+    options for a URL ``path``. Needs torch (:class:`~zckpt.errors.MissingDependency` without it)."""
+    require_torch("load_state_dict (it returns torch tensors)")
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     sd = dict(iter_tensors(ckpt, dtype, exclude_frozen=exclude_frozen, keep_tied=False))
     for rec in ckpt.of_kind("tied"):
@@ -436,7 +443,7 @@ def load_into_module(module, path: str, tag: str | None = None, strict: bool = T
     ``strict=False`` and hides them). Values are cast to each destination tensor's dtype. ``storage_options``:
     fsspec options for a URL ``path``.
     """
-    import torch
+    torch = require_torch("load_into_module")
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     target = module.state_dict(keep_vars=True)
     names = {r.name for r in ckpt.records}

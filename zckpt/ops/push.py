@@ -589,6 +589,15 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
         wanted = {os.path.normpath(n) for n in only}
         checkpoints = [c for c in checkpoints if os.path.normpath(c.name or ".") in wanted]
     result = PushResult(src, str(target), dry_run=dry_run)
+    if isinstance(target, FsDestination) and storage.is_url(target.url):
+        try:  # a missing backend (s3fs) or an unknown scheme: no checkpoint can get there; said once, for DEST
+            storage.get_fs(target.url, storage_options)
+        except StorageError as exc:
+            result.checkpoints = [CheckpointResult(c.name, "skipped", c.reason, c.step) if c.kind == "skip" else
+                                  CheckpointResult(c.name, "failed", str(exc), c.step, target.url_of(c.name), error=exc)
+                                  for c in checkpoints]
+            exc.push_result = result
+            raise
     hashes = HashCache(hash_cache if isinstance(hash_cache, str) else None, enabled=bool(hash_cache))
     cancel = cancel or threading.Event()
     first_error: BaseException | None = None
@@ -732,13 +741,18 @@ def push_every(src: str, dest, interval: float, *, cancel: threading.Event | Non
             if cancel.is_set():
                 break
         except (ZckptError, OSError) as exc:
-            if on_error is None:
+            if on_error is None or _missing_package(exc):  # no later run can succeed: said once, the loop ends
                 raise
             on_error(exc)
         try:
             cancel.wait(max(0.0, began + interval - time.monotonic()))
         except KeyboardInterrupt:
             return  # stopped between runs: nothing was abandoned
+
+
+def _missing_package(exc: BaseException) -> bool:
+    """Whether ``exc`` is a package that is not installed (a DEST backend: s3fs, huggingface_hub)."""
+    return isinstance(exc, ImportError) or isinstance(exc.__cause__, ImportError)
 
 
 class Pusher:

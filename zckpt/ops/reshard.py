@@ -654,8 +654,8 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
     if bf16_optimizer is None:
         bf16_optimizer = ckpt.flavour == "bf16_optimizer" and stage == 1
     if bf16_optimizer and (stage != 1 or ckpt.precision != "bf16"):
-        raise InvalidArgument("the BF16 optimizer needs `stage` 1 and a bf16 checkpoint", param="bf16_optimizer",
-                              hint="drop `bf16_optimizer`, or use `stage` 1 on a bf16 checkpoint")
+        raise InvalidArgument("the BF16 optimizer needs `stage`=1 and a bf16 checkpoint", param="bf16_optimizer",
+                              hint="drop `bf16_optimizer`, or use `stage`=1 on a bf16 checkpoint")
     zcfg = ckpt.ds_config.get("zero_optimization") or {}
     if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
@@ -932,11 +932,11 @@ def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
 
 # ---------------------------------------------------------------------------------------------- execute
 
-def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None:
+def _check_out(out: str, overwrite: bool, source: publish.Source | None, kind: str = "reshard") -> None:
     if storage.is_url(out):
-        raise InvalidArgument("reshard writes to a local folder", path=out,
-                              hint="reshard locally, then `zckpt push` the result")
-    publish.check_output(out, "reshard", source, overwrite)
+        raise InvalidArgument(f"{kind} writes to a local folder", path=out,
+                              hint=f"{kind} locally, then `zckpt push` the result")
+    publish.check_output(out, kind, source, overwrite)
 
 
 def _copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
@@ -954,9 +954,10 @@ def _copy_file(src: str, dst: str, storage_options: dict | None = None, check: I
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None,
-            storage_options: dict | None = None, check: InputCheck | None = None) -> dict:
+            storage_options: dict | None = None, kind: str = "reshard", check: InputCheck | None = None) -> dict:
     """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
-    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt reshard output.
+    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt output of ``kind`` (the
+    command that made it, in the marker: "reshard", or "convert" for ``zckpt convert --to deepspeed``).
 
     As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
     fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
@@ -967,7 +968,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
     if any(f.kind not in ("torch", "copy") for f in plan.files):
         raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
                               hint="plan with plan_reshard")
-    _check_out(out, overwrite, source)
+    _check_out(out, overwrite, source, kind)
     workers = workers or min(8, os.cpu_count() or 2)
     total, done = plan.total_bytes, [0]
 
@@ -978,7 +979,7 @@ def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: 
 
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
-        with publish.Publisher(out, "reshard", source.root if source else plan.source, durable) as pub:
+        with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
             written = []
             with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
                 for f in plan.files:

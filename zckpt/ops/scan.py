@@ -267,7 +267,7 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
             found.append(LocalCheckpoint(name, path, "skip", step_of(name),
                                          f"a zckpt {sub_kind} output, not one of the checkpoints"
                                          + (f" (push it on its own: zckpt push {path} DEST)"
-                                            if sub_kind == "reshard" else "")))
+                                            if sub_kind in ("reshard", "convert") else "")))
         elif TRAINER_RE.match(name) or "trainer_state.json" in inner:  # however it is called now
             found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
         elif not save_folder and "training_args.bin" in inner and not _has_rank_files(path):

@@ -210,7 +210,7 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     if storage.is_url(out):
         raise InvalidArgument("convert writes to a local folder", path=out,
                               hint="convert locally, then `zckpt push` the result")
-    publish.check_output(out, "reshard", source, overwrite)
+    publish.check_output(out, "convert", source, overwrite)
     plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known)
     result = reshard.ReshardResult(out, plan, dry_run=dry_run)
     if dry_run:
@@ -218,7 +218,7 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     check = checksums.input_check(ckpt)
     try:
         reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
-                        storage_options=storage_options, check=check)
+                        storage_options=storage_options, kind="convert", check=check)
     finally:
         check.close()
     result.seconds = time.perf_counter() - t0

@@ -1,6 +1,6 @@
 """DeepSpeed's universal checkpoint layout, written straight from the source pieces (no temporary copy).
 
-What ``python -m deepspeed.checkpoint.ds_to_universal`` produces (0.19.8, see docs/deepspeed-format.md 4.3) and
+What ``python -m deepspeed.checkpoint.ds_to_universal`` produces (0.19.8: ``deepspeed/checkpoint/ds_to_universal.py``) and
 ``"checkpoint": {"load_universal": true}`` loads::
 
     OUT/latest_universal                          "<tag>_universal"

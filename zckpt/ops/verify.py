@@ -29,7 +29,7 @@ from zckpt.io import hashing, publish, storage
 from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import (
-    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered,
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered, python_name,
 )
 from zckpt.formats import legacy
 from zckpt.formats.safeload import LazyTensor, legacy_layout
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 NEXT_STEPS = {
     "CRC of every entry": "the bytes of that file are damaged: copy it again from where it was saved (or a "
                           "backup), or use an earlier tag with `tag`",
+    "CRC of every item": "the bytes of that .distcp file are damaged: copy it again from where it was saved (or a "
+                         "backup)",
+    "CRC of the other files": "the bytes of that file are damaged: copy it again from where it was saved (or a "
+                              "backup)",
     "manifest": "files differ from what zckpt push sent: push again from the source, or copy them again",
     "zckpt output committed": "the output was interrupted or is still being written: run the command again",
     "safetensors headers": "a weight file is damaged or truncated: run the merge again",
@@ -65,11 +69,12 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    advice: str = ""  # what to do, from a caller that knows more (the CLI: the checkpoint next to a checkpoint-N)
 
     @property
     def hint(self) -> str:
         """What to do about a failed check ("" when it passed)."""
-        return "" if self.ok else NEXT_STEPS.get(self.name, "")
+        return "" if self.ok else (self.advice or NEXT_STEPS.get(self.name, ""))
 
     def __repr__(self) -> str:
         return f"<Check {'ok' if self.ok else 'BAD'} {self.name}: {self.detail[:80]}>"
@@ -95,10 +100,11 @@ class VerifyReport:
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
-    def to_json(self) -> dict:
+    def to_json(self, name=None) -> dict:
+        """``name``: parameter -> how the caller names it (the CLI: its flags); by default as Python passes it."""
         return {"path": self.path, "tag": self.tag, "ok": self.ok, "bytes_read": self.bytes_read,
                 "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail,
-                            "hint": names_rendered(c.hint) or None} for c in self.checks]}
+                            "hint": names_rendered(c.hint, name or python_name) or None} for c in self.checks]}
 
 
 def verify(path: str, tag: str | None = None, deep: bool = False,
@@ -144,7 +150,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
         check_metadata(ckpt, report)
     log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
              sum(not c.ok for c in report.checks), time.perf_counter() - t0)
-    if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard output
+    if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard/convert output
         report.add("zckpt output committed", *publish.output_state(ckpt.location.input_path, opts, check_files=False))
     files = checkpoint_scope(ckpt, report)
     manifests = [m for m in _manifest_folders(ckpt) if _push_state(m, report, opts)]
@@ -392,8 +398,8 @@ def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> No
                 report.bytes_read += length
                 if progress:
                     progress(done, total)
-    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or
-               f"{sum(len(v) for v in by_file.values())} items in {len(by_file)} files, {done} bytes")
+    report.add("CRC of every item", not damaged, "; ".join(damaged[:5]) or
+               f"{sum(len(v) for v in by_file.values())} items in {len(by_file)} .distcp files, {format_size(done)}")
 
 
 def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, list[str], str]:
@@ -487,8 +493,10 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
                       "CRCs match" if _is_zip_file(path, opts) else "read")
     n_legacy = sum(1 for f in files if _is_legacy_file(f.path, opts))
     note = f"; {n_legacy} legacy files: no CRCs; layout, size fields and every byte read" if n_legacy else ""
-    report.add("CRC of every entry", not damaged, "; ".join(damaged[:5]) or
-               f"{len(paths)} files read ({zips} torch files, every entry's CRC matches{note}), {format_size(done)}")
+    besides = " besides the .distcp items" if ckpt.format == "dcp" else ""  # (those: "CRC of every item")
+    report.add("CRC of the other files" if besides else "CRC of every entry", not damaged, "; ".join(damaged[:5]) or
+               f"{len(paths)} file{'s' if len(paths) != 1 else ''}{besides} read ({zips} torch "
+               f"file{'s' if zips != 1 else ''}, every entry's CRC matches{note}), {format_size(done)}")
     _check_safetensors(files, report, opts)
     return hashes
 
