@@ -111,6 +111,10 @@ def describe(ckpt: Checkpoint) -> dict:
         "counts": counts,
         "numel": numels,
         "parameters": numels["trainable"] + numels["frozen"],
+        "no_optimizer_group": [r.name for r in ckpt.no_group],
+        "no_optimizer_group_numel": sum(r.numel for r in ckpt.no_group),
+        "ambiguous_ties": [list(pair) for pair in ckpt.ambiguous_ties],
+        "optimizer_state_keys": _state_keys(ckpt),
         "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step,
                           "lr": g.hyperparams.get("lr")} for g in ckpt.groups],
         "global_steps": ms.get("global_steps"),
@@ -122,7 +126,15 @@ def describe(ckpt: Checkpoint) -> dict:
         "ds_version": ckpt.ds_version,
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
+        "notes": list(ckpt.notes),
     }
+
+
+def _state_keys(ckpt: Checkpoint) -> list[str]:
+    """The per-element optimizer-state keys the trainable parameters have (``exp_avg``, ``exp_avg_sq``, then any
+    other: ``momentum_buffer``...)."""
+    adam = ["exp_avg", "exp_avg_sq"] if any(r.exp_avg for r in ckpt.of_kind("trainable")) else []
+    return adam + [k for k in ckpt.other_state_keys if k not in adam]
 
 
 def parallel_sizes(ckpt: Checkpoint) -> dict:
@@ -218,7 +230,10 @@ def render(d: dict) -> str:
         f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,}), "
-        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
+        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)"
+        + (f"; {len(d['no_optimizer_group'])} parameters in no optimizer group "
+           f"({d['no_optimizer_group_numel']:,}, module values)" if d.get("no_optimizer_group") else ""),
+        "opt. state   " + (", ".join(d.get("optimizer_state_keys") or []) or "none") + " (per element)",
         f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
         f"skipped={d['skipped_steps']}; optimizer step "
         + ", ".join(f"group {g['index']}: {g['step']}" for g in d["param_groups"]),
@@ -228,6 +243,7 @@ def render(d: dict) -> str:
         f"deepspeed    {d['ds_version']}",
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
+    lines += [f"note         {note}" for note in d.get("notes") or []]
     lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
     lines += _all_files_line(d)
     return "\n".join(lines)
