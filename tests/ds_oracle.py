@@ -180,9 +180,12 @@ def _worker(job_path: str) -> None:
         opt = DeepSpeedCPUAdam(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, adamw_mode=True)
     elif spec["optimizer"] == "sgd":
         opt = torch.optim.SGD(torch_groups, lr=spec["lr"], momentum=0.9)
+    elif spec["optimizer"] == "lion":
+        opt = G.lion_like(torch_groups, spec["lr"])
     else:
         opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    G.attach_late_module(model, dict(spec, seed=spec["seed"] + 1))  # other values: the checkpoint must set them
     load_path, client_state = engine.load_checkpoint(job["ckpt"], load_optimizer_states=True,
                                                      load_lr_scheduler_states=True)
     assert load_path is not None, "load_checkpoint returned None"

@@ -48,9 +48,14 @@ def build_engine(G, spec):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         opt = DeepSpeedCPUAdam(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8, adamw_mode=True,
                                **(spec.get("optimizer_kwargs") or {}))
+    elif spec.get("optimizer") == "sgd":
+        opt = torch.optim.SGD(torch_groups, lr=spec["lr"], momentum=0.9)
+    elif spec.get("optimizer") == "lion":
+        opt = G.lion_like(torch_groups, spec["lr"])
     else:
         opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    G.attach_late_module(model, dict(spec, seed=spec["seed"] + 1))  # other values: the checkpoint must set them
     return engine, model, groups
 
 

@@ -531,6 +531,7 @@ def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
         pytest.skip("model needs torch.distributed (fixtures/gen_parallel.py); tests/test_layouts_pp_moe.py "
                     "checks its counts against the live model's parameters")
     model = G.build_hf_model(spec["model"]) if spec["model"].get("arch") else G.build_model(spec["model"])
+    G.attach_late_module(model, spec)  # the model as saved: with a module attached after deepspeed.initialize
     expected = tuple(ds[1].model_to_params(model))
     assert counts_from_checkpoint(ckpt_path) == expected
     config_file = ckpt_path / "config.json"

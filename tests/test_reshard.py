@@ -469,25 +469,39 @@ def test_progress_callback(fixture_dir, tmp_path):
 
 
 def test_optimizer_state_other_than_adam_is_never_dropped(tmp_path):
-    """``fixtures/z2_bf16_ws2_sgd`` (momentum SGD: ``momentum_buffer``, no ``exp_avg``): zckpt re-partitions only
-    Adam's moments, so reshard (CLI and API) and a resume's per-rank plan refuse in one line, nothing written;
-    earlier zckpt wrote the checkpoint without the momentum, exit 0 (DeepSpeed then loads an empty SGD state).
-    Merge (weights only) still works."""
+    """``fixtures/z2_bf16_ws2_sgd`` (momentum SGD: ``momentum_buffer``, no ``exp_avg``): the momentum is per element,
+    so reshard (CLI and API) and a resume's per-rank plan re-partition it like Adam's moments (every rank file holds
+    it, sliced like the masters; earlier zckpt wrote the checkpoint without it, exit 0, then refused it). What
+    cannot carry it refuses in one line: a DCP for torch's AdamW, the universal layout. DeepSpeed loading the
+    output is tests/test_outside_optimizer.py."""
     import subprocess
+    import torch
     import zckpt
     from zckpt.deepspeed.layout import open_checkpoint
     from zckpt.errors import UnsupportedLayout
+    from zckpt.formats.tensors import load_pieces
     from zckpt.ops.reshard import plan_ranks
     src = ROOT / "fixtures" / "z2_bf16_ws2_sgd"
+    oracle = _load_st(src / "expected" / "oracle.safetensors")
     for ws in (1, 3):
-        with pytest.raises(UnsupportedLayout, match="momentum_buffer") as err:
-            zckpt.reshard(str(src), str(tmp_path / "o"), world_size=ws)
-        assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
-    with pytest.raises(UnsupportedLayout, match="momentum_buffer"):
-        plan_ranks(open_checkpoint(str(src)), 3, [0])
-    proc = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(src), "-w", "3", "-o", str(tmp_path / "o")],
+        zckpt.reshard(str(src), str(tmp_path / f"o{ws}"), world_size=ws)
+        ckpt = open_checkpoint(str(tmp_path / f"o{ws}"))
+        assert ckpt.world_size == ws and ckpt.other_state_keys == ["momentum_buffer"]
+        for rec in ckpt.of_kind("trainable"):
+            got = load_pieces(rec.other_state["momentum_buffer"], "float32", rec.shape)
+            assert torch.equal(got, oracle[f"momentum_buffer/{rec.name}"].reshape(rec.shape)), rec.name
+    plan = plan_ranks(open_checkpoint(str(src)), 3, [0])
+    optim = next(f.obj for f in plan.files if f.relpath.endswith("optim_states.pt"))
+    assert all(list(st) == ["momentum_buffer"] for st in
+               optim["optimizer_state_dict"]["base_optimizer_state"]["state"].values())
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(src), "-w", "3", "-o", str(tmp_path / "c")],
                           capture_output=True, text=True, cwd=str(ROOT))
-    assert proc.returncode != 0 and "momentum_buffer" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "o").exists()
+    assert proc.returncode == 0, proc.stderr
+    for call in (lambda: zckpt.reshard(str(src), str(tmp_path / "u"), world_size=3, fmt="universal"),
+                 lambda: zckpt.convert(str(src), to="dcp", out=str(tmp_path / "d"))):
+        with pytest.raises(UnsupportedLayout, match="momentum_buffer") as err:
+            call()
+        assert "\n" not in str(err.value)
+    assert not (tmp_path / "u").exists() and not (tmp_path / "d").exists()
     zckpt.merge(str(src), str(tmp_path / "m"))
     assert (tmp_path / "m").exists()

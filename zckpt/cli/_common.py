@@ -227,6 +227,46 @@ def tag_option(f):
     return _tag(_latest(command))
 
 
+def _ties_callback(ctx, param, values):
+    """``--tie NAME=PARAM`` / ``--no-tie NAME``: ties the files cannot tell, declared for this command (both
+    callbacks run, in either order; each sets the combined declaration)."""
+    from zckpt.cli._errors import CommandLineError
+    from zckpt.deepspeed.model import set_declared_ties
+
+    parts = ctx.meta.setdefault("zckpt_ties", {})
+    if param.name == "ties":
+        out = {}
+        for v in values:
+            name, sep, src = v.partition("=")
+            if not sep or not name or not src:
+                raise CommandLineError(f"--tie {v}: expected NAME=PARAM",
+                                       hint="e.g. --tie lm_head.weight=embed.weight")
+            out[name] = src
+    else:
+        out = {v: None for v in values}
+    parts[param.name] = out
+    both = {**parts.get("no_ties", {}), **parts.get("ties", {})}
+    set_declared_ties(both or None)
+    return None
+
+
+def tie_options(f):
+    """``--tie NAME=PARAM`` and ``--no-tie NAME``: what a checkpoint does not say about a parameter in no optimizer
+    group holding the very bytes of another (``zckpt info`` names it)."""
+    for decorator in reversed([
+        click.option("--tie", "ties", multiple=True, metavar="NAME=PARAM", expose_value=False,
+                     callback=_ties_callback,
+                     help="NAME (in no optimizer group) is a second name of PARAM: read it as PARAM's value "
+                          "(repeatable; only where zckpt info reports the two cannot be told apart)."),
+        click.option("--no-tie", "no_ties", multiple=True, metavar="NAME", expose_value=False,
+                     callback=_ties_callback,
+                     help="NAME (in no optimizer group) is a parameter of its own: read its saved value "
+                          "(repeatable)."),
+    ]):
+        f = decorator(f)
+    return f
+
+
 def output_options(kind: str, plan: str):
     """``--overwrite``, ``--fsync`` and ``--dry-run`` of a command that publishes an output folder (``kind``: the
     command's name in the marker, e.g. "merge"; ``plan``: what the dry run prints)."""

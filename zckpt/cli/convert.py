@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
 
@@ -49,6 +49,7 @@ Examples:
               help="For DeepSpeed's FusedAdam / DeepSpeedCPUAdam when the checkpoint does not say: adamw "
                    "(decoupled weight decay, their default) or adam (L2). Default: from the saved config.")
 @tag_option
+@tie_options
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @output_options("convert", "files, keys, sizes")
 @storage_option

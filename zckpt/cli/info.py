@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import emit_json, global_options, storage_option, tag_option, tie_options
 
 
 @click.command(epilog="""\b
@@ -14,6 +14,7 @@ Examples:
   zckpt info s3://bucket/run1/checkpoint-400""")
 @click.argument("path")
 @tag_option
+@tie_options
 @storage_option
 @global_options()
 def info(path, tag, storage_options, as_json, quiet):

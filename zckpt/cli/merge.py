@@ -6,7 +6,7 @@ import click
 
 from zckpt.cli._common import (
     Progress, emit_json, global_options, output_options, output_storage_option, published, settings, storage_option,
-    tag_option,
+    tag_option, tie_options,
 )
 
 
@@ -33,6 +33,7 @@ Examples:
 @click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
               help="Largest output file: 5GB = 5G = 5*10**9 bytes, 2GiB = 2*2**30, 500MB.")
 @tag_option
+@tie_options
 @click.option("--exclude-frozen", is_flag=True, help="Leave out frozen (requires_grad=False) parameters.")
 @click.option("--keep-tied", is_flag=True,
               help="Also write tied aliases (e.g. lm_head.weight) as copies; by default each tied tensor is "

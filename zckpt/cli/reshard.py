@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option,
+    Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
 
@@ -34,6 +34,7 @@ Examples:
               help="deepspeed: native files that a plain engine.load_checkpoint(OUT) loads at M ranks. "
                    "universal: DeepSpeed's universal layout (load with checkpoint.load_universal=true).")
 @tag_option
+@tie_options
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @output_options("reshard", "files, partitions, sizes")
 @storage_option

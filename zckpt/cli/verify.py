@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option, tie_options
 
 
 @click.command(epilog="""\b
@@ -15,6 +15,7 @@ Examples:
   zckpt verify s3://bucket/run1/checkpoint-400 --json""")
 @click.argument("path")
 @tag_option
+@tie_options
 @click.option("--deep", is_flag=True,
               help="Read every byte of every file: the CRC of every zip entry, sha256 against any push manifest.")
 @storage_option

@@ -9,8 +9,11 @@ The model itself (:class:`Checkpoint`, :class:`TensorRecord`, :class:`GroupInfo`
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 
 from zckpt.formats import safeload
 from zckpt.io import storage
@@ -18,7 +21,7 @@ from zckpt.state.model import (  # noqa: F401 - the format-neutral model, re-exp
     LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Location, Piece, RankFile, TensorRecord,
     check_records, metadata_errors, pieces_of, scalar_value, uniform_dtype,
 )
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, ZckptError
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
 from zckpt.formats.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
@@ -154,22 +157,150 @@ def _memory(t) -> tuple | None:
     return (t.storage.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
 
 
+def elementwise_state(states: list, reals: list[int], sizes: list[int], where: str, paths: list[str]):
+    """The per-element optimizer state of one flat group, from each rank's state dict (``states[r]``; ``reals``:
+    the partition's elements without padding, ``sizes``: with): (keys laid out like the partition, in the
+    optimizer's order; the first key that is a tensor of another size: factored or per-group state, which
+    cannot be re-partitioned, as ``(key, description)``, or None). Other values (``step``, counters) are not
+    elementwise and are carried as saved."""
+    if all(st is None for st in states):
+        return [], None
+    if any(st is None for st in states):
+        r = next(i for i, st in enumerate(states) if st is None)
+        raise CorruptFile(f"{where}: rank {r} has no optimizer state, rank 0 has", path=paths[r])
+    keys, odd = [], None
+    for key, v in states[0].items():
+        if key == "step" or not isinstance(v, LazyTensor):
+            continue
+        vs = [st.get(key) for st in states]
+        elem = all(isinstance(t, LazyTensor) and len(t.shape) == 1 and t.numel in (reals[r], sizes[r]) and
+                   t.numel >= reals[r] for r, t in enumerate(vs))
+        if elem:
+            keys.append(str(key))
+        elif (len(v.shape) or v.numel != 1) and odd is None:
+            odd = (str(key), f"{list(v.shape)} where the partition has {sizes[0]} elements")
+    return keys, odd
+
+
+# ------------------------------------------------------------------------------------------------ ties
+
+#: ties the user declared for ``module`` entries in no optimizer group: name -> the parameter it is a second name
+#: of, or None (a parameter of its own); see :func:`declared_ties`
+_DECLARED_TIES: ContextVar[dict | None] = ContextVar("zckpt_declared_ties", default=None)
+
+
+@contextlib.contextmanager
+def declared_ties(ties: dict[str, str | None] | None):
+    """Within the block, checkpoints are opened with these ties declared (the CLI's ``--tie NAME=PARAM`` and
+    ``--no-tie NAME``): ``{name: param}``, ``name`` is a second name of ``param``; ``{name: None}``, ``name`` is a
+    parameter of its own. Needed only where the files cannot tell (``Checkpoint.ambiguous_ties``)."""
+    token = _DECLARED_TIES.set(dict(ties) if ties else None)
+    try:
+        yield
+    finally:
+        _DECLARED_TIES.reset(token)
+
+
+def set_declared_ties(ties: dict[str, str | None] | None) -> None:
+    """:func:`declared_ties` for the rest of the current context (one CLI command)."""
+    _DECLARED_TIES.set(dict(ties) if ties else None)
+
+
+def _autoep_router_alias(ms0: dict, name: str, trainable: dict) -> str | None:
+    """``{module_path}.router.{p}`` when ``name`` is ``{module_path}.{alias}.{p}`` of an AutoEP layer
+    (``ds_autoep_layers``): the router's second name (``setattr(layer, router_name, layer.router)`` in
+    ``auto_ep_layer``), which ``shared_params`` misses (``named_children`` yields the module once)."""
+    module = ms0.get("module") or {}
+    for layer in ms0.get("ds_autoep_layers") or []:
+        path = layer.get("module_path") if isinstance(layer, dict) else None
+        if not isinstance(path, str) or not name.startswith(f"{path}."):
+            continue
+        child, _, rest = name[len(path) + 1:].partition(".")
+        target = f"{path}.router.{rest}"
+        if child != "router" and rest and target in trainable and \
+                getattr(module.get(target), "dtype", None) == getattr(module.get(name), "dtype", None):
+            return target
+    return None
+
+
+def unlisted_params(ms0: dict, trainable: dict[str, TensorRecord], frozen: dict[str, TensorRecord], path: str,
+                    storage_options: dict | None = None) -> tuple[dict, list[tuple[str, str]]]:
+    """The ``module`` entries of a ZeRO-1/2 file that are no listed parameter, buffer or recorded tie.
+
+    ``param_shapes`` lists the optimizer's parameters, ``frozen_param_shapes`` (ZeRO-2) those with
+    ``requires_grad=False`` or no elements: a trainable parameter in no param group (an empty group, a module
+    attached after ``deepspeed.initialize``) is in neither, and DeepSpeed loads it from ``module``. Ties come only
+    from what the files say: ``shared_params``, storage shared in ``module`` (:func:`common_records`), AutoEP's
+    router alias (``ds_autoep_layers``), and ties the user declared (:func:`declared_ties`). Equal bytes never make
+    a tie; an entry holding the very bytes of a trainable parameter's training-dtype copy (where the master differs
+    in dtype, so a tie and a separate parameter read differently) is returned as ambiguous. Returns
+    (``ms0`` with the ties added to ``shared_params``, the ambiguous (entry, parameter) pairs)."""
+    module = ms0.get("module") or {}
+    shared = dict(ms0.get("shared_params") or {})
+    listed = set(trainable) | set(frozen) | set(shared) | set(ms0.get("buffer_names") or [])
+    extra = [n for n, t in module.items() if n not in listed and isinstance(t, LazyTensor)]
+    declared = dict(_DECLARED_TIES.get() or {})
+    for name, src in declared.items():
+        if name not in extra:
+            raise InvalidArgument(f"'{name}' is not a module entry outside the optimizer's groups"
+                                  + (f" ({', '.join(extra[:4])} are)" if extra else " (there is none)"),
+                                  param="--tie" if src else "--no-tie", path=path)
+        if src is not None and src not in trainable and src not in frozen:
+            raise InvalidArgument(f"'{src}' is not a parameter of this checkpoint", param="--tie", path=path)
+    saved_at = {}
+    for n in list(trainable) + list(frozen):
+        mem = _memory(module.get(n))
+        if mem is not None:
+            saved_at.setdefault(mem, n)
+    digests: dict[str, str] = {}
+
+    def digest(n: str) -> str:
+        if n not in digests:
+            h = hashlib.sha256()
+            for p in pieces_of(module[n]):
+                h.update(storage.read_range(p.path, p.offset, p.nbytes, storage_options))
+            digests[n] = h.hexdigest()
+        return digests[n]
+
+    ambiguous = []
+    for name in extra:
+        t = module[name]
+        if name in declared:
+            if declared[name] is not None:
+                shared[name] = declared[name]
+            continue
+        if _memory(t) in saved_at:  # the very storage of a listed parameter: common_records ties it
+            continue
+        alias = _autoep_router_alias(ms0, name, trainable)
+        if alias is not None:
+            shared[name] = alias
+            continue
+        same = [n for n, rec in trainable.items() if isinstance(module.get(n), LazyTensor) and t.numel
+                and (tuple(module[n].shape), module[n].dtype) == (tuple(t.shape), t.dtype) and rec.dtype != t.dtype
+                and digest(n) == digest(name)]
+        if same:
+            ambiguous.append((name, same[0]))
+    return (dict(ms0, shared_params=shared) if shared != dict(ms0.get("shared_params") or {}) else ms0), ambiguous
+
+
 def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord], frozen: dict[str, TensorRecord],
-                   lp_dtype: str, module_has_params: bool = True) -> list[TensorRecord]:
+                   lp_dtype: str, module_has_params: bool = True, no_group: bool = False) -> list[TensorRecord]:
     """Assemble the final record list in ``module`` order: buffers and params from their sources, tied aliases,
-    and (ZeRO-1 / BF16 optimizer) frozen weights that exist only in ``module``."""
+    and weights that exist only in ``module``: frozen ones of ZeRO-1 / the BF16 optimizer (which do not list
+    them), parameters in no optimizer group (``no_group``: ZeRO-2, which lists every frozen one; ZeRO-3: a full
+    tensor in ``module`` where the partitioned parameters have empty placeholders)."""
     module = ms0.get("module") or {}
     buffer_names = list(ms0.get("buffer_names") or [])
     shared = dict(ms0.get("shared_params") or {})
     records: dict[str, TensorRecord] = {}
     mpath = loc.model_files[0].path
 
-    def module_record(name, kind):
+    def module_record(name, kind, outside=False):
         t = module.get(name)
         if not isinstance(t, LazyTensor):
             raise CorruptFile(f"'{name}' is listed but has no tensor in 'module'", path=mpath)
         return TensorRecord(name, tuple(t.shape), kind, t.dtype, pieces_of(t),
-                            lp_dtype=t.dtype if kind == "frozen" else None)
+                            lp_dtype=t.dtype if kind == "frozen" else None, no_group=outside)
 
     seen: dict[tuple, str] = {}  # where each parameter's module tensor is -> its name
     order = list(module.keys())
@@ -198,8 +329,13 @@ def common_records(loc: Location, ms0: dict, trainable: dict[str, TensorRecord],
             shared[name] = tie
             records[name] = None
         elif name in module and module_has_params:
-            # in module but in no optimizer group: a frozen weight of ZeRO-1 / BF16 optimizer (or a zero-size param)
-            records[name] = module_record(name, "frozen")
+            # in module but in no optimizer group: a frozen weight of ZeRO-1 / BF16 optimizer (or a zero-size
+            # param), or (ZeRO-2, which lists the frozen ones) a trainable parameter in no group
+            records[name] = module_record(name, "frozen", outside=no_group and bool(getattr(module[name], "numel", 0)))
+        elif isinstance(module.get(name), LazyTensor) and module[name].numel:
+            # ZeRO-3: a full tensor where partitioned parameters have placeholders: a parameter DeepSpeed never
+            # partitioned (attached after deepspeed.initialize), in no group; DeepSpeed loads it from 'module'
+            records[name] = module_record(name, "frozen", outside=True)
     for name, rec in list(records.items()):
         if rec is None:
             src = shared[name]

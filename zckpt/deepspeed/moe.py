@@ -170,7 +170,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                                      dict(enumerate(int(n) for n in ms0["num_experts"]))))
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": layout}, state_refusal=base.state_refusal)
+                      extra={"moe": layout}, state_refusal=_state_refusal(base, records))
 
 
 def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -318,6 +318,7 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
     lp, file_tensors = _autoep_expert_files(loc, layers, maps)
     counts = osds[0].get("partition_count")
     expert_recs: list[TensorRecord] = []
+    sub_keys: set[str] = set()  # the expert groups' per-element state other than Adam's
     eps: dict[int, int] = {}
     shards_of: dict[int, dict[int, list[tuple[str, TensorRecord]]]] = {}
     for g in experts:
@@ -330,6 +331,7 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
             ranks = expert_data_ranks(ms0, ws, ep, e, loc.tag_dir)
             files = [dataclasses.replace(loc.optim_files[r], dp_rank=i) for i, r in enumerate(ranks)]
             sub = zero12.build(_sub_location(loc, files), [ms_g], [_select(optim_states[r], [g]) for r in ranks])
+            sub_keys.update(sub.other_state_keys)
             for rec in sub.of_kind("trainable"):
                 shards.setdefault(rec.name, {})[e] = rec
                 shards_of.setdefault(g, {}).setdefault(e, []).append(
@@ -350,7 +352,8 @@ def _build_autoep(loc: Location, model_states: list[dict], optim_states: list[di
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": MoELayout(eps, shards_of, file_tensors, autoep=True)})
+                      extra={"moe": MoELayout(eps, shards_of, file_tensors, autoep=True)},
+                      state_refusal=_state_refusal(base, records, sub_keys))
 
 
 def _build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -443,7 +446,7 @@ def _build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: l
              + ", ".join(str(s) for s in experts)] + list(base.notes)
     return Checkpoint(loc, 3, "zero3", base.precision, ws, records, groups, ms0, optim_states, model_states,
                       offload=base.offload, notes=notes, parallel="moe", reshard_refusal=Z3_REFUSAL,
-                      state_refusal=base.state_refusal)
+                      state_refusal=_state_refusal(base, records))
 
 
 def _z3_layers(mfiles: list, param_shapes: list) -> tuple[list[list[dict]], dict[str, dict], dict[str, int]]:
@@ -678,6 +681,16 @@ def _autoep_full(name: str, shards: dict[int, TensorRecord], amap: dict, g: int,
     return TensorRecord(name, logical, "trainable", order[0].dtype, [p for r in order for p in r.value],
                         [p for r in order for p in r.exp_avg] if has else [],
                         [p for r in order for p in r.exp_avg_sq] if has else [], group=g, lp_dtype=lp_dtype)
+
+
+def _state_refusal(base: Checkpoint, records: list[TensorRecord], keys=()) -> str | None:
+    """Why the optimizer state of an MoE checkpoint cannot be carried: the dense reader's reason, or per-element
+    state other than Adam's moments (SGD's momentum_buffer...), which the expert readers do not place."""
+    keys = sorted(set(keys) | set(base.other_state_keys) | {k for r in records for k in r.other_state})
+    if base.state_refusal or not keys:
+        return base.state_refusal
+    return (f"optimizer state {', '.join(repr(k) for k in keys)} of a mixture-of-experts checkpoint is not Adam's "
+            "exp_avg / exp_avg_sq, which is all zckpt re-partitions there")
 
 
 def _strides(shape: tuple) -> tuple:

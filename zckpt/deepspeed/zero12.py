@@ -13,25 +13,27 @@ Rank r's optimizer file holds, per group::
     single_partition_of_fp32_groups[g]   master slice, fp32 (bf16 with bf16_master_weights_and_grads: the dtype
                                          is read from the file); ZeRO-1/2: padding stripped (P - group_paddings[g]
                                          elements); BF16 optimizer: padding kept (P elements)
-    base_optimizer_state                 torch Adam state_dict: state[k] = {step, exp_avg(P), exp_avg_sq(P)} with
-                                         k = param_groups[g]['params'][0]; or (elastic) a list of per-group dicts
+    base_optimizer_state                 the torch optimizer's state_dict: state[k] = {step, exp_avg(P),
+                                         exp_avg_sq(P)} for Adam, any per-element keys for others (SGD's
+                                         momentum_buffer(P)), with k = param_groups[g]['params'][0]; or
+                                         (elastic) a list of per-group dicts
     param_slice_mappings[g]              name -> fragment_address(numel, start) for params touching rank r
     group_paddings, partition_count, param_alignment_paddings (0.19.7+), zero_stage (absent: BF16 optimizer)
 
 Frozen params: stage 2 stores full lp tensors in ``frozen_param_fragments``; ZeRO-1 and the BF16 optimizer keep
-them only in ``module`` (handled by :func:`layout.common_records`).
+them only in ``module`` (handled by :func:`layout.common_records`). A trainable parameter in no optimizer group
+is in neither ``param_shapes`` nor ``frozen_param_shapes``: it is read from ``module``
+(:func:`zckpt.deepspeed.model.unlisted_params`), never taken for a tie by its bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 
-from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
-    precision_of, scalar_value, uniform_dtype,
+    elementwise_state, precision_of, scalar_value, uniform_dtype, unlisted_params,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.formats.safeload import LazyTensor
@@ -45,12 +47,9 @@ def _as_list(value, n, what, path):
     return list(value)
 
 
-#: key of the hyperparameters _moments returns: per-element optimizer state zckpt does not read (SGD's momentum_buffer)
-OTHER_STATE = "_zckpt_other_state"
-
-
 def _moments(osd: dict, g: int, path: str):
-    """(step, exp_avg, exp_avg_sq, hyperparams) of group g from ``base_optimizer_state``."""
+    """(step, state, hyperparams) of group g from ``base_optimizer_state``: ``state`` is the torch optimizer's
+    state dict of the group's flat partition (None before the first step or for a stateless optimizer)."""
     bos = osd.get("base_optimizer_state")
     if isinstance(bos, list):  # elastic_checkpoint: per-group dicts, padding stripped
         # no param_groups (no hyperparameters) in an elastic file; the Adam step is the state's own ('step'), the
@@ -69,14 +68,7 @@ def _moments(osd: dict, g: int, path: str):
         step = st.get("step") if isinstance(st, dict) else None
     else:
         raise CorruptFile("optimizer file has no base_optimizer_state", path=path)
-    if not isinstance(st, dict):
-        return step, None, None, hyper  # no state yet (saved before the first step) or a stateless optimizer
-    other = sorted(str(k) for k, v in st.items() if isinstance(v, LazyTensor)
-                   and k not in ("exp_avg", "exp_avg_sq", "step"))
-    if other:
-        hyper = {**hyper, OTHER_STATE: other}
-    ea, eas = st.get("exp_avg"), st.get("exp_avg_sq")
-    return step, ea if isinstance(ea, LazyTensor) else None, eas if isinstance(eas, LazyTensor) else None, hyper
+    return step, (st if isinstance(st, dict) and st else None), hyper
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -113,8 +105,9 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     trainable: dict[str, TensorRecord] = {}
     groups: list[GroupInfo] = []
     other_state: dict[str, list[int]] = {}
+    bad_state: dict[str, tuple[int, str]] = {}
     for g in range(ngroups):
-        fp32_parts, ea_parts, eas_parts, reals = [], [], [], []
+        fp32_parts, states, reals, sizes = [], [], [], []
         step = hyper = None
         P = None
         for r, osd in enumerate(osds):
@@ -129,31 +122,43 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             elif size != P:
                 raise CorruptFile(f"group {g}: partition of {size} elements, rank 0 has {P}", path=opath[r],
                                   hint="the rank files come from different saves")
-            s, ea, eas, h = _moments(osd, g, opath[r])
+            s, st, h = _moments(osd, g, opath[r])
             if r == 0:
                 step, hyper = s, h
             fp32_parts.append(fp)
             reals.append(P - pad)
-            ea_parts.append(ea)
-            eas_parts.append(eas)
-        has_moments = all(t is not None for t in ea_parts + eas_parts)
+            sizes.append(P)
+            states.append(st)
+        # per-element state of any optimizer (Adam's moments, SGD's momentum_buffer, Lion's exp_avg...): laid out
+        # like the partition; a tensor of another size (factored moments) cannot be re-partitioned: refused
+        keys, odd = elementwise_state(states, reals, sizes, f"group {g}", opath)
+        if odd is not None:
+            bad_state.setdefault(odd[0], (g, odd[1]))
+        for key in (k for k in ("exp_avg", "exp_avg_sq") if isinstance(states[0] and states[0].get(k), LazyTensor)):
+            t = states[0][key]
+            if key not in keys and len(t.shape) == 1 and t.numel < reals[0]:
+                raise CorruptFile(f"group {g}: Adam moment '{key}' of {t.numel} elements, partition has {reals[0]}",
+                                  path=opath[0])
+        has_moments = "exp_avg" in keys and "exp_avg_sq" in keys
+        other_keys = [k for k in keys if not has_moments or k not in ("exp_avg", "exp_avg_sq")]
+        ea_parts = [st["exp_avg"] for st in states] if has_moments else []
+        eas_parts = [st["exp_avg_sq"] for st in states] if has_moments else []
+        for k in other_keys:
+            other_state.setdefault(k, []).append(g)
         # the dtypes come from the files: fp32 masters, or bf16 with bf16_master_weights_and_grads; moments may
         # differ from the masters (bf16_optimizer_states, or CPU Adam's fp32 states)
         master_dtype = uniform_dtype(fp32_parts, f"the master weights of group {g}", opath[0])
         if has_moments:
             uniform_dtype(ea_parts + eas_parts, f"the Adam moments of group {g}", opath[0])
-        for r in range(ws):
-            for t in (ea_parts[r], eas_parts[r]) if has_moments else ():
-                if t.numel < reals[r]:
-                    raise CorruptFile(f"group {g}: Adam moment of {t.numel} elements, partition has {reals[r]}",
-                                      path=opath[r])
+        for k in other_keys:
+            uniform_dtype([st[k] for st in states], f"the optimizer state '{k}' of group {g}", opath[0])
         align = param_shapes_alignment(osd0, g, len(param_shapes[g]))
         offset = 0
         names = []
         for i, (name, shape) in enumerate(param_shapes[g].items()):
             shape = tuple(int(d) for d in shape)
             n = math.prod(shape)
-            fp, ea, eas = [], [], []
+            fp, ea, eas, other = [], [], [], {k: [] for k in other_keys}
             for r in range(offset // P, (offset + n - 1) // P + 1) if n else ():
                 lo, hi = max(offset, r * P), min(offset + n, (r + 1) * P)
                 if r >= ws or hi - r * P > reals[r]:
@@ -163,11 +168,13 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                 if has_moments:
                     ea += pieces_of(ea_parts[r], lo - r * P, hi - lo)
                     eas += pieces_of(eas_parts[r], lo - r * P, hi - lo)
+                for k in other_keys:
+                    other[k] += pieces_of(states[r][k], lo - r * P, hi - lo)
                 if not round_robin:
                     _check_mapping(osds[r], g, name, lo - r * P, hi - lo, opath[r])
             lp = module[name].dtype if isinstance(module.get(name), LazyTensor) else LP_DTYPES[precision]
             trainable[name] = TensorRecord(name, shape, "trainable", master_dtype, fp, ea, eas, group=g,
-                                           lp_dtype=lp)
+                                           lp_dtype=lp, other_state=other)
             names.append(name)
             offset += n + (align[i] if i < len(align) else 0)
         avail = sum(reals)
@@ -177,8 +184,6 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                               path=opath[0], hint="param_shapes and the optimizer files disagree")
         step_value = scalar_value(step, loc.storage_options) if step is not None else None
         hyper = dict(hyper or {})
-        for key in hyper.pop(OTHER_STATE, []):
-            other_state.setdefault(key, []).append(g)
         groups.append(GroupInfo(g, hyper, step_value, names))
 
     frozen: dict[str, TensorRecord] = {}
@@ -196,59 +201,26 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                               f"{math.prod(shape)}", path=mpath)
         frozen[name] = TensorRecord(name, shape, "frozen", t.dtype, pieces_of(t), lp_dtype=t.dtype)
 
-    if stage == 2 and isinstance(ms0.get("frozen_param_shapes"), dict):
-        ms0 = _with_unrecorded_ties(ms0, module, trainable, frozen, mpath, loc.storage_options)
-    records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision])
+    ms0, ambiguous = unlisted_params(ms0, trainable, frozen, mpath, loc.storage_options)
+    records = common_records(loc, ms0, trainable, frozen, LP_DTYPES[precision],
+                             no_group=stage == 2 and isinstance(ms0.get("frozen_param_shapes"), dict))
     off = zcfg.get("offload_optimizer") if isinstance(zcfg, dict) else None
     offload = bool(zcfg.get("cpu_offload")) or (isinstance(off, dict) and off.get("device") in ("cpu", "nvme"))
     notes = ["round_robin_gradients: the flat groups are read in param_shapes' order; DeepSpeed's "
              "param_slice_mappings (in model order) are not checked"] if round_robin else []
     refusal = None
-    if other_state:  # e.g. SGD's momentum_buffer: a reshard without it would drop the state, exit 0
-        refusal = (f"optimizer state {', '.join(repr(k) for k in other_state)} (param group(s) "
-                   f"{sorted({g for gs in other_state.values() for g in gs})}) is not Adam's exp_avg / exp_avg_sq, "
-                   "which is all zckpt re-partitions")
+    if bad_state:  # e.g. Adafactor's factored moments: a reshard without them would drop the state, exit 0
+        key, (g, what) = next(iter(bad_state.items()))
+        refusal = (f"optimizer state '{key}' of param group {g} is not elementwise ({what}): it cannot be "
+                   "re-partitioned")
         notes.append(f"not read: {refusal}")
+    if other_state:
+        notes.append(f"optimizer state {', '.join(repr(k) for k in other_state)} (not Adam's moments) read "
+                     "per element, like the master weights")
+    notes += [f"'{a}' holds the very bytes of '{b}' and is in no optimizer group, no tie recorded: a parameter of "
+              f"its own or a second name of '{b}' (declare which: --no-tie {a} / --tie {a}={b})" for a, b in ambiguous]
     return Checkpoint(loc, stage, flavour, precision, ws, records, groups, ms0, optim_states, model_states,
-                      offload=offload, notes=notes, state_refusal=refusal)
-
-
-def _with_unrecorded_ties(ms0: dict, module: dict, trainable: dict, frozen: dict, path: str,
-                          storage_options: dict | None = None) -> dict:
-    """ZeRO-2 lists every parameter: trainable ones in ``param_shapes``, all others (frozen, zero-size) in
-    ``frozen_param_shapes``, both walked with ``named_parameters()``, which yields a shared parameter once. A
-    ``module`` entry in neither (nor a buffer, nor in ``shared_params``) is therefore a second name of a parameter
-    whose tie DeepSpeed did not record (``shared_params`` is found by ``data_ptr``; ``torch.save`` copies may have
-    split the storage, as in AutoEP's router alias). It is tied to the one parameter holding the same bytes;
-    none or several such parameters are refused: as a frozen tensor it would give the training-dtype copy where
-    the engine has the master."""
-    shared = dict(ms0.get("shared_params") or {})
-    listed = set(trainable) | set(frozen) | set(shared) | set(ms0.get("buffer_names") or [])
-    extra = [n for n, t in module.items() if n not in listed and isinstance(t, LazyTensor)]
-    if not extra:
-        return ms0
-    digests: dict[str, tuple] = {}
-
-    def digest(name: str) -> tuple:
-        if name not in digests:
-            t = module[name]
-            h = hashlib.sha256()
-            for p in pieces_of(t):
-                h.update(storage.read_range(p.path, p.offset, p.nbytes, storage_options))
-            digests[name] = (tuple(t.shape), t.dtype, h.hexdigest())
-        return digests[name]
-
-    for name in extra:
-        t = module[name]
-        same = [n for n in list(trainable) + list(frozen) if isinstance(module.get(n), LazyTensor)
-                and (tuple(module[n].shape), module[n].dtype) == (tuple(t.shape), t.dtype) and digest(n) == digest(name)]
-        if len(same) != 1:
-            raise UnsupportedLayout(f"'{name}' is in 'module' but in neither param_shapes nor frozen_param_shapes (a "
-                                    "parameter shared under a second name), and " +
-                                    (f"{len(same)} parameters ({', '.join(same[:3])}) hold its values" if same else
-                                     "no parameter holds its values") + ": which one it is cannot be told", path=path)
-        shared[name] = same[0]
-    return dict(ms0, shared_params=shared)
+                      offload=offload, notes=notes, state_refusal=refusal, ambiguous_ties=ambiguous)
 
 
 def param_shapes_alignment(osd: dict, g: int, nparams: int) -> list[int]:

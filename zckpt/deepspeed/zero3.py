@@ -21,7 +21,7 @@ import math
 
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
-    LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, pieces_of,
+    LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, elementwise_state, pieces_of,
     precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
@@ -46,8 +46,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     precision = precision_of(ms0, ms0.get("module"))
     module = ms0.get("module") or {}
 
-    flats, moments = [], []
-    other: set[str] = set()
+    flats, rank_states = [], []
     for r, osd in enumerate(osds):
         fl = osd.get("fp32_flat_groups")
         if not isinstance(fl, list) or len(fl) != nsub or not all(isinstance(t, LazyTensor) for t in fl):
@@ -55,13 +54,22 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
         flats.append(fl)
         inner = osd.get("optimizer_state_dict") or {}
         state = inner.get("state") or {}
-        ea = [(state.get(s) or {}).get("exp_avg") for s in range(nsub)]
-        eas = [(state.get(s) or {}).get("exp_avg_sq") for s in range(nsub)]
-        moments.append((ea, eas))
-        for st in (v for v in state.values() if isinstance(v, dict)):  # e.g. SGD's momentum_buffer: not read
-            other.update(str(k) for k, v in st.items() if isinstance(v, LazyTensor)
-                         and k not in ("exp_avg", "exp_avg_sq", "step"))
-    has_moments = all(isinstance(t, LazyTensor) for ea, eas in moments for t in ea + eas)
+        rank_states.append([state.get(s) if isinstance(state.get(s), dict) and state.get(s) else None
+                            for s in range(nsub)])
+    # per-element state of any optimizer (Adam's moments, SGD's momentum_buffer...), laid out like fp32_flat_groups
+    sub_keys, other, odd = [], set(), None
+    for s in range(nsub):
+        n = flats[0][s].numel
+        keys, bad = elementwise_state([rank_states[r][s] for r in range(ws)], [n] * ws, [n] * ws,
+                                      f"sub-group {s}", opath)
+        odd = odd or ((bad[0], f"sub-group {s}: {bad[1]}") if bad else None)
+        sub_keys.append(keys)
+    has_moments = all("exp_avg" in k and "exp_avg_sq" in k for k in sub_keys)
+    moments = [([(rank_states[r][s] or {}).get("exp_avg") for s in range(nsub)],
+                [(rank_states[r][s] or {}).get("exp_avg_sq") for s in range(nsub)]) for r in range(ws)]
+    other_keys = [[k for k in keys if not has_moments or k not in ("exp_avg", "exp_avg_sq")] for keys in sub_keys]
+    for keys in other_keys:
+        other.update(keys)
 
     trainable: dict[str, TensorRecord] = {}
     sub_of: dict[str, int] = {}
@@ -71,8 +79,10 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             if flats[r][s].numel != need:
                 raise CorruptFile(f"sub-group {s}: fp32 partition has {flats[r][s].numel} elements, its params "
                                   f"need {need}", path=opath[r], hint="param_shapes and the optimizer files disagree")
-            if has_moments and (moments[r][0][s].numel != need or moments[r][1][s].numel != need):
-                raise CorruptFile(f"sub-group {s}: Adam moments do not match the fp32 partition", path=opath[r])
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = (rank_states[r][s] or {}).get(key)
+                if isinstance(t, LazyTensor) and len(t.shape) == 1 and t.numel != need:
+                    raise CorruptFile(f"sub-group {s}: Adam moments do not match the fp32 partition", path=opath[r])
         master_dtype = uniform_dtype([flats[r][s] for r in range(ws)], f"the master weights of sub-group {s}",
                                      opath[0])
         if has_moments:
@@ -82,7 +92,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             shape = tuple(int(d) for d in shape)
             n = math.prod(shape)
             part = math.ceil(n / ws)
-            fp, ea, eas = [], [], []
+            fp, ea, eas, extra = [], [], [], {k: [] for k in other_keys[s]}
             for r in range(ws):
                 take = max(0, min(part, n - r * part))
                 if take:
@@ -90,8 +100,11 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                     if has_moments:
                         ea += pieces_of(moments[r][0][s], off, take)
                         eas += pieces_of(moments[r][1][s], off, take)
+                    for k in other_keys[s]:
+                        extra[k] += pieces_of(rank_states[r][s][k], off, take)
             lp = module[name].dtype if isinstance(module.get(name), LazyTensor) else LP_DTYPES[precision]
-            trainable[name] = TensorRecord(name, shape, "trainable", master_dtype, fp, ea, eas, lp_dtype=lp)
+            trainable[name] = TensorRecord(name, shape, "trainable", master_dtype, fp, ea, eas, lp_dtype=lp,
+                                           other_state=extra)
             sub_of[name] = s
             off += part
 
@@ -107,10 +120,14 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     zcfg = (cfg.get("zero_optimization") or {}) if isinstance(cfg, dict) else {}
     off_cfg = zcfg.get("offload_optimizer") if isinstance(zcfg, dict) else None
     offload = isinstance(off_cfg, dict) and off_cfg.get("device") in ("cpu", "nvme")
-    refusal = (f"optimizer state {', '.join(repr(k) for k in sorted(other))} is not Adam's exp_avg / exp_avg_sq, "
-               "which is all zckpt re-partitions") if other else None
+    refusal = (f"optimizer state '{odd[0]}' ({odd[1]}) is not elementwise: it cannot be re-partitioned"
+               if odd else None)
+    notes = [f"not read: {refusal}"] if refusal else []
+    if other:
+        notes.append(f"optimizer state {', '.join(repr(k) for k in sorted(other))} (not Adam's moments) read per "
+                     "element, like the master weights")
     ckpt = Checkpoint(loc, 3, "zero3", precision, ws, records, groups, ms0, optim_states, model_states,
-                      offload=offload, notes=[f"not read: {refusal}"] if refusal else [], state_refusal=refusal)
+                      offload=offload, notes=notes, state_refusal=refusal)
     return ckpt
 
 

@@ -195,6 +195,11 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None) -> tuple[dict, lis
         raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
                                 hint="zckpt merge reads the weights exactly; for the optimizer state, save from an "
                                      "optimizer built from model.named_parameters() (torch then saves the names)")
+    ckpt.check_ties()
+    if ckpt.other_state_keys:  # SGD's momentum_buffer, Lion's exp_avg...: torch's AdamW cannot continue them
+        raise UnsupportedLayout(f"optimizer state {', '.join(repr(k) for k in ckpt.other_state_keys)} is not "
+                                "Adam's exp_avg / exp_avg_sq, which is all a DCP for torch's AdamW holds", path=path,
+                                hint="zckpt merge reads the weights exactly; zckpt reshard carries this state")
     byname = ckpt.by_name()
     model: dict = {}
     for rec in ckpt.records:

@@ -111,6 +111,10 @@ def describe(ckpt: Checkpoint) -> dict:
         "counts": counts,
         "numel": numels,
         "parameters": numels["trainable"] + numels["frozen"],
+        "no_optimizer_group": [r.name for r in ckpt.no_group],
+        "no_optimizer_group_numel": sum(r.numel for r in ckpt.no_group),
+        "ambiguous_ties": [list(pair) for pair in ckpt.ambiguous_ties],
+        "optimizer_state_keys": _state_keys(ckpt),
         "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step,
                           "lr": g.hyperparams.get("lr")} for g in ckpt.groups],
         "global_steps": ms.get("global_steps"),
@@ -127,6 +131,13 @@ def describe(ckpt: Checkpoint) -> dict:
         "state_not_placed": getattr(ckpt.state_refusal, "params", None),
         "notes": [str(n) for n in ckpt.notes],
     }
+
+
+def _state_keys(ckpt: Checkpoint) -> list[str]:
+    """The per-element optimizer-state keys the trainable parameters have (``exp_avg``, ``exp_avg_sq``, then any
+    other: ``momentum_buffer``...)."""
+    adam = ["exp_avg", "exp_avg_sq"] if any(r.exp_avg for r in ckpt.of_kind("trainable")) else []
+    return adam + [k for k in ckpt.other_state_keys if k not in adam]
 
 
 def parallel_sizes(ckpt: Checkpoint) -> dict:
@@ -221,7 +232,10 @@ def render(d: dict) -> str:
         f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
         f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {_kinds(d)}, "
-        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
+        f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)"
+        + (f"; {len(d['no_optimizer_group'])} parameters in no optimizer group "
+           f"({d['no_optimizer_group_numel']:,}, module values)" if d.get("no_optimizer_group") else ""),
+        "opt. state   " + (", ".join(d.get("optimizer_state_keys") or []) or "none") + " (per element)",
         f"steps        global_steps={d['global_steps']} global_samples={d['global_samples']} "
         f"skipped={d['skipped_steps']}; optimizer step "
         + ", ".join(f"group {g['index']}: {g['step']}" for g in d["param_groups"]),

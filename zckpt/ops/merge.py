@@ -128,6 +128,7 @@ class MergePlan:
 def output_tensors(ckpt: Checkpoint, dtype: str, exclude_frozen: bool = False,
                    keep_tied: bool = False) -> tuple[list[OutTensor], dict]:
     """The tensors of the consolidated state dict, in model order: floating ones cast to ``dtype``."""
+    ckpt.check_ties()  # a value that depends on an undeclared tie is never guessed
     target = out_dtype_name(dtype)
     byname = ckpt.by_name()
     out, tied = [], {}

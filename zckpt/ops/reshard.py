@@ -185,6 +185,9 @@ class _Group:
     hyper: OrderedDict  # without 'params'; None marks where 'params' sits
     step: object  # LazyTensor, number, or None (no optimizer state yet)
     records: list[TensorRecord]
+    # the source's state dict of the group's (first) flat partition, in its key order: the per-element keys are
+    # re-partitioned, every other value (a step, a counter) carried as saved; None: no state, or a DCP source
+    template: OrderedDict | None = None
 
 
 def _source_groups(ckpt: Checkpoint) -> list[_Group]:
@@ -214,8 +217,34 @@ def _source_groups(ckpt: Checkpoint) -> list[_Group]:
         ids = list(pg.get("params") or [])
         st = state.get(ids[0]) if ids else None
         step = st.get("step") if isinstance(st, dict) else None
-        groups.append(_Group(info.index, hyper, step, [byname[n] for n in info.names]))
+        groups.append(_Group(info.index, hyper, step, [byname[n] for n in info.names],
+                             OrderedDict(st) if isinstance(st, dict) and st else None))
     return groups
+
+
+def _state_pieces(rec: TensorRecord, key: str) -> list:
+    """The pieces of ``rec``'s per-element optimizer state ``key`` (Adam's moments or any other)."""
+    if key in rec.other_state:
+        return list(rec.other_state[key])
+    return list(rec.exp_avg if key == "exp_avg" else rec.exp_avg_sq if key == "exp_avg_sq" else [])
+
+
+def _state_keys(ckpt: Checkpoint, groups: list[_Group]) -> tuple[list[str], bool]:
+    """(the per-element optimizer-state keys every trainable parameter has, whether every group holds its state):
+    Adam's ``exp_avg`` / ``exp_avg_sq`` with a step, or (any other optimizer: SGD's ``momentum_buffer``, Lion's
+    ``exp_avg``...) the keys of ``other_state``, found in every group's saved state dict."""
+    recs = [r for g in groups for r in g.records]
+    if all(g.step is not None for g in groups) and all(r.exp_avg and r.exp_avg_sq for r in recs):
+        adam = ["exp_avg", "exp_avg_sq"]
+        return adam + [k for k in ckpt.other_state_keys if k not in adam], True
+    keys = ckpt.other_state_keys
+    if keys and recs and all(set(r.other_state) == set(keys) for r in recs) and \
+            all(g.template is not None and all(k in g.template for k in keys) for g in groups):
+        return keys, True
+    if keys:  # state for some parameters only: never written with a part dropped
+        raise UnsupportedLayout(f"optimizer state {', '.join(repr(k) for k in keys)} is saved for some param "
+                                "groups or parameters only", path=ckpt.location.tag_dir)
+    return [], False
 
 
 def is_elastic(ckpt: Checkpoint) -> bool:
@@ -281,8 +310,9 @@ class _Target:
     version: str
     groups: list[_Group]
     elastic: bool  # written back elastic (see is_elastic)
-    has_state: bool  # Adam moments and a step in every group
+    has_state: bool  # the optimizer state of every group: Adam moments and a step, or any per-element state
     conv: W.Converter
+    state_keys: list = field(default_factory=list)  # the per-element state keys, re-partitioned like the masters
     mp_rank: int = 0  # the pipeline stage whose files are planned (``mp_rank_{SS}`` in the names)
 
     @property
@@ -310,12 +340,42 @@ class _Target:
 
 def _target(ckpt: Checkpoint, world_size: int, stage: int, flavour: str, ranks=None) -> _Target:
     groups = _source_groups(ckpt)
-    has_state = all(g.step is not None for g in groups) and all(
-        r.exp_avg and r.exp_avg_sq for g in groups for r in g.records)
+    keys, has_state = _state_keys(ckpt, groups)
     version = ckpt.model_state.get("ds_version") or ckpt.optim_states[0].get("ds_version") or "0.19.8"
     return _Target(ckpt, world_size, stage, flavour, _target_config(ckpt.ds_config, stage, flavour),
                    list(range(world_size)) if ranks is None else [int(r) for r in ranks], output_tag(ckpt),
-                   version, groups, is_elastic(ckpt), has_state, W.Converter())
+                   version, groups, is_elastic(ckpt), has_state, W.Converter(), keys)
+
+
+def _key_dtype(t: _Target, records: list[TensorRecord], key: str, what: str) -> str:
+    """The one dtype ``key``'s pieces are stored in over ``records`` (one flat buffer holds one dtype)."""
+    dts = {p.dtype for r in records for p in _state_pieces(r, key)}
+    if len(dts) > 1:
+        raise UnsupportedLayout(f"{what} of the target layout would mix dtypes of the optimizer state '{key}' "
+                                f"({', '.join(sorted(dts))})", path=t.ckpt.location.tag_dir)
+    return dts.pop() if dts else "float32"
+
+
+def _state_dict_out(t: _Target, g: _Group, part) -> OrderedDict:
+    """One flat partition's optimizer state: the per-element keys from ``part(key)`` (a TensorOut), every other
+    value as the source saved it, in the source's key order (Adam's: step, exp_avg, exp_avg_sq, as torch has it)."""
+    adam = ("exp_avg", "exp_avg_sq")
+    if g.template is None or set(g.template) <= {"step", *adam}:
+        out = OrderedDict([("step", _step_out(g.step))] if g.step is not None or t.state_keys[:2] == list(adam)
+                          else [])
+        for key in t.state_keys:
+            out[key] = part(key)
+        return out
+    out = OrderedDict()
+    for key, value in g.template.items():
+        key = str(key) if isinstance(key, str) else key
+        if key in t.state_keys:
+            out[key] = part(key)
+        elif key == "step":
+            out[key] = _step_out(value)
+        else:
+            out[key] = t.conv(value) if isinstance(value, LazyTensor) else copy.deepcopy(value)
+    return out
 
 
 # ---- pieces every rank file shares
@@ -349,7 +409,9 @@ def _clip_grad(t: _Target) -> float:
 
 
 def _frozen_records(t: _Target) -> list[TensorRecord]:
-    return [r for r in t.ckpt.records if r.kind == "frozen"]
+    """What DeepSpeed lists as frozen (``requires_grad=False``): not the parameters in no optimizer group, which
+    it keeps in ``module`` only."""
+    return [r for r in t.ckpt.records if r.kind == "frozen" and not r.no_group]
 
 
 def _optim_file(t: _Target, rank: int, osd: dict) -> TorchObject:
@@ -424,7 +486,7 @@ def _module_zero3(t: _Target) -> OrderedDict:
         rec = byname.get(name)
         if rec is None or (rec.kind == "buffer" and t.ckpt.stage == 3):
             out[name] = t.conv(src)
-        elif rec.kind == "buffer":
+        elif rec.kind == "buffer" or rec.no_group:  # (a parameter in no group: never partitioned, kept whole)
             out[name] = TensorOut(rec.dtype, rec.shape, list(rec.value))
         else:
             base = rec.tied_to if rec.kind == "tied" else name
@@ -447,6 +509,7 @@ class _FlatGroup:
     master_dtype: str
     state_dtype: str | None
     names: list[str] | None = None  # the names param_slice_mappings gives the records (default: theirs)
+    key_dtypes: dict = field(default_factory=dict)  # per-element state key -> its dtype
 
 
 def _flat_group(t: _Target, g: _Group, ws: int, names: list[str] | None = None) -> _FlatGroup:
@@ -456,10 +519,12 @@ def _flat_group(t: _Target, g: _Group, ws: int, names: list[str] | None = None) 
     itemsize = DTYPE_SIZES[t.lp_dtype(g.records[0])] if g.records else 2
     lay = W.flat_group_layout([r.numel for r in g.records], ws, itemsize, align)
     mdt, sdt = _flat_dtypes(t, g.records, f"param group {g.index}")
-    flat = {k: lay.flat([list(getattr(r, attr)) for r in g.records], mdt if k == "fp32" else sdt)
-            for k, attr in (("fp32", "value"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-            if k == "fp32" or t.has_state}
-    return _FlatGroup(g, lay, flat, mdt, sdt, names)
+    flat = {"fp32": lay.flat([list(r.value) for r in g.records], mdt)}
+    dtypes = {}
+    for key in t.state_keys if t.has_state else ():
+        dtypes[key] = _key_dtype(t, g.records, key, f"param group {g.index}")
+        flat[key] = lay.flat([_state_pieces(r, key) for r in g.records], dtypes[key])
+    return _FlatGroup(g, lay, flat, mdt, sdt, names, dtypes)
 
 
 def _flat_groups(t: _Target) -> list[_FlatGroup]:
@@ -484,11 +549,8 @@ def _zero12_optim(t: _Target, fgs: list[_FlatGroup], rank: int, windows: list[in
         keep = P if t.flavour == "bf16_optimizer" else P - pad
         fp32_parts.append(TensorOut(fg.master_dtype, (keep,), W.slice_segments(flat["fp32"], w * P, keep)))
         if t.has_state:
-            state[gi] = OrderedDict([
-                ("step", _step_out(fg.group.step)),
-                ("exp_avg", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg"], w * P, P))),
-                ("exp_avg_sq", TensorOut(fg.state_dtype, (P,), W.slice_segments(flat["exp_avg_sq"], w * P, P))),
-            ])
+            state[gi] = _state_dict_out(t, fg.group, lambda key, fg=fg, w=w, P=P: TensorOut(
+                fg.key_dtypes[key], (P,), W.slice_segments(fg.flat[key], w * P, P)))
         pgroups.append(_group_params(fg.group.hyper, [gi], t.conv))
         gpads.append(pad)
         names = fg.names or [r.name for r in fg.group.records]
@@ -549,13 +611,14 @@ class _SubGroup:
     def partition(self, ws: int) -> int:
         return sum(W.zero3_part(r.numel, ws) for r in self.records)
 
-    def rank_slice(self, attr: str, ws: int, rank: int) -> TensorOut:
-        """This sub-group's partition of rank ``rank``: each param's ceil(n/ws) slice, for ``attr`` (value,
-        exp_avg, exp_avg_sq)."""
-        dtype = self.master_dtype if attr == "value" else self.state_dtype
+    def rank_slice(self, attr: str, ws: int, rank: int, dtype: str | None = None) -> TensorOut:
+        """This sub-group's partition of rank ``rank``: each param's ceil(n/ws) slice, for ``attr`` (value, or a
+        per-element optimizer-state key stored as ``dtype``)."""
+        dtype = self.master_dtype if attr == "value" else dtype or self.state_dtype
         segs = []
         for r in self.records:
-            segs += W.zero3_rank_slice(list(getattr(r, attr)), r.numel, ws, rank, dtype)
+            segs += W.zero3_rank_slice(list(r.value) if attr == "value" else _state_pieces(r, attr), r.numel, ws,
+                                       rank, dtype)
         return TensorOut(dtype, (self.partition(ws),), segs)
 
 
@@ -578,8 +641,9 @@ def _zero3_optim(t: _Target, subs: list[_SubGroup], rank: int) -> TorchObject:
     for s, sg in enumerate(subs):
         flat.append(sg.rank_slice("value", ws, rank))
         if t.has_state:
-            state[s] = OrderedDict([("step", _step_out(sg.group.step)), ("exp_avg", sg.rank_slice("exp_avg", ws, rank)),
-                                    ("exp_avg_sq", sg.rank_slice("exp_avg_sq", ws, rank))])
+            dts = {k: _key_dtype(t, sg.records, k, f"ZeRO-3 sub-group {s}") for k in t.state_keys}
+            state[s] = _state_dict_out(t, sg.group, lambda key, sg=sg, dts=dts: sg.rank_slice(key, ws, rank,
+                                                                                                dts[key]))
     pgroups = [_group_params(g.hyper, [s for s, sg in enumerate(subs) if sg.group.index == g.index], t.conv)
                for g in t.groups]
     osd = OrderedDict([("zero_stage", W.zero_stage_enum(3))])
@@ -635,6 +699,7 @@ def _check_state(ckpt: Checkpoint) -> None:
     if ckpt.state_refusal:
         raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}",
                                 path=ckpt.location.tag_dir, hint="zckpt merge / info / verify read this checkpoint")
+    ckpt.check_ties()
 
 
 def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
@@ -649,6 +714,12 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
                                 path=ckpt.location.tag_dir, hint="reshard it at ZeRO-1 or ZeRO-2")
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"must be 1, 2 or 3, got {stage!r}", param="stage")
+    if stage == 3 and ckpt.no_group and ckpt.stage != 3:
+        names = [r.name for r in ckpt.no_group]
+        raise UnsupportedLayout(f"{len(names)} parameters in no optimizer group ({', '.join(names[:3])}"
+                                f"{', ...' if len(names) > 3 else ''}): a ZeRO-3 engine partitions them and its "
+                                "files would hold them nowhere", path=ckpt.location.tag_dir,
+                                hint="keep stage 1 or 2 (they stay in 'module'), or put them in a param group")
     if ckpt.offload:
         log.info("source used optimizer offload; the partitions are the same, offload is a config choice")
     if bf16_optimizer is None:
@@ -684,12 +755,16 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     objects, partitions = _plan_native(t)
     if fmt == "universal":
         from zckpt.ops import universal
+        if t.has_state and t.state_keys[:2] != ["exp_avg", "exp_avg_sq"] or len(t.state_keys) > 2:
+            raise UnsupportedLayout(f"optimizer state {', '.join(repr(k) for k in t.state_keys)}: zckpt writes "
+                                    "the universal layout for Adam's moments only", path=ckpt.location.tag_dir,
+                                    hint="reshard in the DeepSpeed layout (drop --format universal)")
         objects = universal.plan_universal(ckpt, t.tag, stage, t.groups, t.has_state, objects)
     files = [_planned(o) for o in objects] + _side_files(ckpt, world_size)
     plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
                        flavour, world_size, ckpt.precision, files, partitions=partitions)
     if not t.has_state:
-        plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
+        plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
     return plan
 
 
@@ -870,7 +945,7 @@ def _moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_opti
                       f"{ckpt.world_size} -> {world_size}; each expert group over "
                       + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
     if not t.has_state:
-        plan.notes.append("the source has no Adam state yet (saved before the first step); none is written")
+        plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
     return plan
 
 

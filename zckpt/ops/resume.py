@@ -110,13 +110,19 @@ def engine_target(engine) -> Target:
 
 def _engine_params(engine) -> dict:
     """name -> (shape, trainable) of every parameter the engine's module has (tied aliases included), under the
-    checkpoint's names (:func:`_moe_experts`: global expert ids, AutoEP's fused experts at their full shape)."""
+    checkpoint's names (:func:`_moe_experts`: global expert ids, AutoEP's fused experts at their full shape).
+    Trainable: ``requires_grad``, and in one of the optimizer's flat groups where the optimizer shows them (a
+    parameter in no param group is read from ``module``, as a frozen one)."""
     experts = _moe_experts(engine)
+    opt = getattr(engine, "optimizer", None)
+    flat = next((getattr(opt, a) for a in ("bit16_groups", "bf16_groups", "fp16_groups")
+                 if isinstance(getattr(opt, a, None), list)), None)
+    owned = {id(q) for g in flat for q in g} if flat is not None else None
     out = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
         name, shape = experts.get(name, (name, shape))
-        out[name] = (shape, bool(p.requires_grad))
+        out[name] = (shape, bool(p.requires_grad) and (owned is None or id(p) in owned))
     return out
 
 

@@ -343,11 +343,22 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
         if rec.kind != "tied" and have != math.prod(rec.shape):
             bad.append(f"{rec.name}: {have} elements for shape {list(rec.shape)}")
     report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
-    moments = [r for r in ckpt.of_kind("trainable") if not r.exp_avg or not r.exp_avg_sq]
-    report.add("optimizer state", not moments or len(moments) == len(ckpt.of_kind("trainable")),
-               "Adam moments present" if not moments else f"no moments for {len(moments)} params")
+    trainable = ckpt.of_kind("trainable")
+    other = ckpt.other_state_keys
+    moments = [r for r in trainable if not r.exp_avg or not r.exp_avg_sq]
+    stateless = [r for r in trainable if not (r.exp_avg and r.exp_avg_sq) and set(r.other_state) != set(other)] \
+        if other else moments
+    report.add("optimizer state", not stateless or len(stateless) == len(trainable),
+               (f"optimizer state {', '.join(other)} present (per element)" if other else "Adam moments present")
+               if not stateless else f"no moments for {len(stateless)} params")
     steps = {g.step for g in ckpt.groups}
     report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
+    if ckpt.no_group or ckpt.ambiguous_ties:  # reported, never failed: DeepSpeed loads these checkpoints
+        detail = f"{len(ckpt.no_group)} parameters in no optimizer group, read from 'module'" if ckpt.no_group else ""
+        for a, b in ckpt.ambiguous_ties:
+            detail += (("; " if detail else "") + f"'{a}' holds the very bytes of '{b}', no tie recorded: merge, "
+                       f"reshard and convert need --no-tie {a} or --tie {a}={b}")
+        report.add("parameters outside the optimizer", True, detail)
 
 
 def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:

@@ -86,6 +86,12 @@ class TensorRecord:
     group: int | None = None  # optimizer param group (trainable)
     tied_to: str | None = None
     lp_dtype: str | None = None  # the training (low-precision) dtype of a parameter
+    # elementwise optimizer state other than Adam's moments, key -> pieces laid out like ``value`` (SGD's
+    # momentum_buffer, Lion's exp_avg when there is no exp_avg_sq), in the optimizer's key order
+    other_state: dict = field(default_factory=dict)
+    # a trainable parameter (requires_grad) in no optimizer param group, kind "frozen": its value is the module's,
+    # in its dtype, with no optimizer state (an empty param group, a module attached after deepspeed.initialize)
+    no_group: bool = False
 
     @property
     def numel(self) -> int:
@@ -132,6 +138,7 @@ def check_records(records: list[TensorRecord], path: str | None = None) -> None:
         lists = [("value", rec.value)]
         if rec.exp_avg or rec.exp_avg_sq:
             lists += [("exp_avg", rec.exp_avg), ("exp_avg_sq", rec.exp_avg_sq)]
+        lists += [(key, pieces) for key, pieces in rec.other_state.items()]
         for what, pieces in lists:
             dtypes = {p.dtype for p in pieces}
             numel = sum(p.numel for p in pieces)
@@ -179,6 +186,11 @@ class Checkpoint:
     # why the optimizer state the files hold cannot be carried (None: it can): the weights are read exactly, but
     # whatever carries the whole training state (convert, resume) must refuse rather than drop it
     state_refusal: str | None = None
+    # (name, parameter): a ``module`` entry in no optimizer group holding the very bytes of a trainable parameter's
+    # training-dtype copy, with no tie recorded: a separate parameter (its value is that copy) or an unrecorded tie
+    # (its value is the master) cannot be told apart; what reads values refuses until a tie is declared
+    # (:func:`zckpt.deepspeed.model.declared_ties`, ``--tie`` / ``--no-tie``); info and verify report it
+    ambiguous_ties: list = field(default_factory=list)
     format: str = "deepspeed"  # the reader that built it: "deepspeed" or "dcp"
     extra: dict = field(default_factory=dict)  # facts only one format has (DCP: its key scheme, scalars)
 
@@ -199,6 +211,27 @@ class Checkpoint:
     def master_dtypes(self) -> list[str]:
         """The dtypes the trainable parameters' master weights are stored in (e.g. ["float32"])."""
         return sorted({r.dtype for r in self.records if r.kind == "trainable"})
+
+    @property
+    def no_group(self) -> list[TensorRecord]:
+        """Trainable parameters in no optimizer param group (read from ``module``, no optimizer state)."""
+        return [r for r in self.records if r.no_group]
+
+    @property
+    def other_state_keys(self) -> list[str]:
+        """Elementwise optimizer-state keys other than Adam's moments (e.g. ``momentum_buffer``)."""
+        return list(dict.fromkeys(k for r in self.records for k in r.other_state))
+
+    def check_ties(self) -> None:
+        """Refuse reading values while a tie cannot be told from a separate parameter (``ambiguous_ties``)."""
+        if self.ambiguous_ties:
+            name, other = self.ambiguous_ties[0]
+            more = f" (and {len(self.ambiguous_ties) - 1} more)" if len(self.ambiguous_ties) > 1 else ""
+            raise UnsupportedLayout(
+                f"'{name}' is in no optimizer group and holds the very bytes of '{other}'{more}, with no tie "
+                "recorded: a separate parameter and an unrecorded tie cannot be told apart", path=self.location.tag_dir,
+                hint=f"pass --no-tie {name} if it is a parameter of its own, --tie {name}={other} if it is a second "
+                     f"name of '{other}'")
 
     @property
     def state_dtypes(self) -> list[str]:
