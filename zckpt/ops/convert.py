@@ -47,7 +47,7 @@ from zckpt.state.model import Checkpoint
 from zckpt.engine import executor, torchzip
 from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.io import publish, storage
+from zckpt.io import links, publish, storage
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +320,7 @@ def trainer_copies(trainer_dir: str, tag_dir: str, storage_options: dict | None 
         if "/" in name or name in _DEEPSPEED_FILES or name == publish.MARKER:
             continue
         out.append((name, storage.join(trainer_dir, name), size))
+    links.check([path for _, path, _ in out], trainer_dir)  # copied as they are: none from outside the checkpoint
     return out
 
 
