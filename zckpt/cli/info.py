@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import emit_json, global_options, storage_option, tag_option, follow_links_option
 
 
 @click.command(epilog="""\b
@@ -15,6 +15,7 @@ Examples:
 @click.argument("path")
 @tag_option
 @storage_option
+@follow_links_option
 @global_options()
 def info(path, tag, storage_options, as_json, quiet):
     """Show a checkpoint's ZeRO stage, precision, world size, parameters, steps and files.

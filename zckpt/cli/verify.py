@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option
+from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option, follow_links_option
 
 
 @click.command(epilog="""\b
@@ -17,6 +17,7 @@ Examples:
 @click.option("--deep", is_flag=True,
               help="Read every byte of every file: the CRC of every zip entry, sha256 against any push manifest.")
 @storage_option
+@follow_links_option
 @global_options()
 def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.

@@ -602,7 +602,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
                                                             target.url_of(c.name)) for c in rest]
                     first_error, gone = _unreachable_error(res.error, target, len(rest)), True
                     break
-            if roots and not cancel.is_set() and not gone:
+            if roots and not cancel.is_set() and not gone and any(  # only beside a checkpoint that is there
+                    c.status in ("pushed", "up-to-date", "dry-run") for c in result.checkpoints):
                 result.root_files_sent = _push_roots(src, roots, target, ctx, dry_run)
             if keep_last is not None and not cancel.is_set() and not gone and any(
                     c.status in ("pushed", "up-to-date") for c in result.checkpoints):

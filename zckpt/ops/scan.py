@@ -458,8 +458,8 @@ def latest_problem(folder: str, storage_options: dict | None = None) -> tuple[st
     names = storage.listdir(folder, opts)
     present = [n for n in LATEST_NAMES if n in names]
     if not present:
-        return None, ("no 'latest' file: not resumable as saved (DeepSpeed's load_checkpoint with tag=None, how "
-                      "the Trainer resumes, loads nothing)")
+        return None, ("no 'latest' file (DeepSpeed's load_checkpoint with tag=None, how the Trainer resumes, "
+                      "loads nothing)")
     tag = None
     for name in present:
         path = storage.join(folder, name)
@@ -500,7 +500,7 @@ def check_save_tag(save_dir: str, tag: str) -> tuple[bool, str]:
     ``latest`` after every rank file: a newer tag is a save that has not finished)."""
     named, why = latest_problem(save_dir)
     if why:
-        return False, f"not resumable from {save_dir}: {why} ({PUSH_LATEST_FIX})"
+        return False, f"not resumable from {save_dir}: {why}; {PUSH_LATEST_FIX}"
     if named != tag and (step_of(tag) or -1) > (step_of(named) or -1):
         return False, (f"newer than {named!r}, the tag 'latest' names: its save has not finished (DeepSpeed writes "
                        "'latest' last)")
@@ -512,7 +512,8 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
 
     No link may lead out of the folder (:mod:`zckpt.io.links`); Trainer folders need ``trainer_state.json`` (the
     Trainer writes it last); a folder holding tag folders (a Trainer ``checkpoint-N``, a save folder) must be
-    resumable as saved (:func:`latest_problem`: ``latest`` there, naming its tag); every DeepSpeed tag folder needs all rank files (dp ranks 0..W-1 per mp rank, W from
+    resumable as saved (:func:`latest_problem`: ``latest`` there, naming its tag); every DeepSpeed tag folder
+    needs all rank files (dp ranks 0..W-1 per mp rank, W from
     ``dp_world_size`` in the model states); every torch zip needs an intact central directory and a
     ``data.pkl``; every ``.safetensors`` a header that matches its size. One function, so a deeper check
     (``zckpt.ops.verify``) can replace it.
@@ -540,7 +541,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         except LinkOutside as exc:
             return False, exc.render()
         if why:
-            return False, f"not resumable: {why} ({PUSH_LATEST_FIX})"
+            return False, f"not resumable: {why}; {PUSH_LATEST_FIX}"
     tags = ([checkpoint_dir] if _has_rank_files(checkpoint_dir) else []) + inner
     if not tags and not trainer:
         return False, "no DeepSpeed rank files and no trainer_state.json"

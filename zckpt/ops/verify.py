@@ -364,7 +364,8 @@ def check_latest(ckpt: Checkpoint, report: VerifyReport, tag_given: bool = False
             why = f"'latest' names {named!r}, not the tag checked {loc.tag!r}"
         elif why is not None and named is None:
             why += f" (the tag here: {loc.tag})"
-        report.add("latest", why is None, why or f"names existing tag {loc.tag}: load_checkpoint resumes it")
+        report.add("latest", why is None, f"not resumable: {why}" if why else
+                   f"names existing tag {loc.tag}: load_checkpoint resumes it")
         return
     how = f"resume it with load_checkpoint(..., tag='{loc.tag}')"
     if named == loc.tag and why is None:
