@@ -23,7 +23,8 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.
 
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
-    param_shapes, versions agree, 'latest' names an existing tag; every file of the checkpoint readable (zip
+    param_shapes, versions agree; resumable as saved ('latest' there and naming the tag: with --tag, or a tag
+    folder as PATH, a note); no link leading out of the folder; every file of the checkpoint readable (zip
     directories, safetensors headers); a push manifest's files present (a push that never wrote its manifest is
     not complete). PATH: a save folder, tag, checkpoint-N or push destination. Exit status 0 when all checks pass,
     1 otherwise.

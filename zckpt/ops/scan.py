@@ -496,14 +496,15 @@ PUSH_LATEST_FIX = "write the tag's name into 'latest' as DeepSpeed does (printf 
 
 def check_save_tag(save_dir: str, tag: str) -> tuple[bool, str]:
     """A tag of a DeepSpeed save folder, pushed as a checkpoint of its own: resumable once the save folder's
-    ``latest`` is valid (:func:`latest_problem`) and the tag is not newer than the one it names (DeepSpeed writes
-    ``latest`` after every rank file: a newer tag is a save that has not finished)."""
+    ``latest`` is valid (:func:`latest_problem`) and the tag is not newer than the one it names (DeepSpeed's rank 0
+    writes ``latest`` once its own rank files are written: a newer tag is a save that has not finished, or one made
+    with ``save_latest=False``)."""
     named, why = latest_problem(save_dir)
     if why:
         return False, f"not resumable from {save_dir}: {why}; {PUSH_LATEST_FIX}"
     if named != tag and (step_of(tag) or -1) > (step_of(named) or -1):
-        return False, (f"newer than {named!r}, the tag 'latest' names: its save has not finished (DeepSpeed writes "
-                       "'latest' last)")
+        return False, (f"newer than {named!r}, the tag 'latest' names: its save has not finished (DeepSpeed's rank 0 "
+                       "writes 'latest' after its rank files)")
     return True, "complete"
 
 
