@@ -110,11 +110,13 @@ def test_verify_latest_flipped_or_naming_a_missing_tag(tmp_path, content):
     """A flipped byte in 'latest' (still text, or not UTF-8), a missing tag, an empty file: one line, exit 1."""
     ck = copy(TRAINER, tmp_path / "checkpoint-4")
     (ck / "latest").write_bytes(content)
-    proc = cli("verify", ck)
-    if content:
-        one_line_error(proc, "'latest'")
-    else:  # an empty latest names no tag: DeepSpeed's load_checkpoint then fails too
-        assert proc.returncode == 1 and ("'latest'" in proc.stderr or "latest" in "".join(bad_lines(proc)))
+    one_line_error(cli("verify", ck), "'latest'", str(ck / "latest"))
+    proc = cli("verify", ck, "--tag", "global_step4")  # the tag chosen: 'latest' is a note
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    note = [line for line in proc.stdout.splitlines() if line.startswith("ok   latest:")]
+    assert len(note) == 1 and "'latest'" in note[0] and "tag='global_step4'" in note[0], proc.stdout
+    ok, reason = scan.check_complete(str(ck))
+    assert not ok and reason.startswith("not resumable: 'latest'"), reason
 
 
 def test_verify_trainer_latest_naming_another_tag(tmp_path):

@@ -368,14 +368,13 @@ def check_latest(ckpt: Checkpoint, report: VerifyReport, tag_given: bool = False
                    f"names existing tag {loc.tag}: load_checkpoint resumes it")
         return
     how = f"resume it with load_checkpoint(..., tag='{loc.tag}')"
-    if named == loc.tag and why is None:
-        note = f"names this tag ({loc.tag})"
+    if why is None and named == loc.tag:
+        note = "'latest' names this tag"
     elif why is None:
-        note = f"names {named!r}, not this tag: load_checkpoint without a tag resumes that one; {how}"
+        note = f"'latest' names {named!r}, not this tag: load_checkpoint without a tag resumes that one; {how}"
     else:
         note = f"{why}; {how} (a Trainer resume reads 'latest')"
-    report.add("latest", True, f"tag {loc.tag} chosen; 'latest' {note}" if not note.startswith("no ") else
-               f"tag {loc.tag} chosen; {note}")
+    report.add("latest", True, f"tag {loc.tag} chosen; {note}")
 
 
 def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
