@@ -110,7 +110,7 @@ def test_verify_latest_flipped_or_naming_a_missing_tag(tmp_path, content):
     """A flipped byte in 'latest' (still text, or not UTF-8), a missing tag, an empty file: one line, exit 1."""
     ck = copy(TRAINER, tmp_path / "checkpoint-4")
     (ck / "latest").write_bytes(content)
-    one_line_error(cli("verify", ck), "'latest'", str(ck / "latest"))
+    one_line_error(cli("verify", ck), "'latest'", str(ck))
     proc = cli("verify", ck, "--tag", "global_step4")  # the tag chosen: 'latest' is a note
     assert proc.returncode == 0, proc.stdout + proc.stderr
     note = [line for line in proc.stdout.splitlines() if line.startswith("ok   latest:")]
@@ -225,6 +225,7 @@ def read_commands(ck: Path, tmp_path: Path, tag_dir: str | None = "global_step4"
     yield "verify", ("verify", ck)
     yield "merge", ("merge", ck, "-o", tmp_path / "merged")
     if tag_dir:
+        yield "reshard", ("reshard", ck, "--world-size", "1", "-o", tmp_path / "converted")
         yield "convert", ("convert", ck, "--to", "dcp", "-o", tmp_path / "converted")
     else:
         yield "convert", ("convert", ck, "--to", "deepspeed", "--world-size", "1", "--stage", "2", "--dtype",

@@ -569,7 +569,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
 def newest_mtime(folder: str) -> float:
     """When the newest file of the checkpoint folder changed (every file :func:`checkpoint_files` counts)."""
     newest = 0.0
-    with contextlib.suppress(NotBackedUp):
+    with contextlib.suppress(NotBackedUp, LinkOutside):  # (said by check_complete, and again by the push)
         for f in checkpoint_files(folder):
             with contextlib.suppress(OSError):
                 newest = max(newest, os.stat(f.path).st_mtime)
