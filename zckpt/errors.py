@@ -116,6 +116,14 @@ class InvalidArgument(ZckptError, ValueError):
     """A bad parameter value (``param`` names it) or combination of parameters."""
 
 
+class LinkOutside(InvalidArgument):
+    """A symbolic link in a checkpoint folder leads outside it (:mod:`zckpt.io.links`): not read, never uploaded,
+    unless links are allowed (``ZCKPT_FOLLOW_LINKS=1``, the CLI's ``--follow-links``)."""
+
+    default_hint = ("copy the file into the checkpoint folder (cp --dereference), or allow links out of it: "
+                    "--follow-links (ZCKPT_FOLLOW_LINKS=1)")
+
+
 class OutputExists(ZckptError, FileExistsError):
     """The output location holds something zckpt will not overwrite."""
 

@@ -306,6 +306,16 @@ def _storage_callback(ctx, param, pairs) -> dict | None:
 storage_option = click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
                               callback=_storage_callback,
                               help="fsspec option for URL paths (repeatable), e.g. endpoint_url=http://...")
+def _follow_links_callback(ctx: click.Context, param: click.Parameter, value):
+    if value:  # the process's setting (zckpt.io.links), inherited by the ranks a distributed command starts
+        os.environ["ZCKPT_FOLLOW_LINKS"] = "1"
+    return value
+
+
+follow_links_option = click.option(
+    "--follow-links", "follow_links", is_flag=True, expose_value=False, callback=_follow_links_callback,
+    help="Follow symbolic links that lead out of the checkpoint folder (refused by default: push would upload "
+         "their targets); or set ZCKPT_FOLLOW_LINKS=1.")
 output_storage_option = click.option(
     "--output-storage-option", "output_storage_options", multiple=True, metavar="KEY=VALUE",
     callback=_storage_callback,

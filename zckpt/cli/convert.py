@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
+    follow_links_option,
     Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
@@ -53,6 +54,7 @@ Examples:
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @output_options("convert", "files, keys, sizes")
 @storage_option
+@follow_links_option
 @global_options()
 def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, adam_mode, tag, workers,
             overwrite, durable, dry_run, storage_options, as_json, quiet):

@@ -12,7 +12,7 @@ import textwrap
 
 import click
 
-from zckpt.cli._common import emit_json, global_options
+from zckpt.cli._common import emit_json, global_options, follow_links_option
 from zckpt.errors import InvalidArgument
 
 EPILOG = """\b
@@ -125,6 +125,7 @@ def _read_config(path: str) -> dict:
               help="Memory of one GPU (80GiB, 80GB, 81559MiB): say which setting fits, and why.")
 @click.option("--headroom", "headroom_text", metavar="SHARE", default=None,
               help="Part of the GPU kept free for activations: 25% (default), 0.3, or a size like 16GiB.")
+@follow_links_option
 @global_options()
 def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes_text, buffer_text,
              gpu_memory_text, headroom_text, as_json, quiet):

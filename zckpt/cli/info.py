@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import emit_json, global_options, storage_option, tag_option, tie_options
+from zckpt.cli._common import (
+    emit_json, follow_links_option, global_options, storage_option, tag_option, tie_options,
+)
 
 
 @click.command(epilog="""\b
@@ -16,6 +18,7 @@ Examples:
 @tag_option
 @tie_options
 @storage_option
+@follow_links_option
 @global_options()
 def info(path, tag, storage_options, as_json, quiet):
     """Show a checkpoint's ZeRO stage, precision, world size, parameters, steps and files.

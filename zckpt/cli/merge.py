@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
+    follow_links_option,
     Progress, emit_json, global_options, output_options, output_storage_option, published, settings, storage_option,
     tag_option, tie_options,
 )
@@ -43,6 +44,7 @@ Examples:
                    "file run one at a time, as fast as cp.")
 @output_options("merge", "files, tensors, sizes")
 @storage_option
+@follow_links_option
 @output_storage_option
 @global_options()
 def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,

@@ -13,7 +13,9 @@ import threading
 
 import click
 
-from zckpt.cli._common import Progress, describe_here, emit_json, global_options, published, storage_option
+from zckpt.cli._common import (
+    Progress, describe_here, emit_json, follow_links_option, global_options, published, storage_option,
+)
 from zckpt.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -160,6 +162,7 @@ AWS_ACCESS_KEY_ID, ...); --storage-option passes any fsspec/s3fs option. Guide: 
               help="Exit 0 when nothing was pushed (no checkpoint found, none complete); by default that is an error "
                    "(--every always goes on waiting).")
 @storage_option
+@follow_links_option
 @global_options()
 def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size, retries, allow_empty,
          storage_options, as_json, quiet):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
+    follow_links_option,
     Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
@@ -38,6 +39,7 @@ Examples:
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
 @output_options("reshard", "files, partitions, sizes")
 @storage_option
+@follow_links_option
 @global_options()
 def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,
             storage_options, as_json, quiet):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tag_option, tie_options
+from zckpt.cli._common import (
+    Progress, emit_json, follow_links_option, global_options, storage_option, tag_option, tie_options,
+)
 
 
 @click.command(epilog="""\b
@@ -19,12 +21,14 @@ Examples:
 @click.option("--deep", is_flag=True,
               help="Read every byte of every file: the CRC of every zip entry, sha256 against any push manifest.")
 @storage_option
+@follow_links_option
 @global_options()
 def verify(path, tag, deep, storage_options, as_json, quiet):
     """Check that a checkpoint is complete and consistent.
 
     Every rank file present and readable, partition_count agrees with the files, partitions agree with
-    param_shapes, versions agree, 'latest' names an existing tag; every file of the checkpoint readable (zip
+    param_shapes, versions agree; resumable as saved ('latest' there and naming the tag: with --tag, or a tag
+    folder as PATH, a note); no link leading out of the folder; every file of the checkpoint readable (zip
     directories, safetensors headers); a push manifest's files present (a push that never wrote its manifest is
     not complete). PATH: a save folder, tag, checkpoint-N or push destination. Exit status 0 when all checks pass,
     1 otherwise.

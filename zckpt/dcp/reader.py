@@ -34,7 +34,7 @@ from zckpt.errors import (
 )
 from zckpt.formats import dcpmeta, safeload
 from zckpt.formats.safeload import LazyTensor, StorageRef
-from zckpt.io import storage
+from zckpt.io import links, storage
 from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of, scalar_value,
 )
@@ -208,8 +208,10 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
             names = storage.listdir(folder, opts)
             own = {n: storage.size(storage.join(folder, n), opts) for n in names
                    if n != METADATA and storage.isfile(storage.join(folder, n), opts)}
+            links.check([mpath], path)  # .metadata and every .distcp it names: inside the folder, links resolved
             data = storage.read_bytes(mpath, opts)
             mds.append(_relative(dcpmeta.read_metadata(data, mpath, own), part))
+            links.check([storage.join(path, f) for f in mds[-1].files], path)
             sizes.update({f"{part}/{n}" if part else n: size for n, size in own.items()})
             metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
         md = _joined(mds, storage.join(path, metas[0][0]))

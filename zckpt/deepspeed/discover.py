@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 
-from zckpt.io import storage
+from zckpt.io import links, storage
 from zckpt.state.model import Location, RankFile  # noqa: F401 - where a checkpoint's files are, re-exported
 from zckpt.errors import CheckpointNotFound, InvalidArgument, UnsupportedLayout
 
@@ -45,6 +45,7 @@ def _tag_key(tag: str):
 
 
 def _read_latest(path: str, storage_options: dict | None = None) -> str:
+    links.check([path], storage.parent(path))  # a 'latest' that is a link out of the folder: not read
     raw = storage.read_range(path, 0, 4096, storage_options)
     try:
         return raw.decode("utf-8").strip()
@@ -76,7 +77,7 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
         if any(m in parent_names for m in TRAINER_MARKERS):
             loc.trainer_dir = parent
         loc.has_latest = "latest" in parent_names
-        return _fill(loc, names)
+        return _checked(_fill(loc, names), parent or path)
 
     has_latest = "latest" in names
     tag_from_user = tag is not None
@@ -117,7 +118,15 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
         raise CheckpointNotFound(f"{where} tag '{tag}' but that folder does not exist", path=tag_dir,
                                  hint="the save may have been interrupted; pick an existing tag with `tag`")
     loc = Location(path, path, tag, tag_dir, trainer_dir, has_latest=has_latest, storage_options=opts)
-    return _fill(loc, storage.listdir(tag_dir, opts))
+    return _checked(_fill(loc, storage.listdir(tag_dir, opts)), path)
+
+
+def _checked(loc: Location, root: str) -> Location:
+    """``loc``, once every rank file is known to lie inside the checkpoint folder ``root`` (the folder given; its
+    parent for a tag folder, whose ``latest`` and scripts are read there) with links resolved
+    (:mod:`zckpt.io.links`: a link out of it is refused unless ``ZCKPT_FOLLOW_LINKS=1``)."""
+    links.check([f.path for f in loc.model_files + loc.optim_files + loc.layer_files + loc.expert_files], root)
+    return loc
 
 
 def _existing_tags_hint(path: str, names, storage_options: dict | None = None) -> str:

@@ -48,7 +48,7 @@ from zckpt.engine import executor, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.io import publish, storage
+from zckpt.io import links, publish, storage
 from zckpt.ops import checksums
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,7 @@ def trainer_copies(trainer_dir: str, tag_dir: str, storage_options: dict | None 
         if "/" in name or name in _DEEPSPEED_FILES or name == publish.MARKER:
             continue
         out.append((name, storage.join(trainer_dir, name), size))
+    links.check([path for _, path, _ in out], trainer_dir)  # copied as they are: none from outside the checkpoint
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 from zckpt.engine import executor
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import Shaped, source_segments
-from zckpt.io import publish, storage
+from zckpt.io import links, publish, storage
 from zckpt.ops import checksums
 from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
 from zckpt.errors import InvalidArgument, require_torch
@@ -310,6 +310,7 @@ def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
     out = {}
     for name in TRAINER_COPY:
         if name in names and storage.isfile(storage.join(src, name), opts):
+            links.check([storage.join(src, name)], src)  # a side file that is a link out of the checkpoint
             out[name] = storage.read_bytes(storage.join(src, name), opts)
     if "config.json" in out:
         try:

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zckpt.io import hashing, storage
+from zckpt.io import hashing, links, storage
 from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zckpt.ops.push
     MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, RECORD_NAME, FileTask, FsDestination, HubDestination,
     RemoteFile, FileChanged,
@@ -50,7 +50,7 @@ from zckpt.ops.destinations import RESUME_NOTE, describe_fault
 from zckpt.errors import CorruptFile, EndpointUnreachable, InvalidArgument, PushInterrupted, StorageError, ZckptError
 from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_file_entries
 from zckpt.ops.scan import (  # noqa: F401 - check_complete is also zckpt.ops.push.check_complete
-    LocalCheckpoint, check_complete, checkpoint_files, find_checkpoints, newest_mtime,
+    LocalCheckpoint, check_complete, check_save_tag, checkpoint_files, find_checkpoints, newest_mtime,
 )
 
 log = logging.getLogger(__name__)
@@ -465,6 +465,17 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> C
     return result
 
 
+def _complete(ckpt: LocalCheckpoint) -> tuple[bool, str]:
+    """:func:`check_complete`, and for a tag of the save folder SRC its ``latest`` (:func:`check_save_tag`)."""
+    ok, reason = check_complete(ckpt.path)
+    if ok and ckpt.save_dir:
+        try:
+            ok, reason = check_save_tag(ckpt.save_dir, ckpt.name)
+        except ZckptError as exc:  # a 'latest' that is a link out of SRC
+            ok, reason = False, exc.render()
+    return ok, reason
+
+
 def _select(checkpoints, settle, wait_settle, ctx, results):
     """Complete, settled checkpoints (waiting for ``settle`` where that is all they lack)."""
     ready = []
@@ -473,7 +484,7 @@ def _select(checkpoints, settle, wait_settle, ctx, results):
             results.append(CheckpointResult(ckpt.name, "skipped", ckpt.reason, ckpt.step))
             ctx.emit("skipped", checkpoint=ckpt.name, message=ckpt.reason)
             continue
-        ok, reason = check_complete(ckpt.path)
+        ok, reason = _complete(ckpt)
         if not ok:
             results.append(CheckpointResult(ckpt.name, "incomplete", reason, ckpt.step))
             ctx.emit("skipped", checkpoint=ckpt.name, message=f"incomplete: {reason}")
@@ -490,7 +501,7 @@ def _select(checkpoints, settle, wait_settle, ctx, results):
             ctx.emit("waiting", checkpoint=ckpt.name, message=f"waiting {wait:.1f}s for files to settle")
             if ctx.cancel.wait(wait):
                 raise PushInterrupted("interrupted while waiting for files to settle", path=ckpt.path)
-            ok, reason = check_complete(ckpt.path)
+            ok, reason = _complete(ckpt)
             age = time.time() - newest_mtime(ckpt.path)
             if not ok:
                 results.append(CheckpointResult(ckpt.name, "incomplete", reason, ckpt.step))
@@ -585,6 +596,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
             raise InvalidArgument("must not be inside `src` or contain it", path=target.url, param="dest",
                                   hint="choose a `dest` outside `src`")
     checkpoints, roots = find_checkpoints(src)
+    # the save folder's own files (latest, zero_to_fp32.py): one that is a link out of SRC refuses the push at once
+    links.check([os.path.join(src, rel) for rel in roots], src, "not uploaded")
     if only is not None:
         wanted = {os.path.normpath(n) for n in only}
         checkpoints = [c for c in checkpoints if os.path.normpath(c.name or ".") in wanted]
@@ -629,7 +642,8 @@ def push(src: str, dest, *, settle: float = 10.0, keep_last: int | None = None, 
                                                             target.url_of(c.name)) for c in rest]
                     first_error, gone = _unreachable_error(res.error, target, len(rest)), True
                     break
-            if roots and not cancel.is_set() and not gone:
+            if roots and not cancel.is_set() and not gone and any(  # only beside a checkpoint that is there
+                    c.status in ("pushed", "up-to-date", "dry-run") for c in result.checkpoints):
                 result.root_files_sent = _push_roots(src, roots, target, ctx, dry_run)
             if keep_last is not None and not cancel.is_set() and not gone and any(
                     c.status in ("pushed", "up-to-date") for c in result.checkpoints):

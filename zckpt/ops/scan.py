@@ -22,11 +22,11 @@ import re
 import stat
 import struct
 
-from zckpt.io import storage
+from zckpt.io import links, storage
 from zckpt.deepspeed.discover import EXPERT_RE, LAYER_RE, TRAINER_MARKERS
 from zckpt.deepspeed.discover import MODEL_RE as DS_MODEL_RE
 from zckpt.deepspeed.discover import OPTIM_RE as DS_OPTIM_RE
-from zckpt.errors import CheckpointNotFound, InvalidArgument, ZckptError
+from zckpt.errors import CheckpointNotFound, InvalidArgument, LinkOutside, ZckptError
 from zckpt.formats.legacy import is_legacy
 from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import MARKER, has_marker, read_marker
@@ -75,7 +75,9 @@ def checkpoint_files(folder: str, storage_options: dict | None = None, *,
     inside the checkpoint: not part of it; logged) and ``exclude_dirs`` (relative folder names: the other tags of a
     save folder, pushed as checkpoints of their own). Anything that is not a plain file or folder (a dangling
     link, a socket, a folder that cannot be read) raises :class:`NotBackedUp`: never a silent subset.
-    Links to files and folders are followed (a link loop is refused)."""
+    Links to files and folders are followed while they stay inside ``folder`` (a link loop is refused); a link
+    that leads out of it raises :class:`zckpt.errors.LinkOutside` naming it (:mod:`zckpt.io.links`; followed
+    with ``ZCKPT_FOLLOW_LINKS=1``): push never uploads what lies outside the checkpoint."""
     folder = os.fspath(folder)
     if storage.is_url(folder):
         found = storage.list_files(folder, storage_options)
@@ -86,6 +88,7 @@ def checkpoint_files(folder: str, storage_options: dict | None = None, *,
     root = os.path.abspath(storage.local_path(folder))
     out: list[CheckpointFile] = []
     seen = {os.path.realpath(root)}
+    follow = links.followed()
 
     def walk(path: str, rel: str) -> None:
         try:
@@ -100,9 +103,11 @@ def checkpoint_files(folder: str, storage_options: dict | None = None, *,
             except OSError as exc:
                 raise NotBackedUp(f"{r} cannot be read ({exc.strerror or exc}: a dangling link?)", path=e.path,
                                   hint="remove the link or restore what it points to") from exc
+            if stat.S_ISDIR(st.st_mode) and not rel and e.name in exclude_dirs:
+                continue
+            if not follow and e.is_symlink() and (away := links.leaving(e.path, root)) is not None:
+                raise links.refusal(*away, folder)
             if stat.S_ISDIR(st.st_mode):
-                if not rel and e.name in exclude_dirs:
-                    continue
                 if os.path.isfile(os.path.join(e.path, MARKER)):
                     if e.path not in _WARNED:  # once per process, not at every scan
                         _WARNED.add(e.path)
@@ -153,6 +158,7 @@ def side_files(loc, storage_options: dict | None = None) -> list[CheckpointFile]
         path = storage.join(loc.save_dir, name)
         if name in skip or name in PUSH_FILES or name == loc.tag or not storage.isfile(path, opts):
             continue
+        links.check([path], loc.save_dir)
         out.append(CheckpointFile(name, path, storage.size(path, opts)))
     return out
 
@@ -194,6 +200,7 @@ class LocalCheckpoint:
     kind: str  # "trainer" | "deepspeed" | "skip"
     step: int | None
     reason: str = ""
+    save_dir: str = ""  # a tag of the DeepSpeed save folder SRC: its `latest` decides (:func:`check_save_tag`)
 
 
 def step_of(name: str) -> int | None:
@@ -273,9 +280,9 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
         elif not save_folder and "training_args.bin" in inner and not _has_rank_files(path):
             continue  # trainer.save_model("final"): a saved model, not a checkpoint (like runs/)
         elif _has_rank_files(path):
-            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))
-        elif save_folder and TAG_STEP_RE.match(name):
-            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name)))  # being written: incomplete
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name), save_dir=src if save_folder else ""))
+        elif save_folder and TAG_STEP_RE.match(name):  # being written: incomplete
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name), save_dir=src))
         elif save_folder:
             found.append(LocalCheckpoint(name, path, "skip", None, "not a tag folder of this save folder (no rank "
                                          f"files; push it on its own: zckpt push {path} DEST)"))
@@ -430,11 +437,84 @@ def _check_tag(tag_dir: str) -> tuple[bool, str]:
     return True, "complete"
 
 
+LATEST_NAMES = ("latest", "latest_universal")  # DeepSpeed's (load_universal_checkpoint: the second)
+
+
+def latest_problem(folder: str, storage_options: dict | None = None) -> tuple[str | None, str | None]:
+    """``(tag, None)`` when DeepSpeed's ``load_checkpoint(folder)`` (``tag=None``, as a Trainer resume calls it)
+    finds the tag to load in ``folder`` (a save folder or a Trainer ``checkpoint-N`` with tag folders); else
+    ``(tag or None, why)``. The rules (docs/guide.md, "Complete means resumable", lists them)::
+
+        a 'latest' (or 'latest_universal') file      DeepSpeed warns and loads nothing without one
+        its text a tag name (UTF-8, no '/')          what DeepSpeed reads, stripped, as the tag folder's name
+        that tag folder there                        else the load fails on the first rank file
+        a Trainer checkpoint: the tag of its step    trainer_state.json's global_step N and a global_stepN folder
+                                                     there: 'latest' must name it (else the Trainer resumes
+                                                     another step's weights with this step's state)
+
+    Reads only ``latest`` and ``trainer_state.json``; a ``latest`` that is a link out of ``folder`` is refused
+    (:mod:`zckpt.io.links`)."""
+    opts = storage_options
+    names = storage.listdir(folder, opts)
+    present = [n for n in LATEST_NAMES if n in names]
+    if not present:
+        return None, ("no 'latest' file (DeepSpeed's load_checkpoint with tag=None, how the Trainer resumes, "
+                      "loads nothing)")
+    tag = None
+    for name in present:
+        path = storage.join(folder, name)
+        links.check([path], folder)
+        raw = storage.read_range(path, 0, 4096, opts)
+        try:
+            named = raw.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            return None, f"'{name}' is not a text file naming a tag"
+        if not named or "/" in named or named in (".", ".."):
+            return None, f"'{name}' names an invalid tag {named!r}"
+        if not storage.isdir(storage.join(folder, named), opts):
+            return named, f"'{name}' names {named!r}, which is missing"
+        tag = tag or named
+    if "trainer_state.json" in names and "latest" in present:
+        step = _trainer_step(storage.join(folder, "trainer_state.json"), opts)
+        own = f"global_step{step}" if step is not None else None
+        if own and own != tag and storage.isdir(storage.join(folder, own), opts):
+            return tag, (f"'latest' names {tag!r}, but this checkpoint is at step {step} (trainer_state.json) and "
+                         f"holds {own}: the Trainer would resume {tag}'s weights with step {step}'s state")
+    return tag, None
+
+
+def _trainer_step(path: str, storage_options: dict | None) -> int | None:
+    try:
+        step = json.loads(storage.read_bytes(path, storage_options)).get("global_step")
+    except (OSError, ValueError, AttributeError, ZckptError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+PUSH_LATEST_FIX = "write the tag's name into 'latest' as DeepSpeed does (printf TAG > latest), then push again"
+
+
+def check_save_tag(save_dir: str, tag: str) -> tuple[bool, str]:
+    """A tag of a DeepSpeed save folder, pushed as a checkpoint of its own: resumable once the save folder's
+    ``latest`` is valid (:func:`latest_problem`) and the tag is not newer than the one it names (DeepSpeed's rank 0
+    writes ``latest`` once its own rank files are written: a newer tag is a save that has not finished, or one made
+    with ``save_latest=False``)."""
+    named, why = latest_problem(save_dir)
+    if why:
+        return False, f"not resumable from {save_dir}: {why}; {PUSH_LATEST_FIX}"
+    if named != tag and (step_of(tag) or -1) > (step_of(named) or -1):
+        return False, (f"newer than {named!r}, the tag 'latest' names: its save has not finished (DeepSpeed's rank 0 "
+                       "writes 'latest' after its rank files)")
+    return True, "complete"
+
+
 def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     """``(True, "complete")`` when a checkpoint folder is whole, else ``(False, reason)``.
 
-    Trainer folders need ``trainer_state.json`` (the Trainer writes it last); ``latest`` must name a tag
-    folder that exists; every DeepSpeed tag folder needs all rank files (dp ranks 0..W-1 per mp rank, W from
+    No link may lead out of the folder (:mod:`zckpt.io.links`); Trainer folders need ``trainer_state.json`` (the
+    Trainer writes it last); a folder holding tag folders (a Trainer ``checkpoint-N``, a save folder) must be
+    resumable as saved (:func:`latest_problem`: ``latest`` there, naming its tag); every DeepSpeed tag folder
+    needs all rank files (dp ranks 0..W-1 per mp rank, W from
     ``dp_world_size`` in the model states); every torch zip needs an intact central directory and a
     ``data.pkl``; every ``.safetensors`` a header that matches its size. One function, so a deeper check
     (``zckpt.ops.verify``) can replace it.
@@ -445,17 +525,25 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     base = os.path.basename(checkpoint_dir.rstrip(os.sep))
     entries = os.listdir(checkpoint_dir)
     trainer = is_trainer_folder(base, entries)
+    try:  # a link out of the folder first: nothing of this checkpoint is read through it, let alone uploaded
+        files, unlisted = checkpoint_files(checkpoint_dir), None
+    except LinkOutside as exc:
+        return False, exc.render()
+    except NotBackedUp as exc:
+        files, unlisted = [], exc
     if trainer and "trainer_state.json" not in entries:
         return False, "trainer_state.json missing (the Trainer writes it last)"
-    if "latest" in entries and os.path.isfile(os.path.join(checkpoint_dir, "latest")):
-        with open(os.path.join(checkpoint_dir, "latest"), encoding="utf-8", errors="replace") as f:
-            tag = f.read().strip()
-        if tag and not os.path.isdir(os.path.join(checkpoint_dir, tag)):
-            return False, f"latest names {tag!r}, which is missing"
-    tags = [checkpoint_dir] if _has_rank_files(checkpoint_dir) else []
-    tags += [os.path.join(checkpoint_dir, e) for e in sorted(entries)
+    inner = [os.path.join(checkpoint_dir, e) for e in sorted(entries)
              if os.path.isdir(os.path.join(checkpoint_dir, e)) and _has_rank_files(os.path.join(checkpoint_dir, e))
              and not has_marker(os.path.join(checkpoint_dir, e))]
+    if inner or any(n in entries for n in LATEST_NAMES):  # a save folder or checkpoint-N: resumable as saved
+        try:
+            _named, why = latest_problem(checkpoint_dir)
+        except LinkOutside as exc:
+            return False, exc.render()
+        if why:
+            return False, f"not resumable: {why}; {PUSH_LATEST_FIX}"
+    tags = ([checkpoint_dir] if _has_rank_files(checkpoint_dir) else []) + inner
     if not tags and not trainer:
         return False, "no DeepSpeed rank files and no trainer_state.json"
     for tag in tags:
@@ -463,10 +551,8 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         if not ok:
             where = os.path.relpath(tag, checkpoint_dir)
             return False, reason if where == "." else f"{where}: {reason}"
-    try:
-        files = checkpoint_files(checkpoint_dir)
-    except NotBackedUp as exc:
-        return False, exc.message
+    if unlisted is not None:
+        return False, unlisted.message
     for f in files:
         name = f.rel.rsplit("/", 1)[-1]
         reason = None
@@ -483,7 +569,7 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
 def newest_mtime(folder: str) -> float:
     """When the newest file of the checkpoint folder changed (every file :func:`checkpoint_files` counts)."""
     newest = 0.0
-    with contextlib.suppress(NotBackedUp):
+    with contextlib.suppress(NotBackedUp, LinkOutside):  # (said by check_complete, and again by the push)
         for f in checkpoint_files(folder):
             with contextlib.suppress(OSError):
                 newest = max(newest, os.stat(f.path).st_mtime)

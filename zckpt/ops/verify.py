@@ -36,7 +36,7 @@ from zckpt.formats.safeload import LazyTensor, legacy_layout
 from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
 from zckpt.ops.scan import (
     RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file,
-    safetensors_problem, step_of,
+    latest_problem, safetensors_problem, step_of,
 )
 from zckpt.units import format_size
 
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: what to do when a check fails, by check name (parameters in backquotes, shown as flags by the CLI)
 NEXT_STEPS = {
+    "latest": "write the tag's name into 'latest' as DeepSpeed does (printf TAG > latest), or choose the tag with "
+              "`tag`",
     "CRC of every entry": "the bytes of that file are damaged: copy it again from where it was saved (or a "
                           "backup), or use an earlier tag with `tag`",
     "CRC of every item": "the bytes of that .distcp file are damaged: copy it again from where it was saved (or a "
@@ -148,6 +150,8 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
+    if ckpt.format != "dcp":
+        check_latest(ckpt, report, tag_given=tag is not None)
     log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
              sum(not c.ok for c in report.checks), time.perf_counter() - t0)
     if storage.exists(storage.join(ckpt.location.input_path, publish.MARKER), opts):  # a zckpt reshard/convert output
@@ -324,8 +328,6 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     else:
         report.add("rank files", True, f"{len(loc.optim_files)} optimizer + {len(loc.model_files)} model-states "
                                        f"files for world size {ckpt.world_size}")
-    if loc.has_latest:
-        report.add("latest", True, f"names existing tag {loc.tag}")
     versions = {str(s.get("ds_version")) for s in ckpt.model_states + ckpt.optim_states}
     report.add("versions agree", len(versions) == 1, ", ".join(sorted(str(v) for v in versions)))
     dp = {ms.get("dp_world_size") for ms in ckpt.model_states if isinstance(ms.get("dp_world_size"), int)}
@@ -359,6 +361,36 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
             detail += (("; " if detail else "") + f"'{a}' holds the very bytes of '{b}', no tie recorded: merge, "
                        f"reshard and convert need --no-tie {a} or --tie {a}={b}")
         report.add("parameters outside the optimizer", True, detail)
+
+
+def check_latest(ckpt: Checkpoint, report: VerifyReport, tag_given: bool = False) -> None:
+    """Complete means resumable: a save folder or Trainer ``checkpoint-N`` verified without ``tag`` passes only if
+    DeepSpeed's ``load_checkpoint(path)`` (``tag=None``, how the Trainer resumes) loads the tag checked
+    (:func:`zckpt.ops.scan.latest_problem`: ``latest`` there, naming that tag). A tag chosen (``tag``, or a tag
+    folder named as ``path``) is how the user will load it (``load_checkpoint(save_dir, tag=...)``): what ``latest``
+    says is then a note, the check passes. (A ``latest`` naming a missing tag stops the reading before this.)"""
+    loc = ckpt.location
+    folder = loc.save_dir if loc.save_dir and _key(loc.save_dir) != _key(loc.tag_dir) else None
+    if folder is None:  # a tag folder with no folder above it (a bucket's top): nothing to say
+        return
+    explicit = tag_given or _key(loc.input_path) == _key(loc.tag_dir)
+    named, why = latest_problem(folder, ckpt.storage_options)
+    if not explicit:
+        if why is None and named != loc.tag:  # (latest_universal read by the reader, latest by DeepSpeed)
+            why = f"'latest' names {named!r}, not the tag checked {loc.tag!r}"
+        elif why is not None and named is None:
+            why += f" (the tag here: {loc.tag})"
+        report.add("latest", why is None, f"not resumable: {why}" if why else
+                   f"names existing tag {loc.tag}: load_checkpoint resumes it")
+        return
+    how = f"resume it with load_checkpoint(..., tag='{loc.tag}')"
+    if why is None and named == loc.tag:
+        note = "'latest' names this tag"
+    elif why is None:
+        note = f"'latest' names {named!r}, not this tag: load_checkpoint without a tag resumes that one; {how}"
+    else:
+        note = f"{why}; {how} (a Trainer resume reads 'latest')"
+    report.add("latest", True, f"tag {loc.tag} chosen; {note}")
 
 
 def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
