@@ -121,6 +121,9 @@ class LazyTensor:
         return self.numel * self.itemsize
 
     def is_contiguous(self) -> bool:
+        shape, stride = self.shape, self.stride
+        if len(shape) == 1 and len(stride) == 1:  # flat partitions: the common case
+            return shape[0] == 1 or stride[0] == 1
         expected = 1
         for dim, st in zip(reversed(self.shape), reversed(self.stride)):
             if dim != 1 and st != expected:
@@ -383,7 +386,12 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
     dtype = storage.dtype
     if rest and isinstance(rest[0], TorchDtype):  # _rebuild_tensor_v3(..., dtype, metadata)
         dtype = str(rest[0])
-    return storage.tensor(int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype)
+    size = size if type(size) is tuple and set(map(type, size)) <= _INT else tuple(int(s) for s in size)
+    stride = stride if type(stride) is tuple and set(map(type, stride)) <= _INT else tuple(int(s) for s in stride)
+    return storage.tensor(int(storage_offset), size, stride, dtype)
+
+
+_INT = {int}
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
@@ -480,7 +488,7 @@ class _PendingStorage:
             raise CorruptFile(f"tensor dtype {dtype} disagrees with its storage dtype {self.dtype}")
         ref = self.ref if dtype == self.ref.dtype else StorageRef(self.ref.path, self.ref.key, dtype,
                                                                     self.ref.offset, self.ref.nbytes)
-        if any(d < 0 for d in shape) or any(s < 0 for s in stride) or storage_offset < 0:
+        if (shape and min(shape) < 0) or (stride and min(stride) < 0) or storage_offset < 0:
             raise CorruptFile("tensor with negative shape, stride or offset")
         span = 1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0
         if span and (storage_offset + span) * DTYPE_SIZES[dtype] > ref.nbytes:
@@ -561,7 +569,8 @@ class _Unpickler(pickle.Unpickler):
         return self.storages[key]
 
 
-_LEAVES = frozenset({str, int, float, bool, type(None), bytes, TorchDtype, TorchDevice})
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, TorchDtype, TorchDevice,
+                     LazyTensor, StorageRef})  # a LazyTensor's storage is a StorageRef already, its attrs plain
 
 
 def _unwrap(obj, depth=0, seen=None):
@@ -587,13 +596,15 @@ def _unwrap(obj, depth=0, seen=None):
         out = obj.ref
     elif isinstance(obj, dict):
         seen[id(obj)] = (obj, obj)
-        for k in list(obj):
-            obj[k] = _unwrap(obj[k], depth + 1, seen)
+        for k, v in list(obj.items()):
+            if type(v) not in _LEAVES:  # most values: no call
+                obj[k] = _unwrap(v, depth + 1, seen)
         return obj
     elif isinstance(obj, list):
         seen[id(obj)] = (obj, obj)
         for i, v in enumerate(obj):
-            obj[i] = _unwrap(v, depth + 1, seen)
+            if type(v) not in _LEAVES:
+                obj[i] = _unwrap(v, depth + 1, seen)
         return obj
     elif isinstance(obj, tuple):
         out = type(obj)(_unwrap(v, depth + 1, seen) for v in obj) if not hasattr(obj, "_fields") else obj
