@@ -83,7 +83,7 @@ def gen_dcp(out: Path, chunks: int, ranks: int) -> Path:
 
 
 def gen_hostile(out: Path) -> dict[str, Path]:
-        import pickle
+    import pickle
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (

@@ -5,7 +5,6 @@ in one line. The sizes themselves are measured by ``benchmarks/bench_metadata.py
 from __future__ import annotations
 
 import glob
-import io
 import pickle
 import pickletools
 import random
@@ -112,7 +111,14 @@ def _samples() -> list[bytes]:
 SAMPLES = _samples()
 
 
-def test_walk_ends_where_pickletools_ends():
+@pytest.fixture(params=["expression", "one-by-one"])
+def walk(request, monkeypatch):
+    """Both walks: the regular expression (forced for small data too) and the one-opcode loop of small data."""
+    monkeypatch.setattr(pickles, "REGEX_FROM", 0 if request.param == "expression" else 1 << 40)
+    return request.param
+
+
+def test_walk_ends_where_pickletools_ends(walk):
     for data in SAMPLES:
         last = None
         for op, _, pos in pickletools.genops(data):
@@ -123,7 +129,7 @@ def test_walk_ends_where_pickletools_ends():
         assert pickles.scan(two, len(data), "f") == len(two)
 
 
-def test_walk_refuses_what_the_old_walk_refused():
+def test_walk_refuses_what_the_old_walk_refused(walk):
     """Mutated pickles (bytes flipped, cut, inserted: forged memo indices and lengths among them) give the same end
     offset or the same error class as the one-opcode-at-a-time walk."""
     rng = random.Random(27)
@@ -154,7 +160,7 @@ def test_walk_refuses_what_the_old_walk_refused():
     (b"\x80\x02j\x00\x00\x01\x00N.", "LONG_BINGET 65536"),
     (b"p99999\nN.", "text PUT"),
 ])
-def test_forged_memo_indices_refused(forged, why):
+def test_forged_memo_indices_refused(walk, forged, why):
     with pytest.raises(CorruptFile, match="memo slot"):
         pickles.scan(forged, 0, "f", limit=len(forged))
     with pytest.raises(CorruptFile, match="memo slot"):
@@ -162,7 +168,7 @@ def test_forged_memo_indices_refused(forged, why):
     assert _ref(forged) == "CorruptFile" and _ref(forged, 0, len(forged)) == "CorruptFile", why
 
 
-def test_memo_index_at_the_bound_is_read():
+def test_memo_index_at_the_bound_is_read(walk):
     data = b"\x80\x02N" + b"r" + struct.pack("<I", 9) + b"."  # slot 9 in a 9-byte pickle: allowed, as before
     assert len(data) == 9 and pickles.scan(data, 0, "f", limit=len(data)) == 9 and _ref(data, 0, 9) == 9
 
@@ -281,9 +287,9 @@ def test_repeated_copies_refused():
     assert "\n" not in str(info.value) and "/ckpt/.metadata" in str(info.value)
 
 
-def test_repeated_state_dicts_are_shared_not_copied():
-    """Distinct chunk objects BUILT from one memo'd state dict: each adopts the dict (no copy per object), the
-    overlap is refused as before."""
+def test_one_state_dict_for_many_objects_refused():
+    """Distinct chunk objects BUILT from one memo'd state dict (7 bytes each: 10**7 of them in 70 MB): refused at
+    the second object, while unpickling (the old reader copied the dict into each, then found the overlap)."""
     shared = {"offsets": torch.Size([0, 0]), "sizes": torch.Size([4, 3])}
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -293,10 +299,17 @@ def test_repeated_state_dicts_are_shared_not_copied():
         return c
     data = _metadata([twin() for _ in range(1000)])
     assert data.count(b"\x81") >= 1000
-    obj = safeload.load_plain(data, "m", dcpmeta.EXTRA_GLOBALS)
-    chunks = obj.state_dict_metadata["model.w"].chunks
-    assert len({id(vars(c)) for c in chunks}) == 1
-    with pytest.raises(CorruptFile, match="overlap"):
+    with pytest.raises(CorruptFile, match="two objects built from one state") as info:
+        dcpmeta.read_metadata(data, "/ckpt/.metadata")
+    assert "\n" not in str(info.value) and "/ckpt/.metadata" in str(info.value)
+
+
+def test_two_chunks_at_one_offset_refused_before_cutting_runs(monkeypatch):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    data = _metadata([ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))
+                      for _ in range(1000)])
+    monkeypatch.setattr(dcpmeta, "chunk_runs", lambda *a, **k: pytest.fail("cut into runs"))
+    with pytest.raises(CorruptFile, match=r"overlap \(two start at \[0, 0\]\)"):
         dcpmeta.read_metadata(data, "m")
 
 

@@ -193,7 +193,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         raw = t.get("chunks")
         if not isinstance(raw, list):
             raise CorruptFile(f"DCP metadata: the chunks of '{key}' are not a list", path=path)
-        chunks = []
+        chunks, starts = [], set()
         for c in raw:
             if id(c) in seen:  # one object listed twice (a crafted list of memo references): overlapping chunks
                 raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (one chunk object listed twice)",
@@ -206,6 +206,9 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
                     any(o + s > d for o, s, d in zip(offs, sizes, shape)):
                 raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
                                   f"lies outside its size {list(shape)}", path=path)
+            if offs in starts:  # two chunks at one offset: refused here, before 10**7 of them are cut into runs
+                raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (two start at {list(offs)})", path=path)
+            starts.add(offs)
             where = index.get((key, offs))
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)

@@ -94,6 +94,9 @@ def _bits_below(bound: int) -> int:
     return min(32, (bound + 1).bit_length() - 1) if bound >= 0 else 0
 
 
+REGEX_FROM = 1 << 18  # data of fewer bytes is walked one opcode at a time (faster than compiling the expression)
+
+
 class Truncated(CorruptFile):
     """The data ends before the pickle's STOP opcode (a reader with more of the file may read on)."""
 
@@ -108,11 +111,12 @@ def scan(data, start: int = 0, path: str | None = None, what: str = "data.pkl", 
 
     The walk: a regular expression (:func:`_run_pattern`, run by ``re`` in C) consumes whole opcodes with their
     arguments as long as it can; what it stops at (STOP, an unknown opcode, a long string, a large memo index, a
-    truncated argument) is walked here, one opcode, and the expression resumes after it."""
+    truncated argument) is walked here, one opcode, and the expression resumes after it. Data of fewer than
+    :data:`REGEX_FROM` bytes is walked here alone (compiling the expression costs more than its walk)."""
     end, pos = len(data), start
     bound = limit if limit is not None else end - start
-    bits = _bits_below(bound)
-    run = _run_pattern(bits).match
+    bits = _bits_below(bound) if end - start >= REGEX_FROM else 0
+    run = _run_pattern(bits).match if bits else None
     table, lengths = _OPCODES, _LENGTH_BYTES
     top = (1 << bits) - 1 if bits else 0  # the largest memo index the runs may have used
 
@@ -120,9 +124,10 @@ def scan(data, start: int = 0, path: str | None = None, what: str = "data.pkl", 
         return cls(f"damaged pickle in {what} ({why} at byte {pos})", path=path)
 
     while pos < end:
-        pos = run(data, pos).end()
-        if pos >= end:
-            break
+        if run is not None:
+            pos = run(data, pos).end()
+            if pos >= end:
+                break
         code = data[pos]
         entry = table.get(code)
         if entry is None:
@@ -133,7 +138,7 @@ def scan(data, start: int = 0, path: str | None = None, what: str = "data.pkl", 
             own = limit if limit is not None else pos - start
             if top > own:
                 if limit is None and bits and _bits_below(own) < bits:  # the runs' bound was the data's end:
-                    return scan(data, start, path, what, limit=own)  # walk again with the pickle's own
+                    return scan(data[start:pos], 0, path, what, limit=own) + start  # again with the pickle's own
                 raise CorruptFile(f"pickle uses memo slot {top} in a {own}-byte pickle", path=path)
             return pos
         if n > 0:

@@ -141,10 +141,11 @@ class LazyTensor:
 
 
 class _Budget:
-    __slots__ = ("left", "size")
+    __slots__ = ("left", "size", "adopted")
 
     def __init__(self, size: int):
         self.left, self.size = COPY_FACTOR * size + COPY_BASE, size
+        self.adopted: set[int] = set()  # ids of the state dicts stand-ins took as their own (alive while loading)
 
 
 _ACTIVE = threading.local()  # the budget of the pickle this thread is loading (None outside a load)
@@ -210,7 +211,14 @@ class Inert:
 
     def __setstate__(self, state):
         if type(state) is dict and not self.__dict__:  # BUILD after NEWOBJ (every dataclass): the state dict
-            _charge(len(state))  # itself becomes the object's (one per object in a real pickle; never copied)
+            budget = getattr(_ACTIVE, "budget", None)  # itself becomes the object's (never copied)
+            if budget is not None:
+                if id(state) in budget.adopted:  # a pickler writes a fresh state per object; a memo GET of one
+                    raise CorruptFile("crafted pickle: two objects built from one state (a memo reference)")
+                budget.adopted.add(id(state))
+                budget.left -= len(state)
+                if budget.left < 0:
+                    _charge(0)
             try:
                 "".join(state)  # every key a str
             except TypeError:
