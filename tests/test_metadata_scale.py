@@ -381,3 +381,12 @@ def test_gc_left_as_found():
     with pytest.raises(CorruptFile):
         dcpmeta.read_metadata(_metadata([_chunk()] * 3), "m")
     assert gc.isenabled()
+
+
+def test_defaultdict_factories_are_the_builtins():
+    """The charged wrappers of list / set / dict / str stay the builtins a defaultdict is made with."""
+    import collections
+    for factory in (list, set, dict, str, int):
+        data = pickle.dumps({"d": collections.defaultdict(factory, {"a": factory()})}, protocol=2)
+        got = safeload.load_plain(data, "m")["d"]
+        assert isinstance(got, collections.defaultdict) and got.default_factory is factory and got["a"] == factory()

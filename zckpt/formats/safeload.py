@@ -195,7 +195,11 @@ def _copied(func: Callable) -> Callable:
             _charge(len(args[0]))
         return func(*args)
     call.__name__ = getattr(func, "__name__", "call")
+    _ORIGINALS[call] = func
     return call
+
+
+_ORIGINALS: dict[Callable, Callable] = {}  # charged wrapper -> the builtin (a defaultdict's factory is the builtin)
 
 
 class Inert:
@@ -322,6 +326,7 @@ def _defaultdict(factory=None, *args):
     import collections
     if args and hasattr(args[0], "__len__"):
         _charge(len(args[0]))
+    factory = _ORIGINALS.get(factory, str if factory is _str else factory)
     return collections.defaultdict(factory if factory in (list, dict, int, float, set, str) else None, *args)
 
 
