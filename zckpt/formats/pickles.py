@@ -94,7 +94,8 @@ def _bits_below(bound: int) -> int:
     return min(32, (bound + 1).bit_length() - 1) if bound >= 0 else 0
 
 
-REGEX_FROM = 1 << 18  # data of fewer bytes is walked one opcode at a time (faster than compiling the expression)
+REGEX_FROM = 1 << 14  # data of fewer bytes is walked one opcode at a time (faster than compiling the expression;
+#                       the compiled expressions are kept, so many files of one size pay it once)
 
 
 class Truncated(CorruptFile):
