@@ -23,6 +23,7 @@ storage entry missing, in a file outside the folder, past the end of its file, o
 from __future__ import annotations
 
 import math
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ def _path(*parts):
 
 
 EXTRA_GLOBALS = {q: _stand_in(q) for q in _DCP_CLASSES}
+_CLASSES = {q.rsplit(".", 1)[-1]: cls for q, cls in EXTRA_GLOBALS.items()}  # "ChunkStorageMetadata" -> stand-in
 EXTRA_GLOBALS.update({"torch.serialization._get_layout": _layout, "pathlib.PosixPath": _path,
                       "pathlib.WindowsPath": _path, "pathlib.Path": _path})
 
@@ -112,16 +114,23 @@ class DcpMetadata:
 # ---------------------------------------------------------------------------------------------- reading
 
 def _fields(obj, cls: str, path: str) -> dict:
-    if not (isinstance(obj, safeload.Inert) and obj._qualname.endswith("." + cls)):
+    """The state of ``obj``, a stand-in of DCP's class ``cls`` (its class checked, not a name it claims)."""
+    if type(obj) is not _CLASSES.get(cls):
         raise CorruptFile(f"DCP metadata: expected {cls}, found {type(obj).__name__}", path=path)
-    return {k: v for k, v in obj.__dict__.items() if not k.startswith("_")}
+    return obj.__dict__
 
 
 def _ints(value, what: str, path: str) -> tuple:
+    if type(value) is tuple and len(value) <= MAX_DIMS and set(map(type, value)) <= _INT and \
+            (not value or min(value) >= 0):
+        return value  # the common case, checked in C
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or \
             not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         raise CorruptFile(f"DCP metadata: {what} is not a list of non-negative integers: {str(value)[:60]}", path=path)
     return tuple(value)
+
+
+_INT = {int}
 
 
 def _dtype(props, key: str, path: str) -> str:
@@ -166,10 +175,11 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         raise CorruptFile("DCP metadata: state_dict_metadata is not a dict", path=path)
     index = _storage_index(md.get("storage_data"), path)
     tensors, values = {}, {}
+    seen: set[int] = set()  # ids of the chunk objects read (all alive in ``obj`` while this runs)
     for key, entry in sdm.items():
         if not isinstance(key, str):
             raise CorruptFile(f"DCP metadata: key {str(key)[:60]!r} is not a string", path=path)
-        if isinstance(entry, safeload.Inert) and entry._qualname.endswith(".BytesStorageMetadata"):
+        if type(entry) is _CLASSES["BytesStorageMetadata"]:
             where = index.get((key, None))
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the value '{key}'", path=path)
@@ -183,8 +193,12 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         raw = t.get("chunks")
         if not isinstance(raw, list):
             raise CorruptFile(f"DCP metadata: the chunks of '{key}' are not a list", path=path)
-        chunks = []
+        chunks, starts = [], set()
         for c in raw:
+            if id(c) in seen:  # one object listed twice (a crafted list of memo references): overlapping chunks
+                raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (one chunk object listed twice)",
+                                  path=path)
+            seen.add(id(c))
             cf = _fields(c, "ChunkStorageMetadata", path)
             offs = _ints(cf.get("offsets"), f"a chunk offset of '{key}'", path)
             sizes = _ints(cf.get("sizes"), f"a chunk size of '{key}'", path)
@@ -192,6 +206,9 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
                     any(o + s > d for o, s, d in zip(offs, sizes, shape)):
                 raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
                                   f"lies outside its size {list(shape)}", path=path)
+            if offs in starts:  # two chunks at one offset: refused here, before 10**7 of them are cut into runs
+                raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (two start at {list(offs)})", path=path)
+            starts.add(offs)
             where = index.get((key, offs))
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)
@@ -230,8 +247,12 @@ def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chun
         k = len(shape) - 1  # the outermost dim from which the chunk spans whole rows of the tensor
         while k > 0 and c.sizes[k] == shape[k]:
             k -= 1
-        outer = c.sizes[:k]
         length = c.sizes[k] * strides[k] if shape else 1
+        if k <= 0:  # cut on dim 0 (or a scalar): one run (FSDP2's Shard(0), the common case)
+            count += 1
+            runs.append((c.offsets[0] * strides[0] if shape else 0, c, 0, length))
+            continue
+        outer = c.sizes[:k]
         count += math.prod(outer)
         if count > MAX_RUNS:
             raise UnsupportedLayout(f"DCP metadata: the chunks of '{te.key}' cut it into more than {MAX_RUNS} runs",
@@ -247,7 +268,7 @@ def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chun
                 (c.offsets[k] * strides[k] if shape else 0)
             local = sum(i * cstrides[d] for d, i in enumerate(idx))
             runs.append((start, c, local, length))
-    runs.sort(key=lambda r: r[0])
+    runs.sort(key=_first)
     at = 0
     for start, _, _, length in runs:
         if start != at:
@@ -259,12 +280,17 @@ def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chun
     return runs
 
 
+_first = operator.itemgetter(0)
+
+
 def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:
     """``.metadata``'s bytes -> a checked :class:`DcpMetadata` (see :func:`parse`); no code from the pickle runs."""
-    obj = safeload.load_plain(data, path, EXTRA_GLOBALS)
-    try:
-        return parse(obj, path, file_sizes)
-    except (CorruptFile, UnsupportedLayout):
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
-        raise CorruptFile(f"DCP metadata of an unexpected shape ({type(exc).__name__}: {exc})"[:240], path=path) from None
+    with safeload.gc_paused():  # millions of live objects, no garbage
+        obj = safeload.load_plain(data, path, EXTRA_GLOBALS)
+        try:
+            return parse(obj, path, file_sizes)
+        except (CorruptFile, UnsupportedLayout):
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
+            raise CorruptFile(f"DCP metadata of an unexpected shape ({type(exc).__name__}: {exc})"[:240],
+                              path=path) from None

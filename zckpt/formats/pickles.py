@@ -7,13 +7,16 @@ opcodes (the walk of ``pickletools.genops`` without building its argument object
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import pickletools
+import re
 
 from zckpt.errors import CorruptFile, UnsafePickle
 
 _MEMO_OPS = ("PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET")
+_STOP = 0x2E
 
 
 def _opcode_table() -> dict[int, tuple[int, int, bool]]:
@@ -31,6 +34,70 @@ _LENGTH_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN
                  pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
 
 
+def _cls(codes) -> bytes:
+    return b"[" + b"".join(re.escape(bytes([c])) for c in sorted(codes)) + b"]"
+
+
+def _lengths(width: int) -> bytes:
+    """A length field of ``width`` bytes holding 0..255, then that many bytes (one branch per length)."""
+    pad = b"\x00" * (width - 1)
+    return b"(?:" + b"|".join(re.escape(bytes([n]) + pad) + (b"[\\s\\S]{%d}" % n if n else b"")
+                             for n in range(256)) + b")"
+
+
+def _memo_index(width: int, bits: int) -> bytes | None:
+    """A little-endian memo index of ``width`` bytes below ``2**bits``, or None."""
+    if bits <= 0:
+        return None
+    full, part = divmod(min(bits, 8 * width), 8)
+    out = b"[\\s\\S]" * full
+    if full < width:
+        out += b"[\\x00-\\x%02x]" % ((1 << part) - 1) if part else b"\\x00"
+        out += b"\\x00" * (width - full - 1)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _run_pattern(bits: int) -> re.Pattern:
+    """Runs of opcodes whose walk needs no Python: everything but STOP, unknown opcodes, the text memo ops, length
+    fields of 256 or more, and memo indices of ``2**bits`` or more (those are walked one by one by :func:`scan`)."""
+    groups: dict[str, set[int]] = {"none": set(), "len1": set(), "len4": set(), "text1": set(), "text2": set()}
+    fixed: dict[int, set[int]] = {}
+    memo: dict[int, set[int]] = {}
+    for code, (n, lines, is_memo) in _OPCODES.items():
+        if code == _STOP:
+            continue
+        if n == 0:
+            groups["none"].add(code)
+        elif n > 0:
+            (memo if is_memo else fixed).setdefault(n, set()).add(code)
+        elif n == pickletools.UP_TO_NEWLINE:
+            if not is_memo:
+                groups["text2" if lines == 2 else "text1"].add(code)
+        elif n == pickletools.TAKEN_FROM_ARGUMENT1:
+            groups["len1"].add(code)
+        elif n in (pickletools.TAKEN_FROM_ARGUMENT4, pickletools.TAKEN_FROM_ARGUMENT4U):
+            groups["len4"].add(code)
+    branches = [_cls(groups["none"]), _cls(groups["len1"]) + _lengths(1)]
+    for n, codes in sorted(memo.items()):
+        index = _memo_index(n, bits)
+        if index is not None:
+            branches.append(_cls(codes) + index)
+    branches += [_cls(codes) + b"[\\s\\S]{%d}" % n for n, codes in sorted(fixed.items())]
+    branches += [_cls(groups["len4"]) + _lengths(4), _cls(groups["text1"]) + b"[^\\n]*+\\n",
+                 _cls(groups["text2"]) + b"[^\\n]*+\\n[^\\n]*+\\n"]
+    return re.compile(b"(?:" + b"|".join(branches) + b")*+")
+
+
+def _bits_below(bound: int) -> int:
+    """The largest ``b`` (at most 32) with every index below ``2**b`` at most ``bound``."""
+    return min(32, (bound + 1).bit_length() - 1) if bound >= 0 else 0
+
+
+REGEX_FROM = 1 << 14  # data of fewer bytes is walked one opcode at a time (faster than compiling the expression;
+#                       the compiled expressions are kept, so many files of one size pay it once)
+
+
 class Truncated(CorruptFile):
     """The data ends before the pickle's STOP opcode (a reader with more of the file may read on)."""
 
@@ -41,25 +108,38 @@ def scan(data, start: int = 0, path: str | None = None, what: str = "data.pkl", 
     Refuses (:class:`~zckpt.errors.CorruptFile`) an unknown opcode and a memo index past the pickle's own length:
     ``LONG_BINPUT 678654301`` (5 bytes) makes CPython grow its memo table to that index (gigabytes), and a real
     memo index is below the number of opcodes. ``limit``: the largest memo index allowed (default: the pickle's
-    own length, known at its STOP). Raises :class:`Truncated` when ``data`` ends first."""
+    own length, known at its STOP). Raises :class:`Truncated` when ``data`` ends first.
+
+    The walk: a regular expression (:func:`_run_pattern`, run by ``re`` in C) consumes whole opcodes with their
+    arguments as long as it can; what it stops at (STOP, an unknown opcode, a long string, a large memo index, a
+    truncated argument) is walked here, one opcode, and the expression resumes after it. Data of fewer than
+    :data:`REGEX_FROM` bytes is walked here alone (compiling the expression costs more than its walk)."""
     end, pos = len(data), start
     bound = limit if limit is not None else end - start
+    bits = _bits_below(bound) if end - start >= REGEX_FROM else 0
+    run = _run_pattern(bits).match if bits else None
     table, lengths = _OPCODES, _LENGTH_BYTES
-    top = 0  # the largest memo index used
+    top = (1 << bits) - 1 if bits else 0  # the largest memo index the runs may have used
 
     def damaged(why: str, cls=CorruptFile):
         return cls(f"damaged pickle in {what} ({why} at byte {pos})", path=path)
 
     while pos < end:
+        if run is not None:
+            pos = run(data, pos).end()
+            if pos >= end:
+                break
         code = data[pos]
         entry = table.get(code)
         if entry is None:
             raise damaged(f"unknown opcode {code:#04x}")
         pos += 1
         n, lines, memo = entry
-        if code == 0x2E:  # STOP
+        if code == _STOP:
             own = limit if limit is not None else pos - start
             if top > own:
+                if limit is None and bits and _bits_below(own) < bits:  # the runs' bound was the data's end:
+                    return scan(data[start:pos], 0, path, what, limit=own) + start  # again with the pickle's own
                 raise CorruptFile(f"pickle uses memo slot {top} in a {own}-byte pickle", path=path)
             return pos
         if n > 0:

@@ -25,12 +25,15 @@ either kind is a byte range of the file.
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
 import dataclasses
 import functools
+import gc
 import io
 import math
 import os
 import pickle
+import threading
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
@@ -41,6 +44,12 @@ from zckpt.formats.pickles import scan
 from zckpt.formats.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
+# elements the allow-listed callables (torch.Size, list, dict, ...) and stand-ins may copy while one pickle loads:
+# COPY_FACTOR per byte of pickle plus COPY_BASE. A real pickle copies under one element per byte (each element
+# costs at least a byte of opcodes); a crafted one copies one memo'd container again and again (``list(big)`` is 6
+# bytes each time) and is refused at the bound, so memory and time stay proportional to the file's size.
+COPY_FACTOR = 4
+COPY_BASE = 1 << 20
 
 # dtype name -> bytes per element
 DTYPE_SIZES = {
@@ -112,6 +121,9 @@ class LazyTensor:
         return self.numel * self.itemsize
 
     def is_contiguous(self) -> bool:
+        shape, stride = self.shape, self.stride
+        if len(shape) == 1 and len(stride) == 1:  # flat partitions: the common case
+            return shape[0] == 1 or stride[0] == 1
         expected = 1
         for dim, st in zip(reversed(self.shape), reversed(self.stride)):
             if dim != 1 and st != expected:
@@ -128,6 +140,68 @@ class LazyTensor:
         return f"LazyTensor({self.dtype}, shape={list(self.shape)}, file={os.path.basename(self.storage.path)})"
 
 
+class _Budget:
+    __slots__ = ("left", "size", "adopted")
+
+    def __init__(self, size: int):
+        self.left, self.size = COPY_FACTOR * size + COPY_BASE, size
+        self.adopted: set[int] = set()  # ids of the state dicts stand-ins took as their own (alive while loading)
+
+
+_ACTIVE = threading.local()  # the budget of the pickle this thread is loading (None outside a load)
+
+
+def _charge(n: int) -> None:
+    """Count ``n`` elements copied by a callable or stand-in against the current pickle's budget."""
+    budget = getattr(_ACTIVE, "budget", None)
+    if budget is not None:
+        budget.left -= n
+        if budget.left < 0:
+            raise CorruptFile(f"crafted pickle: it copies more than {COPY_FACTOR} elements per byte of its "
+                              f"{budget.size} bytes (memo references repeating a container)")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The cyclic garbage collector paused (where it was running) for the block: unpickling and checking a large
+    pickle builds millions of live objects and no garbage, so each of the collector's passes over them is wasted
+    (they are 80% of a plain ``pickle.load`` of a DCP ``.metadata`` of 10**5 chunks)."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _loading(size: int):
+    """Around one C unpickler run: the copy budget for a ``size``-byte pickle, the garbage collector paused."""
+    prev = getattr(_ACTIVE, "budget", None)
+    _ACTIVE.budget = _Budget(size)
+    try:
+        with gc_paused():
+            yield
+    finally:
+        _ACTIVE.budget = prev
+
+
+def _copied(func: Callable) -> Callable:
+    """``func(x, ...)`` charged len(x) (builtins that copy their argument: list, dict, set, tuple ...)."""
+    def call(*args):
+        if args and hasattr(args[0], "__len__"):
+            _charge(len(args[0]))
+        return func(*args)
+    call.__name__ = getattr(func, "__name__", "call")
+    _ORIGINALS[call] = func
+    return call
+
+
+_ORIGINALS: dict[Callable, Callable] = {}  # charged wrapper -> the builtin (a defaultdict's factory is the builtin)
+
+
 class Inert:
     """Stand-in for an allow-listed class (e.g. DeepSpeed's ``LossScaler``): keeps the pickled state, runs nothing."""
 
@@ -136,12 +210,30 @@ class Inert:
     def __init__(self, *args, **kwargs):
         self.__dict__["_args"] = args
         if kwargs:
+            _charge(len(kwargs))
             self.__dict__.update(kwargs)
 
     def __setstate__(self, state):
+        if type(state) is dict and not self.__dict__:  # BUILD after NEWOBJ (every dataclass): the state dict
+            budget = getattr(_ACTIVE, "budget", None)  # itself becomes the object's (never copied)
+            if budget is not None:
+                if id(state) in budget.adopted:  # a pickler writes a fresh state per object; a memo GET of one
+                    raise CorruptFile("crafted pickle: two objects built from one state (a memo reference)")
+                budget.adopted.add(id(state))
+                budget.left -= len(state)
+                if budget.left < 0:
+                    _charge(0)
+            try:
+                "".join(state)  # every key a str
+            except TypeError:
+                pass
+            else:
+                self.__dict__ = state
+                return
         if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
             state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
         if isinstance(state, dict):
+            _charge(len(state))
             self.__dict__.update({str(k): v for k, v in state.items()})
         else:
             self.__dict__["_state"] = state
@@ -181,15 +273,35 @@ def _enum_class(qualname: str) -> Callable:
 
 
 def _size(*args):
-    return tuple(args[0]) if args else ()
+    if not args:
+        return ()
+    budget = getattr(_ACTIVE, "budget", None)  # _charge, inline: three of these per DCP chunk
+    if budget is not None:
+        budget.left -= len(args[0])
+        if budget.left < 0:
+            _charge(0)
+    return tuple(args[0])
 
 
 def _device(*args):
+    if not all(a is None or type(a) in (str, int) for a in args):
+        raise CorruptFile(f"pickle builds torch.device from {str(args)[:60]}")
     return TorchDevice(":".join(str(a) for a in args if a is not None))
+
+
+def _str(*args):
+    # str() of a container is its repr: a crafted pickle would ask for the text of a huge shared structure
+    if args and not isinstance(args[0], (str, bytes, int, float, complex, bool)):
+        raise CorruptFile(f"pickle calls str on a {type(args[0]).__name__}")
+    if args:
+        _charge(len(args[0]) if isinstance(args[0], (str, bytes)) else 1)
+    return str(*args)
 
 
 def _ordered_dict(*args):
     import collections
+    if args and hasattr(args[0], "__len__"):
+        _charge(len(args[0]))
     return collections.OrderedDict(*args)
 
 
@@ -197,6 +309,7 @@ def _codecs_encode(obj, encoding="utf-8", errors="strict"):
     # protocol-2 pickles store bytes as _codecs.encode(str, 'latin1'); nothing else is needed
     if not isinstance(obj, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
         raise UnsafePickle(f"pickle calls _codecs.encode with {type(obj).__name__}/{encoding!r}")
+    _charge(len(obj))
     return obj.encode(encoding, errors)
 
 
@@ -204,11 +317,16 @@ def _bytearray(*args):
     # bytearray(n) would allocate n bytes: a two-byte pickle could ask for gigabytes
     if args and isinstance(args[0], int) and args[0] > 1 << 20:
         raise CorruptFile(f"pickle asks for a bytearray of {args[0]} bytes")
+    if args:
+        _charge(args[0] if isinstance(args[0], int) else len(args[0]) if hasattr(args[0], "__len__") else 0)
     return bytearray(*args)
 
 
 def _defaultdict(factory=None, *args):
     import collections
+    if args and hasattr(args[0], "__len__"):
+        _charge(len(args[0]))
+    factory = _ORIGINALS.get(factory, str if factory is _str else factory)
     return collections.defaultdict(factory if factory in (list, dict, int, float, set, str) else None, *args)
 
 
@@ -265,6 +383,7 @@ class _SafeNdarray:
         dt = dtype.dt if isinstance(dtype, _SafeDtype) else dtype
         if not isinstance(dt, np.dtype) or dt.hasobject or not isinstance(raw, (bytes, bytearray)):
             raise UnsafePickle("numpy array with object data")
+        _charge(len(raw))
         arr = np.frombuffer(bytes(raw), dtype=dt).reshape(shape, order="F" if fortran else "C")
         self.value = arr
 
@@ -276,14 +395,21 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
                     *rest):
     if not isinstance(storage, _PendingStorage):
         raise CorruptFile("tensor rebuilt from something that is not a storage")
+    _charge(len(size) + len(stride))
     dtype = storage.dtype
     if rest and isinstance(rest[0], TorchDtype):  # _rebuild_tensor_v3(..., dtype, metadata)
         dtype = str(rest[0])
-    return storage.tensor(int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype)
+    size = size if type(size) is tuple and set(map(type, size)) <= _INT else tuple(int(s) for s in size)
+    stride = stride if type(stride) is tuple and set(map(type, stride)) <= _INT else tuple(int(s) for s in stride)
+    return storage.tensor(int(storage_offset), size, stride, dtype)
+
+
+_INT = {int}
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
     if isinstance(data, LazyTensor) and isinstance(state, dict):
+        _charge(len(state))
         data.attrs.update({str(k): v for k, v in state.items() if isinstance(v, (int, float, str, bool))})
     return data
 
@@ -310,17 +436,17 @@ def _tensor_class(*args):
 _ALLOWED: dict[str, Any] = {
     "collections.OrderedDict": _ordered_dict,
     "collections.defaultdict": _defaultdict,
-    "builtins.set": set,
-    "builtins.frozenset": frozenset,
+    "builtins.set": _copied(set),
+    "builtins.frozenset": _copied(frozenset),
     "builtins.bytearray": _bytearray,
     "builtins.complex": complex,
     "builtins.slice": slice,
-    "builtins.list": list,
-    "builtins.dict": dict,
+    "builtins.list": _copied(list),
+    "builtins.dict": _copied(dict),
     "builtins.int": int,
     "builtins.float": float,
-    "builtins.str": str,
-    "builtins.tuple": tuple,
+    "builtins.str": _str,
+    "builtins.tuple": _copied(tuple),
     "_codecs.encode": _codecs_encode,
     "copyreg._reconstructor": _reconstructor,
     "builtins.object": object,
@@ -375,7 +501,7 @@ class _PendingStorage:
             raise CorruptFile(f"tensor dtype {dtype} disagrees with its storage dtype {self.dtype}")
         ref = self.ref if dtype == self.ref.dtype else StorageRef(self.ref.path, self.ref.key, dtype,
                                                                     self.ref.offset, self.ref.nbytes)
-        if any(d < 0 for d in shape) or any(s < 0 for s in stride) or storage_offset < 0:
+        if (shape and min(shape) < 0) or (stride and min(stride) < 0) or storage_offset < 0:
             raise CorruptFile("tensor with negative shape, stride or offset")
         span = 1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0
         if span and (storage_offset + span) * DTYPE_SIZES[dtype] > ref.nbytes:
@@ -386,11 +512,43 @@ class _PendingStorage:
         return t
 
 
+class _Feed:
+    """``data`` as the file of a C unpickler: its ``peek`` hands over all of the bytes at once (the unpickler then
+    reads from memory, as ``pickle.loads`` does, instead of calling ``read`` for each opcode)."""
+
+    def __init__(self, data):
+        self.data, self.pos = memoryview(data), 0
+
+    def peek(self, n: int = 0):
+        return self.data[self.pos:]
+
+    def read(self, n: int = -1):
+        end = len(self.data) if n is None or n < 0 else self.pos + n
+        out = self.data[self.pos:end]
+        self.pos += len(out)
+        return bytes(out)
+
+    def readinto(self, b) -> int:
+        out = self.data[self.pos:self.pos + len(b)]
+        b[:len(out)] = out
+        self.pos += len(out)
+        return len(out)
+
+    def readline(self):
+        nl = bytes(self.data[self.pos:]).find(b"\n")  # protocol 0 text opcodes only
+        return self.read(nl + 1 if nl >= 0 else -1)
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, archive: "_Archive | _LegacyArchive"):
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-        self.archive = archive
+        super().__init__(_Feed(data), encoding="utf-8")
+        self.archive, self.size = archive, len(data)
         self.storages: dict[str, _PendingStorage] = {}
+        self.placeholders = False  # a numpy placeholder or a pending storage was made: the result needs _unwrap
+
+    def load(self):
+        with _loading(self.size):
+            return super().load()
 
     def find_class(self, module, name):
         # protocol-2 pickles (torch's default) use Python 2 names: __builtin__.set, copy_reg ...
@@ -405,6 +563,7 @@ class _Unpickler(pickle.Unpickler):
         if qual in ALLOWED_GLOBALS:
             value = _numpy_allowed(qual)
             if value is not None:
+                self.placeholders = True
                 return value
         raise UnsafePickle(f"pickle names the global '{qual}', which is not on zckpt's allow-list",
                            path=self.archive.path)
@@ -419,33 +578,58 @@ class _Unpickler(pickle.Unpickler):
             raise UnsupportedLayout("legacy torch file with a storage view", path=self.archive.path)
         if key not in self.storages:
             self.storages[key] = _PendingStorage(self.archive, key, stype[1], pid[4])
+            self.placeholders = True
         return self.storages[key]
 
 
-def _unwrap(obj, depth=0):
-    """Replace construction helpers (numpy placeholders, pending storages) by their final values."""
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, TorchDtype, TorchDevice,
+                     LazyTensor, StorageRef})  # a LazyTensor's storage is a StorageRef already, its attrs plain
+
+
+def _unwrap(obj, depth=0, seen=None):
+    """Replace construction helpers (numpy placeholders, pending storages) by their final values.
+
+    Each container is walked once (``seen``: id -> its result): a crafted pickle that references one container
+    from many places (memo GETs: a list of 2**60 paths in a few hundred bytes) costs one walk per object, not one
+    per path."""
     if depth > 200:
         raise CorruptFile("pickle nests deeper than 200 levels")
+    if type(obj) in _LEAVES:
+        return obj
+    if seen is None:
+        seen = {}
+    done = seen.get(id(obj))
+    if done is not None:
+        return done[1]
     if isinstance(obj, _SafeNdarray):
-        return obj.value
-    if isinstance(obj, _SafeDtype):
-        return obj.dt
-    if isinstance(obj, _PendingStorage):
-        return obj.ref
-    if isinstance(obj, dict):
-        for k in list(obj):
-            obj[k] = _unwrap(obj[k], depth + 1)
+        out = obj.value
+    elif isinstance(obj, _SafeDtype):
+        out = obj.dt
+    elif isinstance(obj, _PendingStorage):
+        out = obj.ref
+    elif isinstance(obj, dict):
+        seen[id(obj)] = (obj, obj)
+        for k, v in list(obj.items()):
+            if type(v) not in _LEAVES:  # most values: no call
+                obj[k] = _unwrap(v, depth + 1, seen)
         return obj
-    if isinstance(obj, list):
+    elif isinstance(obj, list):
+        seen[id(obj)] = (obj, obj)
         for i, v in enumerate(obj):
-            obj[i] = _unwrap(v, depth + 1)
+            if type(v) not in _LEAVES:
+                obj[i] = _unwrap(v, depth + 1, seen)
         return obj
-    if isinstance(obj, tuple):
-        return type(obj)(_unwrap(v, depth + 1) for v in obj) if not hasattr(obj, "_fields") else obj
-    if isinstance(obj, Inert):
+    elif isinstance(obj, tuple):
+        out = type(obj)(_unwrap(v, depth + 1, seen) for v in obj) if not hasattr(obj, "_fields") else obj
+    elif isinstance(obj, Inert):
+        seen[id(obj)] = (obj, obj)
         for k, v in list(obj.__dict__.items()):
-            obj.__dict__[k] = _unwrap(v, depth + 1)
-    return obj
+            obj.__dict__[k] = _unwrap(v, depth + 1, seen)
+        return obj
+    else:
+        out = obj
+    seen[id(obj)] = (obj, out)  # obj is kept alive with its id
+    return out
 
 
 # --------------------------------------------------------------------------------------------- the archive
@@ -566,7 +750,9 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
         if zlib.crc32(data) != info.crc:
             raise CorruptFile("data.pkl fails its CRC check (the file is damaged)", path=path)
         _check_opcodes(data, path)
-        return _unwrap(_unpickle(_Unpickler(data, archive), path))
+        unpickler = _Unpickler(data, archive)
+        obj = _unpickle(unpickler, path)
+        return _unwrap(obj) if unpickler.placeholders else obj
 
 
 def _unpickle(unpickler: "_Unpickler", path: str, what: str = "data.pkl") -> Any:
@@ -609,7 +795,7 @@ def legacy_layout(path: str, f: BinaryIO, size: int) -> tuple[Any, dict, int]:
     places, read = legacy.locate(f, header, storages)
     for key, st in unpickler.storages.items():
         st.place(places[key].offset)
-    return _unwrap(obj), places, header.bytes_read + read
+    return (_unwrap(obj) if unpickler.placeholders else obj), places, header.bytes_read + read
 
 
 def _load_legacy(path: str, f: BinaryIO, size: int) -> Any:
@@ -648,7 +834,9 @@ def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None) -> A
         raise CorruptFile(f"pickle of {len(data)} bytes, over the {MAX_PICKLE_BYTES} limit", path=path)
     _check_opcodes(data, path)
     try:
-        return _unwrap(_PlainUnpickler(data, path, extra or {}).load())
+        unpickler = _PlainUnpickler(data, path, extra or {})
+        obj = unpickler.load()
+        return _unwrap(obj) if unpickler.placeholders else obj
     except ZckptError as exc:
         if exc.path is None:
             exc.path = path

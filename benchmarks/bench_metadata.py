@@ -1,0 +1,302 @@
+#!/usr/bin/env python
+"""Metadata at scale: zckpt's safe open of large checkpoint metadata against a plain ``pickle.load`` of it.
+
+Cases (files generated in a temporary folder; ``--keep DIR`` keeps them there):
+
+``dcp-N``     a DCP ``.metadata`` of N chunks, genuine shape: torch's own dataclasses (``Metadata``,
+              ``TensorStorageMetadata``, ``ChunkStorageMetadata``, ``MetadataIndex``, ``_StorageInfo``), each of
+              N / R tensors cut on dim 0 into R chunks (one per rank, R = ``--dcp-ranks``), every chunk and storage
+              entry distinct (its own offsets, file and byte offset), ``planner_data`` and two param-group values;
+              pickled as ``FileSystemWriter.finish`` does (``pickle.dump``). zckpt: ``dcpmeta.read_metadata`` with
+              every data file's size (the open's metadata step: unpickle, check every chunk, run and storage entry).
+              plain: ``pickle.load`` of the file (torch imported, its classes built).
+``ds-z3-W``   a DeepSpeed ZeRO-3 tag folder of W ranks (2 files each: model states, optimizer states; ``torch.save``
+              of the dicts DeepSpeed 0.19 writes, with its real ``LossScaler`` / ``ZeroStageEnum`` objects, for a
+              model of ``--ds-params`` parameters in ``--ds-subgroups`` sub-groups; tensor payloads of a few
+              elements). zckpt: ``open_checkpoint`` of the folder (discover, every file's zip directory and pickle,
+              the ZeRO-3 checks). plain: the sum over files of ``pickle.load`` of its ``data.pkl`` (torch's classes,
+              storages answered by empty storages of the stated size, as ``torch.load`` would build them).
+``hostile-*`` crafted ``.metadata``: 10**7 references to one chunk; a list of 10**7 distinct chunk objects sharing
+              one state; planner data holding a 1000**3-path shared container; ``list(big)`` called 10**5 times
+              on one memo'd 10**4-element list. zckpt only (a plain ``pickle.load`` of some of them does not end).
+
+Every measurement runs in a fresh interpreter: wall seconds of the step, and its peak RSS growth (``ru_maxrss``
+after minus before). Prints a table; ``--json-out`` keeps the numbers.
+
+    python benchmarks/bench_metadata.py --chunks 10000,100000,1000000 --ds-world-sizes 512 --hostile
+    python benchmarks/bench_metadata.py --chunks 10000 --ds-world-sizes 8                     # a smoke test
+    python benchmarks/bench_metadata.py --chunks 100000 --zckpt-root /tmp/old   # another tree's zckpt (before)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------ generating
+
+def gen_dcp(out: Path, chunks: int, ranks: int) -> Path:
+    import pickle
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    rows, cols = 4, 64
+    sdm, sd, planner, at = {}, {}, {}, [0] * ranks
+    nkeys = max(1, chunks // ranks)
+    item = rows * cols * 4 + 1100  # a torch.save zip of one chunk: payload and its zip headers
+    for k in range(nkeys):
+        layer, kind = divmod(k, 3)
+        key = (f"model.layers.{layer}.{('attn.qkv', 'mlp.up', 'mlp.down')[kind]}.weight" if k % 2 == 0 else
+               f"optim.state.layers.{layer}.{('attn.qkv', 'mlp.up', 'mlp.down')[kind]}.weight.exp_avg")
+        cl = []
+        for r in range(ranks):
+            offs = torch.Size([r * rows, 0])
+            cl.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size([rows, cols])))
+            sd[MetadataIndex(key, torch.Size([r * rows, 0]))] = _StorageInfo(f"__{r}_0.distcp", at[r], item)
+            at[r] += item
+        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([ranks * rows, cols]), cl)
+        planner[key] = tuple(key.split("."))
+    for i in range(2):
+        key = f"optim.param_groups.{i}.lr"
+        sdm[key] = BytesStorageMetadata()
+        sd[MetadataIndex(key)] = _StorageInfo("__0_0.distcp", at[0], 900)
+        at[0] += 900
+        planner[key] = ("optim", "param_groups", str(i), "lr")
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=sd)
+    with open(out / ".metadata", "wb") as f:
+        pickle.dump(md, f)  # FileSystemWriter.finish
+    sizes = {f"__{r}_0.distcp": at[r] for r in range(ranks)}
+    (out / "sizes.json").write_text(json.dumps(sizes))
+    return out / ".metadata"
+
+
+def gen_hostile(out: Path) -> dict[str, Path]:
+    import pickle
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+
+    def md(chunks, planner=None):
+        key = "model.w"
+        sd = {MetadataIndex(key, torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 10)}
+        t = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]), chunks)
+        return Metadata(state_dict_metadata={key: t}, planner_data=planner or {key: ("model", "w")}, storage_data=sd)
+
+    one = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))
+    files["identical-chunks-1e7"] = md([one] * 10 ** 7)
+    shared = {"offsets": torch.Size([0, 0]), "sizes": torch.Size([4, 3])}
+
+    def twin():  # a real chunk whose __dict__ is one shared dict: pickled as NEWOBJ, BUILD <memo GET>
+        c = ChunkStorageMetadata.__new__(ChunkStorageMetadata)
+        object.__setattr__(c, "__dict__", shared)
+        return c
+    files["shared-state-chunks-1e7"] = md([twin() for _ in range(10 ** 7)])
+    a = ["x"] * 1000
+    b = [a] * 1000
+    c = [b] * 1000
+    files["shared-container-1e9-paths"] = md([one], {"model.w": ("model", "w"), "extra": c})
+    big = list(range(10 ** 4))
+
+    class Copy:
+        def __reduce__(self):
+            return (list, (big,))
+    files["list-copies-1e9-elements"] = md([one], {"model.w": ("model", "w"), "extra": [Copy() for _ in range(10 ** 5)]})
+    paths = {}
+    for name, obj in files.items():
+        paths[name] = out / f"{name}.metadata"
+        with open(paths[name], "wb") as f:
+            pickle.dump(obj, f)
+    return paths
+
+
+def gen_ds_z3(out: Path, world: int, nparams: int, nsub: int) -> Path:
+    """A ZeRO-3 tag folder of ``world`` ranks, built from DeepSpeed's own objects (as in fixtures/z3_*)."""
+    import math
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    tag = out / "global_step1"
+    tag.mkdir(parents=True, exist_ok=True)
+    (out / "latest").write_text("global_step1")
+    shapes = [(64, 64) if i % 3 else (64,) for i in range(nparams)]
+    names = [f"layers.{i // 9}.p{i % 9}.weight" for i in range(nparams)]
+    per = math.ceil(nparams / nsub)
+    groups = [list(range(s * per, min(nparams, (s + 1) * per))) for s in range(nsub)]
+    param_shapes = [{names[i]: torch.Size(shapes[i]) for i in g} for g in groups]
+    flat = [sum(math.ceil(math.prod(shapes[i]) / world) for i in g) for g in groups]
+    hp = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False, "maximize": False,
+          "foreach": None, "capturable": False, "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    for r in range(world):
+        module = {n: torch.empty(0, dtype=torch.bfloat16) for n in names}
+        ms = {"module": module, "buffer_names": [], "optimizer": None, "param_shapes": param_shapes,
+              "frozen_param_shapes": {}, "shared_params": {}, "frozen_param_fragments": {},
+              "lr_scheduler": {"last_batch_iteration": 0}, "data_sampler": None, "random_ltd": None,
+              "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": 1, "global_samples": 1,
+              "dp_world_size": world, "mp_world_size": 1, "ds_config": config, "ds_version": "0.19.8"}
+        torch.save(ms, tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        state = {s: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(flat[s]), "exp_avg_sq": torch.zeros(flat[s])}
+                 for s in range(nsub)}
+        osd = {"zero_stage": ZeroStageEnum.weights, "loss_scaler": LossScaler(1.0), "dynamic_loss_scale": False,
+               "overflow": False, "partition_count": world,
+               "optimizer_state_dict": {"state": state, "param_groups": [dict(hp, params=list(range(nsub)))]},
+               "fp32_flat_groups": [torch.zeros(flat[s]) for s in range(nsub)]}
+        torch.save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": "0.19.8"},
+                   tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    return tag
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+CHILD = r'''
+import json, os, resource, sys, time
+kind, path = sys.argv[1], sys.argv[2]
+if kind.startswith("plain"):
+    import torch, torch.distributed.checkpoint, deepspeed.runtime.fp16.loss_scaler  # the classes, not timed
+if kind.startswith("zckpt"):
+    import zckpt.formats.dcpmeta, zckpt.deepspeed.layout  # imported untimed, like torch for plain
+def rss():
+    with open("/proc/self/status") as f:
+        st = dict(line.split(":", 1) for line in f)
+    return int(st["VmHWM"].split()[0]) * 1024, int(st["VmRSS"].split()[0]) * 1024
+base, t0, c0, outcome, secs, cpu = rss()[1], time.perf_counter(), time.process_time(), "read", None, None
+try:
+    if kind == "plain-dcp":
+        import pickle
+        with open(path, "rb") as f:
+            pickle.load(f)
+    elif kind == "zckpt-dcp":
+        from zckpt.formats import dcpmeta
+        sizes = json.load(open(os.path.join(os.path.dirname(path), "sizes.json"))) \
+            if os.path.exists(os.path.join(os.path.dirname(path), "sizes.json")) else None
+        with open(path, "rb") as f:
+            data = f.read()
+        md = dcpmeta.read_metadata(data, path, sizes)
+        outcome = f"read: {sum(len(t.chunks) for t in md.tensors.values())} chunks"
+    elif kind == "plain-ds":
+        import io, pickle, zipfile, torch
+        class U(pickle.Unpickler):
+            def persistent_load(self, pid):
+                _, cls, key, loc, numel = pid
+                dtype = cls.dtype if hasattr(cls, "dtype") else cls(0).dtype
+                return torch.storage.TypedStorage(numel, dtype=dtype, _internal=True)
+        n, secs, cpu = 0, 0.0, 0.0
+        for name in sorted(os.listdir(path)):
+            with zipfile.ZipFile(os.path.join(path, name)) as z:  # the pickle's bytes, read untimed
+                pkl = z.read(next(i for i in z.namelist() if i.endswith("/data.pkl")))
+            t, c = time.perf_counter(), time.process_time()
+            U(io.BytesIO(pkl)).load()
+            secs += time.perf_counter() - t  # the sum of the loads alone
+            cpu += time.process_time() - c
+            n += 1
+        outcome = f"{n} files"
+    elif kind == "zckpt-ds":
+        from zckpt.deepspeed.layout import open_checkpoint
+        ck = open_checkpoint(path)
+        outcome = f"read: {ck.world_size} ranks, {len(ck.records)} params"
+except Exception as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+secs = time.perf_counter() - t0 if secs is None else secs
+cpu = time.process_time() - c0 if cpu is None else cpu
+print(json.dumps({"seconds": secs, "cpu": cpu, "rss_growth": rss()[0] - base, "peak_rss": rss()[0],
+                  "outcome": outcome}))
+'''
+
+
+def measure(kind: str, path: Path, zckpt_root: Path, timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(zckpt_root), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    t = time.perf_counter()
+    try:
+        run = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], env=env, capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"seconds": time.perf_counter() - t, "rss_growth": None, "outcome": f"did not end in {timeout:.0f} s"}
+    if run.returncode != 0:
+        return {"seconds": None, "rss_growth": None, "outcome": f"exit {run.returncode}: {run.stderr[-300:]}"}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2 ** 20:.0f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunks", default="10000,100000,1000000")
+    ap.add_argument("--dcp-ranks", type=int, default=256)
+    ap.add_argument("--ds-world-sizes", default="512")
+    ap.add_argument("--ds-params", type=int, default=720, help="parameters of the ZeRO-3 model (80 layers x 9)")
+    ap.add_argument("--ds-subgroups", type=int, default=8)
+    ap.add_argument("--hostile", action="store_true")
+    ap.add_argument("--zckpt-root", type=Path, default=ROOT)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--keep", type=Path)
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args(argv)
+    work = args.keep or Path(tempfile.mkdtemp(prefix="bench_metadata_"))
+    rows = []
+    for n in [int(x) for x in args.chunks.split(",") if x]:
+        f = gen_dcp(work / f"dcp_{n}", n, args.dcp_ranks)
+        plain = measure("plain-dcp", f, args.zckpt_root, args.timeout)
+        z = measure("zckpt-dcp", f, args.zckpt_root, args.timeout)
+        rows.append({"case": f"dcp-{n}", "bytes": f.stat().st_size, "plain": plain, "zckpt": z})
+        _print(rows[-1])
+    for w in [int(x) for x in args.ds_world_sizes.split(",") if x]:
+        tag = gen_ds_z3(work / f"ds_z3_{w}", w, args.ds_params, args.ds_subgroups)
+        size = sum(p.stat().st_size for p in tag.iterdir())
+        plain = measure("plain-ds", tag, args.zckpt_root, args.timeout)
+        z = measure("zckpt-ds", tag, args.zckpt_root, args.timeout)
+        rows.append({"case": f"ds-z3-{w}", "bytes": size, "plain": plain, "zckpt": z})
+        _print(rows[-1])
+    if args.hostile:
+        for name, f in gen_hostile(work / "hostile").items():
+            z = measure("zckpt-dcp", f, args.zckpt_root, min(args.timeout, 120))
+            rows.append({"case": f"hostile-{name}", "bytes": f.stat().st_size, "plain": None, "zckpt": z})
+            _print(rows[-1])
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"host": os.uname().nodename, "cpus": os.cpu_count(),
+                                             "python": sys.version.split()[0], "zckpt_root": str(args.zckpt_root),
+                                             "rows": rows}, indent=1))
+    return 0
+
+
+_HEADER = False
+
+
+def _print(row: dict) -> None:
+    global _HEADER
+    if not _HEADER:
+        print(f"{'case':34} {'MB':>6} {'plain s':>8} {'zckpt s':>8} {'ratio':>6} {'plain cpu':>9} {'zckpt cpu':>9} "
+              f"{'ratio':>6} {'plain dRSS':>10} {'zckpt dRSS':>10}  outcome  (s: wall; cpu: process seconds; "
+              f"dRSS: MiB)")
+        _HEADER = True
+    p, z = row["plain"] or {}, row["zckpt"]
+
+    def num(d, k):
+        return f"{d[k]:.2f}" if d.get(k) is not None else "-"
+
+    def ratio(k):
+        return f"{z[k] / p[k]:.2f}" if p.get(k) and z.get(k) is not None else "-"
+    print(f"{row['case']:34} {row['bytes'] / 1e6:6.1f} {num(p, 'seconds'):>8} {num(z, 'seconds'):>8} "
+          f"{ratio('seconds'):>6} {num(p, 'cpu'):>9} {num(z, 'cpu'):>9} {ratio('cpu'):>6} "
+          f"{mib(p.get('rss_growth')):>10} {mib(z.get('rss_growth')):>10}  {str(z.get('outcome'))[:100]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""Metadata at scale (issue 27 item 4): the fast pickle walk and load keep every refusal, read the fixtures into the
+same objects as torch does, and refuse crafted amplification (memo references repeating one object or container)
+in one line. The sizes themselves are measured by ``benchmarks/bench_metadata.py``, not timed here."""
+
+from __future__ import annotations
+
+import glob
+import pickle
+import pickletools
+import random
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from zckpt.errors import CorruptFile, UnsafePickle
+from zckpt.formats import dcpmeta, pickles, safeload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------- the walk, against references
+
+def _reference_scan(data, start=0, limit=None):
+    """The walk as it was before the regular expression (one opcode at a time, pickletools' table): the end offset,
+    or the error class and the memo slot / reason it names."""
+    end, pos = len(data), start
+    bound = limit if limit is not None else end - start
+    top = 0
+    ops = {ord(op.code): op for op in pickletools.opcodes}
+    memo = {"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"}
+    widths = {pickletools.TAKEN_FROM_ARGUMENT1: (1, False), pickletools.TAKEN_FROM_ARGUMENT4: (4, True),
+              pickletools.TAKEN_FROM_ARGUMENT4U: (4, False), pickletools.TAKEN_FROM_ARGUMENT8U: (8, False)}
+    while pos < end:
+        op = ops.get(data[pos])
+        if op is None:
+            return ("CorruptFile", "unknown")
+        pos += 1
+        if op.name == "STOP":
+            own = limit if limit is not None else pos - start
+            return ("CorruptFile", "memo") if top > own else pos
+        n = op.arg.n if op.arg is not None else 0
+        if n > 0:
+            if pos + n > end:
+                return ("Truncated", "argument")
+            if op.name in memo:
+                top = max(top, int.from_bytes(data[pos:pos + n], "little"))
+            pos += n
+        elif n == pickletools.UP_TO_NEWLINE:
+            begin = pos
+            for _ in range(2 if op.arg.name == "stringnl_noescape_pair" else 1):
+                nl = data.find(b"\n", pos)
+                if nl < 0:
+                    return ("Truncated", "text")
+                pos = nl + 1
+            if op.name in memo:
+                text = bytes(data[begin:pos - 1])
+                if not text.isdigit():
+                    return ("CorruptFile", "number")
+                top = max(top, int(text))
+        elif n < 0:
+            width, signed = widths[n]
+            if pos + width > end:
+                return ("Truncated", "length")
+            size = int.from_bytes(data[pos:pos + width], "little", signed=signed)
+            if size < 0:
+                return ("CorruptFile", "negative")
+            if pos + width + size > end:
+                return ("Truncated", "past")
+            pos += width + size
+        if top > bound:
+            return ("CorruptFile", "memo")
+    return ("Truncated", "stop")
+
+
+def _outcome(data, start=0, limit=None):
+    try:
+        return pickles.scan(data, start, "f", limit=limit)
+    except pickles.Truncated:
+        return "Truncated"
+    except CorruptFile:
+        return "CorruptFile"
+
+
+def _ref(data, start=0, limit=None):
+    got = _reference_scan(data, start, limit)
+    return got if isinstance(got, int) else got[0]
+
+
+def _samples() -> list[bytes]:
+    """Pickles of every protocol with short and long strings and bytes, many memo entries, text opcodes."""
+    objs = [
+        {"a": [1, 2.5, None, True, "x" * 300, b"y" * 300, ("t", -7, 1 << 70)], "b": {"k": "v" * 255}},
+        [str(i) for i in range(3000)] + [[i] for i in range(400)],  # memo indices past 255 and 4095
+        {"s": {1, 2}, "f": frozenset({3}), "ba": bytearray(b"zz"), "c": 1j, "big": "é" * 70000},
+        [(i, i * 0.5, f"k{i}") for i in range(20000)],
+    ]
+    out = []
+    for obj in objs:
+        for proto in range(0, pickle.HIGHEST_PROTOCOL + 1):
+            out.append(pickle.dumps(obj, protocol=proto))
+    for path in sorted(glob.glob(str(ROOT / "fixtures" / "z*_ws*" / "*" / "*.pt")))[:12]:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                out.append(z.read(next(n for n in z.namelist() if n.endswith("/data.pkl"))))
+    return out
+
+
+SAMPLES = _samples()
+
+
+@pytest.fixture(params=["expression", "one-by-one"])
+def walk(request, monkeypatch):
+    """Both walks: the regular expression (forced for small data too) and the one-opcode loop of small data."""
+    monkeypatch.setattr(pickles, "REGEX_FROM", 0 if request.param == "expression" else 1 << 40)
+    return request.param
+
+
+def test_walk_ends_where_pickletools_ends(walk):
+    for data in SAMPLES:
+        last = None
+        for op, _, pos in pickletools.genops(data):
+            last = pos
+        assert pickles.scan(data, 0, "f", limit=len(data)) == last + 1
+        assert pickles.scan(data + b"trailing bytes", 0, "f") == last + 1
+        two = data + data  # legacy files: pickles one after another, their lengths written nowhere
+        assert pickles.scan(two, len(data), "f") == len(two)
+
+
+def test_walk_refuses_what_the_old_walk_refused(walk):
+    """Mutated pickles (bytes flipped, cut, inserted: forged memo indices and lengths among them) give the same end
+    offset or the same error class as the one-opcode-at-a-time walk."""
+    rng = random.Random(27)
+    checked = 0
+    for data in [d for d in SAMPLES if len(d) < 40_000]:
+        for _ in range(30):
+            b = bytearray(data)
+            for _ in range(rng.randint(1, 4)):
+                i = rng.randrange(len(b))
+                kind = rng.random()
+                if kind < 0.5:
+                    b[i] = rng.randrange(256)
+                elif kind < 0.8:
+                    b[i:i] = bytes([rng.choice(b"qrjhpg\x94\x8cXUCBT"), *rng.randbytes(rng.randint(1, 5))])
+                else:
+                    del b[i:]
+                    break
+            b = bytes(b)
+            for limit in (None, len(b)):
+                assert _outcome(b, 0, limit) == _ref(b, 0, limit), (limit, b[:40])
+                checked += 1
+    assert checked > 500
+
+
+@pytest.mark.parametrize("forged, why", [
+    (b"\x80\x02r\xff\xff\xff\x7fN.", "LONG_BINPUT 2**31-1 in a 9-byte pickle"),
+    (b"\x80\x02q\xc8N.", "BINPUT 200 in a 6-byte pickle"),
+    (b"\x80\x02j\x00\x00\x01\x00N.", "LONG_BINGET 65536"),
+    (b"p99999\nN.", "text PUT"),
+])
+def test_forged_memo_indices_refused(walk, forged, why):
+    with pytest.raises(CorruptFile, match="memo slot"):
+        pickles.scan(forged, 0, "f", limit=len(forged))
+    with pytest.raises(CorruptFile, match="memo slot"):
+        pickles.scan(forged, 0, "f")
+    assert _ref(forged) == "CorruptFile" and _ref(forged, 0, len(forged)) == "CorruptFile", why
+
+
+def test_memo_index_at_the_bound_is_read(walk):
+    data = b"\x80\x02N" + b"r" + struct.pack("<I", 9) + b"."  # slot 9 in a 9-byte pickle: allowed, as before
+    assert len(data) == 9 and pickles.scan(data, 0, "f", limit=len(data)) == 9 and _ref(data, 0, 9) == 9
+
+
+# ------------------------------------------------------------------------ the same objects as torch builds
+
+def _same(ours, real, where="") -> None:
+    """``ours`` (safeload's) describes ``real`` (torch.load's / pickle.load's) exactly."""
+    if isinstance(real, torch.Tensor):
+        assert isinstance(ours, safeload.LazyTensor), where
+        assert (tuple(ours.shape), tuple(ours.stride), ours.storage_offset) == \
+            (tuple(real.shape), tuple(real.stride()), real.storage_offset()), where
+        assert ours.dtype == str(real.dtype).removeprefix("torch."), where
+    elif isinstance(real, torch.dtype):
+        assert ours == str(real).removeprefix("torch."), where
+    elif isinstance(real, torch.Size):
+        assert type(ours) is tuple and ours == tuple(real), where
+    elif isinstance(real, dict):
+        assert type(ours) is type(real) and list(ours) == list(real), where
+        for k in real:
+            _same(ours[k], real[k], f"{where}.{k}")
+    elif isinstance(real, (list, tuple)):
+        assert type(ours) is type(real) and len(ours) == len(real), where
+        for i, (a, b) in enumerate(zip(ours, real)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(real, int) and type(real).__module__.startswith("deepspeed"):  # ZeroStageEnum
+        assert isinstance(ours, safeload.EnumValue) and int(ours) == int(real), where
+    elif type(real).__module__.startswith(("deepspeed", "torch", "argparse")) and hasattr(real, "__dict__"):
+        assert isinstance(ours, safeload.Inert), where
+        assert type(ours).__name__ == type(real).__name__, where
+        state = real.__getstate__() if type(real).__getstate__ is not object.__getstate__ else vars(real)
+        if isinstance(state, dict):
+            assert {k: v for k, v in vars(ours).items() if not k.startswith("_")}.keys() == state.keys(), where
+            for k in state:
+                _same(vars(ours)[k], state[k], f"{where}.{k}")
+        else:
+            _same(vars(ours)["_state"], state, f"{where}._state")
+    else:
+        assert type(ours) is type(real) and ours == real, where
+
+
+FIXTURE_FILES = sorted(glob.glob(str(ROOT / "fixtures" / "z3_bf16_ws4" / "*" / "*.pt"))
+                       + glob.glob(str(ROOT / "fixtures" / "z2_bf16_ws2" / "*" / "*.pt"))
+                       + glob.glob(str(ROOT / "fixtures" / "z1_fp32_ws3_legacy" / "*" / "*.pt"))
+                       + glob.glob(str(ROOT / "fixtures" / "moe_z2_bf16_ws2_ep2" / "*" / "*.pt"))[:4])
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: "/".join(Path(p).parts[-3:]))
+def test_fixture_objects_are_torch_load(path):
+    pytest.importorskip("deepspeed")
+    real = torch.load(path, map_location="cpu", weights_only=False)
+    _same(safeload.load(path), real)
+
+
+def test_dcp_metadata_objects_are_torch_pickle(tmp_path):
+    """A real dcp.save .metadata: the stand-ins hold what torch's own dataclasses hold; chunks read exactly."""
+    import torch.distributed.checkpoint as dcp
+    sd = {"model": {"w": torch.zeros(8, 6), "b": torch.ones(3)}, "optim": {"lr": 0.5}}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    data = (tmp_path / "d" / ".metadata").read_bytes()
+    real = pickle.loads(data)
+    ours = safeload.load_plain(data, "m", dcpmeta.EXTRA_GLOBALS)
+    _same(ours.state_dict_metadata["model.w"].chunks[0], real.state_dict_metadata["model.w"].chunks[0])
+    def entries(storage_data):
+        return [(k.fqn, getattr(k, "offset", None), v.relative_path, v.offset, v.length)
+                for k, v in storage_data.items()]
+    assert entries(ours.storage_data) == entries(real.storage_data)
+    md = dcpmeta.read_metadata(data, "m")
+    assert md.tensors["model.w"].shape == (8, 6) and md.tensors["model.w"].chunks[0].offsets == (0, 0)
+    assert md.paths == real.planner_data
+
+
+# ---------------------------------------------------------------------------------- crafted amplification
+
+def _metadata(chunks, planner=None) -> bytes:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    t = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]), chunks)
+    sd = {MetadataIndex("model.w", torch.Size([0, 0])): _StorageInfo("__0_0.distcp", 0, 10)}
+    return pickle.dumps(Metadata(state_dict_metadata={"model.w": t}, planner_data=planner or {"model.w": ("model", "w")},
+                                 storage_data=sd))
+
+
+def _chunk():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    return ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))
+
+
+def test_one_chunk_listed_many_times_is_refused_at_the_second(monkeypatch):
+    """10**6 memo references to one chunk (a few MB): refused in one line when the second is met, before the
+    chunks are cut into runs (the old reader walked all of them, then found the overlap)."""
+    data = _metadata([_chunk()] * 10 ** 6)
+    assert len(data) < 6 * 10 ** 6
+    runs = []
+    monkeypatch.setattr(dcpmeta, "chunk_runs", lambda *a, **k: runs.append(1))
+    with pytest.raises(CorruptFile) as info:
+        dcpmeta.read_metadata(data, "/ckpt/.metadata")
+    msg = str(info.value)
+    assert "overlap (one chunk object listed twice)" in msg and "/ckpt/.metadata" in msg and "\n" not in msg
+    assert not runs
+
+
+def test_repeated_copies_refused():
+    """``list(big)`` called again and again on one memo'd list (6 bytes each): refused by the copy budget."""
+    big = list(range(10 ** 4))
+
+    class Copy:
+        def __reduce__(self):
+            return (list, (big,))
+    data = _metadata([_chunk()], {"model.w": ("model", "w"), "x": [Copy() for _ in range(10 ** 4)]})
+    assert len(data) < 200_000  # 10**8 elements asked for
+    with pytest.raises(CorruptFile, match="crafted pickle: it copies more than") as info:
+        dcpmeta.read_metadata(data, "/ckpt/.metadata")
+    assert "\n" not in str(info.value) and "/ckpt/.metadata" in str(info.value)
+
+
+def test_one_state_dict_for_many_objects_refused():
+    """Distinct chunk objects BUILT from one memo'd state dict (7 bytes each: 10**7 of them in 70 MB): refused at
+    the second object, while unpickling (the old reader copied the dict into each, then found the overlap)."""
+    shared = {"offsets": torch.Size([0, 0]), "sizes": torch.Size([4, 3])}
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def twin():  # a real chunk whose __dict__ is the shared dict: pickled as NEWOBJ, BUILD <memo GET>
+        c = ChunkStorageMetadata.__new__(ChunkStorageMetadata)
+        object.__setattr__(c, "__dict__", shared)
+        return c
+    data = _metadata([twin() for _ in range(1000)])
+    assert data.count(b"\x81") >= 1000
+    with pytest.raises(CorruptFile, match="two objects built from one state") as info:
+        dcpmeta.read_metadata(data, "/ckpt/.metadata")
+    assert "\n" not in str(info.value) and "/ckpt/.metadata" in str(info.value)
+
+
+def test_two_chunks_at_one_offset_refused_before_cutting_runs(monkeypatch):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    data = _metadata([ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([4, 3]))
+                      for _ in range(1000)])
+    monkeypatch.setattr(dcpmeta, "chunk_runs", lambda *a, **k: pytest.fail("cut into runs"))
+    with pytest.raises(CorruptFile, match=r"overlap \(two start at \[0, 0\]\)"):
+        dcpmeta.read_metadata(data, "m")
+
+
+@pytest.mark.parametrize("call, words", [
+    ((str, ([1] * 100,)), "str on a list"),
+    ((torch.device, ([1, 2],)), "torch.device from"),
+])
+def test_text_of_containers_refused(call, words):
+    class R:
+        def __reduce__(self):
+            return call
+    data = pickle.dumps({"x": R()}, protocol=2)
+    with pytest.raises(CorruptFile, match=words):
+        safeload.load_plain(data, "m")
+
+
+def test_shared_containers_walked_once(monkeypatch, tmp_path):
+    """A torch file whose object is a chain of lists, each holding the next one twice (2**20 paths, 21 lists): the
+    placeholder pass visits each object once (the old one visited every path)."""
+    x: list = [torch.zeros(2)]
+    for _ in range(20):
+        x = [x, x]
+    torch.save({"chain": x}, tmp_path / "f.pt")
+    calls = []
+    real = safeload._unwrap
+
+    def counted(obj, *a):
+        calls.append(1)
+        return real(obj, *a)
+    monkeypatch.setattr(safeload, "_unwrap", counted)
+    obj = safeload.load(str(tmp_path / "f.pt"))
+    assert len(calls) < 100
+    leaf = obj["chain"]
+    for _ in range(20):
+        assert leaf[0] is leaf[1]
+        leaf = leaf[0]
+    assert isinstance(leaf[0], safeload.LazyTensor) and isinstance(leaf[0].storage, safeload.StorageRef)
+
+
+def test_unwrap_still_places_bare_storages(tmp_path):
+    """A storage outside a tensor (beside one that uses it) still becomes a StorageRef."""
+    t = torch.arange(6, dtype=torch.uint8)
+    torch.save({"t": t, "s": t.untyped_storage()}, tmp_path / "f.pt")
+    obj = safeload.load(str(tmp_path / "f.pt"))
+    assert isinstance(obj["s"], safeload.StorageRef) and obj["s"].nbytes == 6
+    assert obj["t"].storage.offset == obj["s"].offset
+
+
+def test_unsafe_globals_still_refused_with_the_fast_loader():
+    class Evil:
+        def __reduce__(self):
+            return (eval, ("1",))
+    with pytest.raises(UnsafePickle, match="builtins.eval"):
+        safeload.load_plain(pickle.dumps([1, Evil()]), "m", dcpmeta.EXTRA_GLOBALS)
+
+
+def test_gc_left_as_found():
+    import gc
+    data = _metadata([_chunk()])
+    assert gc.isenabled()
+    dcpmeta.read_metadata(data, "m")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        dcpmeta.read_metadata(data, "m")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(CorruptFile):
+        dcpmeta.read_metadata(_metadata([_chunk()] * 3), "m")
+    assert gc.isenabled()
+
+
+def test_defaultdict_factories_are_the_builtins():
+    """The charged wrappers of list / set / dict / str stay the builtins a defaultdict is made with."""
+    import collections
+    for factory in (list, set, dict, str, int):
+        data = pickle.dumps({"d": collections.defaultdict(factory, {"a": factory()})}, protocol=2)
+        got = safeload.load_plain(data, "m")["d"]
+        assert isinstance(got, collections.defaultdict) and got.default_factory is factory and got["a"] == factory()
