@@ -292,8 +292,18 @@ def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None
     meta_notes = notes + list(ckpt.notes)
     source_format = ckpt.format
     if layout == "dcp":
-        return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format,
-                           [("", dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes))], meta_notes, optimizer)
+        part = dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes)
+        copies = []
+        if trainer_dir:  # the Trainer's own files travel beside the DCP files (dcp.load reads only what it names)
+            own = {f.name for f in part.files} | {dcpw.METADATA}
+            side = trainer_copies(trainer_dir, ckpt.location.tag_dir, ckpt.storage_options)
+            copies = [c for c in side if c[0] not in own]
+            left = [c[0] for c in side if c[0] in own]
+            if left:
+                meta_notes.append(f"left out the Trainer's {', '.join(sorted(left))}: DCP's own files have "
+                                  "those names")
+        return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format, [("", part)], meta_notes,
+                           optimizer, "dcp", copies)
     parts = [(TRAINER_MODEL_DIR, dcpw.plan_dcp({"model": state["model"]}, _sub(checkpoint_id, TRAINER_MODEL_DIR),
                                                 chunk_bytes, file_bytes))]
     if "optim" in state:
