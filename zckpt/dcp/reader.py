@@ -316,6 +316,9 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         extra = {"metadata": md, "step_tensors": step_tensors, "stateless": stateless, "other": other,
                  "tied": dict(tied), "tie_source": tie_source,
                  "flat_param_groups": bool(flat_groups), "model_keys": model,
+                 "flat_groups": {fqn: {k: v for k, v in zip(keys, _values(items, md, list(keys.values()),
+                                                                             mpath).values())}
+                                 for fqn, keys in flat_groups.items()},
                  "values": _values(items, md, [k for k in other if k in md.values], mpath)}
     finally:
         items.close()

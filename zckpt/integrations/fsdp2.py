@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from zckpt.dcp.reader import OPTIM_ROOTS, dcp_parts, open_dcp
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import storage
+from zckpt.state.model import GroupInfo
 
 # parameter-name prefixes torch's get_state_dict strips (torch.distributed.checkpoint.state_dict._get_fqns)
 _WRAPPERS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module_wrapped")
@@ -82,7 +83,25 @@ def _open(path, storage_options=None):
     return path, open_dcp(path, storage_options, tied={})
 
 
+def _flat_groups(ckpt) -> list:
+    """Param groups of an optimizer state saved flattened (torchtitan's ``param_groups.<fqn>.<key>``, torch's
+    ``flatten_optimizer_state_dict=True``): the parameters with the same hyperparameters, in the saved order;
+    every parameter gets exactly the values saved for it."""
+    out = []
+    for name, hp in ckpt.extra.get("flat_groups", {}).items():
+        hp = {k: v for k, v in hp.items() if k not in ("params", "param_names")}
+        for g in out:
+            if all(_same(g[1].get(k), v) for k, v in hp.items()) and set(g[1]) == set(hp):
+                g[0].append(name)
+                break
+        else:
+            out.append(([name], hp))
+    return [GroupInfo(i, hp, None, names) for i, (names, hp) in enumerate(out)]
+
+
 def _groups(ckpt, path: str) -> list:
+    if ckpt.extra.get("flat_param_groups") and ckpt.extra.get("flat_groups") and not ckpt.groups:
+        return _flat_groups(ckpt)
     if ckpt.extra.get("flat_param_groups") or not ckpt.groups:
         raise UnsupportedLayout("the checkpoint records no param groups (optimizer state saved flattened, or "
                                 "no optimizer saved)", path=path,
@@ -139,6 +158,9 @@ def check_groups(model, optimizer, ckpt, path: str) -> None:
                                   path=path, hint="build the optimizer from this model's parameters")
         ours.append([names[id(p)] for p in g["params"]])
     theirs = _groups(ckpt, path)
+    if not ckpt.groups:  # flattened: each parameter's own saved values decide, not a group index
+        _check_flat(ours, optimizer, ckpt, path)
+        return
     where = {n: g.index for g in theirs for n in g.names}
     hint = "build the optimizer with zckpt.integrations.fsdp2.param_groups(model, path)"
     diffs = []
@@ -165,6 +187,30 @@ def check_groups(model, optimizer, ckpt, path: str) -> None:
         more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
         raise InvalidArgument("the optimizer's param groups are not the checkpoint's: " + "; ".join(diffs[:2]) + more,
                               path=path, hint=hint)
+
+
+def _check_flat(ours: list, optimizer, ckpt, path: str) -> None:
+    saved = ckpt.extra["flat_groups"]
+    diffs = []
+    for i, names_i in enumerate(ours):
+        og = optimizer.param_groups[i]
+        for n in names_i:
+            hp = saved.get(n)
+            if hp is None:
+                diffs.append(f"'{n}' (optimizer group {i}) has no saved param group values")
+                continue
+            for k in COMPARED:
+                key = "initial_lr" if k == "lr" and "initial_lr" in og and "initial_lr" in hp else k
+                if key in og and key in hp and not _same(og[key], hp[key]):
+                    diffs.append(f"'{n}' {key} {_plain(og[key])!r} in optimizer group {i}, the checkpoint's "
+                                 f"{_plain(hp[key])!r}")
+    mine = {n for names_i in ours for n in names_i}
+    diffs += [f"'{n}' is in no optimizer group" for n in saved if n not in mine]
+    if diffs:
+        more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
+        raise InvalidArgument("the optimizer's param groups are not the checkpoint's: " + "; ".join(diffs[:2]) + more,
+                              path=path, hint="build the optimizer with zckpt.integrations.fsdp2.param_groups(model, "
+                                              "path)")
 
 
 def _check_model_keys(msd: dict, ckpt, path: str) -> None:
@@ -209,7 +255,7 @@ def load(model, optimizer, path, scheduler=None, storage_options: dict | None = 
     Returns a :class:`LoadReport`."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path, ckpt = _open(path, storage_options)
     parts = dcp_parts(path, storage_options)
@@ -220,9 +266,12 @@ def load(model, optimizer, path, scheduler=None, storage_options: dict | None = 
             raise InvalidArgument("the checkpoint holds no optimizer state", path=path,
                                   hint="pass optimizer=None to load the model only")
         check_groups(model, optimizer, ckpt, path)
-    msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_state_dict(model, []), None)
-    if optimizer is None:
-        msd = msd[0]
+    flat = bool(ckpt.extra.get("flat_param_groups")) and not ckpt.groups
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+    else:
+        msd, osd = get_state_dict(model, [])[0], None
     _check_model_keys(msd, ckpt, path)
     report = LoadReport(path, layout)
     if layout == "trainer":
@@ -240,10 +289,11 @@ def load(model, optimizer, path, scheduler=None, storage_options: dict | None = 
         msd = sd[model_root] if model_root else {k: sd[k] for k in msd}
         osd = sd.get(optim_root) if osd is not None else None
     if osd is not None:
-        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
         steps = sorted({g.step for g in ckpt.groups if g.step is not None})
         report.restored.append(f"model ({len(msd)} tensors)")
-        report.restored.append(f"optimizer ({len(ckpt.groups)} param groups" +
+        report.restored.append(f"optimizer ({len(_groups(ckpt, path))} param groups" +
+                               (", saved flattened" if flat else "") +
                                (f", step {steps[0]:g})" if len(steps) == 1 else ")"))
     else:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -290,6 +340,16 @@ def _side_state(ckpt, path: str, scheduler, report: LoadReport, opts, torch) -> 
         if scheduler is not None and set(sched_state) == set(scheduler.state_dict()):
             scheduler.load_state_dict(dict(sched_state))
             report.restored.append("scheduler (lr_scheduler)")
+        elif scheduler is not None and set(sched_state) == {"last_epoch"} and \
+                isinstance(sched_state["last_epoch"], int) and hasattr(scheduler, "last_epoch"):
+            # torchtitan's form: only last_epoch (its schedules are functions of it and the base lrs; the groups'
+            # current lr came back with the optimizer)
+            state = scheduler.state_dict()
+            state.update(last_epoch=sched_state["last_epoch"], _step_count=sched_state["last_epoch"] + 1)
+            if "_last_lr" in state:
+                state["_last_lr"] = [g["lr"] for g in scheduler.optimizer.param_groups]
+            scheduler.load_state_dict(state)
+            report.restored.append("scheduler (lr_scheduler.last_epoch)")
         else:
             why = ("its keys (" + ", ".join(sorted(sched_state)) + ") are not this scheduler's state"
                    if scheduler is not None else "no scheduler= passed")
