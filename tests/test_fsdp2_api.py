@@ -204,3 +204,32 @@ def test_a_bf16_model_would_round_the_fp32_masters_and_is_refused(converted):
     assert next(model.parameters()).dtype == torch.bfloat16  # the config says bf16
     with pytest.raises(InvalidArgument, match="is bfloat16, the checkpoint's float32: loading would round it"):
         fsdp2.load(model, torch.optim.AdamW(fsdp2.param_groups(model, converted)), converted)
+
+
+@pytest.mark.slow
+def test_torchtitan_shaped_checkpoint_saved_at_2_loads_at_3(tmp_path):
+    """FSDP2 at 2 ranks saves torchtitan's layout (top-level model keys, flat optimizer state, lr_scheduler
+    last_epoch, train_state); the documented two calls at 3 ranks restore it bit for bit, groups and schedule
+    included; one group for all parameters is refused (the norm weights and biases had no weight decay)."""
+    from safetensors.torch import load_file
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_oracle
+    G = ds_oracle.generate_module()
+    ckpt = tmp_path / "step-3"
+    for mode, n in (("save", 2), ("load", 3)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
+               "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
+               str(ROOT / "tests" / "fsdp2_api_worker.py"), mode, str(ckpt), str(tmp_path / mode)]
+        proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
+    saved, got = load_file(str(tmp_path / "save.safetensors")), load_file(str(tmp_path / "load.safetensors"))
+    assert sorted(saved) == sorted(got) and any(k.startswith("exp_avg_sq/") for k in saved)
+    for k in saved:
+        assert _exact(got[k], saved[k]), k
+    s, g = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("save", "load"))
+    assert (s["world_size"], g["world_size"]) == (2, 3)
+    assert [(x["lr"], x["weight_decay"], sorted(x["names"])) for x in g["groups"]] == \
+        [(x["lr"], x["weight_decay"], sorted(x["names"])) for x in s["groups"]]
+    assert g["last_epoch"] == s["last_epoch"] == 3 and g["counters"] == {"ntokens_seen": 90, "step": 3}
+    assert g["refused"].startswith("InvalidArgument: ") and "weight_decay" in g["refused"]
