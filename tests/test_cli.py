@@ -84,10 +84,15 @@ def test_verify_detects_flipped_bit(tmp_path):
     data[t.byte_offset + 1] ^= 0x10
     f.write_bytes(bytes(data))
     assert run("verify", str(ck)).exit_code == 0  # metadata is intact
-    res = run("verify", str(ck), "--deep", "--quiet")
-    assert res.exit_code == 1 and "BAD" in res.output and "CRC" in res.output
-    bad = next(line for line in res.output.splitlines() if line.startswith("BAD"))
-    assert "copy it again" in bad and "--tag" in bad  # says what to do next
+    res = run("verify", str(ck), "--deep", "--quiet")  # a failure: one error line on stderr, nothing on stdout
+    assert res.exit_code == 1 and res.stdout == "" and res.stderr.count("\n") == 1, res.output
+    line = res.stderr
+    assert line.startswith(f"zckpt: error: {ck}: NOT consistent: ") and "CRC" in line
+    assert "copy it again" in line and "--tag" in line  # says what to do next
+    res = run("verify", str(ck), "--deep", "-v")  # -v: the checklist
+    assert res.exit_code == 1 and "CRC" in res.stdout
+    bad = next(line for line in res.stdout.splitlines() if line.startswith("BAD"))
+    assert "copy it again" in bad and "--tag" in bad
     doc = json.loads(run("verify", str(ck), "--deep", "--json").output)
     crc = next(c for c in doc["checks"] if not c["ok"])
     assert "copy it again" in crc["hint"] and "--" not in crc["hint"]  # the library's words name parameters

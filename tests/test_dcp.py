@@ -327,7 +327,11 @@ def test_cli_convert_to_deepspeed(fsdp2, tmp_path):
     base = [PY, "-m", "zckpt", "convert", str(path), "--to", "deepspeed", "--world-size", "2", "--stage", "3",
             "--ds-config", str(cfg), "-o", str(tmp_path / "out")]
     run = subprocess.run(base, env=_env(), capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1 and "--buffers" in run.stderr
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1
+    assert "--tied head.weight=emb.weight" in run.stderr  # the tied head: same bytes as emb.weight, no state
+    run = subprocess.run(base + ["--tied", "head.weight=emb.weight"], env=_env(), capture_output=True, text=True,
+                         cwd=ROOT)
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1 and "--buffers" in run.stderr
     assert not (tmp_path / "out").exists()
     run = subprocess.run(base + ["--buffers", BUFFERS, "--tied", "head.weight=emb.weight", "--json"], env=_env(),
                          capture_output=True, text=True, cwd=ROOT)
