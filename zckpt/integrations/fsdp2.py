@@ -262,8 +262,9 @@ def load(model, optimizer, path, scheduler=None, storage_options: dict | None = 
     layout = "trainer" if parts[0] else "dcp"
     model_root, optim_root = _roots(ckpt)
     if optimizer is not None:
-        if optim_root is None:
-            raise InvalidArgument("the checkpoint holds no optimizer state", path=path,
+        if optim_root is None or (layout == "trainer" and len(parts) < 2):
+            raise InvalidArgument("the checkpoint holds no optimizer state" +
+                                  (" (no optimizer_0/ folder)" if layout == "trainer" else ""), path=path,
                                   hint="pass optimizer=None to load the model only")
         check_groups(model, optimizer, ckpt, path)
     flat = bool(ckpt.extra.get("flat_param_groups")) and not ckpt.groups
@@ -277,9 +278,6 @@ def load(model, optimizer, path, scheduler=None, storage_options: dict | None = 
     if layout == "trainer":
         dcp.load({"model": msd}, checkpoint_id=storage.join(path, parts[0]))
         if osd is not None:
-            if len(parts) < 2:
-                raise InvalidArgument("the checkpoint has no optimizer_0/ folder", path=path,
-                                      hint="pass optimizer=None to load the model only")
             dcp.load({optim_root: osd}, checkpoint_id=storage.join(path, parts[1]))
     else:
         sd = {model_root: msd} if model_root else dict(msd)
