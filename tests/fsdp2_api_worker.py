@@ -71,11 +71,58 @@ def dump(model, opt, sched, out: str, extra: dict) -> None:
                        **extra}, f)
 
 
+class TrainState:
+    """torchtitan's Trainer keeps these two counters as its ``train_state`` (``Trainer.state_dict``)."""
+
+    def __init__(self):
+        self.step, self.ntokens_seen = 0, 0
+
+    def state_dict(self):
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, sd):
+        self.step, self.ntokens_seen = sd["step"], sd["ntokens_seen"]
+
+
+def torchtitan_save(base: str, out: str, lam) -> None:
+    """torchtitan's own CheckpointManager (0.3.0) saves step 3 into ``base/ckpt/step-3``: its OptimizersContainer
+    (two AdamW param groups by FQN pattern), LRSchedulersContainer (LambdaLR) and a train_state."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+    model = sharded(0)
+    kw = {"lr": 1e-2, "betas": (0.9, 0.95)}
+    cfg = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r".*(norm|bias).*", optimizer_name="AdamW", optimizer_kwargs={**kw, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={**kw, "weight_decay": 0.1})])
+    opt = OptimizersContainer(cfg, model_parts=[model])
+    sched = LRSchedulersContainer(opt, lam)
+    ts = TrainState()
+    ck = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=1, last_save_model_only=False),
+                           dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
+                           states={"train_state": ts}, sd_adapter=None, base_folder=base)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 4):
+        ids = torch.randint(0, 16, (6, 5), generator=gen)
+        per = 6 // dist.get_world_size()
+        model(ids[dist.get_rank() * per:(dist.get_rank() + 1) * per]).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ts.step, ts.ntokens_seen = step, step * 30
+    ck.save(3, last_step=True)
+    ck.close()
+    assert len(opt.optimizers) == 1
+    dump(model, opt.optimizers[0], sched.schedulers[0], out, {})
+
+
 def main(mode: str, ckpt: str, out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     lam = lambda s: 1.0 / (s + 1)  # noqa: E731
-    if mode == "save":
+    if mode == "torchtitan":
+        torchtitan_save(ckpt, out, lam)
+    elif mode == "save":
         model = sharded(0)
         named = dict(model.named_parameters())
         decay = [p for n, p in named.items() if "norm" not in n and not n.endswith("bias")]
