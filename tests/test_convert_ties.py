@@ -164,3 +164,22 @@ def test_dcp_to_deepspeed_carries_the_counters(outputs, tmp_path):
         assert ds.model_state[k] == src.model_state[k], k
     assert ds.model_state["global_samples"] == 16
     assert "global_samples=16" in zckpt("info", tmp_path / "ds").stdout
+
+
+def test_same_bytes_compares_every_byte_across_differently_cut_pieces(tmp_path):
+    """The tie check reads both tensors in full (a first 64 KiB, then 8 MiB blocks), whatever their pieces."""
+    import os
+    from zckpt.dcp.reader import same_bytes
+    from zckpt.engine.segments import Piece
+    data = os.urandom(200_000)
+    (tmp_path / "a").write_bytes(data)
+    (tmp_path / "b").write_bytes(b"xx" + data)
+    a = [Piece(str(tmp_path / "a"), 0, 70_000, "uint8"), Piece(str(tmp_path / "a"), 70_000, 130_000, "uint8")]
+    b = [Piece(str(tmp_path / "b"), 2, 1, "uint8"), Piece(str(tmp_path / "b"), 3, 199_999, "uint8")]
+    assert same_bytes(a, b, None)
+    late = bytearray(b"xx" + data)
+    late[-1] ^= 1
+    (tmp_path / "c").write_bytes(bytes(late))
+    c = [Piece(str(tmp_path / "c"), 2, 200_000, "uint8")]
+    assert not same_bytes(a, c, None)
+    assert not same_bytes(a, c[:0] + [Piece(str(tmp_path / "c"), 2, 199_999, "uint8")], None)
