@@ -406,7 +406,7 @@ def test_verify_deep_catches_damage_to_a_pushed_trainer_checkpoint_at_every_leve
         elif damage != "edited manifest":
             assert damage in why or "sha256" in why, (level, why)
     proc = cli("verify", copy / "checkpoint-4", "--deep")
-    assert proc.returncode == 1 and "NOT consistent" in proc.stdout
+    assert proc.returncode == 1 and "NOT consistent" in proc.stderr and proc.stderr.count("\n") == 1  # one line
 
 
 @pytest.mark.parametrize("damage", ["rank file", "edited manifest", "deleted manifest", "zero_to_fp32.py"])
@@ -468,7 +468,7 @@ def test_verify_a_push_that_did_not_finish(tmp_path):
     (dest / "checkpoint-4" / MANIFEST).unlink()
     (dest / "checkpoint-4" / "scheduler.pt").unlink()  # what had not arrived yet
     proc = cli("verify", dest / "checkpoint-4")
-    assert proc.returncode == 1 and "not complete" in proc.stdout, proc.stdout
+    assert proc.returncode == 1 and "not complete" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     shutil.rmtree(dest / "checkpoint-4" / "global_step4")  # not even the rank files: still said the same way
     proc = cli("verify", dest / "checkpoint-4")
     assert proc.returncode == 1 and "not complete" in proc.stdout + proc.stderr, proc

@@ -84,10 +84,15 @@ def test_verify_detects_flipped_bit(tmp_path):
     data[t.byte_offset + 1] ^= 0x10
     f.write_bytes(bytes(data))
     assert run("verify", str(ck)).exit_code == 0  # metadata is intact
-    res = run("verify", str(ck), "--deep", "--quiet")
-    assert res.exit_code == 1 and "BAD" in res.output and "CRC" in res.output
-    bad = next(line for line in res.output.splitlines() if line.startswith("BAD"))
-    assert "copy it again" in bad and "--tag" in bad  # says what to do next
+    res = run("verify", str(ck), "--deep", "--quiet")  # a failure: one error line on stderr, nothing on stdout
+    assert res.exit_code == 1 and res.stdout == "" and res.stderr.count("\n") == 1, res.output
+    line = res.stderr
+    assert line.startswith(f"zckpt: error: {ck}: NOT consistent: ") and "CRC" in line
+    assert "copy it again" in line and "--tag" in line  # says what to do next
+    res = run("verify", str(ck), "--deep", "-v")  # -v: the checklist
+    assert res.exit_code == 1 and "CRC" in res.stdout
+    bad = next(line for line in res.stdout.splitlines() if line.startswith("BAD"))
+    assert "copy it again" in bad and "--tag" in bad
     doc = json.loads(run("verify", str(ck), "--deep", "--json").output)
     crc = next(c for c in doc["checks"] if not c["ok"])
     assert "copy it again" in crc["hint"] and "--" not in crc["hint"]  # the library's words name parameters
@@ -270,7 +275,7 @@ def test_same_bad_input_same_message_everywhere(tmp_path):
     for name in having:
         for bad in ("oops", "=value"):
             res = invoke(name, *args[name], "--storage-option", bad)
-            assert res.exit_code == 1, (name, res.output)  # a value its option does not take, as --dtype fp8
+            assert res.exit_code == 1, (name, res.output)  # a value zckpt reads and refuses, as --max-shard-size banana
             assert res.stderr.count("\n") == 1 and res.stderr.startswith("zckpt: error: --storage-option")
             assert "internal error" not in res.stderr and "Usage:" not in res.stderr
             errors.add(res.stderr.replace(repr(bad), "BAD"))
@@ -484,19 +489,26 @@ def _one_line_error(res, code, *words):
 
 
 def test_click_usage_errors_and_bad_values_go_through_the_table(tmp_path):
-    """click's own errors and zckpt's are said alike: a value its option does not take is exit 1 in every command
-    (as --max-shard-size banana), a command line that cannot be read is exit 2; one line naming the option."""
+    """click's own errors and zckpt's are said alike, one line naming the option: a value outside the range or
+    choices its option lists in --help (--stage 4) is a usage error, exit 2, as a command line that cannot be read;
+    a value zckpt reads and refuses (--max-shard-size banana, --every and --once) is exit 1 in every command."""
     ck = str(checkpoint_path(FIXTURE_DIRS[0]))
     out = str(tmp_path / "o")
-    values = [  # (command line, words): exit 1, the flag first
+    ranges = [  # (command line, words): exit 2, the flag first
         (["reshard", ck, "--world-size", "0", "-o", out], ["--world-size: 0 is not in the range", "zckpt reshard --help"]),
         (["reshard", ck, "-w", "1", "--stage", "0", "-o", out], ["--stage: '0' is not one of"]),
         (["merge", ck, "--dtype", "fp8", "-o", out], ["--dtype: 'fp8' is not one of 'fp32', 'bf16', 'fp16'"]),
+        (["push", ck, str(tmp_path / "d"), "--workers", "0"], ["--workers: 0 is not in the range"]),
+        (["convert", ck, "--to", "deepspeed", "--world-size", "2", "--stage", "4", "-o", out],
+         ["--stage: 4 is not in the range 1<=x<=3", "zckpt convert --help"]),
+    ]
+    for cmd, words in ranges:
+        _one_line_error(invoke(*cmd), 2, *words)
+    values = [  # (command line, words): exit 1, the flag first
         (["merge", ck, "--max-shard-size", "banana", "-o", out], ["--max-shard-size: cannot read 'banana'"]),
         (["push", ck, str(tmp_path / "d"), "--every", "0"], ["--every: must be more than zero"]),
         (["push", ck, str(tmp_path / "d"), "--every", "soon"], ["--every: cannot read 'soon'"]),
         (["push", ck, str(tmp_path / "d"), "--every", "1m", "--once"], ["--every and --once exclude each other"]),
-        (["push", ck, str(tmp_path / "d"), "--workers", "0"], ["--workers: 0 is not in the range"]),
         (["estimate", "--params", "8B", "--largest-layer", "1M", "--gpus", "0"], ["--gpus must be at least 1"]),
     ]
     for cmd, words in values:
@@ -521,6 +533,9 @@ def test_click_usage_errors_and_bad_values_go_through_the_table(tmp_path):
         _one_line_error(invoke(*cmd), 1, f"{tmp_path / 'x'}: no such file or folder")
     # --json: the same, as one object
     res = invoke("reshard", ck, "-w", "0", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 2 and doc["error"]["type"] == "InvalidArgument" and doc["error"]["exit_code"] == 2
+    res = invoke("merge", ck, "--max-shard-size", "banana", "-o", out, "--json")
     doc = json.loads(res.stdout)
     assert res.exit_code == 1 and doc["error"]["type"] == "InvalidArgument" and doc["error"]["exit_code"] == 1
     res = invoke("push", "--json")

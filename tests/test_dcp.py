@@ -242,11 +242,16 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
     from zckpt.ops.to_deepspeed import to_deepspeed
     path, _ = fsdp2
     G, spec = _oracle_spec(2, 2)
+    # the tied head FSDP2 saved under both names: the same bytes as emb.weight, no state; never assumed
+    with pytest.raises(UnsupportedLayout, match="'head.weight' has no optimizer state and the same bytes as the "
+                                                "trainable 'emb.weight'") as exc:
+        to_deepspeed(str(path), str(tmp_path / "a"), 2, 2, G.build_ds_config(spec), buffers=BUFFERS)
+    assert "--tied head.weight=emb.weight" in exc.value.hint
     with pytest.raises(UnsupportedLayout, match="buffer or a frozen weight"):
-        to_deepspeed(str(path), str(tmp_path / "a"), 2, 2, G.build_ds_config(spec))
+        to_deepspeed(str(path), str(tmp_path / "a"), 2, 2, G.build_ds_config(spec), tied="head.weight=emb.weight")
     with pytest.raises(UnsupportedLayout, match="loss scaler"):
         to_deepspeed(str(path), str(tmp_path / "b"), 2, 2, dict(G.build_ds_config(spec), fp16={"enabled": True}),
-                     buffers=BUFFERS)
+                     buffers=BUFFERS, tied="head.weight=emb.weight")
     with pytest.raises(ZckptError, match="precision"):
         to_deepspeed(str(path), str(tmp_path / "c"), 2, 2, None, buffers=BUFFERS)
     with pytest.raises(ZckptError, match="disagrees"):
@@ -255,7 +260,7 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,stage,tied", [(4, 3, "head.weight=emb.weight"), (1, 1, None)])
+@pytest.mark.parametrize("world_size,stage,tied", [(4, 3, "head.weight=emb.weight"), (1, 1, "")])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):
     """FSDP2 at 3 ranks -> DeepSpeed ZeRO-``stage`` at ``world_size``: a plain engine.load_checkpoint restores
     every fp32 master, both Adam moments, buffers, frozen weights, the step and the groups' lrs bit for bit.
@@ -295,7 +300,7 @@ def test_bf16_fsdp2_to_deepspeed_zero2_odd_size(tmp_path):
     path, full = _fsdp2(tmp_path / "src", 2, "bf16")
     G, spec = _oracle_spec(3, 2)
     spec = dict(spec, dtype="bf16")
-    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 2, G.build_ds_config(spec), buffers=BUFFERS)
+    to_deepspeed(str(path), str(tmp_path / "ds"), 3, 2, G.build_ds_config(spec), buffers=BUFFERS, tied="")
     info = ds_oracle.load_with_deepspeed(spec, str(tmp_path / "ds"), str(tmp_path / "oracle"))
     got = load_file(tmp_path / "oracle" / "oracle.safetensors")
     for name, ref in full["model"].items():
@@ -322,7 +327,11 @@ def test_cli_convert_to_deepspeed(fsdp2, tmp_path):
     base = [PY, "-m", "zckpt", "convert", str(path), "--to", "deepspeed", "--world-size", "2", "--stage", "3",
             "--ds-config", str(cfg), "-o", str(tmp_path / "out")]
     run = subprocess.run(base, env=_env(), capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1 and "--buffers" in run.stderr
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1
+    assert "--tied head.weight=emb.weight" in run.stderr  # the tied head: same bytes as emb.weight, no state
+    run = subprocess.run(base + ["--tied", "head.weight=emb.weight"], env=_env(), capture_output=True, text=True,
+                         cwd=ROOT)
+    assert run.returncode == 1 and len(run.stderr.strip().splitlines()) == 1 and "--buffers" in run.stderr
     assert not (tmp_path / "out").exists()
     run = subprocess.run(base + ["--buffers", BUFFERS, "--tied", "head.weight=emb.weight", "--json"], env=_env(),
                          capture_output=True, text=True, cwd=ROOT)

@@ -10,6 +10,8 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
     zckpt.reshard(path, out, world_size=..., stage=None, ...)
     zckpt.convert(path, to="dcp" | "deepspeed", out=...)   # DeepSpeed <-> PyTorch DCP (FSDP2), whole training state
     zckpt.estimate(...)
+    from zckpt.integrations import fsdp2                    # DCP -> FSDP2 in one call, groups from the checkpoint
+    fsdp2.load(model, optimizer, path, scheduler=None); fsdp2.param_groups(model, path)
 
 Every function that reads or writes a URL (``s3://``, ``hf://``...) takes ``storage_options={...}`` (fsspec
 options: endpoint, credentials...) for that call only; nothing is kept process-wide.

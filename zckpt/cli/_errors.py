@@ -80,7 +80,7 @@ def install_hint(exc: BaseException) -> str:
 #: Hints name parameters in backquotes (```out```): shown as the command's flag (``-o``; push: ``DEST``).
 ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (KeyboardInterrupt, EXIT_INTERRUPTED, ""),
-    (click.BadParameter, EXIT_ERROR, "see --help"),  # a value its option does not take (MissingParameter: below)
+    (click.BadParameter, EXIT_USAGE, "see --help"),  # outside its option's range / choices: a usage error
     (click.UsageError, EXIT_USAGE, "see --help"),  # the command line could not be read
     (InvalidArgument, EXIT_ERROR, ""),  # the message names the parameter and the accepted forms
     (OutputExists, EXIT_ERROR, "pass `overwrite` or choose another `out`"),

@@ -38,7 +38,9 @@ Examples:
                    "optimizer state that are buffers (DCP does not record it); '' when none are.")
 @click.option("--tied", multiple=True, metavar="ALIAS=SOURCE",
               help="--to deepspeed: a weight FSDP2 saved under two names (e.g. lm_head.weight=embed.weight), "
-                   "written as DeepSpeed's shared_params. Repeatable.")
+                   "written as DeepSpeed's shared_params. Repeatable; '' for none. Default: the ties the files "
+                   "state (zckpt's own DCP output, tie_word_embeddings in config.json); a tensor without "
+                   "optimizer state with the same bytes as a trainable one is refused until named.")
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")

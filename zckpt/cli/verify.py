@@ -31,8 +31,9 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     folder as PATH, a note); no link leading out of the folder; every file of the checkpoint readable (zip
     directories, safetensors headers); a push manifest's files present (a push that never wrote its manifest is
     not complete). PATH: a save folder, tag, checkpoint-N or push destination. Exit status 0 when all checks pass,
-    1 otherwise.
+    1 otherwise: then one line on stderr names the first failed check (-v prints every check).
     """
+    from zckpt.cli._common import settings
     from zckpt.cli._errors import command_names
     from zckpt.errors import names_rendered
     from zckpt.ops.verify import verify as run
@@ -45,10 +46,17 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     for c in report.checks:  # a checkpoint-N's earlier state is the checkpoint next to it, not another tag
         if not c.ok and c.hint:
             c.advice = with_earlier_checkpoint(c.hint, path)
+    flags = command_names(click.get_current_context().command)
     if as_json:  # (the hints in the library's words, as the JSON schema says)
         emit_json(report.to_json())
-    elif not (quiet and report.ok):  # -q: silent on success; failures still print
-        flags = command_names(click.get_current_context().command)
+    elif not report.ok and not settings().verbose:  # one line, as every error; -v lists every check
+        bad = [c for c in report.checks if not c.ok]
+        c = bad[0]
+        hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""
+        more = f"; {len(bad) - 1} more failed check(s): {', '.join(b.name for b in bad[1:4])}" \
+               f"{'...' if len(bad) > 4 else ''} (-v lists every check)" if len(bad) > 1 else ""
+        click.echo(f"zckpt: error: {path}: NOT consistent: {c.name}: {c.detail}{hint}{more}", err=True)
+    elif not (quiet and report.ok):  # -q: silent on success
         for c in report.checks:
             if not (quiet and c.ok):
                 hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import io
+import json
 import os
 import re
 
@@ -186,10 +187,12 @@ def matches(name: str, patterns) -> bool:
 
 
 def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied: dict | None = None) -> Checkpoint:
-    """Describe the DCP checkpoint in the folder ``path`` from its metadata (no tensor bytes read).
+    """Describe the DCP checkpoint in the folder ``path`` from its metadata (no tensor bytes read, but for the
+    tie ``config.json`` states: see :func:`files_ties`).
 
     ``buffers``: names (fnmatch patterns) of module tensors without optimizer state that are buffers; ``tied``:
-    {alias: source} for tied weights saved under both names. Others without state are read as frozen."""
+    {alias: source} for tied weights saved under both names (``{}``: none); ``None``: the ties the files state
+    (:func:`files_ties`). Others without state are read as frozen."""
     path = str(path).rstrip("/") or "/"
     opts = storage_options
     if not storage.exists(path, opts):
@@ -216,7 +219,7 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
             metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
         md = _joined(mds, storage.join(path, metas[0][0]))
         with metadata_errors(storage.join(path, metas[0][0])):
-            return _build(path, opts, md, sizes, metas, buffers, tied or {})
+            return _build(path, opts, md, sizes, metas, buffers, tied)
     except (CorruptFile, UnsafePickle) as exc:
         if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
             exc.hint = DCP_HINTS[UnsafePickle if isinstance(exc, UnsafePickle) else CorruptFile]  # subclasses too
@@ -273,6 +276,9 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
     items = _Items(path, opts)
     try:
         group_values = _values(items, md, [k for g in groups_raw.values() for k in g.values()], mpath)
+        tie_source = "given" if tied is not None else None
+        if tied is None:
+            tied, tie_source = files_ties(path, opts, md, model, state, items, mpath)
         records, step_tensors = [], {}
         grouped = _group_infos(groups_raw, group_values, mpath)
         group_of = {n: g.index for g in grouped for n in g.names}
@@ -310,7 +316,11 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         for g in grouped:
             g.step = _group_step(g, step_tensors, opts, mpath)
         extra = {"metadata": md, "step_tensors": step_tensors, "stateless": stateless, "other": other,
+                 "tied": dict(tied), "tie_source": tie_source,
                  "flat_param_groups": bool(flat_groups), "model_keys": model,
+                 "flat_groups": {fqn: {k: v for k, v in zip(keys, _values(items, md, list(keys.values()),
+                                                                             mpath).values())}
+                                 for fqn, keys in flat_groups.items()},
                  "values": _values(items, md, [k for k in other if k in md.values], mpath)}
     finally:
         items.close()
@@ -325,13 +335,117 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
     if stateless:
         notes.append(f"{len(stateless)} module tensor(s) have no optimizer state ({', '.join(stateless[:3])}"
                      f"{'...' if len(stateless) > 3 else ''}): read as frozen weights unless named as buffers")
+    if tie_source:
+        extra["tie_candidates"] = []
+        if tied:
+            notes.append(f"{len(tied)} tied alias(es) from {tie_source}: " +
+                         ", ".join(f"{a} -> {b}" for a, b in list(tied.items())[:3]))
     if flat_groups:
         notes.append("the optimizer state was saved flattened (flatten_optimizer_state_dict=True): the param groups "
                      "are not recorded")
-    return Checkpoint(loc, 0, "dcp", _PRECISION.get(masters[0], masters[0]), (ranks[-1] + 1) if ranks else len(md.files),
+    ckpt = Checkpoint(loc, 0, "dcp", _PRECISION.get(masters[0], masters[0]), (ranks[-1] + 1) if ranks else len(md.files),
                       records, grouped, {}, [], [], notes=notes, format="dcp", extra=extra,
                       reshard_refusal="a DCP checkpoint becomes DeepSpeed files through "
                                       "`zckpt convert SRC --to deepspeed --world-size N --stage S`")
+    if not tie_source and stateless:
+        pairs = extra["tie_candidates"] = tie_candidates(ckpt)
+        if pairs:
+            notes.append("likely tied (no optimizer state, the same bytes as a trainable tensor; the files do not "
+                         "say): " + ", ".join(f"{a} = {b}" for a, b in pairs[:3]) +
+                         f"; convert --to deepspeed needs --tied {pairs[0][0]}={pairs[0][1]} or --tied ''")
+    return ckpt
+
+
+TIES_KEY = ("zckpt", "tied")  # zckpt's own record of tied aliases: a list of [alias, source] (dcp.load skips it)
+CONFIG = "config.json"
+
+
+def files_ties(path: str, opts, md: dcpmeta.DcpMetadata, model: dict, state: dict, items: "_Items",
+               mpath: str) -> tuple[dict, str | None]:
+    """The ties the files state, and where from: zckpt's own record (``zckpt.tied``, written beside ``model.*``
+    by ``zckpt convert --to dcp``), else ``tie_word_embeddings: true`` in a Hugging Face ``config.json`` in the
+    checkpoint folder: the one module tensor without optimizer state whose bytes equal a trainable one of its
+    shape is the tied alias (refused when it is not exactly one). ``({}, None)`` when the files say nothing."""
+    for key, v in md.values.items():
+        if md.path_of(key) == TIES_KEY:
+            value = _values(items, md, [key], mpath)[key]
+            if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 and
+                                                      all(isinstance(x, str) for x in p) for p in value):
+                raise CorruptFile(f"DCP value '{key}' is not a list of [alias, source] names", path=mpath)
+            return {a: b for a, b in value}, "zckpt.tied"
+    cpath = storage.join(path, CONFIG)
+    try:
+        config = json.loads(storage.read_bytes(cpath, opts)) if storage.isfile(cpath, opts) else None
+    except (ValueError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict) or config.get("tie_word_embeddings") is not True:
+        return {}, None
+    pairs = equal_pairs(md, model, state, items, opts, mpath)
+    aliases = sorted({a for a, _ in pairs})
+    if len(aliases) > 1 or len(pairs) > 1:
+        raise UnsupportedLayout(f"{CONFIG} says tie_word_embeddings, and several tensors without optimizer state "
+                                f"equal a trainable one ({', '.join(f'{a}={b}' for a, b in pairs[:3])})", path=cpath,
+                                hint="name the tie with --tied ALIAS=SOURCE")
+    return dict(pairs), f"{CONFIG} tie_word_embeddings" if pairs else None
+
+
+def equal_pairs(md: dcpmeta.DcpMetadata, model: dict, state: dict, items: "_Items", opts, mpath: str) -> list:
+    """(alias, source) for every module tensor without optimizer state whose bytes are identical to a trainable
+    tensor of the same shape and dtype: likely ties (or a frozen copy), never assumed to be either."""
+    stateless = [f for f in model if not state.get(f)]
+    trainable = [f for f in model if state.get(f)]
+    out = []
+    for a in stateless:
+        ta = md.tensors[model[a]]
+        for b in trainable:
+            tb = md.tensors[model[b]]
+            if tuple(ta.shape) == tuple(tb.shape) and ta.dtype == tb.dtype and ta.numel and \
+                    same_bytes(tensor_pieces(items, ta, mpath), tensor_pieces(items, tb, mpath), opts):
+                out.append((a, b))
+    return out
+
+
+def tie_candidates(ckpt: Checkpoint) -> list[tuple[str, str]]:
+    """(alias, source) pairs of ``ckpt`` (read from DCP) that look like ties: a module tensor without optimizer
+    state (read as frozen) whose bytes are identical to a trainable tensor's of the same shape and dtype."""
+    stateless = set(ckpt.extra.get("stateless") or [])
+    trainable = [r for r in ckpt.records if r.kind == "trainable" and r.exp_avg]
+    out = []
+    for a in (r for r in ckpt.records if r.name in stateless and r.numel):
+        for b in trainable:
+            if tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and \
+                    same_bytes(a.value, b.value, ckpt.storage_options):
+                out.append((a.name, b.name))
+    return out
+
+
+def _stream(pieces, opts, first: int = 64 << 10, block: int = 8 << 20):
+    """The pieces' bytes: a small first read (most unequal pairs differ there), then 8 MiB at a time."""
+    size = first
+    for p in pieces:
+        off = 0
+        while off < p.nbytes:
+            n = min(size, p.nbytes - off)
+            yield storage.read_range(p.path, p.offset + off, n, opts)
+            off, size = off + n, block
+
+
+def same_bytes(a: list, b: list, opts) -> bool:
+    """Whether two piece lists hold the same bytes (streamed: 64 KiB first, then 8 MiB at a time)."""
+    if sum(p.nbytes for p in a) != sum(p.nbytes for p in b):
+        return False
+    sa, sb, ba, bb = _stream(a, opts), _stream(b, opts), b"", b""
+    while True:
+        if not ba:
+            ba = next(sa, b"")
+        if not bb:
+            bb = next(sb, b"")
+        if not ba or not bb:
+            return not ba and not bb
+        n = min(len(ba), len(bb))
+        if ba[:n] != bb[:n]:
+            return False
+        ba, bb = ba[n:], bb[n:]
 
 
 def _group_infos(groups_raw: dict, values: dict, mpath: str) -> list[GroupInfo]:

@@ -19,6 +19,8 @@ FSDP2), so that FSDP2 at any world size resumes with ``dcp.load`` + ``set_state_
                                               decoupled_weight_decay [, initial_lr]) and params = parameter names
     lr_scheduler.<key>                        DeepSpeed's scheduler state as saved (when it has one)
     train_state.{global_steps,global_samples,skipped_steps}, client_state.<key>, loss_scaler.<key>
+    zckpt.tied                                [[alias, source], ...]: the tied aliases (zckpt's own record; dcp.load
+                                              loads only the keys it is asked for, so loaders never see it)
 
 DeepSpeed's Adam variants map onto torch's: a client ``torch.optim.AdamW`` / ``Adam`` group is carried as saved
 (``decoupled_weight_decay`` says which; ``False`` = Adam with L2, i.e. ``torch.optim.Adam``); DeepSpeed's
@@ -79,6 +81,8 @@ class ConvertPlan:
     optimizer: str = ""
     layout: str = "dcp"
     copies: list[tuple[str, str, int]] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)  # what of the source the output holds
+    not_carried: dict = field(default_factory=dict)  # {what: why} for what it does not
 
     @property
     def total_bytes(self) -> int:
@@ -93,7 +97,8 @@ class ConvertPlan:
         return {"source": self.source, "tag": self.tag, "from": self.source_format, "to": self.to,
                 "layout": self.layout, "optimizer": self.optimizer,
                 "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
-                "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes}
+                "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes,
+                "carried": self.carried, "not_carried": self.not_carried}
 
 
 def _rel(folder: str, name: str) -> str:
@@ -106,10 +111,11 @@ class ConvertResult:
     plan: ConvertPlan
     seconds: float = 0.0
     dry_run: bool = False
+    stats: dict = field(default_factory=dict)  # ranks, bytes, seconds, remote reads (as merge and reshard report)
 
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
-                **self.plan.summary()}
+                **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
 
     def __repr__(self) -> str:
         what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
@@ -208,6 +214,9 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None) -> tuple[dict, lis
         else:
             model[rec.name] = TensorOut(rec.dtype, tuple(rec.shape), list(rec.value))
     state: dict = {"model": model}
+    ties = [[r.name, r.tied_to] for r in ckpt.records if r.kind == "tied"]
+    if ties:  # zckpt's record of the ties (dcp.load loads only the keys asked for, so it costs a loader nothing)
+        state["zckpt"] = {"tied": ties}
     notes: list[str] = []
     trainable = ckpt.of_kind("trainable")
     with_state = [r for r in trainable if r.exp_avg]
@@ -298,10 +307,27 @@ def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None
     state, notes, optimizer = dcp_state(ckpt, adam_mode)
     meta_notes = notes + list(ckpt.notes)
     source_format = ckpt.format
+    roots = [k for k in state if k not in ("model", "optim", "zckpt")]
+    carried = ["model"] + (["optimizer"] if "optim" in state else []) + \
+        (["tied aliases (zckpt.tied)"] if "zckpt" in state else [])
+    skipped = {"latest, zero_to_fp32.py": "DeepSpeed's own files"} if trainer_dir else {}
     if layout == "dcp":
-        return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format,
-                           [("", dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes))], meta_notes, optimizer)
-    parts = [(TRAINER_MODEL_DIR, dcpw.plan_dcp({"model": state["model"]}, _sub(checkpoint_id, TRAINER_MODEL_DIR),
+        part = dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes)
+        copies = []
+        if trainer_dir:  # the Trainer's own files travel beside the DCP files (dcp.load reads only what it names)
+            own = {f.name for f in part.files} | {dcpw.METADATA}
+            side = trainer_copies(trainer_dir, ckpt.location.tag_dir, ckpt.storage_options)
+            copies = [c for c in side if c[0] not in own]
+            left = [c[0] for c in side if c[0] in own]
+            if left:
+                meta_notes.append(f"left out the Trainer's {', '.join(sorted(left))}: DCP's own files have "
+                                  "those names")
+                skipped[", ".join(sorted(left))] = "DCP's own files have those names"
+        carried += [_flat_names(r, state[r]) for r in roots] + [rel for rel, _, _ in copies]
+        return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format, [("", part)], meta_notes,
+                           optimizer, "dcp", copies, carried, skipped)
+    model_part = {"model": state["model"], **({"zckpt": state["zckpt"]} if "zckpt" in state else {})}
+    parts = [(TRAINER_MODEL_DIR, dcpw.plan_dcp(model_part, _sub(checkpoint_id, TRAINER_MODEL_DIR),
                                                 chunk_bytes, file_bytes))]
     if "optim" in state:
         parts.append((TRAINER_OPTIM_DIR, dcpw.plan_dcp({"optimizer": state["optim"]},
@@ -311,8 +337,22 @@ def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None
     if not any(rel == "scheduler.pt" for rel, _, _ in copies) and "optim" in state:
         meta_notes.append("no scheduler.pt in the checkpoint: the Trainer loads the optimizer only when it finds "
                           "one")
+    for r in roots:  # the Trainer's layout has two DCP folders, model and optimizer, and nothing else
+        skipped[_flat_names(r, state[r])] = ("the Trainer layout holds model and optimizer only (--layout dcp "
+                                             "keeps it)")
+    if roots:
+        meta_notes.append(f"left out {', '.join(_flat_names(r, state[r]) for r in roots)}: the Trainer layout "
+                          "holds model and optimizer only (the Trainer's own files are copied; --layout dcp keeps "
+                          "them)")
+    carried += [rel for rel, _, _ in copies]
     return ConvertPlan(ckpt.location.input_path, ckpt.tag, to, source_format, parts, meta_notes, optimizer,
-                       "trainer", copies)
+                       "trainer", copies, carried, skipped)
+
+
+def _flat_names(root: str, value) -> str:
+    """``train_state.{global_steps,global_samples}``: a root and its keys, as one name."""
+    keys = list(value) if isinstance(value, dict) else []
+    return f"{root}.{{{','.join(map(str, keys))}}}" if len(keys) > 1 else f"{root}.{keys[0]}" if keys else root
 
 
 def _sub(checkpoint_id: str | None, folder: str) -> str | None:
@@ -374,6 +414,7 @@ def execute(plan: ConvertPlan, out: str, workers: int | None = None, overwrite: 
     finally:
         worker.close()
         maps.close()
+    return worker.stats.to_json()
 
 
 def _copy(src: str, dst: str, storage_options: dict | None = None) -> None:
@@ -433,16 +474,21 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
+    t_plan = time.perf_counter()
     check = checksums.input_check(ckpt)
     try:
         if group is not None:
             from zckpt.ops import distributed
-            distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite, progress=progress,
-                                    durable=durable, source=source, storage_options=ckpt.storage_options,
-                                    check=check)
+            stats = distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite,
+                                            progress=progress, durable=durable, source=source,
+                                            storage_options=ckpt.storage_options, check=check).to_json()
         else:
-            execute(plan, out, workers, overwrite, progress, durable, source, ckpt.storage_options, check)
+            stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
+                                            ckpt.storage_options, check) or {})}
     finally:
         check.close()
+    stats["crc_checked_entries"] = check.checked
     result.seconds = time.perf_counter() - t0
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
     return result

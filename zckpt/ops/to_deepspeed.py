@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp
+from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp, tie_candidates
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
 from zckpt.ops import checksums, reshard
@@ -115,21 +115,63 @@ def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None, config_kno
         raise UnsupportedLayout(f"'{other[0]}' has optimizer state but is in no param group", path=path)
     steps = {g.step for g in ckpt.groups if g.step is not None}
     step = int(max(steps)) if steps else 0
+    side = side_state(ckpt)
+    counters = side["train_state"]
+    if "global_steps" in counters and counters["global_steps"] != step:
+        raise UnsupportedLayout(f"train_state.global_steps is {counters['global_steps']}, the optimizer's step "
+                                f"{step}", path=path, hint="the DCP folder mixes two saves; use one save's folder")
     model_state = OrderedDict([
         ("module", OrderedDict((r.name, None) for r in records)),
         ("buffer_names", [r.name for r in records if r.kind == "buffer"]),
         ("shared_params", {r.name: r.tied_to for r in records if r.kind == "tied"}),
-        ("lr_scheduler", None), ("data_sampler", None), ("random_ltd", None),
-        ("skipped_steps", 0), ("global_steps", step), ("global_samples", None), ("mp_world_size", 1),
+        ("lr_scheduler", side["lr_scheduler"]), ("data_sampler", None), ("random_ltd", None),
+        ("skipped_steps", counters.get("skipped_steps", 0)), ("global_steps", step),
+        ("global_samples", counters.get("global_samples")), ("mp_world_size", 1),
         ("ds_config", ds_config), ("ds_version", DS_LAYOUT_VERSION),
     ])
-    model_state.pop("global_samples")  # DeepSpeed derives it from global_steps when absent
+    if model_state["global_samples"] is None:
+        model_state.pop("global_samples")  # DeepSpeed derives it from global_steps when absent
+    for k, v in side["client_state"].items():  # DeepSpeed hands the extra keys back as load_checkpoint's client state
+        if k not in model_state:
+            model_state[k] = v
     loc = dataclasses.replace(ckpt.location, tag=f"global_step{step}")
     # without the job's config, clip_grad is left out of the files: DeepSpeed then keeps its configured value
     osd = OrderedDict() if config_known else OrderedDict([("clip_grad", None)])
     return dataclasses.replace(ckpt, location=loc, records=records, precision=precision, model_state=model_state,
                                optim_states=[{"optimizer_state_dict": osd}], model_states=[model_state],
                                reshard_refusal=None, extra={**ckpt.extra, "group_steps": group_steps})
+
+
+SIDE_ROOTS = ("train_state", "lr_scheduler", "client_state")
+
+
+def side_state(ckpt: Checkpoint) -> dict:
+    """The plain values a DCP checkpoint holds beside the model and optimizer, by what DeepSpeed does with them:
+    ``train_state`` counters (``global_steps``, ``global_samples``, ``skipped_steps``: zckpt's DeepSpeed -> DCP
+    output; ints only), ``lr_scheduler`` (the dict DeepSpeed's ``lr_scheduler.load_state_dict`` gets; None
+    without), ``client_state``; ``left``: {root: why} for the rest (``loss_scaler``, ``dataloader``, ...)."""
+    md = ckpt.extra["metadata"]
+    out = {"train_state": {}, "lr_scheduler": None, "client_state": {}, "left": {}}
+    for key, value in (ckpt.extra.get("values") or {}).items():
+        p = md.path_of(key)
+        if p[0] == "zckpt":
+            continue
+        if p[0] == "train_state" and len(p) == 2 and isinstance(value, int) and not isinstance(value, bool):
+            out["train_state"][p[1]] = value
+        elif p[0] == "lr_scheduler" and len(p) >= 2:
+            out["lr_scheduler"] = out["lr_scheduler"] or {}
+            out["lr_scheduler"][".".join(map(str, p[1:]))] = value
+        elif p[0] == "client_state" and len(p) >= 2:
+            out["client_state"][".".join(map(str, p[1:]))] = value
+        else:
+            why = ("the loss scaler's state: DeepSpeed keeps one for fp16 only, and an fp16 target is refused"
+                   if p[0] == "loss_scaler" else
+                   "DeepSpeed has no place for it")
+            out["left"].setdefault(".".join(map(str, p[:1])), why)
+    tensors = sorted({md.path_of(k)[0] for k in ckpt.extra.get("other") or [] if k in md.tensors})
+    for root in tensors:
+        out["left"].setdefault(root, "tensors outside model / optimizer state")
+    return out
 
 
 def _bf16_optimizer(cfg: dict, stage: int) -> bool:
@@ -148,9 +190,22 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     plan = reshard.plan_reshard(src, world_size, stage, _bf16_optimizer(cfg, stage), "deepspeed")
     # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied by the
     # writer; its DCP folders are what the rank files replace
-    plan.files = [f for f in plan.files if not (f.kind == "copy" and f.relpath.split("/")[0] in TRAINER_PARTS)]
-    plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
-                      "load_lr_scheduler_states=False when the engine has a scheduler")
+    plan.files = [f for f in plan.files if not (f.kind == "copy" and _dcp_file(f.relpath))]
+    side = side_state(ckpt)
+    carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)"]
+    carried += [f"train_state.{k}" for k in side["train_state"]]
+    carried += ["lr_scheduler"] if side["lr_scheduler"] else []
+    carried += [f"client_state.{k}" for k in side["client_state"]]
+    left = dict(side["left"])
+    if not side["lr_scheduler"]:
+        plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
+                          "load_lr_scheduler_states=False when the engine has a scheduler")
+    if "global_samples" not in side["train_state"]:
+        left["train_state.global_samples"] = "not in the DCP checkpoint: DeepSpeed derives it from global_steps"
+    for root, why in left.items():
+        plan.notes.append(f"left out {root}: {why}")
+    carried += [f.relpath for f in plan.files if f.kind == "copy"]
+    plan.carried, plan.not_carried = carried, left
     if not config_known:
         plan.notes.append("no DeepSpeed config given: DeepSpeed's defaults shape the files (sub_group_size 1e9, no "
                           "parameter_alignment); gradient clipping is left to the engine's config")
@@ -162,15 +217,37 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     return plan
 
 
-def parse_tied(tied) -> dict:
-    """``--tied`` values: ``{"alias": "source"}``, or strings ``"alias=source"`` (one per tie, or comma-separated)."""
-    if not tied:
-        return {}
+def check_no_hidden_ties(ckpt: Checkpoint) -> None:
+    """A module tensor without optimizer state whose bytes equal a trainable one's is likely a tied alias (most
+    small Hugging Face language models tie their embeddings), or a frozen copy: never assumed, refused."""
+    pairs = ckpt.extra.get("tie_candidates")
+    pairs = tie_candidates(ckpt) if pairs is None else pairs
+    if pairs:
+        a, b = pairs[0]
+        more = f" ({len(pairs) - 1} more such pair{'s' if len(pairs) > 2 else ''})" if len(pairs) > 1 else ""
+        raise UnsupportedLayout(f"'{a}' has no optimizer state and the same bytes as the trainable '{b}': a tied "
+                                f"weight or a frozen copy, and the files do not say which{more}",
+                                path=ckpt.location.tag_dir,
+                                hint=f"--tied {a}={b} if it is tied (DeepSpeed's shared_params); --tied '' if "
+                                     "nothing is tied (then it is written as a frozen weight)")
+
+
+def _dcp_file(relpath: str) -> bool:
+    """A file of the DCP checkpoint itself (its folders, ``.metadata``, data files): replaced by the rank files."""
+    top = relpath.split("/")[0]
+    return top in TRAINER_PARTS or top == ".metadata" or (top.startswith("__") and top.endswith(".distcp"))
+
+
+def parse_tied(tied) -> dict | None:
+    """``--tied`` values: ``{"alias": "source"}``, or strings ``"alias=source"`` (one per tie, or comma-separated);
+    ``""`` (or ``{}``): no ties. ``None`` (or no value): the ties the files state (:func:`zckpt.dcp.reader.files_ties`)."""
+    if tied is None or (isinstance(tied, (list, tuple)) and not tied):
+        return None
     if isinstance(tied, dict):
         return dict(tied)
     out = {}
     for item in ([tied] if isinstance(tied, str) else list(tied)):
-        for part in (p.strip() for p in item.split(",")):
+        for part in (p.strip() for p in item.split(",") if p.strip()):
             alias, eq, src = part.partition("=")
             if not eq or not alias.strip() or not src.strip():
                 raise InvalidArgument(f"--tied {part!r}: expected ALIAS=SOURCE, e.g. lm_head.weight=embed.weight")
@@ -178,10 +255,18 @@ def parse_tied(tied) -> dict:
     return out
 
 
+class ToDeepSpeedResult(reshard.ReshardResult):
+    """A reshard's result, plus what the DCP checkpoint held that the DeepSpeed files carry and what they do not."""
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "carried": list(getattr(self.plan, "carried", [])),
+                "not_carried": dict(getattr(self.plan, "not_carried", {}))}
+
+
 def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dtype: str | None = None, dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
-                 storage_options: dict | None = None) -> reshard.ReshardResult:
+                 storage_options: dict | None = None) -> ToDeepSpeedResult:
     """Write the DCP checkpoint at ``path`` as DeepSpeed ZeRO-``stage`` files for ``world_size`` ranks into the
     folder ``out`` (``OUT/latest``, ``OUT/global_step<N>/...``), loadable with a plain ``engine.load_checkpoint(out)``.
 
@@ -205,6 +290,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
         buffers = [b for b in buffers.split(",") if b]
     cfg, config_known = load_config(ds_config, dtype)
     ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
+    if ckpt.extra.get("tie_source") is None:  # neither --tied nor the files say: refuse what looks like a tie
+        check_no_hidden_ties(ckpt)
     source = publish.source_of(ckpt.location)
     out = str(out) if out is not None else publish.default_output(source, "converted") + "-deepspeed"
     if storage.is_url(out):
@@ -212,14 +299,18 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
                               hint="convert locally, then `zckpt push` the result")
     publish.check_output(out, "convert", source, overwrite)
     plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known)
-    result = reshard.ReshardResult(out, plan, dry_run=dry_run)
+    result = ToDeepSpeedResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
+    t_plan = time.perf_counter()
     check = checksums.input_check(ckpt)
     try:
-        reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
-                        storage_options=storage_options, kind="convert", check=check)
+        stats = reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
+                                storage_options=storage_options, kind="convert", check=check)
     finally:
         check.close()
+    stats["crc_checked_entries"] = check.checked
     result.seconds = time.perf_counter() - t0
+    result.stats = {"ranks": 1, **(stats or {}), "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
     return result
