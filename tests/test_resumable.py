@@ -84,12 +84,16 @@ def test_verify_without_latest_is_not_resumable(tmp_path, shape):
     tag = (ck / "latest").read_text().strip()
     assert cli("verify", ck).returncode == 0
     (ck / "latest").unlink()
-    proc = cli("verify", ck)
+    proc = cli("verify", ck)  # one error line on stderr, naming the failed check and the fix
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "latest: not resumable: no 'latest' file" in err[0] and "--tag" in err[0], err
+    proc = cli("verify", ck, "-v")  # -v: the checklist
     assert proc.returncode == 1, proc.stdout + proc.stderr
     bad = bad_lines(proc)
     assert len(bad) == 1 and bad[0].startswith("BAD  latest: not resumable: no 'latest' file"), proc.stdout
     assert tag in bad[0] and "--tag" in bad[0] and "printf TAG > latest" in bad[0]
-    assert proc.stdout.strip().splitlines()[-1] == f"{ck}: NOT consistent" and not proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == f"{ck}: NOT consistent"
     # the tag chosen: how it will be loaded (load_checkpoint(dir, tag=...)); what latest says is a note
     for args in (("--tag", tag), ()):
         target = ck if args else ck / tag
@@ -126,6 +130,9 @@ def test_verify_trainer_latest_naming_another_tag(tmp_path):
     shutil.copytree(ck / "global_step4", ck / "global_step2")
     (ck / "latest").write_text("global_step2")
     proc = cli("verify", ck)
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "'latest' names 'global_step2'" in proc.stderr
+    proc = cli("verify", ck, "-v")
     assert proc.returncode == 1
     bad = bad_lines(proc)
     assert len(bad) == 1 and "'latest' names 'global_step2'" in bad[0] and "step 4" in bad[0], proc.stdout
