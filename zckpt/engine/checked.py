@@ -99,6 +99,7 @@ class InputCheck:
         self._spans: list[tuple[str, int, int, int]] = []  # list.append is atomic: worker threads add freely
         self._entries: dict[str, tuple[list[int], list[ZipEntry]]] = {}
         self._done: set[tuple[str, int]] = set()  # (path, data offset) of entries already checked
+        self._from_directory: set[str] = set()  # files whose entries were read from their own zip directory
         self._lock = threading.Lock()
         self.checked = 0  # entries checked
         self.checked_bytes = 0
@@ -145,7 +146,14 @@ class InputCheck:
         """Check, before they are used, the entries holding bytes [offset, offset+n) of ``path``, each read whole
         (once per entry: :func:`zckpt.api.iter_tensors` yields a tensor only after its entry is checked)."""
         starts, entries = self._entries_for(path)
-        i = max(bisect.bisect_right(starts, offset) - 1, 0)
+        i = bisect.bisect_right(starts, offset) - 1
+        if (i < 0 or offset >= entries[i].data_offset + entries[i].size) and path not in self._from_directory:
+            self._from_directory.add(path)  # not among what entries_of knows: the file's own directory
+            found = sorted((e for e in zip_entries(path, self.storage_options) if e.size), key=lambda e: e.data_offset)
+            with self._lock:
+                self._entries[path] = starts, entries = [e.data_offset for e in found], found
+            i = bisect.bisect_right(starts, offset) - 1
+        i = max(i, 0)
         while i < len(entries) and entries[i].data_offset < offset + n:
             e = entries[i]
             if e.data_offset + e.size > offset and (path, e.data_offset) not in self._done:
@@ -169,13 +177,18 @@ class InputCheck:
 
     def _check_file(self, path: str, spans: list[tuple[int, int, int]]) -> None:
         starts, entries = self._entries_for(path)
-        if not entries:
-            return
         per_entry: dict[int, list[tuple[int, int, int]]] = {}
         for off, n, crc in spans:
             i = bisect.bisect_right(starts, off) - 1
             if i >= 0 and off + n <= entries[i].data_offset + entries[i].size:
                 per_entry.setdefault(i, []).append((off, n, crc))
+            elif path not in self._from_directory:  # entries_of did not know it: the file's own directory
+                self._from_directory.add(path)
+                entries = sorted((e for e in zip_entries(path, self.storage_options) if e.size),
+                                 key=lambda e: e.data_offset)
+                with self._lock:
+                    self._entries[path] = ([e.data_offset for e in entries], entries)
+                return self._check_file(path, spans)
         for i in sorted(per_entry):
             e = entries[i]
             if (path, e.data_offset) in self._done:
@@ -241,6 +254,7 @@ class InputCheck:
                 if local:
                     got = os.preadv(fd, [memoryview(buf)[:k]], pos)
                     data = memoryview(buf)[:got]
+                    storage.count_read(path, got)  # counted like every other read (resume's bytes_read)
                 else:
                     data = storage.read_range(path, pos, k, self.storage_options)
                 if len(data) != k:

@@ -91,6 +91,7 @@ class StorageRef:
     dtype: str
     offset: int
     nbytes: int
+    crc: int | None = field(default=None, compare=False)  # the zip entry's CRC-32 (None: a legacy file has none)
 
     @property
     def numel(self) -> int:
@@ -500,7 +501,7 @@ class _PendingStorage:
         if dtype != self.dtype and self.dtype != "uint8":
             raise CorruptFile(f"tensor dtype {dtype} disagrees with its storage dtype {self.dtype}")
         ref = self.ref if dtype == self.ref.dtype else StorageRef(self.ref.path, self.ref.key, dtype,
-                                                                    self.ref.offset, self.ref.nbytes)
+                                                                    self.ref.offset, self.ref.nbytes, self.ref.crc)
         if (shape and min(shape) < 0) or (stride and min(stride) < 0) or storage_offset < 0:
             raise CorruptFile("tensor with negative shape, stride or offset")
         span = 1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0
@@ -670,7 +671,7 @@ class _Archive:
         entry = self.entries.get(f"{self.prefix}data/{key}")
         if entry is None:
             raise CorruptFile(f"storage {key} named in the pickle is missing from the archive", path=self.path)
-        return StorageRef(self.path, key, dtype, entry.data_offset, entry.size)
+        return StorageRef(self.path, key, dtype, entry.data_offset, entry.size, entry.crc)
 
 
 def _check_opcodes(data: bytes, path: str) -> None:

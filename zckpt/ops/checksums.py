@@ -29,11 +29,38 @@ def input_check(ckpt: Checkpoint, max_fill: float | None = None) -> InputCheck:
 
 def entries_of(ckpt: Checkpoint):
     opts = ckpt.storage_options
-    if ckpt.format != "dcp":
-        return lambda path: zip_entries(path, opts)
+    if ckpt.format != "dcp":  # what the metadata read at open already holds (InputCheck reads a file's directory
+        known = stored_entries(ckpt)  # itself where a span falls outside these)
+        return lambda path: known.get(path, [])
     from zckpt.dcp import reader as dcp_reader
     by_file = dcp_reader.items(ckpt)
     return lambda path: item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], opts)
+
+
+def stored_entries(ckpt: Checkpoint) -> dict[str, list[ZipEntry]]:
+    """Every storage entry the checkpoint's metadata (read at open, through the allow-list) names, with the CRC-32
+    its zip directory gave: per file, so nothing is read again (resume's reads stay each source byte once)."""
+    from zckpt.formats.safeload import Inert, LazyTensor
+    out: dict[str, dict[int, ZipEntry]] = {}
+    seen: set[int] = set()
+    todo = [ckpt.model_state, ckpt.model_states, ckpt.optim_states]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, LazyTensor):
+            s = obj.storage
+            if s.crc is not None and s.offset >= 0:
+                out.setdefault(s.path, {})[s.offset] = ZipEntry(f"archive/data/{s.key}", -1, s.offset, s.nbytes,
+                                                                s.crc)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, Inert):
+            todo.extend(vars(obj).values())
+    return {path: list(entries.values()) for path, entries in out.items()}
 
 
 def item_entries(path: str, items: list[tuple[int, int]], storage_options: dict | None = None) -> list[ZipEntry]:

@@ -452,6 +452,7 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> C
     if dry_run:
         result.status, result.seconds = "dry-run", time.monotonic() - started
         return result
+    dest.check_sizes(ckpt.name, sends)  # what DEST cannot take is refused before anything is read
     list(ctx.pool.map(ctx.sha256, sends))  # every file read (torch zips CRC-checked) before anything is sent
     ctx.emit("checkpoint-start", checkpoint=ckpt.name, total=result.bytes_sent, files=len(sends))
     # the old manifest goes before any file of the checkpoint is replaced; the push record comes before any file
