@@ -237,8 +237,8 @@ class InputCheck:
         name = e.name.split("/", 1)[1] if "/" in e.name else e.name
         raise CorruptFile(f"zip entry {name}{what}: its bytes do not match the CRC-32 the file records "
                           f"({got:08x}, recorded {e.crc:08x}): the file is damaged", path=path,
-                          hint="copy the file again from where it was saved (`zckpt verify --deep` lists every "
-                               "damaged entry)")
+                          hint="copy the file again from where it was saved; `zckpt verify --deep` lists every "
+                               "damaged entry")
 
     def _read_crc(self, path: str, offset: int, n: int) -> int:
         """The CRC-32 of bytes the engine did not read (padding, a copied file, ``ensure``): read in blocks (with
