@@ -147,11 +147,8 @@ class InputCheck:
         (once per entry: :func:`zckpt.api.iter_tensors` yields a tensor only after its entry is checked)."""
         starts, entries = self._entries_for(path)
         i = bisect.bisect_right(starts, offset) - 1
-        if (i < 0 or offset >= entries[i].data_offset + entries[i].size) and path not in self._from_directory:
-            self._from_directory.add(path)  # not among what entries_of knows: the file's own directory
-            found = sorted((e for e in zip_entries(path, self.storage_options) if e.size), key=lambda e: e.data_offset)
-            with self._lock:
-                self._entries[path] = starts, entries = [e.data_offset for e in found], found
+        if (i < 0 or offset >= entries[i].data_offset + entries[i].size) and self._from_directory_once(path):
+            starts, entries = self._entries_for(path)
             i = bisect.bisect_right(starts, offset) - 1
         i = max(i, 0)
         while i < len(entries) and entries[i].data_offset < offset + n:
@@ -165,6 +162,16 @@ class InputCheck:
         for e in zip_entries(dst):
             if e.size:
                 self._compare(src, e, self._read_crc(dst, e.data_offset, e.size))
+
+    def _from_directory_once(self, path: str) -> bool:
+        """Replace what ``entries_of`` said of ``path`` by its own zip directory, once; False when done already."""
+        if path in self._from_directory:
+            return False
+        self._from_directory.add(path)
+        found = sorted((e for e in zip_entries(path, self.storage_options) if e.size), key=lambda e: e.data_offset)
+        with self._lock:
+            self._entries[path] = ([e.data_offset for e in found], found)
+        return True
 
     def _entries_for(self, path: str) -> tuple[list[int], list[ZipEntry]]:
         got = self._entries.get(path)
@@ -182,12 +189,7 @@ class InputCheck:
             i = bisect.bisect_right(starts, off) - 1
             if i >= 0 and off + n <= entries[i].data_offset + entries[i].size:
                 per_entry.setdefault(i, []).append((off, n, crc))
-            elif path not in self._from_directory:  # entries_of did not know it: the file's own directory
-                self._from_directory.add(path)
-                entries = sorted((e for e in zip_entries(path, self.storage_options) if e.size),
-                                 key=lambda e: e.data_offset)
-                with self._lock:
-                    self._entries[path] = ([e.data_offset for e in entries], entries)
+            elif self._from_directory_once(path):  # entries_of did not know it: the file's own directory
                 return self._check_file(path, spans)
         for i in sorted(per_entry):
             e = entries[i]
