@@ -170,7 +170,7 @@ kind, path = sys.argv[1], sys.argv[2]
 if kind.startswith("plain"):
     import torch, torch.distributed.checkpoint, deepspeed.runtime.fp16.loss_scaler  # the classes, not timed
 if kind.startswith("zckpt"):
-    import zckpt.formats.dcpmeta, zckpt.deepspeed.layout  # imported untimed, like torch for plain
+    import zckpt.encoding.dcpmeta, zckpt.state.open  # imported untimed, like torch for plain
 def rss():
     with open("/proc/self/status") as f:
         st = dict(line.split(":", 1) for line in f)
@@ -182,7 +182,7 @@ try:
         with open(path, "rb") as f:
             pickle.load(f)
     elif kind == "zckpt-dcp":
-        from zckpt.formats import dcpmeta
+        from zckpt.encoding import dcpmeta
         sizes = json.load(open(os.path.join(os.path.dirname(path), "sizes.json"))) \
             if os.path.exists(os.path.join(os.path.dirname(path), "sizes.json")) else None
         with open(path, "rb") as f:
@@ -207,7 +207,7 @@ try:
             n += 1
         outcome = f"{n} files"
     elif kind == "zckpt-ds":
-        from zckpt.deepspeed.layout import open_checkpoint
+        from zckpt.state.open import open_checkpoint
         ck = open_checkpoint(path)
         outcome = f"read: {ck.world_size} ranks, {len(ck.records)} params"
 except Exception as exc:

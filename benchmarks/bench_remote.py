@@ -50,7 +50,7 @@ def upload(local: Path, url: str, opts: dict) -> None:
 
 def merge_ranges(ckpt_url: str, opts: dict) -> list[tuple[str, int, int]]:
     """The coalesced ranged reads zckpt's merge plan makes (executor.plan_requests over every job's pieces)."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.engine import executor
     from zckpt.ops.merge import plan_merge, shard_jobs
     plan = plan_merge(open_checkpoint(ckpt_url, storage_options=opts))

@@ -2,7 +2,7 @@
 """Scaling benchmark: one ``zckpt merge`` / ``reshard`` split over P = 1, 2, 4, 8 processes on one host.
 
 P = 1 is the plain command (no launcher); P > 1 is ``torchrun --standalone --nproc-per-node P -m zckpt ...``: every
-process writes its share of the bytes into the shared scratch folder, rank 0 publishes (zckpt.ops.distributed).
+process writes its share of the bytes into the shared scratch folder, rank 0 publishes (zckpt.engine.distributed).
 Beside each, the same data movement without zckpt: P processes (forked, one thread each) copying exactly the
 source byte ranges of the same P shares into the same output offsets with ``copy_file_range`` (what P parallel
 ``cat``s of those ranges would do): the storage's speed for these bytes at that P.
@@ -84,9 +84,9 @@ def run_zckpt(procs: int, args: list[str], env: dict) -> tuple[float, dict]:
 
 def plan_works(case: str, ckpt: str, procs: int, shard: str):
     """The FileWorks zckpt would write for ``case`` (planned in this process) and the P shares."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.engine import torchzip
-    from zckpt.ops import distributed as D
+    from zckpt.engine import distributed as D
     c = open_checkpoint(ckpt)
     maps = torchzip.SourceMaps()
     if case.startswith("merge"):
@@ -105,7 +105,7 @@ def plan_works(case: str, ckpt: str, procs: int, shard: str):
 
 def _copy_share(works, share, out: str) -> int:
     from zckpt.engine.segments import Cast, Fill, Piece
-    from zckpt.formats.safeload import DTYPE_SIZES
+    from zckpt.encoding.safeload import DTYPE_SIZES
     fds_in, fds_out, done = {}, {}, 0
     zeros = bytes(1 << 20)
     try:

@@ -305,7 +305,7 @@ def _worker_load(job: dict):
     src = by = reader = None
     if rank == 0:
         import zckpt
-        from zckpt.formats.tensors import Reader
+        from zckpt.encoding.tensors import Reader
         src = zckpt.open_checkpoint(job["src"])
         by = src.by_name()
         reader = Reader()
@@ -315,7 +315,7 @@ def _worker_load(job: dict):
         n_params += 1
         if rank != 0:
             continue
-        from zckpt.formats.tensors import load_pieces
+        from zckpt.encoding.tensors import load_pieces
         rec = by.get(n)
         if rec is None or fp32 is None or m is None or v is None:
             missing.append(n)
@@ -1042,7 +1042,7 @@ def chk(name, fn):
 chk("deepspeed", lambda: importlib.import_module("deepspeed").__version__)
 chk("transformers.Qwen3", lambda: importlib.import_module("transformers").Qwen3ForCausalLM and
     importlib.import_module("transformers").__version__)
-chk("zckpt", lambda: [importlib.import_module(m) for m in ("zckpt.ops.reshard", "zckpt.ops.merge", "zckpt.formats.tensors",
+chk("zckpt", lambda: [importlib.import_module(m) for m in ("zckpt.ops.reshard", "zckpt.ops.merge", "zckpt.encoding.tensors",
                                                           "zckpt.cli")] and "ok")
 chk("safetensors", lambda: importlib.import_module("safetensors.torch") and "ok")
 chk("psutil", lambda: importlib.import_module("psutil").__version__)

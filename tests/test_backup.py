@@ -439,7 +439,7 @@ def test_verify_catches_damage_to_a_pushed_save_folder_at_every_level(tmp_path, 
 def test_verify_deep_reads_every_file_of_a_source_checkpoint(tmp_path):
     """No manifest at the source: torch zips (rng states, scheduler, training args) are caught by their CRCs; a
     safetensors file's data has no checksum (its header is checked)."""
-    from zckpt.formats.zipentries import read_file_entries
+    from zckpt.encoding.zipentries import read_file_entries
 
     for damage in ("rng_state_0.pth", "scheduler.pt", "training_args.bin"):
         ck = tmp_path / damage / "checkpoint-4"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zckpt.formats.casting import cast
+from zckpt.encoding.casting import cast
 
 SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, -np.nan, 65504.0, 65520.0, 65536.0,
                      3.4028235e38, 1e-45, -1e-45, 1.1754944e-38, 6e-8, 5.9604645e-8, 2.98e-8, 1.00390625,
@@ -47,7 +47,7 @@ def test_random_floats(values):
 
 def test_pure_bf16_upcast_is_torch_on_every_pattern():
     """The numpy-free bf16 -> fp32 path (small merges) equals torch's conversion on all 65536 patterns, NaNs too."""
-    from zckpt.formats.casting import upcast_bf16_pure
+    from zckpt.encoding.casting import upcast_bf16_pure
     every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.uint8)
     out = np.frombuffer(upcast_bf16_pure(memoryview(every.tobytes())), dtype=np.uint8)
     assert np.array_equal(out, _torch(every, "bfloat16", "float32"))

@@ -76,7 +76,7 @@ def test_verify_detects_flipped_bit(tmp_path):
     shutil.copytree(src, ck, ignore=shutil.ignore_patterns("expected"))
     tag = (ck / "latest").read_text().strip()
     f = sorted((ck / tag).glob("*optim_states.pt"))[0]
-    from zckpt.formats import safeload
+    from zckpt.encoding import safeload
     obj = safeload.load(str(f))
     t = obj["optimizer_state_dict"].get("single_partition_of_fp32_groups", obj["optimizer_state_dict"].get(
         "fp32_flat_groups"))[0]

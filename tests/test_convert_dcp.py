@@ -128,7 +128,7 @@ def test_keys_and_metadata_are_torchs_own(tmp_path):
 
 
 def test_large_tensors_are_split_into_row_blocks(tmp_path):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.dcp.writer import write_plan  # noqa: F401
     from zckpt.ops.convert import execute, plan_convert
     ckpt = open_checkpoint(str(FIXTURES / "z2_bf16_ws2"))

@@ -80,7 +80,7 @@ TO_DS = ("--to", "deepspeed", "--world-size", "2", "--stage", "2", "--dtype", "f
 
 @pytest.mark.parametrize("layout", ["trainer", "dcp"])
 def test_zckpts_own_dcp_output_keeps_its_tie(outputs, tmp_path, layout):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     folder, _ = outputs[layout]
     model_part = folder / "pytorch_model_fsdp_0" if layout == "trainer" else folder
     meta = pickle.loads((model_part / ".metadata").read_bytes())
@@ -101,7 +101,7 @@ def test_zckpts_own_dcp_output_keeps_its_tie(outputs, tmp_path, layout):
 
 
 def test_torch_written_tie_is_refused_until_named(tmp_path):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     src = torch_dcp(tmp_path / "t", Tied())
     r = zckpt("convert", src, *TO_DS, "-o", tmp_path / "o")
     assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1
@@ -125,7 +125,7 @@ def test_a_frozen_copy_with_equal_bytes_is_never_assumed(tmp_path):
 
 
 def test_config_tie_word_embeddings_names_the_tie(tmp_path):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     src = torch_dcp(tmp_path / "t", Tied(), {"model_type": "llama", "tie_word_embeddings": True})
     assert "1 tied" in zckpt("info", src).stdout
     r = zckpt("convert", src, *TO_DS, "-o", tmp_path / "o")
@@ -150,7 +150,7 @@ def test_layout_dcp_carries_the_trainers_files(outputs):
 
 
 def test_dcp_to_deepspeed_carries_the_counters(outputs, tmp_path):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     folder, _ = outputs["dcp"]
     r = zckpt("convert", folder, *TO_DS, "-o", tmp_path / "ds", "--json")
     assert r.exit_code == 0, r.output

@@ -244,7 +244,7 @@ def test_stale_extra_rank_file_is_named(tmp_path):
 
 def test_missing_file_error_text_for_python_callers(tmp_path):
     """str() of the error (what a Python caller prints) names the files once, not path: path: ..."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.errors import IncompleteCheckpoint
 
     ck, tag_dir = copy_of(tmp_path, "z2_bf16_ws4")

@@ -61,8 +61,8 @@ def _port():
 
 def test_records_are_fsdp2_full_state(fsdp2):
     import torch
-    from zckpt.deepspeed.layout import open_checkpoint
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.state.open import open_checkpoint
+    from zckpt.encoding.tensors import load_pieces
     path, full = fsdp2
     ckpt = open_checkpoint(str(path))
     assert ckpt.format == "dcp" and ckpt.world_size == 3
@@ -181,7 +181,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_metadata_refused(small_dcp, tmp_path, case):
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     fn, exc, words = HOSTILE[case]
     bad = _edit(small_dcp, tmp_path / "bad", fn)
     with pytest.raises(exc) as info:
@@ -191,7 +191,7 @@ def test_hostile_metadata_refused(small_dcp, tmp_path, case):
 
 def test_metadata_with_other_globals_runs_nothing(small_dcp, tmp_path):
     """A .metadata naming any global off the allow-list (here os.system) is refused before it is called."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     marker = tmp_path / "ran"
 
     class Evil:
@@ -212,7 +212,7 @@ def test_small_dcp_reads_and_chunks_on_inner_dims(small_dcp, tmp_path):
     import torch
     from zckpt.ops.merge import load_state_dict
     assert torch.equal(load_state_dict(str(small_dcp))["w"], torch.arange(12, dtype=torch.float32).reshape(4, 3))
-    from zckpt.formats import dcpmeta
+    from zckpt.encoding import dcpmeta
     te = dcpmeta.TensorEntry("x", "float32", (4, 6), [dcpmeta.Chunk((0, 0), (4, 2), "f", 0, 1),
                                                       dcpmeta.Chunk((0, 2), (4, 4), "f", 1, 1)])
     runs = dcpmeta.chunk_runs(te)
@@ -276,7 +276,7 @@ def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, ti
     to_deepspeed(str(path), str(out), world_size, stage, config, buffers=BUFFERS, tied=tied,
                  dtype=None if config else "fp32")
     if tied:  # declared: written as DeepSpeed's shared_params, the alias holds no bytes of its own
-        from zckpt.deepspeed.layout import open_checkpoint
+        from zckpt.state.open import open_checkpoint
         assert open_checkpoint(str(out)).by_name()["head.weight"].tied_to == "emb.weight"
     info = ds_oracle.load_with_deepspeed(spec, str(out), str(tmp_path / "oracle"))
     got = load_file(tmp_path / "oracle" / "oracle.safetensors")
@@ -318,8 +318,8 @@ def test_cli_convert_to_deepspeed(fsdp2, tmp_path):
     """``zckpt convert --to deepspeed``: one command, DeepSpeed files zckpt reads back as the same state; what DCP
     cannot say is asked for in one line."""
     import torch
-    from zckpt.deepspeed.layout import open_checkpoint
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.state.open import open_checkpoint
+    from zckpt.encoding.tensors import load_pieces
     path, full = fsdp2
     G, spec = _oracle_spec(2, 3)
     cfg = tmp_path / "ds.json"
@@ -350,7 +350,7 @@ def test_cli_convert_to_deepspeed(fsdp2, tmp_path):
 
 def _state(ckpt) -> dict:
     """Every tensor's bytes (value, moments) and kind, each group's names, step and Adam hyperparameters."""
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.encoding.tensors import load_pieces
     out = {}
     for r in ckpt.records:
         if r.kind == "tied":
@@ -371,7 +371,7 @@ def test_round_trip_deepspeed_dcp_deepspeed(tmp_path, fixture):
     """DeepSpeed -> DCP (zckpt convert --to dcp) -> DeepSpeed (--to deepspeed, same size and stage): every master,
     moment, frozen weight, buffer, tied alias, step and group hyperparameter identical, dtypes kept."""
     from tests.conftest import FIXTURES, checkpoint_path
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.ops.convert import convert
     src = open_checkpoint(str(checkpoint_path(FIXTURES / fixture)))
     convert(str(checkpoint_path(FIXTURES / fixture)), to="dcp", out=str(tmp_path / "dcp"))
@@ -473,7 +473,7 @@ def test_trainer_fsdp_checkpoint_as_source(tmp_path):
     made by ``convert --to dcp --layout trainer`` from the Trainer fixture) is one checkpoint: merge gives the
     DeepSpeed checkpoint's weights and a from_pretrained folder; --to deepspeed gives its state back identical."""
     from tests.conftest import FIXTURES
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.ops.convert import convert
     from zckpt.ops.merge import merge
     from zckpt.ops.verify import verify

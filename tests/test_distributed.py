@@ -1,4 +1,4 @@
-"""One command, many processes (zckpt.ops.distributed): merge and reshard under ``torchrun`` (gloo, CPU), local and
+"""One command, many processes (zckpt.engine.distributed): merge and reshard under ``torchrun`` (gloo, CPU), local and
 with the S3 server on loopback as the shared store, compared byte for byte with the single-process output; a rank
 that dies or fails publishes nothing and a re-run completes. Plus the pieces as plain data: launcher detection,
 the split by bytes, the coalesced ranged GETs of remote sources."""
@@ -22,8 +22,9 @@ from zckpt.engine import executor
 from zckpt.engine.segments import Piece
 from zckpt.errors import InvalidArgument
 from zckpt.io import publish, storage
-from zckpt.ops import distributed
-from zckpt.ops.distributed import FileWork, launcher_env, split_files, split_ranges
+from zckpt.engine import distributed
+from zckpt.engine.distributed import FileWork, split_files, split_ranges
+from zckpt.engine.launch import launcher_env
 
 pytest_plugins = ["tests.s3server"]
 
@@ -347,7 +348,7 @@ def test_s3_source_and_output_two_and_three_ranks(s3_server, tmp_path):
 def test_remote_merge_reads_coalesced_ranges(s3_server, tmp_path):
     """A single-process merge from s3:// fetches its pieces in a few coalesced ranged GETs, not one per piece,
     and reports them; the output is the local merge's."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.ops.merge import merge
     opts = s3_server.storage_options()
     src = s3_server.url("coalesce", "z2_bf16_ws4")

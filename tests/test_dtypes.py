@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.ops.info import info as zckpt_info
-from zckpt.deepspeed.layout import Piece, TensorRecord, check_records, open_checkpoint
+from zckpt.state.model import Piece, TensorRecord, check_records
+from zckpt.state.open import open_checkpoint
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from tests.conftest import FIXTURES
 

@@ -455,8 +455,7 @@ class _Rec:
 
 @pytest.fixture
 def fake_layout(monkeypatch):
-    """A stand-in for zckpt.deepspeed.layout (the real reader is tested in its own suite)."""
-    import types
+    """A stand-in for zckpt.state.open.open_checkpoint (the real reader is tested in its own suite)."""
 
     records = [
         _Rec("model.embed_tokens.weight", (100, 8), "trainable"),
@@ -479,11 +478,7 @@ def fake_layout(monkeypatch):
         calls.append((path, tag))
         return Ckpt()
 
-    mod = types.ModuleType("zckpt.deepspeed.layout")
-    mod.open_checkpoint = open_checkpoint
-    if "zckpt.deepspeed" not in sys.modules:
-        monkeypatch.setitem(sys.modules, "zckpt.deepspeed", types.ModuleType("zckpt.deepspeed"))
-    monkeypatch.setitem(sys.modules, "zckpt.deepspeed.layout", mod)
+    monkeypatch.setattr("zckpt.state.open.open_checkpoint", open_checkpoint)
     return calls
 
 
@@ -508,12 +503,12 @@ def _layout_available() -> bool:
     import importlib.util
 
     try:
-        return importlib.util.find_spec("zckpt.deepspeed.layout") is not None
+        return importlib.util.find_spec("zckpt.state.open") is not None
     except ModuleNotFoundError:
         return False
 
 
-@pytest.mark.skipif(_layout_available(), reason="zckpt.deepspeed.layout exists: the checkpoint path is live")
+@pytest.mark.skipif(_layout_available(), reason="zckpt.state.open exists: the checkpoint path is live")
 def test_cli_checkpoint_reader_missing(tmp_path):
     result = CliRunner().invoke(main, ["estimate", str(tmp_path)])
     assert result.exit_code == 1
@@ -521,7 +516,7 @@ def test_cli_checkpoint_reader_missing(tmp_path):
     assert result.stderr.count("\n") == 1
 
 
-@pytest.mark.skipif(not _layout_available(), reason="zckpt.deepspeed.layout not written yet")
+@pytest.mark.skipif(not _layout_available(), reason="zckpt.state.open missing")
 def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
     """Each committed fixture (tests/conftest.py): counts from its shapes equal DeepSpeed's model_to_params."""
     import fixtures.generate as G
@@ -543,7 +538,7 @@ def test_committed_fixture_counts_equal_deepspeed(ds, fixture_dir, ckpt_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _layout_available(), reason="zckpt.deepspeed.layout not written yet")
+@pytest.mark.skipif(not _layout_available(), reason="zckpt.state.open missing")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_generated_checkpoint_counts_equal_deepspeed(ds, tmp_path, stage):
     """A real ZeRO checkpoint (2 CPU ranks): counts equal DeepSpeed's model_to_params on the same model."""

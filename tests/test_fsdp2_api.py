@@ -97,7 +97,7 @@ def _exact(ours, want) -> bool:
 @pytest.mark.parametrize("layout", ["checkpoint-400-fsdp", "ds_ckpt-dcp"])
 def test_docs_code_loads_the_trainer_fixture_bit_for_bit_at_another_world_size(loaded, layout):
     from safetensors.torch import load_file
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     got = load_file(str(loaded[layout]) + ".safetensors")
     info = json.loads(Path(str(loaded[layout]) + ".json").read_text())
     want = load_file(str(FIXTURES / "trainer" / "expected" / "oracle.safetensors"))

@@ -58,7 +58,7 @@ def test_mutated_legacy_rank_file(tmp_path_factory, fixture, which, ops, in_pick
     target = ck / tag / files[which % len(files)].name
     data = target.read_bytes()
     if in_pickles:
-        from zckpt.formats import legacy
+        from zckpt.encoding import legacy
         with open(target, "rb") as f:
             start = legacy.read_header(f, len(data)).data_start
         data = mutate_file(data[:start], ops) + data[start:]

@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 
 import zckpt
 from zckpt.errors import UnsupportedLayout
-from zckpt.formats.tensors import load_pieces
+from zckpt.encoding.tensors import load_pieces
 from zckpt.ops.info import info as info_of
 from tests.conftest import FIXTURES, checkpoint_path
 from tests.test_merge import _merged

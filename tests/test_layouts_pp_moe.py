@@ -88,7 +88,7 @@ def test_moments_and_steps_equal_live_engine(fx):
     oracle, info = _oracle(fx)
     ckpt = zckpt.open_checkpoint(str(checkpoint_path(fx)))
     byname = ckpt.by_name()
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.encoding.tensors import load_pieces
     for kind in ("exp_avg", "exp_avg_sq"):
         live = _live(oracle, kind)
         assert set(live) == set(info["trainable"])

@@ -253,7 +253,7 @@ def test_autotp_merge_equals_deepspeed_universal(fx, tmp_path, dtype):
         assert got[name].dtype == w.dtype and torch.equal(got[name], w), name
     oracle = load_file(str(fx / "expected" / "oracle.safetensors"))
     ckpt = zckpt.open_checkpoint(str(checkpoint_path(fx)))
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.encoding.tensors import load_pieces
     for key, w in oracle.items():
         kind, name = key.split("/", 1)
         rec = ckpt.by_name()[name]
@@ -279,7 +279,7 @@ def test_tensor_parallel_without_metadata_refused(tmp_path):
     if not TP:
         pytest.skip("no AutoTP fixture")
     import shutil
-    from zckpt.formats import safeload
+    from zckpt.encoding import safeload
     src = checkpoint_path(TP[0])
     ck = tmp_path / "ck"
     shutil.copytree(src, ck, ignore=shutil.ignore_patterns("expected"))

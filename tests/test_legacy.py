@@ -27,7 +27,7 @@ import torch
 
 from tests.conftest import FIXTURE_DIRS, checkpoint_path
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.formats import legacy, safeload
+from zckpt.encoding import legacy, safeload
 
 ROOT = Path(__file__).resolve().parent.parent
 LEGACY = [d for d in FIXTURE_DIRS if d.name.endswith("_legacy")]
@@ -49,7 +49,7 @@ def _files(save: Path) -> list[Path]:
 def _materialize(obj):
     """The object safeload gives, with every LazyTensor read from its byte range (as torch would build it)."""
     if isinstance(obj, safeload.LazyTensor):
-        from zckpt.formats.tensors import torch_dtype
+        from zckpt.encoding.tensors import torch_dtype
         with open(obj.storage.path, "rb") as f:
             f.seek(obj.storage.offset)
             raw = bytearray(f.read(obj.storage.nbytes))

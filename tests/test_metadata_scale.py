@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zckpt.errors import CorruptFile, UnsafePickle
-from zckpt.formats import dcpmeta, pickles, safeload
+from zckpt.encoding import dcpmeta, pickles, safeload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -146,7 +146,7 @@ def test_a_full_disk_under_a_launcher_names_the_output(tmp_path):
     code = """
 import errno, socket, sys
 import torch.distributed as dist
-from zckpt.ops.distributed import agree
+from zckpt.engine.launch import agree
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 try:

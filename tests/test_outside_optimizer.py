@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 import zckpt
 from tests import ds_oracle
 from tests.test_reshard import fixture_dir, run_case  # noqa: F401 - the session fixture of committed fixtures
-from zckpt.deepspeed.layout import open_checkpoint
+from zckpt.state.open import open_checkpoint
 from zckpt.deepspeed.model import declared_ties
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.formats.tensors import load_pieces
+from zckpt.encoding.tensors import load_pieces
 from zckpt.ops.info import info as info_of
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zckpt.deepspeed.layout import open_checkpoint
-from zckpt.formats.tensors import load_pieces
+from zckpt.state.open import open_checkpoint
+from zckpt.encoding.tensors import load_pieces
 
 
 def _load(rec, which="value"):

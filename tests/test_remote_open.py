@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import FIXTURE_DIRS, checkpoint_path
 from tests.faultproxy import FaultProxy
 from tests.test_damaged import ZIP_CASES, damage, make_copy
-from zckpt.deepspeed.layout import open_checkpoint
+from zckpt.state.open import open_checkpoint
 from zckpt.io import storage
 
 pytest_plugins = ["tests.s3server"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ds_oracle  # noqa: E402
 
-from zckpt.formats import safeload  # noqa: E402
+from zckpt.encoding import safeload  # noqa: E402
 from zckpt.errors import InvalidArgument, OutputExists  # noqa: E402
 
 reshard_mod = __import__("importlib").import_module("zckpt.ops.reshard")
@@ -328,7 +328,7 @@ def _lazy_tree_equal(a, b, where="", zero3=False):
 def assert_same_records(a: Path, b: Path):
     """Every tensor of the training state (fp32 masters, moments, frozen, buffers) has the same bytes."""
     from zckpt import open_checkpoint
-    from zckpt.formats.tensors import Reader, load_pieces
+    from zckpt.encoding.tensors import Reader, load_pieces
     ca, cb = open_checkpoint(str(a)), open_checkpoint(str(b))
     assert [r.name for r in ca.records] == [r.name for r in cb.records]
     groups = lambda c: [(g.hyperparams, g.step, g.names) for g in c.groups]  # noqa: E731
@@ -477,9 +477,9 @@ def test_optimizer_state_other_than_adam_is_never_dropped(tmp_path):
     import subprocess
     import torch
     import zckpt
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.errors import UnsupportedLayout
-    from zckpt.formats.tensors import load_pieces
+    from zckpt.encoding.tensors import load_pieces
     from zckpt.ops.reshard import plan_ranks
     src = ROOT / "fixtures" / "z2_bf16_ws2_sgd"
     oracle = _load_st(src / "expected" / "oracle.safetensors")

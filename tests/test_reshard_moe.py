@@ -318,7 +318,7 @@ def test_moe_round_trip_reproduces_every_file(tmp_path, name, mid):
 
 def test_moe_merge_of_the_reshard_equals_the_source(tmp_path):
     """What the resharded files hold is the source's state: the same records, every byte (a second reader path)."""
-    from zckpt.formats.tensors import Reader
+    from zckpt.encoding.tensors import Reader
     src = FIX / "moe_z2_bf16_ws4_ep2_dbe"
     reshard(str(src), str(tmp_path / "o"), world_size=6)
     a, b = zckpt.open_checkpoint(str(src)), zckpt.open_checkpoint(str(tmp_path / "o"))

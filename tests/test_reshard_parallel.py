@@ -138,7 +138,7 @@ def test_pipeline_refusals(tmp_path):
     with pytest.raises(UnsupportedLayout, match="ZeRO-0 pipeline") as exc:  # DeepSpeed loads it per rank
         reshard(str(FIX / "pp2dp2_z0_bf16_ws4"), str(tmp_path / "o"), world_size=1)
     assert "\n" not in str(exc.value) and not (tmp_path / "o").exists()
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.ops.reshard import plan_ranks
     with pytest.raises(UnsupportedLayout, match="zckpt reshard"):
         plan_ranks(open_checkpoint(src), 1, [0])
@@ -147,7 +147,7 @@ def test_pipeline_refusals(tmp_path):
 def test_pipeline_plan_partitions_every_stage():
     """Each stage's flat group is re-partitioned by the plain ZeRO-1 writer (no second partitioner): the partition
     sizes of the plan at the source's own dp equal the source files' partitions."""
-    from zckpt.deepspeed.layout import open_checkpoint
+    from zckpt.state.open import open_checkpoint
     from zckpt.ops.reshard import plan_reshard
     ckpt = open_checkpoint(str(FIX / "pp2dp2_z1_bf16_ws4"))
     plan = plan_reshard(ckpt, ckpt.world_size)

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.formats.tensors import load_pieces
-from zckpt.deepspeed.layout import pieces_of
+from zckpt.encoding.tensors import load_pieces
+from zckpt.state.model import pieces_of
 
 MARKER = "/tmp/zckpt-pwned-marker"
 
@@ -284,14 +284,14 @@ def test_opcode_scan_matches_pickletools_on_real_and_mutated_pickles():
 # ------------------------------------------------------------------------------------ zip structure checks
 
 def _entries_of(path):
-    from zckpt.formats.zipentries import read_file_entries
+    from zckpt.encoding.zipentries import read_file_entries
     return read_file_entries(str(path))
 
 
 def test_zip_entries_match_torch_and_zipfile(tmp_path):
     """Data offsets and sizes agree with Python's zipfile reading each entry, for torch's own files and zckpt's."""
     from zckpt.engine import torchzip
-    from zckpt.deepspeed.layout import Piece
+    from zckpt.state.model import Piece
     src = tmp_path / "t.pt"
     torch.save({"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}, src)
     ours = tmp_path / "o.pt"
@@ -396,7 +396,7 @@ def test_zip_reader_on_mutated_structure(tmp_path):
     a field nobody needs, such as a time stamp, is harmless)."""
     import io
     import random
-    from zckpt.formats.zipentries import read_entries
+    from zckpt.encoding.zipentries import read_entries
     path = tmp_path / "t.pt"
     torch.save({"w": torch.randn(30), "v": torch.arange(7)}, path)
     clean = path.read_bytes()

@@ -148,7 +148,7 @@ def test_s3_options_do_not_outlive_the_call(monkeypatch):
 def test_every_reader_reads_with_the_given_options(fixture):
     """open_checkpoint(url, storage_options=...) reads every file (listings, pickles, step scalars, fp32 masters
     the ZeRO-0 reader samples) with the options; the Checkpoint keeps them for the bytes read later."""
-    from zckpt.formats.tensors import Reader
+    from zckpt.encoding.tensors import Reader
 
     local = checkpoint_path(FIXTURES / fixture)
     url = f"optfs://bucket/{fixture}/{local.name}"

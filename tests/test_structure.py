@@ -103,7 +103,7 @@ def test_no_module_and_function_share_a_name():
 LAYERS = [
     ("vocabulary", ["zckpt.errors", "zckpt.units", "zckpt.lazy"]),
     ("io", ["zckpt.io"]),
-    ("formats", ["zckpt.formats"]),
+    ("formats", ["zckpt.encoding"]),
     ("engine", ["zckpt.engine"]),
     ("state", ["zckpt.state"]),
     ("readers", ["zckpt.deepspeed", "zckpt.dcp"]),
@@ -131,7 +131,7 @@ def test_a_command_imports_only_the_reader_it_needs():
     """Start-up cost: opening a ZeRO-2 checkpoint imports the ZeRO-1/2 reader, not the other six."""
     import subprocess
     import sys
-    code = ("import sys; from zckpt.deepspeed.layout import open_checkpoint; "
+    code = ("import sys; from zckpt.state.open import open_checkpoint; "
             f"open_checkpoint({str(PKG.parent / 'fixtures' / 'z2_bf16_ws2')!r}); "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('zckpt.deepspeed.'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,

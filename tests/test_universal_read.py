@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
 from tests.conftest import FIXTURES, checkpoint_path
 

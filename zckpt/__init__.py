@@ -55,8 +55,8 @@ from zckpt.lazy import lazy_exports  # noqa: E402
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_checkpoint": "zckpt.deepspeed.layout",
-    "Checkpoint": "zckpt.deepspeed.layout",
+    "open_checkpoint": "zckpt.state.open",
+    "Checkpoint": "zckpt.state.model",
     "verify": "zckpt.ops.verify",
     "merge": "zckpt.ops.merge",
     "iter_tensors": "zckpt.ops.merge",

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 with atheris.instrument_imports(include=["zckpt"]):
     import zckpt  # noqa: F401
     from zckpt import merge, verify  # noqa: F401
-    from zckpt.formats import safeload
-    from zckpt.deepspeed import layout, zero3, zero12  # noqa: F401
+    from zckpt.encoding import safeload
+    from zckpt.deepspeed import reader, zero3, zero12  # noqa: F401
 
 from tests.fuzz.targets import (
     SEED_FIXTURES, check, copy_fixture, fixture_files, mutate_file, mutate_pickle_in_zip,

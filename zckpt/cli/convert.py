@@ -69,7 +69,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     files for the world size and stage named (latest and the marker written last).
     """
     from zckpt.ops.convert import convert as run
-    from zckpt.ops.distributed import launched
+    from zckpt.engine.launch import launched
     from zckpt.units import format_size as human_bytes
 
     settings().output = out

@@ -56,7 +56,7 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     output folder loads with AutoModel*.from_pretrained. Bytes stream through a fixed-size buffer; the output
     appears atomically.
     """
-    from zckpt.ops.distributed import launched
+    from zckpt.engine.launch import launched
     from zckpt.ops.merge import merge as run, parse_size
     from zckpt.units import format_size as human_bytes
 

@@ -50,7 +50,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     all kept, bit for bit. A Trainer checkpoint-N stays one (its files are copied; see zckpt help reshard for the
     RNG files). Bytes stream from the source files; the source is never modified; OUT appears atomically.
     """
-    from zckpt.ops.distributed import launched
+    from zckpt.engine.launch import launched
     from zckpt.ops.reshard import reshard as run
     from zckpt.units import format_size as human_bytes
 

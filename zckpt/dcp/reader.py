@@ -1,10 +1,10 @@
 """A PyTorch DCP checkpoint (``dcp.save`` of FSDP2's ``get_state_dict``) as a :class:`~zckpt.state.model.Checkpoint`.
 
-What it reads (:mod:`zckpt.formats.dcpmeta` draws the files)::
+What it reads (:mod:`zckpt.encoding.dcpmeta` draws the files)::
 
     <dir>/.metadata            the safe-unpickled, checked metadata: every key, its dtype, size and chunks
     <dir>/__{rank}_{n}.distcp  each chunk a torch.save zip at an offset: its zip directory and data.pkl are read
-                               (:func:`zckpt.formats.safeload.load` on that byte window) to find where its raw
+                               (:func:`zckpt.encoding.safeload.load` on that byte window) to find where its raw
                                bytes start; no tensor byte is read
 
 Keys (the nested state dict's paths, from ``planner_data``), as ``get_state_dict`` and torchtitan write them::
@@ -18,23 +18,23 @@ A module tensor with Adam state is ``trainable``: its value is the sharded param
 when FSDP2 trains in fp32 with a mixed-precision policy), its moments the state's. A module tensor without state
 is a frozen weight, a buffer or a tied alias: DCP does not say which; it is read as ``frozen`` unless ``buffers``
 or ``tied`` say otherwise (names in ``Checkpoint.extra["stateless"]``). A chunk cut on dim 0 is one piece of the
-flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.formats.dcpmeta.chunk_runs`).
+flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.encoding.dcpmeta.chunk_runs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import io
 import json
-import os
 import re
 
 from zckpt.errors import (
-    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, UnsafePickle, UnsupportedLayout, ZckptError,
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
+    ZckptError,
 )
-from zckpt.formats import dcpmeta, safeload
-from zckpt.formats.safeload import LazyTensor, StorageRef
+from zckpt.encoding import dcpmeta, safeload
+from zckpt.encoding.zipentries import Window
+from zckpt.encoding.safeload import LazyTensor, StorageRef
 from zckpt.io import links, storage
 from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of, scalar_value,
@@ -69,45 +69,28 @@ def dcp_parts(path: str, storage_options: dict | None = None) -> list[str]:
     return []
 
 
+FORMAT = "dcp"
+
+
+def claims(path: str, storage_options: dict | None = None) -> bool:
+    """The opener's question (:mod:`zckpt.state.open`): a DCP folder, or a Trainer FSDP checkpoint of them."""
+    return is_dcp(path, storage_options)
+
+
+def read(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
+    """The opener's read: :func:`open_dcp` (a DCP folder holds one checkpoint, so ``tag`` is refused)."""
+    if tag is not None:
+        raise InvalidArgument("`tag` picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
+                              hint="drop `tag`, or pass the DCP folder of the step you want")
+    return open_dcp(path, storage_options)
+
+
+CRC_ENTRIES = "zckpt.dcp.entries"  # crc_entries(ckpt): the zip entries guarding a DCP checkpoint's bytes
+
+
 def is_dcp(path: str, storage_options: dict | None = None) -> bool:
     """A folder with DCP's ``.metadata`` (its commit marker), or a Trainer FSDP checkpoint of DCP folders."""
     return bool(dcp_parts(path, storage_options))
-
-
-class Window(io.RawIOBase):
-    """Bytes [start, start+length) of an open file, as a file of their own (one DCP item's torch zip)."""
-
-    def __init__(self, f, start: int, length: int):
-        super().__init__()
-        self.f, self.start, self.length, self.pos = f, start, length, 0
-
-    def seekable(self):
-        return True
-
-    def readable(self):
-        return True
-
-    def seek(self, pos, whence=os.SEEK_SET):
-        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence] + pos
-        return self.pos
-
-    def tell(self):
-        return self.pos
-
-    def read(self, n=-1):
-        n = self.length - self.pos if n is None or n < 0 else min(n, max(self.length - self.pos, 0))
-        self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
-        self.pos += len(data)
-        return data
-
-    def readinto(self, b):
-        data = self.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-    def close(self):  # the underlying file stays open for the next item
-        super().close()
 
 
 class _Items:
@@ -492,17 +475,3 @@ def check_stateless_named(ckpt: Checkpoint, buffers) -> None:
                                 "frozen weight", path=ckpt.location.tag_dir,
                                 hint="name the buffers with --buffers 'a,b*', or --buffers '' when all are frozen "
                                      "weights or tied aliases")
-
-
-
-def items(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
-    """Every item of a DCP checkpoint by data file path: (offset, length, key), sorted (what ``verify --deep``
-    reads)."""
-    md: dcpmeta.DcpMetadata = ckpt.extra["metadata"]
-    out: dict[str, list] = {}
-    for te in md.tensors.values():
-        for c in te.chunks:
-            out.setdefault(storage.join(ckpt.location.tag_dir, c.file), []).append((c.offset, c.length, te.key))
-    for v in md.values.values():
-        out.setdefault(storage.join(ckpt.location.tag_dir, v.file), []).append((v.offset, v.length, v.key))
-    return {k: sorted(v) for k, v in sorted(out.items())}

@@ -31,7 +31,7 @@ from zckpt.engine import torchzip
 from zckpt.engine.segments import slice_segments
 from zckpt.engine.torchzip import Archive, GlobalRef, Reduce, TensorOut
 from zckpt.errors import UnsupportedLayout
-from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.encoding.safeload import DTYPE_SIZES
 
 METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # filesystem.CURRENT_DCP_VERSION in torch 2.13
@@ -92,6 +92,7 @@ class DcpPlan:
     items: list[Item]
     files: list[DcpFile]
     metadata: bytes
+    commit_name = METADATA  # the file ``metadata`` is written as, last (DCP's commit)
 
     @property
     def total_bytes(self) -> int:

@@ -4,7 +4,7 @@ the precision a config says, assembling records in ``module`` order.
 The model itself (:class:`Checkpoint`, :class:`TensorRecord`, :class:`GroupInfo`, :func:`check_records`...) lives in
 :mod:`zckpt.state.model`, shared with the DCP reader; its names are re-exported here so the readers (:mod:`zero0`,
 :mod:`zero12`, :mod:`zero3`, :mod:`pipeline`, :mod:`moe`, :mod:`tp`, :mod:`universal_read`) import from here only;
-:mod:`zckpt.deepspeed.layout` picks the reader.
+:mod:`zckpt.deepspeed.reader` picks the reader.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 from zckpt.io import storage
 from zckpt.state.model import (  # noqa: F401 - the format-neutral model, re-exported for the DeepSpeed readers
     LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Location, Piece, RankFile, TensorRecord,
     check_records, metadata_errors, pieces_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def precision_of(model_state: dict, module: dict | None) -> str:
 # ---------------------------------------------------------------------------------------- open_checkpoint
 
 def load_all(files: list[RankFile], storage_options: dict | None = None) -> list[dict]:
-    """Every file's metadata (:func:`zckpt.formats.safeload.load`); ``storage_options``: for files behind URLs."""
+    """Every file's metadata (:func:`zckpt.encoding.safeload.load`); ``storage_options``: for files behind URLs."""
     def one(f: RankFile):
         obj = safeload.load(f.path, storage_options=storage_options, size_hint=f.size if f.size >= 0 else None)
         if not isinstance(obj, dict):

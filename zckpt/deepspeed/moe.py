@@ -56,7 +56,7 @@ from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, common_records, load_all, pieces_of, precision_of,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")

@@ -34,7 +34,7 @@ from zckpt.io import storage
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, GroupInfo, TensorRecord, load_all, pieces_of, precision_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 TIED_RE = re.compile(r"^tied_modules\.([^.]+)\.(.+)$")
 

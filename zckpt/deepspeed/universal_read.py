@@ -14,7 +14,7 @@ The layout (DeepSpeed 0.19.8, ``deepspeed/checkpoint/ds_to_universal.py``)::
     <tag>_universal/zero/<frozen or buffer>/fp32.pt   stage 1/2, 0.19.8: {'param': t.float()} (not read: the
                                                       model states hold these in their own dtype)
 
-:func:`build` turns it into the same :class:`~zckpt.deepspeed.layout.Checkpoint` the native readers produce:
+:func:`build` turns it into the same :class:`~zckpt.state.model.Checkpoint` the native readers produce:
 trainable records' pieces point into the ``fp32.pt``/``exp_avg*.pt`` files, with the dtype each file stores
 (never assumed float32); frozen weights, buffers and tied aliases come from the model states as in the native
 layout. ``optim_states`` holds one dict shaped like a native rank-0 optimizer file (``optimizer_state_dict`` with
@@ -28,7 +28,7 @@ import math
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 from zckpt.io import storage
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed import zero3 as stage3
@@ -37,7 +37,7 @@ from zckpt.deepspeed.model import (
     uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq", "step")
 

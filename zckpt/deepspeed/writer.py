@@ -24,7 +24,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from zckpt.formats.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
+from zckpt.encoding.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
 from zckpt.engine.segments import Fill, slice_segments
 from zckpt.engine.torchzip import GlobalRef, Reduce, TensorOut, enum_member, plain_object
 
@@ -53,7 +53,7 @@ def default_loss_scaler() -> Reduce:
 
 
 class Converter:
-    """Turns metadata read by :mod:`zckpt.formats.safeload` back into objects torchzip can write.
+    """Turns metadata read by :mod:`zckpt.encoding.safeload` back into objects torchzip can write.
 
     Lazy tensors become TensorOut copying their bytes (the same storage maps to the same TensorOut, so
     aliases stay aliases), inert DeepSpeed objects are re-emitted under their original class name.

@@ -37,14 +37,14 @@ from __future__ import annotations
 import hashlib
 import zlib
 
-from zckpt.formats import casting, zipentries
+from zckpt.encoding import casting, zipentries
 from zckpt.io import storage
 from zckpt.deepspeed.discover import Location
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, pieces_of, precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 
 REFUSAL = ("ZeRO-0 checkpoint: every rank holds the whole model and optimizer in mp_rank_00_model_states.pt, "

@@ -36,7 +36,7 @@ from zckpt.deepspeed.model import (
     elementwise_state, precision_of, scalar_value, uniform_dtype, unlisted_params,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 
 def _as_list(value, n, what, path):

@@ -25,7 +25,7 @@ from zckpt.deepspeed.model import (
     precision_of, scalar_value, uniform_dtype,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:

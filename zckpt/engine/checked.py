@@ -28,7 +28,7 @@ import threading
 from typing import Callable
 
 from zckpt.errors import CorruptFile
-from zckpt.formats.zipentries import ZipEntry
+from zckpt.encoding.zipentries import ZipEntry
 from zckpt.io import storage
 from zckpt.io.hashing import crc32, crc32_combine
 
@@ -79,7 +79,7 @@ class MappedCrc:
 
 def zip_entries(path: str, storage_options: dict | None = None) -> list[ZipEntry]:
     """The entries of the torch zip at ``path`` (local or URL); [] for a file that is not a zip (legacy)."""
-    from zckpt.formats.zipentries import LOCAL_SIG, read_entries
+    from zckpt.encoding.zipentries import LOCAL_SIG, read_entries
     with storage.open_ranges(path, storage_options) if storage.is_url(path) else open(path, "rb") as f:
         if f.read(4) != LOCAL_SIG:
             return []

@@ -17,7 +17,7 @@ and carried out the same way::
 Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
 into one file take one of ``WRITE_STREAMS`` slots (writes into one file serialize on its inode lock anyway);
 reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
-(:mod:`zckpt.formats.casting`), and a bf16 -> fp32 upcast of small work needs neither.
+(:mod:`zckpt.encoding.casting`), and a bf16 -> fp32 upcast of small work needs neither.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator
 from zckpt.io import storage
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
-from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.io.hashing import crc32, crc32_combine
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
@@ -110,7 +110,7 @@ class _NoKernelCopy(Exception):
 
 
 class Worker:
-    """Writes jobs with one reusable buffer per thread; casts via :mod:`zckpt.formats.casting` (no torch needed).
+    """Writes jobs with one reusable buffer per thread; casts via :mod:`zckpt.encoding.casting` (no torch needed).
 
     Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
     weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
@@ -118,7 +118,7 @@ class Worker:
 
     def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None,
                  check: InputCheck | None = None):
-        from zckpt.formats.tensors import Reader
+        from zckpt.encoding.tensors import Reader
         # pieces whose path is a URL are read with ``storage_options`` (the checkpoint's: ``ckpt.storage_options``)
         self.reader = reader or Reader(storage_options)
         # every input byte read is reported to ``check`` (its zip entry's CRC-32 checked before publishing)
@@ -148,9 +148,9 @@ class Worker:
         if src_dtype == dtype:
             return raw
         if self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
-            from zckpt.formats.casting import upcast_bf16_pure
+            from zckpt.encoding.casting import upcast_bf16_pure
             return upcast_bf16_pure(raw)
-        from zckpt.formats.casting import cast
+        from zckpt.encoding.casting import cast
         return cast(raw, src_dtype, dtype, self.use_torch)
 
     def render(self, parts: list, dtype: str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zckpt.formats.safeload import DTYPE_SIZES
+from zckpt.encoding.safeload import DTYPE_SIZES
 
 
 class Shaped:

@@ -6,7 +6,7 @@ The output is the zip layout ``torch.save`` writes (and ``torch.load``, ``mmap=T
     <archive>/data/0 ... data/N-1   (stored, 64-byte aligned)   <archive>/version   central directory
 
 The object to save is ordinary Python data whose tensors are :class:`TensorOut` (dtype, shape and a list of
-segments: input :class:`~zckpt.deepspeed.layout.Piece` s, cast pieces, zero fill or literal bytes). The pickle
+segments: input :class:`~zckpt.state.model.Piece` s, cast pieces, zero fill or literal bytes). The pickle
 names globals through :class:`GlobalRef` (``deepspeed.runtime.fp16.loss_scaler.LossScaler`` and friends), so
 files DeepSpeed reads can be written where DeepSpeed is not installed. Sizes are known up front: every entry's
 offset is fixed before any data moves, chunks are written in parallel with ``pwrite``, and CRCs are combined.
@@ -259,7 +259,7 @@ class SourceMaps:
             ent = {}
             try:
                 from zckpt.errors import ZckptError
-                from zckpt.formats.zipentries import read_file_entries
+                from zckpt.encoding.zipentries import read_file_entries
                 ent = {e.data_offset: (e.size, e.crc) for e in read_file_entries(path).values() if e.size >= 1 << 20}
             except (OSError, ZckptError):
                 ent = {}
@@ -384,7 +384,7 @@ def save(obj, path: str, archive_name: str | None = None, pool=None, progress=No
          reader=None, fsync: bool = False, maps: "SourceMaps | None" = None) -> int:
     """Write ``obj`` (with :class:`TensorOut` leaves) as a torch file at ``path``; returns the file size.
 
-    ``worker`` (a :class:`zckpt.engine.Worker`) or ``reader`` (a ``zckpt.formats.tensors.Reader``) and ``maps`` let several
+    ``worker`` (a :class:`zckpt.engine.Worker`) or ``reader`` (a ``zckpt.encoding.tensors.Reader``) and ``maps`` let several
     files share open inputs; ``fsync=True`` flushes the file before returning (or see :func:`fsync_all`)."""
     if worker is None and reader is not None:
         worker = Worker(reader=reader)

@@ -11,7 +11,7 @@ Backend options (fsspec/s3fs keyword arguments such as ``endpoint_url``, ``key``
 key=value`` in the CLI) are passed, never kept: every function here takes ``storage_options=`` and uses exactly
 what it is given (on S3 on top of the standard AWS variables). There is no process-wide default, so two calls
 with different endpoints or credentials in one process (a library inside a trainer) never see each other's.
-The callers thread them: :func:`zckpt.deepspeed.layout.open_checkpoint` records them on the ``Checkpoint``
+The callers thread them: :func:`zckpt.state.open.open_checkpoint` records them on the ``Checkpoint``
 (``ckpt.storage_options``) and the ops hand them on to the readers, the executor and the publisher.
 
 On S3 every call (stat, list, ranged GET, upload) goes through one shared, thread-safe boto3 client built from the

@@ -44,14 +44,14 @@ from typing import Callable
 
 from zckpt.units import format_size
 from zckpt.dcp import writer as dcpw
-from zckpt.deepspeed.layout import open_checkpoint
+from zckpt.state.open import open_checkpoint
 from zckpt.state.model import Checkpoint
 from zckpt.engine import executor, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import links, publish, storage
-from zckpt.ops import checksums
+from zckpt.state import checksums
 
 log = logging.getLogger(__name__)
 
@@ -451,7 +451,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
     a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
-    of a launcher's job (:func:`zckpt.ops.distributed.launched`): each writes a share, rank 0 publishes."""
+    of a launcher's job (:func:`zckpt.engine.launch.launched`): each writes a share, rank 0 publishes."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
@@ -478,7 +478,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     check = checksums.input_check(ckpt)
     try:
         if group is not None:
-            from zckpt.ops import distributed
+            from zckpt.engine import distributed
             stats = distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite,
                                             progress=progress, durable=durable, source=source,
                                             storage_options=ckpt.storage_options, check=check).to_json()

@@ -612,18 +612,10 @@ def counts_from_checkpoint(path, tag=None, storage_options: dict | None = None) 
     Parameters are the trainable and frozen ones (a tied alias is not counted again, buffers are not
     parameters). The largest layer is the most parameters one module (the name up to its last dot) owns
     directly, tied aliases included, as DeepSpeed's ``..._all_live`` estimator measures it. Uses
-    ``zckpt.deepspeed.layout.open_checkpoint`` and the ``name``, ``shape`` and ``kind`` of each record.
+    ``zckpt.state.open.open_checkpoint`` and the ``name``, ``shape`` and ``kind`` of each record.
     ``storage_options``: fsspec options for a URL ``path``, for this call only.
     """
-    try:
-        from zckpt.deepspeed.layout import open_checkpoint
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("zckpt.deepspeed", "zckpt.deepspeed.layout"):
-            raise
-        raise InvalidArgument(
-            f"reading checkpoints is not available in this build ({exc})",
-            path=path, hint="pass --params and --largest-layer, or --config with the model's config.json",
-        ) from None
+    from zckpt.state.open import open_checkpoint
 
     path = os.fspath(path)
     ckpt = open_checkpoint(path, tag=tag, storage_options=storage_options)

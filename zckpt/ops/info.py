@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 
-from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
-from zckpt.formats.safeload import Inert
+from zckpt.state.model import Checkpoint, metadata_errors
+from zckpt.state.open import open_checkpoint
+from zckpt.encoding.safeload import Inert
 from zckpt.ops.scan import NotBackedUp, files_in_folder
 
 FLAVOURS = {
@@ -18,7 +19,7 @@ FLAVOURS = {
 
 def _plain(value, depth=0):
     """JSON-friendly copy of metadata (stand-ins become dicts, tensors become descriptions)."""
-    from zckpt.formats.safeload import LazyTensor
+    from zckpt.encoding.safeload import LazyTensor
     if depth > 20:
         return "..."
     if isinstance(value, LazyTensor):

@@ -1,13 +1,13 @@
 """Consolidating ZeRO shards into ordinary weights: read metadata, plan, stream bytes, publish atomically.
 
-1. :func:`plan_merge` turns a :class:`~zckpt.deepspeed.layout.Checkpoint` into a :class:`MergePlan`: the output
+1. :func:`plan_merge` turns a :class:`~zckpt.state.model.Checkpoint` into a :class:`MergePlan`: the output
    files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
    each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
 2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
    bytes in chunks of at most ``executor.CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
    offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
    one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
-   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.formats.casting`).
+   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.encoding.casting`).
 3. :mod:`zckpt.io.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
    place with its ``.zckpt.json`` marker; an interrupted merge leaves the previous output, or nothing, where the
    output belongs. For URL outputs each shard is uploaded as soon as it is complete and the marker is written
@@ -30,10 +30,11 @@ from zckpt.engine import executor
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import Shaped, source_segments
 from zckpt.io import links, publish, storage
-from zckpt.ops import checksums
-from zckpt.deepspeed.layout import Checkpoint, Piece, open_checkpoint
+from zckpt.state import checksums
+from zckpt.state.model import Checkpoint, Piece
+from zckpt.state.open import open_checkpoint
 from zckpt.errors import InvalidArgument, require_torch
-from zckpt.formats.safeload import FLOATING
+from zckpt.encoding.safeload import FLOATING
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class MergeResult:
     dry_run: bool = False
     path: str | None = None  # the checkpoint read
     tag: str | None = None  # the tag read (the one 'latest' names, unless one was asked for)
-    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (ops.distributed.Stats)
+    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
 
     def to_json(self) -> dict:
         return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
@@ -264,7 +265,7 @@ def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bo
     every file before the rename, so the result survives a power failure (slower: waits for the disk).
     ``storage_options``: fsspec options for reading pieces behind URLs; ``output_storage_options``: for a URL
     ``out`` (default: ``storage_options``). ``check``: the input check every byte read is reported to
-    (:func:`zckpt.ops.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
+    (:func:`zckpt.state.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
     out_opts = storage_options if output_storage_options is None else output_storage_options
     publish.check_output(out, "merge", source, overwrite, out_opts)
     workers = workers or min(8, os.cpu_count() or 2)
@@ -341,8 +342,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path``, and for a
     URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
     (the CLI's ``--storage-option`` and ``--output-storage-option``).
-    ``group``: the ranks of a launcher's job (:func:`zckpt.ops.distributed.launched`); every rank calls ``merge``
-    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.ops.distributed`). ``progress`` then counts
+    ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``merge``
+    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`). ``progress`` then counts
     this rank's share.
     """
     t0 = time.perf_counter()
@@ -367,7 +368,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     check = checksums.input_check(ckpt)
     try:
         if group is not None:
-            from zckpt.ops import distributed
+            from zckpt.engine import distributed
             stats = distributed.run_merge(group, plan, str(out), extra, workers=workers, overwrite=overwrite,
                                           progress=progress, durable=durable, source=source,
                                           storage_options=storage_options, output_storage_options=out_opts,
@@ -406,7 +407,7 @@ def iter_tensors(path: str, dtype: str = "fp32", tag: str | None = None, exclude
 
 
 def _iter_tensors(path, dtype, tag, exclude_frozen, keep_tied, storage_options):
-    from zckpt.formats.tensors import Reader, load_pieces, torch_dtype
+    from zckpt.encoding.tensors import Reader, load_pieces, torch_dtype
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path, tag, storage_options)
     tensors, _ = output_tensors(ckpt, dtype, exclude_frozen, keep_tied)
     check = checksums.input_check(ckpt)

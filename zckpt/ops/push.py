@@ -48,7 +48,7 @@ from zckpt.ops.destinations import (  # noqa: F401 - also the public names of zc
 )
 from zckpt.ops.destinations import RESUME_NOTE, describe_fault
 from zckpt.errors import CorruptFile, EndpointUnreachable, InvalidArgument, PushInterrupted, StorageError, ZckptError
-from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_file_entries
+from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_file_entries
 from zckpt.ops.scan import (  # noqa: F401 - check_complete is also zckpt.ops.push.check_complete
     LocalCheckpoint, check_complete, check_save_tag, checkpoint_files, find_checkpoints, newest_mtime,
 )
@@ -357,7 +357,7 @@ def checked_sha256(path: str, cancel: threading.Event | None = None) -> str:
             if f.read(4) == LOCAL_SIG:
                 crcs = StreamedCrcs(read_file_entries(path).values())
     elif path.endswith(".distcp"):  # DCP: one torch zip per item, where the .metadata beside it says
-        from zckpt.ops.checksums import distcp_entries
+        from zckpt.dcp.entries import distcp_entries
         entries = distcp_entries(path)
         crcs = StreamedCrcs(entries) if entries is not None else None
     digest = hashing.sha256_file(path, cancel=cancel, on_chunk=crcs)

@@ -2,7 +2,7 @@
 
 Read -> plan -> execute, like :mod:`zckpt.ops.merge`:
 
-1. :func:`zckpt.deepspeed.layout.open_checkpoint` describes the source from metadata alone: every parameter's
+1. :func:`zckpt.state.open.open_checkpoint` describes the source from metadata alone: every parameter's
    fp32 master and Adam moments as lists of byte ranges (pieces) in the rank files.
 2. :func:`plan_reshard` lays the same training state out as DeepSpeed itself would have saved it at world size
    M and stage S (partition math in :mod:`zckpt.deepspeed.writer`): per output file, the object tree with
@@ -51,13 +51,14 @@ from typing import Callable
 from zckpt.engine import executor, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.io import publish, storage
-from zckpt.ops import checksums
+from zckpt.state import checksums
 from zckpt.ops.scan import side_files
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import TorchObject
-from zckpt.deepspeed.layout import LP_DTYPES, Checkpoint, TensorRecord, open_checkpoint
+from zckpt.state.model import LP_DTYPES, Checkpoint, TensorRecord
+from zckpt.state.open import open_checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.formats.safeload import DTYPE_SIZES, LazyTensor
+from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut
 from zckpt.units import format_size
@@ -139,7 +140,7 @@ class ReshardResult:
     plan: ReshardPlan
     seconds: float = 0.0
     dry_run: bool = False
-    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (ops.distributed.Stats)
+    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
 
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
@@ -283,7 +284,7 @@ def _step_out(step) -> TensorOut | None:
     if step is None:
         return None
     if isinstance(step, LazyTensor):
-        from zckpt.deepspeed.layout import pieces_of
+        from zckpt.state.model import pieces_of
         return TensorOut(step.dtype, tuple(step.shape), pieces_of(step))
     return step  # an int/float step (old torch): kept as is
 
@@ -1103,8 +1104,8 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
     (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
     ``storage_options``: fsspec options for a URL ``path`` (the output is always local), for this call only.
-    ``group``: the ranks of a launcher's job (:func:`zckpt.ops.distributed.launched`); every rank calls ``reshard``
-    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.ops.distributed`).
+    ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``reshard``
+    and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`).
     """
     t0 = time.perf_counter()
     if world_size is None:
@@ -1127,7 +1128,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     check = checksums.input_check(ckpt)
     try:
         if group is not None:
-            from zckpt.ops import distributed
+            from zckpt.engine import distributed
             stats = distributed.run_reshard(group, plan, out, workers=workers, overwrite=overwrite,
                                             progress=progress, latest_name=latest, durable=durable, source=source,
                                             storage_options=ckpt.storage_options, check=check).to_json()

@@ -26,7 +26,7 @@ rigid checkpoints (all that zckpt writes) only use the current rank's.
 The in-memory objects are what ``torch.load`` gives for the file ``zckpt reshard`` writes: the same planner, the same
 pickle (:func:`zckpt.engine.torchzip.dumps`), unpickled with storages filled from the source byte ranges, so the engine
 state is bit-identical to the offline route. The pickle is zckpt's own, made from metadata that passed
-:mod:`zckpt.formats.safeload`'s allow-list, and unpickling it resolves only names on that list. Same world size, stage and optimizer, from a local folder: the checkpoint is loaded as it is, by
+:mod:`zckpt.encoding.safeload`'s allow-list, and unpickling it resolves only names on that list. Same world size, stage and optimizer, from a local folder: the checkpoint is loaded as it is, by
 ``engine.load_checkpoint``, after the same validation.
 """
 
@@ -44,13 +44,14 @@ from dataclasses import dataclass, field
 
 from zckpt import errors
 from zckpt.io import storage
-from zckpt.deepspeed.layout import Checkpoint, open_checkpoint
+from zckpt.state.model import Checkpoint
+from zckpt.state.open import open_checkpoint
 from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout
-from zckpt.formats.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
+from zckpt.encoding.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
 from zckpt.engine.segments import Cast, Fill, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
-from zckpt.ops import checksums
-from zckpt.ops.distributed import agree
+from zckpt.state import checksums
+from zckpt.engine.launch import agree
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +342,7 @@ class Materializer:
     fp32 masters a ZeRO-3 source does not store in bf16), copy them from there."""
 
     def __init__(self, workers: int | None = None, storage_options: dict | None = None, check=None):
-        from zckpt.formats.tensors import Reader
+        from zckpt.encoding.tensors import Reader
         # thread-safe: one descriptor per file, positioned reads; URLs with the source's ``storage_options``
         self.reader = Reader(storage_options)
         self.reader.check = check  # every piece read reported to the input check (zckpt.engine.checked)
@@ -358,7 +359,7 @@ class Materializer:
         """Flat torch tensors holding ``tensors``' segments (pieces read, zero fill, casts as torch's ``Tensor.to``)."""
         import torch
         from concurrent.futures import ThreadPoolExecutor
-        from zckpt.formats.tensors import torch_dtype
+        from zckpt.encoding.tensors import torch_dtype
         outs = [torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for t in tensors]
         raws = [o.view(torch.uint8) if t.numel else None for o, t in zip(outs, tensors)]
         landed, reads, copies, casts = _Landed(), [], [], []
@@ -467,7 +468,7 @@ class Materializer:
 
 # ---------------------------------------------------------------------------------------------- agreement
 # agree(error, device): one all_reduce of every rank's error flag and one-line message, the same for every job that
-# coordinates ranks (zckpt.ops.distributed: merge and reshard under a launcher, too)
+# coordinates ranks (zckpt.engine.distributed: merge and reshard under a launcher, too)
 
 # ---------------------------------------------------------------------------------------------- the load
 

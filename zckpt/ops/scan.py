@@ -27,8 +27,8 @@ from zckpt.deepspeed.discover import EXPERT_RE, LAYER_RE, TRAINER_MARKERS
 from zckpt.deepspeed.discover import MODEL_RE as DS_MODEL_RE
 from zckpt.deepspeed.discover import OPTIM_RE as DS_OPTIM_RE
 from zckpt.errors import CheckpointNotFound, InvalidArgument, LinkOutside, ZckptError
-from zckpt.formats.legacy import is_legacy
-from zckpt.formats.zipentries import LOCAL_SIG, read_file_entries
+from zckpt.encoding.legacy import is_legacy
+from zckpt.encoding.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import MARKER, has_marker, read_marker
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ def _looks_like_checkpoint(names) -> bool:
 
 def _model_meta(path: str) -> dict:
     """``dp_world_size``, ``mp_world_size`` and whether ZeRO is on, from a model-states file, running no code."""
-    from zckpt.formats import safeload
+    from zckpt.encoding import safeload
     try:
         obj = safeload.load(path)  # the allow-list unpickler: no code, no tensor bytes, bounded memory
     except (ZckptError, OSError):  # metadata is a bonus; names and zips are still checked
@@ -327,7 +327,7 @@ def _model_meta(path: str) -> dict:
 def check_torch_zip(path: str) -> str | None:
     """Why a torch ``.pt`` zip is not whole (None when its directory is intact and fits the file).
 
-    The checks of :func:`zckpt.formats.zipentries.read_entries`: every entry inside the file and agreeing with its local
+    The checks of :func:`zckpt.encoding.zipentries.read_entries`: every entry inside the file and agreeing with its local
     header; reads the directory and the local headers only. A legacy (non-zip) torch file: :func:`check_torch_legacy`."""
     if _is_legacy(path):
         return check_torch_legacy(path)
@@ -343,10 +343,10 @@ def check_torch_zip(path: str) -> str | None:
 
 
 def check_torch_legacy(path: str) -> str | None:
-    """Why a legacy (non-zip) torch file is not whole: the checks of :func:`zckpt.formats.legacy.locate` (its
+    """Why a legacy (non-zip) torch file is not whole: the checks of :func:`zckpt.encoding.legacy.locate` (its
     pickles end, its storage keys match the object pickle, the storages' sizes end the file exactly and agree with
     their size fields); reads the pickles and the 8-byte size fields only."""
-    from zckpt.formats import safeload
+    from zckpt.encoding import safeload
     try:
         with open(path, "rb") as f:
             safeload.legacy_layout(path, f, os.fstat(f.fileno()).st_size)

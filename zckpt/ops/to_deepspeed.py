@@ -29,9 +29,10 @@ from typing import Callable
 from zckpt.dcp.reader import TRAINER_PARTS, check_stateless_named, is_dcp, matches, open_dcp, tie_candidates
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import publish, storage
-from zckpt.ops import checksums, reshard
+from zckpt.ops import reshard
+from zckpt.state import checksums
 from zckpt.state.model import LP_DTYPES, Checkpoint
-from zckpt.formats.safeload import FLOATING
+from zckpt.encoding.safeload import FLOATING
 
 DS_LAYOUT_VERSION = "0.19.8"  # the DeepSpeed release whose file layout the writer reproduces
 

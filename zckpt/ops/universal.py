@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 from zckpt.deepspeed.model import Checkpoint, pieces_of
 from zckpt.deepspeed.writer import TorchObject
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut
 

@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.io import hashing, publish, storage
-from zckpt.deepspeed.layout import Checkpoint, metadata_errors, open_checkpoint
+from zckpt.state.model import Checkpoint, metadata_errors
+from zckpt.state.open import open_checkpoint
 from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered, python_name,
 )
-from zckpt.formats import legacy
-from zckpt.formats.safeload import LazyTensor, legacy_layout
-from zckpt.formats.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
+from zckpt.encoding import legacy
+from zckpt.encoding.safeload import LazyTensor, legacy_layout
+from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
 from zckpt.ops.scan import (
     RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file,
     latest_problem, safetensors_problem, step_of,
@@ -414,14 +415,15 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
 
 def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     """Every item of every ``.distcp`` file read: each is a torch zip whose entries' CRC-32 must match."""
-    from zckpt.dcp import reader as dcp_reader
-    by_file = dcp_reader.items(ckpt)
+    from zckpt.dcp.entries import items
+    from zckpt.encoding.zipentries import Window
+    by_file = items(ckpt)
     total = sum(length for its in by_file.values() for _, length, _ in its)
     damaged, done = [], 0
     for path, its in by_file.items():
         with storage.open_input(path, ckpt.storage_options) as f:
             for offset, length, key in its:
-                window = dcp_reader.Window(f, offset, length)
+                window = Window(f, offset, length)
                 try:
                     entries = read_entries(window, length, path)
                 except CorruptFile as exc:

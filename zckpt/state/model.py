@@ -6,7 +6,7 @@ and both Adam moments, in the dtypes the files store. Concatenating a list's pie
 reader's records pass :func:`check_records` when the :class:`Checkpoint` is built. :class:`GroupInfo` holds each
 optimizer param group's hyperparameters and step; :class:`Location` says where the files are.
 
-Readers: DeepSpeed (:mod:`zckpt.deepspeed.layout` picks one of its readers) and PyTorch DCP (:mod:`zckpt.dcp.reader`);
+Readers (:mod:`zckpt.state.open` asks each in turn): DeepSpeed (:mod:`zckpt.deepspeed.reader` picks one of its readers) and PyTorch DCP (:mod:`zckpt.dcp.reader`);
 ``Checkpoint.format`` says which. Writers and consumers (:mod:`zckpt.ops.merge`, :mod:`zckpt.ops.reshard`,
 :mod:`zckpt.ops.verify`...) read this model only; nothing here knows a file format.
 """
@@ -19,11 +19,11 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 from zckpt.io import storage
 from zckpt.engine.segments import Piece
 from zckpt.errors import CorruptFile, UnsupportedLayout, ZckptError
-from zckpt.formats.safeload import LazyTensor
+from zckpt.encoding.safeload import LazyTensor
 from zckpt.units import format_size
 
 

@@ -1,6 +1,6 @@
 """The zip structure of a torch ``.pt`` file, checked: where every entry's bytes are, and that the directory is sound.
 
-The one zip-structure reader of zckpt (:mod:`zckpt.formats.safeload`, :mod:`zckpt.engine.torchzip`, :mod:`zckpt.ops.scan` and
+The one zip-structure reader of zckpt (:mod:`zckpt.encoding.safeload`, :mod:`zckpt.engine.torchzip`, :mod:`zckpt.ops.scan` and
 :mod:`zckpt.ops.verify` call it). ``torch.save`` writes stored (uncompressed) entries, each a local header followed by
 its bytes, then the central directory::
 
@@ -29,6 +29,7 @@ bytes each; never the payload) and refuses, as
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from dataclasses import dataclass
@@ -317,3 +318,39 @@ def read_file_entries(path: str) -> dict[str, ZipEntry]:
     """:func:`read_entries` of a local file by name."""
     with open(path, "rb") as f:
         return read_entries(f, os.fstat(f.fileno()).st_size, path)
+
+
+class Window(io.RawIOBase):
+    """Bytes [start, start+length) of an open file, as a file of their own (one DCP item's torch zip)."""
+
+    def __init__(self, f, start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def seekable(self):
+        return True
+
+    def readable(self):
+        return True
+
+    def seek(self, pos, whence=os.SEEK_SET):
+        self.pos = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.length}[whence] + pos
+        return self.pos
+
+    def tell(self):
+        return self.pos
+
+    def read(self, n=-1):
+        n = self.length - self.pos if n is None or n < 0 else min(n, max(self.length - self.pos, 0))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        self.pos += len(data)
+        return data
+
+    def readinto(self, b):
+        data = self.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+    def close(self):  # the underlying file stays open for the next item
+        super().close()

@@ -18,7 +18,7 @@ file or a storage that lies outside the file is a :class:`~zckpt.errors.CorruptF
 
 Legacy (non-zip) files (``torch.save(..., _use_new_zipfile_serialization=False)``, DeepSpeed's
 ``checkpoint_serialization: false``) are read the same way: their object pickle through the same allow-list, their
-storages placed by :mod:`zckpt.formats.legacy` (after each one's 8-byte size field), so a :class:`LazyTensor` of
+storages placed by :mod:`zckpt.encoding.legacy` (after each one's 8-byte size field), so a :class:`LazyTensor` of
 either kind is a byte range of the file.
 """
 
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable
 
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout, ZckptError
-from zckpt.formats import legacy
-from zckpt.formats.pickles import scan
-from zckpt.formats.zipentries import LOCAL_SIG, ZipEntry, read_entries
+from zckpt.encoding import legacy
+from zckpt.encoding.pickles import scan
+from zckpt.encoding.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 MAX_PICKLE_BYTES = 1 << 30  # a metadata pickle larger than this is not a checkpoint we should trust
 # elements the allow-listed callables (torch.Size, list, dict, ...) and stand-ins may copy while one pickle loads:
@@ -642,7 +642,7 @@ def _METADATA_ENTRIES(name: str, size: int) -> bool:
 
 
 class _Archive:
-    """The zip directory of one torch file (checked by :func:`zckpt.formats.zipentries.read_entries`): where each entry's
+    """The zip directory of one torch file (checked by :func:`zckpt.encoding.zipentries.read_entries`): where each entry's
     bytes start."""
 
     def __init__(self, path: str, fileobj: BinaryIO, size: int):
@@ -785,9 +785,9 @@ class _LegacyArchive:
 
 
 def legacy_layout(path: str, f: BinaryIO, size: int) -> tuple[Any, dict, int]:
-    """A legacy (non-zip) file read: (the object, key -> :class:`zckpt.formats.legacy.Place`, bytes read).
+    """A legacy (non-zip) file read: (the object, key -> :class:`zckpt.encoding.legacy.Place`, bytes read).
 
-    See :mod:`zckpt.formats.legacy` for the layout and what is refused."""
+    See :mod:`zckpt.encoding.legacy` for the layout and what is refused."""
     header = legacy.read_header(f, size, path)
     unpickler = _Unpickler(header.obj_pickle, _LegacyArchive(path, size))
     obj = _unpickle(unpickler, path, "the object pickle")

@@ -1,7 +1,8 @@
 """A DeepSpeed checkpoint described from metadata alone: every tensor, and where each slice of it lives.
 
-:func:`open_checkpoint` locates the files (:mod:`zckpt.deepspeed.discover`), unpickles every rank file's
-metadata safely (:mod:`zckpt.formats.safeload`, no tensor bytes read) and hands them to the reader of the optimizer
+The DeepSpeed format's reader for the one opener (:func:`zckpt.state.open.open_checkpoint`, which asks the other
+formats first and gives DeepSpeed whatever they leave). :func:`read` locates the files (:mod:`zckpt.deepspeed.discover`), unpickles every rank file's
+metadata safely (:mod:`zckpt.encoding.safeload`, no tensor bytes read) and hands them to the reader of the optimizer
 flavour it finds (:mod:`zckpt.deepspeed.zero12` for ZeRO-1/2 and the BF16 optimizer, :mod:`zckpt.deepspeed.zero3`).
 The result, :class:`Checkpoint`, lists :class:`TensorRecord` s in the model's ``state_dict`` order; each holds
 ``Piece`` lists (file, byte offset, element count, dtype) for its value and, for trainable parameters, the fp32
@@ -15,32 +16,26 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from zckpt.io import storage
-from zckpt.dcp import reader as dcp_reader
 from zckpt.deepspeed.discover import Location, locate
-from zckpt.deepspeed.model import (  # noqa: F401 - the model's names, re-exported for callers of this module
-    LP_DTYPES, MODEL_STATE_KEYS, STATE_DTYPES, Checkpoint, GroupInfo, Piece, TensorRecord, check_ranks,
-    check_records, common_records, load_all, metadata_errors, pieces_of, precision_of, scalar_value, uniform_dtype,
-)
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsupportedLayout, ZckptError
+from zckpt.deepspeed.model import Checkpoint, load_all, metadata_errors
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
 
-def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
-    """Describe the checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or URL).
+FORMAT = "deepspeed"
 
-    ``storage_options``: fsspec options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret":
-    ...}`` for S3); every read uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads
-    its bytes later. Nothing is kept process-wide: two checkpoints opened with different options stay apart.
 
-    A folder with DCP's ``.metadata`` (``torch.distributed.checkpoint``, FSDP2) is read by
-    :func:`zckpt.dcp.reader.open_dcp` into the same model (``ckpt.format == "dcp"``)."""
-    if dcp_reader.is_dcp(path, storage_options):
-        if tag is not None:
-            raise InvalidArgument("`tag` picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
-                                  hint="drop `tag`, or pass the DCP folder of the step you want")
-        return dcp_reader.open_dcp(path, storage_options)
+def claims(path: str, storage_options: dict | None = None) -> bool:
+    """DeepSpeed is the opener's last word: it claims every path the other formats leave, and :func:`read` says
+    in one line what a folder lacks to be a checkpoint."""
+    return True
+
+
+def read(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
+    """Describe the DeepSpeed checkpoint at ``path`` (save folder, tag folder, Trainer ``checkpoint-N``; local or
+    URL); see :func:`zckpt.state.open.open_checkpoint`."""
     t0 = time.perf_counter()
     loc = locate(path, tag, storage_options)
     with metadata_errors(loc.tag_dir), storage.keep_fetched():  # (remote: a scalar is not fetched twice)

@@ -12,7 +12,7 @@ A DCP checkpoint written by ``FileSystemWriter`` (torch 2.x, ``torch/distributed
     <dir>/__{rank}_{n}.distcp   data: each item is a small torch.save zip at [offset, offset+length) (a tensor
                              chunk, or a pickled non-tensor value: BYTE_IO), one after another
 
-:func:`read_metadata` unpickles ``.metadata`` through :func:`zckpt.formats.safeload.load_plain`: DCP's dataclasses,
+:func:`read_metadata` unpickles ``.metadata`` through :func:`zckpt.encoding.safeload.load_plain`: DCP's dataclasses,
 ``torch.Size``, the dtypes and ``torch.strided`` map to inert stand-ins; any other global is refused. It then checks
 everything a reader relies on, refusing in one line: a dtype zckpt does not know, a size over :data:`MAX_NUMEL`,
 a chunk outside its tensor, chunks that overlap or leave part of the tensor uncovered (:func:`chunk_runs`), a
@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.formats import safeload
+from zckpt.encoding import safeload
 
 MAX_NUMEL = 1 << 44  # elements in one tensor: far beyond any real model, far below an integer overflow
 MAX_RUNS = 1 << 20  # contiguous runs one tensor's chunks may cut it into

@@ -1,4 +1,4 @@
-"""Reading the bytes that :class:`~zckpt.deepspeed.layout.Piece` lists point to.
+"""Reading the bytes that :class:`~zckpt.state.model.Piece` lists point to.
 
 Local files are read with ``os.pread`` on descriptors kept open per thread-safe :class:`Reader`; URLs go through
 the storage layer, one ranged read per piece. Bytes land directly in a caller's buffer: nothing is read twice.

@@ -16,9 +16,9 @@ then the bytes of every storage, and nothing else::
     end of file  (exactly: the size of the file is data_start + sum(8 + nbytes))
 
 No pickle records its length: :func:`read_header` walks each one's opcodes to its STOP
-(:func:`zckpt.formats.pickles.scan`), reading more of the file only while a pickle is unfinished. The storages'
+(:func:`zckpt.encoding.pickles.scan`), reading more of the file only while a pickle is unfinished. The storages'
 places follow from the keys' order and the numels in the object pickle (:func:`locate`), checked against the
-file's size and each storage's own size field. :mod:`zckpt.formats.safeload` unpickles the object pickle with its
+file's size and each storage's own size field. :mod:`zckpt.encoding.safeload` unpickles the object pickle with its
 allow-list and gives tensors these places, so every reader, planner and the engine treat a legacy file exactly as
 a zip one (a ``Piece`` is a path, a byte offset, a count and a dtype). Refused as
 :class:`~zckpt.errors.CorruptFile` naming the file: a truncated file, a pickle that does not end, a wrong magic
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.formats.pickles import Truncated, plain_loads, scan
+from zckpt.encoding.pickles import Truncated, plain_loads, scan
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

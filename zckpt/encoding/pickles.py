@@ -1,6 +1,6 @@
 """Pickle streams walked without being run: where one ends, and whether its memo use is forged.
 
-Used by :mod:`zckpt.formats.safeload` (``data.pkl`` of a torch zip) and :mod:`zckpt.formats.legacy` (the five
+Used by :mod:`zckpt.encoding.safeload` (``data.pkl`` of a torch zip) and :mod:`zckpt.encoding.legacy` (the five
 pickles a legacy torch file starts with, one after another, their lengths written nowhere). One pass over the
 opcodes (the walk of ``pickletools.genops`` without building its argument objects: about twice as fast).
 """

@@ -1,0 +1,62 @@
+"""The zip entries that guard a DCP checkpoint's bytes: each ``.distcp`` item is a torch.save zip at an offset of its
+data file (:mod:`zckpt.dcp.reader` draws the files), and each zip's directory holds the CRC-32 of its entries.
+
+- :func:`items`: every item of a checkpoint this package read, by data file (what ``verify --deep`` reads);
+- :func:`crc_entries`: the opener's hook (:mod:`zckpt.state.checksums`) for a ``Checkpoint`` this package read;
+- :func:`distcp_entries`: the same for one local ``.distcp`` file, from the ``.metadata`` beside it (what the
+  backup's push checks a DCP file it uploads against).
+"""
+
+from __future__ import annotations
+
+import os
+
+from zckpt.encoding import dcpmeta
+from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
+from zckpt.io import storage
+from zckpt.state.model import Checkpoint
+
+
+def crc_entries(ckpt: Checkpoint):
+    """``entries(path)``: the entries of the items of each of ``ckpt``'s data files (their directories are read on
+    first use of a file)."""
+    by_file = items(ckpt)
+    opts = ckpt.storage_options
+    return lambda path: item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], opts)
+
+
+def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict | None = None) -> list[ZipEntry]:
+    """The entries of the torch zips at ``(offset, length)`` ``spans`` of a DCP data file, at their offsets in it."""
+    out = []
+    opener = storage.open_ranges if storage.is_url(path) else storage.open_input
+    with opener(path, storage_options) as f:
+        for offset, length in spans:
+            for e in read_entries(Window(f, offset, length), length, path).values():
+                out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
+    return out
+
+
+def distcp_entries(path: str) -> list[ZipEntry] | None:
+    """The entries of a local ``.distcp`` file's items, from the ``.metadata`` beside it (None without one)."""
+    meta = os.path.join(os.path.dirname(path), ".metadata")
+    if not os.path.isfile(meta):
+        return None
+    with open(meta, "rb") as f:
+        md = dcpmeta.read_metadata(f.read(), meta)
+    name = os.path.basename(path)
+    spans = [(c.offset, c.length) for te in md.tensors.values() for c in te.chunks if c.file == name]
+    spans += [(v.offset, v.length) for v in md.values.values() if v.file == name]
+    return item_entries(path, sorted(spans))
+
+
+def items(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
+    """Every item of a DCP checkpoint by data file path: (offset, length, key), sorted (what ``verify --deep``
+    reads)."""
+    md: dcpmeta.DcpMetadata = ckpt.extra["metadata"]
+    out: dict[str, list] = {}
+    for te in md.tensors.values():
+        for c in te.chunks:
+            out.setdefault(storage.join(ckpt.location.tag_dir, c.file), []).append((c.offset, c.length, te.key))
+    for v in md.values.values():
+        out.setdefault(storage.join(ckpt.location.tag_dir, v.file), []).append((v.offset, v.length, v.key))
+    return {k: sorted(v) for k, v in sorted(out.items())}
