@@ -1,201 +1,159 @@
-"""Building DeepSpeed-format objects for :mod:`zckpt.engine.torchzip`: partition layouts and pickled DeepSpeed classes.
+"""The DeepSpeed writer: a training state (:class:`~zckpt.state.model.Checkpoint`, from any format's reader) laid
+out as DeepSpeed itself would have saved it at another data-parallel world size and/or ZeRO stage.
 
-Nothing here reads tensor bytes or imports DeepSpeed. Tensors are :class:`~zckpt.engine.torchzip.TensorOut` whose
-segments are slices of the source pieces plus :class:`~zckpt.engine.torchzip.Fill` zeros, so the executor streams them.
+It takes the format-neutral model, so every reader's output can be written as DeepSpeed (a DeepSpeed source
+at another size or stage: ``zckpt reshard``; a DCP source: ``zckpt convert --to deepspeed``, after
+:mod:`zckpt.deepspeed.from_state` has said what DeepSpeed needs that the source does not).
 
-The partition math reproduces DeepSpeed 0.19.8 exactly:
+:func:`plan_reshard` lays the training state out at world size M and stage S (partition maths in
+:mod:`zckpt.deepspeed.partition`; the target in :mod:`zckpt.deepspeed.target`): per output file, the object tree
+with :class:`~zckpt.engine.torchzip.TensorOut` leaves made of source pieces and zero fill (ZeRO-1/2/3 rank files:
+:mod:`zckpt.deepspeed.write_zero`; pipeline and MoE: :mod:`zckpt.deepspeed.write_parallel`; the universal layout:
+:mod:`zckpt.deepspeed.write_universal`), then pickled once into its final byte layout
+(:func:`zckpt.engine.torchzip.plan_archive`): a :class:`~zckpt.deepspeed.target.ReshardPlan` of
+:class:`~zckpt.deepspeed.target.PlannedFile` s, plain data whose sizes are the output's; ``--dry-run`` prints its
+summary. :func:`plan_ranks` plans the files of some ranks as objects to load (resume). Executing and publishing a
+plan is the operation's (:mod:`zckpt.ops.reshard`).
 
-ZeRO-1/2 and the BF16 optimizer (``stage_1_and_2.py`` ~430-560, ``bf16_optimizer.py`` ~160-225), per param
-group at world size M::
+Output (``fmt="deepspeed"``)::
 
-    flat = p0 [pad0] p1 [pad1] ... pk          padI = (-offset) % (16 / gcd(16, lp itemsize)) with
-                                               parameter_alignment, else 0; the last param has none
-    flat padded at the tail to a multiple of 2*M; rank r owns [r*P, (r+1)*P), P = len / M
-    group_paddings[r] = how much of rank r's window lies past the params (tail padding)
+    OUT/latest                                      the source tag
+    OUT/<tag>/mp_rank_00_model_states.pt            stage 1/2 (stage 3: zero_pp_rank_{r}_mp_rank_00_model_states.pt)
+    OUT/<tag>/[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt   r = 0..M-1
+    OUT/<side files>                                copied: a checkpoint-N's config, trainer_state.json, scheduler.pt,
+                                                    rng_state_{r}.pth for r < min(N, M) (see docs/reshard.md)
 
-ZeRO-3 (``stage3.py`` ``_create_fp16_sub_groups``): every param split in M slices of ceil(n/M) (the last
-zero-padded); within each user param group, params are cut into sub-groups, closing one as soon as the sum of
-its params' ceil(n/M) reaches ``sub_group_size`` (default 1e9), or at the group's last param.
+A pipeline-parallel source (``PipelineEngine``, ZeRO-1) keeps its stages: ``world_size`` is the new data-parallel
+size. A mixture-of-experts source (ZeRO-1/2) keeps its expert-parallel size: dense groups are re-partitioned over
+``world_size`` ranks, each expert group over each expert-parallel rank's ``world_size / ep`` ranks; the expert
+files are copied.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
-from dataclasses import dataclass
+import logging
 
-from zckpt.encoding.safeload import DTYPE_SIZES, EnumValue, Inert, LazyTensor, TorchDevice, TorchDtype
-from zckpt.engine.segments import Fill, slice_segments
-from zckpt.engine.torchzip import GlobalRef, Reduce, TensorOut, enum_member, plain_object
+from zckpt.deepspeed import partition as W
+from zckpt.deepspeed.partition import TorchObject
+from zckpt.state.model import Checkpoint
+from zckpt.errors import InvalidArgument, UnsupportedLayout
 
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000
-NCCL_START_ALIGNMENT_FACTOR = 2
+from zckpt.deepspeed.target import (
+    PlannedFile, ReshardPlan, Target, check_world_size, flavour_of, is_elastic, planned, side_planned, target_of,
+)
+from zckpt.deepspeed.write_parallel import check_moe, moe_reshard, plan_moe, plan_pipeline
+from zckpt.deepspeed.write_zero import plan_zero12, plan_zero3
 
+log = logging.getLogger(__name__)
 
-# ------------------------------------------------------------------------------------------ pickled objects
-
-def torch_size(shape) -> Reduce:
-    return Reduce(GlobalRef("torch", "Size"), (tuple(int(d) for d in shape),))
-
-
-def fragment_address(numel: int, start: int) -> Reduce:
-    return plain_object("deepspeed.utils.tensor_fragment", "fragment_address",
-                        {"numel": int(numel), "start": int(start)})
+FORMATS = ("deepspeed", "universal")
 
 
-def zero_stage_enum(stage: int) -> Reduce:
-    return enum_member("deepspeed.runtime.zero.config", "ZeroStageEnum", int(stage))
+def _plan_native(t: Target) -> tuple[list[TorchObject], list[dict]]:
+    """The target's model- and optimizer-states files as object trees (in the order they are written), and
+    the partition sizes per group / sub-group."""
+    return plan_zero3(t) if t.stage == 3 else plan_zero12(t)
 
 
-def default_loss_scaler() -> Reduce:
-    """What DeepSpeed's bf16/fp32 ZeRO optimizers hold: a static ``LossScaler`` of scale 1."""
-    return plain_object("deepspeed.runtime.fp16.loss_scaler", "LossScaler", {"cur_scale": 1.0, "dynamic": False})
+def _check_state(ckpt: Checkpoint) -> None:
+    """Optimizer state the reader could not place (``state_refusal``: SGD's momentum_buffer, ZeRO-0 moments it
+    cannot tell apart) is never dropped from a re-partitioned checkpoint with exit 0."""
+    if ckpt.state_refusal:
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}",
+                                path=ckpt.location.tag_dir, hint="zckpt merge / info / verify read this checkpoint")
+    ckpt.check_ties()
 
 
-class Converter:
-    """Turns metadata read by :mod:`zckpt.encoding.safeload` back into objects torchzip can write.
-
-    Lazy tensors become TensorOut copying their bytes (the same storage maps to the same TensorOut, so
-    aliases stay aliases), inert DeepSpeed objects are re-emitted under their original class name.
-    """
-
-    def __init__(self):
-        self.memo: dict = {}
-
-    def tensor(self, t: LazyTensor) -> TensorOut:
-        from zckpt.deepspeed.model import pieces_of
-        key = (t.storage.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride), t.dtype)
-        out = self.memo.get(key)
-        if out is None:
-            out = TensorOut(t.dtype, tuple(t.shape), pieces_of(t))
-            self.memo[key] = out
-        return out
-
-    def __call__(self, obj):
-        if isinstance(obj, LazyTensor):
-            return self.tensor(obj)
-        if isinstance(obj, EnumValue):
-            module, name = obj._qualname.rsplit(".", 1)
-            return enum_member(module, name, int(obj))
-        if isinstance(obj, Inert):
-            module, name = obj._qualname.rsplit(".", 1)
-            state = {k: self(v) for k, v in obj.__dict__.items() if not k.startswith("_")}
-            return plain_object(module, name, state)
-        if isinstance(obj, TorchDtype):
-            return GlobalRef("torch", str(obj))
-        if isinstance(obj, TorchDevice):
-            return Reduce(GlobalRef("torch", "device"), (str(obj),))
-        if isinstance(obj, OrderedDict):
-            return OrderedDict((k, self(v)) for k, v in obj.items())
-        if isinstance(obj, dict):
-            return {k: self(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [self(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(self(v) for v in obj)
-        return obj
+def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[int, int, str]:
+    check_world_size(world_size)
+    if ckpt.reshard_refusal:  # pipeline / MoE layouts (zckpt.deepspeed.pipeline, .moe): merge yes, reshard no
+        raise UnsupportedLayout(ckpt.reshard_refusal, path=ckpt.location.tag_dir,
+                                hint="zckpt merge / info / verify read this layout")
+    stage = ckpt.stage if stage is None else stage
+    if is_elastic(ckpt) and (stage == 3 or bf16_optimizer):
+        raise UnsupportedLayout("an elastic checkpoint (elastic_checkpoint=true) saves no optimizer "
+                                "hyperparameters, which a ZeRO-3 or BF16-optimizer file needs",
+                                path=ckpt.location.tag_dir, hint="reshard it at ZeRO-1 or ZeRO-2")
+    if stage not in (1, 2, 3):
+        raise InvalidArgument(f"must be 1, 2 or 3, got {stage!r}", param="stage")
+    if stage == 3 and ckpt.no_group and ckpt.stage != 3:
+        names = [r.name for r in ckpt.no_group]
+        raise UnsupportedLayout(f"{len(names)} parameters in no optimizer group ({', '.join(names[:3])}"
+                                f"{', ...' if len(names) > 3 else ''}): a ZeRO-3 engine partitions them and its "
+                                "files would hold them nowhere", path=ckpt.location.tag_dir,
+                                hint="keep stage 1 or 2 (they stay in 'module'), or put them in a param group")
+    if ckpt.offload:
+        log.info("source used optimizer offload; the partitions are the same, offload is a config choice")
+    if bf16_optimizer is None:
+        bf16_optimizer = ckpt.flavour == "bf16_optimizer" and stage == 1
+    if bf16_optimizer and (stage != 1 or ckpt.precision != "bf16"):
+        raise InvalidArgument("the BF16 optimizer needs `stage`=1 and a bf16 checkpoint", param="bf16_optimizer",
+                              hint="drop `bf16_optimizer`, or use `stage`=1 on a bf16 checkpoint")
+    zcfg = ckpt.ds_config.get("zero_optimization") or {}
+    if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
+                                path=ckpt.location.tag_dir)
+    return world_size, stage, flavour_of(stage, bf16_optimizer)
 
 
-# ------------------------------------------------------------------------------------------ segments
-
-def padded(segs: list, want: int, dtype: str) -> list:
-    have = sum(s.numel for s in segs)
-    return segs + [Fill(want - have, dtype)] if want > have else segs
-
-
-# ------------------------------------------------------------------------------------------ ZeRO-1/2 layout
-
-@dataclass
-class FlatGroupLayout:
-    """One optimizer param group of ZeRO-1/2 (or the BF16 optimizer) at world size ``ws``."""
-
-    numels: list[int]
-    param_paddings: list[int]  # param_alignment_paddings
-    offsets: list[int]  # start of each param in the flat group
-    padded_numel: int  # params + alignment paddings (no tail)
-    partition: int  # P
-    ws: int
-
-    def group_padding(self, rank: int) -> int:
-        left = rank * self.partition
-        if self.padded_numel <= left:
-            return self.partition
-        if self.padded_numel < left + self.partition:
-            return left + self.partition - self.padded_numel
-        return 0
-
-    def slice_map(self, rank: int) -> list[tuple[int, int, int]]:
-        """(param index, numel, start inside the partition) for params intersecting ``rank``."""
-        lo, hi = rank * self.partition, (rank + 1) * self.partition
-        out = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            a, b = max(lo, off), min(hi, off + n)
-            if a < b:
-                out.append((i, b - a, a - lo))
-        return out
-
-    def flat(self, per_param: list[list], dtype: str = "float32") -> list:
-        """Segments of the whole padded flat group from each param's segments."""
-        segs = []
-        for segs_i, pad in zip(per_param, self.param_paddings):
-            segs.extend(segs_i)
-            if pad:
-                segs.append(Fill(pad, dtype))
-        return padded(segs, self.partition * self.ws, dtype)
+def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf16_optimizer: bool | None = None,
+                 fmt: str = "deepspeed", side=()) -> ReshardPlan:
+    """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
+    every torch file laid out once into its final bytes (:class:`PlannedFile`), then the ``side`` files
+    (:func:`zckpt.deepspeed.target.side_planned`: copied, RNG states renamed for the new ranks)."""
+    if fmt not in FORMATS:
+        raise InvalidArgument(f"unknown format {fmt!r}", param="fmt", hint="use deepspeed or universal")
+    for sub in [ckpt] + list(ckpt.extra.get("pipeline_stages") or []):
+        _check_state(sub)
+    if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
+        return plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt, side)
+    if ckpt.parallel == "moe":
+        return moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side)
+    world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+    if fmt == "universal" and is_elastic(ckpt):
+        raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
+                                "layout's optimizer_state.pt needs", path=ckpt.location.tag_dir,
+                                hint="reshard it in the DeepSpeed layout: an elastic engine loads it at any size")
+    t = target_of(ckpt, world_size, stage, flavour)
+    objects, partitions = _plan_native(t)
+    if fmt == "universal":
+        from zckpt.deepspeed import write_universal as universal
+        if t.has_state and t.state_keys[:2] != ["exp_avg", "exp_avg_sq"] or len(t.state_keys) > 2:
+            raise UnsupportedLayout(f"optimizer state {', '.join(repr(k) for k in t.state_keys)}: zckpt writes "
+                                    "the universal layout for Adam's moments only", path=ckpt.location.tag_dir,
+                                    hint="reshard in the DeepSpeed layout (drop --format universal)")
+        objects = universal.plan_universal(ckpt, t.tag, stage, t.groups, t.has_state, objects)
+    files = [planned(o) for o in objects] + side_planned(side, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, stage,
+                       flavour, world_size, ckpt.precision, files, partitions=partitions)
+    if not t.has_state:
+        plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
+    return plan
 
 
-def flat_group_layout(numels: list[int], ws: int, lp_itemsize: int, parameter_alignment: bool) -> FlatGroupLayout:
-    align = 16 // math.gcd(16, lp_itemsize) if parameter_alignment else 1
-    offsets, paddings, cur = [], [], 0
-    for i, n in enumerate(numels):
-        offsets.append(cur)
-        cur += n
-        pad = 0 if i == len(numels) - 1 else (-cur) % align
-        paddings.append(pad)
-        cur += pad
-    a = NCCL_START_ALIGNMENT_FACTOR * ws
-    total = int(math.ceil(cur / a)) * a
-    return FlatGroupLayout(list(numels), paddings, offsets, cur, total // ws, ws)
 
 
-# ------------------------------------------------------------------------------------------ ZeRO-3 layout
-
-def zero3_part(numel: int, ws: int) -> int:
-    return math.ceil(numel / ws)
-
-
-def zero3_sub_groups(numels: list[int], ws: int, sub_group_size: int | None) -> list[list[int]]:
-    """Indices of one user group's params, cut into sub-groups as ``_create_fp16_sub_groups`` does."""
-    parts = [zero3_part(n, ws) for n in numels]
-    if not numels:
-        return []
-    if sub_group_size is None or sub_group_size >= sum(parts):
-        return [list(range(len(numels)))]
-    groups, cur, size = [], [], 0
-    for i, p in enumerate(parts):
-        cur.append(i)
-        size += p
-        if size >= sub_group_size or i == len(numels) - 1:
-            groups.append(cur)
-            cur, size = [], 0
-    return groups
-
-
-def zero3_rank_slice(segs: list, numel: int, ws: int, rank: int, dtype: str) -> list:
-    """Rank ``rank``'s ceil(n/ws) slice of a parameter (zero padded at the end)."""
-    part = zero3_part(numel, ws)
-    take = max(0, min(part, numel - rank * part))
-    return padded(slice_segments(segs, rank * part, take) if take else [], part, dtype)
-
-
-def itemsize(dtype: str) -> int:
-    return DTYPE_SIZES[dtype]
-
-
-@dataclass
-class TorchObject:
-    """One torch file of a target layout as its object tree (:class:`TensorOut` leaves), not yet pickled: the
-    reshard plan lays each one out once (:func:`zckpt.engine.torchzip.plan_archive`) or, on load, reads it."""
-
-    relpath: str
-    obj: object
+def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
+               bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
+    """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
+    (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`). The files
+    are object trees to load (kind "object"), not laid out for writing.
+    ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
+    ``parameter_alignment``), applied where they differ from the source config's."""
+    layout = None
+    _check_state(ckpt)
+    if ckpt.parallel == "moe":
+        layout = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
+        stage, flavour = ckpt.stage, ckpt.flavour
+    else:
+        world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+    t = target_of(ckpt, world_size, stage, flavour, ranks)
+    zcfg = t.cfg.setdefault("zero_optimization", {})
+    defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
+    for key, value in (zero or {}).items():
+        if value is not None and zcfg.get(key, defaults.get(key)) != value:
+            zcfg[key] = value
+    objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object")
+    files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]
+    return ReshardPlan(ckpt.location.input_path, t.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
+                       stage, flavour, world_size, ckpt.precision, files, partitions=partitions)

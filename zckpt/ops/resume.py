@@ -572,7 +572,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
             raise UnsupportedLayout("elastic ZeRO checkpoint (elastic_checkpoint=true) at another world size or "
                                     "stage", path=ckpt.location.tag_dir, hint="reshard it offline with zckpt reshard")
         if not native:
-            from zckpt.ops.reshard import plan_ranks
+            from zckpt.deepspeed.writer import plan_ranks
             plan = plan_ranks(ckpt, target.world_size, [target.rank], target.stage, target.bf16_optimizer,
                               zero=target.zero)
             check_plan(plan, engine, target)

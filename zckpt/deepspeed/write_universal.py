@@ -22,7 +22,7 @@ import os
 from collections import OrderedDict
 
 from zckpt.deepspeed.model import Checkpoint, pieces_of
-from zckpt.deepspeed.writer import TorchObject
+from zckpt.deepspeed.partition import TorchObject
 from zckpt.encoding.safeload import LazyTensor
 from zckpt.engine.segments import Cast
 from zckpt.engine.torchzip import TensorOut

@@ -1,0 +1,198 @@
+"""Pipeline-parallel and mixture-of-experts checkpoints re-partitioned over a new data-parallel size: each
+pipeline stage, and each expert group over its expert-data-parallel ranks, planned by the ZeRO-1/2 writer
+(:mod:`zckpt.deepspeed.write_zero`); layer and expert files copied."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+from zckpt.deepspeed.partition import TorchObject
+from zckpt.state.model import Checkpoint
+from zckpt.errors import UnsupportedLayout
+
+from zckpt.deepspeed.target import (
+    Group, ReshardPlan, Target, check_world_size, copied, is_elastic, output_tag, planned, side_planned, target_of,
+)
+from zckpt.deepspeed.write_zero import FlatGroup, flat_group, flat_groups, flat_partitions, zero12_optim
+
+
+# ---- pipeline parallel: each stage re-partitioned over the new data-parallel size
+
+def plan_pipeline(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
+                  fmt: str, side=()) -> ReshardPlan:
+    """A ``PipelineEngine`` checkpoint (:mod:`zckpt.deepspeed.pipeline`) at data-parallel size ``world_size``, the
+    stage count kept. Each stage is an ordinary ZeRO-1 / BF16-optimizer checkpoint of its own parameters over the
+    data-parallel ranks: its ``[bf16_]zero_pp_rank_{d}_mp_rank_{SS}_optim_states.pt`` are planned by the same
+    writer as a plain checkpoint's (``zero12_optim``); ``mp_rank_{SS}_model_states.pt`` is the source's with the
+    new ``dp_world_size`` (what ``engine.load_checkpoint`` checks against the live data-parallel size and uses to
+    name the optimizer files it reads); the ``layer_XX-model_states.pt`` files do not depend on it and are copied."""
+    check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    if fmt != "deepspeed":
+        raise UnsupportedLayout("a pipeline-parallel checkpoint is resharded in the DeepSpeed layout only",
+                                path=tag_dir, hint="drop --format universal")
+    if stage is not None and stage != ckpt.stage:
+        raise UnsupportedLayout(f"changing the ZeRO stage of a pipeline-parallel checkpoint is not supported "
+                                f"(PipelineEngine runs ZeRO-0/1): keep stage {ckpt.stage}; only the data-parallel "
+                                "size can change", path=tag_dir, hint="drop --stage")
+    if ckpt.stage == 0:  # engine.load_checkpoint feeds the model file's `optimizer` to the BF16 optimizer there
+        raise UnsupportedLayout("resharding a ZeRO-0 pipeline-parallel checkpoint is not supported (its BF16-"
+                                "optimizer state is also in mp_rank_XX_model_states.pt, which DeepSpeed loads "
+                                "per rank): resume it at the same data-parallel size; ZeRO-1 pipelines reshard",
+                                path=tag_dir)
+    src_bf16 = ckpt.flavour == "bf16_optimizer"
+    if bf16_optimizer is not None and bool(bf16_optimizer) != src_bf16:
+        raise UnsupportedLayout("changing the optimizer (BF16 optimizer / ZeRO) of a pipeline-parallel checkpoint "
+                                "is not supported: only the data-parallel size can change", path=tag_dir,
+                                hint="drop --bf16-optimizer")
+    zcfg = ckpt.ds_config.get("zero_optimization") or {}
+    if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
+                                path=tag_dir)
+    objects: list[TorchObject] = []
+    partitions: list[dict] = []
+    tag = output_tag(ckpt)
+    stage_ms = ckpt.extra["stage_model_states"]
+    for s, sub in enumerate(ckpt.extra["pipeline_stages"]):
+        t = target_of(sub, world_size, ckpt.stage, sub.flavour)
+        t.mp_rank = s
+        fgs = flat_groups(t)
+        ms = {k: (world_size if k == "dp_world_size" else t.conv(v)) for k, v in stage_ms[s].items()}
+        objects.append(TorchObject(t.relpath(f"mp_rank_{s:02d}_model_states.pt"), ms))
+        objects += [zero12_optim(t, fgs, rank) for rank in t.ranks]
+        partitions += [{"pipeline_stage": s, **p} for p in flat_partitions(t, fgs)]
+    layers = [copied(os.path.join(tag, f.path.rsplit("/", 1)[-1]), f.path, f.size)
+              for f in sorted(ckpt.location.layer_files, key=lambda f: f.index)]
+    files = [planned(o) for o in objects] + layers + side_planned(side, world_size)
+    pp = len(stage_ms)
+    plan = ReshardPlan(ckpt.location.input_path, tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
+                       ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
+    plan.notes.append(f"pipeline parallel: {pp} stages kept, data-parallel size {ckpt.world_size} -> {world_size} "
+                      f"(launch {pp * world_size} ranks)")
+    return plan
+
+
+# ---- mixture of experts: dense groups over the new data-parallel size, each expert group over its new
+# expert-data-parallel ranks
+
+def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: bool | None, fmt: str):
+    """The :class:`zckpt.deepspeed.moe.MoELayout` of an MoE checkpoint that can be laid out at ``world_size``;
+    what cannot is refused in one line."""
+    check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    layout = ckpt.extra.get("moe")
+    if layout is None:  # MoE without ZeRO (expp_rank files): DeepSpeed loads it at any data-parallel size
+        raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
+                                path=tag_dir, hint="load it with engine.load_checkpoint at the new size"
+                                if ckpt.stage == 0 else "zckpt merge / info / verify / convert read this layout")
+    if fmt != "deepspeed":
+        raise UnsupportedLayout("a mixture-of-experts checkpoint is resharded in the DeepSpeed layout only",
+                                path=tag_dir, hint="drop --format universal")
+    if stage is not None and stage != ckpt.stage:
+        raise UnsupportedLayout(f"changing the ZeRO stage of a mixture-of-experts checkpoint is not supported: keep "
+                                f"stage {ckpt.stage}; only the data-parallel size can change", path=tag_dir,
+                                hint="drop --stage")
+    if bf16_optimizer is not None and bool(bf16_optimizer) != (ckpt.flavour == "bf16_optimizer"):
+        raise UnsupportedLayout("changing the optimizer (BF16 optimizer / ZeRO) of a mixture-of-experts checkpoint "
+                                "is not supported: only the data-parallel size can change", path=tag_dir,
+                                hint="drop --bf16-optimizer")
+    if is_elastic(ckpt):
+        raise UnsupportedLayout("an elastic mixture-of-experts checkpoint (elastic_checkpoint=true) is not "
+                                "resharded", path=tag_dir)
+    zcfg = ckpt.ds_config.get("zero_optimization") or {}
+    if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
+        raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
+                                path=tag_dir)
+    bad = sorted({ep for ep in layout.ep.values() if world_size % ep})
+    if bad:
+        raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
+                                f"of the expert-parallel size {bad[0]}, which is kept (changing the expert-parallel size is not supported)",
+                                path=tag_dir, hint=f"pass a multiple of {bad[0]}")
+    return layout
+
+
+def _moe_model(t: Target, layout) -> TorchObject:
+    """``mp_rank_00_model_states.pt``: the source's (dense module, rank 0's param_shapes, num_experts...) with the
+    new ``dp_world_size`` and, for AutoEP, each layer's new ``expert_data_parallel_world_size``."""
+    def layers(v):
+        if not isinstance(v, list):
+            return v
+        return [dict(x, expert_data_parallel_world_size=t.world_size // int(x.get("ep_size") or 1))
+                if isinstance(x, dict) and "expert_data_parallel_world_size" in x else x for x in v]
+
+    ms = {}
+    for k, v in t.ms0.items():
+        if k == "dp_world_size":
+            v = t.world_size
+        elif k == "ds_autoep_layers":
+            v = layers(v)
+        elif k == "universal_checkpoint_info" and isinstance(v, dict) and "ds_autoep_layers" in v:
+            v = dict(v, ds_autoep_layers=layers(v["ds_autoep_layers"]))
+        ms[k] = t.conv(v)
+    return TorchObject(t.model_path(0), ms)
+
+
+def plan_moe(t: Target, layout, expert_files: str) -> tuple[list[TorchObject], list[dict]]:
+    """The model- and optimizer-states files of ``t.ranks`` (and the expert files: ``"object"`` for each rank's own
+    experts, as objects to load; ``"none"``: none, they are copied). A dense group is partitioned over all
+    ``world_size`` ranks, an expert group of ep_size N separately for each expert-parallel rank e over its
+    ``world_size / N`` expert-data-parallel ranks (:meth:`MoELayout.ep_rank`); both by the ZeRO-1/2 writer."""
+    tag_dir, ws = t.ckpt.location.tag_dir, t.world_size
+    flat: dict[tuple[int, int | None], FlatGroup] = {}
+    partitions = []
+    for g in t.groups:
+        ep = layout.ep.get(g.index)
+        if ep is None:
+            flat[(g.index, None)] = fg = flat_group(t, g, ws)
+            partitions.append({"group": g.index, "numel": sum(r.numel for r in g.records),
+                               "partition": fg.layout.partition,
+                               "paddings": [fg.layout.group_padding(r) for r in range(ws)]})
+            continue
+        for e, pairs in sorted(layout.shards[g.index].items()):
+            sub = Group(g.index, g.hyper, g.step, [r for _, r in pairs])
+            flat[(g.index, e)] = fg = flat_group(t, sub, ws // ep, [n for n, _ in pairs])
+            partitions.append({"group": g.index, "expert_parallel_rank": e, "expert_parallel_size": ep,
+                               "numel": sum(r.numel for r in sub.records), "partition": fg.layout.partition,
+                               "paddings": [fg.layout.group_padding(r) for r in range(ws // ep)]})
+    objects = [_moe_model(t, layout)]
+    own: set[tuple[int, int]] = set()
+    for rank in t.ranks:
+        fgs, windows = [], []
+        for g in t.groups:
+            ep = layout.ep.get(g.index)
+            e, w = (None, rank) if ep is None else layout.ep_rank(t.ms0, ws, ep, rank, tag_dir)
+            fgs.append(flat[(g.index, e)])
+            windows.append(w)
+            if ep is not None:
+                own.add((ep, e))
+        if not layout.ep:
+            own.add((1, 0))
+        objects.append(zero12_optim(t, fgs, rank, windows))
+    if expert_files == "object":
+        objects += [TorchObject(t.relpath(name), OrderedDict((k, t.conv(v)) for k, v in tensors))
+                    for name, (tensors, ep, owner) in sorted(layout.expert_files.items())
+                    if (ep, owner) in own or not layout.ep]
+    return objects, partitions
+
+
+def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
+                fmt: str, side=()) -> ReshardPlan:
+    """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
+    size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
+    depend on the data-parallel size and are copied."""
+    layout = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt)
+    t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
+    objects, partitions = plan_moe(t, layout, "none")
+    experts = [copied(os.path.join(t.tag, f.path.replace("\\", "/").rsplit("/", 1)[-1]), f.path, f.size)
+               for f in sorted(ckpt.location.expert_files, key=lambda f: (f.index, f.expert))]
+    files = [planned(o) for o in objects] + experts + side_planned(side, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
+                       ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
+    eps = sorted(set(layout.ep.values()))
+    plan.notes.append(f"mixture of experts: expert-parallel size {', '.join(map(str, eps))} kept, data-parallel size "
+                      f"{ckpt.world_size} -> {world_size}; each expert group over "
+                      + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
+    if not t.has_state:
+        plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
+    return plan

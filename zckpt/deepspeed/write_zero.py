@@ -1,0 +1,199 @@
+"""The ZeRO-1/2 (and BF16 optimizer) and ZeRO-3 rank files of a target layout, as object trees whose tensors are
+:class:`~zckpt.engine.torchzip.TensorOut` s of source pieces and zero fill (partition maths:
+:mod:`zckpt.deepspeed.partition`, DeepSpeed 0.19.8's exactly)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from zckpt.deepspeed import partition as W
+from zckpt.deepspeed.partition import TorchObject
+from zckpt.state.model import TensorRecord
+from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.engine.torchzip import TensorOut
+
+from zckpt.deepspeed.target import (
+    Group, Target, clip_grad, elastic_base, flat_dtypes, frozen_records, group_params, key_dtype, loss_scaler_state,
+    model_file, module_zero12, module_zero3, optim_file, state_dict_out, state_pieces,
+)
+
+
+# ---- ZeRO-1/2 and the BF16 optimizer
+
+@dataclass
+class FlatGroup:
+    """One param group laid out flat at the target size: ``flat`` maps fp32 / exp_avg / exp_avg_sq to the
+    segments of the whole padded group, in the dtypes the source stores them in."""
+
+    group: Group
+    layout: W.FlatGroupLayout
+    flat: dict[str, list]
+    master_dtype: str
+    state_dtype: str | None
+    names: list[str] | None = None  # the names param_slice_mappings gives the records (default: theirs)
+    key_dtypes: dict = field(default_factory=dict)  # per-element state key -> its dtype
+
+
+def flat_group(t: Target, g: Group, ws: int, names: list[str] | None = None) -> FlatGroup:
+    """Group ``g`` laid out flat over ``ws`` partitions (the data-parallel size; an expert group's: its
+    expert-data-parallel size)."""
+    align = bool((t.cfg.get("zero_optimization") or {}).get("parameter_alignment", False)) and t.flavour == "zero"
+    itemsize = DTYPE_SIZES[t.lp_dtype(g.records[0])] if g.records else 2
+    lay = W.flat_group_layout([r.numel for r in g.records], ws, itemsize, align)
+    mdt, sdt = flat_dtypes(t, g.records, f"param group {g.index}")
+    flat = {"fp32": lay.flat([list(r.value) for r in g.records], mdt)}
+    dtypes = {}
+    for key in t.state_keys if t.has_state else ():
+        dtypes[key] = key_dtype(t, g.records, key, f"param group {g.index}")
+        flat[key] = lay.flat([state_pieces(r, key) for r in g.records], dtypes[key])
+    return FlatGroup(g, lay, flat, mdt, sdt, names, dtypes)
+
+
+def flat_groups(t: Target) -> list[FlatGroup]:
+    return [flat_group(t, g, t.world_size) for g in t.groups]
+
+
+def flat_partitions(t: Target, fgs: list[FlatGroup]) -> list[dict]:
+    return [{"group": fg.group.index, "numel": sum(r.numel for r in fg.group.records),
+             "partition": fg.layout.partition, "paddings": [fg.layout.group_padding(r) for r in range(t.world_size)]}
+            for fg in fgs]
+
+
+def zero12_optim(t: Target, fgs: list[FlatGroup], rank: int, windows: list[int] | None = None) -> TorchObject:
+    """Rank ``rank``'s optimizer-states file: its window of every flat group, moments, paddings, slice maps.
+    ``windows``: the partition each group takes (default ``rank``; an MoE expert group: the rank's index in its
+    expert-data-parallel group, whose size is the group's ``layout.ws``, its ``partition_count``)."""
+    fp32_parts, state, pgroups, gpads, maps = [], OrderedDict(), [], [], []
+    for gi, fg in enumerate(fgs):
+        lay, flat = fg.layout, fg.flat
+        w = rank if windows is None else windows[gi]
+        P, pad = lay.partition, lay.group_padding(w)
+        keep = P if t.flavour == "bf16_optimizer" else P - pad
+        fp32_parts.append(TensorOut(fg.master_dtype, (keep,), W.slice_segments(flat["fp32"], w * P, keep)))
+        if t.has_state:
+            state[gi] = state_dict_out(t, fg.group, lambda key, fg=fg, w=w, P=P: TensorOut(
+                fg.key_dtypes[key], (P,), W.slice_segments(fg.flat[key], w * P, P)))
+        pgroups.append(group_params(fg.group.hyper, [gi], t.conv))
+        gpads.append(pad)
+        names = fg.names or [r.name for r in fg.group.records]
+        maps.append(OrderedDict((names[i], W.fragment_address(n, s)) for i, n, s in lay.slice_map(w)))
+    osd = OrderedDict()
+    if t.flavour == "zero":
+        osd.update(loss_scaler_state(t))
+    clip = clip_grad(t)
+    if clip is not None:  # None: not known (a DCP source converted without a config): the engine keeps its own
+        osd["clip_grad"] = clip
+    osd["base_optimizer_state"] = elastic_base(state, gpads) if t.elastic else {"state": state,
+                                                                                  "param_groups": pgroups}
+    if t.elastic and "base_optimizer_state_step" in t.osd0:
+        osd["base_optimizer_state_step"] = t.conv(t.osd0["base_optimizer_state_step"])
+    osd["single_partition_of_fp32_groups"] = fp32_parts
+    if t.flavour == "zero":
+        osd["zero_stage"] = W.zero_stage_enum(t.stage)
+    osd["group_paddings"] = gpads
+    if t.flavour == "zero":
+        osd["param_alignment_paddings"] = [list(fg.layout.param_paddings) for fg in fgs]
+    osd["partition_count"] = [fg.layout.ws for fg in fgs]
+    osd["ds_version"] = t.version
+    osd["param_slice_mappings"] = maps
+    return optim_file(t, rank, osd)
+
+
+def _zero12_model(t: Target) -> TorchObject:
+    """The one model-states file of ZeRO-1/2: full weights; ZeRO-2 also lists the frozen params."""
+    module = module_zero12(t)
+    param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in g.records) for g in t.groups]
+    frozen_shapes = frozen_frags = None
+    if t.stage == 2:
+        frozen = frozen_records(t)
+        if frozen or t.ms0.get("frozen_param_shapes") is not None:
+            frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
+            frozen_frags = OrderedDict((r.name, module[r.name] if r.name in module else
+                                        TensorOut(r.dtype, r.shape, list(r.value))) for r in frozen)
+    return model_file(t, 0, module, param_shapes, frozen_shapes, frozen_frags)
+
+
+def plan_zero12(t: Target) -> tuple[list[TorchObject], list[dict]]:
+    fgs = flat_groups(t)
+    optim = [zero12_optim(t, fgs, rank) for rank in t.ranks]
+    return [_zero12_model(t)] + optim, flat_partitions(t, fgs)
+
+
+# ---- ZeRO-3
+
+@dataclass
+class _SubGroup:
+    """One ZeRO-3 sub-group: consecutive params of a user group flattened into one partition per rank."""
+
+    group: Group
+    records: list[TensorRecord]
+    master_dtype: str
+    state_dtype: str | None
+
+    def partition(self, ws: int) -> int:
+        return sum(W.zero3_part(r.numel, ws) for r in self.records)
+
+    def rank_slice(self, attr: str, ws: int, rank: int, dtype: str | None = None) -> TensorOut:
+        """This sub-group's partition of rank ``rank``: each param's ceil(n/ws) slice, for ``attr`` (value, or a
+        per-element optimizer-state key stored as ``dtype``)."""
+        dtype = self.master_dtype if attr == "value" else dtype or self.state_dtype
+        segs = []
+        for r in self.records:
+            segs += W.zero3_rank_slice(list(r.value) if attr == "value" else state_pieces(r, attr), r.numel, ws,
+                                       rank, dtype)
+        return TensorOut(dtype, (self.partition(ws),), segs)
+
+
+def _sub_groups(t: Target) -> list[_SubGroup]:
+    sgs = t.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
+    sgs = int(float(sgs)) if sgs is not None else None
+    cut = [(g, [g.records[i] for i in idx]) for g in t.groups
+           for idx in W.zero3_sub_groups([r.numel for r in g.records], t.world_size, sgs)]
+    return [_SubGroup(g, recs, *flat_dtypes(t, recs, f"ZeRO-3 sub-group {s}")) for s, (g, recs) in enumerate(cut)]
+
+
+def _sub_partitions(t: Target, subs: list[_SubGroup]) -> list[dict]:
+    return [{"sub_group": s, "group": sg.group.index, "params": len(sg.records),
+             "partition": sg.partition(t.world_size)} for s, sg in enumerate(subs)]
+
+
+def _zero3_optim(t: Target, subs: list[_SubGroup], rank: int) -> TorchObject:
+    """Rank ``rank``'s optimizer-states file: its slice of every sub-group, moments, the user param groups."""
+    ws, flat, state = t.world_size, [], OrderedDict()
+    for s, sg in enumerate(subs):
+        flat.append(sg.rank_slice("value", ws, rank))
+        if t.has_state:
+            dts = {k: key_dtype(t, sg.records, k, f"ZeRO-3 sub-group {s}") for k in t.state_keys}
+            state[s] = state_dict_out(t, sg.group, lambda key, sg=sg, dts=dts: sg.rank_slice(key, ws, rank,
+                                                                                                dts[key]))
+    pgroups = [group_params(g.hyper, [s for s, sg in enumerate(subs) if sg.group.index == g.index], t.conv)
+               for g in t.groups]
+    osd = OrderedDict([("zero_stage", W.zero_stage_enum(3))])
+    osd.update(loss_scaler_state(t))
+    osd["partition_count"] = ws
+    osd["optimizer_state_dict"] = {"state": state, "param_groups": pgroups}
+    osd["fp32_flat_groups"] = flat
+    return optim_file(t, rank, osd)
+
+
+def _zero3_model(t: Target, subs: list[_SubGroup], module: OrderedDict, rank: int) -> TorchObject:
+    """Rank ``rank``'s model-states file: placeholder module, shapes per sub-group, its frozen-param slices."""
+    ws, frozen = t.world_size, frozen_records(t)
+    param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in sg.records) for sg in subs]
+    frozen_shapes = frozen_frags = None
+    if frozen or t.ms0.get("frozen_param_shapes") is not None:
+        frozen_shapes = OrderedDict((r.name, W.torch_size(r.shape)) for r in frozen)
+        frozen_frags = OrderedDict(
+            (r.name, TensorOut(r.dtype, (W.zero3_part(r.numel, ws),),
+                               W.zero3_rank_slice(list(r.value), r.numel, ws, rank, r.dtype)))
+            for r in frozen)
+    return model_file(t, rank, module, param_shapes, frozen_shapes, frozen_frags)
+
+
+def plan_zero3(t: Target) -> tuple[list[TorchObject], list[dict]]:
+    subs = _sub_groups(t)
+    module = module_zero3(t)  # one placeholder module, shared by every rank's file
+    models = [_zero3_model(t, subs, module, rank) for rank in t.ranks]
+    optims = [_zero3_optim(t, subs, rank) for rank in t.ranks]
+    return models + optims, _sub_partitions(t, subs)
