@@ -103,10 +103,10 @@ def test_no_module_and_function_share_a_name():
 LAYERS = [
     ("vocabulary", ["zckpt.errors", "zckpt.units", "zckpt.lazy"]),
     ("io", ["zckpt.io"]),
-    ("formats", ["zckpt.encoding"]),
+    ("encoding", ["zckpt.encoding"]),
     ("engine", ["zckpt.engine"]),
     ("state", ["zckpt.state"]),
-    ("readers", ["zckpt.deepspeed", "zckpt.dcp"]),
+    ("formats", ["zckpt.deepspeed", "zckpt.dcp", "zckpt.hf"]),
     ("ops", ["zckpt.ops"]),
     ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
 ]
@@ -125,6 +125,43 @@ def test_imports_follow_the_layers():
     wrong = [f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0] if _layer(t) < len(LAYERS) else 'api'})"
              for m, ts in edges.items() for t in ts if t != "zckpt" and _layer(t) > _layer(m)]
     assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
+
+
+# the format packages: each reads (and writes) one format; none imports another, so a format is added or removed as
+# one package (docs/architecture.md). The one opener (zckpt.state.open) asks each format's reader by module name.
+FORMAT_PACKAGES = ["zckpt.deepspeed", "zckpt.dcp", "zckpt.hf"]
+
+
+def _package(module: str) -> str | None:
+    return next((p for p in FORMAT_PACKAGES if module == p or module.startswith(p + ".")), None)
+
+
+def test_formats_are_peers():
+    """No format package imports another; each format's reader module answers the opener's three questions."""
+    import importlib
+    _, edges, _ = _graph()
+    crossing = sorted(f"{m} imports {t}" for m, ts in edges.items() for t in ts
+                      if _package(m) and _package(t) and _package(m) != _package(t))
+    assert not crossing, "format packages importing each other:\n" + "\n".join(crossing)
+    from zckpt.state import open as opener
+    assert set(opener.FORMATS.values()) == set(opener.READERS)
+    for name in opener.READERS:
+        reader = importlib.import_module(name)
+        assert _package(name) and callable(reader.claims) and callable(reader.read), name
+        assert opener.FORMATS[reader.FORMAT] == name
+
+
+def test_modules_stay_small():
+    """One concept per module: none over 600 lines (docs/architecture.md lists what each holds)."""
+    big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > 600}
+    assert not big, f"modules over 600 lines: {big}"
+
+
+def test_operations_are_thin():
+    """merge, reshard and convert pair a reader and a writer: the operation modules stay under 300 lines."""
+    thick = {m: n for m in ("zckpt.ops.merge", "zckpt.ops.reshard", "zckpt.ops.convert", "zckpt.ops.to_deepspeed")
+             if (n := len(_modules()[m].read_text().splitlines())) > 300}
+    assert not thick, thick
 
 
 def test_a_command_imports_only_the_reader_it_needs():

@@ -99,7 +99,7 @@ def chunk_size(total: int, world: int) -> int:
 
 
 def safetensors_work(shard, chunk: int) -> FileWork:
-    """A merge shard (``zckpt.ops.merge.ShardPlan``) in safetensors: its header, then tensor chunks."""
+    """A merge shard (``zckpt.hf.writer.ShardPlan``) in safetensors: its header, then tensor chunks."""
     from zckpt.engine.segments import source_segments
     jobs = [(-1, t.offset + start, parts, t.dtype) for t in shard.tensors
             for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype, chunk)]

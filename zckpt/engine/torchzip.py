@@ -426,7 +426,7 @@ def fsync_all(paths: list[str], pool=None) -> None:
 # ---------------------------------------------------------------------------------- merge's .bin shards
 
 def layout_state_dict(shard) -> None:
-    """Plan a merge shard (``zckpt.ops.merge.ShardPlan``) as a torch state-dict file."""
+    """Plan a merge shard (``zckpt.hf.writer.ShardPlan``) as a torch state-dict file."""
     sd = OrderedDict()
     for t in shard.tensors:
         sd[t.name] = TensorOut(t.dtype, t.shape, source_segments(t.pieces, t.src_dtype, t.dtype))
