@@ -425,7 +425,7 @@ def test_real_configs():
 
 def test_config_defaults_follow_transformers(tf):
     _, transformers = tf
-    from zckpt.ops.estimate import _GPT2_DEFAULTS, _LLAMA_LIKE_DEFAULTS
+    from zckpt.ops.model_size import _GPT2_DEFAULTS, _LLAMA_LIKE_DEFAULTS
 
     for model_type, defaults in {**_LLAMA_LIKE_DEFAULTS, "gpt2": _GPT2_DEFAULTS}.items():
         cfg = transformers.AutoConfig.for_model(model_type)

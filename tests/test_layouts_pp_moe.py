@@ -164,7 +164,7 @@ def test_pipeline_names_and_tied_module_once(fx):
 def test_moe_expert_parallel_ranks_match_engine(fx):
     """The expert-parallel rank of every optimizer file is the live engine's: ``R % ep`` by default, ``R // (ws/ep)``
     with ``use_data_before_expert_parallelism`` (read from the saved ds_config)."""
-    from zckpt.deepspeed.moe import expert_data_ranks
+    from zckpt.deepspeed.expert_groups import expert_data_ranks
     _, info = _oracle(fx)
     ep = info["ep_size"]
     ws = len(info["ep_ranks"])

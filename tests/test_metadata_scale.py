@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zckpt.errors import CorruptFile, UnsafePickle
-from zckpt.encoding import dcpmeta, pickles, safeload
+from zckpt.encoding import allowlist, dcpmeta, pickles, safeload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -334,12 +334,12 @@ def test_shared_containers_walked_once(monkeypatch, tmp_path):
         x = [x, x]
     torch.save({"chain": x}, tmp_path / "f.pt")
     calls = []
-    real = safeload._unwrap
+    real = allowlist.unwrap
 
     def counted(obj, *a):
         calls.append(1)
         return real(obj, *a)
-    monkeypatch.setattr(safeload, "_unwrap", counted)
+    monkeypatch.setattr(allowlist, "unwrap", counted)
     obj = safeload.load(str(tmp_path / "f.pt"))
     assert len(calls) < 100
     leaf = obj["chain"]

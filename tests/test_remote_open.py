@@ -23,7 +23,7 @@ from tests.conftest import FIXTURE_DIRS, checkpoint_path
 from tests.faultproxy import FaultProxy
 from tests.test_damaged import ZIP_CASES, damage, make_copy
 from zckpt.state.open import open_checkpoint
-from zckpt.io import storage
+from zckpt.io import fetched, ranges, s3, storage
 
 pytest_plugins = ["tests.s3server"]
 
@@ -41,9 +41,9 @@ def proxy(s3_server):
 def thresholds(request, monkeypatch):
     """``whole``: the defaults (fixture files are fetched whole); ``tail-head``: the large-file path, forced."""
     if request.param == "tail-head":
-        monkeypatch.setattr(storage, "WHOLE_BYTES", 0)
-        monkeypatch.setattr(storage, "TAIL_BYTES", 2048)
-        monkeypatch.setattr(storage, "HEAD_BYTES", 1024)
+        monkeypatch.setattr(ranges, "WHOLE_BYTES", 0)
+        monkeypatch.setattr(ranges, "TAIL_BYTES", 2048)
+        monkeypatch.setattr(ranges, "HEAD_BYTES", 1024)
     return request.param
 
 
@@ -54,7 +54,7 @@ def upload(folder: Path, url: str, opts: dict) -> None:
 
 
 def via(proxy: FaultProxy, s3_server) -> dict:
-    storage._boto_clients.clear()  # a client of its own for the proxy's endpoint (keyed by options anyway)
+    s3._boto_clients.clear()  # a client of its own for the proxy's endpoint (keyed by options anyway)
     return {**s3_server.storage_options(), "endpoint_url": proxy.endpoint}
 
 
@@ -138,9 +138,9 @@ def test_rank_files_are_fetched_side_by_side(s3_server, proxy, monkeypatch):
 def test_damaged_files_are_refused_over_s3_as_locally(s3_server, tmp_path, case, monkeypatch):
     """The same refusal, word for word, from a damaged rank file read over S3 (large-file path forced: the zip
     directory and headers come from prefetched blocks) as from the local copy."""
-    monkeypatch.setattr(storage, "WHOLE_BYTES", 0)
-    monkeypatch.setattr(storage, "TAIL_BYTES", 1024)
-    monkeypatch.setattr(storage, "HEAD_BYTES", 512)
+    monkeypatch.setattr(ranges, "WHOLE_BYTES", 0)
+    monkeypatch.setattr(ranges, "TAIL_BYTES", 1024)
+    monkeypatch.setattr(ranges, "HEAD_BYTES", 512)
     ck, target = make_copy(tmp_path)
     damage(target, case)
     with pytest.raises(Exception) as local:
@@ -159,8 +159,8 @@ def test_range_file_reads_what_a_local_file_reads(s3_server, tmp_path, monkeypat
     """Random reads through :class:`RangeFile` (prefetched or not, across blocks) return the local bytes."""
     import random
 
-    monkeypatch.setattr(storage, "TAIL_BYTES", 3000)
-    monkeypatch.setattr(storage, "HEAD_BYTES", 1000)
+    monkeypatch.setattr(ranges, "TAIL_BYTES", 3000)
+    monkeypatch.setattr(ranges, "HEAD_BYTES", 1000)
     data = os.urandom(50_000)
     local = tmp_path / "blob"
     local.write_bytes(data)
@@ -229,4 +229,4 @@ def test_keep_fetched_scopes_of_two_threads_stay_apart():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and not storage._KEPT
+    assert not errors and not fetched._KEPT
