@@ -52,7 +52,7 @@ from zckpt.engine import executor, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.io import publish, storage
 from zckpt.state import checksums
-from zckpt.ops.scan import side_files
+from zckpt.backup.files import side_files
 from zckpt.deepspeed import writer as W
 from zckpt.deepspeed.writer import TorchObject
 from zckpt.state.model import LP_DTYPES, Checkpoint, TensorRecord
@@ -987,7 +987,7 @@ def _copied(relpath: str, src: str, nbytes: int) -> PlannedFile:
 
 
 def _side_files(ckpt: Checkpoint, world_size: int) -> list[PlannedFile]:
-    """Everything of the checkpoint that is not its tag (:func:`zckpt.ops.scan.side_files`: a Trainer checkpoint's
+    """Everything of the checkpoint that is not its tag (:func:`zckpt.backup.files.side_files`: a Trainer checkpoint's
     config, trainer_state.json, scheduler, tokenizer, any subfolder..., a save folder's scripts and configs), copied
     as it is; the RNG states renamed for the new ranks."""
     out: list[PlannedFile] = []

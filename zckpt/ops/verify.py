@@ -3,7 +3,7 @@
 Metadata checks (reading only the pickles): every rank file present and readable, ``partition_count`` agrees
 with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
 names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
-Every file of the checkpoint (:func:`zckpt.ops.scan.checkpoint_files`, the definition push uses): torch zips'
+Every file of the checkpoint (:func:`zckpt.backup.files.checkpoint_files`, the definition push uses): torch zips'
 directories intact, safetensors headers matching their sizes. Push manifests (``zckpt-manifest.json``) in the
 folder, its tag, or above a tag: sizes (``deep``: sha256); a push record without one: not complete.
 Deep checks: every byte of every file read, the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is
@@ -28,17 +28,16 @@ from typing import Callable
 from zckpt.io import hashing, publish, storage
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
-from zckpt.ops.destinations import MANIFEST_NAME
 from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError, names_rendered, python_name,
 )
 from zckpt.encoding import legacy
 from zckpt.encoding.safeload import LazyTensor, legacy_layout
 from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
-from zckpt.ops.scan import (
-    RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file,
-    latest_problem, safetensors_problem, step_of,
-)
+from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file
+from zckpt.backup.find import step_of
+from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
+from zckpt.backup.scan import latest_problem, safetensors_problem
 from zckpt.units import format_size
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
@@ -116,7 +115,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     (the checkpoint cannot even be read); inconsistencies are reported as failed checks.
 
     What is checked, at every level (a save folder, a tag folder, a ``checkpoint-N``, a push destination):
-    the rank files' metadata; every file of the checkpoint in ``path`` (:func:`zckpt.ops.scan.checkpoint_files`)
+    the rank files' metadata; every file of the checkpoint in ``path`` (:func:`zckpt.backup.files.checkpoint_files`)
     readable as a file, torch zips' directories and safetensors headers intact; every push manifest
     (``zckpt-manifest.json``) that covers ``path`` (in it, in its tag folder, or in the folder above a tag): each
     listed file there at its size, and a push record without its manifest is a push that did not finish. With
@@ -179,7 +178,7 @@ def _key(path: str) -> str:
 
 
 def checkpoint_scope(ckpt: Checkpoint, report: VerifyReport | None = None) -> list[CheckpointFile]:
-    """The checkpoint's files in the folder verified (:func:`zckpt.ops.scan.files_in_folder`). A file that cannot
+    """The checkpoint's files in the folder verified (:func:`zckpt.backup.files.files_in_folder`). A file that cannot
     be read as a file is a failed check ``files`` (then only the rank files are read)."""
     try:
         return files_in_folder(ckpt.location, ckpt.format, ckpt.storage_options)
@@ -305,7 +304,7 @@ def check_output_marker(folder: str, report: VerifyReport, storage_options: dict
     ok, detail = publish.output_state(folder, storage_options)
     report.add("zckpt output committed", ok, detail)
     if ok and not storage.is_url(folder):
-        from zckpt.ops.scan import check_safetensors
+        from zckpt.backup.scan import check_safetensors
         bad = [why for n in sorted(storage.listdir(folder)) if n.endswith(".safetensors")
                for why in [check_safetensors(storage.join(folder, n))] if why]
         if any(n.endswith(".safetensors") for n in storage.listdir(folder)):
@@ -367,7 +366,7 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
 def check_latest(ckpt: Checkpoint, report: VerifyReport, tag_given: bool = False) -> None:
     """Complete means resumable: a save folder or Trainer ``checkpoint-N`` verified without ``tag`` passes only if
     DeepSpeed's ``load_checkpoint(path)`` (``tag=None``, how the Trainer resumes) loads the tag checked
-    (:func:`zckpt.ops.scan.latest_problem`: ``latest`` there, naming that tag). A tag chosen (``tag``, or a tag
+    (:func:`zckpt.backup.scan.latest_problem`: ``latest`` there, naming that tag). A tag chosen (``tag``, or a tag
     folder named as ``path``) is how the user will load it (``load_checkpoint(save_dir, tag=...)``): what ``latest``
     says is then a note, the check passes. (A ``latest`` naming a missing tag stops the reading before this.)"""
     loc = ckpt.location
