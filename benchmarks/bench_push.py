@@ -85,7 +85,7 @@ def run_boto3(ckpt: Path, bucket: str, prefix: str, workers: int, part: int) -> 
 
 
 def run_zckpt(src: Path, dest: str, workers: int, part: int) -> tuple[float, float, int]:
-    push = importlib.import_module("zckpt.ops.push")
+    push = importlib.import_module("zckpt.backup.push")
     c0, t0 = cpu_seconds(), time.perf_counter()
     result = push.push(str(src), dest, settle=0, workers=workers, part_size=part)
     dt = time.perf_counter() - t0

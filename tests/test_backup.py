@@ -24,7 +24,8 @@ import pytest
 
 import zckpt
 from tests.conftest import FIXTURES
-from zckpt.ops import scan
+from zckpt.backup import scan
+from zckpt.backup.files import NotBackedUp, checkpoint_files
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINER = FIXTURES / "trainer" / "checkpoint-4"
@@ -169,24 +170,24 @@ def test_a_training_output_folder_with_a_renamed_checkpoint_and_a_saved_model(tm
 def test_checkpoint_files_refuses_what_it_cannot_copy(tmp_path):
     ck = tmp_path / "checkpoint-4"
     shutil.copytree(TRAINER, ck)
-    names = [f.rel for f in scan.checkpoint_files(str(ck))]
+    names = [f.rel for f in checkpoint_files(str(ck))]
     assert names == sorted(tree(ck)) and len(names) == 16
     (ck / "extra").mkdir()
     (ck / "extra" / "notes.txt").write_text("mine")
     os.symlink(ck / "config.json", ck / "config-link.json")  # links are followed: the bytes are backed up
-    names = [f.rel for f in scan.checkpoint_files(str(ck))]
+    names = [f.rel for f in checkpoint_files(str(ck))]
     assert "extra/notes.txt" in names and "config-link.json" in names
     os.symlink(tmp_path / "nowhere", ck / "dangling.bin")
-    with pytest.raises(scan.NotBackedUp, match="dangling.bin"):
-        scan.checkpoint_files(str(ck))
+    with pytest.raises(NotBackedUp, match="dangling.bin"):
+        checkpoint_files(str(ck))
     ok, reason = scan.check_complete(str(ck))
     assert not ok and "dangling.bin" in reason
     proc = cli("push", ck, tmp_path / "dest", "--settle", "0")
     assert proc.returncode != 0 and "dangling.bin" in proc.stdout + proc.stderr
     os.unlink(ck / "dangling.bin")
     os.symlink(ck, ck / "extra" / "loop")
-    with pytest.raises(scan.NotBackedUp, match="loop"):
-        scan.checkpoint_files(str(ck))
+    with pytest.raises(NotBackedUp, match="loop"):
+        checkpoint_files(str(ck))
 
 
 # ============================================================================================ permissions

@@ -393,7 +393,7 @@ def test_error_table_scratch_names_become_the_output():
 
 def test_retryable_only_transient():
     import errno as E
-    from zckpt.ops.destinations import retryable
+    from zckpt.backup.faults import retryable
     from zckpt.errors import StorageError
 
     def wrapped(cause):

@@ -155,7 +155,7 @@ def test_commands_name_the_damaged_rank_file(tmp_path, case):
         assert str(tmp_path) not in line, line  # the user's relative path, not an absolute or scratch one
         assert not (tmp_path / "out").exists()
     if not case.startswith("pickle"):  # push's completeness check reads the zip structure, not the pickle
-        from zckpt.ops.scan import check_complete
+        from zckpt.backup.scan import check_complete
         ok, reason = check_complete(str(ck))
         assert not ok and target.name in reason, reason
 

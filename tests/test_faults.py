@@ -28,7 +28,7 @@ from tests.test_push import local_files, write_trainer_checkpoint
 
 pytest_plugins = ["tests.s3server"]
 
-P = importlib.import_module("zckpt.ops.push")
+P = importlib.import_module("zckpt.backup.push")
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = "zckpt-manifest.json"
 RECORD = ".zckpt-push.json"  # push's "a push began here", written before any file

@@ -164,7 +164,7 @@ def test_progress_counts_the_bytes_the_hub_receives(hub_server, tmp_path, monkey
     from huggingface_hub import constants
     from huggingface_hub.utils import are_progress_bars_disabled
 
-    P = importlib.import_module("zckpt.ops.push")
+    P = importlib.import_module("zckpt.backup.push")
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)  # (read at import: the env var is too late here)
     hub = hub_server
     hub.multipart_threshold, hub.chunk_size = 2 * 1024 * 1024, 1024 * 1024

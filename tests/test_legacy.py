@@ -198,7 +198,7 @@ def test_verify_deep_reads_every_byte_and_checks_size_fields(tmp_path):
     import zckpt
     ck, files = _copy(tmp_path, "z2_bf16_ws2_legacy")
     rep = zckpt.verify(str(ck), deep=True)
-    from zckpt.ops.scan import checkpoint_files  # --deep reads every file of the checkpoint, the rank files among them
+    from zckpt.backup.files import checkpoint_files  # --deep reads every file of the checkpoint, the rank files among them
     assert rep.ok and rep.bytes_read == sum(f.size for f in checkpoint_files(str(ck)))
     assert set(map(str, files)) <= {f.path for f in checkpoint_files(str(ck))}
     assert "legacy files" in next(c.detail for c in rep.checks if c.name == "CRC of every entry")
@@ -216,7 +216,7 @@ def test_verify_deep_reads_every_byte_and_checks_size_fields(tmp_path):
 def test_verify_deep_without_crcs_relies_on_the_manifest(tmp_path):
     """A flipped bit inside a legacy storage has no CRC to catch it; the push manifest's sha256 does."""
     import zckpt
-    from zckpt.ops.destinations import MANIFEST_NAME
+    from zckpt.backup.manifest import MANIFEST_NAME
     ck, files = _copy(tmp_path, "z2_bf16_ws2_legacy")
     tag = files[0].parent.name
     manifest = {"files": {f"{tag}/{p.name}": {"size": p.stat().st_size,
@@ -235,7 +235,7 @@ def test_verify_deep_without_crcs_relies_on_the_manifest(tmp_path):
 
 
 def test_push_completeness(tmp_path):
-    from zckpt.ops.scan import check_complete
+    from zckpt.backup.scan import check_complete
     ck, files = _copy(tmp_path, "z3_bf16_ws2_legacy")
     assert check_complete(str(ck)) == (True, "complete")
     target = files[-1]
@@ -402,7 +402,7 @@ def test_commands_name_the_damaged_legacy_rank_file(tmp_path, case):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and len(lines) == 1 and rel in lines[0], (cmd, proc.stderr)
         assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
-    from zckpt.ops.scan import check_complete
+    from zckpt.backup.scan import check_complete
     ok, reason = check_complete(str(ck))
     assert not ok and target.name in reason, reason
 

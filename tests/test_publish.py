@@ -119,7 +119,7 @@ def test_output_is_the_source_or_inside_it(outputs, save_dir):
 
 def test_default_outputs_lie_next_to_the_checkpoint(outputs):
     from transformers.trainer_utils import get_last_checkpoint, sort_checkpoints
-    from zckpt.ops.scan import find_checkpoints
+    from zckpt.backup.find import find_checkpoints
     before = tree(outputs / "checkpoint-4")
     res = zckpt.merge(str(outputs / "checkpoint-4"), dtype="bf16")
     assert Path(res.output) == outputs / "merged-checkpoint-4-bf16"
@@ -360,8 +360,8 @@ def test_push_never_takes_a_zckpt_output_for_a_checkpoint(outputs, tmp_path, mon
     # an output left inside a checkpoint by an older zckpt that had a marker
     nested = outputs / "checkpoint-4" / "old-merge"
     shutil.copytree(outputs / "merged-checkpoint-4-fp32", nested)
-    from zckpt.ops.push import push
-    from zckpt.ops.scan import check_complete
+    from zckpt.backup.push import push
+    from zckpt.backup.scan import check_complete
     assert check_complete(str(outputs / "checkpoint-4"))[0]
     dest = tmp_path / "dest"
     result = push(str(outputs), str(dest), settle=0)

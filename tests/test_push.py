@@ -27,12 +27,18 @@ import importlib
 from zckpt.io import hashing, storage
 from zckpt.errors import InvalidArgument, StorageError
 
-P = importlib.import_module("zckpt.ops.push")  # the module (zckpt.ops.push is also the lazy function)
+from zckpt.backup.find import find_checkpoints
+from zckpt.backup.hub import parse_hf_url
+from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
+from zckpt.backup.scan import check_complete
+from zckpt.backup.schedule import Pusher, push_every
+
+P = importlib.import_module("zckpt.backup.push")  # the module (zckpt.push is the function)
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL_TRAINER = ROOT / "fixtures" / "trainer" / "checkpoint-4"
-MANIFEST = P.MANIFEST_NAME
-PUSH_FILES = (P.MANIFEST_NAME, P.RECORD_NAME)  # push's commit (written last) and its record (written first)
+MANIFEST = MANIFEST_NAME
+PUSH_FILES = (MANIFEST_NAME, RECORD_NAME)  # push's commit (written last) and its record (written first)
 
 
 # ============================================================================================ builders
@@ -135,10 +141,10 @@ class Recorder:
 
 def test_check_complete_trainer_and_deepspeed(tmp_path):
     ckpt = write_trainer_checkpoint(tmp_path, 4)
-    assert P.check_complete(str(ckpt)) == (True, "complete")
+    assert check_complete(str(ckpt)) == (True, "complete")
     # the Trainer writes trainer_state.json last: without it the checkpoint is still being written
     (ckpt / "trainer_state.json").unlink()
-    ok, reason = P.check_complete(str(ckpt))
+    ok, reason = check_complete(str(ckpt))
     assert not ok and "trainer_state.json" in reason
 
 
@@ -146,7 +152,7 @@ def test_missing_last_rank_is_incomplete(tmp_path):
     """File names alone cannot see a missing last rank; dp_world_size in the model states can."""
     ckpt = write_trainer_checkpoint(tmp_path, 4, ws=3)
     (ckpt / "global_step4" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
-    ok, reason = P.check_complete(str(ckpt))
+    ok, reason = check_complete(str(ckpt))
     assert not ok and "dp rank(s) [2]" in reason and "expected 3" in reason
 
 
@@ -155,28 +161,28 @@ def test_truncated_zip_and_bad_latest_are_incomplete(tmp_path):
     shard = ckpt / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) - 100])  # a rank still writing: no central directory yet
-    ok, reason = P.check_complete(str(ckpt))
+    ok, reason = check_complete(str(ckpt))
     assert not ok and "not a complete zip" in reason
     shard.write_bytes(data)
     (ckpt / "latest").write_text("global_step5")
-    ok, reason = P.check_complete(str(ckpt))
+    ok, reason = check_complete(str(ckpt))
     assert not ok and "global_step5" in reason
 
 
 def test_zero3_and_safetensors_checks(tmp_path):
     tag = tmp_path / "save" / "global_step3"
     write_tag(tag, 3, ws=2, stage=3)
-    assert P.check_complete(str(tag))[0]
+    assert check_complete(str(tag))[0]
     (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    ok, reason = P.check_complete(str(tag))
+    ok, reason = check_complete(str(tag))
     assert not ok and "model states" in reason
     ckpt = write_trainer_checkpoint(tmp_path, 6)
     header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
     good = len(header).to_bytes(8, "little") + header + b"\0" * 16
     (ckpt / "model.safetensors").write_bytes(good)
-    assert P.check_complete(str(ckpt))[0]
+    assert check_complete(str(ckpt))[0]
     (ckpt / "model.safetensors").write_bytes(good[:-4])
-    ok, reason = P.check_complete(str(ckpt))
+    ok, reason = check_complete(str(ckpt))
     assert not ok and "model.safetensors" in reason
 
 
@@ -187,7 +193,7 @@ REAL_TAGS = sorted(p.parent for p in (ROOT / "fixtures").glob("*/**/*model_state
 @pytest.mark.parametrize("tag", sorted(set(REAL_TAGS)), ids=lambda p: p.relative_to(ROOT / "fixtures").as_posix())
 def test_real_deepspeed_tags(tag, tmp_path):
     """Every committed DeepSpeed fixture is complete; without its last rank's files it is not."""
-    assert P.check_complete(str(tag)) == (True, "complete")
+    assert check_complete(str(tag)) == (True, "complete")
     copy = tmp_path / tag.name
     shutil.copytree(tag, copy)
     ranks = sorted(copy.glob("*zero_pp_rank_*"), key=lambda p: int(p.name.split("zero_pp_rank_")[1].split("_")[0]))
@@ -197,7 +203,7 @@ def test_real_deepspeed_tags(tag, tmp_path):
     last = ranks[-1].name.split("zero_pp_rank_")[1].split("_")[0]
     for p in copy.glob(f"*zero_pp_rank_{last}_*"):
         p.unlink()
-    ok, reason = P.check_complete(str(copy))
+    ok, reason = check_complete(str(copy))
     assert not ok and f"[{last}]" in reason
 
 
@@ -206,21 +212,21 @@ def test_find_checkpoints_layouts(tmp_path):
     write_trainer_checkpoint(out, 10)
     write_trainer_checkpoint(out, 2)
     (out / "runs").mkdir()
-    found, roots = P.find_checkpoints(str(out))
+    found, roots = find_checkpoints(str(out))
     assert [c.name for c in found] == ["checkpoint-2", "checkpoint-10"] and roots == []
     save = tmp_path / "save"
     write_tag(save / "global_step3", 3)
     (save / "latest").write_text("global_step3")
     (save / "zero_to_fp32.py").write_text("# script")
-    found, roots = P.find_checkpoints(str(save))
+    found, roots = find_checkpoints(str(save))
     assert [(c.name, c.kind, c.step) for c in found] == [("global_step3", "deepspeed", 3)]
     assert roots == ["zero_to_fp32.py", "latest"]
-    found, _ = P.find_checkpoints(str(out / "checkpoint-10"))
+    found, _ = find_checkpoints(str(out / "checkpoint-10"))
     assert [(c.name, c.step) for c in found] == [("", 10)]
     (out / "trainer_state.json").write_text("{}")  # trainer.save_state() at the end of a run
-    found, _ = P.find_checkpoints(str(out))
+    found, _ = find_checkpoints(str(out))
     assert [c.name for c in found] == ["checkpoint-2", "checkpoint-10"]
-    found, _ = P.find_checkpoints(str(save / "global_step3"))
+    found, _ = find_checkpoints(str(save / "global_step3"))
     assert [(c.name, c.kind, c.step) for c in found] == [("", "deepspeed", 3)]
 
 
@@ -247,7 +253,7 @@ def test_push_s3_complete_arrives_identical_incomplete_held_back(s3, tmp_path, m
     # the manifest is written last
     uploads = rec.uploads()
     assert uploads[-1].endswith(f"checkpoint-2/{MANIFEST}") and len(uploads) == len(want) + 2
-    assert uploads[0].endswith(f"checkpoint-2/{P.RECORD_NAME}")  # the push record before any file
+    assert uploads[0].endswith(f"checkpoint-2/{RECORD_NAME}")  # the push record before any file
     # s3 objects carry their sha256, so a resumed push can trust them without a manifest
     meta = storage.metadata(storage.join(dest, "checkpoint-2", "latest"))
     assert meta["sha256"] == want["latest"]
@@ -412,7 +418,7 @@ def test_real_trainer_fixture_to_s3(s3, tmp_path):
         pytest.skip(f"{REAL_TRAINER} not generated yet")
     src = tmp_path / "out"
     shutil.copytree(REAL_TRAINER, src / "checkpoint-4")
-    assert P.check_complete(str(src / "checkpoint-4")) == (True, "complete")
+    assert check_complete(str(src / "checkpoint-4")) == (True, "complete")
     dest = s3.url(s3.prefix)
     result = P.push(str(src), dest, settle=0)
     assert [c.status for c in result.checkpoints] == ["pushed"]
@@ -483,7 +489,7 @@ def test_every_loop_picks_up_new_checkpoints(tmp_path):
     dest = tmp_path / "dest"
     cancel = threading.Event()
     results = []
-    loop = threading.Thread(target=P.push_every, args=(str(src), str(dest), 0.2),
+    loop = threading.Thread(target=push_every, args=(str(src), str(dest), 0.2),
                             kwargs={"cancel": cancel, "settle": 0, "on_result": results.append})
     loop.start()
     try:
@@ -511,7 +517,7 @@ def test_every_loop_picks_up_new_checkpoints(tmp_path):
 def test_pusher_background_flush_and_errors(tmp_path):
     src = tmp_path / "out"
     dest = tmp_path / "dest"
-    pusher = P.Pusher(str(src), str(dest), settle=0).start()
+    pusher = Pusher(str(src), str(dest), settle=0).start()
     write_trainer_checkpoint(src, 2)
     pusher.trigger("checkpoint-2")
     pusher.flush(timeout=30, push_now=False)
@@ -519,7 +525,7 @@ def test_pusher_background_flush_and_errors(tmp_path):
     pusher.stop(timeout=30)
     assert pusher.errors == []
     # a destination that fails: the error is kept and raised by flush(), never lost
-    bad = P.Pusher(str(src), "s3://nobucket/x", settle=0, retries=0, storage_options={
+    bad = Pusher(str(src), "s3://nobucket/x", settle=0, retries=0, storage_options={
         "endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "retries": 1,
         "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}}}).start()
     with pytest.raises(StorageError):
@@ -533,7 +539,7 @@ def test_pusher_abandon_leaves_no_manifest(s3, tmp_path):
     write_trainer_checkpoint(src, 2, ws=4, payload=3 * 1024 * 1024)
     dest = s3.url(s3.prefix)
     events = []
-    pusher = P.Pusher(str(src), dest, settle=0, workers=1, part_size=5 * 1024 * 1024,
+    pusher = Pusher(str(src), dest, settle=0, workers=1, part_size=5 * 1024 * 1024,
                       progress=events.append).start()
     pusher.trigger()
     deadline = time.monotonic() + 30
@@ -726,10 +732,10 @@ def test_hub_skips_files_already_there(tmp_path):
 
 
 def test_parse_hf_url():
-    assert P.parse_hf_url("hf://me/repo") == ("model", "me/repo", None, "")
-    assert P.parse_hf_url("hf://datasets/me/repo@dev/a/b") == ("dataset", "me/repo", "dev", "a/b")
+    assert parse_hf_url("hf://me/repo") == ("model", "me/repo", None, "")
+    assert parse_hf_url("hf://datasets/me/repo@dev/a/b") == ("dataset", "me/repo", "dev", "a/b")
     with pytest.raises(InvalidArgument):
-        P.parse_hf_url("hf://onlyowner")
+        parse_hf_url("hf://onlyowner")
 
 
 # ============================================================================================ CLI
@@ -814,7 +820,7 @@ def test_push_every_while_deepspeed_saves(tmp_path):
     cancel = threading.Event()
     results = []
     seen_published = set()
-    loop = threading.Thread(target=P.push_every, args=(str(src), str(dest), 0.3),
+    loop = threading.Thread(target=push_every, args=(str(src), str(dest), 0.3),
                             kwargs={"cancel": cancel, "settle": 0, "on_result": results.append})
     loop.start()
     try:
@@ -851,7 +857,7 @@ def test_a_file_the_store_lost_after_upload_is_sent_again(tmp_path, monkeypatch)
     eventually consistent listing, a lifecycle rule, someone's cleanup) is sent again once, and the result is
     compared file by file (the repair path called a list as a function: internal error)."""
     from zckpt.io import publish
-    from zckpt.ops.scan import MANIFEST_NAME, RECORD_NAME
+    from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 
     src = tmp_path / "out"
     ck = write_trainer_checkpoint(src, 2)

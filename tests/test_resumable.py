@@ -26,8 +26,9 @@ import pytest
 
 from tests.conftest import FIXTURES
 from zckpt.io import links
-from zckpt.ops import push as P
-from zckpt.ops import scan
+from zckpt.backup import scan
+from zckpt.backup.files import checkpoint_files
+from zckpt.backup.manifest import PUSH_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = FIXTURES / "trainer" / "checkpoint-4"
@@ -66,7 +67,7 @@ def tree(folder: Path) -> dict[str, str]:
     for dirpath, _dirs, files in os.walk(folder, followlinks=True):
         for name in files:
             p = Path(dirpath) / name
-            if name not in scan.PUSH_FILES:
+            if name not in PUSH_FILES:
                 out[p.relative_to(folder).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
     return dict(sorted(out.items()))
 
@@ -351,4 +352,4 @@ def test_leaving_names_the_first_link_out(tmp_path, outside):
     os.symlink(ck / "inner", ck / "alias")  # inside, then out through the link below it
     assert links.leaving(str(ck / "alias" / "away" / "f.pt"), str(ck))[0] == str(ck / "alias" / "away")
     with pytest.raises(scan.LinkOutside, match="away"):
-        scan.checkpoint_files(str(ck))
+        checkpoint_files(str(ck))

@@ -368,7 +368,7 @@ def test_zip_structure_damage_is_refused_before_any_tensor_is_read(tmp_path, dam
     with pytest.raises(CorruptFile) as err:
         safeload.load(str(path))
     assert err.value.path == str(path) and "zip entry" in str(err.value)
-    from zckpt.ops.scan import check_torch_zip
+    from zckpt.backup.scan import check_torch_zip
     assert check_torch_zip(str(path)) is not None
 
 

@@ -273,7 +273,8 @@ def test_info_verify_reshard_take_storage_options(tmp_path):
 def test_op_signatures_document_storage_options():
     import inspect
 
-    from zckpt.ops import estimate, info, merge, push, reshard, resume, verify
+    from zckpt.backup import push
+    from zckpt.ops import estimate, info, merge, reshard, resume, verify
 
     functions = [merge.merge, merge.iter_tensors, merge.load_state_dict, merge.load_into_module, reshard.reshard,
                  info.info, verify.verify, push.push, resume.load_checkpoint, estimate.counts_from_checkpoint,

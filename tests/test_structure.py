@@ -107,6 +107,7 @@ LAYERS = [
     ("engine", ["zckpt.engine"]),
     ("state", ["zckpt.state"]),
     ("formats", ["zckpt.deepspeed", "zckpt.dcp", "zckpt.hf"]),
+    ("backup", ["zckpt.backup"]),
     ("ops", ["zckpt.ops"]),
     ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
 ]

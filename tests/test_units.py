@@ -65,7 +65,7 @@ def test_format_size(n, text):
 
 def test_one_formatter_everywhere():
     from zckpt.ops.info import human_bytes as info_bytes
-    from zckpt.ops.push import human_bytes as push_bytes
+    from zckpt.backup.results import human_bytes as push_bytes
     for n in (0, 999, 1000, 123456, 5 * 10**9):
         assert info_bytes(n) == push_bytes(n) == units.format_size(n)
 

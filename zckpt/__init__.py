@@ -65,8 +65,8 @@ _LAZY = {
     "reshard": "zckpt.ops.reshard",
     "convert": "zckpt.ops.convert",
     "estimate": "zckpt.ops.estimate",
-    "push": "zckpt.ops.push",
-    "Pusher": "zckpt.ops.push",
+    "push": "zckpt.backup.push",
+    "Pusher": "zckpt.backup.schedule",
 }
 
 from zckpt.errors import (  # noqa: E402, F401  (re-exported)

@@ -209,13 +209,13 @@ _latest = click.option("--latest", is_flag=True,
 
 def tag_option(f):
     """``--tag`` and ``--latest`` of a command reading one checkpoint at ``path``. With ``--latest``, ``path`` is
-    replaced by the newest complete checkpoint under it (:func:`zckpt.ops.latest.newest_complete`) before the
+    replaced by the newest complete checkpoint under it (:func:`zckpt.backup.latest.newest_complete`) before the
     command runs, and one line on stderr says which (not with -q, nor on ranks other than 0 of a launcher)."""
     @functools.wraps(f)
     def command(*args, latest=False, **kwargs):
         if latest:
             from zckpt.errors import InvalidArgument
-            from zckpt.ops.latest import newest_complete
+            from zckpt.backup.latest import newest_complete
             if kwargs.get("tag") is not None:
                 raise InvalidArgument("--latest and --tag do not go together (--latest picks a checkpoint, --tag a "
                                       "tag inside one)", hint="pass the checkpoint with --tag, or --latest alone")

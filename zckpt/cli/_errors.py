@@ -234,7 +234,7 @@ def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
     path = user_path(exc.path)
     raw_hint = exc.hint
     if raw_hint and "earlier tag" in raw_hint:  # a checkpoint-N's earlier state is the checkpoint next to it
-        from zckpt.ops.latest import with_earlier_checkpoint
+        from zckpt.backup.latest import with_earlier_checkpoint
         raw_hint = with_earlier_checkpoint(raw_hint, exc.path)
     own_hint = names_rendered(raw_hint, name) if raw_hint else ""
     if type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint:

@@ -1,7 +1,7 @@
 """``zckpt push``: copy complete checkpoints to a folder, S3 or the Hub, incrementally, manifest last.
 
-Thin: parse the options, call :func:`zckpt.ops.push.push` / :func:`zckpt.ops.push.push_every`, draw progress, print
-one line per checkpoint (or JSON). No torch import here.
+Thin: parse the options, call :func:`zckpt.backup.push.push` / :func:`zckpt.backup.schedule.push_every`, draw
+progress, print one line per checkpoint (or JSON). No torch import here.
 """
 
 from __future__ import annotations
@@ -202,15 +202,11 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
         signal.signal(signal.SIGTERM, previous)
 
 
-def _lib():
-    import importlib
-
-    return importlib.import_module("zckpt.ops.push")  # the module (``zckpt.ops.push`` is also the lazy function)
-
-
 def _run_once(src, dest, kwargs, as_json, quiet) -> None:
+    from zckpt.backup.push import push
+
     try:
-        result = _lib().push(src, dest, **kwargs)
+        result = push(src, dest, **kwargs)
     except Exception as exc:
         partial = getattr(exc, "push_result", None)
         if partial is not None and not as_json and partial.checkpoints:  # --json: the error object carries it
@@ -244,8 +240,9 @@ def _run_every(src, dest, interval, kwargs, as_json, quiet) -> None:
             emit_json(doc, command="push")
         click.echo(f"zckpt: error: {err.message} (trying again next run)", err=True)
 
-    _lib().push_every(src, dest, interval, on_result=lambda r: _render(r, as_json, quiet), on_error=on_error,
-                      **kwargs)
+    from zckpt.backup.schedule import push_every
+
+    push_every(src, dest, interval, on_result=lambda r: _render(r, as_json, quiet), on_error=on_error, **kwargs)
     click.echo("zckpt: stopped", err=True)
 
 

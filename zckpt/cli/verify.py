@@ -39,7 +39,7 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
     from zckpt.ops.verify import verify as run
     from zckpt.units import format_size
 
-    from zckpt.ops.latest import with_earlier_checkpoint
+    from zckpt.backup.latest import with_earlier_checkpoint
 
     with Progress("verify", enabled=deep and not quiet and not as_json) as bar:
         report = run(path, tag, deep=deep, progress=bar, storage_options=storage_options)

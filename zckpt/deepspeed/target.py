@@ -461,7 +461,7 @@ def copied(relpath: str, src: str, nbytes: int) -> PlannedFile:
 
 def side_planned(side, world_size: int) -> list[PlannedFile]:
     """``side``: everything of the checkpoint that is not its tag (what the caller lists, e.g.
-    :func:`zckpt.backup.scan.side_files`: a Trainer checkpoint's config, trainer_state.json, scheduler, tokenizer,
+    :func:`zckpt.backup.files.side_files`: a Trainer checkpoint's config, trainer_state.json, scheduler, tokenizer,
     any subfolder..., a save folder's scripts and configs; items with ``rel``, ``path`` and ``size``), copied as it
     is; the RNG states renamed for the new ranks."""
     out: list[PlannedFile] = []

@@ -1,8 +1,8 @@
 """The zip structure of a torch ``.pt`` file, checked: where every entry's bytes are, and that the directory is sound.
 
-The one zip-structure reader of zckpt (:mod:`zckpt.encoding.safeload`, :mod:`zckpt.engine.torchzip`, :mod:`zckpt.ops.scan` and
-:mod:`zckpt.ops.verify` call it). ``torch.save`` writes stored (uncompressed) entries, each a local header followed by
-its bytes, then the central directory::
+The one zip-structure reader of zckpt (:mod:`zckpt.encoding.safeload`, :mod:`zckpt.engine.torchzip`,
+:mod:`zckpt.backup.scan` and :mod:`zckpt.ops.verify` call it). ``torch.save`` writes stored (uncompressed) entries,
+each a local header followed by its bytes, then the central directory::
 
     offset 0     [local header: PK\\x03\\x04, flags, method, (sizes), name, extra "FB" padding][data][descriptor]
                  [local header][data][descriptor] ...

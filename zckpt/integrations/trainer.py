@@ -5,7 +5,7 @@
     trainer = Trainer(..., callbacks=[ZckptPushCallback("s3://bucket/run1", keep_last=3)])
     trainer.train()   # each checkpoint-N is pushed while training goes on; train() returns after the last one
 
-``on_save`` (world process 0 only) asks a background :class:`zckpt.ops.push.Pusher` to push
+``on_save`` (world process 0 only) asks a background :class:`zckpt.backup.schedule.Pusher` to push
 ``output_dir/checkpoint-{global_step}`` and returns at once; ``on_train_end`` waits for the pending uploads and
 raises the first error, if any (errors are also logged as they happen and kept in ``callback.pusher.errors``).
 Checkpoints are pushed only when complete (every rank file, ``trainer_state.json``), manifest last.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from zckpt.ops.push import Pusher
+from zckpt.backup.schedule import Pusher
 
 try:  # the class works (duck-typed) without transformers, but is a real TrainerCallback when it is there
     from transformers import TrainerCallback
@@ -30,7 +30,7 @@ class ZckptPushCallback(TrainerCallback):
 
     ``keep_last``: keep only the newest N complete checkpoints at ``dest``. ``settle``: seconds with no file
     change required (0: ``on_save`` already means the Trainer finished writing). ``raise_errors``: raise the
-    first upload error from ``on_train_end`` (else only log it). Other keywords go to :func:`zckpt.ops.push.push`
+    first upload error from ``on_train_end`` (else only log it). Other keywords go to :func:`zckpt.backup.push.push`
     (``workers``, ``storage_options``, ``hub_api``, ``retries``, ``part_size``, ``progress``...).
     """
 

@@ -7,7 +7,7 @@ import re
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
 from zckpt.encoding.safeload import Inert
-from zckpt.ops.scan import NotBackedUp, files_in_folder
+from zckpt.backup.files import NotBackedUp, files_in_folder
 
 FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
@@ -171,7 +171,7 @@ def info(path: str, tag: str | None = None, storage_options: dict | None = None)
 
 def all_files(ckpt: Checkpoint) -> dict:
     """``checkpoint_files`` (every file of the checkpoint in the folder given, as push sends and ``verify --deep``
-    reads them: :func:`zckpt.ops.scan.files_in_folder`) and ``checkpoint_bytes``; ``files`` lists the rank files."""
+    reads them: :func:`zckpt.backup.files.files_in_folder`) and ``checkpoint_bytes``; ``files`` lists the rank files."""
     try:
         files = files_in_folder(ckpt.location, ckpt.format, ckpt.storage_options)
     except NotBackedUp as exc:

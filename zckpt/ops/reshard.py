@@ -6,7 +6,7 @@ The pairing of a reader and a writer, and what is the operation's own:
    master and Adam moments as lists of byte ranges in the rank files);
 2. plan: :func:`zckpt.deepspeed.writer.plan_reshard` lays the same training state out as DeepSpeed would have
    saved it at world size M and stage S (or in its universal layout), the side files beside it (a Trainer
-   checkpoint's files: :func:`zckpt.backup.scan.side_files`): plain data, what ``--dry-run`` prints;
+   checkpoint's files: :func:`zckpt.backup.files.side_files`): plain data, what ``--dry-run`` prints;
 3. execute: :func:`execute` writes exactly the planned archives (:func:`zckpt.engine.torchzip.write_planned`,
    nothing pickled again) and copies the side files into a temporary sibling of OUT, writes ``latest`` and the
    ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.io.publish`); under a launcher,
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt.ops.scan import side_files
+from zckpt.backup.files import side_files
 from zckpt.deepspeed.target import PlannedFile, ReshardPlan  # noqa: F401 - the plan's types, for callers
 from zckpt.deepspeed.writer import FORMATS, plan_ranks, plan_reshard  # noqa: F401 - the writer, for callers
 from zckpt.engine import executor, torchzip

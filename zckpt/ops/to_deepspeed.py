@@ -31,7 +31,7 @@ from zckpt.deepspeed.writer import plan_reshard
 from zckpt.errors import InvalidArgument
 from zckpt.io import publish, storage
 from zckpt.ops import reshard
-from zckpt.ops.scan import side_files
+from zckpt.backup.files import side_files
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
 

@@ -3,7 +3,7 @@
 Metadata checks (reading only the pickles): every rank file present and readable, ``partition_count`` agrees
 with the files, partitions agree with ``param_shapes`` (and each rank's ``param_slice_mappings``), every file
 names the same DeepSpeed version and world size, ``latest`` names an existing tag, ``module`` shapes agree.
-Every file of the checkpoint (:func:`zckpt.ops.scan.checkpoint_files`, the definition push uses): torch zips'
+Every file of the checkpoint (:func:`zckpt.backup.files.checkpoint_files`, the definition push uses): torch zips'
 directories intact, safetensors headers matching their sizes. Push manifests (``zckpt-manifest.json``) in the
 folder, its tag, or above a tag: sizes (``deep``: sha256); a push record without one: not complete.
 Deep checks: every byte of every file read, the CRC-32 of every zip entry (a flipped bit anywhere in tensor data is
@@ -25,13 +25,14 @@ from typing import Callable
 from zckpt.io import hashing, publish, storage
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
-from zckpt.ops.destinations import MANIFEST_NAME
+from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file
+from zckpt.backup.find import step_of
+from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
-from zckpt.ops.scan import (
-    RECORD_NAME, TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file, step_of,
-)
 from zckpt.units import format_size
-from zckpt.ops.verify_checks import check_bytes, check_latest, check_metadata, check_structure, ckpt_rank_files, path_key
+from zckpt.ops.verify_checks import (
+    check_bytes, check_latest, check_metadata, check_structure, ckpt_rank_files, path_key,
+)
 from zckpt.ops.verify_report import NEXT_STEPS, Check, VerifyReport  # noqa: F401 - the report's names, for callers
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
@@ -47,7 +48,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     (the checkpoint cannot even be read); inconsistencies are reported as failed checks.
 
     What is checked, at every level (a save folder, a tag folder, a ``checkpoint-N``, a push destination):
-    the rank files' metadata; every file of the checkpoint in ``path`` (:func:`zckpt.ops.scan.checkpoint_files`)
+    the rank files' metadata; every file of the checkpoint in ``path`` (:func:`zckpt.backup.files.checkpoint_files`)
     readable as a file, torch zips' directories and safetensors headers intact; every push manifest
     (``zckpt-manifest.json``) that covers ``path`` (in it, in its tag folder, or in the folder above a tag): each
     listed file there at its size, and a push record without its manifest is a push that did not finish. With
@@ -106,7 +107,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
 
 
 def checkpoint_scope(ckpt: Checkpoint, report: VerifyReport | None = None) -> list[CheckpointFile]:
-    """The checkpoint's files in the folder verified (:func:`zckpt.ops.scan.files_in_folder`). A file that cannot
+    """The checkpoint's files in the folder verified (:func:`zckpt.backup.files.files_in_folder`). A file that cannot
     be read as a file is a failed check ``files`` (then only the rank files are read)."""
     try:
         return files_in_folder(ckpt.location, ckpt.format, ckpt.storage_options)
@@ -228,7 +229,7 @@ def check_output_marker(folder: str, report: VerifyReport, storage_options: dict
     ok, detail = publish.output_state(folder, storage_options)
     report.add("zckpt output committed", ok, detail)
     if ok and not storage.is_url(folder):
-        from zckpt.ops.scan import check_safetensors
+        from zckpt.backup.scan import check_safetensors
         bad = [why for n in sorted(storage.listdir(folder)) if n.endswith(".safetensors")
                for why in [check_safetensors(storage.join(folder, n))] if why]
         if any(n.endswith(".safetensors") for n in storage.listdir(folder)):

@@ -11,12 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from zckpt.io import hashing, storage
 from zckpt.state.model import Checkpoint
-from zckpt.ops.destinations import MANIFEST_NAME
+from zckpt.backup.manifest import MANIFEST_NAME
 from zckpt.errors import CorruptFile, ZckptError
 from zckpt.encoding import legacy
 from zckpt.encoding.safeload import LazyTensor, legacy_layout
 from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
-from zckpt.ops.scan import CheckpointFile, latest_problem, safetensors_problem
+from zckpt.backup.files import CheckpointFile
+from zckpt.backup.scan import latest_problem, safetensors_problem
 from zckpt.units import format_size
 
 MANIFEST = MANIFEST_NAME  # written by zckpt push
@@ -112,7 +113,7 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
 def check_latest(ckpt: Checkpoint, report: VerifyReport, tag_given: bool = False) -> None:
     """Complete means resumable: a save folder or Trainer ``checkpoint-N`` verified without ``tag`` passes only if
     DeepSpeed's ``load_checkpoint(path)`` (``tag=None``, how the Trainer resumes) loads the tag checked
-    (:func:`zckpt.ops.scan.latest_problem`: ``latest`` there, naming that tag). A tag chosen (``tag``, or a tag
+    (:func:`zckpt.backup.scan.latest_problem`: ``latest`` there, naming that tag). A tag chosen (``tag``, or a tag
     folder named as ``path``) is how the user will load it (``load_checkpoint(save_dir, tag=...)``): what ``latest``
     says is then a note, the check passes. (A ``latest`` naming a missing tag stops the reading before this.)"""
     loc = ckpt.location

@@ -1,8 +1,8 @@
 """``--latest``: the newest complete checkpoint of a training output folder, and earlier checkpoints for hints.
 
 A training output folder (``outputs/`` holding ``checkpoint-N/`` folders, or a DeepSpeed save folder holding
-``global_stepN/`` tags) is read the way ``zckpt push`` reads its SRC (:func:`zckpt.ops.scan.find_checkpoints`), and
-each checkpoint's completeness is push's too (:func:`zckpt.ops.scan.check_complete`): the newest by step that is
+``global_stepN/`` tags) is read the way ``zckpt push`` reads its SRC (:func:`zckpt.backup.find.find_checkpoints`), and
+each checkpoint's completeness is push's too (:func:`zckpt.backup.scan.check_complete`): the newest by step that is
 complete is chosen, never an incomplete one, and :class:`Choice` says in one line which it is and which newer ones
 were passed over. Nothing here reads tensors.
 """
@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 from zckpt.errors import CheckpointNotFound, IncompleteCheckpoint, InvalidArgument
 from zckpt.io import storage
-from zckpt.ops import scan
-
+from zckpt.backup import find, scan
 
 @dataclass
 class Choice:
@@ -40,7 +39,7 @@ class Choice:
         return text + f"; passed over the newer {names}, not complete: {self.passed_over[0][1]}"
 
 
-def _key(c: scan.LocalCheckpoint):
+def _key(c: find.LocalCheckpoint):
     return (c.step if c.step is not None else -1, c.name)
 
 
@@ -53,7 +52,7 @@ def newest_complete(src: str) -> Choice:
                               path=src, hint="pass the checkpoint itself")
     shown = src
     src = os.path.abspath(storage.local_path(src))
-    checkpoints, _ = scan.find_checkpoints(src)
+    checkpoints, _ = find.find_checkpoints(src)
     candidates = sorted((c for c in checkpoints if c.kind != "skip"), key=_key, reverse=True)
     if not candidates:
         raise CheckpointNotFound("--latest: no checkpoint in this folder (no checkpoint-N, tag folder or rank files)",

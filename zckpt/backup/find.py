@@ -1,0 +1,125 @@
+"""Which checkpoints a push's SRC holds (:func:`find_checkpoints`): a Trainer checkpoint however named, a tag
+folder, a training output folder, a DeepSpeed save folder. Folders holding a zckpt output marker (``.zckpt.json``:
+merged weights, reshard results) are never taken for checkpoints (and are reported). Whether each is complete is
+:mod:`zckpt.backup.scan`'s to say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from zckpt.io import storage
+from zckpt.deepspeed.discover import TRAINER_MARKERS
+from zckpt.errors import CheckpointNotFound, InvalidArgument
+from zckpt.io.publish import has_marker, read_marker
+from zckpt.backup.files import MODEL_RE, TAG_STEP_RE, TRAINER_RE, has_rank_files, is_trainer_folder
+from zckpt.backup.manifest import PUSH_FILES
+
+@dataclasses.dataclass
+class LocalCheckpoint:
+    """A checkpoint folder under SRC. ``name`` is its path relative to SRC ("" when SRC is the checkpoint).
+
+    ``kind``: "trainer" (a Trainer checkpoint, whatever its name), "deepspeed" (one tag folder), "skip" (a folder
+    next to the checkpoints that is not pushed: ``reason`` says why, and push reports it)."""
+
+    name: str
+    path: str
+    kind: str  # "trainer" | "deepspeed" | "skip"
+    step: int | None
+    reason: str = ""
+    save_dir: str = ""  # a tag of the DeepSpeed save folder SRC: its `latest` decides (scan.check_save_tag)
+
+
+def step_of(name: str) -> int | None:
+    for regex in (TRAINER_RE, TAG_STEP_RE):
+        m = regex.match(name)
+        if m:
+            return int(m.group(1))
+    m = re.search(r"(\d+)$", name)
+    return int(m.group(1)) if m else None
+
+
+def _zckpt_output(folder: str) -> str | None:
+    """The kind ("merge", "reshard") of a zckpt output folder (its ``.zckpt.json`` marker), else None."""
+    if not has_marker(folder):
+        return None
+    doc = read_marker(folder)
+    return str(doc.get("kind")) if doc else "unknown"
+
+
+def _subfolders(src: str) -> list[str]:
+    return [n for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))]
+
+
+def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
+    """Checkpoints under ``src`` (oldest first) and the save folder's own files to mirror after them.
+
+    What SRC is decides what its checkpoints are (the first rule that fits)::
+
+        checkpoint-N, or a folder with trainer_state.json / training_args.bin and no checkpoint-N inside
+                                      one Trainer checkpoint: every file (a renamed copy, a reshard output...)
+        a folder with rank files      one tag folder: every file
+        a folder with checkpoint-N/   a training output folder: each checkpoint-N (or renamed Trainer
+                                      checkpoint) inside is one; other folders (runs/...) are not checkpoints
+        a folder with tag folders     a DeepSpeed save folder: each tag is one; every file at its top
+                                      (latest, zero_to_fp32.py, ...) is mirrored, ``latest`` last
+        a zckpt merge output          refused (merged weights are not a checkpoint)
+
+    Folders next to the checkpoints that look like checkpoints but are not pushed (zckpt outputs, a save folder
+    inside a training output folder, a tag-named folder without rank files) come back as kind "skip" with a
+    reason, so that push can say so."""
+    src = os.path.abspath(storage.local_path(src))
+    if not os.path.isdir(src):
+        raise CheckpointNotFound("no such folder", path=src, hint="SRC must be a local training output folder")
+    base = os.path.basename(src.rstrip(os.sep))
+    names = os.listdir(src)
+    subs = _subfolders(src)
+    kind = _zckpt_output(src)
+    if kind == "merge":
+        raise InvalidArgument("a zckpt merge output (merged weights), not a checkpoint", path=src,
+                              hint="push checkpoints; to put merged weights on DEST, zckpt merge -o DEST")
+    trainer_inside = [n for n in subs if TRAINER_RE.match(n)]
+    if TRAINER_RE.match(base) or (is_trainer_folder(base, names) and not trainer_inside):
+        return [LocalCheckpoint("", src, "trainer", step_of(base))], []
+    if has_rank_files(src):
+        return [LocalCheckpoint("", src, "deepspeed", step_of(base))], []
+    found: list[LocalCheckpoint] = []
+    save_folder = not trainer_inside and (any(n in names for n in ("latest", "latest_universal"))
+                                          or any(has_rank_files(os.path.join(src, n)) for n in subs))
+    for name in subs:
+        path = os.path.join(src, name)
+        inner = os.listdir(path) if os.access(path, os.R_OK | os.X_OK) else []
+        sub_kind = _zckpt_output(path)
+        if sub_kind is not None:  # a zckpt output next to the checkpoints: never one of them
+            found.append(LocalCheckpoint(name, path, "skip", step_of(name),
+                                         f"a zckpt {sub_kind} output, not one of the checkpoints"
+                                         + (f" (push it on its own: zckpt push {path} DEST)"
+                                            if sub_kind in ("reshard", "convert") else "")))
+        elif TRAINER_RE.match(name) or "trainer_state.json" in inner:  # however it is called now
+            found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
+        elif not save_folder and "training_args.bin" in inner and not has_rank_files(path):
+            continue  # trainer.save_model("final"): a saved model, not a checkpoint (like runs/)
+        elif has_rank_files(path):
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name), save_dir=src if save_folder else ""))
+        elif save_folder and TAG_STEP_RE.match(name):  # being written: incomplete
+            found.append(LocalCheckpoint(name, path, "deepspeed", step_of(name), save_dir=src))
+        elif save_folder:
+            found.append(LocalCheckpoint(name, path, "skip", None, "not a tag folder of this save folder (no rank "
+                                         f"files; push it on its own: zckpt push {path} DEST)"))
+        elif _looks_like_checkpoint(inner):
+            found.append(LocalCheckpoint(name, path, "skip", None, "holds a checkpoint but is not one itself (a "
+                                         f"DeepSpeed save folder? push it on its own: zckpt push {path} DEST)"))
+    found.sort(key=lambda c: (c.step if c.step is not None else -1, c.name))
+    roots: list[str] = []
+    if save_folder and any(c.kind != "skip" for c in found):
+        files = [n for n in sorted(names) if os.path.isfile(os.path.join(src, n)) and n not in PUSH_FILES]
+        roots = [n for n in files if n not in ("latest", "latest_universal")] + [
+            n for n in ("latest_universal", "latest") if n in files]  # ``latest`` last
+    return found, roots
+
+
+def _looks_like_checkpoint(names) -> bool:
+    """What only a checkpoint (or a save folder) has: ``latest``, ``trainer_state.json``, rank files."""
+    return any(n in ("latest", "latest_universal", *TRAINER_MARKERS) or MODEL_RE.match(n) for n in names)
