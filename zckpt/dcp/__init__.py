@@ -1,8 +1,9 @@
-"""PyTorch Distributed Checkpoint (DCP, FSDP2): the layout ``torch.distributed.checkpoint`` saves and loads.
+"""PyTorch Distributed Checkpoint (DCP, FSDP2, torchtitan): the layout ``torch.distributed.checkpoint`` saves and
+loads, read and written as a peer of the other formats (docs/architecture.md).
 
-:mod:`zckpt.dcp.reader` reads a DCP folder as the same training-state model the DeepSpeed readers produce
-(:mod:`zckpt.state.model`): :func:`zckpt.dcp.reader.open_dcp` builds it; :func:`zckpt.state.open.open_checkpoint`
-calls it when the folder has a ``.metadata``. :mod:`zckpt.dcp.writer` lays a state dict (plain data with
-:class:`~zckpt.engine.torchzip.TensorOut` leaves, whose bytes are pieces of a source checkpoint) out as DCP's
-``.distcp`` files and ``.metadata``, without torch.
+Reader: :mod:`zckpt.dcp.reader` (the opener's ``claims`` / ``read``: a DCP folder, or a Trainer FSDP checkpoint of
+two, as the training-state model), :mod:`zckpt.dcp.entries` (the zip entries guarding its bytes),
+:mod:`zckpt.dcp.sidestate` (what it holds beside model and optimizer). Writer: :mod:`zckpt.dcp.fsdp2_state` (the
+state dict FSDP2 + AdamW's ``get_state_dict`` makes, from the model), :mod:`zckpt.dcp.plan` (one DCP folder or the
+Trainer's two), :mod:`zckpt.dcp.writer` (``.distcp`` files and ``.metadata``, without torch).
 """
