@@ -87,10 +87,9 @@ def plan_dcp(ckpt: Checkpoint, adam_mode: str | None = None, checkpoint_id: str 
     skipped = {"latest, zero_to_fp32.py": "DeepSpeed's own files"} if trainer_dir else {}
     if layout == "dcp":
         part = dcpw.plan_dcp(state, checkpoint_id, chunk_bytes, file_bytes)
-        copies = []
+        side, copies = list(copies), []
         if trainer_dir:  # the Trainer's own files travel beside the DCP files (dcp.load reads only what it names)
             own = {f.name for f in part.files} | {dcpw.METADATA}
-            side = list(copies)
             copies = [c for c in side if c[0] not in own]
             left = [c[0] for c in side if c[0] in own]
             if left:
