@@ -1,9 +1,9 @@
 """The DCP writer's state: what ``dcp.save`` gets from FSDP2 + torch's AdamW (``get_state_dict``), built from the
 training-state model of any reader, every tensor a :class:`~zckpt.engine.torchzip.TensorOut` of source pieces.
 
-A DeepSpeed source (``zckpt convert --to dcp``: :func:`dcp_state` + :mod:`zckpt.dcp.writer`) becomes what ``dcp.save`` writes for
-``{"model": model_sd, "optim": optim_sd}`` with ``model_sd, optim_sd = get_state_dict(model, AdamW)`` (torch 2.13,
-FSDP2), so that FSDP2 at any world size resumes with ``dcp.load`` + ``set_state_dict``::
+A DeepSpeed source (``zckpt convert --to dcp``: :func:`dcp_state` + :mod:`zckpt.dcp.writer`) becomes what
+``dcp.save`` writes for ``{"model": model_sd, "optim": optim_sd}`` with ``model_sd, optim_sd =
+get_state_dict(model, AdamW)`` (torch 2.13, FSDP2), so that FSDP2 at any world size resumes with ``dcp.load`` + ``set_state_dict``::
 
     model.<name>                              fp32 master (trainable), frozen weight / buffer as stored
     model.<tied alias>                        the same bytes as its source (e.g. head.weight -> emb.weight)

@@ -23,11 +23,10 @@ Every archive's offsets are fixed before a byte moves; :func:`write_plan` writes
 from __future__ import annotations
 
 import math
-import os
 import uuid
 from dataclasses import dataclass, field
 
-from zckpt.engine import torchzip
+from zckpt.engine import run, torchzip
 from zckpt.engine.segments import slice_segments
 from zckpt.engine.torchzip import Archive, GlobalRef, Reduce, TensorOut
 from zckpt.errors import UnsupportedLayout
@@ -297,25 +296,9 @@ def metadata_bytes(items: list[Item], checkpoint_id: str | None = None) -> bytes
 
 # ------------------------------------------------------------------------------------------- writing
 
+
 def write_plan(plan: DcpPlan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False,
                folder: str = "") -> None:
-    """Write ``plan`` through ``pub`` (a :class:`zckpt.io.publish.Publisher`), into its sub-folder ``folder``
-    when given: every ``.distcp`` file, then ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called
-    with the bytes written."""
-    for f in plan.files:
-        rel = f"{folder}/{f.name}" if folder else f.name
-        dst = pub.path(rel)
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, f.size)
-            torchzip.write_archives(f.placed, fd, pool, progress, worker, maps)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if progress:
-            progress(f.size - sum(a.payload_bytes for a, _ in f.placed))
-        pub.done(rel)
-    pub.write_bytes(f"{folder}/{METADATA}" if folder else METADATA, plan.metadata)
-    if progress:
-        progress(len(plan.metadata))
+    """Write ``plan`` through ``pub`` (:func:`zckpt.engine.run.write_dcp_part`: the ``.distcp`` files, then
+    ``.metadata`` last, DCP's commit marker)."""
+    run.write_dcp_part(plan, pub, pool, worker, maps, progress, fsync, folder)

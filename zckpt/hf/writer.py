@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from zckpt.encoding.safeload import FLOATING
-from zckpt.engine import executor
-from zckpt.engine.segments import Shaped, source_segments
+from zckpt.engine.segments import Shaped
 from zckpt.errors import InvalidArgument
 from zckpt.io import links, storage
 from zckpt.state.model import Checkpoint, Piece
@@ -189,32 +186,6 @@ def layout_safetensors(shard: ShardPlan) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- execute
-
-def shard_jobs(shard: ShardPlan) -> Iterator[tuple[int, list, str]]:
-    """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
-    for t in shard.tensors:
-        for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
-            yield t.offset + start, parts, t.dtype
-
-
-def write_shard(shard: ShardPlan, path: str, fmt: str, pool, worker: executor.Worker, progress,
-                 durable: bool) -> None:
-    executor.test_delay()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
-    try:
-        os.ftruncate(fd, shard.size)
-        if fmt == "safetensors":
-            executor.pwrite_all(fd, shard.header, 0)
-            for _, n in executor.run_jobs(pool, lambda job: worker.write(fd, *job), shard_jobs(shard), worker):
-                progress(n)
-        else:
-            from zckpt.engine import torchzip
-            torchzip.write_state_dict(shard, fd, pool, worker, progress)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def trainer_files(ckpt: Checkpoint, dtype: str) -> dict[str, bytes]:
     """config, generation config and tokenizer files of a Trainer checkpoint, config dtype set to ``dtype``."""

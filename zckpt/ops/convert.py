@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,7 +24,7 @@ from zckpt.dcp import writer as dcpw
 from zckpt.dcp.fsdp2_state import torch_group as _torch_group
 from zckpt.dcp.plan import ConvertPlan, plan_dcp
 from zckpt.deepspeed.from_state import config_adam_w_mode
-from zckpt.engine import executor, torchzip
+from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.errors import InvalidArgument
 from zckpt.io import links, publish, storage
@@ -104,46 +102,11 @@ def _check_out(out: str, overwrite: bool, source: publish.Source | None) -> None
 def execute(plan: ConvertPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             source: publish.Source | None = None, storage_options: dict | None = None,
-            check: InputCheck | None = None) -> None:
-    """Write ``plan`` into the folder ``out``: a scratch sibling, the data files, ``.metadata`` (DCP's commit),
-    zckpt's marker, then one rename (:class:`zckpt.io.publish.Publisher`). ``check``: the input check every byte
-    read is reported to, checked before the rename."""
+            check: InputCheck | None = None) -> dict:
+    """Write ``plan`` into the local folder ``out`` (:func:`zckpt.engine.run.run_convert`: a scratch sibling, the
+    data files, ``.metadata`` (DCP's commit), zckpt's marker, then one rename)."""
     _check_out(out, overwrite, source)
-    workers = workers or min(8, os.cpu_count() or 2)
-    total, done = plan.total_bytes, [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-
-    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
-    try:
-        with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
-            for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
-                _copy(src, pub.path(rel), storage_options)
-                if check is not None:
-                    check.check_copy(src, pub.path(rel))
-                pub.done(rel)
-                step(os.path.getsize(pub.path(rel)))
-            with ThreadPoolExecutor(workers) as pool:
-                for folder, part in plan.parts:
-                    dcpw.write_plan(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
-            if check is not None:  # a damaged input is refused here: nothing has been published
-                check.finish()
-            pub.commit()
-    finally:
-        worker.close()
-        maps.close()
-    return worker.stats.to_json()
-
-
-def _copy(src: str, dst: str, storage_options: dict | None = None) -> None:
-    if storage.is_url(src):
-        with open(dst, "wb") as f:
-            f.write(storage.read_bytes(src, storage_options))
-    else:
-        shutil.copyfile(src, dst)
+    return run.run_convert(plan, out, workers, overwrite, progress, durable, source, storage_options, check)
 
 
 def default_output(source: publish.Source, to: str) -> str:

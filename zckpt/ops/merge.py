@@ -1,14 +1,15 @@
 """``zckpt merge``: any format's reader paired with the Hugging Face folder writer (:mod:`zckpt.hf.writer`): read
 metadata, plan, stream bytes, publish atomically. Also the Python loaders (``iter_tensors``, ``load_state_dict``).
 
-1. :func:`zckpt.hf.writer.plan_merge` turns a :class:`~zckpt.state.model.Checkpoint` into a :class:`MergePlan`: the output
-   files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
+1. :func:`zckpt.hf.writer.plan_merge` turns a :class:`~zckpt.state.model.Checkpoint` into a ``MergePlan``: the
+   output files (Hugging Face names, greedy sharding as ``huggingface_hub.split_torch_state_dict_into_shards`` does),
    each tensor's dtype, shape, byte offset in its file, and the input pieces it is made of. No bytes read.
-2. :func:`execute` writes every file at its final size: the header first (all shapes are known), then tensor
-   bytes in chunks of at most ``executor.CHUNK_BYTES`` by a pool of threads, each with its own buffer, straight to their
-   offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never enter user space. Writes into
-   one file go one at a time (the kernel serializes them anyway); reads and casts run in parallel. Casts are
-   numpy bit operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.encoding.casting`).
+2. :func:`execute` (:func:`zckpt.engine.run.run_merge`) writes every file at its final size: the header first (all
+   shapes are known), then tensor bytes in chunks of at most ``executor.CHUNK_BYTES`` by a pool of threads, each with
+   its own buffer, straight to their offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never
+   enter user space. Writes into one file go one at a time (the kernel serializes them anyway); reads and casts run in
+   parallel. Casts are numpy bit operations that round exactly as torch's ``Tensor.to``
+   (:mod:`zckpt.encoding.casting`).
 3. :mod:`zckpt.io.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
    place with its ``.zckpt.json`` marker; an interrupted merge leaves the previous output, or nothing, where the
    output belongs. For URL outputs each shard is uploaded as soon as it is complete and the marker is written
@@ -18,21 +19,19 @@ metadata, plan, stream bytes, publish atomically. Also the Python loaders (``ite
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import executor
+from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.io import publish
 from zckpt.state import checksums
+from zckpt.engine.run import shard_jobs, write_shard  # noqa: F401 - the engine's, for callers
 from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of the operation
-    DTYPE_FLAGS, FORMATS, PURE_CAST_BYTES, MergePlan, ShardPlan, out_dtype_name, output_tensors, parse_size,
-    plan_merge, shard_jobs, trainer_files, write_shard,
+    DTYPE_FLAGS, FORMATS, MergePlan, ShardPlan, out_dtype_name, output_tensors, parse_size, plan_merge,
+    trainer_files,
 )
 from zckpt.state.model import Checkpoint
 from zckpt.state.open import open_checkpoint
@@ -67,53 +66,13 @@ class MergeResult:
 
 
 def execute(plan: MergePlan, out: str, workers: int | None = None, overwrite: bool = False,
-            extra_files: dict[str, bytes] | None = None,
-            progress: Callable[[int, int], None] | None = None, durable: bool = False,
-            source: publish.Source | None = None, storage_options: dict | None = None,
+            extra_files: dict[str, bytes] | None = None, progress: Callable[[int, int], None] | None = None,
+            durable: bool = False, source: publish.Source | None = None, storage_options: dict | None = None,
             output_storage_options: dict | None = None, check: InputCheck | None = None) -> dict:
-    """Write ``plan`` to the folder ``out`` (local path or URL), atomically (:mod:`zckpt.io.publish`); returns
-    what was read from remote sources (bytes, ranged GETs, seconds waited for them).
+    """Write ``plan`` to the folder ``out`` (local path or URL), atomically: :func:`zckpt.engine.run.run_merge`."""
+    return run.run_merge(plan, out, workers, overwrite, extra_files, progress, durable, source, storage_options,
+                         output_storage_options, check)
 
-    The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
-    previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
-    every file before the rename, so the result survives a power failure (slower: waits for the disk).
-    ``storage_options``: fsspec options for reading pieces behind URLs; ``output_storage_options``: for a URL
-    ``out`` (default: ``storage_options``). ``check``: the input check every byte read is reported to
-    (:func:`zckpt.state.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
-    out_opts = storage_options if output_storage_options is None else output_storage_options
-    publish.check_output(out, "merge", source, overwrite, out_opts)
-    workers = workers or min(8, os.cpu_count() or 2)
-    done = [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], plan.total_size)
-
-    casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
-    cast_bytes = sum(t.nbytes for t in casts)
-    pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check)
-    try:
-        with publish.Publisher(out, "merge", source.root if source else None, durable,
-                               storage_options=out_opts) as pub:
-            with ThreadPoolExecutor(workers) as pool:
-                for shard in plan.shards:
-                    t0 = time.perf_counter()
-                    write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
-                    pub.done(shard.filename)  # URL outputs: uploaded now
-                    log.debug("  wrote %s (%s) in %.2fs", shard.filename, format_size(shard.size),
-                              time.perf_counter() - t0)
-            for name, data in (extra_files or {}).items():
-                pub.write_bytes(name, data)
-            if plan.index is not None:
-                pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
-            if check is not None:  # a damaged input is refused here: nothing has been published
-                check.finish()
-            pub.commit()
-    finally:
-        worker.close()
-    return worker.stats.to_json()
 
 def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: str = "fp32", tag: str | None = None,
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,

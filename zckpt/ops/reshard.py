@@ -17,17 +17,14 @@ The pairing of a reader and a writer, and what is the operation's own:
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.backup.files import side_files
 from zckpt.deepspeed.target import PlannedFile, ReshardPlan  # noqa: F401 - the plan's types, for callers
 from zckpt.deepspeed.writer import FORMATS, plan_ranks, plan_reshard  # noqa: F401 - the writer, for callers
-from zckpt.engine import executor, torchzip
+from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.errors import InvalidArgument
 from zckpt.io import publish, storage
@@ -65,71 +62,17 @@ def _check_out(out: str, overwrite: bool, source: publish.Source | None, kind: s
     publish.check_output(out, kind, source, overwrite)
 
 
-def _copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
-    if storage.is_url(src):
-        data = storage.read_bytes(src, storage_options)
-        with open(dst, "wb") as f:
-            f.write(data)
-    else:
-        shutil.copyfile(src, dst)
-    if check is not None:
-        check.check_copy(src, dst)
-    return os.path.getsize(dst)
-
-
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
             progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
             durable: bool = False, source: publish.Source | None = None,
             storage_options: dict | None = None, kind: str = "reshard", check: InputCheck | None = None) -> dict:
-    """Write ``plan`` into the folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
-    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt output of ``kind`` (the
-    command that made it, in the marker: "reshard", or "convert" for ``zckpt convert --to deepspeed``).
-
-    As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
-    fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
-    ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's). Returns what was read
-    from remote sources (bytes, ranged GETs, seconds waited for them). ``check``: the input check every byte read
-    is reported to; the CRC-32 of every input zip entry read is checked before anything is published (copied
-    files are checked as they are copied)."""
-    if any(f.kind not in ("torch", "copy") for f in plan.files):
-        raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
-                              hint="plan with plan_reshard")
+    """Write ``plan`` into the local folder ``out`` atomically (:func:`zckpt.engine.run.run_reshard`: temp sibling,
+    ``latest`` and the ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt output of
+    ``kind`` ("reshard", or "convert" for ``zckpt convert --to deepspeed``). Returns what was read from remote
+    sources."""
     _check_out(out, overwrite, source, kind)
-    workers = workers or min(8, os.cpu_count() or 2)
-    total, done = plan.total_bytes, [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], total)
-
-    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
-    try:
-        with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
-            written = []
-            with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
-                for f in plan.files:
-                    executor.test_delay()
-                    dst = pub.path(f.relpath)
-                    if f.kind == "torch":  # the archive planned: nothing is pickled again
-                        torchzip.write_planned(f.archive, dst, pool=pool, progress=step, worker=worker, maps=maps)
-                        step(f.nbytes - f.payload_bytes)  # pickle, headers, central directory
-                    else:
-                        step(_copy_file(f.src, dst, storage_options, check))
-                    pub.done(f.relpath)
-                    if durable:  # flushes while the next file is written
-                        written.append(syncer.submit(torchzip.fsync_all, [dst]))
-                for fut in written:  # everything on disk before `latest` and the rename
-                    fut.result()
-            # DeepSpeed writes the bare tag, no newline
-            pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
-            if check is not None:  # a damaged input is refused here: nothing has been published
-                check.finish()
-            pub.commit()
-    finally:
-        worker.close()
-        maps.close()
-    return worker.stats.to_json()
+    return run.run_reshard(plan, out, workers, overwrite, progress, latest_name, durable, source, storage_options,
+                           kind, check)
 
 
 def default_output(source: publish.Source, world_size: int, stage: int | None, fmt: str) -> str:

@@ -1,6 +1,7 @@
 """The checks ``zckpt verify`` runs on one checkpoint: its metadata (every tensor placed, groups and steps agree),
 ``latest``, a DCP folder's metadata and items, and every file's bytes (each zip entry's CRC-32, a legacy file read
-whole, safetensors headers against their files); each adds its line to a :class:`zckpt.ops.verify_report.VerifyReport`."""
+whole, safetensors headers against their files); each adds its line to a
+:class:`zckpt.ops.verify_report.VerifyReport`."""
 
 from __future__ import annotations
 

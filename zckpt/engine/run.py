@@ -1,0 +1,249 @@
+"""One process executing a plan: the bytes of every output file written through :class:`zckpt.engine.executor.Worker`
+into a scratch folder that :mod:`zckpt.io.publish` renames into place (or commits, on an object store), after the
+input check (:class:`zckpt.engine.checked.InputCheck`) has compared the CRC-32 of every input entry read.
+
+Plans are plain data made by the format writers (:mod:`zckpt.hf.writer`, :mod:`zckpt.deepspeed.writer`,
+:mod:`zckpt.dcp.plan`); this module reads only their fields, so it imports none of them:
+
+- :func:`run_merge`: a merge plan's shards (safetensors: the header, then tensor chunks; or torch files), the
+  index and extra files (a Trainer checkpoint's config, tokenizer);
+- :func:`run_reshard`: torch archives laid out once (:func:`zckpt.engine.torchzip.write_planned`) and files
+  copied, then ``latest``;
+- :func:`run_convert`: files copied, then each DCP layout's ``.distcp`` files and its ``.metadata`` last.
+
+:mod:`zckpt.engine.distributed` does the same with the ranks of a launcher's job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+from zckpt.engine import executor, torchzip
+from zckpt.engine.checked import InputCheck
+from zckpt.engine.segments import source_segments
+from zckpt.errors import InvalidArgument
+from zckpt.io import publish, storage
+from zckpt.units import format_size
+
+log = logging.getLogger(__name__)
+
+PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
+
+
+def shard_jobs(shard) -> Iterator[tuple[int, list, str]]:
+    """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
+    for t in shard.tensors:
+        for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
+            yield t.offset + start, parts, t.dtype
+
+
+def write_shard(shard, path: str, fmt: str, pool, worker: executor.Worker, progress, durable: bool) -> None:
+    """One merge shard written at its final size: the safetensors header, then its tensors' chunks (or a torch
+    state-dict file for ``fmt="pt"``)."""
+    executor.test_delay()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
+    try:
+        os.ftruncate(fd, shard.size)
+        if fmt == "safetensors":
+            executor.pwrite_all(fd, shard.header, 0)
+            for _, n in executor.run_jobs(pool, lambda job: worker.write(fd, *job), shard_jobs(shard), worker):
+                progress(n)
+        else:
+            torchzip.write_state_dict(shard, fd, pool, worker, progress)
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = False,
+              extra_files: dict[str, bytes] | None = None,
+              progress: Callable[[int, int], None] | None = None, durable: bool = False,
+              source: publish.Source | None = None, storage_options: dict | None = None,
+              output_storage_options: dict | None = None, check: InputCheck | None = None) -> dict:
+    """Write a merge ``plan`` (:class:`zckpt.hf.writer.MergePlan`) to the folder ``out`` (local path or URL),
+    atomically (:mod:`zckpt.io.publish`); returns what was read from remote sources (bytes, ranged GETs, seconds
+    waited for them).
+
+    The folder appears complete or not at all, whenever the process is killed; ``overwrite`` replaces only a
+    previous zckpt merge output, and ``source`` (the checkpoint) may not be touched. ``durable=True`` also fsyncs
+    every file before the rename, so the result survives a power failure (slower: waits for the disk).
+    ``storage_options``: fsspec options for reading pieces behind URLs; ``output_storage_options``: for a URL
+    ``out`` (default: ``storage_options``). ``check``: the input check every byte read is reported to
+    (:func:`zckpt.state.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
+    out_opts = storage_options if output_storage_options is None else output_storage_options
+    publish.check_output(out, "merge", source, overwrite, out_opts)
+    workers = workers or min(8, os.cpu_count() or 2)
+    done = [0]
+
+    def step(n):
+        done[0] += n
+        if progress:
+            progress(done[0], plan.total_size)
+
+    casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
+    cast_bytes = sum(t.nbytes for t in casts)
+    pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
+    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check)
+    try:
+        with publish.Publisher(out, "merge", source.root if source else None, durable,
+                               storage_options=out_opts) as pub:
+            with ThreadPoolExecutor(workers) as pool:
+                for shard in plan.shards:
+                    t0 = time.perf_counter()
+                    write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
+                    pub.done(shard.filename)  # URL outputs: uploaded now
+                    log.debug("  wrote %s (%s) in %.2fs", shard.filename, format_size(shard.size),
+                              time.perf_counter() - t0)
+            for name, data in (extra_files or {}).items():
+                pub.write_bytes(name, data)
+            if plan.index is not None:
+                pub.write_bytes(plan.index_name, (json.dumps(plan.index, indent=2) + "\n").encode())
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
+            pub.commit()
+    finally:
+        worker.close()
+    return worker.stats.to_json()
+
+
+def copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
+    """Copy ``src`` (local or a URL) to the local ``dst``, its bytes checked by ``check`` as they are copied."""
+    if storage.is_url(src):
+        data = storage.read_bytes(src, storage_options)
+        with open(dst, "wb") as f:
+            f.write(data)
+    else:
+        shutil.copyfile(src, dst)
+    if check is not None:
+        check.check_copy(src, dst)
+    return os.path.getsize(dst)
+
+
+def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = False,
+                progress: Callable[[int, int], None] | None = None, latest_name: str = "latest",
+                durable: bool = False, source: publish.Source | None = None,
+                storage_options: dict | None = None, kind: str = "reshard", check: InputCheck | None = None) -> dict:
+    """Write a DeepSpeed ``plan`` (:class:`zckpt.deepspeed.target.ReshardPlan`: torch archives and copies) into the
+    folder ``out`` atomically (:mod:`zckpt.io.publish`: temp sibling, ``latest`` and the
+    ``.zckpt.json`` marker last, rename); ``overwrite`` replaces only a previous zckpt output of ``kind`` (the
+    command that made it, in the marker: "reshard", or "convert" for ``zckpt convert --to deepspeed``).
+
+    As with merge, the folder appears whole or not at all whenever the process dies; ``durable=True`` also
+    fsyncs every file (flushing each while the next is written) before ``latest`` and the rename.
+    ``storage_options``: fsspec options for reading a source behind a URL (the checkpoint's). Returns what was read
+    from remote sources (bytes, ranged GETs, seconds waited for them). ``check``: the input check every byte read
+    is reported to; the CRC-32 of every input zip entry read is checked before anything is published (copied
+    files are checked as they are copied)."""
+    if any(f.kind not in ("torch", "copy") for f in plan.files):
+        raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
+                              hint="plan with plan_reshard")
+    publish.check_output(out, kind, source, overwrite)
+    workers = workers or min(8, os.cpu_count() or 2)
+    total, done = plan.total_bytes, [0]
+
+    def step(n):
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
+    try:
+        with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
+            written = []
+            with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
+                for f in plan.files:
+                    executor.test_delay()
+                    dst = pub.path(f.relpath)
+                    if f.kind == "torch":  # the archive planned: nothing is pickled again
+                        torchzip.write_planned(f.archive, dst, pool=pool, progress=step, worker=worker, maps=maps)
+                        step(f.nbytes - f.payload_bytes)  # pickle, headers, central directory
+                    else:
+                        step(copy_file(f.src, dst, storage_options, check))
+                    pub.done(f.relpath)
+                    if durable:  # flushes while the next file is written
+                        written.append(syncer.submit(torchzip.fsync_all, [dst]))
+                for fut in written:  # everything on disk before `latest` and the rename
+                    fut.result()
+            # DeepSpeed writes the bare tag, no newline
+            pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
+            pub.commit()
+    finally:
+        worker.close()
+        maps.close()
+    return worker.stats.to_json()
+
+
+def write_dcp_part(plan, pub, pool=None, worker=None, maps=None, progress=None, fsync: bool = False,
+                   folder: str = "") -> None:
+    """Write one DCP layout ``plan`` (:class:`zckpt.dcp.writer.DcpPlan`) through ``pub`` (a
+    :class:`zckpt.io.publish.Publisher`), into its sub-folder ``folder`` when given: every ``.distcp`` file,
+    then ``.metadata`` last (DCP's commit marker). ``progress(n)`` is called with the bytes written."""
+    for f in plan.files:
+        rel = f"{folder}/{f.name}" if folder else f.name
+        dst = pub.path(rel)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, f.size)
+            torchzip.write_archives(f.placed, fd, pool, progress, worker, maps)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if progress:
+            progress(f.size - sum(a.payload_bytes for a, _ in f.placed))
+        pub.done(rel)
+    pub.write_bytes(f"{folder}/{plan.commit_name}" if folder else plan.commit_name, plan.metadata)
+    if progress:
+        progress(len(plan.metadata))
+
+
+def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = False,
+                progress: Callable[[int, int], None] | None = None, durable: bool = False,
+                source: publish.Source | None = None, storage_options: dict | None = None,
+                check: InputCheck | None = None) -> dict:
+    """Write a DCP ``plan`` (:class:`zckpt.dcp.plan.ConvertPlan`) into the folder ``out``: a scratch sibling, the
+    data files, ``.metadata`` (DCP's commit), zckpt's marker, then one rename (:class:`zckpt.io.publish.Publisher`).
+    ``check``: the input check every byte read is reported to, checked before the rename."""
+    publish.check_output(out, "convert", source, overwrite)
+    workers = workers or min(8, os.cpu_count() or 2)
+    total, done = plan.total_bytes, [0]
+
+    def step(n):
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
+    try:
+        with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
+            for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
+                copy_file(src, pub.path(rel), storage_options, check)
+                pub.done(rel)
+                step(os.path.getsize(pub.path(rel)))
+            with ThreadPoolExecutor(workers) as pool:
+                for folder, part in plan.parts:
+                    write_dcp_part(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
+            if check is not None:  # a damaged input is refused here: nothing has been published
+                check.finish()
+            pub.commit()
+    finally:
+        worker.close()
+        maps.close()
+    return worker.stats.to_json()
+
+
+def _copy(src: str, dst: str, storage_options: dict | None = None) -> None:
+    if storage.is_url(src):
+        with open(dst, "wb") as f:
+            f.write(storage.read_bytes(src, storage_options))
+    else:
+        shutil.copyfile(src, dst)
