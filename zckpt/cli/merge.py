@@ -84,6 +84,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
         click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} {size:>10}{count}")
     for name in result.copied:
         click.echo(f"{'would copy' if dry_run else 'copied'} {name}")
+    for note in result.notes:
+        click.echo(f"note: {note}")
     tied = ", ".join(f"{a} as {b}" for a, b in s["tied"].items())
     click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
                f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")

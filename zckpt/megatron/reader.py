@@ -94,6 +94,7 @@ def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
         raise CheckpointNotFound("no such file or folder", path=path)
     latest = storage.join(path, LATEST)
     if _isfile(latest, opts):
+        named_by = "the tag given" if tag is not None else LATEST
         if tag is None:
             text = storage.read_bytes(latest, opts).decode("utf-8", "replace").strip()
             if text == "release":
@@ -109,8 +110,7 @@ def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
                                   hint="pass --tag iter_0000100 (or the iteration number)")
         folder = storage.join(path, tag)
         if not storage.exists(folder, opts):
-            raise IncompleteCheckpoint(f"{folder}: missing: the iteration folder "
-                                       f"{'the tag' if tag else LATEST} names", path=folder)
+            raise IncompleteCheckpoint(f"{folder}: missing: the iteration folder {named_by} names", path=folder)
         return path, folder, True
     if tag is not None:
         raise InvalidArgument("`tag` picks an iteration of a Megatron save folder; this is one iteration folder",
@@ -355,7 +355,9 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     masters = sorted({r.dtype for r in records if r.kind == "trainable"}) or ["float32"]
     precision = "bf16" if _args(common).get("bf16") else "fp16" if _args(common).get("fp16") else \
         _PRECISION.get(masters[0], masters[0])
-    extra = {"metadata": md, "megatron": f, "param_groups": groups, "step": step, "extra_states": n_extra,
+    merge_notes = ["tensor names are Megatron's (decoder.layers.<i>.self_attention.linear_qkv.weight...), not a "
+                   "Hugging Face model's: the folder holds the weights, not a transformers model"]
+    extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step, "extra_states": n_extra,
              "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}
     return Checkpoint(loc, 0, "megatron", precision, f["world_size"] or len(ranks), records, [], {}, [], [],
                       notes=notes, format=FORMAT, extra=extra, state_refusal=refusal,

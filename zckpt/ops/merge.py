@@ -52,10 +52,11 @@ class MergeResult:
     path: str | None = None  # the checkpoint read
     tag: str | None = None  # the tag read (the one 'latest' names, unless one was asked for)
     stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
+    notes: list[str] = field(default_factory=list)  # what the reader says of the output (Megatron: its names)
 
     def to_json(self) -> dict:
         return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
-                "seconds": round(self.seconds, 3), "copied": self.copied, **self.plan.summary(),
+                "seconds": round(self.seconds, 3), "copied": self.copied, "notes": self.notes, **self.plan.summary(),
                 **({"stats": self.stats} if self.stats else {})}
 
     def __repr__(self) -> str:
@@ -147,7 +148,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     for shard in plan.shards:
         log.debug("  %s: %d tensors, %s", shard.filename, len(shard.tensors), format_size(shard.size))
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run, path=str(path),
-                         tag=getattr(ckpt.location, "tag", None))
+                         tag=getattr(ckpt.location, "tag", None), notes=list(ckpt.extra.get("merge_notes") or []))
     out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)
