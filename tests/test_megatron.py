@@ -217,3 +217,70 @@ def test_extra_state_other_than_none_is_refused():
     reader.check_extra_state("k", None)
     with pytest.raises(UnsupportedLayout, match="TransformerEngine"):
         reader.check_extra_state("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2", [b"\x80fp8"])
+
+
+# ------------------------------------------------------------------------------ Hugging Face Llama names
+
+def llama_oracle(name: str) -> dict:
+    """The oracle's weights under Llama's names, cut here from the README's layout (not from zckpt's map)."""
+    meta, want = oracle(name)
+    heads, groups, kv = meta["num_attention_heads"], meta["num_query_groups"], meta["kv_channels"]
+    per = heads // groups
+    out = {"model.embed_tokens.weight": want["embedding.word_embeddings.weight"],
+           "model.norm.weight": want["decoder.final_layernorm.weight"]}
+    if not meta["tied_embeddings"]:
+        out["lm_head.weight"] = want["output_layer.weight"]
+    for i in range(meta["num_layers"]):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = want[src + "self_attention.linear_qkv.weight"].reshape(groups, (per + 2) * kv, -1)
+        out[dst + "self_attn.q_proj.weight"] = qkv[:, :per * kv].reshape(heads * kv, -1)
+        out[dst + "self_attn.k_proj.weight"] = qkv[:, per * kv:(per + 1) * kv].reshape(groups * kv, -1)
+        out[dst + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * kv:].reshape(groups * kv, -1)
+        out[dst + "self_attn.o_proj.weight"] = want[src + "self_attention.linear_proj.weight"]
+        gate, up = want[src + "mlp.linear_fc1.weight"].chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = want[src + "mlp.linear_fc2.weight"]
+        out[dst + "input_layernorm.weight"] = want[src + "self_attention.linear_qkv.layer_norm_weight"]
+        out[dst + "post_attention_layernorm.weight"] = want[src + "mlp.linear_fc1.layer_norm_weight"]
+    return out
+
+
+LLAMA = [n for n in NAMES if oracle(n)[0]["gated_linear_unit"]]
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_merge_of_a_llama_shaped_model_loads_in_transformers(tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    meta, _ = oracle(name)
+    dtype = "fp32" if meta["params_dtype"] == "fp32" else "bf16"
+    out = tmp_path / "hf"
+    res = cli("merge", MEG / name, "--dtype", dtype, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "Hugging Face Llama names" in res.output and "rms_norm_eps" in res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == \
+        (meta["num_query_groups"], meta["kv_channels"], meta["tied_embeddings"])
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(out), torch_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    sd = model.state_dict()
+    want = llama_oracle(name)
+    assert set(sd) == set(want) | ({"lm_head.weight"} if meta["tied_embeddings"] else set())
+    for k, v in want.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    if meta["tied_embeddings"]:
+        assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+        assert torch.equal(sd["lm_head.weight"], want["model.embed_tokens.weight"])
+
+
+def test_native_names_keeps_megatrons_names(tmp_path):
+    out = tmp_path / "native"
+    res = cli("merge", MEG / "gpt_tp2_pp1_dp1", "--dtype", "bf16", "--native-names", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "tensor names are Megatron's" in res.output and not (out / "config.json").exists()
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_a_gelu_model_keeps_megatrons_names_and_says_why(tmp_path):
+    res = cli("merge", MEG / "gpt_tp1_pp2_dp1_tied", "-o", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert "not mapped to Hugging Face Llama names: the files do not say swiglu" in res.output

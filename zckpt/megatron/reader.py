@@ -39,6 +39,7 @@ from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, meta
 
 FORMAT = "megatron"
 CRC_ENTRIES = "zckpt.megatron.entries"  # crc_entries(ckpt): the zip entries guarding the .distcp items' bytes
+MERGE_VIEW = "zckpt.megatron.hf_names"  # merge_view(ckpt, dtype): the records under Hugging Face Llama's names
 
 LATEST = "latest_checkpointed_iteration.txt"
 META_JSON = "metadata.json"
@@ -181,7 +182,7 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
         "tied": (not untie) if isinstance(untie, bool) else None,
         "normalization": a.get("normalization"), "position_embedding_type": a.get("position_embedding_type"),
         "add_bias_linear": a.get("add_bias_linear") if isinstance(a.get("add_bias_linear"), bool) else None,
-        "params_dtype": a.get("params_dtype"),
+        "params_dtype": a.get("params_dtype"), "max_position_embeddings": _int(a.get("max_position_embeddings")),
         "iteration": _int(common.get("iteration")) if _int(common.get("iteration")) is not None
         else _int(a.get("iteration")),
         "optimizer_layout": layout, "checkpoint_version": common.get("checkpoint_version"),

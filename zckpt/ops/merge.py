@@ -18,6 +18,7 @@ metadata, plan, stream bytes, publish atomically. Also the Python loaders (``ite
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of
     plan_merge, shard_jobs, trainer_files, write_shard,
 )
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import open_checkpoint
+from zckpt.state.open import open_checkpoint, reader_of
 from zckpt.errors import InvalidArgument, require_torch
 from zckpt.units import format_size
 
@@ -120,7 +121,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None,
-          output_storage_options: dict | None = None, group=None) -> MergeResult:
+          output_storage_options: dict | None = None, group=None, native_names: bool = False) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -131,6 +132,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path``, and for a
     URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
     (the CLI's ``--storage-option`` and ``--output-storage-option``).
+    ``native_names``: keep the source format's own tensor names where its reader offers Hugging Face's
+    (``MERGE_VIEW``: Megatron-Core's Llama-shaped models get Llama's names and a ``config.json``).
     ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``merge``
     and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`). ``progress`` then counts
     this rank's share.
@@ -140,15 +143,20 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     if out is None:
         out = publish.default_output(source, "merged") + f"-{dtype}"
-    plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
+    notes = list(ckpt.extra.get("merge_notes") or [])
+    view = getattr(reader_of(ckpt.format), "MERGE_VIEW", None)  # a module with merge_view(ckpt, dtype)
     extra = trainer_files(ckpt, dtype)
+    if view is not None and not native_names:
+        ckpt, files, notes = importlib.import_module(view).merge_view(ckpt, dtype)
+        extra.update(files)
+    plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     log.info("plan: %d tensors in %d file(s), %s %s %s, %d side file(s) -> %s (planned in %.2fs)",
              sum(len(s.tensors) for s in plan.shards), len(plan.shards), format_size(plan.total_size), dtype, fmt,
              len(extra), out, time.perf_counter() - t0)
     for shard in plan.shards:
         log.debug("  %s: %d tensors, %s", shard.filename, len(shard.tensors), format_size(shard.size))
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run, path=str(path),
-                         tag=getattr(ckpt.location, "tag", None), notes=list(ckpt.extra.get("merge_notes") or []))
+                         tag=getattr(ckpt.location, "tag", None), notes=notes)
     out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)
