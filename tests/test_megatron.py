@@ -284,3 +284,13 @@ def test_a_gelu_model_keeps_megatrons_names_and_says_why(tmp_path):
     res = cli("merge", MEG / "gpt_tp1_pp2_dp1_tied", "-o", tmp_path / "o")
     assert res.exit_code == 0, res.output
     assert "not mapped to Hugging Face Llama names: the files do not say swiglu" in res.output
+
+
+@pytest.mark.parametrize("name, why", [("gpt_tp2_pp2_dp1_fullyresh", "param groups"),
+                                       ("gpt_tp1_pp1_dp1", "dp_reshardable optimizer buckets")])
+def test_carrying_the_optimizer_state_is_refused_in_one_line(tmp_path, name, why):
+    out = tmp_path / "dcp"
+    res = zckpt_run("convert", MEG / name, "--to", "dcp", "-o", out, cwd=tmp_path)
+    assert res.returncode != 0 and not out.exists()
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], res.stderr

@@ -9,6 +9,8 @@ name, so that opening a checkpoint imports only the readers it asks, and no form
     CRC_ENTRIES = "zckpt.dcp.entries"                optional: a module whose crc_entries(ckpt) -> (path -> [ZipEntry])
                                                      gives the zip entries whose CRC-32 guard ckpt's bytes, where the
                                                      metadata read at open does not hold them (DCP's items)
+    MERGE_VIEW = "zckpt.megatron.hf_names"           optional: a module whose merge_view(ckpt, dtype) -> (ckpt,
+                                                     files, notes) gives merge Hugging Face names and a config.json
 
 DeepSpeed comes last and claims whatever the others leave: its discovery (``zckpt.deepspeed.discover.locate``)
 is what explains, in one line, why a folder is no checkpoint at all.
