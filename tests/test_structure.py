@@ -106,7 +106,7 @@ LAYERS = [
     ("encoding", ["zckpt.encoding"]),
     ("engine", ["zckpt.engine"]),
     ("state", ["zckpt.state"]),
-    ("formats", ["zckpt.deepspeed", "zckpt.dcp", "zckpt.hf"]),
+    ("formats", ["zckpt.deepspeed", "zckpt.dcp", "zckpt.megatron", "zckpt.hf"]),
     ("backup", ["zckpt.backup"]),
     ("ops", ["zckpt.ops"]),
     ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
@@ -130,7 +130,7 @@ def test_imports_follow_the_layers():
 
 # the format packages: each reads (and writes) one format; none imports another, so a format is added or removed as
 # one package (docs/architecture.md). The one opener (zckpt.state.open) asks each format's reader by module name.
-FORMAT_PACKAGES = ["zckpt.deepspeed", "zckpt.dcp", "zckpt.hf"]
+FORMAT_PACKAGES = ["zckpt.deepspeed", "zckpt.dcp", "zckpt.megatron", "zckpt.hf"]
 
 
 def _package(module: str) -> str | None:

@@ -39,6 +39,10 @@ Examples:
 @click.option("--keep-tied", is_flag=True,
               help="Also write tied aliases (e.g. lm_head.weight) as copies; by default each tied tensor is "
                    "stored once under its source name, as save_pretrained does.")
+@click.option("--native-names", is_flag=True,
+              help="Keep the source format's own tensor names: a Megatron-Core checkpoint of a Llama-shaped model "
+                   "(SwiGLU, RMSNorm, RoPE, no biases) is written under Hugging Face Llama names with a "
+                   "config.json unless this is given.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
               help="Threads for reading and casting (default: CPU count, at most 8); in-kernel copies into one "
                    "file run one at a time, as fast as cp.")
@@ -47,8 +51,8 @@ Examples:
 @follow_links_option
 @output_storage_option
 @global_options()
-def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, workers, overwrite, durable,
-          dry_run, storage_options, output_storage_options, as_json, quiet):
+def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, native_names, workers, overwrite,
+          durable, dry_run, storage_options, output_storage_options, as_json, quiet):
     """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
 
     Trainable parameters come from the fp32 masters; frozen parameters and buffers are included. A Trainer
@@ -67,7 +71,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
             result = run(path, out, fmt=fmt, dtype=dtype, tag=tag, max_shard_size=parse_size(max_shard_size),
                          exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
                          overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
-                         output_storage_options=output_storage_options, group=None if dry_run else group)
+                         output_storage_options=output_storage_options, group=None if dry_run else group,
+                         native_names=native_names)
     if group is not None and group.rank != 0:
         return
     if not dry_run:
@@ -84,6 +89,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
         click.echo(f"{'would write' if dry_run else 'wrote'} {f['name']:<44} {size:>10}{count}")
     for name in result.copied:
         click.echo(f"{'would copy' if dry_run else 'copied'} {name}")
+    for note in result.notes:
+        click.echo(f"note: {note}")
     tied = ", ".join(f"{a} as {b}" for a, b in s["tied"].items())
     click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
                f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")

@@ -11,29 +11,18 @@ from __future__ import annotations
 
 import os
 
-from zckpt.encoding import dcpmeta
-from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
-from zckpt.io import storage
+from zckpt.encoding import dcpmeta, distcp
+from zckpt.encoding.zipentries import ZipEntry
 from zckpt.state.model import Checkpoint
 
 
 def crc_entries(ckpt: Checkpoint):
     """``entries(path)``: the entries of the items of each of ``ckpt``'s data files (their directories are read on
     first use of a file)."""
-    by_file = items(ckpt)
-    opts = ckpt.storage_options
-    return lambda path: item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], opts)
+    return distcp.crc_entries_of(ckpt.extra["metadata"], ckpt.location.tag_dir, ckpt.storage_options)
 
 
-def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict | None = None) -> list[ZipEntry]:
-    """The entries of the torch zips at ``(offset, length)`` ``spans`` of a DCP data file, at their offsets in it."""
-    out = []
-    opener = storage.open_ranges if storage.is_url(path) else storage.open_input
-    with opener(path, storage_options) as f:
-        for offset, length in spans:
-            for e in read_entries(Window(f, offset, length), length, path).values():
-                out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
-    return out
+item_entries = distcp.item_entries  # (zckpt.encoding.distcp: the entries of items at spans of a data file)
 
 
 def distcp_entries(path: str) -> list[ZipEntry] | None:
@@ -52,11 +41,4 @@ def distcp_entries(path: str) -> list[ZipEntry] | None:
 def items(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
     """Every item of a DCP checkpoint by data file path: (offset, length, key), sorted (what ``verify --deep``
     reads)."""
-    md: dcpmeta.DcpMetadata = ckpt.extra["metadata"]
-    out: dict[str, list] = {}
-    for te in md.tensors.values():
-        for c in te.chunks:
-            out.setdefault(storage.join(ckpt.location.tag_dir, c.file), []).append((c.offset, c.length, te.key))
-    for v in md.values.values():
-        out.setdefault(storage.join(ckpt.location.tag_dir, v.file), []).append((v.offset, v.length, v.key))
-    return {k: sorted(v) for k, v in sorted(out.items())}
+    return distcp.items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)

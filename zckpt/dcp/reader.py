@@ -4,8 +4,8 @@ What it reads (:mod:`zckpt.encoding.dcpmeta` draws the files)::
 
     <dir>/.metadata            the safe-unpickled, checked metadata: every key, its dtype, size and chunks
     <dir>/__{rank}_{n}.distcp  each chunk a torch.save zip at an offset: its zip directory and data.pkl are read
-                               (:func:`zckpt.encoding.safeload.load` on that byte window) to find where its raw
-                               bytes start; no tensor byte is read
+                               (:class:`zckpt.encoding.distcp.Items`) to find where its raw bytes start; no
+                               tensor byte is read
 
 Keys (the nested state dict's paths, from ``planner_data``), as ``get_state_dict`` and torchtitan write them::
 
@@ -32,9 +32,7 @@ from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
     ZckptError,
 )
-from zckpt.encoding import dcpmeta, safeload
-from zckpt.encoding.zipentries import Window
-from zckpt.encoding.safeload import LazyTensor, StorageRef
+from zckpt.encoding import dcpmeta, distcp
 from zckpt.io import links, storage
 from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of, scalar_value,
@@ -93,47 +91,12 @@ def is_dcp(path: str, storage_options: dict | None = None) -> bool:
     return bool(dcp_parts(path, storage_options))
 
 
-class _Items:
-    """Loads DCP items (each a torch.save zip inside a data file) through :func:`safeload.load`, one open file
-    per data file."""
-
-    def __init__(self, folder: str, opts: dict | None):
-        self.folder, self.opts, self.files = folder, opts, {}
-
-    def load(self, name: str, offset: int, length: int):
-        path = storage.join(self.folder, name)
-        f = self.files.get(name)
-        if f is None:
-            f = self.files[name] = open(path, "rb") if not storage.is_url(path) else storage.open_input(path, self.opts)
-        return safeload.load(path, opener=lambda _p: Window(f, offset, length))
-
-    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
-        """The chunk as a LazyTensor whose offsets are absolute in its data file."""
-        path = storage.join(self.folder, c.file)
-        t = self.load(c.file, c.offset, c.length)
-        if not isinstance(t, LazyTensor):
-            raise CorruptFile(f"DCP item of '{te.key}' at byte {c.offset} is not a tensor", path=path)
-        if t.dtype != te.dtype or tuple(t.shape) != tuple(c.sizes):
-            raise CorruptFile(f"DCP chunk of '{te.key}' at byte {c.offset} holds {t.dtype} {list(t.shape)}, the "
-                              f"metadata says {te.dtype} {list(c.sizes)}", path=path)
-        s = t.storage
-        return LazyTensor(StorageRef(path, s.key, s.dtype, s.offset + c.offset, s.nbytes), t.storage_offset,
-                          t.shape, t.stride, t.dtype)
-
-    def close(self):
-        for f in self.files.values():
-            f.close()
+_Items = distcp.Items  # DCP items through the allow-list (zckpt.encoding.distcp, shared with Megatron's torch_dist)
 
 
-def tensor_pieces(items: _Items, te: dcpmeta.TensorEntry, path: str) -> list:
+def tensor_pieces(items: distcp.Items, te: dcpmeta.TensorEntry, path: str) -> list:
     """The pieces of ``te``'s row-major flat tensor, from its chunks."""
-    chunks = {}
-    out = []
-    for _, c, local, length in dcpmeta.chunk_runs(te, path):
-        if c not in chunks:
-            chunks[c] = items.tensor(te, c)
-        out += pieces_of(chunks[c], local, length)
-    return out
+    return [p for t, local, n in distcp.tensor_runs(items, te, path) for p in pieces_of(t, local, n)]
 
 
 def _split(md: dcpmeta.DcpMetadata):

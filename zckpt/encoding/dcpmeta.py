@@ -39,6 +39,9 @@ _M = "torch.distributed.checkpoint.metadata."
 _DCP_CLASSES = [_M + n for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
                                  "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")]
 _DCP_CLASSES += ["torch.distributed.checkpoint.filesystem._StorageInfo"]
+# Megatron-Core's torch_dist save keeps its save plans in planner_data (read as inert stand-ins, not used)
+_DCP_CLASSES += ["torch.distributed.checkpoint.planner." + n for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                                         "TensorWriteData")]
 
 
 def _stand_in(qual: str) -> type:

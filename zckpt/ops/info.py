@@ -82,9 +82,59 @@ def render_dcp(d: dict) -> str:
     return "\n".join(lines)
 
 
+def describe_megatron(ckpt: Checkpoint) -> dict:
+    """A Megatron-Core torch_dist checkpoint (``ckpt.format == "megatron"``): what common.pt and .metadata say;
+    a value the files do not hold is None."""
+    counts, numels = _counts(ckpt)
+    f = ckpt.extra["megatron"]
+    return {
+        "format": "megatron", "backend": "torch_dist", "path": ckpt.location.input_path,
+        "save_dir": ckpt.location.save_dir, "tag": ckpt.location.tag, "iteration": f["iteration"],
+        "tp_world_size": f["tp"], "pp_world_size": f["pp"], "dp_world_size": f["dp"], "world_size": ckpt.world_size,
+        "model": {k: f[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                                     "kv_channels", "ffn_hidden_size", "vocab_size", "swiglu", "tied",
+                                     "normalization", "position_embedding_type", "add_bias_linear", "params_dtype")},
+        "optimizer_layout": f["optimizer_layout"], "precision": ckpt.precision,
+        "master_dtype": _one_or_list(ckpt.master_dtypes),
+        "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes), "counts": counts, "numel": numels,
+        "parameters": numels["trainable"] + numels["frozen"],
+        "param_groups": [{"index": i, "step": g.get("step"), "lr": g.get("lr"), "weight_decay": g.get("weight_decay")}
+                         for i, g in enumerate(ckpt.extra.get("param_groups") or [])],
+        "state_refusal": ckpt.state_refusal, "content_metadata": _plain(f["content_metadata"]),
+        "notes": list(ckpt.notes), "files": [{"name": x.name, "bytes": x.size} for x in ckpt.files],
+        "total_bytes": sum(x.size for x in ckpt.files),
+    }
+
+
+def render_megatron(d: dict) -> str:
+    c, n, m = d["counts"], d["numel"], d["model"]
+    lines = [
+        f"checkpoint   {d['path']}",
+        f"format       Megatron-Core torch_dist, {d['tag']} (iteration {d['iteration']})",
+        f"world size   {d['tp_world_size']} tensor-parallel x {d['pp_world_size']} pipeline x {d['dp_world_size']} "
+        f"data-parallel ({d['world_size']} ranks)",
+        f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+        f"{m['num_query_groups']} query groups, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}, "
+        f"swiglu {m['swiglu']}, tied {m['tied']}",
+        f"dtypes       {d['precision']}; parameters {_dtypes(d['master_dtype'])}, optimizer states "
+        f"{_dtypes(d['optimizer_state_dtype'])}",
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {c['trainable']} tensors, "
+        f"{c['tied']} tied",
+        f"optimizer    {d['optimizer_layout']}" + "".join(
+            f"; group {g['index']}: lr {g['lr']}, weight decay {g['weight_decay']}, step {g['step']}"
+            for g in d["param_groups"]),
+        f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
+    ]
+    lines += [f"note         {note}" for note in d["notes"]]
+    lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    return "\n".join(lines)
+
+
 def describe(ckpt: Checkpoint) -> dict:
     if ckpt.format == "dcp":
         return describe_dcp(ckpt)
+    if ckpt.format == "megatron":
+        return describe_megatron(ckpt)
     counts, numels = {}, {}
     for kind in ("trainable", "frozen", "tied", "buffer"):
         recs = ckpt.of_kind(kind)
@@ -221,6 +271,8 @@ def _scaler(scaler) -> str:
 def render(d: dict) -> str:
     if d.get("format") == "dcp":
         return render_dcp(d)
+    if d.get("format") == "megatron":
+        return render_megatron(d)
     c, n = d["counts"], d["numel"]
     lines = [
         f"checkpoint   {d['path']}" + ("  (Trainer checkpoint)" if d["trainer_checkpoint"] else ""),

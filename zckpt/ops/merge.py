@@ -19,6 +19,7 @@ metadata, plan, stream bytes, publish atomically. Also the Python loaders (``ite
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of
     trainer_files,
 )
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import open_checkpoint
+from zckpt.state.open import open_checkpoint, reader_of
 from zckpt.errors import InvalidArgument, require_torch
 from zckpt.units import format_size
 
@@ -51,10 +52,11 @@ class MergeResult:
     path: str | None = None  # the checkpoint read
     tag: str | None = None  # the tag read (the one 'latest' names, unless one was asked for)
     stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
+    notes: list[str] = field(default_factory=list)  # what the reader says of the output (Megatron: its names)
 
     def to_json(self) -> dict:
         return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
-                "seconds": round(self.seconds, 3), "copied": self.copied, **self.plan.summary(),
+                "seconds": round(self.seconds, 3), "copied": self.copied, "notes": self.notes, **self.plan.summary(),
                 **({"stats": self.stats} if self.stats else {})}
 
     def __repr__(self) -> str:
@@ -78,7 +80,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None,
-          output_storage_options: dict | None = None, group=None) -> MergeResult:
+          output_storage_options: dict | None = None, group=None, native_names: bool = False) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -89,6 +91,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     ``storage_options``: fsspec options (``endpoint_url``, ``key``, ``secret``...) for a URL ``path``, and for a
     URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
     (the CLI's ``--storage-option`` and ``--output-storage-option``).
+    ``native_names``: keep the source format's own tensor names where its reader offers Hugging Face's
+    (``MERGE_VIEW``: Megatron-Core's Llama-shaped models get Llama's names and a ``config.json``).
     ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``merge``
     and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`). ``progress`` then counts
     this rank's share.
@@ -98,15 +102,20 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     if out is None:
         out = publish.default_output(source, "merged") + f"-{dtype}"
-    plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
+    notes = list(ckpt.extra.get("merge_notes") or [])
+    view = getattr(reader_of(ckpt.format), "MERGE_VIEW", None)  # a module with merge_view(ckpt, dtype)
     extra = trainer_files(ckpt, dtype)
+    if view is not None and not native_names:
+        ckpt, files, notes = importlib.import_module(view).merge_view(ckpt, dtype)
+        extra.update(files)
+    plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     log.info("plan: %d tensors in %d file(s), %s %s %s, %d side file(s) -> %s (planned in %.2fs)",
              sum(len(s.tensors) for s in plan.shards), len(plan.shards), format_size(plan.total_size), dtype, fmt,
              len(extra), out, time.perf_counter() - t0)
     for shard in plan.shards:
         log.debug("  %s: %d tensors, %s", shard.filename, len(shard.tensors), format_size(shard.size))
     result = MergeResult(str(out), plan, copied=sorted(extra), dry_run=dry_run, path=str(path),
-                         tag=getattr(ckpt.location, "tag", None))
+                         tag=getattr(ckpt.location, "tag", None), notes=notes)
     out_opts = storage_options if output_storage_options is None else output_storage_options
     if dry_run:
         publish.check_output(str(out), "merge", source, overwrite, out_opts)

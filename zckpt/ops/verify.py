@@ -31,7 +31,7 @@ from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
 from zckpt.units import format_size
 from zckpt.ops.verify_checks import (
-    check_bytes, check_latest, check_metadata, check_structure, ckpt_rank_files, path_key,
+    DISTCP_FORMATS, check_bytes, check_latest, check_metadata, check_structure, ckpt_rank_files, path_key,
 )
 from zckpt.ops.verify_report import NEXT_STEPS, Check, VerifyReport  # noqa: F401 - the report's names, for callers
 
@@ -83,7 +83,7 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
-    if ckpt.format != "dcp":
+    if ckpt.format not in DISTCP_FORMATS:  # (Megatron's latest file: check_megatron_metadata)
         check_latest(ckpt, report, tag_given=tag is not None)
     log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
              sum(not c.ok for c in report.checks), time.perf_counter() - t0)
@@ -99,7 +99,8 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
         log.info("read every byte: %d files, %s in %.2fs", len(files), format_size(report.bytes_read),
                  time.perf_counter() - t0)
     else:  # (a DCP folder's .distcp files are series of zips, checked item by item when it opened)
-        check_structure([f for f in files if ckpt.format != "dcp" or not f.rel.endswith((".distcp", ".metadata"))],
+        check_structure([f for f in files if ckpt.format not in DISTCP_FORMATS
+                         or not f.rel.endswith((".distcp", ".metadata"))],
                         report, opts)
     for folder in manifests:
         check_manifest(folder, report, hashes=deep, known=hashes, storage_options=opts, scope=files)

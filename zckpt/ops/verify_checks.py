@@ -70,6 +70,8 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     loc = ckpt.location
     if ckpt.format == "dcp":
         return check_dcp_metadata(ckpt, report)
+    if ckpt.format == "megatron":
+        return check_megatron_metadata(ckpt, report)
     if loc.universal:
         report.add("rank files", True, f"universal: {len(loc.optim_files)} files under zero/ + "
                                        f"{len(loc.model_files)} model-states files")
@@ -160,11 +162,42 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
 
 
+def check_megatron_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
+    """A Megatron torch_dist iteration: its DCP metadata (as :func:`check_dcp_metadata`), the optimizer layout
+    read, and whether ``latest_checkpointed_iteration.txt`` names it."""
+    md, f = ckpt.extra["metadata"], ckpt.extra["megatron"]
+    data = [x for x in ckpt.files if x.kind == "data"]
+    report.add("metadata", True, f"torch_dist (DCP {md.version}): {len(md.tensors)} tensors, {len(md.values)} "
+                                 "values; chunks cover every tensor exactly once")
+    report.add("data files", True, f"{len(data)} .distcp files, every item inside its file")
+    bad = [f"{r.name}: {sum(p.numel for p in r.value)} elements for shape {list(r.shape)}" for r in ckpt.records
+           if r.kind != "tied" and sum(p.numel for p in r.value) != math.prod(r.shape)]
+    report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
+    trainable = ckpt.of_kind("trainable")
+    if f["optimizer_layout"] == "fully_reshardable":
+        missing = [r.name for r in trainable if not r.exp_avg or not r.exp_avg_sq]
+        report.add("optimizer state", not missing, f"no moments for {missing[:3]}" if missing else
+                   f"fully_reshardable: fp32 master and Adam moments for all {len(trainable)} parameters")
+    else:
+        report.add("optimizer state", True, f"{f['optimizer_layout']}: not read ({ckpt.state_refusal})")
+    steps = {g.get("step") for g in ckpt.extra.get("param_groups") or []}
+    report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}" if steps else "no param groups saved")
+    report.add("megatron", True, f"torch_dist, iteration {f['iteration']}, tp {f['tp']} x pp {f['pp']} x dp "
+                                 f"{f['dp']}, optimizer {f['optimizer_layout']}")
+    loc = ckpt.location
+    if loc.has_latest:
+        report.add("latest", True, f"latest_checkpointed_iteration.txt names {loc.tag}"
+                   if path_key(loc.input_path) == path_key(loc.save_dir) else f"tag {loc.tag} chosen")
+
+
+DISTCP_FORMATS = ("dcp", "megatron")  # formats whose data files are DCP .distcp files of torch-zip items
+
+
 def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
     """Every item of every ``.distcp`` file read: each is a torch zip whose entries' CRC-32 must match."""
-    from zckpt.dcp.entries import items
+    from zckpt.encoding.distcp import items_by_file
     from zckpt.encoding.zipentries import Window
-    by_file = items(ckpt)
+    by_file = items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)
     total = sum(length for its in by_file.values() for _, length, _ in its)
     damaged, done = [], 0
     for path, its in by_file.items():
@@ -257,9 +290,9 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
     """Read every byte of ``files`` (default: the rank files) and of ``extra`` paths: the CRC of every torch zip
     entry, every safetensors header against its size, and the sha256 of each file (returned by path, for the
     manifests)."""
-    if ckpt.format == "dcp":  # .distcp items by their CRCs; .metadata was read whole when the checkpoint opened
+    if ckpt.format in DISTCP_FORMATS:  # .distcp items by their CRCs; .metadata was read whole at open
         check_dcp_bytes(ckpt, report, progress)
-        files = [f for f in (files or []) if not f.rel.endswith(".distcp") and f.rel != ".metadata"]
+        files = [f for f in (files or []) if not f.rel.endswith(".distcp") and f.rel.rsplit("/", 1)[-1] != ".metadata"]
     elif files is None:
         files = ckpt_rank_files(ckpt)
     paths = [f.path for f in files] + list(extra or [])
@@ -285,7 +318,7 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
                       "CRCs match" if _is_zip_file(path, opts) else "read")
     n_legacy = sum(1 for f in files if _is_legacy_file(f.path, opts))
     note = f"; {n_legacy} legacy files: no CRCs; layout, size fields and every byte read" if n_legacy else ""
-    besides = " besides the .distcp items" if ckpt.format == "dcp" else ""  # (those: "CRC of every item")
+    besides = " besides the .distcp items" if ckpt.format in DISTCP_FORMATS else ""  # (those: "CRC of every item")
     report.add("CRC of the other files" if besides else "CRC of every entry", not damaged, "; ".join(damaged[:5]) or
                f"{len(paths)} file{'s' if len(paths) != 1 else ''}{besides} read ({zips} torch "
                f"file{'s' if zips != 1 else ''}, every entry's CRC matches{note}), {format_size(done)}")

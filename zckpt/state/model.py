@@ -191,7 +191,7 @@ class Checkpoint:
     # (its value is the master) cannot be told apart; what reads values refuses until a tie is declared
     # (:func:`zckpt.deepspeed.model.declared_ties`, ``--tie`` / ``--no-tie``); info and verify report it
     ambiguous_ties: list = field(default_factory=list)
-    format: str = "deepspeed"  # the reader that built it: "deepspeed" or "dcp"
+    format: str = "deepspeed"  # the reader that built it: "deepspeed", "dcp" or "megatron"
     extra: dict = field(default_factory=dict)  # facts only one format has (DCP: its key scheme, scalars)
 
     def __post_init__(self):

@@ -9,6 +9,8 @@ name, so that opening a checkpoint imports only the readers it asks, and no form
     CRC_ENTRIES = "zckpt.dcp.entries"                optional: a module whose crc_entries(ckpt) -> (path -> [ZipEntry])
                                                      gives the zip entries whose CRC-32 guard ckpt's bytes, where the
                                                      metadata read at open does not hold them (DCP's items)
+    MERGE_VIEW = "zckpt.megatron.hf_names"           optional: a module whose merge_view(ckpt, dtype) -> (ckpt,
+                                                     files, notes) gives merge Hugging Face names and a config.json
 
 DeepSpeed comes last and claims whatever the others leave: its discovery (``zckpt.deepspeed.discover.locate``)
 is what explains, in one line, why a folder is no checkpoint at all.
@@ -20,8 +22,9 @@ import importlib
 
 from zckpt.state.model import Checkpoint
 
-READERS = ("zckpt.dcp.reader", "zckpt.deepspeed.reader")
-FORMATS = {"dcp": "zckpt.dcp.reader", "deepspeed": "zckpt.deepspeed.reader"}
+# Megatron's torch_dist is a DCP folder too (it has .metadata): asked before DCP
+READERS = ("zckpt.megatron.reader", "zckpt.dcp.reader", "zckpt.deepspeed.reader")
+FORMATS = {"megatron": "zckpt.megatron.reader", "dcp": "zckpt.dcp.reader", "deepspeed": "zckpt.deepspeed.reader"}
 
 
 def reader_of(fmt: str):
@@ -31,9 +34,10 @@ def reader_of(fmt: str):
 
 def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
     """Describe the checkpoint at ``path``: a DeepSpeed save folder, tag folder or Trainer ``checkpoint-N``, a DCP
-    folder (FSDP2's ``dcp.save``, a Trainer FSDP ``checkpoint-N``), local or a URL; metadata only.
+    folder (FSDP2's ``dcp.save``, a Trainer FSDP ``checkpoint-N``), a Megatron-Core ``torch_dist`` save or
+    ``iter_NNNNNNN`` folder, local or a URL; metadata only.
 
-    ``tag`` picks a DeepSpeed tag (a DCP folder holds one checkpoint, and refuses it). ``storage_options``: fsspec
+    ``tag`` picks a DeepSpeed tag or a Megatron iteration (a DCP folder holds one checkpoint, and refuses it). ``storage_options``: fsspec
     options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for S3); every read
     uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads its bytes later. Nothing is
     kept process-wide: two checkpoints opened with different options stay apart."""

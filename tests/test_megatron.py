@@ -1,0 +1,296 @@
+"""Megatron-Core ``torch_dist`` checkpoints (fixtures/megatron: written by megatron-core 0.16.1, with the tensors
+Megatron's own load gives beside each): info, verify, the weights, masters and moments bit for bit, merge, and
+damaged or incomplete copies refused in one line. Megatron is never imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import FIXTURES
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file  # noqa: E402
+
+import zckpt  # noqa: E402
+from zckpt.cli import main  # noqa: E402
+from zckpt.encoding.tensors import load_pieces  # noqa: E402
+from zckpt.errors import UnsupportedLayout  # noqa: E402
+from zckpt.megatron import reader  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MEG = FIXTURES / "megatron"
+NAMES = sorted(p.name for p in MEG.iterdir() if p.is_dir() and (MEG / f"{p.name}.oracle.json").exists())
+STATE = ("master.", "exp_avg.", "exp_avg_sq.")
+
+
+def oracle(name: str) -> tuple[dict, dict]:
+    return json.loads((MEG / f"{name}.oracle.json").read_text()), load_file(str(MEG / f"{name}.oracle.safetensors"))
+
+
+def cli(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_every_fixture_is_here():
+    assert len(NAMES) == 9, NAMES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_info_names_the_layout(name):
+    meta, _ = oracle(name)
+    res = cli("info", MEG / name, "--json")
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["format"] == "megatron" and d["backend"] == "torch_dist"
+    assert (d["tp_world_size"], d["pp_world_size"], d["dp_world_size"]) == (meta["tp"], meta["pp"], meta["dp"])
+    assert d["world_size"] == meta["world_size"] and d["iteration"] == meta["iteration"] == 3
+    assert d["optimizer_layout"] == meta["distrib_optim_sharding_type"]
+    m = d["model"]
+    assert (m["num_layers"], m["hidden_size"], m["num_attention_heads"], m["num_query_groups"], m["ffn_hidden_size"],
+            m["vocab_size"], m["swiglu"], m["tied"]) == \
+        (meta["num_layers"], meta["hidden_size"], meta["num_attention_heads"], meta["num_query_groups"],
+         meta["ffn_hidden_size"], meta["vocab_size"], meta["gated_linear_unit"], meta["tied_embeddings"])
+    text = cli("info", MEG / name)
+    assert text.exit_code == 0, text.output
+    assert "Megatron-Core torch_dist, iter_0000003 (iteration 3)" in text.output
+    assert f"{meta['tp']} tensor-parallel x {meta['pp']} pipeline x {meta['dp']} data-parallel" in text.output
+    assert meta["distrib_optim_sharding_type"] in text.output
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_verify_deep_passes(name):
+    res = cli("verify", "--deep", MEG / name)
+    assert res.exit_code == 0, res.output
+    assert "complete and consistent" in res.output
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weights_equal_megatrons_load_bit_for_bit(name):
+    meta, want = oracle(name)
+    weights = {k: v for k, v in want.items() if not k.startswith(STATE)}
+    dtype = "fp32" if meta["params_dtype"] == "fp32" else "bf16"
+    sd = zckpt.load_state_dict(str(MEG / name), dtype=dtype)
+    tied = {"output_layer.weight"} if meta["tied_embeddings"] else set()
+    assert set(sd) == set(weights) | tied
+    for k, v in weights.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    if tied:
+        assert torch.equal(sd["output_layer.weight"], weights["embedding.word_embeddings.weight"])
+    streamed = dict(zckpt.iter_tensors(str(MEG / name), dtype=dtype, keep_tied=False))
+    assert set(streamed) == set(weights) and all(torch.equal(streamed[k], v) for k, v in weights.items())
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "fullyresh" in n])
+def test_masters_and_moments_equal_megatrons_load(name):
+    _, want = oracle(name)
+    ckpt = zckpt.open_checkpoint(str(MEG / name))
+    trainable = ckpt.of_kind("trainable")
+    assert trainable and {r.name for r in trainable} == {k[len("master."):] for k in want if k.startswith("master.")}
+    for r in trainable:
+        for field, prefix in (("value", "master."), ("exp_avg", "exp_avg."), ("exp_avg_sq", "exp_avg_sq.")):
+            got = load_pieces(getattr(r, field), "float32", r.shape)
+            assert torch.equal(got, want[prefix + r.name]), (field, r.name)
+    assert ckpt.groups == [] and ckpt.state_refusal == reader.GROUPS_REFUSAL  # groups do not list their params
+    assert ckpt.extra["step"] == 3 and len(ckpt.extra["param_groups"]) == 2
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "fullyresh" not in n])
+def test_dp_reshardable_reads_weights_and_refuses_the_optimizer_state(name):
+    ckpt = zckpt.open_checkpoint(str(MEG / name))
+    assert ckpt.state_refusal == reader.DP_REFUSAL
+    assert all(not r.exp_avg for r in ckpt.records)
+
+
+def test_tied_only_where_the_files_say_so():
+    tied = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp2_dp1_tied"))
+    assert [(r.name, r.tied_to) for r in tied.of_kind("tied")] == [reader.TIED]
+    untied = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp1"))
+    assert not untied.of_kind("tied") and "output_layer.weight" in untied.by_name()
+
+
+def test_stacked_and_per_layer_keys_give_the_same_records():
+    stacked = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp1"))
+    perlayer = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp1_perlayer"))
+    assert [(r.name, r.shape) for r in stacked.records] == [(r.name, r.shape) for r in perlayer.records]
+    assert stacked.records[0].name == "embedding.word_embeddings.weight"
+    assert stacked.records[1].name.startswith("decoder.layers.0.")
+
+
+def test_an_iteration_folder_and_a_tag(tmp_path):
+    iter_dir = MEG / "gpt_tp2_pp1_dp1" / "iter_0000003"
+    assert zckpt.open_checkpoint(str(iter_dir)).tag == "iter_0000003"
+    for tag in ("iter_0000003", "3"):
+        assert zckpt.open_checkpoint(str(MEG / "gpt_tp2_pp1_dp1"), tag=tag).tag == "iter_0000003"
+    res = cli("info", MEG / "gpt_tp2_pp1_dp1", "--tag", "iter_0000009")
+    assert res.exit_code != 0 and "iter_0000009" in res.output
+
+
+def test_opened_as_megatron_not_dcp():
+    from zckpt.dcp import reader as dcp_reader
+    iter_dir = str(MEG / "gpt_tp1_pp1_dp1" / "iter_0000003")
+    assert dcp_reader.claims(iter_dir) and reader.claims(iter_dir)
+    assert zckpt.open_checkpoint(iter_dir).format == "megatron"
+
+
+def test_merge_writes_megatron_names_and_the_tied_embedding_once(tmp_path):
+    out = tmp_path / "out"
+    res = cli("merge", MEG / "gpt_tp1_pp2_dp1_tied", "--to", "safetensors", "--dtype", "bf16", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "tensor names are Megatron's" in res.output
+    _, want = oracle("gpt_tp1_pp2_dp1_tied")
+    got = load_file(str(out / "model.safetensors"))
+    weights = {k: v for k, v in want.items() if not k.startswith(STATE)}
+    assert set(got) == set(weights) and "output_layer.weight" not in got
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+
+
+def zckpt_run(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["gpt_tp2_pp1_dp2", "gpt_tp2_pp2_dp1_fullyresh"])
+def test_a_flipped_byte_in_a_distcp_item_is_refused(tmp_path, name):
+    bad = tmp_path / name
+    shutil.copytree(MEG / name, bad)
+    ckpt = zckpt.open_checkpoint(str(bad))
+    rec = next(r for r in ckpt.records if r.kind == "trainable" and r.name.startswith("decoder.layers.1."))
+    piece = rec.value[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + piece.nbytes // 2)
+        b = f.read(1)
+        f.seek(piece.offset + piece.nbytes // 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = tmp_path / "merged"
+    res = zckpt_run("merge", bad, "-o", out, cwd=tmp_path)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and os.path.basename(piece.path) in lines[0] and "CRC-32" in lines[0], res.stderr
+    assert not out.exists()
+    deep = zckpt_run("verify", "--deep", bad, cwd=tmp_path)
+    assert deep.returncode != 0 and os.path.basename(piece.path) in deep.stdout + deep.stderr
+
+
+@pytest.mark.parametrize("damage", ["metadata-missing", "metadata-truncated", "common-missing", "common-truncated"])
+def test_an_incomplete_iteration_is_one_line(tmp_path, damage):
+    bad = tmp_path / "ck"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp1", bad)
+    target = bad / "iter_0000003" / (".metadata" if damage.startswith("metadata") else "common.pt")
+    if damage.endswith("missing"):
+        target.unlink()
+    else:
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    res = zckpt_run("info", bad, cwd=tmp_path)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr and target.name in lines[0], res.stderr
+
+
+def test_other_megatron_layouts_are_refused_in_one_line(tmp_path):
+    legacy = tmp_path / "legacy"
+    (legacy / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+    (legacy / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
+    (legacy / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(UnsupportedLayout, match="legacy 'torch' checkpoint format.*model_optim_rng.pt|"
+                                                "model_optim_rng.pt.*legacy"):
+        zckpt.open_checkpoint(str(legacy))
+    other = tmp_path / "fsdp"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp1", other)
+    (other / "iter_0000003" / "metadata.json").write_text(json.dumps({"sharded_backend": "fsdp_dtensor"}))
+    with pytest.raises(UnsupportedLayout, match="fsdp_dtensor.*torch_dist"):
+        zckpt.open_checkpoint(str(other))
+    res = zckpt_run("info", other, cwd=tmp_path)
+    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_extra_state_other_than_none_is_refused():
+    reader.check_extra_state("k", [None])
+    reader.check_extra_state("k", None)
+    with pytest.raises(UnsupportedLayout, match="TransformerEngine"):
+        reader.check_extra_state("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2", [b"\x80fp8"])
+
+
+# ------------------------------------------------------------------------------ Hugging Face Llama names
+
+def llama_oracle(name: str) -> dict:
+    """The oracle's weights under Llama's names, cut here from the README's layout (not from zckpt's map)."""
+    meta, want = oracle(name)
+    heads, groups, kv = meta["num_attention_heads"], meta["num_query_groups"], meta["kv_channels"]
+    per = heads // groups
+    out = {"model.embed_tokens.weight": want["embedding.word_embeddings.weight"],
+           "model.norm.weight": want["decoder.final_layernorm.weight"]}
+    if not meta["tied_embeddings"]:
+        out["lm_head.weight"] = want["output_layer.weight"]
+    for i in range(meta["num_layers"]):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = want[src + "self_attention.linear_qkv.weight"].reshape(groups, (per + 2) * kv, -1)
+        out[dst + "self_attn.q_proj.weight"] = qkv[:, :per * kv].reshape(heads * kv, -1)
+        out[dst + "self_attn.k_proj.weight"] = qkv[:, per * kv:(per + 1) * kv].reshape(groups * kv, -1)
+        out[dst + "self_attn.v_proj.weight"] = qkv[:, (per + 1) * kv:].reshape(groups * kv, -1)
+        out[dst + "self_attn.o_proj.weight"] = want[src + "self_attention.linear_proj.weight"]
+        gate, up = want[src + "mlp.linear_fc1.weight"].chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = want[src + "mlp.linear_fc2.weight"]
+        out[dst + "input_layernorm.weight"] = want[src + "self_attention.linear_qkv.layer_norm_weight"]
+        out[dst + "post_attention_layernorm.weight"] = want[src + "mlp.linear_fc1.layer_norm_weight"]
+    return out
+
+
+LLAMA = [n for n in NAMES if oracle(n)[0]["gated_linear_unit"]]
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_merge_of_a_llama_shaped_model_loads_in_transformers(tmp_path, name):
+    transformers = pytest.importorskip("transformers")
+    meta, _ = oracle(name)
+    dtype = "fp32" if meta["params_dtype"] == "fp32" else "bf16"
+    out = tmp_path / "hf"
+    res = cli("merge", MEG / name, "--dtype", dtype, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "Hugging Face Llama names" in res.output and "rms_norm_eps" in res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == \
+        (meta["num_query_groups"], meta["kv_channels"], meta["tied_embeddings"])
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(out), torch_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
+    sd = model.state_dict()
+    want = llama_oracle(name)
+    assert set(sd) == set(want) | ({"lm_head.weight"} if meta["tied_embeddings"] else set())
+    for k, v in want.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+    if meta["tied_embeddings"]:
+        assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+        assert torch.equal(sd["lm_head.weight"], want["model.embed_tokens.weight"])
+
+
+def test_native_names_keeps_megatrons_names(tmp_path):
+    out = tmp_path / "native"
+    res = cli("merge", MEG / "gpt_tp2_pp1_dp1", "--dtype", "bf16", "--native-names", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "tensor names are Megatron's" in res.output and not (out / "config.json").exists()
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in load_file(str(out / "model.safetensors"))
+
+
+def test_a_gelu_model_keeps_megatrons_names_and_says_why(tmp_path):
+    res = cli("merge", MEG / "gpt_tp1_pp2_dp1_tied", "-o", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    assert "not mapped to Hugging Face Llama names: the files do not say swiglu" in res.output
+
+
+@pytest.mark.parametrize("name, why", [("gpt_tp2_pp2_dp1_fullyresh", "param groups"),
+                                       ("gpt_tp1_pp1_dp1", "dp_reshardable optimizer buckets")])
+def test_carrying_the_optimizer_state_is_refused_in_one_line(tmp_path, name, why):
+    out = tmp_path / "dcp"
+    res = zckpt_run("convert", MEG / name, "--to", "dcp", "-o", out, cwd=tmp_path)
+    assert res.returncode != 0 and not out.exists()
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], res.stderr

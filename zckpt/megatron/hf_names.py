@@ -1,0 +1,148 @@
+"""Megatron-Core GPT weights under Hugging Face Llama's names, for ``merge`` (the reader keeps Megatron's own).
+
+Used only when the files say the model is Llama-shaped: SwiGLU, RMSNorm, RoPE, no linear biases, and the head
+counts known (``common.pt``'s args). Each mapped tensor is a slice of the record's pieces (row blocks of a
+row-major weight are contiguous bytes), nothing is copied or reordered in memory::
+
+    embedding.word_embeddings.weight                        model.embed_tokens.weight
+    decoder.layers.<i>.self_attention.linear_qkv.weight     model.layers.<i>.self_attn.{q,k,v}_proj.weight
+        rows per query group g: [heads_per_group * kv_channels q rows, kv_channels k rows, kv_channels v rows]
+    decoder.layers.<i>.self_attention.linear_proj.weight    model.layers.<i>.self_attn.o_proj.weight
+    decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight   model.layers.<i>.input_layernorm.weight
+    decoder.layers.<i>.mlp.linear_fc1.weight                model.layers.<i>.mlp.{gate,up}_proj.weight (halves)
+    decoder.layers.<i>.mlp.linear_fc1.layer_norm_weight     model.layers.<i>.post_attention_layernorm.weight
+    decoder.layers.<i>.mlp.linear_fc2.weight                model.layers.<i>.mlp.down_proj.weight
+    decoder.final_layernorm.weight                          model.norm.weight
+    output_layer.weight                                     lm_head.weight (tied: not written, as save_pretrained)
+
+``config.json`` is a ``LlamaConfig`` of what the files hold; ``rms_norm_eps`` and ``rope_theta`` are not saved by
+Megatron-LM's args here and are left out (LlamaConfig's defaults apply: a note says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+from zckpt.engine.segments import Piece
+from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.state.model import Checkpoint, TensorRecord
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SIMPLE = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_LAYER_SIMPLE = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
+          "bf16": "bfloat16", "fp16": "float16"}
+NOT_SAVED = ("rms_norm_eps", "rope_theta")
+
+
+def why_not(f: dict) -> str | None:
+    """Why the files do not say the model is Llama-shaped (None: they do)."""
+    checks = [("swiglu", f.get("swiglu") is True), ("RMSNorm", f.get("normalization") == "RMSNorm"),
+              ("RoPE", f.get("position_embedding_type") == "rope"), ("no linear biases", f.get("add_bias_linear") is False)]
+    checks += [(k, isinstance(f.get(k), int)) for k in ("num_attention_heads", "num_query_groups", "kv_channels",
+                                                         "hidden_size", "ffn_hidden_size", "num_layers")]
+    missing = [what for what, ok in checks if not ok]
+    return f"the files do not say {', '.join(missing)}" if missing else None
+
+
+def cut(pieces: list[Piece], start: int, length: int) -> list[Piece]:
+    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
+    out, at, end = [], 0, start + length
+    for p in pieces:
+        lo, hi = max(start, at), min(end, at + p.numel)
+        if lo < hi:
+            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
+        at += p.numel
+        if at >= end:
+            break
+    return out
+
+
+def _rows(rec: TensorRecord, name: str, blocks: list[tuple[int, int]]) -> TensorRecord:
+    """A record of the rows ``blocks`` [(first row, rows)] of ``rec`` (a 2-D weight), concatenated."""
+    width = rec.shape[1]
+    value = [p for first, n in blocks for p in cut(rec.value, first * width, n * width)]
+    return TensorRecord(name, (sum(n for _, n in blocks), width), rec.kind, rec.dtype, value, group=rec.group,
+                        lp_dtype=rec.lp_dtype)
+
+
+def _mapped(rec: TensorRecord, f: dict) -> list[TensorRecord] | None:
+    if rec.name in _SIMPLE:
+        return [_renamed(rec, _SIMPLE[rec.name])]
+    m = _LAYER.match(rec.name)
+    if not m:
+        return None
+    i, rest = m.groups()
+    pre = f"model.layers.{i}."
+    if rest in _LAYER_SIMPLE:
+        return [_renamed(rec, pre + _LAYER_SIMPLE[rest])]
+    if rest == "mlp.linear_fc1.weight":
+        half = rec.shape[0] // 2
+        return [_rows(rec, pre + "mlp.gate_proj.weight", [(0, half)]),
+                _rows(rec, pre + "mlp.up_proj.weight", [(half, half)])]
+    if rest == "self_attention.linear_qkv.weight":
+        groups, kv = f["num_query_groups"], f["kv_channels"]
+        per = f["num_attention_heads"] // groups
+        stride = (per + 2) * kv
+        if rec.shape[0] != groups * stride:
+            return None
+        return [_rows(rec, pre + "self_attn.q_proj.weight", [(g * stride, per * kv) for g in range(groups)]),
+                _rows(rec, pre + "self_attn.k_proj.weight", [(g * stride + per * kv, kv) for g in range(groups)]),
+                _rows(rec, pre + "self_attn.v_proj.weight", [(g * stride + (per + 1) * kv, kv)
+                                                             for g in range(groups)])]
+    return None
+
+
+def _renamed(rec: TensorRecord, name: str) -> TensorRecord:
+    tied_to = _SIMPLE.get(rec.tied_to, rec.tied_to) if rec.tied_to else None
+    return dataclasses.replace(rec, name=name, tied_to=tied_to, exp_avg=[], exp_avg_sq=[], other_state={})
+
+
+def config(f: dict, dtype: str) -> dict:
+    """The LlamaConfig of what the files say (nothing guessed: see :data:`NOT_SAVED`)."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": f["hidden_size"], "intermediate_size": f["ffn_hidden_size"],
+        "num_hidden_layers": f["num_layers"], "num_attention_heads": f["num_attention_heads"],
+        "num_key_value_heads": f["num_query_groups"], "head_dim": f["kv_channels"], "vocab_size": f["vocab_size"],
+        "tie_word_embeddings": bool(f["tied"]), "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": _DTYPE.get(dtype, dtype),
+    }
+    if isinstance(f.get("max_position_embeddings"), int):
+        cfg["max_position_embeddings"] = f["max_position_embeddings"]
+    return cfg
+
+
+def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, bytes], list[str]]:
+    """``ckpt`` with its records under Llama's names, the ``config.json`` to write beside them and the notes; when
+    the files do not say the model is Llama-shaped, or a tensor has no Llama name, ``ckpt`` as it is (Megatron's
+    names), no files, and a note saying why."""
+    f = ckpt.extra["megatron"]
+    why = why_not(f) or ("the files do not say whether the output layer is tied" if f.get("tied") is None else None)
+    records = []
+    for rec in [] if why else ckpt.records:
+        mapped = _mapped(rec, f)
+        if mapped is None:
+            why = f"'{rec.name}' has no Llama name"
+            break
+        records += mapped
+    if why:
+        return ckpt, {}, [f"{note} (not mapped to Hugging Face Llama names: {why})"
+                          for note in ckpt.extra.get("merge_notes") or []]
+    view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": []})
+    cfg = json.dumps(config(f, dtype), indent=2, sort_keys=True) + "\n"
+    notes = ["Hugging Face Llama names (SwiGLU, RMSNorm, RoPE, no biases: as the files say); config.json leaves "
+             f"{' and '.join(NOT_SAVED)} to LlamaConfig's defaults (not in the checkpoint); --native-names keeps "
+             "Megatron's names"]
+    return view, {"config.json": cfg.encode()}, notes

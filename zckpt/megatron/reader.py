@@ -1,0 +1,366 @@
+"""A Megatron-Core ``torch_dist`` checkpoint (Megatron-LM's default ``--ckpt-format``) as a
+:class:`~zckpt.state.model.Checkpoint` (fixtures/megatron/README.md draws the files)::
+
+    <save>/latest_checkpointed_iteration.txt  the iteration ("3") or "release"; names <save>/iter_0000003
+    <save>/iter_NNNNNNN/metadata.json         {"sharded_backend": "torch_dist", ...}: the only backend read
+    <save>/iter_NNNNNNN/common.pt             torch.save of the non-sharded state (args, iteration, optimizer
+                                              layout and param groups), read through the allow-list
+    <save>/iter_NNNNNNN/.metadata             PyTorch DCP metadata (:mod:`zckpt.encoding.dcpmeta`)
+    <save>/iter_NNNNNNN/__R_I.distcp          DCP items (:mod:`zckpt.encoding.distcp`); each chunk's file is the one
+                                              ``.metadata`` names, never assumed from the rank
+
+Records keep Megatron's names. Layers saved stacked (``decoder.layers.<rest>`` with a leading layer axis) become
+one record per layer, ``decoder.layers.<i>.<rest>``; per-layer keys (``non_homogeneous_layers``) are read as they
+are. A tied output layer (``untie_embeddings_and_output_weights`` false in the args, no ``output_layer.weight``
+saved) is a ``tied`` record ``output_layer.weight`` -> ``embedding.word_embeddings.weight``; without the args no
+tie is assumed.
+
+Optimizer state: ``fully_reshardable`` keeps, per model key, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``
+in model space: each record's value is the fp32 master (``param``; the training-dtype weight is its cast, as
+Megatron copies it), with both moments. The param groups in ``common.pt`` do not list their parameters, so the
+groups are left unknown and carrying the optimizer state elsewhere is refused (``state_refusal``).
+``dp_reshardable`` saves flat DDP buckets that do not record where each parameter sits: the weights are read, the
+optimizer state is refused. ``fully_sharded_model_space``, ``fsdp_dtensor`` and the legacy ``torch`` format
+(``mp_rank_XX/model_optim_rng.pt``) are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from zckpt.encoding import dcpmeta, distcp, safeload
+from zckpt.encoding.safeload import Inert
+from zckpt.errors import (
+    CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
+)
+from zckpt.io import links, storage
+from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors, pieces_of
+
+FORMAT = "megatron"
+CRC_ENTRIES = "zckpt.megatron.entries"  # crc_entries(ckpt): the zip entries guarding the .distcp items' bytes
+MERGE_VIEW = "zckpt.megatron.hf_names"  # merge_view(ckpt, dtype): the records under Hugging Face Llama's names
+
+LATEST = "latest_checkpointed_iteration.txt"
+META_JSON = "metadata.json"
+COMMON = "common.pt"
+METADATA = ".metadata"
+ITER_RE = re.compile(r"^iter_\d{7}$")
+_DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RNG_RE = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")  # shard_{pp}.{tp}_{PP}.{TP}
+LAYERS = "decoder.layers."
+OPTIM_STATE = "optimizer.state."
+STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+READ_LAYOUTS = ("fully_reshardable", "dp_reshardable")
+SUPPORTED = ("Megatron-Core torch_dist checkpoints (metadata.json sharded_backend torch_dist) with the "
+             "fully_reshardable or dp_reshardable distributed-optimizer layout")
+TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
+DP_REFUSAL = ("dp_reshardable optimizer buckets do not record parameter offsets; save with "
+              "--dist-ckpt-optim-fully-reshardable to carry the optimizer state (the weights read exactly)")
+GROUPS_REFUSAL = ("Megatron's param groups (common.pt) do not say which parameter is in which group; the masters "
+                  "and moments read exactly, but the optimizer state cannot be carried to another format")
+_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+# ------------------------------------------------------------------------------------------------ finding it
+
+def _isfile(path: str, opts) -> bool:
+    try:
+        return storage.isfile(path, opts)
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+
+
+def claims(path: str, storage_options: dict | None = None) -> bool:
+    """A Megatron save folder (``latest_checkpointed_iteration.txt``), or an ``iter_NNNNNNN`` folder with
+    Megatron's ``metadata.json`` or legacy ``mp_rank_XX`` folders: claimed before DCP (torch_dist has ``.metadata``
+    too), so that a layout zckpt does not read is refused as Megatron's."""
+    path = str(path).rstrip("/") or "/"
+    if _isfile(storage.join(path, LATEST), storage_options):
+        return True
+    if not ITER_RE.match(storage.basename(path)):
+        return False
+    if _isfile(storage.join(path, META_JSON), storage_options):
+        return True
+    try:
+        return any(n.startswith("mp_rank_") for n in storage.listdir(path, storage_options))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return False
+
+
+def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
+    """(save folder, iteration folder, whether the save folder's latest file was read)."""
+    path = str(path).rstrip("/") or "/"
+    if not storage.exists(path, opts):
+        raise CheckpointNotFound("no such file or folder", path=path)
+    latest = storage.join(path, LATEST)
+    if _isfile(latest, opts):
+        named_by = "the tag given" if tag is not None else LATEST
+        if tag is None:
+            text = storage.read_bytes(latest, opts).decode("utf-8", "replace").strip()
+            if text == "release":
+                tag = "release"
+            elif text.isdigit():
+                tag = f"iter_{int(text):07d}"
+            else:
+                raise CorruptFile(f"{LATEST} holds {text[:40]!r}, not an iteration", path=latest)
+        elif tag.isdigit():
+            tag = f"iter_{int(tag):07d}"
+        if not (ITER_RE.match(tag) or tag == "release"):
+            raise InvalidArgument(f"tag {tag!r} is not a Megatron iteration folder (iter_NNNNNNN)", path=path,
+                                  hint="pass --tag iter_0000100 (or the iteration number)")
+        folder = storage.join(path, tag)
+        if not storage.exists(folder, opts):
+            raise IncompleteCheckpoint(f"{folder}: missing: the iteration folder {named_by} names", path=folder)
+        return path, folder, True
+    if tag is not None:
+        raise InvalidArgument("`tag` picks an iteration of a Megatron save folder; this is one iteration folder",
+                              path=path, hint="drop `tag`, or pass the save folder")
+    return storage.parent(path), path, False
+
+
+def _backend(folder: str, opts) -> None:
+    """Refuse, in one line, every Megatron layout but torch_dist."""
+    meta = storage.join(folder, META_JSON)
+    if not _isfile(meta, opts):
+        names = storage.listdir(folder, opts)
+        legacy = sorted(n for n in names if n.startswith("mp_rank_"))
+        if legacy:
+            raise UnsupportedLayout(f"{storage.join(folder, legacy[0], 'model_optim_rng.pt')}: Megatron's legacy "
+                                    f"'torch' checkpoint format; zckpt reads {SUPPORTED}", path=folder,
+                                    hint="re-save with --ckpt-format torch_dist (--ckpt-convert-format)")
+        raise IncompleteCheckpoint(f"{meta}: missing: Megatron writes it with every distributed checkpoint",
+                                   path=meta, hint="use the folder of a finished save")
+    try:
+        doc = json.loads(storage.read_bytes(meta, opts))
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptFile(f"{META_JSON} is not JSON", path=meta) from None
+    backend = doc.get("sharded_backend") if isinstance(doc, dict) else None
+    if backend != "torch_dist":
+        raise UnsupportedLayout(f"{meta}: sharded_backend {str(backend)[:40]!r}; zckpt reads {SUPPORTED}",
+                                path=meta)
+
+
+# ------------------------------------------------------------------------------------------------ facts
+
+def _args(common: dict) -> dict:
+    args = common.get("args")
+    if isinstance(args, Inert):
+        return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    return dict(args) if isinstance(args, dict) else {}
+
+
+def _int(v):
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
+    """What the files say about the run: from the args Megatron-LM saves, ``content_metadata`` and the names of
+    the rng-state shards; a value the files do not hold is None (never guessed)."""
+    a = _args(common)
+    content = common.get("content_metadata") if isinstance(common.get("content_metadata"), dict) else {}
+    optim = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    tp, pp = _int(a.get("tensor_model_parallel_size")), _int(a.get("pipeline_model_parallel_size"))
+    rng = [m for k in md.values if (m := _RNG_RE.match(k))]
+    if rng:
+        tp = tp or int(rng[0].group(4))
+        pp = pp or int(rng[0].group(3))
+    world = _int(a.get("world_size")) or ((ranks[-1] + 1) if ranks else None)
+    dp = _int(a.get("data_parallel_size"))
+    if dp is None and tp and pp and world and world % (tp * pp) == 0:
+        dp = world // (tp * pp)
+    untie = a.get("untie_embeddings_and_output_weights")
+    layout = content.get("distrib_optim_sharding_type") or optim.get("param_state_sharding_type")
+    return {
+        "tp": tp, "pp": pp, "dp": dp, "world_size": world,
+        "num_layers": _int(a.get("num_layers")), "hidden_size": _int(a.get("hidden_size")),
+        "num_attention_heads": _int(a.get("num_attention_heads")),
+        "num_query_groups": _int(a.get("num_query_groups")) if a.get("group_query_attention", True) else None,
+        "kv_channels": _int(a.get("kv_channels")), "ffn_hidden_size": _int(a.get("ffn_hidden_size")),
+        "vocab_size": _int(a.get("padded_vocab_size")),
+        "swiglu": a.get("swiglu") if isinstance(a.get("swiglu"), bool) else None,
+        "tied": (not untie) if isinstance(untie, bool) else None,
+        "normalization": a.get("normalization"), "position_embedding_type": a.get("position_embedding_type"),
+        "add_bias_linear": a.get("add_bias_linear") if isinstance(a.get("add_bias_linear"), bool) else None,
+        "params_dtype": a.get("params_dtype"), "max_position_embeddings": _int(a.get("max_position_embeddings")),
+        "iteration": _int(common.get("iteration")) if _int(common.get("iteration")) is not None
+        else _int(a.get("iteration")),
+        "optimizer_layout": layout, "checkpoint_version": common.get("checkpoint_version"),
+        "content_metadata": dict(content), "has_args": bool(a),
+    }
+
+
+def check_extra_state(key: str, value, path: str | None = None) -> None:
+    """``_extra_state`` of the local spec is ``[None]`` (or None): dropped. Anything else is TransformerEngine's
+    (FP8 scaling factors and history), which no other format holds: refused, never dropped silently."""
+    if value is None or (isinstance(value, list) and all(v is None for v in value)):
+        return
+    raise UnsupportedLayout(f"'{key}' holds TransformerEngine extra state (FP8 metadata), which zckpt cannot carry "
+                            "into another format", path=path,
+                            hint="save from a model without FP8 (--fp8-format unset), or with the local spec")
+
+
+def _extra_states(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> int:
+    n = 0
+    for key, v in md.values.items():
+        if "._extra_state" not in key:
+            continue
+        try:
+            value = items.load(v.file, v.offset, v.length)
+        except UnsafePickle:
+            value = "TE"
+        check_extra_state(key, value, mpath)
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ records
+
+class _Tensors:
+    """Pieces of ranges of a DCP tensor (each chunk's zip read once)."""
+
+    def __init__(self, items: distcp.Items, mpath: str):
+        self.items, self.mpath, self.cache = items, mpath, {}
+
+    def pieces(self, te: dcpmeta.TensorEntry, start: int = 0, length: int | None = None) -> list:
+        runs = distcp.tensor_runs(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
+        return [p for t, local, n in runs for p in pieces_of(t, local, n)]
+
+
+def _model_keys(md: dcpmeta.DcpMetadata) -> list[str]:
+    return [k for k in md.tensors if not k.startswith(("optimizer.", "rng_state"))]
+
+
+def _entries(md: dcpmeta.DcpMetadata, num_layers, mpath: str) -> list[tuple]:
+    """(record name, model key, layer or None, shape), in model order: embedding, the layers, the rest."""
+    out = []
+    order = {k: i for i, k in enumerate(md.tensors)}
+    for key in _model_keys(md):
+        te = md.tensors[key]
+        if key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
+            if not te.shape or (num_layers is not None and te.shape[0] != num_layers):
+                raise UnsupportedLayout(f"'{key}' has size {list(te.shape)}: not stacked over the "
+                                        f"{num_layers} layers the args name", path=mpath)
+            rest = key[len(LAYERS):]
+            out += [(f"{LAYERS}{i}.{rest}", key, i, tuple(te.shape[1:])) for i in range(te.shape[0])]
+        else:
+            out.append((key, key, None, tuple(te.shape)))
+
+    def rank(e):
+        name = e[0]
+        if name.startswith(LAYERS):
+            return (1, int(name[len(LAYERS):].split(".", 1)[0]), order[e[1]])
+        return (0 if name.startswith("embedding.") else 2, 0, order[e[1]])
+    return sorted(out, key=rank)
+
+
+def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) -> list[TensorRecord]:
+    fully = f["optimizer_layout"] == "fully_reshardable"
+    records = []
+    for name, key, layer, shape in _entries(md, f["num_layers"], mpath):
+        te = md.tensors[key]
+        per = te.numel // te.shape[0] if layer is not None else te.numel
+        start = layer * per if layer is not None else 0
+        value = tensors.pieces(te, start, per)
+        rec = TensorRecord(name, shape, "trainable", te.dtype, value, lp_dtype=te.dtype)
+        state = {k: md.tensors.get(f"{OPTIM_STATE}{k}.{key}") for k in STATE_KEYS}
+        if fully and any(state.values()):
+            for k, s in state.items():
+                if s is None or tuple(s.shape) != tuple(te.shape):
+                    raise CorruptFile(f"'{key}': optimizer.state.{k} is " + (
+                        "missing" if s is None else f"of size {list(s.shape)}, the weight {list(te.shape)}"),
+                        path=mpath)
+            master = tensors.pieces(state["param"], start, per)
+            rec.value, rec.dtype = master, state["param"].dtype
+            rec.exp_avg = tensors.pieces(state["exp_avg"], start, per)
+            rec.exp_avg_sq = tensors.pieces(state["exp_avg_sq"], start, per)
+        records.append(rec)
+    names = {r.name for r in records}
+    if f["tied"] and TIED[0] not in names and TIED[1] in names:
+        src = next(r for r in records if r.name == TIED[1])
+        records.append(TensorRecord(TIED[0], src.shape, "tied", src.dtype, tied_to=TIED[1]))
+    return records
+
+
+def _step(common: dict) -> tuple[list[dict], object]:
+    """The param groups' hyperparameters in common.pt (fully_reshardable) and their one Adam step (None when
+    they disagree or are not saved)."""
+    groups = (((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
+              if isinstance(common.get("optimizer"), dict) else None)
+    groups = [dict(g) for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
+    steps = {g.get("step") for g in groups}
+    step = steps.pop() if len(steps) == 1 else None
+    return groups, (int(step) if isinstance(step, float) and step.is_integer() else step)
+
+
+# ------------------------------------------------------------------------------------------------ read
+
+def read(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
+    """The opener's read: the iteration ``latest_checkpointed_iteration.txt`` names (``tag``: another
+    ``iter_NNNNNNN``, or its number), or the iteration folder given; metadata only."""
+    opts = storage_options
+    save_dir, folder, has_latest = locate(path, tag, opts)
+    _backend(folder, opts)
+    common_path, mpath = storage.join(folder, COMMON), storage.join(folder, METADATA)
+    for p, what in ((mpath, "DCP's .metadata (written last by the save: it did not finish)"),
+                    (common_path, "common.pt (the non-sharded state, written by rank 0)")):
+        if not _isfile(p, opts):
+            raise IncompleteCheckpoint(f"{p}: missing: {what}", path=p, hint="use the folder of a finished save")
+    names = storage.listdir(folder, opts)
+    sizes = {n: storage.size(storage.join(folder, n), opts) for n in names if _isfile(storage.join(folder, n), opts)}
+    links.check([mpath, common_path], folder)
+    data = storage.read_bytes(mpath, opts)
+    md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
+    links.check([storage.join(folder, n) for n in md.files], folder)
+    common = safeload.load(common_path, storage_options=opts)
+    if not isinstance(common, dict):
+        raise CorruptFile("common.pt does not hold a dict", path=common_path)
+    with metadata_errors(mpath):
+        return _build(path, save_dir, folder, has_latest, opts, md, common, sizes)
+
+
+def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Checkpoint:
+    mpath = storage.join(folder, METADATA)
+    ranks = sorted({int(m.group(1)) for n in md.files if (m := _DATA_RE.match(n))})
+    f = facts(common, md, ranks)
+    layout = f["optimizer_layout"]
+    if layout not in READ_LAYOUTS:
+        raise UnsupportedLayout(f"{storage.join(folder, COMMON)}: distributed-optimizer layout {str(layout)[:40]!r}; "
+                                f"zckpt reads {SUPPORTED}", path=folder)
+    if not _model_keys(md):
+        raise CorruptFile("no model tensors in .metadata", path=mpath)
+    items = distcp.Items(folder, opts)
+    try:
+        n_extra = _extra_states(items, md, mpath)
+        records = _records(_Tensors(items, mpath), md, f, mpath)
+    finally:
+        items.close()
+    groups, step = _step(common)
+    notes = ["names are Megatron's (decoder.layers.<i>.<...>, TE-style fused norm names as saved); "
+             "stacked layers split per layer"]
+    if layout == "dp_reshardable":
+        refusal = DP_REFUSAL
+        notes.append("optimizer state not read: " + DP_REFUSAL)
+    else:
+        refusal = GROUPS_REFUSAL
+        notes.append("param groups unknown: " + GROUPS_REFUSAL)
+    if f["tied"] is None and TIED[0] not in {r.name for r in records}:
+        notes.append("no output_layer.weight and no args saying whether it is tied: none assumed")
+    elif f["tied"] and any(r.kind == "tied" for r in records):
+        notes.append(f"tied: {TIED[0]} -> {TIED[1]} (args: untie_embeddings_and_output_weights false)")
+    data_files = [RankFile(storage.join(folder, n), n, "data", None, 0, sizes.get(n, -1)) for n in md.files]
+    data_files += [RankFile(storage.join(folder, METADATA), METADATA, "metadata", None, 0, sizes.get(METADATA, -1)),
+                   RankFile(storage.join(folder, COMMON), COMMON, "common", None, 0, sizes.get(COMMON, -1))]
+    loc = Location(str(path).rstrip("/") or "/", save_dir, storage.basename(folder), folder, None,
+                   data_files=data_files, has_latest=has_latest, storage_options=opts)
+    masters = sorted({r.dtype for r in records if r.kind == "trainable"}) or ["float32"]
+    precision = "bf16" if _args(common).get("bf16") else "fp16" if _args(common).get("fp16") else \
+        _PRECISION.get(masters[0], masters[0])
+    merge_notes = ["tensor names are Megatron's (decoder.layers.<i>.self_attention.linear_qkv.weight...), not a "
+                   "Hugging Face model's: the folder holds the weights, not a transformers model"]
+    extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step, "extra_states": n_extra,
+             "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}
+    return Checkpoint(loc, 0, "megatron", precision, f["world_size"] or len(ranks), records, [], {}, [], [],
+                      notes=notes, format=FORMAT, extra=extra, state_refusal=refusal,
+                      reshard_refusal="zckpt does not re-partition Megatron checkpoints; `zckpt merge` gives the "
+                                      "consolidated weights")
