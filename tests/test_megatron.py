@@ -248,18 +248,20 @@ def llama_oracle(name: str) -> dict:
 LLAMA = [n for n in NAMES if oracle(n)[0]["gated_linear_unit"]]
 
 
-@pytest.mark.parametrize("name", LLAMA)
-def test_merge_of_a_llama_shaped_model_loads_in_transformers(tmp_path, name):
-    transformers = pytest.importorskip("transformers")
-    meta, _ = oracle(name)
-    dtype = "fp32" if meta["params_dtype"] == "fp32" else "bf16"
-    out = tmp_path / "hf"
-    res = cli("merge", MEG / name, "--dtype", dtype, "-o", out)
-    assert res.exit_code == 0, res.output
-    assert "Hugging Face Llama names" in res.output and "rms_norm_eps" in res.output
-    cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == \
-        (meta["num_query_groups"], meta["kv_channels"], meta["tied_embeddings"])
+# TransformerConfig's defaults, which the generator's models ran with (fixtures/megatron/generate.py names neither)
+MEGATRON_NORM_EPS, MEGATRON_ROPE_BASE = 1e-5, 10000
+
+
+def _llama_config(meta: dict, dtype: str) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": meta["hidden_size"], "intermediate_size": meta["ffn_hidden_size"],
+            "num_hidden_layers": meta["num_layers"], "num_attention_heads": meta["num_attention_heads"],
+            "num_key_value_heads": meta["num_query_groups"], "head_dim": meta["kv_channels"],
+            "vocab_size": meta["vocab_size"], "tie_word_embeddings": meta["tied_embeddings"],
+            "rms_norm_eps": MEGATRON_NORM_EPS, "rope_theta": MEGATRON_ROPE_BASE, "torch_dtype": dtype}
+
+
+def _check_loads(transformers, out, name, meta, dtype):
     model = transformers.LlamaForCausalLM.from_pretrained(
         str(out), torch_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     sd = model.state_dict()
@@ -270,6 +272,50 @@ def test_merge_of_a_llama_shaped_model_loads_in_transformers(tmp_path, name):
     if meta["tied_embeddings"]:
         assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
         assert torch.equal(sd["lm_head.weight"], want["model.embed_tokens.weight"])
+    return model
+
+
+@pytest.mark.parametrize("name", LLAMA)
+def test_merge_of_a_llama_shaped_model_loads_in_transformers(tmp_path, name):
+    """The fixtures' args hold no --norm-epsilon / --rotary-base: the weights get Llama's names, and no config.json
+    is guessed (LlamaConfig's rms_norm_eps default, 1e-6, is not Megatron's 1e-5); with the run's config beside
+    them, from_pretrained loads Megatron's tensors bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    meta, _ = oracle(name)
+    dtype = "fp32" if meta["params_dtype"] == "fp32" else "bf16"
+    out = tmp_path / "hf"
+    res = cli("merge", MEG / name, "--dtype", dtype, "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "Hugging Face Llama names" in res.output and "no config.json written" in res.output
+    assert "norm_epsilon" in res.output and "rotary_base" in res.output and not (out / "config.json").exists()
+    (out / "config.json").write_text(json.dumps(_llama_config(meta, "float32" if dtype == "fp32" else "bfloat16")))
+    _check_loads(transformers, out, name, meta, dtype)
+
+
+def test_config_json_from_the_args_when_they_hold_it(tmp_path):
+    """Args as Megatron-LM saves them (norm_epsilon, rotary_base, rotary_percent): config.json carries them."""
+    transformers = pytest.importorskip("transformers")
+    name = "gpt_tp2_pp1_dp1"
+    src = tmp_path / name
+    shutil.copytree(MEG / name, src)
+    common = src / "iter_0000003" / "common.pt"
+    state = torch.load(common, weights_only=False)  # our own committed fixture
+    state["args"].norm_epsilon, state["args"].rotary_base, state["args"].rotary_percent = 1e-5, 10000, 1.0
+    torch.save(state, common)
+    meta, _ = oracle(name)
+    out = tmp_path / "hf"
+    res = cli("merge", src, "--dtype", "bf16", "-o", out)
+    assert res.exit_code == 0, res.output
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["rms_norm_eps"], cfg["rope_theta"]) == (1e-5, 10000)
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["tie_word_embeddings"]) == \
+        (meta["num_query_groups"], meta["kv_channels"], meta["tied_embeddings"])
+    model = _check_loads(transformers, out, name, meta, "bf16")
+    assert model.config.rms_norm_eps == 1e-5
+    state["args"].rotary_percent = 0.5  # partial RoPE: not Llama's; still no config guessed
+    torch.save(state, common)
+    res = cli("merge", src, "--dtype", "bf16", "-o", tmp_path / "hf2")
+    assert res.exit_code == 0 and "partial RoPE" in res.output and not (tmp_path / "hf2" / "config.json").exists()
 
 
 def test_native_names_keeps_megatrons_names(tmp_path):

@@ -15,8 +15,10 @@ row-major weight are contiguous bytes), nothing is copied or reordered in memory
     decoder.final_layernorm.weight                          model.norm.weight
     output_layer.weight                                     lm_head.weight (tied: not written, as save_pretrained)
 
-``config.json`` is a ``LlamaConfig`` of what the files hold; ``rms_norm_eps`` and ``rope_theta`` are not saved by
-Megatron-LM's args here and are left out (LlamaConfig's defaults apply: a note says so).
+``config.json`` is a ``LlamaConfig`` of what the files hold, written only when they hold all of it: the RMSNorm
+epsilon and the RoPE base change the model's outputs, and LlamaConfig's defaults (1e-6, 10000) are not Megatron's
+(``--norm-epsilon`` 1e-5): without ``norm_epsilon`` and ``rotary_base`` (and ``rotary_percent`` 1.0) in the args,
+the weights are written under Llama's names and no ``config.json`` (a note names what is missing).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ _LAYER_SIMPLE = {
 }
 _DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32",
           "bf16": "bfloat16", "fp16": "float16"}
-NOT_SAVED = ("rms_norm_eps", "rope_theta")
+CONFIG_FACTS = {"norm_epsilon": "rms_norm_eps", "rotary_base": "rope_theta"}  # the args' name -> LlamaConfig's
 
 
 def why_not(f: dict) -> str | None:
@@ -110,7 +112,7 @@ def _renamed(rec: TensorRecord, name: str) -> TensorRecord:
 
 
 def config(f: dict, dtype: str) -> dict:
-    """The LlamaConfig of what the files say (nothing guessed: see :data:`NOT_SAVED`)."""
+    """The LlamaConfig of what the files say (nothing guessed: :func:`config_missing` must be empty)."""
     cfg = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": f["hidden_size"], "intermediate_size": f["ffn_hidden_size"],
@@ -121,7 +123,17 @@ def config(f: dict, dtype: str) -> dict:
     }
     if isinstance(f.get("max_position_embeddings"), int):
         cfg["max_position_embeddings"] = f["max_position_embeddings"]
+    cfg.update({hf: f[arg] for arg, hf in CONFIG_FACTS.items()})
     return cfg
+
+
+def config_missing(f: dict) -> list[str]:
+    """What the args lack for a ``config.json`` that computes what the Megatron model computed."""
+    missing = [arg for arg in CONFIG_FACTS if f.get(arg) is None]
+    if f.get("rotary_percent") != 1.0:
+        missing.append("rotary_percent (1.0)" if f.get("rotary_percent") is None else
+                       f"rotary_percent 1.0 (it is {f['rotary_percent']}: partial RoPE is not Llama's)")
+    return missing
 
 
 def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, bytes], list[str]]:
@@ -141,8 +153,13 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
         return ckpt, {}, [f"{note} (not mapped to Hugging Face Llama names: {why})"
                           for note in ckpt.extra.get("merge_notes") or []]
     view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": []})
-    cfg = json.dumps(config(f, dtype), indent=2, sort_keys=True) + "\n"
-    notes = ["Hugging Face Llama names (SwiGLU, RMSNorm, RoPE, no biases: as the files say); config.json leaves "
-             f"{' and '.join(NOT_SAVED)} to LlamaConfig's defaults (not in the checkpoint); --native-names keeps "
+    notes = ["Hugging Face Llama names (SwiGLU, RMSNorm, RoPE, no biases: as the files say); --native-names keeps "
              "Megatron's names"]
+    missing = config_missing(f)
+    if missing:
+        notes.append(f"no config.json written: the checkpoint's args do not hold {', '.join(missing)}, which "
+                     "LlamaConfig needs to compute what the Megatron model computed (its defaults differ); write "
+                     "config.json with the run's --norm-epsilon and --rotary-base")
+        return view, {}, notes
+    cfg = json.dumps(config(f, dtype), indent=2, sort_keys=True) + "\n"
     return view, {"config.json": cfg.encode()}, notes

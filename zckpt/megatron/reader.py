@@ -154,6 +154,11 @@ def _int(v):
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _num(v):
+    """A number the args hold (int or float, not a bool), else None."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
     """What the files say about the run: from the args Megatron-LM saves, ``content_metadata`` and the names of
     the rng-state shards; a value the files do not hold is None (never guessed)."""
@@ -175,7 +180,9 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
         "tp": tp, "pp": pp, "dp": dp, "world_size": world,
         "num_layers": _int(a.get("num_layers")), "hidden_size": _int(a.get("hidden_size")),
         "num_attention_heads": _int(a.get("num_attention_heads")),
-        "num_query_groups": _int(a.get("num_query_groups")) if a.get("group_query_attention", True) else None,
+        # grouped-query attention as the args say it: off means one group per head, unsaid means unknown
+        "num_query_groups": (_int(a.get("num_query_groups")) if a.get("group_query_attention") is True else
+                             _int(a.get("num_attention_heads")) if a.get("group_query_attention") is False else None),
         "kv_channels": _int(a.get("kv_channels")), "ffn_hidden_size": _int(a.get("ffn_hidden_size")),
         "vocab_size": _int(a.get("padded_vocab_size")),
         "swiglu": a.get("swiglu") if isinstance(a.get("swiglu"), bool) else None,
@@ -183,6 +190,8 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
         "normalization": a.get("normalization"), "position_embedding_type": a.get("position_embedding_type"),
         "add_bias_linear": a.get("add_bias_linear") if isinstance(a.get("add_bias_linear"), bool) else None,
         "params_dtype": a.get("params_dtype"), "max_position_embeddings": _int(a.get("max_position_embeddings")),
+        "norm_epsilon": _num(a.get("norm_epsilon")), "rotary_base": _num(a.get("rotary_base")),
+        "rotary_percent": _num(a.get("rotary_percent")),
         "iteration": _int(common.get("iteration")) if _int(common.get("iteration")) is not None
         else _int(a.get("iteration")),
         "optimizer_layout": layout, "checkpoint_version": common.get("checkpoint_version"),
