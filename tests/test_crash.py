@@ -122,8 +122,9 @@ def test_injected_write_failure(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data, offset)
 
-    monkeypatch.setattr(merge_mod.os, "pwrite", failing)
-    monkeypatch.setattr(merge_mod.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")),
+    from zckpt.engine import run as run_mod  # where the merge's byte loop lives (its os is the os module)
+    monkeypatch.setattr(run_mod.os, "pwrite", failing)
+    monkeypatch.setattr(run_mod.os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "x")),
                         raising=False)
     out = tmp_path / "out"
     with pytest.raises(OSError) as err:
