@@ -36,6 +36,18 @@ log = logging.getLogger(__name__)
 PURE_CAST_BYTES = 32 << 20  # bf16 -> fp32 output bytes below which a pure-Python upcast beats importing numpy
 
 
+def stepper(total: int, progress: Callable[[int, int], None] | None) -> Callable[[int], None]:
+    """``step(n)``: ``n`` more bytes written, reported to ``progress(done, total)`` when given."""
+    done = [0]
+
+    def step(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+
+    return step
+
+
 def shard_jobs(shard) -> Iterator[tuple[int, list, str]]:
     """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
     for t in shard.tensors:
@@ -80,12 +92,7 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     out_opts = storage_options if output_storage_options is None else output_storage_options
     publish.check_output(out, "merge", source, overwrite, out_opts)
     workers = workers or min(8, os.cpu_count() or 2)
-    done = [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], plan.total_size)
+    step = stepper(plan.total_size, progress)
 
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
@@ -146,12 +153,7 @@ def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = Fa
                               hint="plan with plan_reshard")
     publish.check_output(out, kind, source, overwrite)
     workers = workers or min(8, os.cpu_count() or 2)
-    total, done = plan.total_bytes, [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], total)
+    step = stepper(plan.total_bytes, progress)
 
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
@@ -215,12 +217,7 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     ``check``: the input check every byte read is reported to, checked before the rename."""
     publish.check_output(out, "convert", source, overwrite)
     workers = workers or min(8, os.cpu_count() or 2)
-    total, done = plan.total_bytes, [0]
-
-    def step(n):
-        done[0] += n
-        if progress:
-            progress(done[0], total)
+    step = stepper(plan.total_bytes, progress)
 
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:

@@ -12,40 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from zckpt.io import hashing, storage
 from zckpt.state.model import Checkpoint
-from zckpt.backup.manifest import MANIFEST_NAME
 from zckpt.errors import CorruptFile, ZckptError
 from zckpt.encoding import legacy
 from zckpt.encoding.safeload import LazyTensor, legacy_layout
 from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
 from zckpt.backup.files import CheckpointFile
 from zckpt.backup.scan import latest_problem, safetensors_problem
-from zckpt.units import format_size
-
-MANIFEST = MANIFEST_NAME  # written by zckpt push
-
-
-
-#: what to do when a check fails, by check name (parameters in backquotes, shown as flags by the CLI)
-NEXT_STEPS = {
-    "latest": "write the tag's name into 'latest' as DeepSpeed does (printf TAG > latest), or choose the tag with "
-              "`tag`",
-    "CRC of every entry": "the bytes of that file are damaged: copy it again from where it was saved (or a "
-                          "backup), or use an earlier tag with `tag`",
-    "CRC of every item": "the bytes of that .distcp file are damaged: copy it again from where it was saved (or a "
-                         "backup)",
-    "CRC of the other files": "the bytes of that file are damaged: copy it again from where it was saved (or a "
-                              "backup)",
-    "manifest": "files differ from what zckpt push sent: push again from the source, or copy them again",
-    "zckpt output committed": "the output was interrupted or is still being written: run the command again",
-    "safetensors headers": "a weight file is damaged or truncated: run the merge again",
-    "versions agree": "the rank files come from different saves: use an earlier tag with `tag`",
-    "dp_world_size": "the rank files come from different saves: use an earlier tag with `tag`",
-    "shapes agree": "the rank files come from different saves or are damaged: use an earlier tag with `tag`",
-    "optimizer state": "some parameters have no Adam moments: use an earlier tag with `tag`",
-    "steps agree": "the rank files come from different steps: use an earlier tag with `tag`",
-}
-
 from zckpt.ops.verify_report import VerifyReport
+from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
