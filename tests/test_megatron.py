@@ -340,3 +340,16 @@ def test_carrying_the_optimizer_state_is_refused_in_one_line(tmp_path, name, why
     assert res.returncode != 0 and not out.exists()
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and why in lines[0], res.stderr
+
+
+def test_a_save_folder_without_its_latest_file_names_its_iterations(tmp_path):
+    """No latest_checkpointed_iteration.txt (a save that did not finish?): one line naming the iterations, and
+    --tag picks one; never read as another format."""
+    src = tmp_path / "save"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp1", src)
+    (src / "latest_checkpointed_iteration.txt").unlink()
+    res = zckpt_run("info", src, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and "iter_0000003" in lines[0] and "--tag" in lines[0], res.stderr
+    res = zckpt_run("info", src, "--tag", "3", cwd=tmp_path)
+    assert res.returncode == 0 and "Megatron-Core torch_dist" in res.stdout, res.stderr

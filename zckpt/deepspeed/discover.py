@@ -107,8 +107,10 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
                 raise InvalidArgument("this is a training output folder, not a checkpoint", path=path,
                                       hint=f"pass one of its checkpoints, e.g. {storage.join(path, ckpts[-1])}; "
                                            "zckpt's --latest picks the newest complete one")
-            raise CheckpointNotFound("no DeepSpeed checkpoint here (no 'latest' file and no *_states.pt files)",
-                                     path=path, hint="pass a DeepSpeed save folder, a tag folder or a checkpoint-N")
+            raise CheckpointNotFound("no checkpoint here (no DeepSpeed 'latest' or *_states.pt files, no DCP "
+                                     ".metadata, no Megatron latest_checkpointed_iteration.txt or iter_NNNNNNN)",
+                                     path=path, hint="pass a DeepSpeed save folder, a tag folder or a checkpoint-N, "
+                                                     "a DCP folder, or a Megatron save or iteration folder")
     tag_dir = storage.join(path, tag)
     if not storage.isdir(tag_dir, opts):
         if tag_from_user:

@@ -79,13 +79,22 @@ def claims(path: str, storage_options: dict | None = None) -> bool:
     if _isfile(storage.join(path, LATEST), storage_options):
         return True
     if not ITER_RE.match(storage.basename(path)):
-        return False
+        return bool(_iterations(path, storage_options))  # a save folder whose latest file is missing
     if _isfile(storage.join(path, META_JSON), storage_options):
         return True
     try:
         return any(n.startswith("mp_rank_") for n in storage.listdir(path, storage_options))
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return False
+
+
+def _iterations(path: str, opts) -> list[str]:
+    """The ``iter_NNNNNNN`` folders of ``path`` that hold Megatron's ``metadata.json``, oldest first."""
+    try:
+        names = storage.listdir(path, opts)
+    except (FileNotFoundError, NotADirectoryError, ValueError, OSError):
+        return []
+    return sorted(n for n in names if ITER_RE.match(n) and _isfile(storage.join(path, n, META_JSON), opts))
 
 
 def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
@@ -113,6 +122,17 @@ def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
         if not storage.exists(folder, opts):
             raise IncompleteCheckpoint(f"{folder}: missing: the iteration folder {named_by} names", path=folder)
         return path, folder, True
+    if not ITER_RE.match(storage.basename(path)):  # a save folder without its latest file
+        iters = _iterations(path, opts)
+        if tag is None:
+            raise IncompleteCheckpoint(f"a Megatron save folder without {LATEST} (iterations: {', '.join(iters)}); "
+                                       "the last save may not have finished", path=path,
+                                       hint=f"pick one with `tag`, e.g. `tag`={iters[-1]}, or pass its folder")
+        tag = f"iter_{int(tag):07d}" if tag.isdigit() else tag
+        if tag not in iters:
+            raise InvalidArgument(f"no iteration folder {tag!r} with Megatron's {META_JSON} here", path=path,
+                                  hint=f"choose one of {', '.join(iters)}")
+        return path, storage.join(path, tag), False
     if tag is not None:
         raise InvalidArgument("`tag` picks an iteration of a Megatron save folder; this is one iteration folder",
                               path=path, hint="drop `tag`, or pass the save folder")
