@@ -223,9 +223,9 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     try:
         with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
             for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
-                copy_file(src, pub.path(rel), storage_options, check)
+                nbytes = copy_file(src, pub.path(rel), storage_options, check)
                 pub.done(rel)
-                step(os.path.getsize(pub.path(rel)))
+                step(nbytes)
             with ThreadPoolExecutor(workers) as pool:
                 for folder, part in plan.parts:
                     write_dcp_part(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
