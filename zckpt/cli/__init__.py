@@ -198,7 +198,8 @@ Set ZCKPT_DEBUG=1 (or pass --debug) for tracebacks.""",
 @click.version_option(package_name="zckpt", prog_name="zckpt")
 @global_options(expose=False)
 def main() -> None:
-    """zckpt: read, merge, reshard and push DeepSpeed ZeRO checkpoints.
+    """zckpt: read, merge, reshard, convert and push training checkpoints (DeepSpeed ZeRO, PyTorch DCP / FSDP2,
+    Megatron-Core torch_dist).
 
     Safe on files from strangers (no pickle code is ever run), exact to the bit, streaming in bounded memory.
     --json, -q, -v and --debug work before or after the command name.
