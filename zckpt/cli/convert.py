@@ -18,7 +18,9 @@ Examples:
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
   zckpt convert ckpt/ --to dcp --dry-run --json
   zckpt convert outputs/ --latest --to dcp -o latest-dcp/   # the newest complete checkpoint
-  zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/""")
+  zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/
+  zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
+  zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/""")
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp", "deepspeed"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
@@ -51,6 +53,14 @@ Examples:
 @click.option("--adam-mode", type=click.Choice(["adamw", "adam"]), default=None,
               help="For DeepSpeed's FusedAdam / DeepSpeedCPUAdam when the checkpoint does not say: adamw "
                    "(decoupled weight decay, their default) or adam (L2). Default: from the saved config.")
+@click.option("--groups", "groups", multiple=True, metavar="RULE",
+              help="A Megatron-Core source: its param groups, which its files do not list. megatron-default = "
+                   "Megatron's standard two (1-D parameters and *.bias without weight decay, the rest with it), "
+                   "checked against the groups' wd_mult; or GLOB=K per group (Megatron names, first match wins, "
+                   "e.g. '*norm*=1' '*=0'). Repeatable.")
+@click.option("--native-names", is_flag=True,
+              help="A Megatron-Core source: keep Megatron's tensor names (default: Hugging Face Llama's, when the "
+                   "files say the model is Llama-shaped).")
 @tag_option
 @tie_options
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
@@ -58,7 +68,8 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, adam_mode, tag, workers,
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, adam_mode, groups, native_names,
+            tag, workers,
             overwrite, durable, dry_run, storage_options, as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
 
@@ -79,7 +90,8 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
             result = run(path, to=to, out=out, tag=tag, dry_run=dry_run, overwrite=overwrite, workers=workers,
                          progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
                          world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
-                         dtype=dtype, layout=layout, group=None if dry_run else group)
+                         dtype=dtype, layout=layout, group=None if dry_run else group,
+                         groups=list(groups) or None, native_names=native_names)
     if group is not None and group.rank != 0:
         return
     if not dry_run:
@@ -92,7 +104,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
             mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer": the ZeRO optimizer)
             doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
         else:  # --to deepspeed: reshard's result (from / to: the layouts)
-            doc["source_format"] = "dcp"
+            doc["source_format"] = getattr(result.plan, "source_format", "dcp")
         emit_json(doc)
         return
     if quiet:  # -q: silent on success
@@ -119,6 +131,7 @@ def _render_deepspeed(s: dict, result, dry_run: bool, human_bytes) -> None:
     for note in s["notes"]:
         click.echo(f"note: {note}")
     to = s["to"]
-    click.echo(f"{'plan' if dry_run else 'converted'}: DCP ({s['from']['world_size']} ranks) -> DeepSpeed ZeRO-"
+    src = {"dcp": "DCP", "megatron": "Megatron-Core"}.get(getattr(result.plan, "source_format", "dcp"), "DCP")
+    click.echo(f"{'plan' if dry_run else 'converted'}: {src} ({s['from']['world_size']} ranks) -> DeepSpeed ZeRO-"
                f"{to['stage']} x {to['world_size']} ranks ({s['precision']}), {human_bytes(s['total_bytes'])} -> "
                f"{result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else ""))

@@ -12,9 +12,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import struct
 from collections import OrderedDict
 
 from zckpt.encoding.safeload import FLOATING
+from zckpt.engine.torchzip import TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.state.model import LP_DTYPES, Checkpoint
@@ -95,7 +97,11 @@ def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None, config_kno
             raise UnsupportedLayout(f"param group {g.index}: '{missing}' has no Adam state while others do (a frozen "
                                     "parameter passed to the optimizer?)", path=path,
                                     hint="DeepSpeed keeps state for every parameter of a group")
-        step = next((ckpt.extra["step_tensors"][n] for n in g.names if n in ckpt.extra["step_tensors"]), None)
+        steps = ckpt.extra.get("step_tensors")
+        if steps is None:  # a source with one step per group (Megatron's): torch's float32 step tensor
+            step = step_tensor(g.step, f"param group {g.index}", path) if g.step is not None else None
+        else:  # DCP: torch's own step tensors, one per parameter
+            step = next((steps[n] for n in g.names if n in steps), None)
         if with_state and step is None:
             raise UnsupportedLayout(f"param group {g.index} has Adam moments but no step", path=path)
         group_steps[g.index] = step
@@ -129,6 +135,15 @@ def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None, config_kno
     return dataclasses.replace(ckpt, location=loc, records=records, precision=precision, model_state=model_state,
                                optim_states=[{"optimizer_state_dict": osd}], model_states=[model_state],
                                reshard_refusal=None, extra={**ckpt.extra, "group_steps": group_steps})
+
+
+def step_tensor(step, where: str, path: str) -> TensorOut:
+    """Adam's step as torch keeps it (a float32 0-d tensor), refused when float32 cannot hold it exactly."""
+    value = float(step)
+    packed = struct.pack("<f", value)
+    if struct.unpack("<f", packed)[0] != value:
+        raise UnsupportedLayout(f"{where}: step {step} is not exact as torch's float32 step", path=path)
+    return TensorOut("float32", (), [packed])
 
 
 def bf16_optimizer(cfg: dict, stage: int) -> bool:

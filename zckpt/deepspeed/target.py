@@ -133,7 +133,8 @@ class Group:
 
 
 def _source_groups(ckpt: Checkpoint) -> list[Group]:
-    if ckpt.format == "dcp":  # zckpt.ops.to_deepspeed: the groups as DCP saved them, one step tensor per group
+    if ckpt.format != "deepspeed":  # zckpt.ops.to_deepspeed: the groups as another format saved them (DCP's,
+        # or Megatron's placed by its STATE_VIEW), one step tensor per group (deepspeed_source)
         byname, steps = ckpt.by_name(), ckpt.extra.get("group_steps") or {}
         return [Group(g.index, OrderedDict((k, None if k == "params" else v) for k, v in g.hyperparams.items()),
                        steps.get(g.index), [byname[n] for n in g.names]) for g in ckpt.groups]
@@ -224,6 +225,8 @@ def group_params(hyper: OrderedDict, ids: list[int], conv: W.Converter) -> dict:
 def _step_out(step) -> TensorOut | None:
     if step is None:
         return None
+    if isinstance(step, TensorOut):  # made by deepspeed_source (a source with one step per group)
+        return step
     if isinstance(step, LazyTensor):
         from zckpt.state.model import pieces_of
         return TensorOut(step.dtype, tuple(step.shape), pieces_of(step))

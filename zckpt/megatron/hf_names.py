@@ -71,43 +71,52 @@ def cut(pieces: list[Piece], start: int, length: int) -> list[Piece]:
     return out
 
 
-def _rows(rec: TensorRecord, name: str, blocks: list[tuple[int, int]]) -> TensorRecord:
-    """A record of the rows ``blocks`` [(first row, rows)] of ``rec`` (a 2-D weight), concatenated."""
+def _rows(rec: TensorRecord, name: str, blocks: list[tuple[int, int]], state: bool = False) -> TensorRecord:
+    """A record of the rows ``blocks`` [(first row, rows)] of ``rec`` (a 2-D weight), concatenated; ``state``:
+    the master's rows with the same rows of both Adam moments (the optimizer state split as the weight is)."""
     width = rec.shape[1]
-    value = [p for first, n in blocks for p in cut(rec.value, first * width, n * width)]
-    return TensorRecord(name, (sum(n for _, n in blocks), width), rec.kind, rec.dtype, value, group=rec.group,
-                        lp_dtype=rec.lp_dtype)
+
+    def rows(pieces):
+        return [p for first, n in blocks for p in cut(pieces, first * width, n * width)]
+    out = TensorRecord(name, (sum(n for _, n in blocks), width), rec.kind, rec.dtype, rows(rec.value),
+                       group=rec.group, lp_dtype=rec.lp_dtype)
+    if state and rec.exp_avg:
+        out.exp_avg, out.exp_avg_sq = rows(rec.exp_avg), rows(rec.exp_avg_sq)
+    return out
 
 
-def _mapped(rec: TensorRecord, f: dict) -> list[TensorRecord] | None:
+def _mapped(rec: TensorRecord, f: dict, state: bool = False) -> list[TensorRecord] | None:
     if rec.name in _SIMPLE:
-        return [_renamed(rec, _SIMPLE[rec.name])]
+        return [_renamed(rec, _SIMPLE[rec.name], state)]
     m = _LAYER.match(rec.name)
     if not m:
         return None
     i, rest = m.groups()
     pre = f"model.layers.{i}."
     if rest in _LAYER_SIMPLE:
-        return [_renamed(rec, pre + _LAYER_SIMPLE[rest])]
+        return [_renamed(rec, pre + _LAYER_SIMPLE[rest], state)]
     if rest == "mlp.linear_fc1.weight":
         half = rec.shape[0] // 2
-        return [_rows(rec, pre + "mlp.gate_proj.weight", [(0, half)]),
-                _rows(rec, pre + "mlp.up_proj.weight", [(half, half)])]
+        return [_rows(rec, pre + "mlp.gate_proj.weight", [(0, half)], state),
+                _rows(rec, pre + "mlp.up_proj.weight", [(half, half)], state)]
     if rest == "self_attention.linear_qkv.weight":
         groups, kv = f["num_query_groups"], f["kv_channels"]
         per = f["num_attention_heads"] // groups
         stride = (per + 2) * kv
         if rec.shape[0] != groups * stride:
             return None
-        return [_rows(rec, pre + "self_attn.q_proj.weight", [(g * stride, per * kv) for g in range(groups)]),
-                _rows(rec, pre + "self_attn.k_proj.weight", [(g * stride + per * kv, kv) for g in range(groups)]),
+        return [_rows(rec, pre + "self_attn.q_proj.weight", [(g * stride, per * kv) for g in range(groups)], state),
+                _rows(rec, pre + "self_attn.k_proj.weight", [(g * stride + per * kv, kv) for g in range(groups)],
+                      state),
                 _rows(rec, pre + "self_attn.v_proj.weight", [(g * stride + (per + 1) * kv, kv)
-                                                             for g in range(groups)])]
+                                                             for g in range(groups)], state)]
     return None
 
 
-def _renamed(rec: TensorRecord, name: str) -> TensorRecord:
+def _renamed(rec: TensorRecord, name: str, state: bool = False) -> TensorRecord:
     tied_to = _SIMPLE.get(rec.tied_to, rec.tied_to) if rec.tied_to else None
+    if state:
+        return dataclasses.replace(rec, name=name, tied_to=tied_to)
     return dataclasses.replace(rec, name=name, tied_to=tied_to, exp_avg=[], exp_avg_sq=[], other_state={})
 
 
@@ -163,3 +172,38 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
         return view, {}, notes
     cfg = json.dumps(config(f, dtype), indent=2, sort_keys=True) + "\n"
     return view, {"config.json": cfg.encode()}, notes
+
+
+# a Llama decoder layer's parameters in ``LlamaForCausalLM.named_parameters()`` order (transformers'
+# LlamaDecoderLayer: self_attn q, k, v, o; mlp gate, up, down; the two norms), which a DeepSpeed engine built from
+# the model lays its flat groups out in
+_LAYER_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                "input_layernorm.weight", "post_attention_layernorm.weight")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _hf_rank(name: str) -> tuple:
+    if name == "model.embed_tokens.weight":
+        return (0, 0, 0)
+    m = _HF_LAYER.match(name)
+    if m:
+        return (1, int(m.group(1)), _LAYER_ORDER.index(m.group(2)))
+    return (2, 0, 0) if name == "model.norm.weight" else (3, 0, 0)
+
+
+def state_view(ckpt: Checkpoint) -> tuple[list[TensorRecord], dict[str, list[str]]] | None:
+    """The records (masters and both Adam moments included) under Llama's names, in ``LlamaForCausalLM``'s
+    parameter order, and {Megatron name: its Llama names}; None when the files do not say the model is
+    Llama-shaped or a tensor has no Llama name (the caller keeps Megatron's names)."""
+    f = ckpt.extra["megatron"]
+    if why_not(f) or f.get("tied") is None:
+        return None
+    records, names = [], {}
+    for rec in ckpt.records:
+        mapped = _mapped(rec, f, state=True)
+        if mapped is None:
+            return None
+        records += mapped
+        names[rec.name] = [m.name for m in mapped]
+    return sorted(records, key=lambda r: _hf_rank(r.name)), names

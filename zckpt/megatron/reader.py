@@ -18,7 +18,7 @@ tie is assumed.
 Optimizer state: ``fully_reshardable`` keeps, per model key, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``
 in model space: each record's value is the fp32 master (``param``; the training-dtype weight is its cast, as
 Megatron copies it), with both moments. The param groups in ``common.pt`` do not list their parameters, so the
-groups are left unknown and carrying the optimizer state elsewhere is refused (``state_refusal``).
+groups are left unknown here (``state_refusal``) until the user states them (:mod:`zckpt.megatron.state`).
 ``dp_reshardable`` saves flat DDP buckets that do not record where each parameter sits: the weights are read, the
 optimizer state is refused. ``fully_sharded_model_space``, ``fsdp_dtensor`` and the legacy ``torch`` format
 (``mp_rank_XX/model_optim_rng.pt``) are refused in one line.
@@ -40,6 +40,7 @@ from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, meta
 FORMAT = "megatron"
 CRC_ENTRIES = "zckpt.megatron.entries"  # crc_entries(ckpt): the zip entries guarding the .distcp items' bytes
 MERGE_VIEW = "zckpt.megatron.hf_names"  # merge_view(ckpt, dtype): the records under Hugging Face Llama's names
+STATE_VIEW = "zckpt.megatron.state"  # training_state(ckpt, groups, native_names): the optimizer state placed
 
 LATEST = "latest_checkpointed_iteration.txt"
 META_JSON = "metadata.json"
@@ -58,7 +59,7 @@ TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
 DP_REFUSAL = ("dp_reshardable optimizer buckets do not record parameter offsets; save with "
               "--dist-ckpt-optim-fully-reshardable to carry the optimizer state (the weights read exactly)")
 GROUPS_REFUSAL = ("Megatron's param groups (common.pt) do not say which parameter is in which group; the masters "
-                  "and moments read exactly, but the optimizer state cannot be carried to another format")
+                  "and moments read exactly, and convert carries them once --groups states the groups")
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -387,7 +388,10 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
         _PRECISION.get(masters[0], masters[0])
     merge_notes = ["tensor names are Megatron's (decoder.layers.<i>.self_attention.linear_qkv.weight...), not a "
                    "Hugging Face model's: the folder holds the weights, not a transformers model"]
-    extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step, "extra_states": n_extra,
+    extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step,
+             "extra_states": n_extra, "args": _args(common),
+             "common": {k: common[k] for k in ("opt_param_scheduler", "num_floating_point_operations_so_far")
+                        if k in common},
              "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}
     return Checkpoint(loc, 0, "megatron", precision, f["world_size"] or len(ranks), records, [], {}, [], [],
                       notes=notes, format=FORMAT, extra=extra, state_refusal=refusal,

@@ -14,6 +14,7 @@ it through :mod:`zckpt.engine` into a scratch folder published by :mod:`zckpt.io
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from zckpt.errors import InvalidArgument
 from zckpt.io import links, publish, storage
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import open_checkpoint
+from zckpt.state.open import open_checkpoint, reader_of
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
-            layout: str = "auto", group=None):
+            layout: str = "auto", group=None, groups=None, native_names: bool = False):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -135,7 +136,12 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
     a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
-    of a launcher's job (:func:`zckpt.engine.launch.launched`): each writes a share, rank 0 publishes."""
+    of a launcher's job (:func:`zckpt.engine.launch.launched`): each writes a share, rank 0 publishes.
+
+    A Megatron-Core ``fully_reshardable`` source (either target): ``groups`` states its param groups, which its
+    files do not record (``"megatron-default"`` or ``["GLOB=K", ...]``: :mod:`zckpt.megatron.state`); the state is
+    written under Hugging Face Llama's names when the files say the model is Llama-shaped, unless
+    ``native_names``."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
@@ -149,12 +155,22 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
                                   hint="pass the DCP folder itself")
         return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run=dry_run,
                                          overwrite=overwrite, workers=workers, progress=progress, durable=durable,
-                                         storage_options=storage_options)
+                                         storage_options=storage_options, groups=groups, native_names=native_names)
     ckpt = open_checkpoint(path, tag, storage_options)
+    view = getattr(reader_of(ckpt.format), "STATE_VIEW", None)  # a module with training_state(ckpt, groups, ...)
+    if view is not None:
+        ckpt = importlib.import_module(view).training_state(ckpt, groups, native_names)
+    elif groups:
+        raise InvalidArgument(f"--groups states a Megatron checkpoint's param groups; this {ckpt.format} "
+                              "checkpoint records its own", path=path)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)
     _check_out(out, overwrite, source)  # before planning or writing anything
     plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out), layout=layout)
+    if view is not None:  # what the source holds that no DCP key carries
+        for what, why in importlib.import_module(view).side_state(ckpt)["left"].items():
+            plan.not_carried[what] = why
+            plan.notes.append(f"left out {what}: {why}")
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result

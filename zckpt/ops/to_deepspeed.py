@@ -20,10 +20,11 @@ group with and without state, flattened optimizer state (``flatten_optimizer_sta
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Callable
 
-from zckpt.dcp.reader import check_stateless_named, is_dcp, open_dcp
+from zckpt.dcp.reader import check_stateless_named, open_dcp
 from zckpt.dcp.sidestate import check_no_hidden_ties, dcp_file, side_state
 from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config  # noqa: F401 - load_config too
 from zckpt.deepspeed.target import ReshardPlan
@@ -34,21 +35,26 @@ from zckpt.ops import reshard
 from zckpt.backup.files import side_files
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
+from zckpt.state.open import format_of, open_checkpoint, reader_of
 
 
 def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: dict,
-                      buffers=None, config_known: bool = True) -> ReshardPlan:
-    """The DeepSpeed rank files of ``ckpt`` (a DCP checkpoint) at ``world_size`` and ``stage``: plain data."""
+                      buffers=None, config_known: bool = True, side: dict | None = None) -> ReshardPlan:
+    """The DeepSpeed rank files of ``ckpt`` at ``world_size`` and ``stage``: plain data. ``ckpt``: a DCP
+    checkpoint, or (``side`` given: what it holds beside model and optimizer) another format's training state
+    with its groups placed (a reader's ``STATE_VIEW``: Megatron's)."""
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
     cfg = dict(ds_config)
     cfg["zero_optimization"] = {**(cfg.get("zero_optimization") or {}), "stage": stage}
-    check_stateless_named(ckpt, buffers)
-    side = side_state(ckpt)
+    copied = []
+    if side is None:
+        check_stateless_named(ckpt, buffers)
+        side = side_state(ckpt)
+        # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied;
+        # its DCP folders are what the rank files replace
+        copied = [f for f in side_files(ckpt.location, ckpt.storage_options) if not dcp_file(f.rel)]
     src = deepspeed_source(ckpt, cfg, buffers, config_known, side)
-    # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied; its
-    # DCP folders are what the rank files replace
-    copied = [f for f in side_files(ckpt.location, ckpt.storage_options) if not dcp_file(f.rel)]
     plan = plan_reshard(src, world_size, stage, bf16_optimizer(cfg, stage), "deepspeed", copied)
     carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)"]
     carried += [f"train_state.{k}" for k in side["train_state"]]
@@ -56,14 +62,16 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     carried += [f"client_state.{k}" for k in side["client_state"]]
     left = dict(side["left"])
     if not side["lr_scheduler"]:
-        plan.notes.append("DCP holds no LR scheduler state: the files have none; load with "
-                          "load_lr_scheduler_states=False when the engine has a scheduler")
+        plan.notes.append(f"{'DCP' if ckpt.format == 'dcp' else 'the source'} holds no DeepSpeed LR scheduler "
+                          "state: load with load_lr_scheduler_states=False when the engine has a scheduler")
     if "global_samples" not in side["train_state"]:
-        left["train_state.global_samples"] = "not in the DCP checkpoint: DeepSpeed derives it from global_steps"
+        left["train_state.global_samples"] = (f"not in the {ckpt.format} checkpoint: DeepSpeed derives it from "
+                                              "global_steps")
     for root, why in left.items():
         plan.notes.append(f"left out {root}: {why}")
     carried += [f.relpath for f in plan.files if f.kind == "copy"]
     plan.carried, plan.not_carried = carried, left
+    plan.source_format = ckpt.format
     if not config_known:
         plan.notes.append("no DeepSpeed config given: DeepSpeed's defaults shape the files (sub_group_size 1e9, no "
                           "parameter_alignment); gradient clipping is left to the engine's config")
@@ -103,7 +111,7 @@ class ToDeepSpeedResult(reshard.ReshardResult):
 def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dtype: str | None = None, dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
-                 storage_options: dict | None = None) -> ToDeepSpeedResult:
+                 storage_options: dict | None = None, groups=None, native_names: bool = False) -> ToDeepSpeedResult:
     """Write the DCP checkpoint at ``path`` as DeepSpeed ZeRO-``stage`` files for ``world_size`` ranks into the
     folder ``out`` (``OUT/latest``, ``OUT/global_step<N>/...``), loadable with a plain ``engine.load_checkpoint(out)``.
 
@@ -120,22 +128,37 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
                               hint="pass --world-size N: the number of ranks the DeepSpeed job runs on")
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}", hint="pass --stage S")
-    if not is_dcp(path, storage_options):
-        raise InvalidArgument("--to deepspeed reads a PyTorch DCP checkpoint (a folder with .metadata)", path=path,
+    fmt = format_of(path, storage_options)
+    view = getattr(reader_of(fmt), "STATE_VIEW", None)  # another format's training state, groups placed
+    if fmt != "dcp" and view is None:
+        raise InvalidArgument(f"--to deepspeed reads a PyTorch DCP or Megatron checkpoint, not {fmt}", path=path,
                               hint="for a DeepSpeed checkpoint at another size or stage use zckpt reshard")
     if isinstance(buffers, str):
         buffers = [b for b in buffers.split(",") if b]
     cfg, config_known = load_config(ds_config, dtype)
-    ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
-    if ckpt.extra.get("tie_source") is None:  # neither --tied nor the files say: refuse what looks like a tie
-        check_no_hidden_ties(ckpt)
+    side = None
+    if view is not None:
+        if tied:
+            raise InvalidArgument("--tied names DCP's aliases; a Megatron checkpoint's args say what is tied",
+                                  path=path)
+        module = importlib.import_module(view)
+        ckpt = module.training_state(open_checkpoint(path, None, storage_options), groups, native_names)
+        side = module.side_state(ckpt)
+    else:
+        if groups:
+            raise InvalidArgument("--groups states a Megatron checkpoint's param groups; DCP records its own",
+                                  path=path)
+        ckpt = open_dcp(path, storage_options, tied=parse_tied(tied))
+        if ckpt.extra.get("tie_source") is None:  # neither --tied nor the files say: refuse what looks like a tie
+            check_no_hidden_ties(ckpt)
     source = publish.source_of(ckpt.location)
     out = str(out) if out is not None else publish.default_output(source, "converted") + "-deepspeed"
     if storage.is_url(out):
         raise InvalidArgument("convert writes to a local folder", path=out,
                               hint="convert locally, then `zckpt push` the result")
     publish.check_output(out, "convert", source, overwrite)
-    plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known)
+    plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known, side)
+    plan.notes[:0] = ckpt.extra.get("state_notes") or []  # how a STATE_VIEW placed the state (groups, names)
     result = ToDeepSpeedResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result

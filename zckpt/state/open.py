@@ -11,6 +11,10 @@ name, so that opening a checkpoint imports only the readers it asks, and no form
                                                      metadata read at open does not hold them (DCP's items)
     MERGE_VIEW = "zckpt.megatron.hf_names"           optional: a module whose merge_view(ckpt, dtype) -> (ckpt,
                                                      files, notes) gives merge Hugging Face names and a config.json
+    STATE_VIEW = "zckpt.megatron.state"              optional: a module whose training_state(ckpt, groups,
+                                                     native_names) places what the reader could not (Megatron's
+                                                     param groups, stated by the user) for convert's writers, and
+                                                     side_state(ckpt) gives the counters beside it
 
 DeepSpeed comes last and claims whatever the others leave: its discovery (``zckpt.deepspeed.discover.locate``)
 is what explains, in one line, why a folder is no checkpoint at all.
@@ -30,6 +34,15 @@ FORMATS = {"megatron": "zckpt.megatron.reader", "dcp": "zckpt.dcp.reader", "deep
 def reader_of(fmt: str):
     """The reader module of the format named ``fmt`` (``Checkpoint.format``)."""
     return importlib.import_module(FORMATS[fmt])
+
+
+def format_of(path: str, storage_options: dict | None = None) -> str:
+    """The format whose reader claims ``path`` first (DeepSpeed, the last, claims whatever is left)."""
+    for name in READERS:
+        reader = importlib.import_module(name)
+        if name == READERS[-1] or reader.claims(path, storage_options):
+            return reader.FORMAT
+    raise AssertionError("unreachable: the last reader claims every path")
 
 
 def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
