@@ -28,10 +28,8 @@ unknown ``adam_w_mode`` when some group has weight decay.
 
 from __future__ import annotations
 
-import struct
-
 from zckpt.dcp import writer as dcpw
-from zckpt.engine.torchzip import TensorOut
+from zckpt.engine.torchzip import TensorOut, step_tensor
 from zckpt.errors import UnsupportedLayout
 from zckpt.state.model import Checkpoint
 
@@ -85,14 +83,6 @@ def torch_group(hyper: dict, index: int, adam_mode: str | None, path: str, confi
     return out, "AdamW" if mode else "Adam"
 
 
-def _step_tensor(step, where: str, path: str) -> TensorOut:
-    value = float(step)
-    packed = struct.pack("<f", value)
-    if struct.unpack("<f", packed)[0] != value:
-        raise UnsupportedLayout(f"{where}: step {step} is not exact as torch's float32 step", path=path)
-    return TensorOut("float32", (), [packed])
-
-
 def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None, config_mode=None) -> tuple[dict, list[str], str]:
     """The state dict ``dcp.save`` would get from FSDP2 + torch's AdamW, from ``ckpt``'s files (no tensor read):
     ``(state, notes, optimizer name)``. ``config_mode``: see :func:`torch_group`."""
@@ -135,7 +125,7 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None, config_mode=None) 
                 raise UnsupportedLayout(f"param group {g.index} has no step", path=path)
             for name in g.names:
                 rec = byname[name]
-                osd[name] = {"step": _step_tensor(g.step, f"param group {g.index}", path),
+                osd[name] = {"step": step_tensor(g.step, f"param group {g.index}", path),
                              "exp_avg": TensorOut(rec.state_dtype, tuple(rec.shape), list(rec.exp_avg)),
                              "exp_avg_sq": TensorOut(rec.state_dtype, tuple(rec.shape), list(rec.exp_avg_sq))}
             groups.append({**hyper, "params": list(g.names)})

@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import struct
 from collections import OrderedDict
 
 from zckpt.encoding.safeload import FLOATING
-from zckpt.engine.torchzip import TensorOut
+from zckpt.engine.torchzip import step_tensor
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.state.model import LP_DTYPES, Checkpoint
@@ -135,15 +134,6 @@ def deepspeed_source(ckpt: Checkpoint, ds_config: dict, buffers=None, config_kno
     return dataclasses.replace(ckpt, location=loc, records=records, precision=precision, model_state=model_state,
                                optim_states=[{"optimizer_state_dict": osd}], model_states=[model_state],
                                reshard_refusal=None, extra={**ckpt.extra, "group_steps": group_steps})
-
-
-def step_tensor(step, where: str, path: str) -> TensorOut:
-    """Adam's step as torch keeps it (a float32 0-d tensor), refused when float32 cannot hold it exactly."""
-    value = float(step)
-    packed = struct.pack("<f", value)
-    if struct.unpack("<f", packed)[0] != value:
-        raise UnsupportedLayout(f"{where}: step {step} is not exact as torch's float32 step", path=path)
-    return TensorOut("float32", (), [packed])
 
 
 def bf16_optimizer(cfg: dict, stage: int) -> bool:

@@ -436,3 +436,13 @@ def layout_state_dict(shard) -> None:
 
 def write_state_dict(shard, fd, pool, worker, progress) -> None:
     write_archive(shard.archive, fd, pool, progress, worker)
+
+
+def step_tensor(step, where: str, path: str) -> TensorOut:
+    """Adam's step as torch keeps it (a float32 0-d tensor), refused when float32 cannot hold it exactly."""
+    from zckpt.errors import UnsupportedLayout
+    value = float(step)
+    packed = struct.pack("<f", value)
+    if struct.unpack("<f", packed)[0] != value:
+        raise UnsupportedLayout(f"{where}: step {step} is not exact as torch's float32 step", path=path)
+    return TensorOut("float32", (), [packed])
