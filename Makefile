@@ -14,10 +14,14 @@ $(BIN)/python:
 # extra the suite needs (torch, s3, hub, test). zckpt itself needs none of them: pip install zckpt is the small core
 # (make setup TORCH_INDEX='--index-url https://download.pytorch.org/whl/cpu')
 TORCH_INDEX ?=
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0 $(TORCH_INDEX)
 	@# PYTHONWARNINGS: without it setuptools prints a notice box about editable installs
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[torch,s3,hub,test]'
+	@# torchtitan for tests/test_convert_torchtitan.py and test_fsdp2_api.py: --no-deps keeps torch 2.13.0; the four
+	@# small pure-Python packages its import needs (typing_extensions comes with torch)
+	$(BIN)/pip install -q --no-deps torchtitan==0.3.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 \
+		spmd-types==0.3.1
 	touch $@
 
 setup: $(VENV)/.installed

@@ -16,6 +16,8 @@ Examples:
   zckpt convert checkpoint-400 --to dcp -o checkpoint-400-fsdp/
   zckpt convert checkpoint-400 --to dcp --layout dcp -o checkpoint-400-dcp/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
+  zckpt convert ds_ckpt/ --to dcp --layout torchtitan --ntokens-seen 0 --initial-lr 0.01,0.005 \\
+      -o outputs/checkpoint/step-3/     # torchtitan's CheckpointManager.load(step=3)
   zckpt convert ckpt/ --to dcp --dry-run --json
   zckpt convert outputs/ --latest --to dcp -o latest-dcp/   # the newest complete checkpoint
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/
@@ -46,10 +48,22 @@ Examples:
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
-@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer"]), default="auto", show_default=True,
+@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer", "torchtitan"]), default="auto",
+              show_default=True,
               help="--to dcp: dcp = one DCP folder (model, optim, scheduler, counters); trainer = a Hugging Face "
                    "Trainer / Accelerate FSDP2 checkpoint folder (pytorch_model_fsdp_0/, optimizer_0/, the "
-                   "Trainer's scheduler.pt, trainer_state.json, rng states); auto = trainer for a checkpoint-N.")
+                   "Trainer's scheduler.pt, trainer_state.json, rng states); torchtitan = a step-<N> folder "
+                   "torchtitan's CheckpointManager loads (model keys at the top, flat optimizer state, "
+                   "lr_scheduler, train_state; needs --ntokens-seen); auto = trainer for a checkpoint-N.")
+@click.option("--ntokens-seen", type=click.IntRange(0), default=None, metavar="N",
+              help="--layout torchtitan: train_state.ntokens_seen (no DeepSpeed file records it; 0 restarts the "
+                   "count).")
+@click.option("--lr-last-epoch", type=click.IntRange(0), default=None, metavar="N",
+              help="--layout torchtitan: lr_scheduler.last_epoch, when the source's scheduler state does not say "
+                   "it (default: a torch scheduler's last_epoch, DeepSpeed's last_batch_iteration + 1).")
+@click.option("--initial-lr", default=None, metavar="LR[,LR...]",
+              help="--layout torchtitan: each param group's initial_lr (torchtitan's LambdaLR keeps one per group), "
+                   "when the source's groups have none: one value, or one per group in the source's order.")
 @click.option("--adam-mode", type=click.Choice(["adamw", "adam"]), default=None,
               help="For DeepSpeed's FusedAdam / DeepSpeedCPUAdam when the checkpoint does not say: adamw "
                    "(decoupled weight decay, their default) or adam (L2). Default: from the saved config.")
@@ -68,9 +82,9 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, adam_mode, groups, native_names,
-            tag, workers,
-            overwrite, durable, dry_run, storage_options, as_json, quiet):
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, ntokens_seen, lr_last_epoch,
+            initial_lr, adam_mode, groups, native_names, tag, workers, overwrite, durable, dry_run, storage_options,
+            as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
 
     The fp32 masters become the model parameters; Adam moments, steps and param groups (lr, betas, eps, weight
@@ -84,6 +98,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
+    titan = {"ntokens_seen": ntokens_seen, "lr_last_epoch": lr_last_epoch, "initial_lr": _lrs(initial_lr)}
     with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
         quiet = quiet or (group is not None and group.rank != 0)
         with Progress("convert", enabled=not quiet and not as_json and not dry_run) as bar:
@@ -91,6 +106,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          progress=bar, durable=durable, adam_mode=adam_mode, storage_options=storage_options,
                          world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
                          dtype=dtype, layout=layout, group=None if dry_run else group,
+                         torchtitan={k: v for k, v in titan.items() if v is not None} or None,
                          groups=list(groups) or None, native_names=native_names)
     if group is not None and group.rank != 0:
         return
@@ -122,6 +138,17 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                f"{s['keys']} keys{opt}, "
                f"{human_bytes(s['total_bytes'])} -> {result.output}"
                + (f" in {result.seconds:.2f}s" if not dry_run else ""))
+
+
+def _lrs(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    from zckpt.cli._errors import CommandLineError
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise CommandLineError(f"--initial-lr: {text!r} is not a number or a comma-separated list of numbers",
+                               hint="e.g. --initial-lr 0.01 or --initial-lr 0.01,0.005") from None
 
 
 def _render_deepspeed(s: dict, result, dry_run: bool, human_bytes) -> None:

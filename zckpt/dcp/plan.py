@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from zckpt.dcp import writer as dcpw
+from zckpt.dcp import titan, writer as dcpw
 from zckpt.dcp.fsdp2_state import ADAM_MODES, dcp_state
 from zckpt.errors import InvalidArgument
 from zckpt.state.model import Checkpoint
@@ -52,13 +52,13 @@ def _rel(folder: str, name: str) -> str:
     return f"{folder}/{name}" if folder else name
 
 
-LAYOUTS = ("auto", "dcp", "trainer")
+LAYOUTS = ("auto", "dcp", "trainer", "torchtitan")
 TRAINER_MODEL_DIR, TRAINER_OPTIM_DIR = "pytorch_model_fsdp_0", "optimizer_0"  # accelerate's FSDP_MODEL_NAME_0, ...
 
 
 def plan_dcp(ckpt: Checkpoint, adam_mode: str | None = None, checkpoint_id: str | None = None,
              chunk_bytes: int = dcpw.CHUNK_BYTES, file_bytes: int = dcpw.FILE_BYTES, layout: str = "auto",
-             copies=(), config_mode=None) -> ConvertPlan:
+             copies=(), config_mode=None, torchtitan: dict | None = None) -> ConvertPlan:
     """The whole output of converting ``ckpt``, laid out as plain data (nothing is read or written).
 
     ``layout="dcp"``: one DCP folder holding ``model``, ``optim`` and the extras. ``layout="trainer"`` (the
@@ -67,7 +67,9 @@ def plan_dcp(ckpt: Checkpoint, adam_mode: str | None = None, checkpoint_id: str 
     ``optimizer_0/`` (DCP of ``{"optimizer": ...}``), and the Trainer's own files copied (``scheduler.pt``,
     ``trainer_state.json``, ``rng_state_*.pth``, config, tokenizer), DeepSpeed's tag folders left out. ``copies``:
     (relpath, source file, size) of a Trainer checkpoint's own files, copied beside the DCP files;
-    ``config_mode``: see :func:`zckpt.dcp.fsdp2_state.torch_group`."""
+    ``config_mode``: see :func:`zckpt.dcp.fsdp2_state.torch_group`. ``layout="torchtitan"``: one DCP folder as
+    torchtitan's ``CheckpointManager`` saves a ``step-<N>`` (:mod:`zckpt.dcp.titan`), with what the source does not
+    hold stated in ``torchtitan`` (``ntokens_seen``, ``lr_last_epoch``, ``initial_lr``)."""
     if adam_mode is not None and adam_mode not in ADAM_MODES:
         raise InvalidArgument(f"unknown adam mode {adam_mode!r}", hint="use adamw or adam")
     if layout not in LAYOUTS:
@@ -78,7 +80,12 @@ def plan_dcp(ckpt: Checkpoint, adam_mode: str | None = None, checkpoint_id: str 
     if layout == "trainer" and not trainer_dir:
         raise InvalidArgument("--layout trainer needs a Hugging Face Trainer checkpoint-N as the source",
                               path=ckpt.location.input_path, hint="use --layout dcp for a DeepSpeed save folder")
+    if torchtitan and layout != "torchtitan":
+        raise InvalidArgument(f"{', '.join(titan.STATED[k] for k in titan.check_stated(torchtitan))} are for "
+                              "--layout torchtitan", hint="add --layout torchtitan")
     state, notes, optimizer = dcp_state(ckpt, adam_mode, config_mode)
+    if layout == "torchtitan":
+        return _plan_titan(ckpt, state, notes, optimizer, checkpoint_id, chunk_bytes, file_bytes, copies, torchtitan)
     meta_notes = notes + list(ckpt.notes)
     source_format = ckpt.format
     roots = [k for k in state if k not in ("model", "optim", "zckpt")]
@@ -120,6 +127,18 @@ def plan_dcp(ckpt: Checkpoint, adam_mode: str | None = None, checkpoint_id: str 
     carried += [rel for rel, _, _ in copies]
     return ConvertPlan(ckpt.location.input_path, ckpt.tag, "dcp", source_format, parts, meta_notes, optimizer,
                        "trainer", copies, carried, skipped)
+
+
+def _plan_titan(ckpt, state, notes, optimizer, checkpoint_id, chunk_bytes, file_bytes, copies, stated) -> ConvertPlan:
+    out, carried, skipped, more = titan.titan_state(ckpt, state, list(copies), stated)
+    steps = out["train_state"]["step"]
+    if checkpoint_id and os.path.basename(os.path.normpath(checkpoint_id)) != f"step-{steps}":
+        more.append(f"torchtitan loads <checkpoint.folder>/step-{steps} for load(step={steps}): name the folder so")
+    if copies:
+        skipped["the Trainer's own files"] = "torchtitan reads none of them (scheduler.pt: last_epoch is carried)"
+    part = dcpw.plan_dcp(out, checkpoint_id, chunk_bytes, file_bytes)
+    return ConvertPlan(ckpt.location.input_path, ckpt.tag, "dcp", ckpt.format, [("", part)],
+                       notes + list(ckpt.notes) + more, optimizer, "torchtitan", [], carried, skipped)
 
 
 def _flat_names(root: str, value) -> str:

@@ -66,7 +66,7 @@ def torch_group(hyper: dict, index: int, ds_config: dict, adam_mode: str | None,
 
 def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None, checkpoint_id: str | None = None,
                  chunk_bytes: int = dcpw.CHUNK_BYTES, file_bytes: int = dcpw.FILE_BYTES,
-                 layout: str = "auto") -> ConvertPlan:
+                 layout: str = "auto", torchtitan: dict | None = None) -> ConvertPlan:
     """The whole output of converting ``ckpt`` to DCP, laid out as plain data (nothing is read or written):
     :func:`zckpt.dcp.plan.plan_dcp`, with what the DeepSpeed source says (its config's ``adam_w_mode``; a
     Trainer ``checkpoint-N``'s own files, copied beside the DCP files)."""
@@ -76,7 +76,7 @@ def plan_convert(ckpt: Checkpoint, to: str = "dcp", adam_mode: str | None = None
     trainer_dir = ckpt.location.trainer_dir
     copies = trainer_copies(trainer_dir, ckpt.location.tag_dir, ckpt.storage_options) if trainer_dir else []
     return plan_dcp(ckpt, adam_mode, checkpoint_id, chunk_bytes, file_bytes, layout, copies,
-                    lambda: config_adam_w_mode(ckpt.ds_config))
+                    lambda: config_adam_w_mode(ckpt.ds_config), torchtitan)
 
 
 def trainer_copies(trainer_dir: str, tag_dir: str, storage_options: dict | None = None) -> list[tuple[str, str, int]]:
@@ -120,7 +120,8 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             progress: Callable[[int, int], None] | None = None, durable: bool = False,
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
-            layout: str = "auto", group=None, groups=None, native_names: bool = False):
+            layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
+            native_names: bool = False):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -132,7 +133,9 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     with ``dcp.load`` + ``set_state_dict`` (keys in this module's docstring and docs/migrate-fsdp2.md).
     ``adam_mode``: ``"adamw"`` / ``"adam"`` for DeepSpeed's FusedAdam / DeepSpeedCPUAdam when neither the groups
     nor the config say. ``layout``: ``"dcp"`` (one DCP folder), ``"trainer"`` (a Trainer / Accelerate FSDP2
-    checkpoint folder; see :func:`plan_convert`), ``"auto"`` (trainer for a Trainer checkpoint-N, else dcp).
+    checkpoint folder; see :func:`plan_convert`), ``"torchtitan"`` (a ``step-<N>`` folder that torchtitan's
+    ``CheckpointManager.load`` resumes; ``torchtitan={"ntokens_seen": N, "lr_last_epoch": E, "initial_lr": LR}``
+    states what the source does not hold: :mod:`zckpt.dcp.titan`), ``"auto"`` (trainer for a checkpoint-N, else dcp).
     ``progress(done_bytes, total_bytes)``; ``durable=True`` fsyncs before publishing.
     Default ``out``: ``outputs/checkpoint-4`` -> ``outputs/converted-checkpoint-4-dcp``; ``overwrite`` replaces only
     a previous zckpt convert output. ``storage_options``: fsspec options for a URL ``path``. ``group``: the ranks
@@ -166,7 +169,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)
     _check_out(out, overwrite, source)  # before planning or writing anything
-    plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out), layout=layout)
+    plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out), layout=layout, torchtitan=torchtitan)
     if view is not None:  # what the source holds that no DCP key carries
         for what, why in importlib.import_module(view).side_state(ckpt)["left"].items():
             plan.not_carried[what] = why
