@@ -206,3 +206,21 @@ def test_default_rule_is_checked_against_the_files_groups(tmp_path):
     res = zckpt_run("convert", src, "--groups", "megatron-default", "-o", tmp_path / "o")
     _one_line(res, "are not the groups megatron-default gives")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("to", [["--to", "dcp"], ["--to", "deepspeed", "--world-size", "2", "--stage", "2",
+                                                  "--dtype", "bf16"]])
+def test_a_flipped_byte_in_a_moment_is_refused(tmp_path, to):
+    import zckpt
+    bad = tmp_path / "bad"
+    shutil.copytree(MEG / SOURCES[0], bad)
+    rec = [r for r in zckpt.open_checkpoint(str(bad)).records if r.kind == "trainable"][3]
+    piece = rec.exp_avg[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + 2)
+        b = f.read(1)
+        f.seek(piece.offset + 2)
+        f.write(bytes([b[0] ^ 0x10]))
+    res = zckpt_run("convert", bad, "--groups", "megatron-default", *to, "-o", tmp_path / "o")
+    _one_line(res, "do not match the CRC-32 the file records", "exp_avg of")
+    assert not (tmp_path / "o").exists()
