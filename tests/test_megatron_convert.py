@@ -8,6 +8,7 @@ What the files do not say (which parameter is in which group) must be stated, or
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -25,6 +26,8 @@ from safetensors.torch import load_file  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
 SOURCES = ["gpt_tp1_pp1_dp2_fullyresh", "gpt_tp2_pp2_dp1_fullyresh"]
+# Megatron-LM's default optimizer layout: flat buckets, placed by zckpt.megatron.buckets (tp 1 and 2, bf16 and fp32)
+DP_SOURCES = ["gpt_tp1_pp1_dp2", "gpt_tp2_pp1_dp2", "gpt_tp1_pp1_dp2_fp32"]
 
 
 def oracle(name: str) -> tuple[dict, dict]:
@@ -117,7 +120,7 @@ def check_loaded(name: str, got: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SOURCES)
+@pytest.mark.parametrize("name", SOURCES + DP_SOURCES)
 def test_to_dcp_loads_in_fsdp2_at_another_world_size_bit_for_bit(tmp_path, name):
     out = tmp_path / "fsdp2"
     res = zckpt_run("convert", MEG / name, "--groups", "megatron-default", "--to", "dcp", "-o", out, "--json")
@@ -136,7 +139,8 @@ def test_to_dcp_loads_in_fsdp2_at_another_world_size_bit_for_bit(tmp_path, name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, stage, ws", [("gpt_tp1_pp1_dp2_fullyresh", 2, 3), ("gpt_tp2_pp2_dp1_fullyresh", 3, 2)])
+@pytest.mark.parametrize("name, stage, ws", [("gpt_tp1_pp1_dp2_fullyresh", 2, 3), ("gpt_tp2_pp2_dp1_fullyresh", 3, 2),
+                                            ("gpt_tp2_pp1_dp2", 2, 3), ("gpt_tp1_pp1_dp1", 3, 2)])
 def test_to_deepspeed_loads_in_deepspeed_bit_for_bit(tmp_path, name, stage, ws):
     out = tmp_path / "ds"
     res = zckpt_run("convert", MEG / name, "--groups", "megatron-default", "--to", "deepspeed", "--world-size", ws,
@@ -167,10 +171,54 @@ def test_unstated_groups_are_refused_not_guessed(tmp_path, to):
     assert not out.exists()
 
 
-def test_dp_reshardable_optimizer_state_is_refused(tmp_path):
-    res = zckpt_run("convert", MEG / "gpt_tp1_pp1_dp2", "--groups", "megatron-default", "-o", tmp_path / "o")
-    _one_line(res, "dp_reshardable")
+def test_dp_reshardable_with_pipeline_stages_is_refused(tmp_path):
+    res = zckpt_run("convert", MEG / "gpt_tp1_pp2_dp1_tied", "--groups", "megatron-default", "-o", tmp_path / "o")
+    _one_line(res, "dp_reshardable", "pipeline parallel size 2", "--dist-ckpt-optim-fully-reshardable")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(p.name for p in MEG.iterdir() if p.is_dir())
+                                  if "fullyresh" not in n and "pp2" not in n])
+def test_dp_reshardable_buckets_placed_as_megatron_laid_them_out(name):
+    """Every parameter's place in every bucket equals the layout megatron-core's live buffers had (recorded by the
+    generator from DistributedOptimizer's own range maps), and its state equals Megatron's own load."""
+    import zckpt
+    from zckpt.encoding.tensors import load_pieces
+    meta, want = oracle(name)
+    ckpt = zckpt.open_checkpoint(str(MEG / name))
+    placed = ckpt.extra["buckets"]
+    assert ckpt.extra["bucket_error"] is None and set(placed) == {k[len("master."):] for k in want
+                                                                  if k.startswith("master.")}
+    shapes = {r.name: r.shape for r in ckpt.records}
+    for n, triple in placed.items():
+        for kind, pieces in zip(("master", "exp_avg", "exp_avg_sq"), triple):
+            assert _exact(load_pieces(pieces, "float32", shapes[n]), want[f"{kind}.{n}"]), (kind, n)
+    buffers = meta["dp_buffers_per_rank"]
+    assert buffers and all(len(r) == 1 for r in buffers)  # one grad buffer per rank
+    # what the generator recorded per rank: (name, start, end) in the whole buffer; one bucket here
+    layout = {(p["name"], p["start"], p["end"]) for p in buffers[0][0]["params"]}
+    if meta["tp"] == 1:  # a parameter's local shard is all of it: its place is the record's pieces' offsets
+        from zckpt.megatron import buckets
+        order = [p.name for p in reversed(buckets._order(ckpt.records, ""))]
+        cursor, mine = 0, set()
+        for n in order:
+            start = -(-cursor // 64) * 64
+            cursor = start + math.prod(shapes[n])
+            mine.add((n, start, cursor))
+        assert mine == layout
+
+
+def test_a_parameter_put_in_anothers_place_is_found_by_its_values():
+    import zckpt
+    from zckpt.errors import UnsupportedLayout
+    from zckpt.megatron import buckets
+    ckpt = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp2"))
+    placed = dict(ckpt.extra["buckets"])
+    a, b = "decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.1.mlp.linear_fc2.weight"
+    buckets.check_values(ckpt.records, placed)
+    placed[a], placed[b] = placed[b], placed[a]
+    with pytest.raises(UnsupportedLayout, match="does not cast to its saved bfloat16 weight"):
+        buckets.check_values(ckpt.records, placed)
 
 
 def test_glob_groups_must_cover_every_parameter_and_group(tmp_path):
@@ -223,4 +271,22 @@ def test_a_flipped_byte_in_a_moment_is_refused(tmp_path, to):
         f.write(bytes([b[0] ^ 0x10]))
     res = zckpt_run("convert", bad, "--groups", "megatron-default", *to, "-o", tmp_path / "o")
     _one_line(res, "do not match the CRC-32 the file records", "exp_avg of")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_flipped_byte_in_a_bucket_master_is_named_as_damage(tmp_path):
+    """dp_reshardable: the master read to check the placement is also checked against its entry's CRC-32, so one
+    flipped byte is reported as a damaged file, not as a layout zckpt does not know; nothing is written."""
+    import zckpt
+    bad = tmp_path / "bad"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp2", bad)
+    placed = zckpt.open_checkpoint(str(bad)).extra["buckets"]
+    piece = placed["decoder.layers.1.mlp.linear_fc1.weight"][0][0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + 5)
+        b = f.read(1)
+        f.seek(piece.offset + 5)
+        f.write(bytes([b[0] ^ 0x40]))
+    res = zckpt_run("convert", bad, "--groups", "megatron-default", "--to", "dcp", "-o", tmp_path / "o")
+    _one_line(res, "do not match the CRC-32 the file records")
     assert not (tmp_path / "o").exists()

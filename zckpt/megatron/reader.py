@@ -19,8 +19,11 @@ Optimizer state: ``fully_reshardable`` keeps, per model key, ``optimizer.state.{
 in model space: each record's value is the fp32 master (``param``; the training-dtype weight is its cast, as
 Megatron copies it), with both moments. The param groups in ``common.pt`` do not list their parameters, so the
 groups are left unknown here (``state_refusal``) until the user states them (:mod:`zckpt.megatron.state`).
-``dp_reshardable`` saves flat DDP buckets that do not record where each parameter sits: the weights are read, the
-optimizer state is refused. ``fully_sharded_model_space``, ``fsdp_dtensor`` and the legacy ``torch`` format
+``dp_reshardable`` (Megatron-LM's default) saves flat DDP buckets that do not name the parameter of a chunk: the
+records keep the weights as saved, and :mod:`zckpt.megatron.buckets` places each parameter's state in the buckets
+(``extra["buckets"]``, or ``extra["bucket_error"]``: why not), which ``convert`` checks against the weights and
+carries; its param groups and step are the ranks' ``optimizer.distributed.dp_group_idx_G.optimizer`` objects.
+``fully_sharded_model_space``, ``fsdp_dtensor`` and the legacy ``torch`` format
 (``mp_rank_XX/model_optim_rng.pt``) are refused in one line.
 """
 
@@ -35,6 +38,7 @@ from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
 )
 from zckpt.io import links, storage
+from zckpt.megatron import buckets
 from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors, pieces_of
 
 FORMAT = "megatron"
@@ -56,8 +60,6 @@ READ_LAYOUTS = ("fully_reshardable", "dp_reshardable")
 SUPPORTED = ("Megatron-Core torch_dist checkpoints (metadata.json sharded_backend torch_dist) with the "
              "fully_reshardable or dp_reshardable distributed-optimizer layout")
 TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
-DP_REFUSAL = ("dp_reshardable optimizer buckets do not record parameter offsets; save with "
-              "--dist-ckpt-optim-fully-reshardable to carry the optimizer state (the weights read exactly)")
 GROUPS_REFUSAL = ("Megatron's param groups (common.pt) do not say which parameter is in which group; the masters "
                   "and moments read exactly, and convert carries them once --groups states the groups")
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -312,6 +314,27 @@ def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) ->
     return records
 
 
+_DP_OPTIM_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1$")
+
+
+def _dp_optimizer(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> dict | None:
+    """``dp_reshardable``: the optimizer's non-parameter state (param groups with Adam's step), saved as one
+    sharded object per model-parallel rank, not in common.pt; None when the ranks' objects disagree or are
+    missing (then no step is known)."""
+    found = []
+    for key, v in md.values.items():
+        if _DP_OPTIM_RE.match(key):
+            value = items.load(v.file, v.offset, v.length)
+            if isinstance(value, list) and len(value) == 1:  # a sharded object's value, as Megatron wraps it
+                value = value[0]
+            if not isinstance(value, dict):
+                raise CorruptFile(f"'{key}' does not hold the optimizer's state dict", path=mpath)
+            found.append(value)
+    if not found or any(v != found[0] for v in found[1:]):
+        return None
+    return found[0]
+
+
 def _step(common: dict) -> tuple[list[dict], object]:
     """The param groups' hyperparameters in common.pt (fully_reshardable) and their one Adam step (None when
     they disagree or are not saved)."""
@@ -360,20 +383,31 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     if not _model_keys(md):
         raise CorruptFile("no model tensors in .metadata", path=mpath)
     items = distcp.Items(folder, opts)
+    placed, bucket_error = None, None
     try:
         n_extra = _extra_states(items, md, mpath)
-        records = _records(_Tensors(items, mpath), md, f, mpath)
+        tensors = _Tensors(items, mpath)
+        records = _records(tensors, md, f, mpath)
+        if layout == "dp_reshardable":
+            optim = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+            common = {**common, "optimizer": {**optim, "optimizer": _dp_optimizer(items, md, mpath)}}
+            try:  # metadata only: where each parameter's state sits in the buckets, or why not
+                placed = buckets.place(records, md, f, _args(common), tensors, mpath)
+            except (UnsupportedLayout, CorruptFile) as e:
+                bucket_error = e
     finally:
         items.close()
     groups, step = _step(common)
     notes = ["names are Megatron's (decoder.layers.<i>.<...>, TE-style fused norm names as saved); "
              "stacked layers split per layer"]
-    if layout == "dp_reshardable":
-        refusal = DP_REFUSAL
-        notes.append("optimizer state not read: " + DP_REFUSAL)
+    if bucket_error is not None:
+        refusal = str(bucket_error)
+        notes.append("optimizer state not read: " + refusal)
     else:
         refusal = GROUPS_REFUSAL
-        notes.append("param groups unknown: " + GROUPS_REFUSAL)
+        notes.append(("optimizer state in dp_reshardable buckets, placed by megatron-core's layout rule (checked "
+                      "against the files when carried); " if placed else "") + "param groups unknown: "
+                     + GROUPS_REFUSAL)
     if f["tied"] is None and TIED[0] not in {r.name for r in records}:
         notes.append("no output_layer.weight and no args saying whether it is tied: none assumed")
     elif f["tied"] and any(r.kind == "tied" for r in records):
@@ -389,7 +423,7 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     merge_notes = ["tensor names are Megatron's (decoder.layers.<i>.self_attention.linear_qkv.weight...), not a "
                    "Hugging Face model's: the folder holds the weights, not a transformers model"]
     extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step,
-             "extra_states": n_extra, "args": _args(common),
+             "extra_states": n_extra, "args": _args(common), "buckets": placed, "bucket_error": bucket_error,
              "common": {k: common[k] for k in ("opt_param_scheduler", "num_floating_point_operations_so_far")
                         if k in common},
              "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}

@@ -1,8 +1,9 @@
 """Megatron-Core's whole training state for another format's writer (``zckpt convert`` of a Megatron checkpoint).
 
 The reader (:mod:`zckpt.megatron.reader`) gives, for a ``fully_reshardable`` save, every parameter's fp32 master
-and both Adam moments in model space, and ``common.pt``'s param groups (hyperparameters and Adam's one step) --
-but not which parameter is in which group: Megatron saves each group's ``params`` as a non-persistent object. So
+and both Adam moments in model space (for a ``dp_reshardable`` save, :mod:`zckpt.megatron.buckets` places them
+from the flat buckets and checks them against the saved weights), and the param groups (hyperparameters and Adam's
+one step) -- but not which parameter is in which group: Megatron saves each group's ``params`` as a non-persistent object. So
 the membership is never read off the shapes silently; the user states it, and it is checked against what the
 files do say:
 
@@ -26,8 +27,7 @@ import dataclasses
 import fnmatch
 
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.megatron import hf_names
-from zckpt.megatron.reader import DP_REFUSAL
+from zckpt.megatron import buckets, hf_names
 from zckpt.state.model import Checkpoint, GroupInfo
 
 DEFAULT_RULE = "megatron-default"
@@ -91,9 +91,13 @@ def training_state(ckpt: Checkpoint, groups, native_names: bool = False) -> Chec
     Llama-shaped (a note says which)."""
     path = ckpt.location.tag_dir
     layout = ckpt.extra["megatron"].get("optimizer_layout")
-    if layout == "dp_reshardable":
-        raise UnsupportedLayout(f"the optimizer state cannot be carried: {DP_REFUSAL}", path=path,
-                                hint="zckpt merge reads the weights exactly")
+    if layout == "dp_reshardable":  # the buckets' state, placed by the reader and checked against the weights here
+        if ckpt.extra.get("bucket_error") is not None:
+            raise ckpt.extra["bucket_error"]
+        if not groups:
+            raise InvalidArgument("Megatron's param groups do not list their parameters, and zckpt does not guess "
+                                  "which parameter is in which", path=path, hint=GROUPS_HINT)
+        ckpt = buckets.attach(ckpt)  # reads every master and weight once: after the checks that cost nothing
     stateful = [r for r in ckpt.records if r.kind == "trainable" and r.exp_avg]
     files_groups = ckpt.extra.get("param_groups") or []
     if not stateful or not files_groups:
