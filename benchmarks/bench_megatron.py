@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default=str(ROOT / ".bench" / "megatron"))
-    ap.add_argument("--spec", default=DEFAULT_SPEC, help="generate.py --spec (must be fully_reshardable for convert)")
+    ap.add_argument("--spec", default=DEFAULT_SPEC, help="generate.py --spec (fp32: fully_reshardable only)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--mcore-python", default="/work/venv-mcore/bin/python")
@@ -165,7 +165,9 @@ def main(argv=None) -> int:
         return 0
 
     spec = {**BASE, **parse_spec(args.spec)}
-    assert spec["sharding"] == "fully_reshardable", "convert needs the fully_reshardable optimizer layout"
+    if "fp32" in args.only.split(",") and spec["sharding"] != "fully_reshardable":
+        raise SystemExit("--only fp32 compares with Megatron's masters in model space: fully_reshardable only "
+                         "(a dp_reshardable save keeps them in flat buckets; run --only bf16,dcp)")
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     save, gen_s = ensure_checkpoint(work, args.spec, args.iters, args.mcore_python)

@@ -18,7 +18,8 @@ That rule is never taken on trust; a placement is used only when the files confi
 2. every parameter's start and end is a chunk boundary of all three state tensors, and no chunk straddles one;
 3. (:func:`check_values`, run by ``merge`` and ``convert`` before anything is written) every parameter's master,
    cast to the training dtype, equals the model weight the files hold, element for element: a parameter put in
-   another's place is found by its own values.
+   another's place is found by its own values. (Two parameters of one size whose saved weights are still equal,
+   norms at 1.0 in bf16, cannot be told apart by values: their places are the rule's, which the rest confirmed.)
 
 Anything else is refused in one line: pipeline stages (``pp > 1``), virtual pipelines, more than one grad buffer
 (several parameter dtypes, experts), a parameter name outside that model, a bucket the rule does not fill.
@@ -250,31 +251,39 @@ def attach(ckpt):
     return dataclasses.replace(ckpt, records=records)
 
 
-def check_values(records, placed: dict, reader_opts=None, on_mismatch=None, block: int = 1 << 22) -> None:
-    """Every placed master, cast to its record's training dtype, must equal the record's saved weight, element
-    for element (see the module docstring); raises UnsupportedLayout naming the first parameter that differs, after
-    ``on_mismatch(pieces)`` (which may raise CorruptFile) is given both tensors' pieces."""
-    import torch
-    from zckpt.encoding.tensors import Reader, load_pieces, torch_dtype
+def check_values(records, placed: dict, reader_opts=None, on_mismatch=None, block: int = 1 << 20) -> None:
+    """Every placed master, cast to its record's training dtype, must equal the record's saved weight, bit for bit
+    (see the module docstring); raises UnsupportedLayout naming the first parameter that differs, after
+    ``on_mismatch(pieces)`` (which may raise CorruptFile) is given both tensors' pieces. Blocks of ``block``
+    elements, cast by :func:`zckpt.encoding.casting.cast` (torch's rounding, without importing torch)."""
+    import numpy as np
+    from zckpt.encoding import casting
+    from zckpt.encoding.safeload import DTYPE_SIZES
+    from zckpt.encoding.tensors import Reader
     reader = Reader(reader_opts)
+    master_buf = bytearray(block * 4)
     try:
         for rec in records:
             if rec.name not in placed:
                 continue
-            master = placed[rec.name][0]
+            master, size = placed[rec.name][0], DTYPE_SIZES[rec.dtype]
+            weight_buf = bytearray(block * size)
             for start in range(0, rec.numel, block):
                 n = min(block, rec.numel - start)
-                m = load_pieces(cut(master, start, n), "float32", (n,), reader).to(torch_dtype(rec.dtype))
-                w = load_pieces(cut(rec.value, start, n), rec.dtype, (n,), reader)
-                m, w = m.view(torch.uint8).view(n, -1), w.view(torch.uint8).view(n, -1)  # bits: NaN == NaN
-                if not torch.equal(m, w):
-                    bad = int((m != w).any(dim=1).nonzero()[0]) + start
+                mv, wv = memoryview(master_buf)[:n * 4], memoryview(weight_buf)[:n * size]
+                reader.read_pieces(cut(master, start, n), mv)
+                reader.read_pieces(cut(rec.value, start, n), wv)
+                got = casting.cast(np.frombuffer(mv, dtype=np.uint8), "float32", rec.dtype)
+                want = np.frombuffer(wv, dtype=np.uint8)
+                if not np.array_equal(got, want):
+                    diff = (got.reshape(n, size) != want.reshape(n, size)).any(axis=1)
+                    bad = int(np.flatnonzero(diff)[0]) + start
                     if on_mismatch is not None:
                         on_mismatch(master + rec.value)
                     raise UnsupportedLayout(
                         f"dp_reshardable optimizer state: the fp32 master placed for '{rec.name}' does not cast to "
                         f"its saved {rec.dtype} weight (element {bad}): the bucket layout is not the one "
-                        "megatron-core's GPT model gives, or the files are damaged", path=master[0].path if master
-                        else None, hint=HINT)
+                        "megatron-core's GPT model gives, or the files are damaged",
+                        path=master[0].path if master else None, hint=HINT)
     finally:
         reader.close()

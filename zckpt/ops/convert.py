@@ -54,9 +54,10 @@ class ConvertResult:
 
     def __repr__(self) -> str:
         what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
-        return (f"<ConvertResult {self.output!r}: {self.plan.source_format} -> {self.plan.to}, "
-                f"{len(self.plan.layout.items)} keys, {len(self.plan.layout.files) + 1} files, "
-                f"{format_size(self.plan.total_bytes)}, {what}>")
+        s = self.plan.summary()
+        return (f"<ConvertResult {self.output!r}: {s.get('from')} -> {s.get('to')}, "
+                f"{s.get('keys')} keys, {len(s.get('files') or [])} files, {format_size(s.get('total_bytes') or 0)}, "
+                f"{what}>")
 
 
 def torch_group(hyper: dict, index: int, ds_config: dict, adam_mode: str | None, path: str) -> tuple[dict, str]:
