@@ -8,7 +8,6 @@ What the files do not say (which parameter is in which group) must be stated, or
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -171,41 +170,56 @@ def test_unstated_groups_are_refused_not_guessed(tmp_path, to):
     assert not out.exists()
 
 
-def test_dp_reshardable_with_pipeline_stages_is_refused(tmp_path):
-    res = zckpt_run("convert", MEG / "gpt_tp1_pp2_dp1_tied", "--groups", "megatron-default", "-o", tmp_path / "o")
-    _one_line(res, "dp_reshardable", "pipeline parallel size 2", "--dist-ckpt-optim-fully-reshardable")
+def test_dp_reshardable_with_uneven_pipeline_stages_is_refused(tmp_path):
+    """The args say the layers are not split evenly over the stages: refused, never placed by the even rule."""
+    import argparse
+    src = tmp_path / "src"
+    shutil.copytree(MEG / "gpt_tp1_pp2_dp1_tied", src)
+    common = src / "iter_0000003" / "common.pt"
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    d = torch.load(common, weights_only=True)
+    d["args"].num_layers_in_first_pipeline_stage = 1
+    torch.save(d, common)
+    res = zckpt_run("convert", src, "--groups", "megatron-default", "-o", tmp_path / "o")
+    _one_line(res, "dp_reshardable", "num_layers_in_first_pipeline_stage=1", "--dist-ckpt-optim-fully-reshardable")
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("name", [n for n in sorted(p.name for p in MEG.iterdir() if p.is_dir())
-                                  if "fullyresh" not in n and "pp2" not in n])
+                                  if "fullyresh" not in n])
 def test_dp_reshardable_buckets_placed_as_megatron_laid_them_out(name):
-    """Every parameter's place in every bucket equals the layout megatron-core's live buffers had (recorded by the
-    generator from DistributedOptimizer's own range maps), and its state equals Megatron's own load."""
+    """Every parameter's place in every bucket of every rank equals the layout megatron-core's live buffers had
+    (recorded by the generator from DistributedOptimizer's own range maps), and its state equals Megatron's own
+    load (a tied output layer's copy on the last pipeline stage: the embedding's)."""
     import zckpt
     from zckpt.encoding.tensors import load_pieces
+    from zckpt.megatron import buckets
     meta, want = oracle(name)
     ckpt = zckpt.open_checkpoint(str(MEG / name))
-    placed = ckpt.extra["buckets"]
-    assert ckpt.extra["bucket_error"] is None and set(placed) == {k[len("master."):] for k in want
-                                                                  if k.startswith("master.")}
-    shapes = {r.name: r.shape for r in ckpt.records}
+    placed, by_name = ckpt.extra["buckets"], ckpt.by_name()
+    assert ckpt.extra["bucket_error"] is None
+    copies = {n for n in placed if by_name[n].kind == "tied"}
+    assert set(placed) - copies == {k[len("master."):] for k in want if k.startswith("master.")}
     for n, triple in placed.items():
+        src = by_name[n].tied_to or n
         for kind, pieces in zip(("master", "exp_avg", "exp_avg_sq"), triple):
-            assert _exact(load_pieces(pieces, "float32", shapes[n]), want[f"{kind}.{n}"]), (kind, n)
-    buffers = meta["dp_buffers_per_rank"]
-    assert buffers and all(len(r) == 1 for r in buffers)  # one grad buffer per rank
-    # what the generator recorded per rank: (name, start, end) in the whole buffer; one bucket here
-    layout = {(p["name"], p["start"], p["end"]) for p in buffers[0][0]["params"]}
-    if meta["tp"] == 1:  # a parameter's local shard is all of it: its place is the record's pieces' offsets
-        from zckpt.megatron import buckets
-        order = [p.name for p in reversed(buckets._order(ckpt.records, ""))]
-        cursor, mine = 0, set()
-        for n in order:
-            start = -(-cursor // 64) * 64
-            cursor = start + math.prod(shapes[n])
-            mine.add((n, start, cursor))
-        assert mine == layout
+            assert _exact(load_pieces(pieces, "float32", by_name[src].shape), want[f"{kind}.{src}"]), (kind, n)
+    buffers = meta["dp_buffers_per_rank"]  # per global rank: its grad buffers; ranks 0..tp*pp-1 are dp rank 0
+    f = ckpt.extra["megatron"]
+    tp = f["tp"]
+    stages = buckets._stages(ckpt.records, f["pp"], bool(f["swiglu"]), ckpt.extra["args"], "")
+    for s, params in enumerate(stages):
+        for t in range(tp):
+            g = s * tp + t
+            got = buckets._walk(params, buckets._buckets(ckpt.extra["metadata"], tp * f["pp"], "")[g], g, tp, "")
+            (buf,) = buffers[g]
+            starts = [b["start"] for b in buf["buckets"]]
+            mine = set()
+            for n, (states, start, numel) in got.items():
+                b = int(next(iter(states.values())).key.split(".bucket_idx_")[1].split(".")[0])
+                mine.add((by_name[n].tied_to or n, b, starts[b] + start, starts[b] + start + numel))
+            theirs = {(p["name"], p["bucket"], p["start"], p["end"]) for p in buf["params"]}
+            assert mine == theirs, (g, sorted(mine ^ theirs))
 
 
 def test_a_parameter_put_in_anothers_place_is_found_by_its_values():

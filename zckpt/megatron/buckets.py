@@ -21,8 +21,12 @@ That rule is never taken on trust; a placement is used only when the files confi
    another's place is found by its own values. (Two parameters of one size whose saved weights are still equal,
    norms at 1.0 in bf16, cannot be told apart by values: their places are the rule's, which the rest confirmed.)
 
-Anything else is refused in one line: pipeline stages (``pp > 1``), virtual pipelines, more than one grad buffer
-(several parameter dtypes, experts), a parameter name outside that model, a bucket the rule does not fill.
+Pipeline stages: model-parallel rank ``G = pp_rank * tp + tp_rank`` holds stage ``pp_rank``'s parameters (the
+embedding on the first, final norm and output layer on the last, the layers split evenly); a tied output layer
+is a copy of the embedding on the last stage, in a bucket of its own (``shared_embedding``), whose state is
+checked like the others and not carried (Megatron's main replica is the first stage's). Anything else is refused
+in one line: uneven or virtual pipelines, more than one grad buffer (several parameter dtypes, experts), a
+parameter name outside that model, a bucket the rule does not fill.
 Tensor parallelism is read: a model-parallel rank's buffer holds its TP shard of each parameter (column-parallel
 rows, row-parallel columns, SwiGLU's ``linear_fc1`` as its gate and up shards, norms whole), put back in place.
 """
@@ -102,10 +106,60 @@ def _local_numel(rec, tp: int, path: str) -> int:
 
 
 class _Rec:
-    """What placing needs of a record."""
+    """What placing needs of a record; ``name`` is where its state goes (a tied output layer's copy on the last
+    pipeline stage is ``output_layer.weight``, with the embedding's shape), ``shared``: Megatron's
+    ``shared_embedding`` (a bucket of its own)."""
 
-    def __init__(self, rec, swiglu: bool):
-        self.rec, self.name, self.shape, self.numel, self.swiglu = rec, rec.name, tuple(rec.shape), rec.numel, swiglu
+    def __init__(self, rec, swiglu: bool, name: str | None = None, shared: bool = False):
+        self.rec, self.name, self.shape, self.numel = rec, name or rec.name, tuple(rec.shape), rec.numel
+        self.swiglu, self.shared = swiglu, shared
+
+
+def _layer(name: str) -> int | None:
+    return int(name[len(LAYERS):].split(".", 1)[0]) if name.startswith(LAYERS) else None
+
+
+# args that move layers between pipeline stages (megatron-core 0.16 TransformerConfig / Megatron-LM arguments)
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+def _stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[_Rec]]:
+    """Each pipeline stage's parameters in ``named_parameters()`` order: the first holds the embedding, the last
+    the final norm and the output layer (tied: a copy of the embedding, Megatron's ``shared_embedding``), the
+    layers split evenly (megatron-core's default; the args that change it are refused)."""
+    order = _order(records, path)
+    if pp == 1:
+        return [[_Rec(r, swiglu) for r in order]]
+    for key in _UNEVEN:
+        if args.get(key) not in (None, False):
+            raise _refuse(f"the args set {key}={args[key]!r}: layers are not split evenly over the pipeline stages",
+                          path)
+    layers = sorted({_layer(r.name) for r in order if _layer(r.name) is not None})
+    if layers != list(range(len(layers))) or len(layers) % pp:
+        raise _refuse(f"{len(layers)} layers do not split evenly over {pp} pipeline stages", path)
+    per = len(layers) // pp
+    tied = {r.name: r.tied_to for r in records if r.kind == "tied"}
+    embedding = next((r for r in order if r.name == _TOP_BEFORE[0]), None)
+    shared = bool(tied) and embedding is not None
+    if tied and (list(tied.items()) != [("output_layer.weight", _TOP_BEFORE[0])] or embedding is None):
+        raise _refuse(f"tied parameters {tied} are not Megatron's tied output layer", path)
+    out = []
+    for p in range(pp):
+        stage = []
+        for r in order:
+            i = _layer(r.name)
+            if i is not None:
+                keep = p * per <= i < (p + 1) * per
+            else:
+                keep = p == 0 if r.name in _TOP_BEFORE else p == pp - 1
+            if keep:
+                stage.append(_Rec(r, swiglu, shared=shared and r.name == _TOP_BEFORE[0]))
+        if p == pp - 1 and shared:
+            stage.append(_Rec(embedding, swiglu, name="output_layer.weight", shared=True))
+        out.append(stage)
+    return out
 
 
 def _buckets(md, tp: int, path: str) -> dict[int, list[dict]]:
@@ -156,15 +210,14 @@ def _boundaries(te, path: str) -> tuple[set, list]:
 
 
 def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tuple[list, list, list]]:
-    """Record name -> (master, exp_avg, exp_avg_sq) pieces in the record's row-major order (see the module
-    docstring); raises UnsupportedLayout / CorruptFile when the files do not confirm the layout."""
+    """Name -> (master, exp_avg, exp_avg_sq) pieces in the parameter's row-major order (see the module docstring;
+    with a tied output layer on another pipeline stage, ``output_layer.weight``: its copy's state, which is
+    checked, not carried); raises UnsupportedLayout / CorruptFile when the files do not confirm the layout."""
     tp, pp = f.get("tp"), f.get("pp")
-    if pp != 1:
-        raise _refuse(f"pipeline parallel size {pp}: each stage's buckets would need its own share of the layers, "
-                      "which zckpt does not place", path)
-    if not isinstance(tp, int) or tp < 1:
-        raise _refuse("the files do not say the tensor-parallel size", path)
-    if args.get("virtual_pipeline_model_parallel_size") not in (None, 1):
+    if not isinstance(tp, int) or tp < 1 or not isinstance(pp, int) or pp < 1:
+        raise _refuse("the files do not say the tensor- and pipeline-parallel sizes", path)
+    if args.get("virtual_pipeline_model_parallel_size") not in (None, 1) or \
+            args.get("num_virtual_stages_per_pipeline_rank") not in (None, 1):
         raise _refuse("virtual pipeline stages (several model chunks per rank)", path)
     if args.get("num_experts") not in (None, 0):
         raise _refuse("mixture-of-experts parameters (an expert grad buffer)", path)
@@ -172,46 +225,70 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
     fc1 = [r for r in records if _short(r.name) in _FC1 and r.kind == "trainable"]
     if fc1 and tp > 1 and swiglu is None:
         raise _refuse("the args do not say whether linear_fc1 is SwiGLU (gate and up shards per TP rank)", path)
-    order = [_Rec(r, bool(swiglu)) for r in _order(records, path)]
-    buckets = _buckets(md, tp, path)
-    local = {g: {} for g in range(tp)}  # rank -> name -> (bucket states, start, numel)
-    for g in range(tp):
-        todo = list(reversed(order))
-        for b, states in enumerate(buckets[g]):
-            size = states["param"].shape[0]
-            bounds = [_boundaries(states[k], path) for k in STATE_KEYS]
-            if len({tuple(s) for _, s in bounds}) != 1:
-                raise CorruptFile(f"rank {g} bucket {b}: param, exp_avg and exp_avg_sq are chunked differently",
-                                  path=path)
-            edges, spans = bounds[0]
-            cursor, placed = 0, []
-            while todo and cursor < size:
-                p = todo.pop(0)
-                n = _local_numel(p, tp, path)
-                start = -(-cursor // ALIGN) * ALIGN
-                end = start + n
-                if end > size:
-                    raise _refuse(f"'{p.name}' ({n} elements at {start}) runs past the end of rank {g}'s bucket {b} "
-                                  f"({size}): not the layout megatron-core's GPT model gives", path)
-                placed.append((p, start, end))
-                cursor = end
-            if cursor != size:
-                raise _refuse(f"rank {g} bucket {b} holds {size} elements, the parameters fill {cursor}", path)
-            for p, start, end in placed:
-                if start not in edges or end not in edges or any(lo < start < hi or lo < end < hi for lo, hi in spans):
-                    raise _refuse(f"'{p.name}' at [{start}, {end}) of rank {g}'s bucket {b} is not where the "
-                                  "files' chunks put a parameter", path)
-                local[g][p.name] = (states, start, end - start)
-        if todo:
-            raise _refuse(f"rank {g}'s buckets end before '{todo[0].name}' and {len(todo) - 1} more parameter(s)",
-                          path)
-    return {p.name: tuple(_global(p, local, tp, tensors, k) for k in STATE_KEYS) for p in order}
+    stages = _stages(records, pp, bool(swiglu), args, path)
+    buckets = _buckets(md, tp * pp, path)
+    local: dict[int, dict] = {}  # model-parallel rank (pp rank x tp + tp rank) -> name -> (states, start, numel)
+    stage_of = {}
+    for s, params in enumerate(stages):
+        for t in range(tp):
+            g = s * tp + t  # the rank in megatron-core's tp-pp group: tp fastest
+            local[g] = _walk(params, buckets[g], g, tp, path)
+        stage_of.update({p.name: s for p in params})
+    return {p.name: tuple(_global(p, local, stage_of[p.name], tp, tensors, k) for k in STATE_KEYS)
+            for params in stages for p in params}
 
 
-def _global(p: _Rec, local: dict, tp: int, tensors, key: str) -> list:
-    """The pieces of state ``key`` of parameter ``p`` in its global row-major order, from the TP ranks' shards."""
-    def shard(g):
-        states, start, n = local[g][p.name]
+def _walk(params: list[_Rec], buckets: list[dict], g: int, tp: int, path: str) -> dict:
+    """Place ``params`` (one rank's, registration order) in its buckets: reversed, starts padded to 64 elements, a
+    bucket closed where the files' bucket ends (or before and after a shared embedding, Megatron's own bucket)."""
+    out, b, cursor, placed = {}, 0, 0, []
+
+    def close(at: int) -> None:
+        nonlocal b, cursor, placed
+        states = buckets[b]
+        size = states["param"].shape[0]
+        if at != size:
+            raise _refuse(f"rank {g} bucket {b} holds {size} elements, the parameters fill {at}", path)
+        bounds = [_boundaries(states[k], path) for k in STATE_KEYS]
+        if len({tuple(sp) for _, sp in bounds}) != 1:
+            raise CorruptFile(f"rank {g} bucket {b}: param, exp_avg and exp_avg_sq are chunked differently",
+                              path=path)
+        edges, spans = bounds[0]
+        for p, start, end in placed:
+            if start not in edges or end not in edges or any(lo < start < hi or lo < end < hi for lo, hi in spans):
+                raise _refuse(f"'{p.name}' at [{start}, {end}) of rank {g}'s bucket {b} is not where the files' "
+                              "chunks put a parameter", path)
+            out[p.name] = (states, start, end - start)
+        b, cursor, placed = b + 1, 0, []
+
+    for p in reversed(params):
+        start = -(-cursor // ALIGN) * ALIGN
+        if p.shared and placed:  # megatron-core: a shared embedding starts a bucket; the one before ends here
+            close(start)
+            start = 0
+        if b >= len(buckets):
+            raise _refuse(f"rank {g}'s buckets end before '{p.name}'", path)
+        n = _local_numel(p, tp, path)
+        end, size = start + n, buckets[b]["param"].shape[0]
+        if end > size:
+            raise _refuse(f"'{p.name}' ({n} elements at {start}) runs past the end of rank {g}'s bucket {b} "
+                          f"({size}): not the layout megatron-core's GPT model gives", path)
+        placed.append((p, start, end))
+        cursor = end
+        if end == size or p.shared:
+            close(end)
+    if placed:
+        close(cursor)
+    if b != len(buckets):
+        raise _refuse(f"rank {g} has {len(buckets)} buckets, its parameters fill {b}", path)
+    return out
+
+
+def _global(p: _Rec, local: dict, stage: int, tp: int, tensors, key: str) -> list:
+    """The pieces of state ``key`` of parameter ``p`` in its global row-major order, from the TP ranks' shards
+    (model-parallel ranks ``stage * tp + t``)."""
+    def shard(t):
+        states, start, n = local[stage * tp + t][p.name]
         return tensors.pieces(states[key], start, n)
     short = _short(p.name)
     if tp == 1 or not (short in _ROWS or short in _FC1 or short in _COLS):
@@ -243,7 +320,7 @@ def attach(ckpt):
     check_values(ckpt.records, placed, ckpt.location.storage_options, crc)
     records = []
     for rec in ckpt.records:
-        if rec.name in placed:
+        if rec.name in placed and rec.kind != "tied":  # a tied copy's state was checked, the embedding's carried
             master, avg, avg_sq = placed[rec.name]
             rec = dataclasses.replace(rec, value=master, dtype="float32", exp_avg=avg, exp_avg_sq=avg_sq,
                                       lp_dtype=rec.dtype)
@@ -263,10 +340,12 @@ def check_values(records, placed: dict, reader_opts=None, on_mismatch=None, bloc
     reader = Reader(reader_opts)
     master_buf = bytearray(block * 4)
     try:
-        for rec in records:
-            if rec.name not in placed:
-                continue
-            master, size = placed[rec.name][0], DTYPE_SIZES[rec.dtype]
+        by_name = {r.name: r for r in records}
+        for name, triple in placed.items():
+            rec = by_name[name]
+            if rec.kind == "tied":  # the output layer's copy on the last stage: the embedding's weight
+                rec = by_name[rec.tied_to]
+            master, size = triple[0], DTYPE_SIZES[rec.dtype]
             weight_buf = bytearray(block * size)
             for start in range(0, rec.numel, block):
                 n = min(block, rec.numel - start)
@@ -281,7 +360,7 @@ def check_values(records, placed: dict, reader_opts=None, on_mismatch=None, bloc
                     if on_mismatch is not None:
                         on_mismatch(master + rec.value)
                     raise UnsupportedLayout(
-                        f"dp_reshardable optimizer state: the fp32 master placed for '{rec.name}' does not cast to "
+                        f"dp_reshardable optimizer state: the fp32 master placed for '{name}' does not cast to "
                         f"its saved {rec.dtype} weight (element {bad}): the bucket layout is not the one "
                         "megatron-core's GPT model gives, or the files are damaged",
                         path=master[0].path if master else None, hint=HINT)

@@ -405,9 +405,10 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
         notes.append("optimizer state not read: " + refusal)
     else:
         refusal = GROUPS_REFUSAL
-        notes.append(("optimizer state in dp_reshardable buckets, placed by megatron-core's layout rule (checked "
-                      "against the files when carried); " if placed else "") + "param groups unknown: "
-                     + GROUPS_REFUSAL)
+        if placed:
+            notes.append("optimizer state in dp_reshardable buckets, placed by megatron-core's layout rule (checked "
+                         "against the saved weights when carried)")
+        notes.append("param groups unknown: " + GROUPS_REFUSAL)
     if f["tied"] is None and TIED[0] not in {r.name for r in records}:
         notes.append("no output_layer.weight and no args saying whether it is tied: none assumed")
     elif f["tied"] and any(r.kind == "tied" for r in records):
