@@ -361,3 +361,49 @@ def test_remote_merge_reads_coalesced_ranges(s3_server, tmp_path):
     stats = res.to_json()["stats"]
     assert 0 < stats["remote_requests"] <= files < pieces, (stats, files, pieces)  # one GET per source file
     assert stats["remote_bytes"] >= res.plan.total_size // 2
+
+
+def test_allocate_gives_the_final_size_and_reports_a_full_disk(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        executor.allocate(fd, 3 << 20)
+        assert os.fstat(fd).st_size == 3 << 20
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(3 << 20)
+    fd = os.open(tmp_path / "empty.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        executor.allocate(fd, 0)  # an empty file: nothing to allocate, no error
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+    if executor._fallocate_fn():  # Linux: a filesystem's "no space" is an error, not a sparse file
+        ctypes, _, fstatfs = executor._fallocate_fn()
+
+        def full(fd, mode, off, size):
+            ctypes.set_errno(28)  # ENOSPC
+            return -1
+        monkeypatch.setattr(executor, "_libc", (ctypes, full, fstatfs))
+        monkeypatch.setattr(executor, "_NO_FALLOCATE_FS", set())
+        fd = os.open(tmp_path / "g.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(OSError) as e:
+                executor.allocate(fd, 1 << 20)
+            assert e.value.errno == 28
+        finally:
+            os.close(fd)
+
+
+def test_ranks_sharing_a_file_share_its_write_slots():
+    w = executor.Worker()
+    try:
+        assert w.write_slots._value == executor.WRITE_STREAMS
+        w.share_file(4)
+        assert w.write_slots._value == max(1, executor.WRITE_STREAMS // 4)
+        w.share_file(10 * executor.WRITE_STREAMS)
+        assert w.write_slots._value == 1
+        w.share_file(1)
+        assert w.write_slots._value == executor.WRITE_STREAMS
+    finally:
+        w.close()

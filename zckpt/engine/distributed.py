@@ -249,7 +249,7 @@ class _Writer:
 def _create(path: str, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
-        os.ftruncate(fd, size)
+        executor.allocate(fd, size)
     finally:
         os.close(fd)
 
@@ -434,9 +434,13 @@ def _open_publisher(group: Group, stack, works, out, kind, check, source, durabl
 
 
 def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str) -> None:
-    mine = split_ranges(works, group.world)[group.rank]
+    spans = split_ranges(works, group.world)
+    sharers: dict[int, int] = {}  # file -> how many ranks write into it
+    for rank_span in spans:
+        for fi in {fi for fi, _ in rank_span}:
+            sharers[fi] = sharers.get(fi, 0) + 1
     byfile: dict[int, list] = {}
-    for fi, ji in mine:
+    for fi, ji in spans[group.rank]:
         byfile.setdefault(fi, []).append(ji)
     for fi, jis in byfile.items():
         w = works[fi]
@@ -444,7 +448,11 @@ def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str
         if w.src is not None:
             writer.copy(w, path)
         else:
-            writer.write_jobs(fi, path, [w.jobs[j] for j in jis])
+            writer.worker.share_file(sharers[fi])
+            try:
+                writer.write_jobs(fi, path, [w.jobs[j] for j in jis])
+            finally:
+                writer.worker.share_file(1)
 
 
 def _write_files_remote(group: Group, writer: _Writer, works, out, output_storage_options) -> None:

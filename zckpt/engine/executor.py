@@ -15,7 +15,7 @@ and carried out the same way::
         anything else (casts, URLs, no copy_file_range): read into the thread's buffer, convert, pwrite
 
 Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
-into one file take one of ``WRITE_STREAMS`` slots (writes into one file serialize on its inode lock anyway);
+into one file take one of ``WRITE_STREAMS`` slots (one file takes only so many writers at a time);
 reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
 (:mod:`zckpt.encoding.casting`), and a bf16 -> fp32 upcast of small work needs neither.
 """
@@ -23,6 +23,7 @@ reads and casts stay parallel. No torch or numpy import here: casts import numpy
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 import sys
 import threading
@@ -37,11 +38,13 @@ from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.io.hashing import crc32, crc32_combine
 
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
-# Writes into one output file (in-kernel copies and pwrites of cast chunks) serialize on its inode lock, so one
-# stream at a time moves them as fast as cp does; more only add contention (16-core host, 0.8 GB copy phase:
-# 1 stream 0.30 s, 2 of 8 threads 0.38 s, 8 of 8 0.36 s, 16 of 16 0.41 s; cp 0.25 s). Reads and casts, which
-# need the CPU, use the whole pool.
-WRITE_STREAMS = 1
+# Writes into one output file (in-kernel copies and pwrites of cast chunks) take one of WRITE_STREAMS slots: the
+# most threads, of all processes together, writing into one file at a time. On the lent 16-core host's ext4 (Linux
+# 6.18) one file takes about 3.5-4 GB/s whatever the number of writers, but 8 of them beat 1 (single-process
+# merge of a 3.8 GB file: 0.93 s against 1.12 s) and 16 lose to 4 (four ranks into that file: 1.30 s against
+# 0.90 s); docs/benchmarks.md, "At the copy limit". A launcher's rank divides them by the ranks sharing the file
+# (``Worker.share_file``). Reads and casts, which need the CPU, use the whole pool.
+WRITE_STREAMS = max(1, int(os.environ.get("ZCKPT_WRITE_STREAMS", "8")))
 _ZEROS = bytes(1 << 20)
 # Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
 # ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (PREFETCH_BYTES in memory at most).
@@ -98,6 +101,48 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
+# Output files are allocated at their final size before a byte is written (fallocate): on the lent 16-core host's
+# ext4, 4 GB written by 8 threads into a file allocated so took 0.82 s, into one only truncated to size 1.04 s
+# (benchmarks/probe_io.py, docs/benchmarks.md); a full disk is also found before anything is written. Filesystems
+# without fallocate, and tmpfs (where it would fill the pages with zeros first), get ftruncate.
+_NO_FALLOCATE_FS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs f_type)
+_libc = None
+
+
+def _fallocate_fn():
+    global _libc
+    if _libc is None:
+        _libc = False
+        if sys.platform.startswith("linux") and os.environ.get("ZCKPT_FALLOCATE", "1") != "0":
+            try:
+                import ctypes
+                lib = ctypes.CDLL(None, use_errno=True)
+                fn, fstatfs = lib.fallocate, lib.fstatfs
+                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+                fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+                _libc = (ctypes, fn, fstatfs)
+            except (OSError, AttributeError):
+                _libc = False
+    return _libc
+
+
+def allocate(fd: int, size: int) -> None:
+    """Give the new file ``fd`` its final ``size``: its blocks allocated (fallocate) where the filesystem can, else
+    ftruncate (a sparse file). Raises OSError(ENOSPC) when the disk cannot hold it."""
+    lib = _fallocate_fn() if size > 0 else False
+    if lib:
+        ctypes, fn, fstatfs = lib
+        buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field (a long)
+        if fstatfs(fd, buf) == 0 and ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF not in _NO_FALLOCATE_FS:
+            if fn(fd, 0, 0, size) == 0:
+                return
+            err = ctypes.get_errno()
+            if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise OSError(err, os.strerror(err))
+            # EOPNOTSUPP, ENOSYS, EINVAL...: this filesystem cannot; a plain truncate below
+    os.ftruncate(fd, size)
+
+
 def test_delay() -> None:
     """Fault-injection hook for the crash tests: ZCKPT_TEST_SLOW_WRITE=seconds pauses before each file."""
     delay = os.environ.get("ZCKPT_TEST_SLOW_WRITE")
@@ -133,6 +178,11 @@ class Worker:
         self.use_torch = "torch" in sys.modules  # a trainer process: torch's kernels are already loaded
         self.write_slots = threading.BoundedSemaphore(WRITE_STREAMS)
         self.pure_upcast = pure_upcast
+
+    def share_file(self, writers: int) -> None:
+        """The next file's writes are shared with ``writers - 1`` other processes: this one takes its part of the
+        WRITE_STREAMS slots (call between files, with no write in flight)."""
+        self.write_slots = threading.BoundedSemaphore(max(1, WRITE_STREAMS // max(1, writers)))
 
     def buffer(self, nbytes: int, slot: str = "buf") -> memoryview:
         buf = getattr(self.local, slot, None)

@@ -61,7 +61,7 @@ def write_shard(shard, path: str, fmt: str, pool, worker: executor.Worker, progr
     executor.test_delay()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
-        os.ftruncate(fd, shard.size)
+        executor.allocate(fd, shard.size)
         if fmt == "safetensors":
             executor.pwrite_all(fd, shard.header, 0)
             for _, n in executor.run_jobs(pool, lambda job: worker.write(fd, *job), shard_jobs(shard), worker):
@@ -194,7 +194,7 @@ def write_dcp_part(plan, pub, pool=None, worker=None, maps=None, progress=None, 
         dst = pub.path(rel)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, f.size)
+            executor.allocate(fd, f.size)
             torchzip.write_archives(f.placed, fd, pool, progress, worker, maps)
             if fsync:
                 os.fsync(fd)

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.engine.checked import MappedCrc
-from zckpt.engine.executor import CHUNK_BYTES, Worker, chunks, pwrite_all, run_jobs, zeros_crc
+from zckpt.engine.executor import CHUNK_BYTES, Worker, allocate, chunks, pwrite_all, run_jobs, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
 from zckpt.io.hashing import crc32, crc32_combine
 
@@ -334,7 +334,7 @@ def write_archive(archive: Archive, fd: int, pool=None, progress=None, worker=No
     CRC from the inputs' central directories, other CRCs are computed on read-only maps of the page-cached source;
     conversions (:class:`Cast`) and remote pieces go through the worker's buffers (remote ranges fetched ahead,
     :func:`zckpt.engine.executor.run_jobs`). Chunk CRCs are combined with :func:`crc32_combine`, in file order."""
-    os.ftruncate(fd, archive.size + len(_central(archive)))
+    allocate(fd, archive.size + len(_central(archive)))
     write_archives([(archive, 0)], fd, pool, progress, worker, maps)
 
 
