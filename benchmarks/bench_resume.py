@@ -99,7 +99,8 @@ def worker(job_path: str) -> None:
             tensor_bytes = phases = None
         else:
             import zckpt.deepspeed as zd
-            path, _ = zd.load_checkpoint(engine, job["source"], scratch_dir=scratch)
+            path, _ = zd.load_checkpoint(engine, job["source"], scratch_dir=scratch,
+                                         workers=job.get("workers") or None)
             tensor_bytes = engine.zckpt_resume_info.bytes_read
             phases = engine.zckpt_resume_info.seconds
     dt, r1 = time.perf_counter() - t0, _rchar()
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ffn", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--zckpt-workers", default="0",
+                    help="comma-separated thread counts per rank for zckpt's reads, one route each (0: the default)")
     ap.add_argument("--json-out")
     ap.add_argument("--_worker")
     a = ap.parse_args(argv)
@@ -161,11 +164,13 @@ def main(argv=None) -> int:
         reshard(str(src), str(native), world_size=a.world_size, overwrite=True)
     tspec = dict(spec, world_size=a.world_size)
     size = sum(f.stat().st_size for f in (src / (src / "latest").read_text().strip()).iterdir())
-    runs = {"native": [], "zckpt": []}
+    wlist = [int(w) for w in a.zckpt_workers.split(",")]
+    runs = {"native": []} | {("zckpt" if w == 0 else f"zckpt-w{w}"): [] for w in wlist}
     for _ in range(a.repeat):
         for route in runs:
+            w = int(route.split("-w")[1]) if "-w" in route else 0
             job = {"spec": tspec, "route": "native" if route == "native" else "api", "native": str(native),
-                   "source": str(src)}
+                   "source": str(src), "workers": w}
             runs[route].append(run_job(job, a.world_size))
     med = statistics.median
     from zckpt import open_checkpoint
@@ -179,12 +184,17 @@ def main(argv=None) -> int:
             per_rank.append({k: med([row[k] for row in rows]) if rows[0][k] is not None else None
                              for k in ("seconds", "rchar", "tensor_bytes", "peak_rss", "scratch_peak")})
         result["routes"][route] = per_rank
-        if route == "zckpt":
+        if route != "native":
             for r, row in enumerate(per_rank):
                 row["phases"] = {k: med([rep[r]["phases"][k] for rep in reps]) for k in reps[0][r]["phases"]}
-    nat, z = result["routes"]["native"], result["routes"]["zckpt"]
+    nat = result["routes"]["native"]
     print(f"{params / 1e6:.1f}M params; checkpoint {size / 1e6:.1f} MB at {a.source_ws} ranks -> "
           f"{a.world_size} ranks; medians of {a.repeat}")
+    for route in [r for r in runs if r != "native"]:
+        z = result["routes"][route]
+        print(f"route {route}: zckpt / native per rank "
+              + " ".join(f"{z[r]['seconds'] / nat[r]['seconds']:.2f}" for r in range(a.world_size)))
+    z = result["routes"][next(r for r in runs if r != "native")]
     print(f"{'rank':>4} {'native s':>9} {'zckpt s':>8} {'ratio':>6} {'native read MB':>15} {'zckpt read MB':>14} "
           f"{'zckpt tensor MB':>16} {'native RSS MB':>14} {'zckpt RSS MB':>13} {'scratch B':>10}")
     for r in range(a.world_size):

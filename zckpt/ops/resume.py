@@ -60,6 +60,17 @@ log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------- materialising
 
+READ_WORKERS = None  # threads per rank reading its ranges; None: read_workers()
+
+
+def read_workers() -> int:
+    """Threads per rank for the ranged reads: the CPU count, at most 8 (``ZCKPT_RESUME_WORKERS`` overrides)."""
+    env = os.environ.get("ZCKPT_RESUME_WORKERS")
+    if env:
+        return max(1, int(env))
+    return READ_WORKERS or min(8, os.cpu_count() or 2)
+
+
 class _Landed:
     """Where source bytes already read sit in the outputs: per source file, (start, end, output, byte position)
     of every piece read, so a later piece or cast over the same bytes copies them instead of reading again."""
@@ -283,7 +294,7 @@ class ResumeInfo:
 def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                     load_module_only: bool = False, scratch_dir: str | None = None, force_reshard: bool = False,
-                    storage_options: dict | None = None, verify: bool = False):
+                    storage_options: dict | None = None, verify: bool = False, workers: int | None = None):
     """Load the checkpoint at ``path`` into ``engine``, whatever world size and ZeRO stage it was saved at.
 
     Call it on every rank, like ``engine.load_checkpoint``, whose arguments and result (``(load_path,
@@ -295,6 +306,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
     touched. ``force_reshard``: take the in-memory route even where a plain load would do (tests, benchmarks).
     ``scratch_dir``: where the empty placeholder file goes (default: the system temp folder).
     ``storage_options``: fsspec options for a URL ``path`` (endpoint, credentials...), for this call only.
+    ``workers``: threads reading this rank's byte ranges (default: :data:`READ_WORKERS`).
 
     Checksums: every source zip entry this rank reads whole (or all but a sixteenth of: partition padding) has its
     CRC-32 checked before anything is loaded; an entry it reads only a part of (a partition split across the new
@@ -333,7 +345,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
             check = checksums.input_check(ckpt, max_fill=None if verify else 1 / 16)
-            mat = Materializer(storage_options=ckpt.storage_options, check=check)
+            mat = Materializer(workers or read_workers(), storage_options=ckpt.storage_options, check=check)
             for f, obj in zip(plan.files, mat.load_all([f.obj for f in plan.files])):
                 objects[os.path.basename(f.relpath)] = obj
             check.finish()
