@@ -9,7 +9,8 @@ the zckpt of another tree (the version before a change) runs too, alternating wi
 
 Reported (medians of ``--repeat`` runs): zckpt's own seconds (``--json``: open to publish), the wall seconds of the
 command (interpreter start and, under torchrun, torch's import included), ``cp -r``'s seconds, zckpt / cp, the
-efficiency T1 / (P * TP) on zckpt's seconds, and the peak RSS of the P = 1 process.
+efficiency T1 / (P * TP) on zckpt's seconds, and the peak RSS of the command's largest process (wait4). With
+``--peers``, DeepSpeed's own merge and its consolidation + ``dcp.save`` run on the same files, timed the same way.
 
     python benchmarks/bench_copylimit.py --layers 26 --hidden 2048 --ffn 8192 --procs 1,4,8 --json-out r.json
     python benchmarks/bench_copylimit.py --ckpt fixtures/z2_bf16_ws4/checkpoint --procs 1,2 --repeat 1  # smoke
@@ -21,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -39,6 +39,23 @@ CASES = {
     "merge-fp32": lambda ck, out: ["merge", ck, "--dtype", "fp32", "-o", out],
     "reshard-ws8": lambda ck, out: ["reshard", ck, "--world-size", "8", "-o", out],
     "convert-dcp": lambda ck, out: ["convert", ck, "--to", "dcp", "-o", out],
+    "merge-fp32-1GB": lambda ck, out: ["merge", ck, "--dtype", "fp32", "--max-shard-size", "1GB", "-o", out],
+}
+# The user's alternatives on the same files (``--peers``), each in its own process: DeepSpeed's own merge (the
+# zero_to_torch.py it saves beside the checkpoint, as a user runs it) and DeepSpeed's consolidation into RAM +
+# torch's ``dcp.save`` (the model only: no optimizer state).
+NAIVE_DCP = """
+import sys
+import torch.distributed.checkpoint as dcp
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+sd = get_fp32_state_dict_from_zero_checkpoint(sys.argv[1])
+dcp.save({"model": sd}, checkpoint_id=sys.argv[2], no_dist=True)
+"""
+PEERS = {
+    "merge-fp32": ("deepspeed zero_to_torch.py --dtype fp32",
+                   lambda ck, out: [sys.executable, str(ck / "zero_to_torch.py"), str(ck), str(out), "--dtype", "fp32"]),
+    "convert-dcp": ("deepspeed consolidation + dcp.save (model only)",
+                    lambda ck, out: [sys.executable, "-c", NAIVE_DCP, str(ck), str(out)]),
 }
 
 
@@ -49,15 +66,27 @@ def command(procs: int, args: list[str]) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "zckpt", *args]
 
 
+def run_measured(cmd: list[str], env: dict) -> tuple[float, str, int]:
+    """(wall s, stdout, peak RSS in KiB of the process: wait4's rusage, its reaped children included)."""
+    import tempfile
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.read().decode(errors='replace')[-3000:]}")
+        return wall, out.read().decode(errors="replace"), usage.ru_maxrss
+
+
 def run(procs: int, args: list[str], env: dict) -> tuple[float, float, dict, int]:
-    """(wall s, zckpt s, --json result, peak RSS in KiB of the largest child so far)."""
-    t0 = time.perf_counter()
-    res = subprocess.run(command(procs, [*args, "--json"]), env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if res.returncode != 0:
-        raise RuntimeError(f"{args} x{procs} failed:\n{res.stderr[-3000:]}")
-    doc = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][-1])
-    return wall, doc["seconds"], doc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """(wall s, zckpt s, --json result, peak RSS in KiB of the command's largest process)."""
+    wall, stdout, rss = run_measured(command(procs, [*args, "--json"]), env)
+    doc = json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
+    return wall, doc["seconds"], doc, rss
 
 
 def cp_r(src: Path, dst: Path) -> float:
@@ -115,13 +144,26 @@ def dcp_digest(folder: Path) -> str:
 
 
 def tree_digest(out: Path) -> dict[str, str]:
+    """Every output file's digest (a DCP folder's as one), hashed by a thread per CPU (hashlib drops the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
     dcp = {p.parent for p in out.rglob(".metadata")}
-    got = {str(p.relative_to(out)): digest(p) for p in sorted(out.rglob("*"))
-           if p.is_file() and p.name != ".zckpt.json" and p.parent not in dcp}
+    files = [p for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".zckpt.json" and p.parent not in dcp]
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        got = dict(zip((str(p.relative_to(out)) for p in files), pool.map(digest, files)))
     return got | {str(d.relative_to(out)) + "/": dcp_digest(d) for d in sorted(dcp)}
 
 
+def tree_digest_apart(out: Path) -> dict[str, str]:
+    """:func:`tree_digest` in a process of its own: reading .metadata imports torch, and a parent grown by it would
+    count in the peak RSS of every command it starts later (Linux carries the RSS high-water mark over exec)."""
+    res = subprocess.run([sys.executable, __file__, "--digest", str(out)], check=True, capture_output=True, text=True)
+    return json.loads(res.stdout)
+
+
 def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--digest"]:
+        print(json.dumps(tree_digest(Path(sys.argv[2]))))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default=str(ROOT / ".bench"))
     ap.add_argument("--ckpt", default=None)
@@ -134,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--before", default=None, help="another tree (holding zckpt/) run beside this one at P = 1")
+    ap.add_argument("--peers", action="store_true", help="run DeepSpeed's merge and consolidation + dcp.save too")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     work = Path(args.workdir)
@@ -171,12 +214,11 @@ def main(argv=None) -> int:
                     rec["wall"].append(wall)
                     rec["zckpt"].append(secs)
                     rec["stats"].append(doc.get("stats", {}))
-                    if p == 1:
-                        rec["rss_kib"] = max(rec["rss_kib"], rss)
+                    rec["rss_kib"] = max(rec["rss_kib"], rss)
                     rec["cp"].append(cp_r(out, copy))
                     rec["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
                 if tree == "after":
-                    d = tree_digest(out)
+                    d = tree_digest_apart(out)
                     ref = ref or d
                     rec["same_as_p1"] = d == ref
                 med = {k: statistics.median(rec[k]) for k in ("wall", "zckpt", "cp")}
@@ -185,6 +227,25 @@ def main(argv=None) -> int:
                       f"cp -r {med['cp']:.2f}s ({med['zckpt'] / med['cp']:.2f}x) "
                       f"{rec['bytes'] / 1e9:.2f} GB same={rec.get('same_as_p1')} stats={rec['stats'][-1]}",
                       flush=True)
+        if args.peers and case in PEERS:
+            name, peer_cmd = PEERS[case]
+            rec = {"wall": [], "rss_kib": 0}
+            env = {k: v for k, v in envs["after"].items() if k != "PYTHONSAFEPATH"}
+            for _ in range(args.repeat):
+                shutil.rmtree(out, ignore_errors=True)
+                os.sync()
+                wall, _, rss = run_measured(peer_cmd(ckpt, out), env)
+                rec["wall"].append(wall)
+                rec["rss_kib"] = max(rec["rss_kib"], rss)
+                rec["bytes"] = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+            med = statistics.median(rec["wall"])
+            z = rows["after-P1"]
+            results.setdefault("peers", {})[case] = {
+                "route": name, "median_s": med, "raw": rec, "over_zckpt_wall": med / z["median_s"]["wall"],
+                "zckpt_rss_kib": z["raw"]["rss_kib"], "zckpt_bytes": z["raw"]["bytes"]}
+            print(f"  {case} peer {name}: {med:.2f}s wall (zckpt P=1 wall {z['median_s']['wall']:.2f}s), peak RSS "
+                  f"{rec['rss_kib'] / 2**20:.2f} GiB (zckpt {z['raw']['rss_kib'] / 1024:.0f} MiB), "
+                  f"{rec['bytes'] / 1e9:.2f} GB written (zckpt {z['raw']['bytes'] / 1e9:.2f} GB)", flush=True)
         base = rows["after-P1"]["median_s"]["zckpt"]
         for key, r in rows.items():
             p = int(key.split("-P")[1])
@@ -195,14 +256,18 @@ def main(argv=None) -> int:
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(copy, ignore_errors=True)
     print()
-    print("| case | tree | P | zckpt s | wall s | cp -r s | zckpt / cp | efficiency | same as P=1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | tree | P | zckpt s | wall s | cp -r s | zckpt / cp | efficiency | peak RSS (MiB) | same as P=1 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case, rows in results["cases"].items():
         for key, r in rows.items():
             tree, p = key.split("-P")
             m = r["median_s"]
             print(f"| {case} | {tree} | {p} | {m['zckpt']:.2f} | {m['wall']:.2f} | {m['cp']:.2f} | "
-                  f"{r['over_cp']:.2f} | {r['efficiency']:.2f} | {r['raw'].get('same_as_p1', '-')} |")
+                  f"{r['over_cp']:.2f} | {r['efficiency']:.2f} | {r['raw']['rss_kib'] / 1024:.0f} | "
+                  f"{r['raw'].get('same_as_p1', '-')} |")
+    for case, r in results.get("peers", {}).items():
+        print(f"| {case} | {r['route']} | 1 | - | {r['median_s']:.2f} | - | - | - | {r['raw']['rss_kib'] / 1024:.0f} | "
+              f"- ({r['raw']['bytes'] / 1e9:.2f} GB written, zckpt {r['zckpt_bytes'] / 1e9:.2f} GB) |")
     return 0
 
 

@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# The copy-limit benchmark on the lent 16-core host, one visit (run from the repo root). Usage:
+# The copy-limit benchmark on the lent 16-core host, one visit per step (run from the repo root). Usage:
 #   bash benchmarks/device_copylimit.sh OUTDIR [STEP]
-# .whl/: wheels of deepspeed 0.19.8, zlib-ng and the small deps the host lacks (hjson, pydantic, pydantic-core,
-# annotated-types, typing-inspection, typing-extensions); .bench/before/zckpt: the tree before a change (e.g.
-# `git archive OLD zckpt | tar -x -C .bench/before`), carried. STEP: all (default), crc, copylimit, merge.
-# Makes a ~1.05B-parameter ZeRO-2 bf16 checkpoint of 4 ranks with real DeepSpeed on CPU ranks (cached in $WORK),
-# then: benchmarks/bench_crc.py (CRC-32 implementations), benchmarks/bench_copylimit.py (merge fp32, reshard
-# 4 -> 8, convert --to dcp at P = 1, 4, 8 beside cp -r of each output; the tree before at P = 1) and
-# benchmarks/bench_merge.py at 921M params against DeepSpeed's zero_to_torch.py (with the tree before).
+# STEP: merge (merge fp32 into one 3.8 GB file and into 1 GB shards), state (reshard 4 -> 8 and convert --to dcp),
+# resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load), probe (the host's raw
+# pread + CRC + pwrite limits by processes x threads x files: benchmarks/probe_io.py), crc, or all.
+# .whl/: wheels of deepspeed 0.19.8 and the small packages the host lacks (isal, zlib-ng, hjson, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions, py-cpuinfo, msgpack, ninja, psutil, einops;
+# cp312 manylinux: `pip download --no-deps --python-version 3.12 --only-binary=:all: ...`, deepspeed built with
+# `DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==0.19.8`). .bench/before/zckpt: the tree
+# before a change (`git archive OLD zckpt | tar -x -C .bench/before`), run beside this one at P = 1.
+# The merge and state steps make a ~1.05B-parameter ZeRO-2 bf16 checkpoint of 4 ranks with real DeepSpeed on CPU
+# ranks (13.2 GB, cached in $WORK while the machine stays up), then run benchmarks/bench_copylimit.py: zckpt at
+# P = 1, 2, 4, 8 (torchrun) beside cp -r of each output, outputs compared with P = 1's, DeepSpeed's own merge and its
+# consolidation + dcp.save on the same files (--peers), peak RSS of every command.
 set -euo pipefail
 out=${1:?outdir}
 step=${2:-all}
-if ! python3 -c "import deepspeed, zlib_ng" 2>/dev/null; then
+if ! python3 -c "import deepspeed, isal, zlib_ng" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
 work=${WORK:-/tmp/zbench}
 mkdir -p "$work" "$out"
-{ nproc; free -g | head -2; df -h /tmp | tail -1; python3 -c "import sys, torch, deepspeed; print(sys.version.split()[0], torch.__version__, deepspeed.__version__)"; } 2>&1 | tee -a "$out/host.log"
-before=${BEFORE:-.bench/before}
-case $step in all|crc) python3 benchmarks/bench_crc.py --threads 1,8,16 2>&1 | tee "$out/crc.log" ;; esac
-case $step in all|copylimit)
+{ date -u; nproc; free -g | head -2; uname -r; df -hT /tmp | tail -1
+  cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true
+  python3 -c "import sys, torch, deepspeed; print(sys.version.split()[0], torch.__version__, deepspeed.__version__)"
+  git log --oneline -1 2>/dev/null || true; } 2>&1 | tee -a "$out/host.log"
+before=()
+[ -d "${BEFORE:-.bench/before}/zckpt" ] && before=(--before "${BEFORE:-.bench/before}")
+copylimit() {  # $1: name of the run, $2: cases
   python3 benchmarks/bench_copylimit.py --workdir "$work" --layers 26 --hidden 2048 --ffn 8192 --world-size 4 \
-    --procs ${PROCS:-1,4,8} --repeat ${REPEAT:-2} --cases ${CASES:-merge-fp32,reshard-ws8,convert-dcp} \
-    --before "$before" --json-out "$out/copylimit.json" 2>&1 | tee "$out/copylimit.log" ;; esac
-case $step in all|merge)
-  python3 benchmarks/bench_merge.py --workdir "$work" --layers 94 --world-size 4 --repeat 2 --dtypes fp32 \
-    --baseline "$before" --json-out "$out/merge-920m.json" 2>&1 | tee "$out/merge-920m.log" ;; esac
+    --procs ${PROCS:-1,2,4,8} --repeat ${REPEAT:-2} --cases "$2" --peers "${before[@]}" \
+    --json-out "$out/copylimit-$1.json" 2>&1 | tee "$out/copylimit-$1.log"
+}
+case $step in all|probe)
+  { mount | grep -E " / | /tmp " || true; grep -m1 "model name" /proc/cpuinfo; } 2>&1 | tee -a "$out/host.log"
+  python3 benchmarks/probe_io.py --dir "$work/probe" --gb 4 --repeat 2 2>&1 | tee "$out/probe.jsonl"
+  rm -rf "$work/probe" ;; esac
+case $step in all|crc) python3 benchmarks/bench_crc.py --threads 1,8,16 2>&1 | tee "$out/crc.log" ;; esac
+case $step in all|merge) copylimit merge merge-fp32,merge-fp32-1GB ;; esac
+case $step in all|state) copylimit state reshard-ws8,convert-dcp ;; esac
+case $step in all|resume)
+  python3 benchmarks/bench_resume.py --workdir "$work/resume" --layers 16 --hidden 1024 --ffn 4096 --vocab 32000 \
+    --source-ws 4 --world-size 6 --repeat ${REPEAT:-2} --zckpt-workers ${RESUME_WORKERS:-0,2,4} \
+    --json-out "$out/resume.json" 2>&1 | tee "$out/resume.log" ;; esac
