@@ -407,3 +407,11 @@ def test_ranks_sharing_a_file_share_its_write_slots():
         assert w.write_slots._value == executor.WRITE_STREAMS
     finally:
         w.close()
+
+
+def test_a_bad_knob_in_the_environment_is_ignored(monkeypatch):
+    for value, want in (("", 5), ("x", 5), ("0", 1), ("-3", 1), ("12", 12)):
+        monkeypatch.setenv("ZCKPT_TEST_KNOB", value)
+        assert executor._env_int("ZCKPT_TEST_KNOB", 5) == want
+    monkeypatch.delenv("ZCKPT_TEST_KNOB")
+    assert executor._env_int("ZCKPT_TEST_KNOB", 5) == 5

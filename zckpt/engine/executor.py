@@ -37,6 +37,15 @@ from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
 from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.io.hashing import crc32, crc32_combine
 
+
+def _env_int(name: str, default: int) -> int:
+    """A positive integer from the environment; anything else (unset, empty, not a number) is ``default``."""
+    try:
+        return max(1, int(os.environ.get(name, "")))
+    except ValueError:
+        return default
+
+
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) take one of WRITE_STREAMS slots: the
 # most threads, of all processes together, writing into one file at a time. On the lent 16-core host's ext4 (Linux
@@ -44,7 +53,7 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # merge of a 3.8 GB file: 0.93 s against 1.12 s) and 16 lose to 4 (four ranks into that file: 1.30 s against
 # 0.90 s); docs/benchmarks.md, "At the copy limit". A launcher's rank divides them by the ranks sharing the file
 # (``Worker.share_file``). Reads and casts, which need the CPU, use the whole pool.
-WRITE_STREAMS = max(1, int(os.environ.get("ZCKPT_WRITE_STREAMS", "8")))
+WRITE_STREAMS = _env_int("ZCKPT_WRITE_STREAMS", 8)
 _ZEROS = bytes(1 << 20)
 # Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
 # ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (PREFETCH_BYTES in memory at most).
