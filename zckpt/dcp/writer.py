@@ -36,7 +36,7 @@ METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # filesystem.CURRENT_DCP_VERSION in torch 2.13
 CHUNK_BYTES = 256 << 20  # rows of one tensor per chunk (what one loading rank reads whole)
 FILE_BYTES = 1 << 30  # a .distcp file is closed once it holds this much (enough files for every rank of a launcher to
-# write its own: writes into one file serialize on its inode lock; docs/benchmarks.md, "At the copy limit")
+# write its own: one file takes only ~3.5-4 GB/s whatever its writers; docs/benchmarks.md, "At the copy limit")
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 _TORCH_DTYPES = {"float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",

@@ -70,7 +70,6 @@ def _import_readers() -> None:
 _import_readers()
 
 
-
 # ---------------------------------------------------------------------------------------------- materialising
 
 READ_WORKERS = None  # threads per rank reading its ranges; None: read_workers()
