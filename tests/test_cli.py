@@ -803,7 +803,10 @@ def test_ctrl_c_in_another_program_is_not_zckpts():
     """Importing zckpt (or its CLI) from another program leaves that program's Ctrl-C alone."""
     import signal
     code = "import signal, zckpt, zckpt.cli; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    # the program starts with Ctrl-C at its default (a suite run in the background inherits it ignored, and
+    # Python then keeps it ignored)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert out.stdout.strip() == "True"
     before = signal.getsignal(signal.SIGINT)
     invoke("estimate", "--params", "8B", "--largest-layer", "1M")
