@@ -412,6 +412,6 @@ def test_ranks_sharing_a_file_share_its_write_slots():
 def test_a_bad_knob_in_the_environment_is_ignored(monkeypatch):
     for value, want in (("", 5), ("x", 5), ("0", 1), ("-3", 1), ("12", 12)):
         monkeypatch.setenv("ZCKPT_TEST_KNOB", value)
-        assert executor._env_int("ZCKPT_TEST_KNOB", 5) == want
+        assert executor.env_int("ZCKPT_TEST_KNOB", 5) == want
     monkeypatch.delenv("ZCKPT_TEST_KNOB")
-    assert executor._env_int("ZCKPT_TEST_KNOB", 5) == 5
+    assert executor.env_int("ZCKPT_TEST_KNOB", 5) == 5

@@ -38,7 +38,7 @@ from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.io.hashing import crc32, crc32_combine
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     """A positive integer from the environment; anything else (unset, empty, not a number) is ``default``."""
     try:
         return max(1, int(os.environ.get(name, "")))
@@ -53,7 +53,7 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # merge of a 3.8 GB file: 0.93 s against 1.12 s) and 16 lose to 4 (four ranks into that file: 1.30 s against
 # 0.90 s); docs/benchmarks.md, "At the copy limit". A launcher's rank divides them by the ranks sharing the file
 # (``Worker.share_file``). Reads and casts, which need the CPU, use the whole pool.
-WRITE_STREAMS = _env_int("ZCKPT_WRITE_STREAMS", 8)
+WRITE_STREAMS = env_int("ZCKPT_WRITE_STREAMS", 8)
 _ZEROS = bytes(1 << 20)
 # Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
 # ranged GETs of at most MAX_REQUEST_BYTES, REQUESTS_IN_FLIGHT at a time (PREFETCH_BYTES in memory at most).

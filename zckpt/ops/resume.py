@@ -48,6 +48,7 @@ from zckpt.state.model import Checkpoint
 from zckpt.state.open import open_checkpoint
 from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout
 from zckpt.encoding.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
+from zckpt.engine.executor import env_int
 from zckpt.engine.segments import Cast, Fill, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
 from zckpt.state import checksums
@@ -77,8 +78,7 @@ READ_WORKERS = None  # threads per rank reading its ranges; None: read_workers()
 
 def read_workers() -> int:
     """Threads per rank for the ranged reads: the CPU count, at most 8 (``ZCKPT_RESUME_WORKERS`` overrides)."""
-    from zckpt.engine.executor import _env_int
-    return _env_int("ZCKPT_RESUME_WORKERS", READ_WORKERS or min(8, os.cpu_count() or 2))
+    return env_int("ZCKPT_RESUME_WORKERS", READ_WORKERS or min(8, os.cpu_count() or 2))
 
 
 class _Landed:
