@@ -23,15 +23,16 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_copylimit import CASES, run  # noqa: E402
 
-# (procs, workers or None, env)
+# (procs, workers or None, env): each knob against its default (the 2026-12-03 visit ran this with the defaults of
+# then, 1 writer per file: its "8 writers" rows are today's default)
 VARIANTS = [
     (1, None, {}),
     (1, None, {"ZCKPT_FALLOCATE": "0"}),
-    (1, None, {"ZCKPT_WRITE_STREAMS": "8"}),
+    (1, None, {"ZCKPT_WRITE_STREAMS": "1"}),
     (1, 4, {}),
     (4, None, {}),
     (4, 2, {}),
-    (4, None, {"ZCKPT_WRITE_STREAMS": "8"}),
+    (4, None, {"ZCKPT_WRITE_STREAMS": "1"}),
     (4, None, {"ZCKPT_FALLOCATE": "0"}),
     (8, None, {}),
     (8, 1, {}),
@@ -60,27 +61,31 @@ def main(argv=None) -> int:
     base = dict(os.environ, DS_ACCELERATOR="cpu", ZCKPT_DISABLE_PROGRESS_BARS="1", PYTHONSAFEPATH="1",
                 PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = work / "tune-out"
-    sink = open(a.out, "a") if a.out else None
-    for case in a.cases.split(","):
-        args = [str(x) for x in CASES[case](ckpt, out)]
-        run(1, args + ["--overwrite"], base)  # warm
-        for procs, workers, env in [v for v in VARIANTS if v[0] <= a.max_procs]:
-            for _ in range(a.repeat):
-                shutil.rmtree(out, ignore_errors=True)
-                os.sync()
-                extra = ["--workers", str(workers)] if workers else []
-                wall, secs, doc, _ = run(procs, args + extra, dict(base, **env))
-                nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-                files = sum(1 for f in out.rglob("*") if f.is_file())
-                row = {"case": case, "procs": procs, "workers": workers, "env": env, "zckpt_s": secs,
-                       "wall_s": round(wall, 3), "bytes": nbytes, "files": files,
-                       "gb_per_s": round(nbytes / secs / 1e9, 2), "phases": doc.get("stats", {}).get("phases")}
-                print(json.dumps(row), flush=True)
-                if sink:
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
-        shutil.rmtree(out, ignore_errors=True)
+    with open(a.out or os.devnull, "a") as sink:
+        for case in a.cases.split(","):
+            tune_case(case, ckpt, out, base, a, sink)
     return 0
+
+
+def tune_case(case: str, ckpt: Path, out: Path, base: dict, a, sink) -> None:
+    """Every variant of one case, a JSON line each (printed and written to ``sink``)."""
+    args = [str(x) for x in CASES[case](ckpt, out)]
+    run(1, args + ["--overwrite"], base)  # warm
+    for procs, workers, env in [v for v in VARIANTS if v[0] <= a.max_procs]:
+        for _ in range(a.repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            extra = ["--workers", str(workers)] if workers else []
+            wall, secs, doc, _ = run(procs, args + extra, dict(base, **env))
+            nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+            files = sum(1 for f in out.rglob("*") if f.is_file())
+            row = {"case": case, "procs": procs, "workers": workers, "env": env, "zckpt_s": secs,
+                   "wall_s": round(wall, 3), "bytes": nbytes, "files": files,
+                   "gb_per_s": round(nbytes / secs / 1e9, 2), "phases": doc.get("stats", {}).get("phases")}
+            print(json.dumps(row), flush=True)
+            sink.write(json.dumps(row) + "\n")
+            sink.flush()
+    shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
