@@ -15,6 +15,7 @@ held (polled every 5 ms). Reports medians as a table and JSON (``--json-out``). 
 
     python benchmarks/bench_resume.py                        # ~8.5M params, 2 -> 3 ranks (a 2-core box)
     python benchmarks/bench_resume.py --layers 16 --hidden 1024 --source-ws 4 --world-size 8 --workdir /big
+    python benchmarks/bench_resume.py --before .bench/before --env-route 4k:ZCKPT_HUGEPAGES=0   # A/B in one run
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def worker(job_path: str) -> None:
 
     import fixtures.generate as G
     job = json.loads(Path(job_path).read_text())
+    if job.get("zckpt_path"):  # the tree before a change (--before): its zckpt, this tree's tests and fixtures
+        sys.path.insert(0, job["zckpt_path"])
     spec = job["spec"]
     deepspeed.init_distributed(dist_backend="gloo")
     engine, _, _ = resume_worker.build_engine(G, spec)
@@ -124,8 +127,9 @@ def run_job(job: dict, ws: int) -> list[dict]:
         jp.write_text(json.dumps(dict(job, out=str(out))))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ws),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()), __file__, "--_worker", str(jp)]
-        proc = subprocess.run(cmd, env=G.rank_env({"TMPDIR": tmp, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}), cwd=str(ROOT),
+        env = dict(job.get("env") or {}, TMPDIR=tmp, PYTHONPATH=os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+        proc = subprocess.run(cmd, env=G.rank_env(env), cwd=str(ROOT),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             raise RuntimeError(proc.stdout.decode(errors="replace")[-5000:])
@@ -145,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--zckpt-workers", default="0",
                     help="comma-separated thread counts per rank for zckpt's reads, one route each (0: the default)")
     ap.add_argument("--json-out")
+    ap.add_argument("--before", help="a tree holding zckpt/ before a change: route zckpt-before runs its zckpt")
+    ap.add_argument("--env-route", action="append", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                    help="route zckpt-NAME: zckpt with these environment variables (repeatable)")
     ap.add_argument("--_worker")
     a = ap.parse_args(argv)
     if a._worker:
@@ -165,12 +172,17 @@ def main(argv=None) -> int:
     tspec = dict(spec, world_size=a.world_size)
     size = sum(f.stat().st_size for f in (src / (src / "latest").read_text().strip()).iterdir())
     wlist = [int(w) for w in a.zckpt_workers.split(",")]
-    runs = {"native": []} | {("zckpt" if w == 0 else f"zckpt-w{w}"): [] for w in wlist}
+    routes = {"native": {}} | {("zckpt" if w == 0 else f"zckpt-w{w}"): {"workers": w} for w in wlist}
+    for spec_ in a.env_route:
+        name, _, assigns = spec_.partition(":")
+        routes[f"zckpt-{name}"] = {"env": dict(kv.split("=", 1) for kv in assigns.split(",") if kv)}
+    if a.before:
+        routes["zckpt-before"] = {"zckpt_path": str(Path(a.before).resolve())}
+    runs = {route: [] for route in routes}
     for _ in range(a.repeat):
         for route in runs:
-            w = int(route.split("-w")[1]) if "-w" in route else 0
             job = {"spec": tspec, "route": "native" if route == "native" else "api", "native": str(native),
-                   "source": str(src), "workers": w}
+                   "source": str(src)} | routes[route]
             runs[route].append(run_job(job, a.world_size))
     med = statistics.median
     from zckpt import open_checkpoint
@@ -192,8 +204,10 @@ def main(argv=None) -> int:
           f"{a.world_size} ranks; medians of {a.repeat}")
     for route in [r for r in runs if r != "native"]:
         z = result["routes"][route]
-        print(f"route {route}: zckpt / native per rank "
-              + " ".join(f"{z[r]['seconds'] / nat[r]['seconds']:.2f}" for r in range(a.world_size)))
+        ratios = [z[r]['seconds'] / nat[r]['seconds'] for r in range(a.world_size)]
+        print(f"route {route}: zckpt / native per rank " + " ".join(f"{x:.2f}" for x in ratios)
+              + f"  (median {med(ratios):.2f}, worst {max(ratios):.2f}; zckpt s median "
+              f"{med(z[r]['seconds'] for r in range(a.world_size)):.3f}, native {med(n['seconds'] for n in nat):.3f})")
     z = result["routes"][next(r for r in runs if r != "native")]
     print(f"{'rank':>4} {'native s':>9} {'zckpt s':>8} {'ratio':>6} {'native read MB':>15} {'zckpt read MB':>14} "
           f"{'zckpt tensor MB':>16} {'native RSS MB':>14} {'zckpt RSS MB':>13} {'scratch B':>10}")

@@ -2,8 +2,10 @@
 # The copy-limit benchmark on the lent 16-core host, one visit per step (run from the repo root). Usage:
 #   bash benchmarks/device_copylimit.sh OUTDIR [STEP]
 # STEP: merge (merge fp32 into one 3.8 GB file and into 1 GB shards), state (reshard 4 -> 8 and convert --to dcp),
-# resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load), probe (the host's raw
-# pread + CRC + pwrite limits by processes x threads x files: benchmarks/probe_io.py), crc, or all.
+# resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load, the tree before and the
+# 4 KiB-page variant), probe (the host's raw pread + CRC + pwrite and copy_file_range limits by processes x
+# threads x files: benchmarks/probe_io.py), crc, or all. Environment: PROCS, REPEAT, PEERS= (no peers),
+# PROBE_GB, RESUME_WORKERS, BEFORE, WORK.
 # .whl/: wheels of deepspeed 0.19.8 and the small packages the host lacks (isal, zlib-ng, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions, py-cpuinfo, msgpack, ninja, psutil, einops;
 # cp312 manylinux: `pip download --no-deps --python-version 3.12 --only-binary=:all: ...`, deepspeed built with
@@ -30,17 +32,18 @@ before=()
 [ -d "${BEFORE:-.bench/before}/zckpt" ] && before=(--before "${BEFORE:-.bench/before}")
 copylimit() {  # $1: name of the run, $2: cases
   python3 benchmarks/bench_copylimit.py --workdir "$work" --layers 26 --hidden 2048 --ffn 8192 --world-size 4 \
-    --procs ${PROCS:-1,2,4,8} --repeat ${REPEAT:-2} --cases "$2" --peers "${before[@]}" \
+    --procs ${PROCS:-1,2,4,8} --repeat ${REPEAT:-2} --cases "$2" ${PEERS---peers} "${before[@]}" \
     --json-out "$out/copylimit-$1.json" 2>&1 | tee "$out/copylimit-$1.log"
 }
 case $step in all|probe)
   { mount | grep -E " / | /tmp " || true; grep -m1 "model name" /proc/cpuinfo; } 2>&1 | tee -a "$out/host.log"
-  python3 benchmarks/probe_io.py --dir "$work/probe" --gb 4 --repeat 2 2>&1 | tee "$out/probe.jsonl"
+  python3 benchmarks/probe_io.py --dir "$work/probe" --gb ${PROBE_GB:-4} --repeat 2 2>&1 | tee "$out/probe.jsonl"
   rm -rf "$work/probe" ;; esac
 case $step in all|crc) python3 benchmarks/bench_crc.py --threads 1,8,16 2>&1 | tee "$out/crc.log" ;; esac
 case $step in all|merge) copylimit merge merge-fp32,merge-fp32-1GB ;; esac
 case $step in all|state) copylimit state reshard-ws8,convert-dcp ;; esac
 case $step in all|resume)
   python3 benchmarks/bench_resume.py --workdir "$work/resume" --layers 16 --hidden 1024 --ffn 4096 --vocab 32000 \
-    --source-ws 4 --world-size 6 --repeat ${REPEAT:-2} --zckpt-workers ${RESUME_WORKERS:-0,2,4} \
+    --source-ws 4 --world-size 6 --repeat ${REPEAT:-2} --zckpt-workers ${RESUME_WORKERS:-0,2,4} "${before[@]}" \
+    --env-route 4k:ZCKPT_HUGEPAGES=0 \
     --json-out "$out/resume.json" 2>&1 | tee "$out/resume.log" ;; esac

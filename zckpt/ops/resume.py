@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import os
 import pickle
 import shutil
@@ -49,7 +50,7 @@ from zckpt.state.open import open_checkpoint
 from zckpt.errors import InvalidArgument, UnsafePickle, UnsupportedLayout
 from zckpt.encoding.safeload import ALLOWED_GLOBALS, DTYPE_SIZES
 from zckpt.engine.executor import env_int
-from zckpt.engine.segments import Cast, Fill, coalesce
+from zckpt.engine.segments import Cast, Fill, Piece, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
 from zckpt.state import checksums
 from zckpt.engine.launch import agree
@@ -74,6 +75,8 @@ _import_readers()
 # ---------------------------------------------------------------------------------------------- materialising
 
 READ_WORKERS = None  # threads per rank reading its ranges; None: read_workers()
+READ_CHUNK = 8 << 20  # bytes one read job takes at most: a large tensor is read by every thread, and its CRC-32 is
+#                       taken while its bytes are still in the CPU's cache
 
 
 def read_workers() -> int:
@@ -110,6 +113,41 @@ class _Landed:
         return runs
 
 
+HUGE_BYTES = 32 << 20  # tensors this large are allocated in transparent huge pages (below: torch.empty)
+
+
+def _empty(numel: int, dtype):
+    """A new flat CPU tensor; from :data:`HUGE_BYTES` up, backed by its own anonymous map advised to use
+    transparent huge pages (``MADV_HUGEPAGE``), where torch's allocator gives 4 KiB pages on hosts that set THP
+    to ``madvise``: faulting in fresh pages was about half the cost of reading them from the page cache (0.21
+    against 0.10 s for 670 MB on the 2-core machine). The map lives as long as the tensor (DeepSpeed keeps the
+    optimizer moments it is given); ``ZCKPT_HUGEPAGES=0``: torch.empty always."""
+    import torch
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < HUGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("ZCKPT_HUGEPAGES", "1") == "0":
+        return torch.empty(numel, dtype=dtype)
+    try:
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return torch.empty(numel, dtype=dtype)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    return torch.frombuffer(m, dtype=dtype, count=numel)
+
+
+def _chunks(seg, i: int, pos: int):
+    """The read jobs of piece ``seg`` landing at byte ``pos`` of output ``i``: runs of at most :data:`READ_CHUNK`."""
+    size = DTYPE_SIZES[seg.dtype]
+    step = max(1, READ_CHUNK // size)
+    if seg.numel <= step:
+        yield seg, i, pos
+        return
+    for k in range(0, seg.numel, step):
+        yield Piece(seg.path, seg.offset + k * size, min(step, seg.numel - k), seg.dtype), i, pos + k * size
+
+
 class Materializer:
     """Turns planned objects (:class:`TensorOut` leaves) into what ``torch.load`` of the written files returns.
 
@@ -136,7 +174,7 @@ class Materializer:
         import torch
         from concurrent.futures import ThreadPoolExecutor
         from zckpt.encoding.tensors import torch_dtype
-        outs = [torch.empty(t.numel, dtype=torch_dtype(t.dtype)) for t in tensors]
+        outs = [_empty(t.numel, torch_dtype(t.dtype)) for t in tensors]
         raws = [o.view(torch.uint8) if t.numel else None for o, t in zip(outs, tensors)]
         landed, reads, copies, casts = _Landed(), [], [], []
         for i, t in enumerate(tensors):  # plan: which piece is read, which copied, which cast
@@ -168,6 +206,7 @@ class Materializer:
             seg, i, pos = job
             self._read(seg, memoryview(raws[i][pos:pos + seg.nbytes].numpy()))
 
+        reads = [job for seg, i, pos in reads for job in _chunks(seg, i, pos)]
         if len(reads) > 1 and self.workers > 1:  # reads release the GIL
             with ThreadPoolExecutor(min(self.workers, len(reads))) as pool:
                 list(pool.map(read, reads))
