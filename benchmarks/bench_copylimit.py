@@ -189,13 +189,17 @@ def main(argv=None) -> int:
         params = count_params(dims)
         ckpt = ensure_checkpoint(work, dims, args.world_size)
     trees = {"after": ROOT} | ({"before": Path(args.before).resolve()} if args.before else {})
+    import compileall  # each tree's bytecode written first, as `pip install` does for the wheel (where
+    for t in trees.values():  # PYTHONDONTWRITEBYTECODE is set, every command would compile zckpt again)
+        compileall.compile_dir(str(t / "zckpt"), quiet=1)
     envs = {k: dict(os.environ, DS_ACCELERATOR="cpu", ZCKPT_DISABLE_PROGRESS_BARS="1", PYTHONSAFEPATH="1",
                     PYTHONPATH=os.pathsep.join([str(t), os.environ.get("PYTHONPATH", "")]))
             for k, t in trees.items()}
     procs = [int(p) for p in args.procs.split(",")]
     src_bytes = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
     results = {"checkpoint": str(ckpt), "params": params, "checkpoint_bytes": src_bytes, "cpus": os.cpu_count(),
-               "procs": procs, "repeat": args.repeat, "cases": {}}
+               "procs": procs, "repeat": args.repeat, "cases": {},
+               "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
     print(f"checkpoint {ckpt} ({(params or 0) / 1e9:.2f}B params, {src_bytes / 1e9:.2f} GB), "
           f"{os.cpu_count()} CPUs", flush=True)
     out, copy = work / "cl-out", work / "cl-copy"

@@ -5,7 +5,7 @@
 # resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load, the tree before and the
 # 4 KiB-page variant), probe (the host's raw pread + CRC + pwrite and copy_file_range limits by processes x
 # threads x files: benchmarks/probe_io.py), crc, or all. Environment: PROCS, REPEAT, PEERS= (no peers),
-# PROBE_GB, RESUME_WORKERS, BEFORE, WORK.
+# PROBE_GB, RESUME_WORKERS, BEFORE, WORK, MERGE_CASES / STATE_CASES (the cases of a step).
 # .whl/: wheels of deepspeed 0.19.8 and the small packages the host lacks (isal, zlib-ng, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions, py-cpuinfo, msgpack, ninja, psutil, einops;
 # cp312 manylinux: `pip download --no-deps --python-version 3.12 --only-binary=:all: ...`, deepspeed built with
@@ -27,6 +27,7 @@ mkdir -p "$work" "$out"
 { date -u; nproc; free -g | head -2; uname -r; df -hT /tmp | tail -1
   cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true
   python3 -c "import sys, torch, deepspeed; print(sys.version.split()[0], torch.__version__, deepspeed.__version__)"
+  echo "PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE-unset}"
   git log --oneline -1 2>/dev/null || true; } 2>&1 | tee -a "$out/host.log"
 before=()
 [ -d "${BEFORE:-.bench/before}/zckpt" ] && before=(--before "${BEFORE:-.bench/before}")
@@ -40,8 +41,8 @@ case $step in all|probe)
   python3 benchmarks/probe_io.py --dir "$work/probe" --gb ${PROBE_GB:-4} --repeat 2 2>&1 | tee "$out/probe.jsonl"
   rm -rf "$work/probe" ;; esac
 case $step in all|crc) python3 benchmarks/bench_crc.py --threads 1,8,16 2>&1 | tee "$out/crc.log" ;; esac
-case $step in all|merge) copylimit merge merge-fp32,merge-fp32-1GB ;; esac
-case $step in all|state) copylimit state reshard-ws8,convert-dcp ;; esac
+case $step in all|merge) copylimit merge ${MERGE_CASES:-merge-fp32,merge-fp32-1GB} ;; esac
+case $step in all|state) copylimit state ${STATE_CASES:-reshard-ws8,convert-dcp} ;; esac
 case $step in all|resume)
   python3 benchmarks/bench_resume.py --workdir "$work/resume" --layers 16 --hidden 1024 --ffn 4096 --vocab 32000 \
     --source-ws 4 --world-size 6 --repeat ${REPEAT:-2} --zckpt-workers ${RESUME_WORKERS:-0,2,4} "${before[@]}" \

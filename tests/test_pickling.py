@@ -123,3 +123,32 @@ def test_saved_file_loads_in_torch_and_safeload(tmp_path):
     torchzip.save(obj, str(path))
     assert torch.load(path, weights_only=True)["w"].tolist() == [1.0, 2.0, 3.0]
     assert tuple(safeload.load(str(path))["size"]) == (3,)
+
+
+def test_lone_tensor_archives_share_a_layout_and_load_in_torch(tmp_path):
+    """Archives of lone tensors reuse the first one's layout (DCP chunks): every entry as the full planning gives it,
+    but for the tensor's bytes and a serialization id of their own; what is written loads in torch with its bytes."""
+    torch = pytest.importorskip("torch")
+    tensors = [TensorOut("float32", (2, 3), [struct.pack("<6f", *range(k, k + 6))]) for k in range(3)]
+    full = [torchzip._plan_archive(t, "archive") for t in tensors]
+    quick = [torchzip.plan_archive(t, "archive") for t in tensors]
+    for a, b in zip(full, quick):
+        assert (a.size, a.file_size) == (b.size, b.file_size)
+        for x, y in zip(a.entries, b.entries):
+            assert (x.name, x.size, x.header_offset, x.data_offset) == (y.name, y.size, y.header_offset, y.data_offset)
+            if x.name.endswith("serialization_id"):
+                continue
+            assert (x.crc, x.local_header) == (y.crc, y.local_header)
+            if isinstance(x.data, TensorOut):
+                assert y.data is tensors[quick.index(b)]
+            else:
+                assert y.data == x.data
+    ids = {torchzip.serialization_id(a) for a in quick}
+    assert len(ids) == 3
+    for k, a in enumerate(quick):
+        path = tmp_path / f"t{k}.pt"
+        torchzip.write_planned(a, str(path))
+        got = torch.load(path, weights_only=True)
+        assert torch.equal(got, torch.arange(k, k + 6, dtype=torch.float32).reshape(2, 3))
+    with pytest.raises(ValueError, match="segments hold 5 elements"):
+        torchzip.plan_archive(TensorOut("float32", (2, 3), [struct.pack("<5f", *range(5))]), "archive")

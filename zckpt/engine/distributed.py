@@ -60,19 +60,24 @@ from zckpt.engine.launch import Group
 class FileWork:
     """One output file as byte ranges x segments: ``jobs`` ``(slot, offset, parts, dtype)`` (``slot``: the zip
     entry whose CRC-32 the job's bytes are part of, or -1), and ``meta(crcs)``: the file's other bytes
-    ``[(offset, bytes)]`` once the CRC of every slot is known. ``src``: a file copied whole instead."""
+    ``[(offset, bytes)]`` once the CRC of every slot is known. ``src``: a file copied whole instead. ``layout()``:
+    what ``meta`` depends on but the CRCs, as bytes, where that is cheaper to say than ``meta({})`` (torch zips:
+    every entry's name, offsets and size, and the small entries' bytes)."""
 
     relpath: str
     size: int
     jobs: list = field(default_factory=list)
     meta: Callable[[dict[int, int]], list[tuple[int, bytes]]] = lambda crcs: []
     src: str | None = None
+    layout: Callable[[], bytes] | None = None
 
     def digest(self, h) -> None:
         """The layout (name, size, job offsets and lengths, the bytes of ``meta`` without CRCs) into ``h``."""
         h.update(f"{self.relpath}\0{self.size}\0{self.src is not None}\0".encode())
-        for slot, off, parts, dtype in self.jobs:
-            h.update(f"{slot},{off},{job_bytes(parts, dtype)};".encode())
+        h.update(repr([(slot, off, job_bytes(parts, dtype)) for slot, off, parts, dtype in self.jobs]).encode())
+        if self.layout is not None:
+            h.update(self.layout())
+            return
         for off, data in self.meta({}):
             h.update(f"{off}:".encode() + bytes(data))
 
@@ -130,7 +135,15 @@ def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps
             out += [(base + off, data) for off, data in torchzip.archive_meta(archive, mine)]
         return out
 
-    return FileWork(relpath, size, jobs, meta)
+    def layout() -> bytes:
+        out = []
+        for archive, base, _, _ in parts_meta:
+            out.append(repr((base, archive.size, archive.file_size, [
+                (e.name, e.header_offset, e.data_offset, e.size) for e in archive.entries])).encode())
+            out += [bytes(e.data) for e in archive.entries if not isinstance(e.data, torchzip.TensorOut)]
+        return b"\0".join(out)
+
+    return FileWork(relpath, size, jobs, meta, layout=layout)
 
 
 # ============================================================================================ splitting
@@ -257,8 +270,7 @@ def _create(path: str, size: int) -> None:
 def _write_meta(path: str, meta: list[tuple[int, bytes]], durable: bool) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
-        for off, data in meta:
-            executor.pwrite_all(fd, memoryview(data), off)
+        executor.pwrite_pieces(fd, meta)
         if durable:
             os.fsync(fd)
     finally:
@@ -315,7 +327,9 @@ class Stats:
     seconds: float = 0.0
     fetch: dict = field(default_factory=dict)
     split_entries: int = 0  # zip entries written by more than one rank (their CRCs combined across ranks)
-    phases: dict = field(default_factory=dict)  # rank 0's seconds per step; write_max: the slowest rank's writing
+    # rank 0's seconds per step; write_max / write_min: the slowest and fastest rank's writing; start_spread: from
+    # the first rank to the last entering the execution (their opening and planning took that much longer)
+    phases: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"ranks": self.ranks, "rank_bytes": self.rank_bytes, "total_bytes": self.total_bytes,
@@ -336,7 +350,7 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
     config) before the commit. ``check``: this rank's input check; rank 0 gathers every rank's spans and checks
     the CRC-32 of every input zip entry read before publishing. Every step ends with an agreement: an error on
     any rank is raised on all."""
-    t0 = time.perf_counter()
+    t0, started_us = time.perf_counter(), int(time.time() * 1e6)
     phases: dict[str, float] = {}
     mark = [t0]
 
@@ -349,11 +363,12 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
     group.phase(_align_archives, group, archives)
     group.phase(_check_same_plan, group, works)
     total = sum(w.size for w in works)
+    spans = None if remote else split_ranges(works, group.world)
     if remote:
         share = sum(works[fi].size for fi in split_files(works, group.world)[group.rank])
     else:
         share = sum(job_bytes(works[fi].jobs[ji][2], works[fi].jobs[ji][3]) if ji >= 0 else works[fi].size
-                    for fi, ji in split_ranges(works, group.world)[group.rank])
+                    for fi, ji in spans[group.rank])
     lap("agree_plan")
     done = [0]
 
@@ -384,7 +399,7 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
         else:
             tmp = group.broadcast_bytes(pub.tmp.encode() if group.rank == 0 else None).decode()
             t_write = time.perf_counter()
-            group.phase(_write_ranges, group, writer, works, tmp)
+            group.phase(_write_ranges, group, writer, works, tmp, spans)
             write_us = int((time.perf_counter() - t_write) * 1e6)  # before the agreement: this rank's own
             lap("write")
             slots = sorted({(fi, job[0]) for fi, w in enumerate(works) for job in w.jobs if job[0] >= 0})
@@ -392,8 +407,10 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             for key in slots:
                 c, n = writer.crcs.get(key, (0, 0))
                 mine += [c, n]
-            rows = group.all_gather_ints(mine + [write_us])
-            phases["write_max"] = max(row[-1] for row in rows) / 1e6
+            rows = group.all_gather_ints(mine + [write_us, started_us])
+            phases["write_max"] = max(row[-2] for row in rows) / 1e6
+            phases["write_min"] = min(row[-2] for row in rows) / 1e6
+            phases["start_spread"] = (max(row[-1] for row in rows) - min(row[-1] for row in rows)) / 1e6
             split = sum(1 for k in range(len(slots)) if sum(1 for row in rows if row[2 * k + 1]) > 1)
             crcs = _combine(rows, slots)
             if check is not None:  # the inputs' CRCs: counted in the same step as the outputs'
@@ -433,8 +450,7 @@ def _open_publisher(group: Group, stack, works, out, kind, check, source, durabl
     return pub
 
 
-def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str) -> None:
-    spans = split_ranges(works, group.world)
+def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str, spans: list) -> None:
     sharers: dict[int, int] = {}  # file -> how many ranks write into it
     for rank_span in spans:
         for fi in {fi for fi, _ in rank_span}:

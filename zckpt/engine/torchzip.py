@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.engine.checked import MappedCrc
-from zckpt.engine.executor import CHUNK_BYTES, Worker, allocate, chunks, pwrite_all, run_jobs, zeros_crc
+from zckpt.engine.executor import CHUNK_BYTES, Worker, allocate, chunks, pwrite_pieces, run_jobs, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
 from zckpt.io.hashing import crc32, crc32_combine
 
@@ -242,13 +242,43 @@ def _local_header(name: bytes, size: int, crc: int, offset_after_header_start: i
                        len(name), len(extra)) + name + extra
 
 
+# A lone tensor's archive (each chunk of a DCP checkpoint is one) depends only on the archive's name, the dtype and
+# the shape, but for its bytes and its random serialization id: the first one of a kind is planned whole, the
+# others copy its entries (a DCP of 26 layers: 651 archives of about 20 kinds; planning them took 0.06 s of 0.1).
+_LONE_TENSOR_LAYOUTS: dict[tuple, Archive] = {}
+_LONE_TENSOR_LAYOUTS_MAX = 4096
+
+
+def _check_numel(t: TensorOut) -> None:
+    have = sum(seg_numel(s, t.dtype) for s in t.segments)
+    if have != t.numel:
+        raise ValueError(f"tensor segments hold {have} elements, shape {list(t.shape)} needs {t.numel}")
+
+
 def plan_archive(obj, archive_name: str) -> Archive:
     """Pickle ``obj`` and fix every entry's offsets; data is written later by :func:`write_archive`."""
+    if type(obj) is TensorOut:
+        key = (archive_name, obj.dtype, tuple(int(d) for d in obj.shape))
+        proto = _LONE_TENSOR_LAYOUTS.get(key)
+        if proto is None:
+            proto = _plan_archive(TensorOut(obj.dtype, key[2], [Fill(obj.numel, obj.dtype)]),
+                                  archive_name)
+            if len(_LONE_TENSOR_LAYOUTS) >= _LONE_TENSOR_LAYOUTS_MAX:
+                _LONE_TENSOR_LAYOUTS.clear()
+            _LONE_TENSOR_LAYOUTS[key] = proto
+        _check_numel(obj)
+        archive = Archive([Entry(e.name, e.size, obj if isinstance(e.data, TensorOut) else e.data, e.header_offset,
+                                 e.data_offset, e.crc, e.local_header) for e in proto.entries],
+                          proto.size, b"", proto.file_size)
+        set_serialization_id(archive, os.urandom(10).hex().encode())
+        return archive
+    return _plan_archive(obj, archive_name)
+
+
+def _plan_archive(obj, archive_name: str) -> Archive:
     pkl, tensors = dumps(obj)
     for t in tensors:
-        have = sum(seg_numel(s, t.dtype) for s in t.segments)
-        if have != t.numel:
-            raise ValueError(f"tensor segments hold {have} elements, shape {list(t.shape)} needs {t.numel}")
+        _check_numel(t)
     pre = f"{archive_name}/"
     entries = [Entry(pre + "data.pkl", len(pkl), pkl), Entry(pre + ".format_version", 1, b"1"),
                Entry(pre + ".storage_alignment", 2, b"64"), Entry(pre + "byteorder", 6, b"little")]
@@ -443,8 +473,7 @@ def write_archives(placed: list[tuple[Archive, int]], fd: int, pool=None, progre
         for (a, idx), c in known.items():
             final.setdefault(a, {})[idx] = c
         for a, (archive, base) in enumerate(placed):
-            for off, data in archive_meta(archive, final.get(a, {})):
-                pwrite_all(fd, memoryview(data), base + off)
+            pwrite_pieces(fd, archive_meta(archive, final.get(a, {})), base)
     finally:
         if own_worker:
             worker.close()
