@@ -52,7 +52,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--ckpt", default=None, help="an existing checkpoint instead of the generated one")
     ap.add_argument("--max-procs", type=int, default=8)
+    ap.add_argument("--variants", default=None,
+                    help="instead of the built-in list: P[:WORKERS[:VAR=VALUE]],... e.g. 1,1:16,4,4:8,8,8:4")
     a = ap.parse_args(argv)
+    if a.variants:
+        a.variant_list = []
+        for v in a.variants.split(","):
+            procs, workers, *env = v.split(":") + [""]
+            a.variant_list.append((int(procs), int(workers) if workers else None,
+                                   dict(e.split("=", 1) for e in env if e)))
+    else:
+        a.variant_list = VARIANTS
+    import compileall  # the tree's bytecode written first, as `pip install` does for the wheel
+    compileall.compile_dir(str(ROOT / "zckpt"), quiet=1)
     from benchmarks.bench_merge import ensure_checkpoint, model_dims
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -71,7 +83,7 @@ def tune_case(case: str, ckpt: Path, out: Path, base: dict, a, sink) -> None:
     """Every variant of one case, a JSON line each (printed and written to ``sink``)."""
     args = [str(x) for x in CASES[case](ckpt, out)]
     run(1, args + ["--overwrite"], base)  # warm
-    for procs, workers, env in [v for v in VARIANTS if v[0] <= a.max_procs]:
+    for procs, workers, env in [v for v in a.variant_list if v[0] <= a.max_procs]:
         for _ in range(a.repeat):
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
@@ -79,9 +91,11 @@ def tune_case(case: str, ckpt: Path, out: Path, base: dict, a, sink) -> None:
             wall, secs, doc, _ = run(procs, args + extra, dict(base, **env))
             nbytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
             files = sum(1 for f in out.rglob("*") if f.is_file())
+            stats = doc.get("stats", {})
             row = {"case": case, "procs": procs, "workers": workers, "env": env, "zckpt_s": secs,
                    "wall_s": round(wall, 3), "bytes": nbytes, "files": files,
-                   "gb_per_s": round(nbytes / secs / 1e9, 2), "phases": doc.get("stats", {}).get("phases")}
+                   "gb_per_s": round(nbytes / secs / 1e9, 2), "plan_s": stats.get("plan_seconds"),
+                   "phases": stats.get("phases")}
             print(json.dumps(row), flush=True)
             sink.write(json.dumps(row) + "\n")
             sink.flush()
