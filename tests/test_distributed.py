@@ -222,7 +222,7 @@ def test_merge_three_ranks_pt_with_casts_and_reshard(tmp_path):
     doc = _json_line(res.stdout)
     assert doc["stats"]["ranks"] == 3 and doc["stats"]["split_entries"] > 0  # entries' CRCs combined across ranks
     phases = doc["stats"]["phases"]  # rank 0's seconds per step, and the slowest rank's writing
-    steps = {"agree_plan", "scratch", "write", "crcs", "publish"}
+    steps = {"agree_plan", "scratch", "write", "crcs", "headers", "publish"}
     assert set(phases) == steps | {"write_max", "write_min", "start_spread"}
     assert all(v >= 0 for v in phases.values()) and sum(phases[k] for k in steps) <= doc["seconds"]
     assert phases["write_min"] <= phases["write_max"] <= doc["seconds"]

@@ -12,8 +12,9 @@ Under ``torchrun``, the ``deepspeed`` launcher or ``srun``, every process runs t
                plan's T output bytes, in plan order: it reads only the source ranges those jobs need and pwrites
                them into the shared scratch files; CRC-32s of its part of every zip entry (combined in rank order)
     agree      every rank's error flag (one all-reduce) and CRCs (one all-gather)
-    publish    rank 0: headers and central directories, side files, the marker, rename into place; then a last
-               agreement, so every rank exits with the same status
+    headers    rank r: the zip headers and central directories of files r, r+P, r+2P ... (they need the CRCs)
+    publish    rank 0: side files, the marker, rename into place; then a last agreement, so every rank exits
+               with the same status
 
 A URL output (``s3://``) has no shared scratch: whole output files are dealt out by bytes (largest first, to the
 least loaded rank), each rank writes its files through a local scratch file of one shard at most and uploads it
@@ -394,13 +395,21 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             if check is not None:
                 group.phase(_check_inputs, group, check)
                 lap("crcs")
-            group.phase(_publish, group, pub, works, None, finish)
+            group.phase(_publish, group, pub, works, False, finish)
             lap("publish")
         else:
             tmp = group.broadcast_bytes(pub.tmp.encode() if group.rank == 0 else None).decode()
-            t_write = time.perf_counter()
-            group.phase(_write_ranges, group, writer, works, tmp, spans)
-            write_us = int((time.perf_counter() - t_write) * 1e6)  # before the agreement: this rank's own
+            own = [0.0]  # this rank's own writing, before the agreement waits for the others
+
+            def write_own():
+                t_write = time.perf_counter()
+                try:
+                    _write_ranges(group, writer, works, tmp, spans)
+                finally:
+                    own[0] = time.perf_counter() - t_write
+
+            group.phase(write_own)
+            write_us = int(own[0] * 1e6)
             lap("write")
             slots = sorted({(fi, job[0]) for fi, w in enumerate(works) for job in w.jobs if job[0] >= 0})
             mine = []
@@ -416,7 +425,9 @@ def execute(group: Group, works: list[FileWork], archives: list[torchzip.Archive
             if check is not None:  # the inputs' CRCs: counted in the same step as the outputs'
                 group.phase(_check_inputs, group, check)
             lap("crcs")
-            group.phase(_publish, group, pub, works, crcs, finish)
+            group.phase(_write_headers, group, works, crcs, tmp, durable)
+            lap("headers")
+            group.phase(_publish, group, pub, works, True, finish)
             lap("publish")
     finally:
         stack.close()
@@ -486,15 +497,23 @@ def _write_files_remote(group: Group, writer: _Writer, works, out, output_storag
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _publish(group: Group, pub, works, crcs, finish) -> None:
-    """Rank 0: the bytes that needed every rank's CRCs, the side files, the marker; the output appears."""
+def _write_headers(group: Group, works: list[FileWork], crcs: dict[tuple[int, int], int], tmp: str,
+                   durable: bool) -> None:
+    """The bytes that needed every rank's CRCs (zip headers and directories), file ``fi`` by rank ``fi % world``."""
+    byfile: dict[int, dict[int, int]] = {}
+    for (fi, slot), c in crcs.items():
+        byfile.setdefault(fi, {})[slot] = c
+    for fi, w in enumerate(works):
+        if w.src is None and fi % group.world == group.rank:
+            _write_meta(os.path.join(tmp, w.relpath), w.meta(byfile.get(fi, {})), durable)
+
+
+def _publish(group: Group, pub, works, local: bool, finish) -> None:
+    """Rank 0: the side files, the marker; the output appears (a local one's files complete already)."""
     if group.rank != 0:
         return
-    for fi, w in enumerate(works):
-        if crcs is not None:
-            if w.src is None:
-                mine = {slot: c for (f, slot), c in crcs.items() if f == fi}
-                _write_meta(pub.path(w.relpath), w.meta(mine), pub.durable)
+    for w in works:
+        if local:
             pub.done(w.relpath)
         else:
             pub.adopt(w.relpath, w.size)

@@ -88,7 +88,8 @@ def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterat
             parts = [seg]
         else:
             n = seg_numel(seg, dtype)
-            parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
+            parts = [seg] if 0 < n <= per else \
+                [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
         for part in parts:
             pn = seg_numel(part, dtype)
             if cur and cur_n + pn > per:
