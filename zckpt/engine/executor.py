@@ -88,8 +88,10 @@ def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterat
             parts = [seg]
         else:
             n = seg_numel(seg, dtype)
-            parts = [seg] if 0 < n <= per else \
-                [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
+            if 0 < n <= per and isinstance(seg, Piece):  # a whole (immutable) piece: nothing to slice
+                parts = [seg]
+            else:
+                parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
         for part in parts:
             pn = seg_numel(part, dtype)
             if cur and cur_n + pn > per:
