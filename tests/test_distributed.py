@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,35 @@ def test_a_rank_that_fails_fails_every_rank_with_one_error(tmp_path):
     assert res.returncode != 0 and single.returncode == 1
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zckpt: error:")]
     assert lines == single.stderr.splitlines() * 2, (lines, single.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["convert", "reshard", "merge"])
+def test_a_flipped_tensor_byte_fails_every_rank_and_publishes_nothing(tmp_path, command):
+    """One byte of tensor data flipped in each of the last rank file's large tensors (fp32 masters, both Adam
+    moments; whichever rank reads them): every rank exits 1 with the same one line naming the file and its
+    CRC-32, no output, no scratch left."""
+    src = tmp_path / "z2_bf16_ws2"
+    shutil.copytree(FIX / "z2_bf16_ws2", src, ignore=shutil.ignore_patterns("*.py", "expected"))
+    victim = sorted(src.rglob("*optim_states.pt"))[-1]
+    with zipfile.ZipFile(victim) as zf:
+        infos = zf.infolist()
+    largest = max(i.file_size for i in infos if "/data/" in i.filename)
+    data = bytearray(victim.read_bytes())
+    for info in (i for i in infos if "/data/" in i.filename and i.file_size == largest):
+        name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+        data[info.header_offset + 30 + name_len + extra_len + info.file_size * 3 // 4] ^= 0x10
+    assert data != victim.read_bytes()
+    victim.write_bytes(bytes(data))
+    args = {"convert": ["convert", str(src), "--to", "dcp"], "reshard": ["reshard", str(src), "-w", "3"],
+            "merge": ["merge", str(src), "--dtype", "fp32"]}[command]
+    out = tmp_path / "out"
+    res = torchrun(2, *args, "-o", str(out))
+    assert res.returncode == 1, res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("zckpt: error:")]
+    assert len(lines) == 2 and len(set(lines)) == 1, res.stderr[-3000:]
+    assert str(victim) in lines[0] and "CRC-32" in lines[0], lines[0]
+    assert not out.exists() and _scratch(tmp_path) == []
 
 
 # ------------------------------------------------------------------------------------------------ S3 on loopback
