@@ -360,15 +360,20 @@ def test_s3_source_and_output_two_and_three_ranks(s3_server, tmp_path):
     _download(out, tmp_path / "multi", opts)
     assert_same_output(tmp_path / "single", tmp_path / "multi")
 
-    # a rank that dies: the output stays uncommitted (its marker says "writing"); a re-run completes
+    # a rank that dies: the output stays uncommitted (its marker says "writing"); a re-run completes and sweeps the
+    # dead rank's local scratch (a shard on its way up)
     out2 = s3_server.url("dist", "merged2")
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
     res = torchrun(2, "merge", src, "--to", "pt", "--max-shard-size", "900B", "-o", out2, "-q",
-                   env={**env, "ZCKPT_TEST_RANK_EXIT": "1"})
+                   env={**env, "ZCKPT_TEST_RANK_EXIT": "1", "TMPDIR": str(scratch)})
     assert res.returncode != 0 and not publish.output_state(out2, opts)[0]
+    assert [p.name for p in scratch.iterdir() if p.name.startswith(".zckpt-rank1-")], list(scratch.iterdir())
     res = torchrun(2, "merge", src, "--to", "pt", "--max-shard-size", "900B", "-o", out2, "-q", "--overwrite",
-                   env=env)
+                   env={**env, "TMPDIR": str(scratch)})
     assert res.returncode == 0, res.stderr[-3000:]
     assert publish.output_state(out2, opts)[0]
+    assert [p.name for p in scratch.iterdir() if p.name.startswith(".zckpt-")] == []  # (torchrun's own stay)
 
     # reshard s3:// -> local with three ranks, each reading only its ranges
     assert zckpt("reshard", str(FIX / "z3_bf16_ws2"), "-w", "3", "-o", str(tmp_path / "rs"), "-q").returncode == 0

@@ -482,9 +482,23 @@ def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str
                 writer.worker.share_file(1)
 
 
+def _rank_scratch(rank: int) -> str:
+    """A local folder for this rank's whole files on their way to a URL output, named after its process; those of
+    ranks of earlier runs on this host whose process is gone (killed, out of memory) are swept first, as
+    :func:`zckpt.io.publish.sweep` does next to a local output."""
+    parent = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(parent):
+            fields = entry.split("-")  # .zckpt-rank<r>-<pid>-<random>
+            if (len(fields) == 4 and fields[0] == ".zckpt" and fields[1].startswith("rank") and fields[2].isdigit()
+                    and not publish.pid_alive(int(fields[2]))):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f".zckpt-rank{rank}-{os.getpid()}-", dir=parent)
+
+
 def _write_files_remote(group: Group, writer: _Writer, works, out, output_storage_options) -> None:
     """This rank's whole files, each written to a local scratch file and uploaded (multipart), one at a time."""
-    scratch = tempfile.mkdtemp(prefix=f".zckpt-rank{group.rank}-")
+    scratch = _rank_scratch(group.rank)
     try:
         for fi in split_files(works, group.world)[group.rank]:
             w = works[fi]

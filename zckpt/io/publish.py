@@ -271,7 +271,8 @@ def _check_only_ours(out: str, marker: dict, kind: str, storage_options: dict | 
 # ================================================================================= local: scratch + rename
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one of another user counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -297,7 +298,7 @@ def sweep(out: str, parent: str | None = None) -> None:
             if not entry.startswith(head):
                 continue
             pid = entry[len(head):].split("-", 1)[0]
-            if not pid.isdigit() or _alive(int(pid)):
+            if not pid.isdigit() or pid_alive(int(pid)):
                 continue
             path = os.path.join(parent, entry)
             if kind == "old" and not os.path.exists(target):
