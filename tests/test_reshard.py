@@ -416,17 +416,24 @@ def test_dry_run_writes_nothing(fixture_dir, tmp_path):
                                      ("z3_bf16_ws4", {"fmt": "universal"})])
 def test_each_output_file_is_pickled_once(fixture_dir, tmp_path, monkeypatch, name, kw):
     """Planning lays every torch file out once (its archive: pickle, entries, offsets, size); execute writes that
-    archive and pickles nothing again, and the sizes the plan (and --dry-run) report are the files'."""
+    archive and pickles nothing again, and the sizes the plan (and --dry-run) report are the files'. A file holding
+    a lone tensor (universal checkpoints) copies the layout of the first of its dtype and shape: not pickled."""
     from zckpt import open_checkpoint
     from zckpt.engine import torchzip
     pickled = []
     real = torchzip.dumps
     monkeypatch.setattr(torchzip, "dumps", lambda obj: pickled.append(obj) or real(obj))
+    monkeypatch.setattr(torchzip, "_LONE_TENSOR_LAYOUTS", {})
     plan = reshard_mod.plan_reshard(open_checkpoint(str(_ckpt(fixture_dir(name)))), 3, **kw)
     torch_files = [f for f in plan.files if f.kind == "torch"]
-    assert torch_files and [id(o) for o in pickled] == [id(f.obj) for f in torch_files]
+    kinds = {(f.archive.entries[0].name, f.obj.dtype, tuple(f.obj.shape)) for f in torch_files
+             if type(f.obj) is torchzip.TensorOut}
+    others = [id(f.obj) for f in torch_files if type(f.obj) is not torchzip.TensorOut]
+    assert torch_files and [id(o) for o in pickled if type(o) is not torchzip.TensorOut] == others
+    assert sum(1 for o in pickled if type(o) is torchzip.TensorOut) == len(kinds)  # one pickle per layout
+    planned = len(pickled)
     reshard_mod.execute(plan, str(tmp_path / "o"))
-    assert len(pickled) == len(torch_files)  # nothing pickled at write time
+    assert len(pickled) == planned  # nothing pickled at write time
     for f in plan.files:
         assert (tmp_path / "o" / f.relpath).stat().st_size == f.nbytes, f.relpath
         if f.kind == "torch":
