@@ -5,7 +5,7 @@
 # resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load, the tree before and the
 # 4 KiB-page variant), probe (the host's raw pread + CRC + pwrite and copy_file_range limits by processes x
 # threads x files: benchmarks/probe_io.py), crc, or all. Environment: PROCS, REPEAT, PEERS= (no peers),
-# PROBE_GB, RESUME_WORKERS, BEFORE, WORK, MERGE_CASES / STATE_CASES (the cases of a step).
+# PROBE_GB, PROBE_REPEAT, PROBE_CONFIGS (P:T:F[:MiB[:crc[:prealloc]]],...: every run), RESUME_WORKERS, BEFORE, WORK, MERGE_CASES / STATE_CASES (the cases of a step).
 # .whl/: wheels of deepspeed 0.19.8 and the small packages the host lacks (isal, zlib-ng, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions, py-cpuinfo, msgpack, ninja, psutil, einops;
 # cp312 manylinux: `pip download --no-deps --python-version 3.12 --only-binary=:all: ...`, deepspeed built with
@@ -38,7 +38,8 @@ copylimit() {  # $1: name of the run, $2: cases
 }
 case $step in all|probe)
   { mount | grep -E " / | /tmp " || true; grep -m1 "model name" /proc/cpuinfo; } 2>&1 | tee -a "$out/host.log"
-  python3 benchmarks/probe_io.py --dir "$work/probe" --gb ${PROBE_GB:-4} --repeat 2 2>&1 | tee "$out/probe.jsonl"
+  python3 benchmarks/probe_io.py --dir "$work/probe" --gb ${PROBE_GB:-4} --repeat ${PROBE_REPEAT:-2} \
+    ${PROBE_CONFIGS:+--configs "$PROBE_CONFIGS" --all-runs} 2>&1 | tee "$out/probe.jsonl"
   rm -rf "$work/probe" ;; esac
 case $step in all|crc) python3 benchmarks/bench_crc.py --threads 1,8,16 2>&1 | tee "$out/crc.log" ;; esac
 case $step in all|merge) copylimit merge ${MERGE_CASES:-merge-fp32,merge-fp32-1GB} ;; esac
