@@ -159,9 +159,12 @@ def run_config(src, out_dir, total, procs, threads, files, chunk_mib, do_crc, pr
 
 def _parse_config(text: str) -> tuple:
     f = text.split(":")
-    if not 3 <= len(f) <= 6:
-        raise SystemExit(f"--configs: {text!r} is not PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC]]]")
-    crc = {"1": True, "0": False, "cfr": "cfr"}[f[4]] if len(f) > 4 else True
+    crcs = {"1": True, "0": False, "cfr": "cfr"}
+    if not (3 <= len(f) <= 6 and all(x.isdigit() for x in f[:4]) and (len(f) < 5 or f[4] in crcs)
+            and (len(f) < 6 or f[5] in ("truncate", "fallocate"))):
+        raise SystemExit(f"--configs: {text!r} is not PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC]]] "
+                         "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate)")
+    crc = crcs[f[4]] if len(f) > 4 else True
     return int(f[0]), int(f[1]), int(f[2]), int(f[3]) if len(f) > 3 else 4, crc, f[5] if len(f) > 5 else "fallocate"
 
 
@@ -176,6 +179,10 @@ def main(argv=None) -> int:
                          "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate; defaults 4, 1, fallocate)")
     ap.add_argument("--all-runs", action="store_true", help="one line per run, not only the best of --repeat")
     a = ap.parse_args(argv)
+    if a.configs:
+        picked = [_parse_config(c) for c in a.configs.split(",")]
+    else:
+        picked = [CONFIGS[int(i)] for i in a.only.split(",")] if a.only else CONFIGS
     os.makedirs(a.dir, exist_ok=True)
     total = int(a.gb * 1e9)
     total -= total % (16 << 20)
@@ -195,9 +202,6 @@ def main(argv=None) -> int:
     print(json.dumps({"cp_seconds": round(time.perf_counter() - t0, 3),
                       "cp_gb_per_s": round(os.path.getsize(src) / (time.perf_counter() - t0) / 1e9, 2)}), flush=True)
     os.remove(f"{out_dir}/cp")
-    picked = [CONFIGS[int(i)] for i in a.only.split(",")] if a.only else CONFIGS
-    if a.configs:
-        picked = [_parse_config(c) for c in a.configs.split(",")]
     for cfg in picked:
         best = None
         for k in range(a.repeat):
