@@ -5,7 +5,8 @@
 # resume (zckpt.deepspeed.load_checkpoint 4 -> 6 ranks beside DeepSpeed's own load, the tree before and the
 # 4 KiB-page variant), probe (the host's raw pread + CRC + pwrite and copy_file_range limits by processes x
 # threads x files: benchmarks/probe_io.py), crc, or all. Environment: PROCS, REPEAT, PEERS= (no peers),
-# PROBE_GB, PROBE_REPEAT, PROBE_CONFIGS (P:T:F[:MiB[:crc[:prealloc]]],...: every run), RESUME_WORKERS, BEFORE, WORK, MERGE_CASES / STATE_CASES (the cases of a step).
+# PROBE_GB, PROBE_REPEAT, PROBE_CONFIGS (P:T:F[:MiB[:crc[:prealloc]]],...: every run), RESUME_WORKERS, BEFORE,
+# WORK, MERGE_CASES / STATE_CASES (the cases of a step).
 # .whl/: wheels of deepspeed 0.19.8 and the small packages the host lacks (isal, zlib-ng, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions, py-cpuinfo, msgpack, ninja, psutil, einops;
 # cp312 manylinux: `pip download --no-deps --python-version 3.12 --only-binary=:all: ...`, deepspeed built with
