@@ -4,7 +4,8 @@
 Copies a source file (in the page cache) into fresh output files, the way zckpt's engine does (positioned reads
 into a per-thread buffer, the CRC-32 of the buffer, one positioned write), for every configuration in
 ``CONFIGS``: ``procs`` processes, ``threads`` threads each, the output spread over ``files`` files (each process
-writes its own contiguous share; ``files < procs`` makes processes share a file), ``chunk`` bytes a job. Reports
+writes its own contiguous share; ``files < procs`` makes processes share a file; ``order="spread"`` deals its jobs
+round-robin over the files of its share, so its threads write different files at once), ``chunk`` bytes a job. Reports
 GB/s of output per configuration (best of ``--repeat``) as lines of JSON. No torch, no zckpt.
 
     python benchmarks/probe_io.py --dir /tmp/probe --gb 4
@@ -74,7 +75,7 @@ CONFIGS = [
 
 
 def _proc(args) -> float:
-    src, paths, lo, hi, threads, chunk, do_crc = args
+    src, paths, lo, hi, threads, chunk, do_crc, order = args
     # this process's span [lo, hi) of the concatenated output, files of equal size
     fsize = _proc.fsize
     fds = {}
@@ -115,9 +116,16 @@ def _proc(args) -> float:
             os.pwrite(fd_of(i + 1), mv[m:], 0)
         return n
 
+    positions = list(range(lo, hi, chunk))
+    if order == "spread":  # round-robin over this process's files: concurrent jobs go to different files
+        byfile: dict[int, list[int]] = {}
+        for pos in positions:
+            byfile.setdefault(pos // fsize, []).append(pos)
+        lanes = list(byfile.values())
+        positions = [lane[k] for k in range(max(map(len, lanes))) for lane in lanes if k < len(lane)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(job, range(lo, hi, chunk)))
+        list(pool.map(job, positions))
     dt = time.perf_counter() - t0
     for fd in fds.values():
         os.close(fd)
@@ -125,7 +133,7 @@ def _proc(args) -> float:
     return dt
 
 
-def run_config(src, out_dir, total, procs, threads, files, chunk_mib, do_crc, prealloc) -> dict:
+def run_config(src, out_dir, total, procs, threads, files, chunk_mib, do_crc, prealloc, order="seq") -> dict:
     chunk = chunk_mib << 20
     fsize = -(-total // files)
     paths = [os.path.join(out_dir, f"out{i}") for i in range(files)]
@@ -142,16 +150,16 @@ def run_config(src, out_dir, total, procs, threads, files, chunk_mib, do_crc, pr
     spans = [(r * share, total if r == procs - 1 else (r + 1) * share) for r in range(procs)]
     t0 = time.perf_counter()
     if procs == 1:
-        inner = [_proc((src, paths, *spans[0], threads, chunk, do_crc))]
+        inner = [_proc((src, paths, *spans[0], threads, chunk, do_crc, order))]
     else:
         ctx = get_context("fork")
         with ctx.Pool(procs) as pool:
-            inner = pool.map(_proc, [(src, paths, lo, hi, threads, chunk, do_crc) for lo, hi in spans])
+            inner = pool.map(_proc, [(src, paths, lo, hi, threads, chunk, do_crc, order) for lo, hi in spans])
     wall = time.perf_counter() - t0
     for p in paths:
         os.remove(p)
     return {"procs": procs, "threads": threads, "files": files, "chunk_mib": chunk_mib, "crc": do_crc,
-            "prealloc": prealloc, "seconds": round(wall, 3), "slowest_proc_s": round(max(inner), 3),
+            "prealloc": prealloc, "order": order, "seconds": round(wall, 3), "slowest_proc_s": round(max(inner), 3),
             "gb_per_s": round(total / wall / 1e9, 2),
             # without the pool's start (forking the processes): the slowest process's own copy
             "gb_per_s_inner": round(total / max(inner) / 1e9, 2)}
@@ -160,12 +168,13 @@ def run_config(src, out_dir, total, procs, threads, files, chunk_mib, do_crc, pr
 def _parse_config(text: str) -> tuple:
     f = text.split(":")
     crcs = {"1": True, "0": False, "cfr": "cfr"}
-    if not (3 <= len(f) <= 6 and all(x.isdigit() for x in f[:4]) and (len(f) < 5 or f[4] in crcs)
-            and (len(f) < 6 or f[5] in ("truncate", "fallocate"))):
-        raise SystemExit(f"--configs: {text!r} is not PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC]]] "
-                         "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate)")
+    if not (3 <= len(f) <= 7 and all(x.isdigit() for x in f[:4]) and (len(f) < 5 or f[4] in crcs)
+            and (len(f) < 6 or f[5] in ("truncate", "fallocate")) and (len(f) < 7 or f[6] in ("seq", "spread"))):
+        raise SystemExit(f"--configs: {text!r} is not PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC[:ORDER]]]] "
+                         "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate; ORDER seq or spread)")
     crc = crcs[f[4]] if len(f) > 4 else True
-    return int(f[0]), int(f[1]), int(f[2]), int(f[3]) if len(f) > 3 else 4, crc, f[5] if len(f) > 5 else "fallocate"
+    return (int(f[0]), int(f[1]), int(f[2]), int(f[3]) if len(f) > 3 else 4, crc,
+            f[5] if len(f) > 5 else "fallocate", f[6] if len(f) > 6 else "seq")
 
 
 def main(argv=None) -> int:
@@ -175,8 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated indices into CONFIGS (default: all)")
     ap.add_argument("--configs", default="",
-                    help="configurations instead of CONFIGS: PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC]]],... "
-                         "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate; defaults 4, 1, fallocate)")
+                    help="configurations instead of CONFIGS: PROCS:THREADS:FILES[:CHUNK_MIB[:CRC[:PREALLOC[:ORDER]]]],... "
+                         "(CRC 1, 0 or cfr; PREALLOC truncate or fallocate; ORDER seq: each process's jobs in "
+                         "file order, spread: round-robin over its files; defaults 4, 1, fallocate, seq)")
     ap.add_argument("--all-runs", action="store_true", help="one line per run, not only the best of --repeat")
     a = ap.parse_args(argv)
     if a.configs:
