@@ -432,18 +432,16 @@ def test_allocate_gives_the_final_size_and_reports_a_full_disk(tmp_path, monkeyp
             os.close(fd)
 
 
-def test_ranks_sharing_a_file_share_its_write_slots():
+def test_ranks_sharing_a_file_share_its_write_slots(tmp_path):
+    from zckpt.engine import lanes
+    targets = [lanes.Target(k, str(tmp_path / f"f{k}"), [], size=0, writers=w)
+               for k, w in enumerate((1, 4, 10 * executor.WRITE_STREAMS))]
     w = executor.Worker()
     try:
-        assert w.write_slots._value == executor.WRITE_STREAMS
-        w.share_file(4)
-        assert w.write_slots._value == max(1, executor.WRITE_STREAMS // 4)
-        w.share_file(10 * executor.WRITE_STREAMS)
-        assert w.write_slots._value == 1
-        w.share_file(1)
-        assert w.write_slots._value == executor.WRITE_STREAMS
+        lanes.write_files(targets, None, w)
     finally:
         w.close()
+    assert [t.slots._value for t in targets] == [executor.WRITE_STREAMS, max(1, executor.WRITE_STREAMS // 4), 1]
 
 
 def test_a_bad_knob_in_the_environment_is_ignored(monkeypatch):

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt.engine import executor, torchzip
+from zckpt.engine import executor, lanes, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.launch import Group
 from zckpt.engine.works import (  # noqa: F401 - the work and its split, re-exported for callers of this module
@@ -77,27 +77,22 @@ class _Writer:
         self.count = 0
         self.bytes = 0
 
-    def write_jobs(self, fi: int, path: str, jobs: list) -> None:
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            def run(job):
-                slot, off, parts, dtype = job
-                crc, n = self.worker.write(fd, off, parts, dtype, crc_of=self.maps.crc, want_crc=slot >= 0)
-                return slot, crc, n
+    def write_targets(self, targets: list[lanes.Target], done=None) -> None:
+        """Jobs into several files at once (:mod:`zckpt.engine.lanes`); their CRC parts kept per (file, slot)."""
+        def after_job():
+            self.count += 1
+            _test_hooks(self.group, self.count)
 
-            for slot, crc, n in executor.run_jobs(self.pool, run, jobs, self.worker, parts_of=lambda j: j[2]):
-                if slot >= 0:
-                    c, length = self.crcs.get((fi, slot), (0, 0))
-                    self.crcs[(fi, slot)] = (torchzip.crc32_combine(c, crc, n) if length else crc, length + n)
-                self.count += 1
-                self.bytes += n
-                if self.progress:
-                    self.progress(n)
-                _test_hooks(self.group, self.count)
-            if self.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        def step(n):
+            self.bytes += n
+            if self.progress:
+                self.progress(n)
+
+        got = lanes.write_files(targets, self.pool, self.worker, self.maps.crc, durable=self.durable, progress=step,
+                                done=done, after_job=after_job)
+        for key, (crc, n) in got.items():
+            c, length = self.crcs.get(key, (0, 0))
+            self.crcs[key] = (torchzip.crc32_combine(c, crc, n) if length else crc, length + n)
 
     def copy(self, work: FileWork, dst: str) -> None:
         if storage.is_url(work.src):
@@ -125,18 +120,9 @@ class _Writer:
         if work.src is not None:
             self.copy(work, path)
             return
-        _create(path, work.size)
-        self.write_jobs(fi, path, work.jobs)
+        self.write_targets([lanes.Target(fi, path, work.jobs, size=work.size)])
         crcs = {slot: c for (f, slot), (c, _) in self.crcs.items() if f == fi}
         _write_meta(path, work.meta(crcs), self.durable)
-
-
-def _create(path: str, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
-    try:
-        executor.allocate(fd, size)
-    finally:
-        os.close(fd)
 
 
 def _write_meta(path: str, meta: list[tuple[int, bytes]], durable: bool) -> None:
@@ -328,7 +314,7 @@ def _open_publisher(group: Group, stack, works, out, kind, check, source, durabl
     pub = stack.enter_context(publish.Publisher(out, kind, source, durable, storage_options=output_storage_options))
     if not storage.is_url(out):
         for w in works:
-            _create(pub.path(w.relpath), w.size)
+            lanes.create(pub.path(w.relpath), w.size)
     return pub
 
 
@@ -340,17 +326,15 @@ def _write_ranges(group: Group, writer: _Writer, works: list[FileWork], tmp: str
     byfile: dict[int, list] = {}
     for fi, ji in spans[group.rank]:
         byfile.setdefault(fi, []).append(ji)
+    targets = []
     for fi, jis in byfile.items():
         w = works[fi]
         path = os.path.join(tmp, w.relpath)
         if w.src is not None:
             writer.copy(w, path)
         else:
-            writer.worker.share_file(sharers[fi])
-            try:
-                writer.write_jobs(fi, path, [w.jobs[j] for j in jis])
-            finally:
-                writer.worker.share_file(1)
+            targets.append(lanes.Target(fi, path, [w.jobs[j] for j in jis], writers=sharers[fi]))
+    writer.write_targets(targets)
 
 
 def _rank_scratch(rank: int) -> str:

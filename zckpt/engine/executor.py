@@ -15,8 +15,8 @@ and carried out the same way::
         anything else (casts, URLs, no copy_file_range): read into the thread's buffer, convert, pwrite
 
 Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
-into one file take one of ``WRITE_STREAMS`` slots (one file takes only so many writers at a time);
-reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
+into one file take one of its ``WRITE_STREAMS`` slots (one file takes only so many writers at a time), and the
+jobs of several files are dealt to the threads in turn (:mod:`zckpt.engine.lanes`); reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
 (:mod:`zckpt.encoding.casting`), and a bf16 -> fp32 upcast of small work needs neither.
 """
 
@@ -52,7 +52,8 @@ CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per w
 # 6.18) one file takes about 3.5-4 GB/s whatever the number of writers, but 8 of them beat 1 (single-process
 # merge of a 3.8 GB file: 0.93 s against 1.12 s) and 16 lose to 4 (four ranks into that file: 1.30 s against
 # 0.90 s); docs/benchmarks.md, "At the copy limit". A launcher's rank divides them by the ranks sharing the file
-# (``Worker.share_file``). Reads and casts, which need the CPU, use the whole pool.
+# (``zckpt.engine.lanes.Target.writers``). Reads and casts, which need the CPU, use the whole pool; and since one
+# file is the limit, several files are written at once (zckpt.engine.lanes).
 WRITE_STREAMS = env_int("ZCKPT_WRITE_STREAMS", 8)
 _ZEROS = bytes(1 << 20)
 # Remote sources (s3://, ...): the byte ranges of the next PREFETCH_BYTES of jobs are fetched ahead, coalesced into
@@ -208,11 +209,6 @@ class Worker:
         self.write_slots = threading.BoundedSemaphore(WRITE_STREAMS)
         self.pure_upcast = pure_upcast
 
-    def share_file(self, writers: int) -> None:
-        """The next file's writes are shared with ``writers - 1`` other processes: this one takes its part of the
-        WRITE_STREAMS slots (call between files, with no write in flight)."""
-        self.write_slots = threading.BoundedSemaphore(max(1, WRITE_STREAMS // max(1, writers)))
-
     def buffer(self, nbytes: int, slot: str = "buf") -> memoryview:
         buf = getattr(self.local, slot, None)
         if buf is None or len(buf) < nbytes:
@@ -264,24 +260,26 @@ class Worker:
             for p in parts)
 
     def write(self, fd: int, offset: int, parts: list, dtype: str,
-              crc_of: Callable[[str, int, int, int], int] | None = None, want_crc: bool = False) -> tuple[int, int]:
+              crc_of: Callable[[str, int, int, int], int] | None = None, want_crc: bool = False,
+              slots: threading.Semaphore | None = None) -> tuple[int, int]:
         """Write one job at ``offset`` of ``fd``; returns (CRC-32 of the bytes or 0, bytes written).
 
         ``want_crc``: compute the CRC; for kernel copies it comes from ``crc_of(path, offset, n, crc)`` (the
         caller's read-only maps of the sources), otherwise from the rendered bytes. With an input check, the CRC
         of every source byte is reported to it (kernel copies: from a read-only map, which is then the output's
-        CRC too)."""
+        CRC too). ``slots``: the write slots of ``fd``'s file (default: this worker's, for one file at a time)."""
+        slots = self.write_slots if slots is None else slots
         if self.check is not None and self.kernel_copyable(parts, dtype):
-            return self._checked_copy(fd, offset, parts, dtype, want_crc)
+            return self._checked_copy(fd, offset, parts, dtype, want_crc, slots)
         if self.kernel_copyable(parts, dtype) and (crc_of is not None or not want_crc):
             try:
-                return self._kernel_copy(fd, offset, parts, crc_of if want_crc else None)
+                return self._kernel_copy(fd, offset, parts, crc_of if want_crc else None, slots)
             except _NoKernelCopy:
                 pass
         views = self._fetched_views(parts, dtype)
         if views is not None:  # remote bytes fetched ahead: written from the fetched blocks, not copied first
             pos = offset
-            with self.write_slots:
+            with slots:
                 for v in views:
                     pwrite_all(fd, v, pos)
                     pos += len(v)
@@ -293,11 +291,12 @@ class Worker:
                     crc = crc32(v, crc)
             return crc, pos - offset
         data = self.render(parts, dtype)
-        with self.write_slots:
+        with slots:
             pwrite_all(fd, data, offset)
         return (crc32(data) if want_crc else 0), data.nbytes
 
-    def _checked_copy(self, fd: int, offset: int, parts: list, dtype: str, want_crc: bool) -> tuple[int, int]:
+    def _checked_copy(self, fd: int, offset: int, parts: list, dtype: str, want_crc: bool,
+                      slots: threading.Semaphore) -> tuple[int, int]:
         """Same-dtype local pieces with an input check: read into this thread's buffer, each piece's CRC reported
         to the check (and combined into the output's), written with one pwrite. (In-kernel copies would need a
         second read of the source for its CRC; on the lent host a read-only map of it made the check cost 28% of
@@ -316,7 +315,7 @@ class Worker:
                 self.check.add_crc(p.path, p.offset, n, c)
             crc = crc32_combine(crc, c, n) if want_crc else 0
             pos += n
-        with self.write_slots:
+        with slots:
             pwrite_all(fd, view[:total], offset)
         return crc, total
 
@@ -352,9 +351,9 @@ class Worker:
                 return None
         return views
 
-    def _kernel_copy(self, fd_out: int, offset: int, parts: list, crc_of) -> tuple[int, int]:
+    def _kernel_copy(self, fd_out: int, offset: int, parts: list, crc_of, slots) -> tuple[int, int]:
         pos = offset
-        with self.write_slots:  # only the copies take a write slot: the CRCs below run in parallel
+        with slots:  # only the copies take a write slot: the CRCs below run in parallel
             for p in parts:
                 n = p.nbytes
                 if isinstance(p, Fill):

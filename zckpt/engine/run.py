@@ -7,9 +7,12 @@ Plans are plain data made by the format writers (:mod:`zckpt.hf.writer`, :mod:`z
 
 - :func:`run_merge`: a merge plan's shards (safetensors: the header, then tensor chunks; or torch files), the
   index and extra files (a Trainer checkpoint's config, tokenizer);
-- :func:`run_reshard`: torch archives laid out once (:func:`zckpt.engine.torchzip.write_planned`) and files
-  copied, then ``latest``;
+- :func:`run_reshard`: torch archives laid out once (nothing pickled again) and files copied, then ``latest``;
 - :func:`run_convert`: files copied, then each DCP layout's ``.distcp`` files and its ``.metadata`` last.
+
+All three describe their files as :class:`zckpt.engine.works.FileWork` (what a launcher's ranks split, too) and
+write them through :func:`write_works`: several files at once (:mod:`zckpt.engine.lanes`), since one file's
+writes serialize on its inode.
 
 :mod:`zckpt.engine.distributed` does the same with the ranks of a launcher's job.
 """
@@ -20,11 +23,10 @@ import json
 import logging
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
-from zckpt.engine import executor, torchzip
+from zckpt.engine import executor, lanes as _lanes, torchzip, works as works_
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import source_segments
 from zckpt.errors import InvalidArgument
@@ -97,17 +99,15 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
-    worker = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check)
+    worker, maps = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check), \
+        torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
-            with ThreadPoolExecutor(workers) as pool:
-                for shard in plan.shards:
-                    t0 = time.perf_counter()
-                    write_shard(shard, pub.path(shard.filename), plan.fmt, pool, worker, step, durable)
-                    pub.done(shard.filename)  # URL outputs: uploaded now
-                    log.debug("  wrote %s (%s) in %.2fs", shard.filename, format_size(shard.size),
-                              time.perf_counter() - t0)
+            works = [works_.archive_work(s.filename, s.archive, maps, executor.CHUNK_BYTES) if plan.fmt == "pt"
+                     else works_.safetensors_work(s, executor.CHUNK_BYTES) for s in plan.shards]
+            # an object store's files go up one at a time, each from a local scratch file
+            write_works(works, pub, workers, worker, maps, step, durable, lanes=1 if pub.remote else None)
             for name, data in (extra_files or {}).items():
                 pub.write_bytes(name, data)
             if plan.index is not None:
@@ -117,7 +117,47 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
             pub.commit()
     finally:
         worker.close()
+        maps.close()
     return worker.stats.to_json()
+
+
+def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: torchzip.SourceMaps, step,
+                durable: bool, storage_options: dict | None = None, check: InputCheck | None = None,
+                lanes: int | None = None) -> None:
+    """Every :class:`zckpt.engine.works.FileWork` through ``pub``: the written files created at their final size
+    first (a full disk or a file-size limit is met before a byte is written; an object store's scratch files
+    instead as each is reached), then the copied ones, then the written ones several at once
+    (:func:`zckpt.engine.lanes.write_files`), each given its headers (``meta``, with its entries' CRC-32s) once its
+    jobs are written; ``step(n)``: bytes written."""
+    targets, made = [], {}
+    for fi, w in enumerate(works):
+        if w.src is None:
+            made[fi] = w.size - sum(works_.job_bytes(parts, dtype) for _, _, parts, dtype in w.jobs)
+            path = pub.path(w.relpath)
+            if not pub.remote:
+                executor.test_delay()
+                _lanes.create(path, w.size)
+            targets.append(_lanes.Target(fi, path, w.jobs, size=w.size if pub.remote else None))
+    for w in works:
+        if w.src is not None:
+            executor.test_delay()
+            dst = pub.path(w.relpath)
+            step(copy_file(w.src, dst, storage_options, check))
+            if durable:
+                torchzip.fsync_all([dst])
+            pub.done(w.relpath)
+
+    def done(t, fd):
+        executor.pwrite_pieces(fd, works[t.key].meta({slot: c for slot, (c, _) in t.crcs.items()}))
+        step(made[t.key])
+
+    def closed(t):
+        pub.done(works[t.key].relpath)  # URL outputs: uploaded now
+        log.debug("  wrote %s (%s)", works[t.key].relpath, format_size(works[t.key].size))
+
+    with ThreadPoolExecutor(workers) as pool:
+        _lanes.write_files(targets, pool, worker, maps.crc, lanes=lanes, durable=durable, progress=step, done=done,
+                           closed=closed)
 
 
 def copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
@@ -158,21 +198,9 @@ def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
-            written = []
-            with ThreadPoolExecutor(workers) as pool, ThreadPoolExecutor(1) as syncer:
-                for f in plan.files:
-                    executor.test_delay()
-                    dst = pub.path(f.relpath)
-                    if f.kind == "torch":  # the archive planned: nothing is pickled again
-                        torchzip.write_planned(f.archive, dst, pool=pool, progress=step, worker=worker, maps=maps)
-                        step(f.nbytes - f.payload_bytes)  # pickle, headers, central directory
-                    else:
-                        step(copy_file(f.src, dst, storage_options, check))
-                    pub.done(f.relpath)
-                    if durable:  # flushes while the next file is written
-                        written.append(syncer.submit(torchzip.fsync_all, [dst]))
-                for fut in written:  # everything on disk before `latest` and the rename
-                    fut.result()
+            works = [works_.FileWork(f.relpath, f.nbytes, src=f.src) if f.kind == "copy"
+                     else works_.archive_work(f.relpath, f.archive, maps, executor.CHUNK_BYTES) for f in plan.files]
+            write_works(works, pub, workers, worker, maps, step, durable, storage_options, check)
             # DeepSpeed writes the bare tag, no newline
             pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
             if check is not None:  # a damaged input is refused here: nothing has been published
@@ -222,13 +250,17 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
-            for rel, src, _ in plan.copies:  # the Trainer's own files, first: the DCP .metadata files come last
-                nbytes = copy_file(src, pub.path(rel), storage_options, check)
-                pub.done(rel)
-                step(nbytes)
-            with ThreadPoolExecutor(workers) as pool:
-                for folder, part in plan.parts:
-                    write_dcp_part(part, pub, pool, worker, maps, step, fsync=durable, folder=folder)
+            def rel(folder: str, name: str) -> str:
+                return f"{folder}/{name}" if folder else name
+
+            # the Trainer's own files first; every layout's .distcp files; the DCP .metadata files (commits) last
+            works = [works_.FileWork(r, size, src=src) for r, src, size in plan.copies]
+            works += [works_.placed_work(rel(folder, f.name), f.size, f.placed, maps, executor.CHUNK_BYTES)
+                      for folder, part in plan.parts for f in part.files]
+            write_works(works, pub, workers, worker, maps, step, durable, storage_options, check)
+            for folder, part in plan.parts:
+                pub.write_bytes(rel(folder, part.commit_name), part.metadata)
+                step(len(part.metadata))
             if check is not None:  # a damaged input is refused here: nothing has been published
                 check.finish()
             pub.commit()

@@ -1,0 +1,114 @@
+"""Several output files at once (zckpt.engine.lanes): the deal is round-robin over at most ``lanes`` files, each
+file's jobs in order; the threads really write different files at the same time; the CRC-32 of every slot is the
+one of its bytes; a failing job leaves no file open and no job running; durable files are fsynced."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from zckpt.engine import executor, lanes
+
+
+def _targets(tmp_path, sizes, chunk=64, slot=0):
+    out = []
+    for k, n in enumerate(sizes):
+        data = bytes((k * 31 + i) % 251 for i in range(n))
+        jobs = [(slot, off, [data[off:off + chunk]], "uint8") for off in range(0, n, chunk)]
+        out.append((lanes.Target(k, str(tmp_path / f"f{k}"), jobs, size=n), data))
+    return out
+
+
+def test_the_deal_is_round_robin_over_at_most_lanes_files():
+    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((3, 1, 2, 2))]
+    order = [(t.key, job[1]) for t, job in lanes._deal(ts, 2)]
+    assert order == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (3, 0), (3, 1)]
+    assert [(t.key, job[1]) for t, job in lanes._deal(ts, 1)] == [(k, i) for k, n in enumerate((3, 1, 2, 2))
+                                                                   for i in range(n)]
+
+
+def test_files_are_written_at_once_with_their_bytes_and_crcs(tmp_path, monkeypatch):
+    pairs = _targets(tmp_path, [4096, 3000, 64, 0, 2500])
+    targets = [t for t, _ in pairs]
+    busy, seen, lock = {}, [], threading.Lock()
+    real = executor.pwrite_all
+
+    def slow(fd, data, offset):  # which files are being written at the same moment
+        with lock:
+            busy[fd] = busy.get(fd, 0) + 1
+            seen.append(sum(1 for v in busy.values() if v))
+        time.sleep(0.002)
+        real(fd, data, offset)
+        with lock:
+            busy[fd] -= 1
+
+    monkeypatch.setattr(executor, "pwrite_all", slow)
+    headers = {}
+    w = executor.Worker()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = lanes.write_files(targets, pool, w, lanes=4,
+                                    done=lambda t, fd: headers.setdefault(t.key, len(t.crcs)))
+    finally:
+        w.close()
+    assert max(seen) >= 3  # one process, four threads, four files at once
+    for t, data in pairs:
+        assert (tmp_path / f"f{t.key}").read_bytes() == data
+        if data:
+            assert got[(t.key, 0)] == (zlib.crc32(data), len(data))
+    assert sorted(headers) == [0, 1, 2, 3, 4]  # every file finished, the empty one too
+
+
+def test_a_failing_job_closes_every_file_and_waits_for_the_others(tmp_path, monkeypatch):
+    pairs = _targets(tmp_path, [64 * 40] * 4)
+    targets = [t for t, _ in pairs]
+    running, calls, real, lock = [0], [0], executor.pwrite_all, threading.Lock()
+
+    def flaky(fd, data, offset):
+        with lock:
+            running[0] += 1
+            calls[0] += 1
+            n = calls[0]
+        try:
+            if n == 9:
+                raise OSError(28, "No space left on device")
+            time.sleep(0.003)
+            real(fd, data, offset)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(executor, "pwrite_all", flaky)
+    before = set(os.listdir("/proc/self/fd"))
+    w = executor.Worker()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            with pytest.raises(OSError) as e:
+                lanes.write_files(targets, pool, w)
+            assert running[0] == 0  # nothing still writing when the error reached the caller
+    finally:
+        w.close()
+    assert e.value.errno == 28
+    assert set(os.listdir("/proc/self/fd")) <= before | {str(fd) for fd in range(3)}
+    assert all(t.fd is None for t in targets)
+
+
+def test_durable_files_are_fsynced_and_then_closed(tmp_path, monkeypatch):
+    pairs = _targets(tmp_path, [640, 640, 640])
+    synced, closed = [], []
+    real = os.fsync
+    monkeypatch.setattr(lanes.os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    w = executor.Worker()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            lanes.write_files([t for t, _ in pairs], pool, w, durable=True, closed=lambda t: closed.append(t.key))
+    finally:
+        w.close()
+    assert len(synced) == 3 and sorted(closed) == [0, 1, 2]
+    for t, data in pairs:
+        assert (tmp_path / f"f{t.key}").read_bytes() == data
