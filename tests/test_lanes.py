@@ -112,3 +112,31 @@ def test_durable_files_are_fsynced_and_then_closed(tmp_path, monkeypatch):
     assert len(synced) == 3 and sorted(closed) == [0, 1, 2]
     for t, data in pairs:
         assert (tmp_path / f"f{t.key}").read_bytes() == data
+
+
+@pytest.mark.parametrize("job", ["merge", "merge-pt", "reshard", "convert"])
+def test_several_files_at_once_write_what_one_at_a_time_writes(tmp_path, monkeypatch, job):
+    """The single-process jobs with their files dealt over 4 lanes and with one lane: the same bytes in every file
+    (torch's random serialization ids and DCP's save id aside), the same marker."""
+    import zckpt
+    from tests.test_distributed import FIX, assert_same_output
+
+    src = str(FIX / "z2_bf16_ws4")
+    trainer = str(FIX / "trainer" / "checkpoint-4")  # a Trainer folder: DCP parts for the model and the optimizer
+    run = {
+        "merge": lambda out: zckpt.merge(src, str(out), max_shard_size="500B", workers=4),
+        "merge-pt": lambda out: zckpt.merge(src, str(out), fmt="pt", max_shard_size="500B", workers=4),
+        "reshard": lambda out: zckpt.reshard(src, str(out), world_size=3, workers=4),
+        "convert": lambda out: zckpt.convert(trainer, "dcp", str(out), workers=4),
+    }[job]
+    dealt = []
+    real = lanes._deal
+    monkeypatch.setattr(lanes, "_deal", lambda ts, n: (dealt.append((len(ts), n)), real(ts, n))[1])
+    out = tmp_path / "out"  # one path for both: DCP's .metadata records it
+    monkeypatch.setattr(lanes, "FILES_AT_ONCE", 1)
+    run(out)
+    out.rename(tmp_path / "one")
+    monkeypatch.setattr(lanes, "FILES_AT_ONCE", 4)
+    run(out)
+    assert dealt[0][1] == 1 and dealt[-1][1] == 4 and dealt[-1][0] > 1  # really several files, really 4 lanes
+    assert_same_output(tmp_path / "one", out)
