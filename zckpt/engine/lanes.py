@@ -48,6 +48,7 @@ class Target:
     left: int = field(default=0, repr=False)
     slots: threading.Semaphore | None = field(default=None, repr=False)
     crcs: dict = field(default_factory=dict, repr=False)  # slot -> (crc, length) of the bytes written so far
+    users: int = field(default=0, repr=False)  # jobs writing into ``fd`` now
 
 
 def create(path: str, size: int) -> None:
@@ -95,35 +96,48 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
     lanes = max(1, min(lanes or FILES_AT_ONCE, workers))
     remote = _remote(targets)
-    opening = threading.Lock()
+    opening = threading.Lock()  # guards every target's fd, users and the abort flag
+    aborted = [False]
     syncing: list = []
     for t in targets:
-        t.left, t.crcs = len(t.jobs), {}
+        t.left, t.crcs, t.users = len(t.jobs), {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
 
-    def fd_of(t: Target) -> int:
-        with opening:
-            if t.fd is None:
-                if t.size is not None:
-                    executor.test_delay()
-                    fd = os.open(t.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
-                    try:
-                        executor.allocate(fd, t.size)
-                    except BaseException:
-                        os.close(fd)
-                        raise
-                    t.fd = fd
-                else:
-                    t.fd = os.open(t.path, os.O_WRONLY)
-            return t.fd
+    def fd_of(t: Target) -> int:  # (holding ``opening``)
+        if t.fd is None:
+            if t.size is not None:
+                executor.test_delay()
+                fd = os.open(t.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
+                try:
+                    executor.allocate(fd, t.size)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                t.fd = fd
+            else:
+                t.fd = os.open(t.path, os.O_WRONLY)
+        return t.fd
 
     def run(item):
         t, (slot, off, parts, dtype) = item
-        return worker.write(fd_of(t), off, parts, dtype, crc_of=crc_of, want_crc=slot >= 0, slots=t.slots)
+        with opening:
+            if aborted[0]:  # a job that started after a failure: it writes nothing
+                raise InterruptedError("writing stopped")
+            fd = fd_of(t)
+            t.users += 1
+        try:
+            return worker.write(fd, off, parts, dtype, crc_of=crc_of, want_crc=slot >= 0, slots=t.slots)
+        finally:
+            with opening:
+                t.users -= 1
+                if aborted[0] and not t.users and t.fd is not None:  # the last writer of a failed run closes it
+                    os.close(t.fd)
+                    t.fd = None
 
-    def finish(t: Target) -> None:
-        fd = fd_of(t)
-        t.fd = None
+    def finish(t: Target) -> None:  # every job of ``t`` has been taken: no writer left
+        with opening:
+            fd = fd_of(t)
+            t.fd = None
         try:
             if done is not None:
                 done(t, fd)
@@ -169,11 +183,13 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     finally:
         if syncer is not None:
             syncer.shutdown(wait=True)
-        for t in targets:  # a failure: the files still open are closed (their jobs have all stopped)
-            if t.fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(t.fd)
-                t.fd = None
+        with opening:  # a failure: the files still open are closed now, or by their last writer
+            aborted[0] = True
+            for t in targets:
+                if t.fd is not None and not t.users:
+                    with contextlib.suppress(OSError):
+                        os.close(t.fd)
+                    t.fd = None
     return {(t.key, slot): v for t in targets for slot, v in t.crcs.items()}
 
 
@@ -189,7 +205,7 @@ def _close(fd: int, sync: bool, t: Target, closed) -> None:
 
 def _run_ordered(pool, fn, items, took, ahead: int) -> None:
     """``took(item, fn(item))`` for every item, in order, with at most ``ahead`` items submitted to ``pool`` and
-    not yet taken. On a failure, every job still in flight is waited for (none writes into a closed file)."""
+    not yet taken. On a failure, every job still in flight is waited for."""
     pending: deque = deque()
     try:
         for item in items:
