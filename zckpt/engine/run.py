@@ -57,25 +57,6 @@ def shard_jobs(shard) -> Iterator[tuple[int, list, str]]:
             yield t.offset + start, parts, t.dtype
 
 
-def write_shard(shard, path: str, fmt: str, pool, worker: executor.Worker, progress, durable: bool) -> None:
-    """One merge shard written at its final size: the safetensors header, then its tensors' chunks (or a torch
-    state-dict file for ``fmt="pt"``)."""
-    executor.test_delay()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
-    try:
-        executor.allocate(fd, shard.size)
-        if fmt == "safetensors":
-            executor.pwrite_all(fd, shard.header, 0)
-            for _, n in executor.run_jobs(pool, lambda job: worker.write(fd, *job), shard_jobs(shard), worker):
-                progress(n)
-        else:
-            torchzip.write_state_dict(shard, fd, pool, worker, progress)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = False,
               extra_files: dict[str, bytes] | None = None,
               progress: Callable[[int, int], None] | None = None, durable: bool = False,

@@ -535,10 +535,6 @@ def layout_state_dict(shard) -> None:
     shard.size = shard.archive.size + len(_central(shard.archive))
 
 
-def write_state_dict(shard, fd, pool, worker, progress) -> None:
-    write_archive(shard.archive, fd, pool, progress, worker)
-
-
 def step_tensor(step, where: str, path: str) -> TensorOut:
     """Adam's step as torch keeps it (a float32 0-d tensor), refused when float32 cannot hold it exactly."""
     from zckpt.errors import UnsupportedLayout

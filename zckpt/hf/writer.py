@@ -3,9 +3,9 @@
 :func:`plan_merge` turns a :class:`~zckpt.state.model.Checkpoint` (any format's reader) into a :class:`MergePlan`:
 the output files (``model.safetensors`` or ``pytorch_model.bin``, sharded greedily as
 ``huggingface_hub.split_torch_state_dict_into_shards`` does, with the index), each tensor's dtype, shape, byte
-offset in its file, and the input pieces it is made of; no bytes read. :func:`write_shard` writes one file at its
-final size (the header first, then tensor bytes in chunks through :class:`zckpt.engine.executor.Worker`);
-:func:`trainer_files` gives a Trainer checkpoint's config (its dtype set to the output's) and tokenizer files.
+offset in its file, and the input pieces it is made of; no bytes read. The engine writes each file at its
+final size (:func:`zckpt.engine.run.run_merge`: the header, then tensor bytes in chunks through
+:class:`zckpt.engine.executor.Worker`, several files at once); :func:`trainer_files` gives a Trainer checkpoint's config (its dtype set to the output's) and tokenizer files.
 """
 
 from __future__ import annotations

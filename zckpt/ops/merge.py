@@ -7,9 +7,9 @@ metadata, plan, stream bytes, publish atomically. Also the Python loaders (``ite
 2. :func:`execute` (:func:`zckpt.engine.run.run_merge`) writes every file at its final size: the header first (all
    shapes are known), then tensor bytes in chunks of at most ``executor.CHUNK_BYTES`` by a pool of threads, each with
    its own buffer, straight to their offsets (``pwrite``); same-dtype local copies use ``copy_file_range`` and never
-   enter user space. Writes into one file go one at a time (the kernel serializes them anyway); reads and casts run in
-   parallel. Casts are numpy bit operations that round exactly as torch's ``Tensor.to``
-   (:mod:`zckpt.encoding.casting`).
+   enter user space. Writes into one file are few at a time (the kernel serializes them on its inode), so several
+   files are written at once (:mod:`zckpt.engine.lanes`); reads and casts run in parallel. Casts are numpy bit
+   operations that round exactly as torch's ``Tensor.to`` (:mod:`zckpt.encoding.casting`).
 3. :mod:`zckpt.io.publish` makes the result appear whole: files go into a temporary sibling folder, renamed into
    place with its ``.zckpt.json`` marker; an interrupted merge leaves the previous output, or nothing, where the
    output belongs. For URL outputs each shard is uploaded as soon as it is complete and the marker is written
@@ -29,7 +29,7 @@ from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.io import publish
 from zckpt.state import checksums
-from zckpt.engine.run import shard_jobs, write_shard  # noqa: F401 - the engine's, for callers
+from zckpt.engine.run import shard_jobs  # noqa: F401 - the engine's, for callers
 from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of the operation
     DTYPE_FLAGS, FORMATS, MergePlan, ShardPlan, out_dtype_name, output_tensors, parse_size, plan_merge,
     trainer_files,
