@@ -44,8 +44,8 @@ Examples:
                    "(SwiGLU, RMSNorm, RoPE, no biases) is written under Hugging Face Llama names with a "
                    "config.json unless this is given.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
-              help="Threads for reading and casting (default: CPU count, at most 8); in-kernel copies into one "
-                   "file run one at a time, as fast as cp.")
+              help="Threads for reading, casting and writing (default: CPU count, at most 8); they write "
+                   "several output files at once.")
 @output_options("merge", "files, tensors, sizes")
 @storage_option
 @follow_links_option
