@@ -77,8 +77,9 @@ class _Writer:
         self.count = 0
         self.bytes = 0
 
-    def write_targets(self, targets: list[lanes.Target], done=None) -> None:
-        """Jobs into several files at once (:mod:`zckpt.engine.lanes`); their CRC parts kept per (file, slot)."""
+    def write_targets(self, targets: list[lanes.Target]) -> dict[tuple[int, int], tuple[int, int]]:
+        """Jobs into several files at once (:mod:`zckpt.engine.lanes`); their CRC parts kept per (file, slot), and
+        returned."""
         def after_job():
             self.count += 1
             _test_hooks(self.group, self.count)
@@ -89,10 +90,11 @@ class _Writer:
                 self.progress(n)
 
         got = lanes.write_files(targets, self.pool, self.worker, self.maps.crc, durable=self.durable, progress=step,
-                                done=done, after_job=after_job)
+                                after_job=after_job)
         for key, (crc, n) in got.items():
             c, length = self.crcs.get(key, (0, 0))
             self.crcs[key] = (torchzip.crc32_combine(c, crc, n) if length else crc, length + n)
+        return got
 
     def copy(self, work: FileWork, dst: str) -> None:
         if storage.is_url(work.src):
@@ -120,9 +122,8 @@ class _Writer:
         if work.src is not None:
             self.copy(work, path)
             return
-        self.write_targets([lanes.Target(fi, path, work.jobs, size=work.size)])
-        crcs = {slot: c for (f, slot), (c, _) in self.crcs.items() if f == fi}
-        _write_meta(path, work.meta(crcs), self.durable)
+        got = self.write_targets([lanes.Target(fi, path, work.jobs, size=work.size)])
+        _write_meta(path, work.meta({slot: c for (_, slot), (c, _) in got.items()}), self.durable)
 
 
 def _write_meta(path: str, meta: list[tuple[int, bytes]], durable: bool) -> None:
