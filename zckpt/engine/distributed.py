@@ -44,8 +44,8 @@ from zckpt.engine import executor, lanes, torchzip
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.launch import Group
 from zckpt.engine.works import (  # noqa: F401 - the work and its split, re-exported for callers of this module
-    MIN_CHUNK_BYTES, FileWork, archive_work, chunk_size, default_workers, job_bytes, placed_work, safetensors_work,
-    split_files, split_ranges)
+    MIN_CHUNK_BYTES, FileWork, archive_work, chunk_size, convert_works, default_workers, job_bytes, merge_works,
+    part_path, placed_work, reshard_works, safetensors_work, split_files, split_ranges)
 from zckpt.errors import InvalidArgument, StorageError
 from zckpt.io import publish, storage
 
@@ -406,8 +406,7 @@ def run_merge(group: Group, plan, out: str, extra_files: dict[str, bytes] | None
     maps = torchzip.SourceMaps()
     try:
         chunk = _chunk_for(group, [s.size for s in plan.shards])
-        works = [archive_work(s.filename, s.archive, maps, chunk) if plan.fmt == "pt" else safetensors_work(s, chunk)
-                 for s in plan.shards]
+        works = merge_works(plan, maps, chunk)
         archives = [s.archive for s in plan.shards if plan.fmt == "pt"]
 
         def finish(pub):
@@ -434,16 +433,8 @@ def run_reshard(group: Group, plan, out: str, *, workers=None, overwrite: bool =
     maps = torchzip.SourceMaps()
     try:
         chunk = _chunk_for(group, [f.nbytes for f in plan.files])
-        works, archives = [], []
-        for f in plan.files:
-            if f.kind == "torch":
-                works.append(archive_work(f.relpath, f.archive, maps, chunk))
-                archives.append(f.archive)
-            elif f.kind == "copy":
-                works.append(FileWork(f.relpath, f.nbytes, src=f.src))
-            else:
-                raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
-                                      hint="plan with plan_reshard")
+        works = reshard_works(plan, maps, chunk)
+        archives = [f.archive for f in plan.files if f.kind == "torch"]
         tag = (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode()
 
         def finish(pub):
@@ -466,18 +457,14 @@ def run_convert(group: Group, plan, out: str, *, workers=None, overwrite: bool =
     ``.metadata`` (DCP's commit, ``part.commit_name``) written by rank 0 at the end; ``plan.copies`` are copied whole."""
     maps = torchzip.SourceMaps()
     try:
-        def rel(folder: str, name: str) -> str:
-            return f"{folder}/{name}" if folder else name
-
-        files = [(rel(folder, f.name), f) for folder, part in plan.parts for f in part.files]
-        chunk = _chunk_for(group, [f.size for _, f in files])
-        works = [FileWork(r, size, src=src) for r, src, size in plan.copies]
-        works += [placed_work(r, f.size, f.placed, maps, chunk) for r, f in files]
-        archives = [a for _, f in files for a, _ in f.placed]
+        files = [f for _, part in plan.parts for f in part.files]
+        chunk = _chunk_for(group, [f.size for f in files])
+        works = convert_works(plan, maps, chunk)
+        archives = [a for f in files for a, _ in f.placed]
 
         def finish(pub):
             for folder, part in plan.parts:
-                pub.write_bytes(rel(folder, part.commit_name), part.metadata)
+                pub.write_bytes(part_path(folder, part.commit_name), part.metadata)
 
         def check_out():
             publish.check_output(out, "convert", source, overwrite)

@@ -16,7 +16,8 @@ and carried out the same way::
 
 Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
 into one file take one of its ``WRITE_STREAMS`` slots (one file takes only so many writers at a time), and the
-jobs of several files are dealt to the threads in turn (:mod:`zckpt.engine.lanes`); reads and casts stay parallel. No torch or numpy import here: casts import numpy on first use
+jobs of several files are dealt to the threads in turn (:mod:`zckpt.engine.lanes`); reads and casts stay
+parallel. No torch or numpy import here: casts import numpy on first use
 (:mod:`zckpt.encoding.casting`), and a bf16 -> fp32 upcast of small work needs neither.
 """
 

@@ -85,8 +85,7 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
-            works = [works_.archive_work(s.filename, s.archive, maps, executor.CHUNK_BYTES) if plan.fmt == "pt"
-                     else works_.safetensors_work(s, executor.CHUNK_BYTES) for s in plan.shards]
+            works = works_.merge_works(plan, maps, executor.CHUNK_BYTES)
             # an object store's files go up one at a time, each from a local scratch file
             write_works(works, pub, workers, worker, maps, step, durable, lanes=1 if pub.remote else None)
             for name, data in (extra_files or {}).items():
@@ -179,8 +178,7 @@ def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, kind, source.root if source else plan.source, durable) as pub:
-            works = [works_.FileWork(f.relpath, f.nbytes, src=f.src) if f.kind == "copy"
-                     else works_.archive_work(f.relpath, f.archive, maps, executor.CHUNK_BYTES) for f in plan.files]
+            works = works_.reshard_works(plan, maps, executor.CHUNK_BYTES)
             write_works(works, pub, workers, worker, maps, step, durable, storage_options, check)
             # DeepSpeed writes the bare tag, no newline
             pub.write_bytes(latest_name, (plan.tag if plan.fmt == "deepspeed" else f"{plan.tag}_universal").encode())
@@ -231,16 +229,11 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
     try:
         with publish.Publisher(out, "convert", source.root if source else plan.source, durable) as pub:
-            def rel(folder: str, name: str) -> str:
-                return f"{folder}/{name}" if folder else name
-
             # the Trainer's own files first; every layout's .distcp files; the DCP .metadata files (commits) last
-            works = [works_.FileWork(r, size, src=src) for r, src, size in plan.copies]
-            works += [works_.placed_work(rel(folder, f.name), f.size, f.placed, maps, executor.CHUNK_BYTES)
-                      for folder, part in plan.parts for f in part.files]
+            works = works_.convert_works(plan, maps, executor.CHUNK_BYTES)
             write_works(works, pub, workers, worker, maps, step, durable, storage_options, check)
             for folder, part in plan.parts:
-                pub.write_bytes(rel(folder, part.commit_name), part.metadata)
+                pub.write_bytes(works_.part_path(folder, part.commit_name), part.metadata)
                 step(len(part.metadata))
             if check is not None:  # a damaged input is refused here: nothing has been published
                 check.finish()

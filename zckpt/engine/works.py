@@ -12,6 +12,7 @@ from typing import Callable
 from zckpt.engine import executor, torchzip
 from zckpt.engine.segments import seg_numel
 from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.errors import InvalidArgument
 
 MIN_CHUNK_BYTES = 256
 
@@ -107,6 +108,43 @@ def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps
         return b"\0".join(out)
 
     return FileWork(relpath, size, jobs, meta, layout=layout)
+
+
+# ============================================================================================ the jobs' files
+
+
+def merge_works(plan, maps: torchzip.SourceMaps, chunk: int) -> list[FileWork]:
+    """A merge plan's shards (``zckpt.hf.writer.MergePlan``): safetensors, or torch files for ``fmt="pt"``."""
+    return [archive_work(s.filename, s.archive, maps, chunk) if plan.fmt == "pt" else safetensors_work(s, chunk)
+            for s in plan.shards]
+
+
+def reshard_works(plan, maps: torchzip.SourceMaps, chunk: int) -> list[FileWork]:
+    """A reshard plan's files (``zckpt.deepspeed.target.ReshardPlan``): planned torch archives and copies."""
+    works = []
+    for f in plan.files:
+        if f.kind == "torch":
+            works.append(archive_work(f.relpath, f.archive, maps, chunk))
+        elif f.kind == "copy":
+            works.append(FileWork(f.relpath, f.nbytes, src=f.src))
+        else:
+            raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
+                                  hint="plan with plan_reshard")
+    return works
+
+
+def part_path(folder: str, name: str) -> str:
+    """A DCP part's file ``name`` inside its sub-folder (``""``: the output folder itself)."""
+    return f"{folder}/{name}" if folder else name
+
+
+def convert_works(plan, maps: torchzip.SourceMaps, chunk: int) -> list[FileWork]:
+    """A DCP conversion plan's files (``zckpt.dcp.plan.ConvertPlan``): the copies (a Trainer's own files), then
+    every part's ``.distcp`` files; its ``.metadata`` files (the commits) are the caller's, last."""
+    works = [FileWork(r, size, src=src) for r, src, size in plan.copies]
+    works += [placed_work(part_path(folder, f.name), f.size, f.placed, maps, chunk)
+              for folder, part in plan.parts for f in part.files]
+    return works
 
 
 # ============================================================================================ splitting
