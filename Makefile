@@ -39,7 +39,7 @@ demo: setup
 
 # the suite builds DeepSpeed's CPU ops into its own folder: one built by another venv cannot break it
 test: setup
-	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/.cache/torch_extensions $(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 bench: setup
 	DS_ACCELERATOR=cpu $(BIN)/python benchmarks/bench_merge.py
