@@ -12,6 +12,7 @@ import io
 import pickle
 import pickletools
 import re
+import sys
 
 from zckpt.errors import CorruptFile, UnsafePickle
 
@@ -57,6 +58,13 @@ def _memo_index(width: int, bits: int) -> bytes | None:
     return out
 
 
+# One run of opcodes: possessive where ``re`` has it (Python 3.11+: no backtracking state kept per opcode); on
+# 3.10 a greedy run of at most 2**13 opcodes (its backtracking stack bounded; :func:`scan` walks the opcode the
+# run stops at and resumes). The branches are disjoint (one opcode byte, one branch) and nothing follows the run,
+# so both match the same opcodes. The text branches need no possessive ``[^\n]*``: a newline must follow.
+_RUN = b"*+" if sys.version_info >= (3, 11) else b"{0,8192}"
+
+
 @functools.lru_cache(maxsize=None)
 def _run_pattern(bits: int) -> re.Pattern:
     """Runs of opcodes whose walk needs no Python: everything but STOP, unknown opcodes, the text memo ops, length
@@ -84,9 +92,9 @@ def _run_pattern(bits: int) -> re.Pattern:
         if index is not None:
             branches.append(_cls(codes) + index)
     branches += [_cls(codes) + b"[\\s\\S]{%d}" % n for n, codes in sorted(fixed.items())]
-    branches += [_cls(groups["len4"]) + _lengths(4), _cls(groups["text1"]) + b"[^\\n]*+\\n",
-                 _cls(groups["text2"]) + b"[^\\n]*+\\n[^\\n]*+\\n"]
-    return re.compile(b"(?:" + b"|".join(branches) + b")*+")
+    branches += [_cls(groups["len4"]) + _lengths(4), _cls(groups["text1"]) + b"[^\\n]*\\n",
+                 _cls(groups["text2"]) + b"[^\\n]*\\n[^\\n]*\\n"]
+    return re.compile(b"(?:" + b"|".join(branches) + b")" + _RUN)
 
 
 def _bits_below(bound: int) -> int:
