@@ -139,7 +139,10 @@ def test_zero0_unplaced_state_is_said_as_trainable_in_info():
     assert trainable and frozen  # (7 and 1: which one is frozen, the files do not say)
     res = _cli("info", str(checkpoint_path(fx)), "--json")
     doc = json.loads(res.stdout)
-    assert doc["state_not_placed"] == trainable and doc["counts"]["frozen"] == trainable + frozen, doc["counts"]
+    # one truth in both: the parameters the files do not tell apart are counted as such, never as frozen
+    assert doc["state_not_placed"] == trainable and doc["counts"]["not_told_apart"] == trainable + frozen \
+        and doc["counts"]["frozen"] == doc["counts"]["trainable"] == 0, doc["counts"]
+    assert doc["numel"]["not_told_apart"] == doc["parameters"], doc["numel"]
     assert any("Adam moments not read" in n for n in doc["notes"])
     res = _cli("info", str(checkpoint_path(fx)))
     line = next(x for x in res.stdout.splitlines() if x.startswith("parameters"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from zckpt.state import experts
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
 from zckpt.encoding.safeload import Inert
@@ -51,6 +52,7 @@ def describe_dcp(ckpt: Checkpoint) -> dict:
     return {
         "format": "dcp", "path": ckpt.location.input_path, "dcp_version": md.version,
         "world_size": ckpt.world_size, "master_dtype": _one_or_list(ckpt.master_dtypes),
+        "parameter_dtype": _one_or_list(_param_dtypes(ckpt)),
         "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes), "counts": counts, "numel": numels,
         "parameters": numels["trainable"] + numels["frozen"],
         "param_groups": [{"index": g.index, "params": len(g.names), "step": g.step, "lr": g.hyperparams.get("lr")}
@@ -68,7 +70,7 @@ def render_dcp(d: dict) -> str:
         f"checkpoint   {d['path']}",
         f"format       PyTorch DCP (torch.distributed.checkpoint, version {d['dcp_version']}), saved by "
         f"{d['world_size']} rank{'s' if d['world_size'] != 1 else ''}",
-        f"dtypes       parameters {_dtypes(d['master_dtype'])}, optimizer states {_dtypes(d['optimizer_state_dtype'])}",
+        f"dtypes       parameters {_dtypes(d['parameter_dtype'])}, optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} with optimizer state ({n['trainable']:,}), {c['frozen']} without ({n['frozen']:,}), "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
@@ -95,8 +97,8 @@ def describe_megatron(ckpt: Checkpoint) -> dict:
                                      "kv_channels", "ffn_hidden_size", "vocab_size", "swiglu", "tied",
                                      "normalization", "position_embedding_type", "add_bias_linear", "params_dtype")},
         "optimizer_layout": f["optimizer_layout"], "precision": ckpt.precision,
-        "master_dtype": _one_or_list(ckpt.master_dtypes),
-        "optimizer_state_dtype": _one_or_list(ckpt.state_dtypes), "counts": counts, "numel": numels,
+        "parameter_dtype": _one_or_list(_param_dtypes(ckpt)), **_megatron_state(ckpt), "counts": counts,
+        "numel": numels,
         "parameters": numels["trainable"] + numels["frozen"],
         "param_groups": [{"index": i, "step": g.get("step"), "lr": g.get("lr"), "weight_decay": g.get("weight_decay")}
                          for i, g in enumerate(ckpt.extra.get("param_groups") or [])],
@@ -104,6 +106,29 @@ def describe_megatron(ckpt: Checkpoint) -> dict:
         "notes": list(ckpt.notes), "files": [{"name": x.name, "bytes": x.size} for x in ckpt.files],
         "total_bytes": sum(x.size for x in ckpt.files),
     }
+
+
+def _param_dtypes(ckpt: Checkpoint) -> list[str]:
+    """The dtypes the parameters' values are stored in (trainable and frozen; a model-only DCP has no masters)."""
+    return sorted({r.dtype for r in ckpt.records if r.kind in ("trainable", "frozen")})
+
+
+def _megatron_state(ckpt: Checkpoint) -> dict:
+    """``master_dtype``, ``optimizer_state_dtype`` and ``optimizer_state_keys`` of a Megatron checkpoint: a
+    ``fully_reshardable`` save's records hold them; a ``dp_reshardable`` one's are in the buckets, placed by the
+    reader (``extra["buckets"]``: what convert carries); none where they could not be placed (a note says why)."""
+    placed = ckpt.extra.get("buckets") or {}
+    if placed:
+        masters = sorted({p.dtype for m, _, _ in placed.values() for p in m})
+        states = sorted({p.dtype for _, a, b in placed.values() for p in a + b})
+        keys = ["exp_avg", "exp_avg_sq"] if states else []
+    elif ckpt.extra["megatron"].get("optimizer_layout") == "dp_reshardable":  # not placed: the records hold weights
+        masters, states, keys = [], [], []
+    else:
+        masters, states = ckpt.master_dtypes, ckpt.state_dtypes
+        keys = ["exp_avg", "exp_avg_sq"] if states else []
+    return {"master_dtype": _one_or_list(masters), "optimizer_state_dtype": _one_or_list(states),
+            "optimizer_state_keys": keys}
 
 
 def render_megatron(d: dict) -> str:
@@ -116,8 +141,11 @@ def render_megatron(d: dict) -> str:
         f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
         f"{m['num_query_groups']} query groups, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}, "
         f"swiglu {m['swiglu']}, tied {m['tied']}",
-        f"dtypes       {d['precision']}; parameters {_dtypes(d['master_dtype'])}, optimizer states "
-        f"{_dtypes(d['optimizer_state_dtype'])}",
+        f"dtypes       {d['precision']}; parameters {_dtypes(d['parameter_dtype'])}"
+        + (f", masters {_dtypes(d['master_dtype'])}" if d["master_dtype"] != d["parameter_dtype"] else "")
+        + f", optimizer states {_dtypes(d['optimizer_state_dtype'])}"
+        + (f" ({', '.join(d['optimizer_state_keys'])} in {d['optimizer_layout']} buckets)"
+           if d["optimizer_state_keys"] and d["optimizer_layout"] == "dp_reshardable" else ""),
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {c['trainable']} tensors, "
         f"{c['tied']} tied",
         f"optimizer    {d['optimizer_layout']}" + "".join(
@@ -130,7 +158,61 @@ def render_megatron(d: dict) -> str:
     return "\n".join(lines)
 
 
+#: config.json facts info shows, where the config holds them
+CONFIG_FACTS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "vocab_size", "max_position_embeddings",
+                "tie_word_embeddings", "torch_dtype", "dtype")
+
+
+def describe_hf(ckpt: Checkpoint) -> dict:
+    """A Hugging Face folder (``ckpt.format == "hf"``: merge's output, ``save_pretrained``'s): its weight files,
+    tensors by dtype, size and what config.json says; weights only, so no optimizer or steps."""
+    h = ckpt.extra["hf"]
+    by_dtype: dict[str, dict] = {}
+    for r in ckpt.records:
+        d = by_dtype.setdefault(r.dtype, {"dtype": r.dtype, "tensors": 0, "numel": 0})
+        d["tensors"] += 1
+        d["numel"] += r.numel
+    dtypes = [by_dtype[k] for k in sorted(by_dtype)]
+    cfg = h["config"]
+    return {
+        "format": "hf", "path": ckpt.location.input_path, "weights_format": h["weights_format"],
+        "index": h["index"], "tensors": len(ckpt.records), "parameters": sum(r.numel for r in ckpt.records),
+        "master_dtype": None, "parameter_dtype": _one_or_list(sorted(by_dtype)),
+        "counts": {"tensors": len(ckpt.records)}, "numel": {"tensors": sum(r.numel for r in ckpt.records)},
+        "dtypes": dtypes, "config": None if cfg is None else {k: cfg[k] for k in CONFIG_FACTS if k in cfg},
+        "checksums": h["checksums"], "notes": list(ckpt.notes),
+        "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
+        "total_bytes": sum(f.size for f in ckpt.files),
+    }
+
+
+def render_hf(d: dict) -> str:
+    kind = "safetensors" if d["weights_format"] == "safetensors" else "pytorch_model.bin (torch zip)"
+    cfg = d["config"]
+    facts = ", ".join(f"{k} {'/'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in cfg.items()) \
+        if cfg else ("config.json holds none of " + ", ".join(CONFIG_FACTS[:4]) if cfg is not None else "none")
+    lines = [
+        f"checkpoint   {d['path']}",
+        f"format       Hugging Face model folder, {kind}"
+        + (f", sharded ({len(d['files'])} files, {d['index']})" if d["index"] else ""),
+        f"tensors      {d['tensors']}, {human_count(d['parameters'])} parameters ({d['parameters']:,})",
+        "dtypes       " + (", ".join(f"{v['dtype']} {v['tensors']} tensors ({v['numel']:,})" for v in d["dtypes"])
+                           or "none"),
+        f"config       {facts}",
+        "checksums    " + ("CRC-32 of every zip entry (checked when read)" if d["checksums"] else
+                           "none (safetensors holds no checksum: header offsets and file sizes are checked)"),
+        f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
+    ]
+    lines += [f"note         {note}" for note in d["notes"]]
+    lines += [f"  {f['name']:<52} {human_bytes(f['bytes']):>10}" for f in d["files"]]
+    lines += _all_files_line(d)
+    return "\n".join(lines)
+
+
 def describe(ckpt: Checkpoint) -> dict:
+    if ckpt.format == "hf":
+        return describe_hf(ckpt)
     if ckpt.format == "dcp":
         return describe_dcp(ckpt)
     if ckpt.format == "megatron":
@@ -140,6 +222,12 @@ def describe(ckpt: Checkpoint) -> dict:
         recs = ckpt.of_kind(kind)
         counts[kind] = len(recs)
         numels[kind] = sum(r.numel for r in recs)
+    unplaced = getattr(ckpt.state_refusal, "params", None)
+    parameters = numels["trainable"] + numels["frozen"]
+    if unplaced:  # trainable parameters the reader holds as frozen (their state cannot be placed): said as what they are
+        kind = "trainable" if counts["frozen"] <= unplaced else "not_told_apart"
+        counts[kind], numels[kind] = counts.get(kind, 0) + counts["frozen"], numels.get(kind, 0) + numels["frozen"]
+        counts["frozen"], numels["frozen"] = 0, 0
     ms = ckpt.model_state
     loc = ckpt.location
     sched = ms.get("lr_scheduler")
@@ -161,7 +249,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "offload_optimizer": ckpt.offload,
         "counts": counts,
         "numel": numels,
-        "parameters": numels["trainable"] + numels["frozen"],
+        "parameters": parameters,
         "no_optimizer_group": [r.name for r in ckpt.no_group],
         "no_optimizer_group_numel": sum(r.numel for r in ckpt.no_group),
         "ambiguous_ties": [list(pair) for pair in ckpt.ambiguous_ties],
@@ -177,10 +265,12 @@ def describe(ckpt: Checkpoint) -> dict:
         "ds_version": ckpt.ds_version,
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
-        # trainable parameters whose optimizer state the files do not place (ZeRO-0 masters of one shape, no names
-        # saved): counted under "frozen", which holds them (their values are the module's), said as what they are
-        "state_not_placed": getattr(ckpt.state_refusal, "params", None),
+        # trainable parameters whose optimizer state the files do not place (ZeRO-0 moments of one shape, no names
+        # saved): counted as trainable, or, where frozen ones are among them and the files do not say which, as
+        # "not_told_apart" (the text says the same)
+        "state_not_placed": unplaced,
         "notes": [str(n) for n in ckpt.notes],
+        **({"moe": moe} if (moe := experts.summary(ckpt)) else {}),  # MoE layers x experts, checked
     }
 
 
@@ -269,6 +359,8 @@ def _scaler(scaler) -> str:
 
 
 def render(d: dict) -> str:
+    if d.get("format") == "hf":
+        return render_hf(d)
     if d.get("format") == "dcp":
         return render_dcp(d)
     if d.get("format") == "megatron":
@@ -284,6 +376,7 @@ def render(d: dict) -> str:
         f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
         f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
+    ] + ([f"experts      {experts.render(d['moe'])}"] if d.get("moe") else []) + [
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {_kinds(d)}, "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)"
         + (f"; {len(d['no_optimizer_group'])} parameters in no optimizer group "
@@ -309,15 +402,15 @@ def _kinds(d: dict) -> str:
     placed, those are said as such, not as frozen (:func:`describe`'s ``state_not_placed``)."""
     c, n = d["counts"], d["numel"]
     unplaced = d.get("state_not_placed")
-    placed = f"{c['trainable']} trainable ({n['trainable']:,})"
     if not unplaced:
-        return f"{placed}, {c['frozen']} frozen ({n['frozen']:,})"
-    rest = c["frozen"] - unplaced
-    if rest <= 0:
-        return (f"{placed + ', ' if c['trainable'] else ''}{unplaced} trainable whose optimizer state cannot be "
-                f"placed ({n['frozen']:,}), 0 frozen")
-    return (f"{placed + ', ' if c['trainable'] else ''}{c['frozen']} not told apart ({n['frozen']:,}): {unplaced} "
-            f"trainable whose optimizer state cannot be placed, {rest} frozen")
+        return f"{c['trainable']} trainable ({n['trainable']:,}), {c['frozen']} frozen ({n['frozen']:,})"
+    if not c.get("not_told_apart"):
+        return (f"{c['trainable']} trainable ({n['trainable']:,}; the optimizer state of {unplaced} cannot be "
+                f"placed), {c['frozen']} frozen ({n['frozen']:,})")
+    rest = c["not_told_apart"] - unplaced
+    known = "".join(f"{c[k]} {k} ({n[k]:,}), " for k in ("trainable", "frozen") if c[k])
+    return (f"{known}{c['not_told_apart']} not told apart ({n['not_told_apart']:,}): {unplaced} trainable whose optimizer "
+            f"state cannot be placed, {rest} frozen")
 
 
 

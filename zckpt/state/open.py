@@ -26,9 +26,11 @@ import importlib
 
 from zckpt.state.model import Checkpoint
 
-# Megatron's torch_dist is a DCP folder too (it has .metadata): asked before DCP
-READERS = ("zckpt.megatron.reader", "zckpt.dcp.reader", "zckpt.deepspeed.reader")
-FORMATS = {"megatron": "zckpt.megatron.reader", "dcp": "zckpt.dcp.reader", "deepspeed": "zckpt.deepspeed.reader"}
+# Megatron's torch_dist is a DCP folder too (it has .metadata): asked before DCP; a Hugging Face folder (weights
+# only; never a folder that also holds a training checkpoint) before DeepSpeed, which claims whatever is left
+READERS = ("zckpt.megatron.reader", "zckpt.dcp.reader", "zckpt.hf.reader", "zckpt.deepspeed.reader")
+FORMATS = {"megatron": "zckpt.megatron.reader", "dcp": "zckpt.dcp.reader", "hf": "zckpt.hf.reader",
+           "deepspeed": "zckpt.deepspeed.reader"}
 
 
 def reader_of(fmt: str):
