@@ -212,7 +212,8 @@ def _overlap(ms):  # ep rank 1's block put over ep rank 0's: one block twice, on
     ("zero_pp_rank_1_mp_rank_00_model_states.pt", _edp_rank, "not partitioned as its expert-data-parallel group"),
     ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", _partition_ranks, "says ranks \\[0\\], rank 0 of 1"),
     ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", _short_flat, "expert sub-group 1: fp32 partition has 760"),
-    ("*model_states.pt", _overlap, "experts.w2': the shards leave a gap or overlap"),
+    ("*model_states.pt", _overlap, "MoE layer 0 \\(model.layers.0.mlp\\): expert 0 is held twice \\(expert-parallel "
+                                   "ranks 0 and 1\\)"),
 ], ids=["edp-rank", "partition-ranks", "short-expert-group", "overlapping-maps"])
 def test_zero3_damaged_file_refused_in_one_line(tmp_path, victim, change, message):
     tag = _z3_copy(tmp_path)

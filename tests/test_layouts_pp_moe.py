@@ -182,7 +182,9 @@ def test_moe_expert_parallel_ranks_match_engine(fx):
             [f"expp_rank_{e}_mp_rank_00_optim_states.pt" for e in range(ep)]
         return
     counts = ckpt.optim_states[0]["optimizer_state_dict"]["partition_count"]
-    assert counts == [info["world_size"], info["world_size"] // ep]
+    names = [str(g.hyperparams.get("name")) for g in sorted(ckpt.groups, key=lambda g: g.index)]
+    assert counts == [info["world_size"] // int(n[len("ep_size_"):]) if n.startswith("ep_size_") else info["world_size"]
+                      for n in names]  # expert groups over ws / ep ranks, in rank 0's group order
 
 
 # ZeRO-1 pipelines and ZeRO-1/2 MoE reshard their data-parallel size (tests/test_reshard_parallel.py,

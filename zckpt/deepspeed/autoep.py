@@ -16,12 +16,13 @@ import math
 
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.expert_groups import (
-    EP_NAME_RE, REFUSAL, MoELayout, ep_size_of, expert_data_ranks, expert_file_tensors, moe_state_refusal,
-    param_groups_of, select_groups, sub_location,
+    EP_NAME_RE, REFUSAL, MoELayout, autoep_layers, ep_size_of, expert_data_ranks, expert_file_tensors,
+    moe_state_refusal, param_groups_of, select_groups, sub_location,
 )
 from zckpt.deepspeed.model import LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, check_ranks, load_all, pieces_of
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.encoding.safeload import LazyTensor
+from zckpt.state import experts as coverage
 
 Z3_REFUSAL = ("AutoEP checkpoint of ZeRO-3: each expert parameter is partitioned over its expert-parallel rank's "
               "expert-data-parallel group, which zckpt does not lay out again; merge / info / verify read it")
@@ -55,6 +56,7 @@ def build_autoep(loc: Location, model_states: list[dict], optim_states: list[dic
                                     "per_expert_files, version 1)", path=mpath)
         for name, amap in ((layer.get("affine_maps") or {}).get("params") or {}).items():
             maps[name] = {**amap, "_layer": layer}
+    described = autoep_layers(layers, maps, mpath)  # each expert held once, before anything is put together
     osds = [st.get("optimizer_state_dict") for st in optim_states]
     if not all(isinstance(o, dict) for o in osds) or int(osds[0].get("zero_stage") or 0) not in (1, 2):
         raise UnsupportedLayout("AutoEP checkpoint whose optimizer files are not ZeRO-1/2", path=loc.tag_dir)
@@ -112,9 +114,11 @@ def build_autoep(loc: Location, model_states: list[dict], optim_states: list[dic
         records[at:at] = mine
     notes = [f"AutoEP: {len(layers)} MoE layer(s), {len(loc.expert_files)} expert files, expert groups "
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    coverage.check(described, records, loc.tag_dir)
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": MoELayout(eps, shards_of, file_tensors, autoep=True)},
+                      extra={"moe": MoELayout(eps, shards_of, file_tensors, autoep=True),
+                             "moe_coverage": described},
                       state_refusal=moe_state_refusal(base, records, sub_keys))
 
 
@@ -157,6 +161,7 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
     if not isinstance(param_shapes, list) or not all(isinstance(p, dict) for p in param_shapes):
         raise CorruptFile("no param_shapes list of sub-groups", path=mpath)
     per_rank, maps, layer_of = _z3_layers(mfiles, param_shapes)
+    described = autoep_layers(ms0["ds_autoep_layers"], maps, mpath)  # each expert held once
     experts = [s for s in range(len(param_shapes)) if any(n in maps for n in param_shapes[s])]
     for s in experts:
         if not all(n in maps for n in param_shapes[s]):
@@ -183,13 +188,16 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
     lp = LP_DTYPES[base.precision]
     trainable: dict[str, TensorRecord] = {}
     sub_of: dict[str, int] = {}
-    for s in experts:
-        lidx = {layer_of[n] for n in param_shapes[s]}
-        if len(lidx) != 1:
-            raise UnsupportedLayout(f"sub-group {s} holds the experts of {len(lidx)} AutoEP layers (not read)",
-                                    path=mpath)
-        li = lidx.pop()
-        members, edp = _z3_expert_members(s, li, ws, mfiles, ofiles, per_rank, pgroups)
+    for s in experts:  # one sub-group may hold the experts of several layers (all of them, by default)
+        found = [(li, _z3_expert_members(s, li, ws, mfiles, ofiles, per_rank, pgroups))
+                 for li in sorted({layer_of[n] for n in param_shapes[s]})]
+        members, edp = found[0][1]
+        for li, other in found[1:]:
+            if other != (members, edp):
+                raise CorruptFile(f"expert sub-group {s} holds the experts of AutoEP layers "
+                                  f"{ms0['ds_autoep_layers'][found[0][0]].get('module_path')} and "
+                                  f"{ms0['ds_autoep_layers'][li].get('module_path')}, whose ranks' ep_rank / "
+                                  "expert-data-parallel rank differ", path=mpath)
         for name, rec in _z3_expert_records(s, param_shapes[s], members, edp, ofiles, maps, lp, mpath).items():
             trainable[name], sub_of[name] = rec, s
     if len({r.dtype for r in trainable.values()}) > 1:
@@ -206,8 +214,10 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
         records[at:at] = mine
     notes = [f"AutoEP at ZeRO-3: {len(ms0['ds_autoep_layers'])} MoE layer(s), expert sub-groups "
              + ", ".join(str(s) for s in experts)] + list(base.notes)
+    coverage.check(described, records, loc.tag_dir)
     return Checkpoint(loc, 3, "zero3", base.precision, ws, records, groups, ms0, optim_states, model_states,
                       offload=base.offload, notes=notes, parallel="moe", reshard_refusal=Z3_REFUSAL,
+                      extra={"moe_coverage": described},
                       state_refusal=moe_state_refusal(base, records))
 
 
@@ -386,8 +396,14 @@ def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict
     want = {(int(x.get("moe_layer_id", i)), e) for i, x in enumerate(layers) for e in range(int(x["num_experts"]))}
     if want - set(have):
         missing = sorted(want - set(have))[:4]
-        raise IncompleteCheckpoint("expert files missing: " + ", ".join(
-            f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
+        raise IncompleteCheckpoint(f"MoE layer {missing[0][0]}: expert {missing[0][1]} has no file; expert files "
+                                   "missing: " + ", ".join(f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+                                                           for layer, e in missing), path=loc.tag_dir)
+    if set(have) - want:
+        beyond = min(set(have) - want)
+        raise CorruptFile(f"MoE layer {beyond[0]}: expert {beyond[1]} is beyond the AutoEP layers' experts "
+                          "(ds_autoep_layers)", path=have[beyond].path,
+                          hint="remove the stray expert file, or pass a complete MoE checkpoint")
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
     dtypes: dict[str, set] = {}
     seen: list[tuple[RankFile, str, LazyTensor]] = []

@@ -6,12 +6,14 @@ reader (:mod:`zckpt.deepspeed.autoep`) share, and :class:`MoELayout` (``Checkpoi
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from zckpt.encoding.safeload import LazyTensor
+from zckpt.state import experts as coverage
 
 EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")
 PER_GROUP_KEYS = ("single_partition_of_fp32_groups", "group_paddings", "partition_count",
@@ -63,6 +65,61 @@ def param_groups_of(osd: dict, ngroups: int) -> list[dict]:
     if not isinstance(pgs, list) or len(pgs) != ngroups:
         return [{} for _ in range(ngroups)]
     return [pg if isinstance(pg, dict) else {} for pg in pgs]
+
+
+def in_rank0_order(loc: Location, optim_states: list[dict], param_shapes: list) -> list[dict]:
+    """Every rank's optimizer file seen with its param groups in rank 0's order (``param_shapes`` is rank 0's).
+
+    DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` appends one expert group per
+    ``ep_size_N`` name by walking a ``set`` of those names, so ranks without a fixed ``PYTHONHASHSEED`` save
+    expert groups of different sizes in different orders (rank 0 [dense, ep_size_2, ep_size_4], rank 1 [dense,
+    ep_size_4, ep_size_2]). Each rank's groups are matched to rank 0's by the name in its own
+    ``base_optimizer_state`` (the k-th group of a name to the k-th), and each match is checked: the group's
+    ``param_slice_mappings`` names must be rank 0's ``param_shapes`` names of that group. A rank whose groups
+    cannot be matched so is refused, naming the cause."""
+    if len(optim_states) < 2:
+        return optim_states
+    ngroups = len(param_shapes)
+
+    def names(st) -> list | None:
+        bos = st["optimizer_state_dict"].get("base_optimizer_state")
+        pgs = bos.get("param_groups") if isinstance(bos, dict) else None
+        if not isinstance(pgs, list) or len(pgs) != ngroups:
+            return None
+        return [pg.get("name") if isinstance(pg, dict) else None for pg in pgs]
+
+    def keyed(seq: list) -> list:
+        seen: dict = {}
+        out = []
+        for n in seq:
+            out.append((n, seen.setdefault(n, 0)))
+            seen[n] += 1
+        return out
+
+    ref = names(optim_states[0])
+    out = []
+    for f, st in zip(loc.optim_files, optim_states):
+        mine = names(st)
+        if ref is None or mine is None or mine == ref:
+            out.append(st)
+            continue
+        where = {k: i for i, k in enumerate(keyed(mine))}
+        perm = [where.get(k) for k in keyed(ref)]
+        maps = st["optimizer_state_dict"].get("param_slice_mappings")
+        why = None
+        if None in ref or None in perm:
+            why = f"its param groups are named {mine}, rank 0's {ref}"
+        elif isinstance(maps, list) and len(maps) == ngroups:
+            bad = [g for g, i in enumerate(perm) if isinstance(maps[i], dict) and not set(maps[i]) <= set(
+                param_shapes[g])]
+            if bad:
+                why = f"its group {ref[bad[0]]!r} holds other parameters than rank 0's"
+        if why:
+            raise CorruptFile(f"the param groups are in another order than rank 0's and cannot be matched: {why}",
+                              path=f.path, hint="DeepSpeed orders a rank's expert groups by a set of names: "
+                              "every rank should come from the same save")
+        out.append(select_groups(st, perm))
+    return out
 
 
 def sub_location(loc: Location, optim_files: list[RankFile]) -> Location:
@@ -132,4 +189,68 @@ def expert_file_tensors(loc: Location, tensors: list[tuple[RankFile, str, LazyTe
         ep = eps.get(f.index, 1)
         owner = f.expert // max(1, counts.get(f.index, 1) // ep)
         out.setdefault(name, ([], ep, owner))[0].append((key, t))
+    return out
+
+
+def native_layers(tensors: list, counts: list[int], layer_ep: dict[int, int], path: str) -> list[dict]:
+    """The coverage description (:mod:`zckpt.state.experts`) of each native MoE layer, from its expert files'
+    tensors ((global name, tensor, layer, expert, file), every file of ``num_experts`` present): records
+    ``{prefix}{E}.{param}``, the router ``{module}.deepspeed_moe.gate.*``."""
+    prefixes: dict[int, set[str]] = {}
+    for name, _, layer, _, _ in tensors:
+        m = re.match(r"^(.*\.deepspeed_experts\.)\d+\.", name)
+        if m:
+            prefixes.setdefault(layer, set()).add(m.group(1))
+    out = []
+    for layer, n in enumerate(counts):
+        found = prefixes.get(layer) or set()
+        if len(found) != 1:
+            raise CorruptFile(f"MoE layer {layer}'s expert files name {len(found)} expert modules "
+                              f"({', '.join(sorted(found)) or 'none'})", path=path)
+        prefix = found.pop()
+        module = prefix.split(".deepspeed_moe.")[0] if ".deepspeed_moe." in prefix else prefix.rsplit(".experts", 1)[0]
+        out.append({"layer": module, "index": layer, "experts": int(n), "ep": layer_ep.get(layer),
+                    "router": f"{module}.deepspeed_moe.gate.", "prefix": prefix})
+    return out
+
+
+def autoep_layers(layers: list[dict], maps: dict[str, dict], path: str) -> list[dict]:
+    """The coverage description (:mod:`zckpt.state.experts`) of each AutoEP layer: its fused expert parameters,
+    which expert-parallel rank holds each expert (from every parameter's affine map, which must agree), the
+    router ``{module_path}.router.*``. Each expert must be held exactly once (checked here, before the shards are
+    put together)."""
+    out = []
+    for i, layer in enumerate(layers):
+        mp = layer.get("module_path")
+        names = [n for n, a in maps.items() if a["_layer"] is layer]
+        owners, first = None, None
+        desc = {"layer": mp, "index": int(layer.get("moe_layer_id", i)), "experts": int(layer.get("num_experts") or 0),
+                "ep": int(layer.get("ep_size") or 1), "router": f"{mp}.router.", "fused": names}
+        for name in names:
+            own = _owners(name, maps[name], path)
+            coverage.check_owners({**desc, "owners": own}, path)
+            if owners is None:
+                owners, first = own, name
+            elif own != owners:
+                raise CorruptFile(f"MoE layer {int(layer.get('moe_layer_id', i))} ({mp}): the affine maps of "
+                                  f"'{first}' and '{name}' place the experts differently", path=path)
+        desc["owners"] = owners or {}
+        coverage.check_owners(desc, path)
+        out.append(desc)
+    return out
+
+
+def _owners(name: str, amap: dict, path: str) -> dict[int, list[int]]:
+    """Expert -> the expert-parallel ranks whose shard of ``name`` holds it (the affine map's pieces, each whole
+    experts of the logical ``[num_experts, ...]`` tensor)."""
+    per = math.prod(int(d) for d in amap["logical_shape"][1:])
+    out: dict[int, list[int]] = {}
+    for e, entry in sorted(((int(k), v) for k, v in (amap.get("ranks") or {}).items())):
+        for pc in (entry or {}).get("pieces") or []:
+            soff, shape = int(pc["source"][0]), [int(d) for d in pc["shape"]]
+            if per == 0 or soff % per or math.prod(shape[1:]) != per:
+                raise CorruptFile(f"AutoEP '{name}': expert-parallel rank {e}'s piece is not whole experts",
+                                  path=path)
+            for x in range(soff // per, soff // per + shape[0]):
+                out.setdefault(x, []).append(e)
     return out

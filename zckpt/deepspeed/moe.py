@@ -50,14 +50,15 @@ import re
 from zckpt.deepspeed import autoep
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.expert_groups import (
-    EP_NAME_RE, REFUSAL, MoELayout, ep_size_of, expert_data_ranks, expert_file_tensors, moe_state_refusal,
-    param_groups_of, select_groups, sub_location,
+    EP_NAME_RE, REFUSAL, MoELayout, ep_size_of, expert_data_ranks, expert_file_tensors, in_rank0_order,
+    moe_state_refusal, native_layers, param_groups_of, select_groups, sub_location,
 )
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, load_all, pieces_of, precision_of,
 )
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
 from zckpt.encoding.safeload import LazyTensor
+from zckpt.state import experts as coverage
 
 EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
@@ -101,6 +102,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     ngroups = len(osds[0].get("single_partition_of_fp32_groups") or [])
     if not isinstance(param_shapes, list) or len(param_shapes) != ngroups:
         raise CorruptFile(f"param_shapes lists {len(param_shapes or [])} groups, the optimizer {ngroups}", path=mpath)
+    optim_states = in_rank0_order(loc, optim_states, param_shapes)  # ranks of other hash seeds: other orders
     hyper = param_groups_of(osds[0], ngroups)
     experts = [g for g in range(ngroups) if hyper[g].get("moe") or any(EXPERT_RE.match(n) for n in param_shapes[g])]
     dense = [g for g in range(ngroups) if g not in experts]
@@ -136,9 +138,11 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                         for g, (_, by_rank) in placed.items()},
                        expert_file_tensors(loc, [(f, n, t) for n, t, _, _, f in tensors], layer_ep,
                                      dict(enumerate(int(n) for n in ms0["num_experts"]))))
+    layers = native_layers(tensors, [int(n) for n in ms0["num_experts"]], layer_ep, loc.tag_dir)
+    coverage.check(layers, records, loc.tag_dir)
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": layout}, state_refusal=moe_state_refusal(base, records))
+                      extra={"moe": layout, "moe_coverage": layers}, state_refusal=moe_state_refusal(base, records))
 
 
 def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -190,8 +194,10 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     experts = _from_expert_files(loc, ms0, {n: r for n, r in trainable.items() if n not in dense_names}, tensors)
     records = _insert_experts(records, list(experts.values()))
     notes.insert(0, f"mixture of experts without ZeRO: {len(loc.expert_files)} expert files, {ep} expp_rank files")
+    layers = native_layers(tensors, counts, {}, loc.tag_dir)  # (which ep_size a layer has is not saved)
+    coverage.check(layers, records, loc.tag_dir)
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
-                      parallel="moe", reshard_refusal=ZERO0_REFUSAL,
+                      parallel="moe", reshard_refusal=ZERO0_REFUSAL, extra={"moe_coverage": layers},
                       state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
 
 
@@ -297,8 +303,17 @@ def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int
     have = {(f.index, f.expert) for f in loc.expert_files}
     if want - have:
         missing = sorted(want - have)[:4]
-        raise IncompleteCheckpoint("expert files missing: " + ", ".join(
-            f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer, e in missing), path=loc.tag_dir)
+        raise IncompleteCheckpoint(f"MoE layer {missing[0][0]}: expert {missing[0][1]} has no file; expert files "
+                                   "missing: " + ", ".join(f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
+                                                           for layer, e in missing), path=loc.tag_dir)
+    beyond = sorted(have - want)
+    if beyond:
+        layer, e = beyond[0]
+        f = next(f for f in loc.expert_files if (f.index, f.expert) == beyond[0])
+        raise CorruptFile(f"MoE layer {layer}: expert {e} is beyond its "
+                          f"{int(counts[layer]) if layer < len(counts) else 0} experts (num_experts "
+                          f"{[int(n) for n in counts]})", path=f.path,
+                          hint="remove the stray expert file, or pass a complete MoE checkpoint")
     out = []
     files = sorted(loc.expert_files, key=lambda f: (f.index, f.expert))
     for f, sd in zip(files, load_all(files, loc.storage_options)):  # metadata only; in parallel for URLs

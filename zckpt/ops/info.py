@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from zckpt.state import experts
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
 from zckpt.encoding.safeload import Inert
@@ -269,6 +270,7 @@ def describe(ckpt: Checkpoint) -> dict:
         # "not_told_apart" (the text says the same)
         "state_not_placed": unplaced,
         "notes": [str(n) for n in ckpt.notes],
+        **({"moe": moe} if (moe := experts.summary(ckpt)) else {}),  # MoE layers x experts, checked
     }
 
 
@@ -374,6 +376,7 @@ def render(d: dict) -> str:
         f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"world size   {d['dp_world_size']} data-parallel x {d['pp_world_size']} pipeline x {d['tp_world_size']} "
         f"tensor-parallel; expert-parallel {_sizes(d['ep_world_size'])}",
+    ] + ([f"experts      {experts.render(d['moe'])}"] if d.get("moe") else []) + [
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {_kinds(d)}, "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)"
         + (f"; {len(d['no_optimizer_group'])} parameters in no optimizer group "

@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from zckpt.io import hashing, publish, storage
+from zckpt.state import experts
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
 from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file
@@ -87,6 +88,13 @@ def verify(path: str, tag: str | None = None, deep: bool = False,
     t0 = time.perf_counter()
     with metadata_errors(ckpt.location.tag_dir):
         check_metadata(ckpt, report)
+    try:  # mixture of experts: every layer's experts once, each with its value and state, and its router
+        moe = experts.summary(ckpt)
+    except (CorruptFile, IncompleteCheckpoint) as exc:
+        report.add("MoE experts", False, exc.message)
+    else:
+        if moe:
+            report.add("MoE experts", True, experts.render(moe))
     if ckpt.format not in DISTCP_FORMATS:  # (Megatron's latest file: check_megatron_metadata)
         check_latest(ckpt, report, tag_given=tag is not None)
     log.info("metadata: %d checks, %d failed, in %.2fs", len(report.checks),
