@@ -10,6 +10,11 @@ Cases (files generated in a temporary folder; ``--keep DIR`` keeps them there):
               pickled as ``FileSystemWriter.finish`` does (``pickle.dump``). zckpt: ``dcpmeta.read_metadata`` with
               every data file's size (the open's metadata step: unpickle, check every chunk, run and storage entry).
               plain: ``pickle.load`` of the file (torch imported, its classes built).
+``dcp-info-N`` a DCP folder of N chunks over ``--info-files`` ``.distcp`` files, every item a real ``torch.save`` zip
+              (FSDP2's layout: each parameter's value and both moments cut on dim 0, one chunk per rank and file;
+              a step per parameter and one param group in rank 0's file; metadata as in ``dcp-N``). zckpt:
+              ``zckpt.ops.info.info`` of the folder (what ``zckpt info`` does). plain: ``pickle.load`` of its
+              ``.metadata``.
 ``ds-z3-W``   a DeepSpeed ZeRO-3 tag folder of W ranks (2 files each: model states, optimizer states; ``torch.save``
               of the dicts DeepSpeed 0.19 writes, with its real ``LossScaler`` / ``ZeroStageEnum`` objects, for a
               model of ``--ds-params`` parameters in ``--ds-subgroups`` sub-groups; tensor payloads of a few
@@ -25,6 +30,7 @@ after minus before). Prints a table; ``--json-out`` keeps the numbers.
 
     python benchmarks/bench_metadata.py --chunks 10000,100000,1000000 --ds-world-sizes 512 --hostile
     python benchmarks/bench_metadata.py --chunks 10000 --ds-world-sizes 8                     # a smoke test
+    python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks 100000  # info, real items
     python benchmarks/bench_metadata.py --chunks 100000 --zckpt-root /tmp/old   # another tree's zckpt (before)
 """
 
@@ -79,6 +85,61 @@ def gen_dcp(out: Path, chunks: int, ranks: int) -> Path:
         pickle.dump(md, f)  # FileSystemWriter.finish
     sizes = {f"__{r}_0.distcp": at[r] for r in range(ranks)}
     (out / "sizes.json").write_text(json.dumps(sizes))
+    return out / ".metadata"
+
+
+def gen_dcp_files(out: Path, chunks: int, ranks: int) -> Path:
+    """A DCP folder as FSDP2 + AdamW's ``dcp.save`` lays it out, every item a real ``torch.save`` zip in its
+    ``.distcp`` file: P parameters (model, exp_avg, exp_avg_sq, each cut on dim 0 into one chunk per rank, a rank's
+    chunks in its own file) with one step each (rank 0's file) and one param group; P = chunks / (3 ranks)."""
+    import io
+    import pickle
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    rows, cols = 4, 64
+    nparams = max(1, chunks // (3 * ranks))
+    files = [open(out / f"__{r}_0.distcp", "wb") for r in range(ranks)]
+    sdm, sd, planner = {}, {}, {}
+
+    def item(r: int, obj) -> tuple[int, int]:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        at = files[r].tell()
+        files[r].write(buf.getvalue())
+        return at, len(buf.getvalue())
+
+    fqns = [f"layers.{i // 9}.p{i % 9}.weight" for i in range(nparams)]
+    for n, fqn in enumerate(fqns):
+        for key in (f"model.{fqn}", f"optim.state.{fqn}.exp_avg", f"optim.state.{fqn}.exp_avg_sq"):
+            cl = []
+            for r in range(ranks):
+                offs = torch.Size([r * rows, 0])
+                cl.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size([rows, cols])))
+                sd[MetadataIndex(key, offs)] = _StorageInfo(f"__{r}_0.distcp",
+                                                            *item(r, torch.full((rows, cols), float(n + r))))
+            sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([ranks * rows, cols]),
+                                             cl)
+            planner[key] = ("model", fqn) if key.startswith("model.") else ("optim", "state", fqn,
+                                                                              key.rsplit(".", 1)[1])
+        key = f"optim.state.{fqn}.step"
+        sd[MetadataIndex(key, torch.Size([]))] = _StorageInfo("__0_0.distcp", *item(0, torch.tensor(1.0)))
+        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([]),
+                                         [ChunkStorageMetadata(offsets=torch.Size([]), sizes=torch.Size([]))])
+        planner[key] = ("optim", "state", fqn, "step")
+    for k, v in {"lr": 1e-3, "params": fqns}.items():
+        key = f"optim.param_groups.0.{k}"
+        sdm[key] = BytesStorageMetadata()
+        sd[MetadataIndex(key)] = _StorageInfo("__0_0.distcp", *item(0, v))  # a torch.save of the value, as DCP
+        planner[key] = ("optim", "param_groups", "0", k)
+    for f in files:
+        f.close()
+    md = Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=sd)
+    with open(out / ".metadata", "wb") as f:
+        pickle.dump(md, f)  # FileSystemWriter.finish
     return out / ".metadata"
 
 
@@ -189,6 +250,10 @@ try:
             data = f.read()
         md = dcpmeta.read_metadata(data, path, sizes)
         outcome = f"read: {sum(len(t.chunks) for t in md.tensors.values())} chunks"
+    elif kind == "zckpt-info":
+        from zckpt.ops.info import info
+        d = info(os.path.dirname(path))
+        outcome = f"info: {d['format']}, world size {d['world_size']}"
     elif kind == "plain-ds":
         import io, pickle, zipfile, torch
         class U(pickle.Unpickler):
@@ -223,8 +288,9 @@ def measure(kind: str, path: Path, zckpt_root: Path, timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(zckpt_root), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     t = time.perf_counter()
     try:
+        # cwd: python -c puts the working folder first on sys.path; run from this tree, it would shadow zckpt_root
         run = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], env=env, capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=timeout, cwd=zckpt_root)
     except subprocess.TimeoutExpired:
         return {"seconds": time.perf_counter() - t, "rss_growth": None, "outcome": f"did not end in {timeout:.0f} s"}
     if run.returncode != 0:
@@ -240,6 +306,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", default="10000,100000,1000000")
     ap.add_argument("--dcp-ranks", type=int, default=256)
+    ap.add_argument("--info-chunks", default="", help="dcp-info-N cases: a DCP folder of N chunks, every item a real "
+                    "torch zip in its .distcp file; zckpt info of the folder against pickle.load of its .metadata")
+    ap.add_argument("--info-files", type=int, default=64, help="the dcp-info cases' .distcp files (one per rank)")
     ap.add_argument("--ds-world-sizes", default="512")
     ap.add_argument("--ds-params", type=int, default=720, help="parameters of the ZeRO-3 model (80 layers x 9)")
     ap.add_argument("--ds-subgroups", type=int, default=8)
@@ -256,6 +325,12 @@ def main(argv=None) -> int:
         plain = measure("plain-dcp", f, args.zckpt_root, args.timeout)
         z = measure("zckpt-dcp", f, args.zckpt_root, args.timeout)
         rows.append({"case": f"dcp-{n}", "bytes": f.stat().st_size, "plain": plain, "zckpt": z})
+        _print(rows[-1])
+    for n in [int(x) for x in args.info_chunks.split(",") if x]:
+        f = gen_dcp_files(work / f"dcp_info_{n}", n, args.info_files)
+        plain = measure("plain-dcp", f, args.zckpt_root, args.timeout)
+        z = measure("zckpt-info", f, args.zckpt_root, args.timeout)
+        rows.append({"case": f"dcp-info-{n}", "bytes": f.stat().st_size, "plain": plain, "zckpt": z})
         _print(rows[-1])
     for w in [int(x) for x in args.ds_world_sizes.split(",") if x]:
         tag = gen_ds_z3(work / f"ds_z3_{w}", w, args.ds_params, args.ds_subgroups)

@@ -3,9 +3,10 @@
 What it reads (:mod:`zckpt.encoding.dcpmeta` draws the files)::
 
     <dir>/.metadata            the safe-unpickled, checked metadata: every key, its dtype, size and chunks
-    <dir>/__{rank}_{n}.distcp  each chunk a torch.save zip at an offset: its zip directory and data.pkl are read
-                               (:class:`zckpt.encoding.distcp.Items`) to find where its raw bytes start; no
-                               tensor byte is read
+    <dir>/__{rank}_{n}.distcp  each chunk a torch.save zip at an offset, placed by its layout (where its raw
+                               bytes start: read from one item per dtype, chunk size and item length,
+                               :class:`zckpt.encoding.distcp.Items`; each item checked against it when read);
+                               a step and a param-group value read whole, one read each; no tensor byte read
 
 Keys (the nested state dict's paths, from ``planner_data``), as ``get_state_dict`` and torchtitan write them::
 
@@ -35,7 +36,7 @@ from zckpt.errors import (
 from zckpt.encoding import dcpmeta, distcp
 from zckpt.io import links, storage
 from zckpt.state.model import (
-    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of, scalar_value,
+    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of,
 )
 
 METADATA = ".metadata"
@@ -225,7 +226,7 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         tie_source = "given" if tied is not None else None
         if tied is None:
             tied, tie_source = files_ties(path, opts, md, model, state, items, mpath)
-        records, step_tensors = [], {}
+        records, step_tensors, step_values = [], {}, {}
         grouped = _group_infos(groups_raw, group_values, mpath)
         group_of = {n: g.index for g in grouped for n in g.names}
         unknown = sorted(set(group_of) - set(model))
@@ -252,7 +253,7 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
                     ste = md.tensors[st["step"]]
                     if ste.numel != 1:
                         raise CorruptFile(f"'{fqn}': step has size {list(ste.shape)}", path=mpath)
-                    step_tensors[fqn] = items.tensor(ste, ste.chunks[0])
+                    step_tensors[fqn], step_values[fqn] = items.scalar(ste, ste.chunks[0])  # read whole, checked
             elif fqn in tied:
                 rec = TensorRecord(fqn, te.shape, "tied", te.dtype, tied_to=tied[fqn])
             elif fqn not in group_of:
@@ -260,7 +261,7 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
                 stateless.append(fqn)
             records.append(rec)
         for g in grouped:
-            g.step = _group_step(g, step_tensors, opts, mpath)
+            g.step = _group_step(g, step_values, mpath)
         extra = {"metadata": md, "step_tensors": step_tensors, "stateless": stateless, "other": other,
                  "tied": dict(tied), "tie_source": tie_source,
                  "flat_param_groups": bool(flat_groups), "model_keys": model,
@@ -407,9 +408,9 @@ def _group_infos(groups_raw: dict, values: dict, mpath: str) -> list[GroupInfo]:
     return out
 
 
-def _group_step(g: GroupInfo, step_tensors: dict, opts, mpath: str):
+def _group_step(g: GroupInfo, step_values: dict, mpath: str):
     """One step per group (what DeepSpeed keeps): torch's AdamW keeps one per parameter; they must agree."""
-    steps = {n: scalar_value(step_tensors[n], opts) for n in g.names if n in step_tensors}
+    steps = {n: step_values[n] for n in g.names if n in step_values}
     if not steps:
         return None
     if len(set(steps.values())) > 1:

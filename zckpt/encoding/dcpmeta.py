@@ -88,6 +88,9 @@ class TensorEntry:
     dtype: str
     shape: tuple
     chunks: list[Chunk]
+    # (chunk sizes, item length) -> the zip layout its items were read with at open (zckpt.encoding.distcp.Layout),
+    # checked against each item's own zip directory when its bytes are read
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def numel(self) -> int:

@@ -4,7 +4,11 @@
 
 - :class:`Items`: loads items through :func:`zckpt.encoding.safeload.load` on that byte window, one open file per
   data file: a chunk becomes a ``LazyTensor`` whose offsets are absolute in its data file (no tensor byte read), a
-  bytes item the (allow-listed) value it pickles;
+  bytes item the (allow-listed) value it pickles. A chunk is placed by its :class:`Layout` (where the tensor's
+  bytes lie in the item's zip: the same for every item of one dtype, chunk size and item length), learned from the
+  first such item read whole; the rest are not read at open, so a checkpoint opens in a bounded number of reads
+  per data file, not one per item. When their bytes are read, each item's own zip directory is read for its
+  CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused;
 - :func:`tensor_runs`: the elements ``[start, start + length)`` of a tensor's row-major flat form as
   (chunk tensor, start inside it, length) runs, from :func:`zckpt.encoding.dcpmeta.chunk_runs` (a format's reader
   turns each run into pieces);
@@ -14,39 +18,158 @@
 
 from __future__ import annotations
 
+import io
+import struct
+import zlib
+from dataclasses import dataclass
+
 from zckpt.encoding import dcpmeta, safeload
 from zckpt.encoding.safeload import LazyTensor, StorageRef
 from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
 from zckpt.errors import CorruptFile
 from zckpt.io import storage
 
+SMALL_ITEM = 64 << 10  # an item up to this size (a value, a step) is read whole, in one request, and parsed in memory
+_SCALAR = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a tensor item's bytes lie inside its torch zip: the same for every item of one (dtype, chunk sizes,
+    item length) one writer saved (the zip's entries and pickle depend on nothing else). Learned from one item at
+    open (``sample``: ``FILE@OFFSET``); each item read later is checked against it (:meth:`mismatch`)."""
+
+    key: str  # the storage's zip entry: <archive>/data/<key>
+    data_offset: int  # the storage's first byte, from the item's start
+    nbytes: int
+    storage_offset: int
+    shape: tuple
+    stride: tuple
+    entries: tuple  # (name, header offset, data offset, size) of every zip entry, from the item's start
+    pickle_crc: int  # data.pkl's CRC-32: the same pickle is the same dtype, shape, stride and storage key
+    sample: str
+
+    def mismatch(self, found: dict[str, ZipEntry]) -> str | None:
+        """What differs between this layout and an item's zip entries (offsets from the item's start), or None."""
+        got = {e.name: (e.header_offset, e.data_offset, e.size) for e in found.values()}
+        want = {name: (h, d, n) for name, h, d, n in self.entries}
+        if set(got) != set(want):
+            return f"its zip holds entries {sorted(got)[:4]}, not {sorted(want)[:4]}"
+        for name, (_h, d, n) in want.items():
+            if got[name] != want[name]:
+                return (f"its entry {name.split('/', 1)[-1]} is {got[name][2]} bytes at byte {got[name][1]}, not "
+                        f"{n} at {d}")
+        pkl = next(e for e in found.values() if e.name.endswith("/data.pkl"))
+        if pkl.crc != self.pickle_crc:
+            return "its data.pkl differs (another dtype, stride or storage)"
+        return None
+
 
 class Items:
     """Loads DCP items (each a torch.save zip inside a data file of ``folder``) through :func:`safeload.load`,
-    one open file per data file."""
+    one open file per data file. A tensor chunk's zip is read once per layout (:class:`Layout`: its dtype, chunk
+    sizes and item length), not once per item: a checkpoint opens in a few reads per data file and per layout."""
 
     def __init__(self, folder: str, opts: dict | None):
         self.folder, self.opts, self.files = folder, opts, {}
+        self.layouts: dict[tuple, Layout] = {}
+        self._paths: dict[str, str] = {}
 
-    def load(self, name: str, offset: int, length: int):
-        path = storage.join(self.folder, name)
+    def path(self, name: str) -> str:
+        """The data file ``name``'s path (joined once per file)."""
+        p = self._paths.get(name)
+        if p is None:
+            p = self._paths[name] = storage.join(self.folder, name)
+        return p
+
+    def _file(self, name: str, path: str):
         f = self.files.get(name)
         if f is None:
             f = self.files[name] = open(path, "rb") if not storage.is_url(path) else storage.open_input(path, self.opts)
-        return safeload.load(path, opener=lambda _p: Window(f, offset, length))
+        return f
 
-    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
-        """The chunk as a LazyTensor whose offsets are absolute in its data file."""
-        path = storage.join(self.folder, c.file)
-        t = self.load(c.file, c.offset, c.length)
+    def _bytes(self, name: str, offset: int, length: int) -> bytes:
+        """The item's bytes, in one read (one ranged GET on an object store)."""
+        path = self.path(name)
+        if storage.is_url(path):
+            data = storage.read_range(path, offset, length, self.opts)
+        else:
+            f = self._file(name, path)
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise CorruptFile(f"DCP item at byte {offset}: the file ends {length - len(data)} bytes before its end "
+                              "(truncated?)", path=path)
+        return data
+
+    def _window(self, name: str, offset: int, length: int):
+        """The item as a file of its own: in memory (one read) when small, else a window on the data file."""
+        if length <= SMALL_ITEM:
+            return io.BytesIO(self._bytes(name, offset, length))
+        return Window(self._file(name, self.path(name)), offset, length)
+
+    def load(self, name: str, offset: int, length: int):
+        path = self.path(name)
+        window = self._window(name, offset, length)
+        return safeload.load(path, opener=lambda _p: window)
+
+    def _chunk(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> tuple[LazyTensor, dict[str, ZipEntry], bytes]:
+        """The chunk's item read through the allow-list: (LazyTensor, offsets from the item's start; its zip
+        entries; its bytes when small, else b"")."""
+        path = self.path(c.file)
+        data = self._bytes(c.file, c.offset, c.length) if c.length <= SMALL_ITEM else b""
+
+        def window():
+            return io.BytesIO(data) if data else Window(self._file(c.file, path), c.offset, c.length)
+        t = safeload.load(path, opener=lambda _p: window())
         if not isinstance(t, LazyTensor):
             raise CorruptFile(f"DCP item of '{te.key}' at byte {c.offset} is not a tensor", path=path)
         if t.dtype != te.dtype or tuple(t.shape) != tuple(c.sizes):
             raise CorruptFile(f"DCP chunk of '{te.key}' at byte {c.offset} holds {t.dtype} {list(t.shape)}, the "
                               f"metadata says {te.dtype} {list(c.sizes)}", path=path)
+        return t, read_entries(window(), c.length, path), data
+
+    def _learn(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> Layout:
+        t, entries, _ = self._chunk(te, c)
+        pkl = next(e for e in entries.values() if e.name.endswith("/data.pkl"))
         s = t.storage
-        return LazyTensor(StorageRef(path, s.key, s.dtype, s.offset + c.offset, s.nbytes), t.storage_offset,
-                          t.shape, t.stride, t.dtype)
+        return Layout(s.key, s.offset, s.nbytes, t.storage_offset, tuple(t.shape), tuple(t.stride),
+                      tuple(sorted((e.name, e.header_offset, e.data_offset, e.size) for e in entries.values())),
+                      pkl.crc, f"{c.file}@{c.offset}")
+
+    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
+        """The chunk as a LazyTensor whose offsets are absolute in its data file, placed by its layout (the first
+        item of that layout is read; the others are checked against it when their bytes are read:
+        :func:`crc_entries_of`)."""
+        sizes = (tuple(c.sizes), c.length)
+        lay = te.layouts.get(sizes)
+        if lay is None:
+            lay = self.layouts.get((te.dtype,) + sizes)
+            if lay is None:
+                lay = self.layouts[(te.dtype,) + sizes] = self._learn(te, c)
+            te.layouts[sizes] = lay
+        return LazyTensor(StorageRef(self.path(c.file), lay.key, te.dtype, c.offset + lay.data_offset, lay.nbytes),
+                          lay.storage_offset, lay.shape, lay.stride, te.dtype)
+
+    def scalar(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk):
+        """A one-element chunk (Adam's step) read whole, its zip and the CRC-32 of its bytes checked: (the chunk as
+        a LazyTensor with absolute offsets, its value)."""
+        path = self.path(c.file)
+        if c.length > SMALL_ITEM:
+            raise CorruptFile(f"DCP item of '{te.key}' at byte {c.offset}: {c.length} bytes for one element",
+                              path=path)
+        t, entries, data = self._chunk(te, c)
+        s = t.storage
+        e = next((e for e in entries.values() if e.data_offset == s.offset), None)
+        if e is None or zlib.crc32(data[e.data_offset:e.data_offset + e.size]) != e.crc:
+            raise CorruptFile(f"DCP item of '{te.key}' at byte {c.offset}: its bytes do not match the CRC-32 its "
+                              "zip records: the file is damaged", path=path)
+        at = s.offset + t.storage_offset * t.itemsize
+        if t.numel != 1 or te.dtype not in _SCALAR or at + t.itemsize > s.offset + s.nbytes:
+            raise CorruptFile(f"'{te.key}': expected a scalar, got {te.dtype} {list(t.shape)}", path=path)
+        value = struct.unpack_from(_SCALAR[te.dtype], data, at)[0]
+        return (LazyTensor(StorageRef(path, s.key, s.dtype, s.offset + c.offset, s.nbytes), t.storage_offset,
+                           t.shape, t.stride, t.dtype), int(value) if float(value).is_integer() else value)
 
     def close(self):
         for f in self.files.values():
@@ -71,30 +194,77 @@ def tensor_runs(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0
     return out
 
 
+def _joiner(folder: str):
+    """``join(name)``: ``storage.join(folder, name)``, once per name."""
+    paths: dict[str, str] = {}
+
+    def join(name: str) -> str:
+        p = paths.get(name)
+        if p is None:
+            p = paths[name] = storage.join(folder, name)
+        return p
+    return join
+
+
 def items_by_file(md: dcpmeta.DcpMetadata, folder: str) -> dict[str, list[tuple[int, int, str]]]:
     """Every item of ``md`` by data file path (in ``folder``): (offset, length, key), sorted."""
     out: dict[str, list] = {}
+    join = _joiner(folder)
     for te in md.tensors.values():
         for c in te.chunks:
-            out.setdefault(storage.join(folder, c.file), []).append((c.offset, c.length, te.key))
+            out.setdefault(join(c.file), []).append((c.offset, c.length, te.key))
     for v in md.values.values():
-        out.setdefault(storage.join(folder, v.file), []).append((v.offset, v.length, v.key))
+        out.setdefault(join(v.file), []).append((v.offset, v.length, v.key))
     return {k: sorted(v) for k, v in sorted(out.items())}
 
 
-def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict | None = None) -> list[ZipEntry]:
-    """The entries of the torch zips at ``(offset, length)`` ``spans`` of a DCP data file, at their offsets in it."""
+def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict | None = None,
+                 layouts: dict | None = None) -> list[ZipEntry]:
+    """The entries of the torch zips at ``(offset, length)`` ``spans`` of a DCP data file, at their offsets in it.
+    ``layouts``: {item offset: (:class:`Layout`, key)} of the items read through a layout at open: each such item's
+    zip must be laid out as that layout says, or :class:`CorruptFile` names the file and the item."""
     out = []
     opener = storage.open_ranges if storage.is_url(path) else storage.open_input
     with opener(path, storage_options) as f:
         for offset, length in spans:
-            for e in read_entries(Window(f, offset, length), length, path).values():
+            found = read_entries(Window(f, offset, length), length, path)
+            laid = (layouts or {}).get(offset)
+            why = laid[0].mismatch(found) if laid is not None else None
+            if why is not None:
+                lay, key = laid
+                raise CorruptFile(f"DCP item of '{key}' at byte {offset}: {why}, unlike the item of its dtype, "
+                                  f"chunk size and length it was read by at open ({lay.sample}): refused, its bytes "
+                                  "would be taken from the wrong place", path=path,
+                                  hint="the file was rewritten by another writer or is damaged; copy it again from "
+                                       "where it was saved")
+            for e in found.values():
                 out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
+    return out
+
+
+def layouts_by_file(md: dcpmeta.DcpMetadata, folder: str) -> dict[str, dict[int, tuple[Layout, str]]]:
+    """{data file path: {item offset: (layout, key)}} of the chunks read through a :class:`Layout` at open."""
+    out: dict[str, dict] = {}
+    join = _joiner(folder)
+    for te in md.tensors.values():
+        if te.layouts:
+            for c in te.chunks:
+                lay = te.layouts.get((tuple(c.sizes), c.length))
+                if lay is not None:
+                    out.setdefault(join(c.file), {})[c.offset] = (lay, te.key)
     return out
 
 
 def crc_entries_of(md: dcpmeta.DcpMetadata, folder: str, storage_options: dict | None = None):
     """``entries(path)``: the zip entries of the items of each data file of ``md`` (a file's directories are read
-    on first use): the hook :mod:`zckpt.state.checksums` asks a format for."""
+    on first use), each item placed through a layout at open checked against it: the hook
+    :mod:`zckpt.state.checksums` asks a format for."""
     by_file = items_by_file(md, folder)
-    return lambda path: item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], storage_options)
+    laid: dict | None = None
+
+    def entries(path: str) -> list[ZipEntry]:
+        nonlocal laid
+        if laid is None:
+            laid = layouts_by_file(md, folder)
+        return item_entries(path, [(off, n) for off, n, _ in by_file.get(path, ())], storage_options, laid.get(path))
+    return entries
