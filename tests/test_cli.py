@@ -268,7 +268,7 @@ def test_same_bad_input_same_message_everywhere(tmp_path):
     errors, docs = set(), []
     args = {"info": [ckpt], "verify": [ckpt], "merge": [ckpt, "-o", out, "--dry-run"],
             "reshard": [ckpt, "-w", "1", "-o", out, "--dry-run"], "push": [str(tmp_path), str(tmp_path / "d")],
-            "convert": [ckpt, "--to", "dcp", "-o", out, "--dry-run"]}
+            "convert": [ckpt, "--to", "dcp", "-o", out, "--dry-run"], "diff": [ckpt, ckpt]}
     having = [name for name in COMMANDS
               if any("--storage-option" in p.opts for p in main.get_command(None, name).params)]
     assert set(having) == set(args), having  # every command that takes --storage-option is checked here

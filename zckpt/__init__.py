@@ -10,6 +10,7 @@ Public API (imported lazily, so ``import zckpt`` is cheap)::
     zckpt.reshard(path, out, world_size=..., stage=None, ...)
     zckpt.convert(path, to="dcp" | "deepspeed", out=...)   # DeepSpeed <-> PyTorch DCP (FSDP2), whole training state
     zckpt.estimate(...)
+    zckpt.diff(a, b, only=None, atol=None, ...) -> DiffResult   # two checkpoints of any formats, tensor by tensor
     from zckpt.integrations import fsdp2                    # DCP -> FSDP2 in one call, groups from the checkpoint
     fsdp2.load(model, optimizer, path, scheduler=None); fsdp2.param_groups(model, path)
 
@@ -65,6 +66,7 @@ _LAZY = {
     "reshard": "zckpt.ops.reshard",
     "convert": "zckpt.ops.convert",
     "estimate": "zckpt.ops.estimate",
+    "diff": "zckpt.ops.diff",
     "push": "zckpt.backup.push",
     "Pusher": "zckpt.backup.schedule",
 }

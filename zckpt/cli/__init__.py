@@ -33,6 +33,7 @@ COMMANDS = {
     "convert": "zckpt.cli.convert:convert",
     "push": "zckpt.cli.push:push",
     "estimate": "zckpt.cli.estimate:estimate",
+    "diff": "zckpt.cli.diff:diff",
     "help": "zckpt.cli.help:help_command",
 }
 

@@ -75,7 +75,6 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     out_opts = storage_options if output_storage_options is None else output_storage_options
     publish.check_output(out, "merge", source, overwrite, out_opts)
     workers = workers or min(8, os.cpu_count() or 2)
-    step = stepper(plan.total_size, progress)
 
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
@@ -86,6 +85,8 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
             works = works_.merge_works(plan, maps, executor.CHUNK_BYTES)
+            # done == total at the end: the weight files' bytes, headers included (plan.total_size: tensors only)
+            step = stepper(sum(w.size for w in works), progress)
             # an object store's files go up one at a time, each from a local scratch file
             write_works(works, pub, workers, worker, maps, step, durable, lanes=1 if pub.remote else None)
             for name, data in (extra_files or {}).items():
