@@ -69,10 +69,10 @@ def locate(path: str, tag: str | None = None, storage_options: dict | None = Non
     trainer_dir = path if any(m in names for m in TRAINER_MARKERS) else None
 
     if _is_tag_dir(names):
-        if tag is not None and tag != os.path.basename(path.rstrip("/")):
+        if tag is not None and tag != storage.basename(path):
             raise InvalidArgument(f"`tag`={tag} given, but {path} is itself a tag folder", path=path)
         parent = storage.parent(path)
-        loc = Location(path, parent, os.path.basename(path.rstrip("/")), path, None, storage_options=opts)
+        loc = Location(path, parent, storage.basename(path), path, None, storage_options=opts)
         parent_names = storage.listdir(parent, opts) if parent else []
         if any(m in parent_names for m in TRAINER_MARKERS):
             loc.trainer_dir = parent
@@ -193,3 +193,21 @@ def _add_universal(loc: Location) -> None:
             if state.endswith(".pt"):
                 files.append(RankFile(storage.join(folder, state), f"zero/{param}/{state}", "universal", None, 0))
     loc.optim_files = files
+
+
+# ------------------------------------------------------------------------------------------- side files
+
+SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed's recovery scripts beside a tag folder
+LATEST_FILES = ("latest", "latest_universal")
+
+
+def is_rank_file(name: str) -> bool:
+    """A DeepSpeed rank file's name (model or optimizer states, pipeline layer, MoE expert)."""
+    return any(r.match(name) for r in (MODEL_RE, OPTIM_RE, LAYER_RE, EXPERT_RE))
+
+
+def side_files(loc: Location, storage_options: dict | None = None) -> list:
+    """What a reshard carries over as it is (:func:`zckpt.state.files.side_files` with DeepSpeed's own files: its
+    tag folders, ``latest``; a tag folder on its own carries the recovery scripts next to it)."""
+    from zckpt.state.files import side_files as files_beside
+    return files_beside(loc, storage_options, is_rank_file, LATEST_FILES, SCRIPTS)

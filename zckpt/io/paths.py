@@ -42,8 +42,13 @@ def join(base: str | os.PathLike, *parts: str) -> str:
 
 
 def basename(path: str | os.PathLike) -> str:
+    """The last name of ``path``; of a local ``.`` / ``..`` / ``ckpt/..`` (trailing slashes or not), the name of the
+    folder it resolves to (``checkpoint-4`` inside it, never ``.``)."""
     path = os.fspath(path).rstrip("/")
-    return path.rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
+    if is_url(path):
+        return path.rsplit("/", 1)[-1]
+    name = os.path.basename(path)
+    return os.path.basename(os.path.abspath(path)) if name in (".", "..") else name
 
 
 def parent(path: str | os.PathLike) -> str:
