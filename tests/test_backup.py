@@ -288,7 +288,7 @@ def test_outputs_named_like_a_checkpoint_next_to_the_source_are_refused(tmp_path
                     ["reshard", outputs / "checkpoint-4", "-w", "2", "-o", outputs / "checkpoint-8"],
                     ["reshard", outputs / "checkpoint-4", "-w", "2", "-o", outputs / "global_step9"]):
         proc = cli(*command, "--quiet")
-        assert proc.returncode == 1 and "named like a checkpoint" in proc.stderr, (command, proc.stderr)
+        assert proc.returncode == 2 and "named like a checkpoint" in proc.stderr, (command, proc.stderr)
         assert not Path(command[-1]).exists()
     assert sorted(p.name for p in outputs.iterdir()) == ["checkpoint-4"]
     # elsewhere the name is the user's business (a new run resuming from a resharded copy)

@@ -116,6 +116,12 @@ class InvalidArgument(ZckptError, ValueError):
     """A bad parameter value (``param`` names it) or combination of parameters."""
 
 
+class OptionError(InvalidArgument):
+    """A usage mistake the command line shows by itself (exit 2, as click's own): an option that does not apply to
+    the target, command or format chosen, or contradicts another option or the config file it names; a missing
+    option; an output name that the Trainer's checkpoint rotation would delete."""
+
+
 class LinkOutside(InvalidArgument):
     """A symbolic link in a checkpoint folder leads outside it (:mod:`zckpt.io.links`): not read, never uploaded,
     unless links are allowed (``ZCKPT_FOLLOW_LINKS=1``, the CLI's ``--follow-links``)."""

@@ -13,7 +13,10 @@ Exit status, by kind of mistake (the same in every command; docs/guide.md has th
       ``--storage-option novalue``), options that do not go together, a missing, incomplete or damaged
       checkpoint (``verify``: a check failed), an output that cannot be written, a storage failure
 2     the command line could not be read: an unknown command or option, a missing argument or option
-      value, an extra argument (click's parse errors), said in one line with the usage
+      value, an extra argument (click's parse errors), said in one line with the usage; a value outside
+      its option's range or choices; an option that does not apply to the command, target or format
+      chosen, or contradicts the config it names; an output name the Trainer's rotation would delete
+      (``OptionError``)
 75    a network or server fault outlasted the retries (``NetworkError``): the server unreachable
       (connection refused, host name not resolved, no route, connect timeout), throttling, HTTP 5xx, a
       dropped or stalled connection; nothing is wrong with the command: run it again later
@@ -35,7 +38,9 @@ from dataclasses import dataclass
 
 import click
 
-from zckpt.errors import InvalidArgument, NetworkError, OutputExists, StorageError, ZckptError, names_rendered
+from zckpt.errors import (
+    InvalidArgument, NetworkError, OptionError, OutputExists, StorageError, ZckptError, names_rendered,
+)
 
 
 class CommandLineError(InvalidArgument):
@@ -82,6 +87,7 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (KeyboardInterrupt, EXIT_INTERRUPTED, ""),
     (click.BadParameter, EXIT_USAGE, "see --help"),  # outside its option's range / choices: a usage error
     (click.UsageError, EXIT_USAGE, "see --help"),  # the command line could not be read
+    (OptionError, EXIT_USAGE, ""),  # an option that does not apply, is missing or contradicts another: as click's
     (InvalidArgument, EXIT_ERROR, ""),  # the message names the parameter and the accepted forms
     (OutputExists, EXIT_ERROR, "pass `overwrite` or choose another `out`"),
     (NetworkError, EXIT_NETWORK, ""),  # transient: the same command should succeed later (the hint says when)

@@ -13,8 +13,8 @@ from zckpt.cli._common import (
 @click.command(epilog="""\b
 Examples:
   zckpt convert ckpt/ --to dcp -o ckpt-dcp/
-  zckpt convert checkpoint-400 --to dcp -o checkpoint-400-fsdp/
-  zckpt convert checkpoint-400 --to dcp --layout dcp -o checkpoint-400-dcp/
+  zckpt convert checkpoint-400 --to dcp -o fsdp2-400/
+  zckpt convert checkpoint-400 --to dcp --layout dcp -o dcp-400/
   zckpt convert ds_ckpt/ --tag global_step900 --to dcp --adam-mode adamw -o dcp/
   zckpt convert ds_ckpt/ --to dcp --layout torchtitan --ntokens-seen 0 --initial-lr 0.01,0.005 \\
       -o outputs/checkpoint/step-3/     # torchtitan's CheckpointManager.load(step=3)

@@ -13,7 +13,7 @@ from zckpt.cli._common import (
 @click.command(epilog="""\b
 Examples:
   zckpt reshard ckpt/ --world-size 4 -o ckpt-ws4/
-  zckpt reshard checkpoint-400 --world-size 3 --stage 3 -o checkpoint-400-z3/
+  zckpt reshard checkpoint-400 --world-size 3 --stage 3 -o resharded-400-z3/
   zckpt reshard ckpt/ --world-size 2 --stage 1 --bf16-optimizer -o ckpt-bf16opt/
   zckpt reshard ckpt/ --world-size 8 --format universal -o ckpt-universal/
   zckpt reshard ckpt/ --world-size 4 --dry-run --json

@@ -31,7 +31,8 @@ it named like one (``checkpoint-N``, ``global_stepN``), whether or not it exists
     outputs/checkpoint-4  ->  outputs/merged-checkpoint-4-fp32/         zckpt merge
                           ->  outputs/resharded-checkpoint-4-ws8/       zckpt reshard -w 8
 
-(``checkpoint-4.merged`` would not do: the Trainer's rotation globs ``checkpoint-*`` and deletes what it finds.)
+(``checkpoint-4.merged`` would not do: the Trainer's rotation globs ``checkpoint-*`` and deletes what it finds.
+An output so named in a training output folder is refused: :func:`rotation_deletes`.)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 
 from zckpt.io import storage
-from zckpt.errors import InvalidArgument, OutputExists, StorageError
+from zckpt.errors import InvalidArgument, OptionError, OutputExists, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ KINDS = ("merge", "reshard", "convert")
 _CHECKPOINT_NAME = re.compile(r"^(checkpoint-\d+|global_step\d+(_universal)?)$")
 _CHECKPOINT_FILES = ("latest", "latest_universal", "trainer_state.json")
 _RANK_FILE = re.compile(r"_(model|optim)_states\.pt$")
+#: transformers' ``sort_checkpoints`` (trainer_utils.py, under ``rotate_checkpoints`` / ``save_total_limit``): the
+#: folders of ``output_dir`` that ``Path(output_dir).glob("checkpoint-*")`` lists and whose whole path
+#: ``re.match(".*checkpoint-([0-9]+)", path)`` matches are checkpoints; the oldest are deleted
+_ROTATION_GLOB, _ROTATION_STEP = "checkpoint-*", re.compile(r".*checkpoint-([0-9]+)")
+#: the word a default output name starts with, by kind (:func:`default_output`): never matched by the rotation
+_OUTPUT_WORDS = {"merge": "merged", "reshard": "resharded", "convert": "converted"}
 
 
 # ================================================================================================ marker
@@ -165,6 +172,45 @@ def _norm(path: str) -> tuple[str, str]:
     return "file", os.path.realpath(storage.local_path(path))
 
 
+def rotation_deletes(folder: str, name: str) -> bool:
+    """Whether the Trainer's checkpoint rotation (``save_total_limit``) of output folder ``folder`` counts a folder
+    ``name`` in it as a checkpoint, and so may delete it (transformers' ``sort_checkpoints``: :data:`_ROTATION_GLOB`,
+    then :data:`_ROTATION_STEP` on the whole path)."""
+    import fnmatch
+
+    return (fnmatch.fnmatchcase(name, _ROTATION_GLOB) and not name.startswith(".")
+            and _ROTATION_STEP.match(storage.join(folder, name)) is not None)
+
+
+def _training_output_folder(folder: str, name: str, source: Source | None, storage_options) -> bool:
+    """``folder`` is where a training run rotates its checkpoints: the source checkpoint's parent, or a folder that
+    holds a checkpoint-N folder (other than ``name``)."""
+    if source is not None and _relation(folder, storage.parent(source.root)) == "is":
+        return True
+    with contextlib.suppress(OSError, ValueError, StorageError):
+        if storage.is_url(folder):
+            return False  # (the Trainer rotates local folders; a URL's listing is not worth a request here)
+        return any(n != name and rotation_deletes(folder, n) and os.path.isdir(os.path.join(folder, n))
+                   for n in os.listdir(folder))
+    return False
+
+
+def _check_output_name(out: str, kind: str, source: Source | None, storage_options) -> None:
+    """Refuse (:class:`OptionError`, before anything is written) an output named so that the folder it lands in
+    would take it for a checkpoint: a name the Trainer's rotation deletes in a training output folder, or
+    ``checkpoint-N`` / ``global_stepN`` next to the source (resuming would take it for the newest checkpoint)."""
+    name, folder = storage.basename(out), storage.parent(out)
+    safe = storage.join(folder, f"{_OUTPUT_WORDS.get(kind, 'out')}-{name}")
+    hint = f"name it so that it does not start with checkpoint-, e.g. `out` {safe}"
+    if rotation_deletes(folder, name) and _training_output_folder(folder, name, source, storage_options):
+        raise OptionError(f"the output would be named like a checkpoint ({name}) in a training output folder: the "
+                          f"Trainer's checkpoint rotation (save_total_limit) lists {_ROTATION_GLOB} folders whose "
+                          "name holds checkpoint-<digits> and deletes the oldest", path=out, hint=hint)
+    if source is not None and _CHECKPOINT_NAME.match(name) and _relation(folder, storage.parent(source.root)) == "is":
+        raise OptionError(f"the output would be named like a checkpoint ({name}) next to the source checkpoint: "
+                          "resuming would take it for one", path=out, hint=f"choose another name, e.g. `out` {safe}")
+
+
 def _relation(out: str, other: str) -> str | None:
     (po, a), (pb, b) = _norm(out), _norm(other)
     if po != pb:
@@ -209,12 +255,7 @@ def check_output(out: str, kind: str, source: Source | None = None, overwrite: b
         if rel == "contains":
             raise InvalidArgument(f"the output folder contains {what}; replacing it would delete it", path=out,
                                   hint=hint)
-    name = storage.basename(out)
-    if source is not None and _CHECKPOINT_NAME.match(name) and _relation(storage.parent(out),
-                                                                         storage.parent(source.root)) == "is":
-        raise InvalidArgument(f"the output would be named like a checkpoint ({name}) next to the source checkpoint: "
-                              "the Trainer's rotation deletes such folders and resuming would take it for one",
-                              path=out, hint="choose another name, e.g. the default: merged-... or resharded-...")
+    _check_output_name(out, kind, source, storage_options)
     if storage.is_url(out):
         if storage.isfile(out, storage_options):
             raise OutputExists("output exists and is not a folder", path=out, hint="choose another `out`")
