@@ -51,6 +51,10 @@ FX = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2"
 FX3 = FIXTURES / "moe_autoep_z3_bf16_ws2_ep2"
 FX3W4 = FIXTURES / "moe_autoep_z3_bf16_ws4_ep2"  # expert-data-parallel size 2: expert shards split over 2 ranks
 FX3W6 = FIXTURES / "moe_autoep_z3_bf16_ws6_ep2"  # edp 3: 256 elements per local expert param, ceil(256/3) = 86
+# two MoE layers of 8 experts, top-2 (issue 47): Qwen3-MoE at ZeRO-3 (both layers' experts in one sub-group), ws 4
+# ep 2; Mixtral at ZeRO-2, ws 4 ep 4 (two experts per rank)
+FX3L2 = FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"
+FX2L2 = FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2"
 
 
 def _oracle(fx: Path):
@@ -65,7 +69,8 @@ def oracle():
     return _oracle(FX)
 
 
-@pytest.fixture(scope="module", params=[FX, FX3, FX3W4, FX3W6], ids=["zero2", "zero3", "zero3-edp2", "zero3-edp3"])
+@pytest.fixture(scope="module", params=[FX, FX3, FX3W4, FX3W6, FX3L2, FX2L2],
+                ids=["zero2", "zero3", "zero3-edp2", "zero3-edp3", "zero3-2layers", "zero2-2layers-ep4"])
 def both(request):
     return request.param, _oracle(request.param)
 
@@ -145,7 +150,7 @@ def test_missing_expert_file_named(tmp_path):
         zckpt.open_checkpoint(str(copy))
 
 
-@pytest.mark.parametrize("fx", [FX3, FX3W4, FX3W6], ids=["edp1", "edp2", "edp3"])
+@pytest.mark.parametrize("fx", [FX3, FX3W4, FX3W6, FX3L2], ids=["edp1", "edp2", "edp3", "2layers-one-subgroup"])
 def test_zero3_info_verify_convert_and_reshard_refused(tmp_path, fx):
     tensors, info = _oracle(fx)
     ck = checkpoint_path(fx)

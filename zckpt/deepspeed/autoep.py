@@ -155,7 +155,11 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
     ws = osds[0].get("partition_count")
     if not isinstance(ws, int) or ws < 1:
         raise CorruptFile(f"invalid partition_count {ws!r}", path=ofiles[0][0].path)
-    check_ranks(loc, ws, per_rank_model_files=True)
+    try:
+        check_ranks(loc, ws, per_rank_model_files=True)
+    except IncompleteCheckpoint as exc:  # say which experts the missing ranks hold
+        raise IncompleteCheckpoint(f"{exc.message}{_rank_experts(mfiles[0][1], ws, loc)}", path=exc.path,
+                                   hint=exc.hint) from None
     ms0 = mfiles[0][1]
     param_shapes = ms0.get("param_shapes")
     if not isinstance(param_shapes, list) or not all(isinstance(p, dict) for p in param_shapes):
@@ -382,6 +386,30 @@ def _z3_expert_records(s: int, shapes: dict, members: dict[int, dict[int, int]],
         out[name] = _autoep_full(name, shards, maps[name], None, lp, path)
         off += part
     return out
+
+
+def _rank_experts(ms0: dict, ws: int, loc: Location) -> str:
+    """``; rank 1 held experts 4..7 of MoE layers 0 (model.layers.0.mlp), 1 (...)``: what the ranks without files
+    hold, from the AutoEP layers' ``ep_size`` / ``num_experts`` and the expert-data-parallel groups; empty when that
+    cannot be said."""
+    have = {f.dp_rank for f in loc.optim_files} & {f.dp_rank for f in loc.model_files}
+    layers = ms0.get("ds_autoep_layers") or []
+    parts = []
+    try:
+        for r in sorted(set(range(ws)) - have):
+            held = []
+            for i, x in enumerate(layers):
+                ep, n = int(x["ep_size"]), int(x["num_experts"])
+                e = next(e for e in range(ep) if r in expert_data_ranks(ms0, ws, ep, e, loc.tag_dir))
+                held.append((e * (n // ep), (e + 1) * (n // ep) - 1, f"{int(x.get('moe_layer_id', i))} "
+                                                                       f"({x.get('module_path')})"))
+            spans = sorted({(a, b) for a, b, _ in held})
+            what = ", ".join(f"{a}..{b}" for a, b in spans)
+            parts.append(f"rank {r} held its partition of experts {what} of MoE "
+                         f"layer{'s' if len(held) > 1 else ''} " + ", ".join(w for _, _, w in held))
+    except (KeyError, TypeError, ValueError, StopIteration, UnsupportedLayout):
+        return ""
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def _basename(path: str) -> str:

@@ -56,7 +56,7 @@ from zckpt.deepspeed.expert_groups import (
 from zckpt.deepspeed.model import (
     LP_DTYPES, Checkpoint, GroupInfo, TensorRecord, common_records, load_all, pieces_of, precision_of,
 )
-from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, UnsupportedLayout, ZckptError
 from zckpt.encoding.safeload import LazyTensor
 from zckpt.state import experts as coverage
 
@@ -111,7 +111,12 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
                 "frozen_param_shapes": _dense_only(ms0.get("frozen_param_shapes")),
                 "frozen_param_fragments": _dense_only(ms0.get("frozen_param_fragments"))}
     dense_loc = sub_location(loc, loc.optim_files)
-    base = zero12.build(dense_loc, [ms_dense], [select_groups(st, dense) for st in optim_states])
+    try:
+        base = zero12.build(dense_loc, [ms_dense], [select_groups(st, dense) for st in optim_states])
+    except IncompleteCheckpoint as exc:  # a rank's file missing: say which experts it held
+        counts = osds[0].get("partition_count")
+        raise IncompleteCheckpoint(exc.message + _rank_experts(loc, ms0, param_shapes, hyper, experts, counts),
+                                   path=exc.path, hint=exc.hint) from None
     groups = [dataclasses.replace(gi, index=dense[gi.index]) for gi in base.groups]
     records = [dataclasses.replace(r, group=dense[r.group]) if r.group is not None else r for r in base.records]
 
@@ -240,6 +245,28 @@ def _zero0_expert_ids(ms0: dict, files: list, counts: list[int], ws: int, path: 
     return out
 
 
+def _rank_experts(loc: Location, ms0: dict, param_shapes: list, hyper: list, experts: list, counts) -> str:
+    """``; rank 1 held experts 4..7 of moe (ep_size_2)``: the experts of the ranks whose optimizer file is missing
+    (empty when that cannot be said)."""
+    try:
+        ws = int(counts[next(g for g in range(len(param_shapes)) if g not in experts)])
+        missing = sorted(set(range(ws)) - {f.dp_rank for f in loc.optim_files})
+        parts = []
+        for r in missing:
+            held = []
+            for g in experts:
+                ep = ep_size_of(hyper[g], counts[g], ws, g, loc.tag_dir)
+                e = next(e for e in range(ep) if r in expert_data_ranks(ms0, ws, ep, e, loc.tag_dir))
+                for prefix, n in _num_local(param_shapes[g]).items():
+                    module = prefix.split(".deepspeed_moe.")[0]
+                    held.append(f"experts {e * n}..{(e + 1) * n - 1} of {module} ({hyper[g].get('name', g)})")
+            if held:
+                parts.append(f"rank {r} held its partition of " + ", ".join(held))
+    except (ZckptError, TypeError, ValueError, IndexError, KeyError, StopIteration):
+        return ""
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def _dense_only(d):
     return None if d is None else {k: v for k, v in d.items() if not EXPERT_RE.match(k)}
 
@@ -321,6 +348,9 @@ def _expert_tensors(loc: Location, ms0: dict) -> list[tuple[str, LazyTensor, int
             raise CorruptFile("an expert file should hold a state_dict of tensors", path=f.path)
         for name, t in sd.items():
             m = EXPERT_RE.match(name)
+            if m and int(m.group(2)) != f.expert and (f.index, int(m.group(2))) in have:
+                raise CorruptFile(f"MoE layer {f.index}: expert {m.group(2)} is held twice (its own file and "
+                                  f"'{name}' in the file of expert {f.expert})", path=f.path)
             if not m or int(m.group(2)) != f.expert:
                 raise CorruptFile(f"'{name}' is not a tensor of expert {f.expert}", path=f.path)
             out.append((name, t, f.index, f.expert, f))
