@@ -1,0 +1,252 @@
+"""``zckpt diff``: real checkpoints against their own reshard, DCP conversion, round trip, Megatron conversion and
+merge (equal); single elements changed through the real frameworks' own writers (torch's ``dcp.save`` of the DCP
+conversion loaded with torch; safetensors' ``save_file``), each named exactly; tolerances at their edges; a
+flipped byte refused; the CLI's exit statuses and --json schema; docs/check-conversion.md run in order."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import zckpt
+from tests.conftest import FIXTURES
+from zckpt.cli import main
+from zckpt.errors import CorruptFile
+
+Z2 = FIXTURES / "z2_bf16_ws2"  # ZeRO-2 bf16, 2 ranks: masters, moments, a frozen bf16 weight, buffers, a tie
+TRAINER = FIXTURES / "trainer" / "checkpoint-4"  # Llama-shaped, 2 layers, 2 param groups
+MEGATRON = FIXTURES / "megatron"
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def outs(tmp_path_factory):
+    """Each conversion of the fixtures, made once by zckpt itself."""
+    base = tmp_path_factory.mktemp("diff")
+    zckpt.reshard(str(Z2), str(base / "ws3"), world_size=3)
+    zckpt.convert(str(Z2), to="dcp", out=str(base / "dcp"))
+    zckpt.convert(str(base / "dcp"), to="deepspeed", out=str(base / "back"), world_size=2, stage=2, dtype="bf16",
+                  buffers="scale,idx")
+    zckpt.merge(str(TRAINER), str(base / "merged"), max_shard_size="20KB")
+    for name in ("gpt_tp1_pp1_dp2", "gpt_tp2_pp2_dp1_fullyresh"):
+        zckpt.convert(str(MEGATRON / name), to="dcp", out=str(base / name), groups="megatron-default")
+    return base
+
+
+def _torch_dcp(src: Path, dst: Path, edit=None) -> Path:
+    """``src`` (a DCP folder) loaded with torch, ``edit(state)`` applied, saved by ``dcp.save``: the framework's own
+    writer, so every CRC of the copy is right."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(str(src), str(dst) + ".pt")
+        state = torch.load(str(dst) + ".pt", weights_only=False)
+        if edit is not None:
+            edit(state)
+        dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+    return dst
+
+
+def test_conversions_hold_the_same_state(outs):
+    for a, b in ((Z2, outs / "ws3"), (Z2, outs / "dcp"), (Z2, outs / "back"), (outs / "dcp", outs / "ws3")):
+        r = zckpt.diff(str(a), str(b))
+        assert r.ok, (b, r.summary(), [x.line() for x in r.differences])
+        c = r.counts
+        assert c["differ"] == c["only_in_a"] == c["only_in_b"] == 0 and not r.not_compared, (b, r.not_compared)
+        labels = {t.label for t in r.tensors}
+        # masters, both moments, the frozen bf16 weight, both buffers; the tie compared once
+        assert {"emb.weight", "emb.weight [exp_avg]", "emb.weight [exp_avg_sq]", "frozen.weight", "scale", "idx"} \
+            <= labels and not any("head.weight" in x for x in labels), labels
+        assert all(t.status == "equal" and t.stats.differing == 0 for t in r.tensors)
+        values = {v.name for v in r.values}
+        assert {"group 0 step", "group 1 lr", "group 0 betas", "group 1 members", "global_steps",
+                "global_samples"} <= values, values
+        assert r.crc_checked_entries > 0 and r.bytes_compared > 0
+    parts = {t.part for t in zckpt.diff(str(Z2), str(outs / "dcp")).tensors}
+    assert parts == {"masters", "weights", "optimizer"}
+
+
+def test_megatron_against_its_conversion(outs):
+    for name in ("gpt_tp1_pp1_dp2", "gpt_tp2_pp2_dp1_fullyresh"):  # dp_reshardable (buckets), fully_reshardable
+        r = zckpt.diff(str(MEGATRON / name), str(outs / name))
+        assert r.ok, (name, r.summary(), [x.line() for x in r.differences], r.only_in_a, r.only_in_b)
+        labels = {t.label for t in r.tensors}  # Llama's names: q/k/v and gate/up split, moments too
+        assert {"model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight [exp_avg_sq]"} <= labels
+        assert all(t.dtype_a == "float32" for t in r.tensors)  # the masters, not the bf16 weights
+        assert any("members" in line for line in r.not_compared)  # Megatron does not list them: said
+        assert {"group 0 lr", "group 1 weight_decay", "global_steps"} <= {v.name for v in r.values}
+    # two Megatron runs of other layouts and seeds: differences named, matched through the same names
+    r = zckpt.diff(str(MEGATRON / "gpt_tp1_pp1_dp2"), str(MEGATRON / "gpt_tp2_pp2_dp1_fullyresh"),
+                   only="weights", include=["model.layers.0.*"])
+    assert not r.ok and {t.name for t in r.tensors} and all(t.name.startswith("model.layers.0.") for t in r.tensors)
+
+
+def test_merge_output_is_the_checkpoints_weights(outs):
+    r = zckpt.diff(str(TRAINER), str(outs / "merged"))
+    assert r.ok and r.format_b == "hf", r.summary()
+    assert len(r.tensors) == 20 and {t.part for t in r.tensors} == {"weights"}
+    said = " ".join(r.not_compared)
+    assert "optimizer state" in said and "param groups of A" in said and "counters of A" in said
+    assert any("lm_head.weight" in n for n in r.notes)  # the tied alias: compared once, said so
+
+
+@pytest.fixture(scope="module")
+def changed(outs, tmp_path_factory):
+    """The DCP conversion saved again by torch, with one change each."""
+    base = tmp_path_factory.mktemp("changed")
+
+    def master(state):
+        t = state["model"]["emb.weight"]
+        t[3, 4] = t[3, 4] * 1.5
+
+    def moment(state):
+        t = state["optim"]["state"]["blocks.0.up.weight"]["exp_avg_sq"]
+        t[9, 6] = t[9, 6] * 2
+
+    def frozen(state):
+        t = state["model"]["frozen.weight"]
+        t[1, 2] = t[1, 2] + 1
+
+    def step(state):
+        for name, s in state["optim"]["state"].items():
+            s["step"] = s["step"] + 1
+
+    def lr(state):
+        state["optim"]["param_groups"][1]["lr"] *= 2
+
+    made = {"same": _torch_dcp(outs / "dcp", base / "same")}
+    for name, edit in (("master", master), ("moment", moment), ("frozen", frozen), ("step", step), ("lr", lr)):
+        made[name] = _torch_dcp(outs / "dcp", base / name, edit)
+    return made
+
+
+def test_torch_resave_is_equal(changed):
+    r = zckpt.diff(str(Z2), str(changed["same"]))
+    assert r.ok, [x.line() for x in r.differences]
+
+
+@pytest.mark.parametrize("what,label,index", [
+    ("master", "emb.weight", [3, 4]), ("moment", "blocks.0.up.weight [exp_avg_sq]", [9, 6]),
+    ("frozen", "frozen.weight", [1, 2])])
+def test_one_changed_element_is_named(changed, what, label, index):
+    r = zckpt.diff(str(Z2), str(changed[what]))
+    assert not r.ok
+    (d,) = r.differences
+    assert d.label == label and d.status == "differ" and d.reason == "values", d.line()
+    shape = d.shape_a
+    assert d.stats.differing == d.stats.outside == 1 and d.to_json()["first_index_nd"] == index
+    assert d.stats.first == index[0] * shape[1] + index[1]
+    assert r.counts["differ"] == 1 and r.counts["equal"] == len(r.tensors) + len(r.values) - 1
+    # the CLI: exit 1, the difference named on stderr in one line, then the summary
+    res = invoke("diff", Z2, changed[what])
+    assert res.exit_code == 1 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith(f"DIFFER  {label}: first at [{index[0]}, {index[1]}]"), lines
+    assert lines[-1].startswith("zckpt: error: DIFFERENT:") and "1 differ" in lines[-1], lines
+
+
+def test_step_and_lr_are_named(changed):
+    r = zckpt.diff(str(Z2), str(changed["step"]), only="groups")
+    assert [(v.name, v.a, v.b) for v in r.differences] == [("group 0 step", 3, 4), ("group 1 step", 3, 4)]
+    assert not r.tensors
+    r = zckpt.diff(str(Z2), str(changed["lr"]))
+    (d,) = r.differences
+    assert d.name == "group 1 lr" and d.b == 2 * d.a, d.line()
+    assert zckpt.diff(str(Z2), str(changed["lr"]), only="weights,optimizer,counters").ok  # --only leaves it out
+
+
+def test_tolerances_at_their_edges(changed):
+    r = zckpt.diff(str(Z2), str(changed["master"]), only="weights")
+    (d,) = r.differences
+    atol, ulp, rel = d.stats.max_abs, d.stats.max_ulp, d.stats.max_rel
+    assert atol > 0 and ulp > 0 and rel > 0
+    at = zckpt.diff(str(Z2), str(changed["master"]), only="weights", atol=atol)
+    assert at.ok and at.counts["close"] == 1 and "within the tolerance" in at.summary()
+    below = zckpt.diff(str(Z2), str(changed["master"]), only="weights", atol=float(np.nextafter(atol, 0)))
+    assert not below.ok and below.differences[0].label == "emb.weight"
+    assert zckpt.diff(str(Z2), str(changed["master"]), only="weights", ulp=ulp).ok
+    assert not zckpt.diff(str(Z2), str(changed["master"]), only="weights", ulp=ulp - 1).ok
+    assert zckpt.diff(str(Z2), str(changed["master"]), only="weights", rtol=rel * 1.001).ok
+    assert not zckpt.diff(str(Z2), str(changed["master"]), only="weights", rtol=rel * 0.999).ok
+    res = invoke("diff", Z2, changed["master"], "--only", "weights", "--atol", repr(atol))
+    assert res.exit_code == 0 and "SAME" in res.stdout, res.output
+
+
+def test_a_missing_tensor_on_either_side(outs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "fewer"
+    folder.mkdir()
+    tensors = {}
+    for f in sorted((outs / "merged").glob("*.safetensors")):
+        tensors.update(load_file(f))
+    gone = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != gone}, str(folder / "model.safetensors"))
+    r = zckpt.diff(str(TRAINER), str(folder))
+    assert r.only_in_a == [gone] and not r.only_in_b and not r.ok and r.counts["differ"] == 0
+    r = zckpt.diff(str(folder), str(TRAINER))
+    assert r.only_in_b == [gone] and not r.only_in_a and not r.ok
+    res = invoke("diff", folder, TRAINER)
+    assert res.exit_code == 1 and f"only in B: {gone}" in res.stderr and "1 only in B" in res.stderr
+    assert zckpt.diff(str(folder), str(TRAINER), exclude=["*.up_proj.*"]).ok  # globs leave it out
+
+
+def test_damaged_input_is_refused(tmp_path):
+    from tests.test_checksums import damaged_copy
+    ck, piece, _ = damaged_copy(tmp_path, "trainer", "exp_avg")
+    with pytest.raises(CorruptFile, match="CRC-32"):
+        zckpt.diff(str(TRAINER), str(ck))
+    res = invoke("diff", TRAINER, ck)
+    assert res.exit_code == 1 and res.stdout == ""
+    (line,) = res.stderr.strip().splitlines()
+    assert Path(piece.path).name in line and "CRC-32" in line and "DIFFER" not in line, line
+    assert zckpt.diff(str(TRAINER), str(ck), only="weights").ok  # the moments are not read: not checked either
+
+
+def test_cli_usage_json_and_dtypes(outs, tmp_path):
+    from tests.test_cli import _check, _schemas
+    res = invoke("diff", Z2, outs / "dcp", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    _check(doc, _schemas()["diff"], "diff")
+    assert doc["ok"] and doc["format_a"] == "deepspeed" and doc["format_b"] == "dcp" and doc["tag"] == "global_step3"
+    assert invoke("diff", Z2).exit_code == 2  # B missing: the command line cannot be read
+    for bad in (["--only", "weights,banana"], ["--atol", "-1"], ["--ulp", "-2"], ["--workers", "0"]):
+        res = invoke("diff", Z2, Z2, *bad)
+        assert res.exit_code == 1 and res.stderr.count("\n") == 1 and bad[0] in res.stderr, (bad, res.output)
+    res = invoke("diff", Z2, tmp_path / "nothing")
+    assert res.exit_code == 1 and "nothing" in res.stderr and "Traceback" not in res.output
+    res = invoke("diff", Z2, Z2, "-v")
+    assert res.exit_code == 0 and "equal   emb.weight [exp_avg]" in res.stdout and "equal   group 1 lr" in res.stdout
+    # a bf16 frozen weight merged to fp32: another dtype, the same values (said), a real change still differs
+    r = zckpt.diff(str(Z2), str(outs / "dcp"), include=["frozen.weight"])
+    (t,) = r.tensors
+    assert t.status == "equal" and t.dtype_a == t.dtype_b == "bfloat16"
+    zckpt.merge(str(Z2), str(tmp_path / "m"))
+    r = zckpt.diff(str(Z2), str(tmp_path / "m"), include=["frozen.weight"])
+    (t,) = r.tensors
+    assert r.ok and t.reason == "dtype" and (t.dtype_a, t.dtype_b) == ("bfloat16", "float32")
+    assert r.counts["other_dtype"] == 1 and "another dtype" in r.summary()
+
+
+# the docs' workspace (the names the examples use), for the recipe
+from tests.test_docs_examples import _args, examples, workspace  # noqa: E402, F401
+
+
+def test_check_conversion_recipe_runs_in_order(workspace):
+    steps = [c for where, c in examples() if where.startswith("docs/check-conversion.md:")]
+    assert sum(c.startswith("zckpt diff") for c in steps) >= 5, steps
+    for command in steps:
+        res = CliRunner().invoke(main, _args(command, workspace))
+        assert res.exit_code == 0, f"{command}\n{res.output}"
+        if command.startswith("zckpt diff") and "--only" not in command:
+            assert "SAME:" in res.stdout and "0 differ" in res.stdout, res.output
