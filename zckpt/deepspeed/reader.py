@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 FORMAT = "deepspeed"
+MERGE_VIEW = "zckpt.deepspeed.hf_moe"  # merge_view(ckpt, dtype): AutoEP layers under the model class's names
 
 
 def claims(path: str, storage_options: dict | None = None) -> bool:

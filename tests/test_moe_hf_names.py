@@ -1,0 +1,80 @@
+"""Merge of an AutoEP checkpoint under the names and fusion of the transformers class it was made from (issue 47).
+
+``fixtures/moe_autoep_z3_bf16_ws4_ep2_l2`` (a random tiny ``Qwen3MoeForCausalLM``, AutoEP at ZeRO-3) and
+``moe_autoep_z2_bf16_ws4_ep4_l2`` (``MixtralForCausalLM``, ZeRO-2) were saved by DeepSpeed 0.19.8 with the model's
+``config.json`` beside ``latest`` (``fixtures/gen_autoep.py``, ``save_config``). ``zckpt merge`` writes
+``experts.gate_up_proj`` / ``experts.down_proj`` / ``mlp.gate.weight``; the oracle is transformers itself:
+``AutoModelForCausalLM.from_pretrained`` of the output reports no missing, unexpected or mismatched key, and every
+tensor equals the live engine's master (``expected/oracle.safetensors``), ``gate_up_proj`` being AutoEP's w1 (gate)
+then w3 (up) per expert, as ``deepspeed/moe/ep_repack.py`` split it. Without a config.json saying the class, or
+with another model type, AutoEP's names are kept and a note says why.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zckpt
+from tests.conftest import FIXTURES, checkpoint_path
+from tests.test_merge import _merged
+
+L2 = [FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2", FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2"]
+
+
+def _want(fx: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
+    fp = load_file(str(fx / "expected" / "oracle.safetensors"))
+    if name.endswith(".experts.gate_up_proj"):
+        mp = name[:-len(".gate_up_proj")]
+        t = torch.cat([fp[f"fp32/{mp}.w1"], fp[f"fp32/{mp}.w3"]], dim=1)
+    elif name.endswith(".experts.down_proj"):
+        t = fp[f"fp32/{name[:-len('down_proj')]}w2"]
+    elif name.endswith(".mlp.gate.weight"):
+        t = fp[f"fp32/{name[:-len('gate.weight')]}router.gate.weight"]
+    else:
+        t = fp[f"fp32/{name}"]
+    return t.to(dtype)
+
+
+@pytest.mark.parametrize("fx,dtype", [(L2[0], "fp32"), (L2[1], "bf16")], ids=["qwen3_moe-zero3", "mixtral-zero2"])
+def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
+    from transformers import AutoModelForCausalLM
+
+    arch = json.loads((fx / "expected" / "oracle.json").read_text())["arch"]
+    res = zckpt.merge(str(checkpoint_path(fx)), str(tmp_path / "out"), dtype=dtype)
+    assert any("names and fused experts" in n for n in res.notes)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["model_type"] == arch and cfg["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True, dtype=target)
+    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    sd = model.state_dict()
+    assert set(sd) == set(_merged(tmp_path / "out"))
+    assert sum(".experts.gate_up_proj" in n for n in sd) == 2  # both MoE layers
+    for name, t in sd.items():
+        assert torch.equal(t, _want(fx, name, target)), name
+
+
+def test_autoep_names_kept_where_the_class_is_not_said(tmp_path):
+    fx = L2[0]
+    res = zckpt.merge(str(checkpoint_path(fx)), str(tmp_path / "native"), native_names=True)
+    assert "model.layers.1.mlp.experts.w3" in _merged(tmp_path / "native") and not res.notes
+    copy = tmp_path / "ck"
+    shutil.copytree(fx, copy, ignore=shutil.ignore_patterns("expected"))
+    (copy / "config.json").unlink()
+    res = zckpt.merge(str(copy), str(tmp_path / "noconfig"))
+    got = _merged(tmp_path / "noconfig")
+    assert "model.layers.0.mlp.experts.w1" in got and "model.layers.0.mlp.experts.gate_up_proj" not in got
+    assert any("AutoEP names kept" in n and "no config.json" in n for n in res.notes)
+    assert not (tmp_path / "noconfig" / "config.json").exists()
+    cfg = json.loads((fx / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    res = zckpt.merge(str(copy), str(tmp_path / "other"))
+    assert "model.layers.0.mlp.router.gate.weight" in _merged(tmp_path / "other")
+    assert any("model_type 'deepseek_v3'" in n for n in res.notes)

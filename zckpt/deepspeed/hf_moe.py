@@ -1,0 +1,142 @@
+"""AutoEP checkpoints merged under the names and fusion of the Hugging Face model class they were made from.
+
+DeepSpeed's AutoEP swaps each MoE block of a transformers model for an ``AutoEPMoELayer`` (``ds_autoep_layers``):
+the block's router becomes ``{mlp}.router.gate.weight`` (with the alias ``{mlp}.gate.gate.weight``) and its fused
+experts ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj [E, H, I]`` become ``experts.w1`` (gate),
+``experts.w3`` (up) ``[E, I, H]`` and ``experts.w2 [E, H, I]`` (``deepspeed/moe/ep_repack.py``, the
+``gate_up_first`` layout: ``w1 = gate_up_proj[:, :I]``, ``w3 = gate_up_proj[:, I:]``). The reader keeps AutoEP's
+names; ``merge`` writes the model's own (:func:`merge_view`, the reader's ``MERGE_VIEW``), so that
+``from_pretrained`` of that class loads the output with no missing or unexpected key::
+
+    {mlp}.router.gate.weight                    {mlp}.gate.weight
+    {mlp}.gate.gate.weight (the router alias)   - (not a key of the model)
+    {mlp}.experts.w1, {mlp}.experts.w3          {mlp}.experts.gate_up_proj: per expert e, w1[e] then w3[e]
+    {mlp}.experts.w2                            {mlp}.experts.down_proj
+
+Which class the run started from is read, never guessed: the ``config.json`` beside the checkpoint (a Trainer's
+``checkpoint-N``, or the save folder that holds ``latest``) must have a ``model_type`` whose transformers 5 class
+fuses its experts so (``mixtral``: ``MixtralSparseMoeBlock``, ``qwen3_moe``: ``Qwen3MoeSparseMoeBlock``; read
+from transformers 5.24's modeling code) and a ``transformers_version`` of 5 or later (4.x Mixtral keeps one module
+per expert). Without it, or with anything else in a layer (a router bias, shared experts), AutoEP's names are kept
+and a note says why. The values are the same bytes either way: each name is slices of the same pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from zckpt.deepspeed.model import Checkpoint, TensorRecord
+from zckpt.engine.segments import Piece
+from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.io import storage
+
+CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_DTYPE = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+          "float16": "float16"}
+
+
+def _cut(pieces: list[Piece], start: int, length: int) -> list[Piece]:
+    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
+    out, at, end = [], 0, start + length
+    for p in pieces:
+        lo, hi = max(start, at), min(end, at + p.numel)
+        if lo < hi:
+            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
+        at += p.numel
+        if at >= end:
+            break
+    return out
+
+
+def _config(ckpt: Checkpoint) -> tuple[dict | None, str, str]:
+    """(config.json, its path, why not) of the folder beside the checkpoint: the Trainer's ``checkpoint-N``, else
+    the save folder."""
+    loc, opts = ckpt.location, ckpt.storage_options
+    for folder in (loc.trainer_dir, loc.save_dir):
+        if not folder:
+            continue
+        path = storage.join(folder, "config.json")
+        if storage.exists(path, opts):
+            try:
+                cfg = json.loads(storage.read_bytes(path, opts))
+            except ValueError:
+                return None, path, f"{path} is not valid JSON"
+            return (cfg, path, "") if isinstance(cfg, dict) else (None, path, f"{path} is not a JSON object")
+    return None, "", "no config.json beside the checkpoint says which model class it was made from"
+
+
+def _why_not(cfg: dict, path: str) -> str:
+    mtype = cfg.get("model_type")
+    if mtype not in CLASSES:
+        return f"{path} says model_type {mtype!r}, not one of {', '.join(sorted(CLASSES))}"
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and arch and not all(str(a).startswith(CLASSES[mtype][:-len("ForCausalLM")])
+                                                   for a in arch):
+        return f"{path} names architectures {arch}, not {mtype}'s"
+    version = str(cfg.get("transformers_version") or "")
+    if not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5:
+        return (f"{path} was written by transformers {version or '(version not said)'}; only transformers 5's "
+                "fused experts (gate_up_proj, down_proj) are written")
+    return ""
+
+
+def _layer_records(layer: dict, by: dict[str, TensorRecord]) -> tuple[dict[str, list[TensorRecord]], str]:
+    """{AutoEP name: the model's records} for one MoE layer, or why it cannot be mapped."""
+    mp = layer["layer"]
+    names = {n for n in by if n.startswith(mp + ".")}
+    w1, w2, w3 = (by.get(f"{mp}.experts.{w}") for w in ("w1", "w2", "w3"))
+    router = by.get(f"{mp}.router.gate.weight")
+    alias = by.get(f"{mp}.gate.gate.weight")
+    known = {f"{mp}.experts.w1", f"{mp}.experts.w2", f"{mp}.experts.w3", f"{mp}.router.gate.weight"}
+    if alias is not None:
+        if alias.kind != "tied" or alias.tied_to != f"{mp}.router.gate.weight":
+            return {}, f"'{mp}.gate.gate.weight' is not the router's alias"
+        known.add(alias.name)
+    extra = sorted(names - known)
+    if extra or None in (w1, w2, w3, router):
+        return {}, f"layer {mp} holds {extra[0] if extra else 'not all of experts.w1/w2/w3, router.gate.weight'}"
+    n, inter, hidden = (int(d) for d in w1.shape)
+    if tuple(w3.shape) != (n, inter, hidden) or tuple(w2.shape) != (n, hidden, inter) or w1.dtype != w3.dtype:
+        return {}, f"layer {mp}: experts.w1 {list(w1.shape)}, w3 {list(w3.shape)}, w2 {list(w2.shape)}"
+    block = inter * hidden
+    gate_up = TensorRecord(f"{mp}.experts.gate_up_proj", (n, 2 * inter, hidden), w1.kind, w1.dtype,
+                           [p for e in range(n) for src in (w1, w3) for p in _cut(src.value, e * block, block)],
+                           group=w1.group, lp_dtype=w1.lp_dtype)
+    out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj")],
+           router.name: [_renamed(router, f"{mp}.gate.weight")]}
+    if alias is not None:
+        out[alias.name] = []
+    return out, ""
+
+
+def _renamed(rec: TensorRecord, name: str) -> TensorRecord:
+    return dataclasses.replace(rec, name=name, exp_avg=[], exp_avg_sq=[], other_state={})
+
+
+def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, bytes], list[str]]:
+    """``ckpt`` with its AutoEP layers under the model class's names and fusion, the ``config.json`` to write
+    beside them and the notes; ``ckpt`` as it is (AutoEP's names) with a note saying why where the files do not say
+    which class, and unchanged, without a note, for any checkpoint that is not AutoEP."""
+    notes = list(ckpt.extra.get("merge_notes") or [])
+    layers = [x for x in ckpt.extra.get("moe_coverage") or [] if x.get("fused") is not None]
+    if not layers:
+        return ckpt, {}, notes
+    cfg, path, why = _config(ckpt)
+    why = why or _why_not(cfg, path)
+    by = ckpt.by_name()
+    mapped: dict[str, list[TensorRecord]] = {}
+    for layer in [] if why else layers:
+        got, why = _layer_records(layer, by)
+        if why:
+            break
+        mapped.update(got)
+    if why:
+        return ckpt, {}, notes + [f"AutoEP names kept (experts.w1/w2/w3, router.gate.weight): {why}; "
+                                  "--native-names keeps them without this note"]
+    records = [m for r in ckpt.records for m in mapped.get(r.name, [r])]
+    view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": []})
+    cfg = {**cfg, **{k: _DTYPE.get(dtype, dtype) for k in ("dtype", "torch_dtype") if k in cfg or k == "dtype"}}
+    notes.append(f"{CLASSES[cfg['model_type']]} names and fused experts (as {path} says); --native-names keeps "
+                 "AutoEP's")
+    return view, {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}, notes
