@@ -390,3 +390,91 @@ def test_defaultdict_factories_are_the_builtins():
         data = pickle.dumps({"d": collections.defaultdict(factory, {"a": factory()})}, protocol=2)
         got = safeload.load_plain(data, "m")["d"]
         assert isinstance(got, collections.defaultdict) and got.default_factory is factory and got["a"] == factory()
+
+
+# ------------------------------------------------------------------------------- DCP opened in O(files) (issue 49)
+
+def _dcp_save(out: Path, frozen: int, threads: int = 2) -> Path:
+    """A real one-process ``dcp.save`` into ``threads`` .distcp files: ``frozen`` module tensors of one shape and
+    two trainable ones of another with AdamW state (moments, a step each) and one param group. (Frozen tensors of a
+    trainable one's shape are compared with it byte for byte at open: ``zckpt.dcp.reader.tie_candidates``.)"""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    g = torch.Generator().manual_seed(frozen)
+    model = {f"frozen.{i}.weight": torch.randn(300, 256, generator=g) for i in range(frozen)}  # 300 KB: past a block
+    state = {}
+    for name in ("a.weight", "b.weight"):
+        model[name] = torch.randn(8, 6, generator=g)
+        state[name] = {"step": torch.tensor(3.0), "exp_avg": torch.randn(8, 6, generator=g),
+                       "exp_avg_sq": torch.rand(8, 6, generator=g)}
+    sd = {"model": model, "optim": {"state": state, "param_groups": [{"lr": 0.1, "params": ["a.weight", "b.weight"]}]}}
+    dcp.save(sd, storage_writer=FileSystemWriter(str(out), thread_count=threads), no_dist=True)
+    return out
+
+
+def test_dcp_opens_in_requests_per_file_not_per_item(s3_server, tmp_path):
+    """Opening a DCP checkpoint on S3 (the local SeaweedFS server, every request counted by a proxy in front of
+    it) takes the same requests for 4 or 24 module tensors in its 2 data files: a chunk's zip is read once per
+    layout (dtype, chunk size, item length), not once per item; what it opens is what torch saved."""
+    import uuid
+    import torch.distributed.checkpoint as dcp
+    from tests.faultproxy import FaultProxy
+    from zckpt import load_state_dict
+    from zckpt.state.open import open_checkpoint
+    proxy = FaultProxy(("127.0.0.1", s3_server.s3_port)).start()
+    try:
+        opts = dict(s3_server.storage_options(), endpoint_url=proxy.endpoint)
+        client, counts = s3_server.client(), {}
+        for frozen in (4, 24):
+            src = _dcp_save(tmp_path / f"f{frozen}", frozen)
+            files = sorted(p.name for p in src.iterdir())
+            assert [f for f in files if f.endswith(".distcp")] == ["__0_0.distcp", "__0_1.distcp"]
+            prefix = f"o1-{uuid.uuid4().hex[:8]}"
+            for name in files:
+                client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{name}", Body=(src / name).read_bytes())
+            before = len(proxy.requests)
+            ckpt = open_checkpoint(s3_server.url(prefix), storage_options=opts)
+            counts[frozen] = len(proxy.requests) - before
+            assert ckpt.format == "dcp" and len(ckpt.records) == frozen + 2 and ckpt.groups[0].step == 3
+            got = load_state_dict(ckpt)
+            assert sorted(got) == sorted([f"frozen.{i}.weight" for i in range(frozen)]
+                                                          + ["a.weight", "b.weight"])
+            real = {k: torch.empty_like(v) for k, v in got.items()}  # torch's own load is the oracle
+            dcp.load({"model": real}, checkpoint_id=str(src), no_dist=True)
+            assert all(torch.equal(got[k], real[k]) for k in real)
+    finally:
+        proxy.stop()
+    # the same requests whatever the number of items: listing, sizes, .metadata, one item per layout, the steps
+    # and param-group values (each one read), never one per chunk
+    assert counts[24] == counts[4], counts
+    assert counts[4] <= 40, counts  # (36 here; each item read at open: 58 and 238)
+
+
+def test_a_chunk_laid_out_unlike_its_layout_is_refused_when_read(tmp_path):
+    """Two chunks of one dtype, size and item length: the second rewritten as a zip of a transposed view (the same
+    bytes count, another stride in its pickle). The open places it by the first one's layout; reading it refuses in
+    one line naming the file and the item (its bytes would be taken in the wrong order), and merge writes nothing."""
+    import io
+    import torch.distributed.checkpoint as dcp
+    from zckpt import load_state_dict
+    from zckpt.encoding import dcpmeta
+    from zckpt.ops.merge import merge
+    src = tmp_path / "dcp"
+    a, b = torch.arange(12.0).reshape(4, 3), torch.arange(12.0, 24.0).reshape(4, 3)
+    dcp.save({"model": {"a": a, "b": b}}, checkpoint_id=str(src), no_dist=True)
+    md = dcpmeta.read_metadata((src / ".metadata").read_bytes(), "m")
+    (cb,) = md.tensors["model.b"].chunks
+    buf = io.BytesIO()
+    torch.save(torch.arange(12.0, 24.0).reshape(3, 4).t(), buf)  # shape (4, 3), stride (1, 4)
+    odd = buf.getvalue()
+    assert len(odd) == cb.length  # the same item length: only its pickle tells it apart
+    data = bytearray((src / cb.file).read_bytes())
+    data[cb.offset:cb.offset + cb.length] = odd
+    (src / cb.file).write_bytes(bytes(data))
+    with pytest.raises(CorruptFile) as exc:
+        load_state_dict(str(src))
+    msg = str(exc.value)
+    assert cb.file in msg and "DCP item of 'model.b'" in msg and "data.pkl differs" in msg and "\n" not in msg, msg
+    with pytest.raises(CorruptFile):
+        merge(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
