@@ -91,13 +91,32 @@ def test_megatron_against_its_conversion(outs):
     assert not r.ok and {t.name for t in r.tensors} and all(t.name.startswith("model.layers.0.") for t in r.tensors)
 
 
-def test_merge_output_is_the_checkpoints_weights(outs):
+def test_merge_output_is_the_checkpoints_weights(outs, tmp_path):
     r = zckpt.diff(str(TRAINER), str(outs / "merged"))
     assert r.ok and r.format_b == "hf", r.summary()
     assert len(r.tensors) == 20 and {t.part for t in r.tensors} == {"weights"}
     said = " ".join(r.not_compared)
     assert "optimizer state" in said and "param groups of A" in said and "counters of A" in said
     assert any("lm_head.weight" in n for n in r.notes)  # the tied alias: compared once, said so
+    # a bf16 merge (pytorch_model.bin, CRC-checked): the fp32 masters cast to bf16 as torch rounds, then bit for bit
+    zckpt.merge(str(TRAINER), str(tmp_path / "bf16"), fmt="pt", dtype="bf16")
+    r = zckpt.diff(str(tmp_path / "bf16"), str(TRAINER))
+    assert r.ok and all(t.cast == "b" and t.dtype_a == "bfloat16" for t in r.tensors), r.summary()
+    assert r.crc_checked_entries > 0
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(sorted((outs / "merged").glob("*.safetensors"))[0]))  # one shard, one element changed
+    name = next(iter(sd))
+    sd[name] = sd[name].clone()
+    before = sd[name].view(-1)[5].item()
+    sd[name].view(-1)[5] = before * (1 + 2 ** -20)
+    after = sd[name].view(-1)[5].item()
+    ulps = abs(int(np.float32(before).view(np.int32)) - int(np.float32(after).view(np.int32)))  # (same sign)
+    (tmp_path / "one").mkdir()
+    save_file(sd, str(tmp_path / "one" / "model.safetensors"))
+    r = zckpt.diff(str(TRAINER), str(tmp_path / "one"), include=[name])
+    (d,) = r.differences
+    assert d.name == name and d.stats.first == 5 and d.stats.differing == 1 and d.stats.max_ulp == ulps > 0, d.line()
+    assert d.stats.max_abs == abs(np.float64(np.float32(after)) - np.float64(np.float32(before)))
 
 
 @pytest.fixture(scope="module")

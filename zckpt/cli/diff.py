@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zckpt.cli._common import Progress, emit_json, global_options, storage_option
+from zckpt.cli._common import Progress, emit_json, global_options, storage_option, tie_options
 
 _SHOWN = 10  # differences named without -v
 
@@ -37,6 +37,7 @@ Check a conversion or reshard: zckpt help check-conversion.""")
 @click.option("--tag-b", "tag_b", default=None, metavar="TAG", help="Tag (or Megatron iteration) of B to read.")
 @click.option("--workers", type=int, default=None, metavar="N",
               help="Threads comparing ranges at once (default: the CPUs, at most 8).")
+@tie_options
 @storage_option
 @global_options()
 def diff(a, b, only, include, exclude, atol, rtol, ulp, tag_a, tag_b, workers, storage_options, as_json, quiet):

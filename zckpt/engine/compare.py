@@ -110,12 +110,17 @@ def _ordered(bits, itemsize: int):
 
 
 def compare_range(readers, a_pieces, a_dtype: str, b_pieces, b_dtype: str, start: int, length: int,
-                  tol: Tolerance) -> Stats:
+                  tol: Tolerance, cast_to: tuple[str | None, str | None] = (None, None)) -> Stats:
     """Elements [start, start + length) of the two tensors (their whole piece lists), read (``readers``: one
-    :class:`~zckpt.encoding.tensors.Reader` per side) and compared."""
+    :class:`~zckpt.encoding.tensors.Reader` per side) and compared; ``cast_to``: a dtype a side is first cast to
+    (fp32 masters against weights stored in the training dtype: torch's rounding, :mod:`zckpt.encoding.casting`)."""
     import numpy as np
     a = _read(readers[0], slice_pieces(a_pieces, start, length), a_dtype, length)
     b = _read(readers[1], slice_pieces(b_pieces, start, length), b_dtype, length)
+    if cast_to[0]:
+        a, a_dtype = _cast(a, a_dtype, cast_to[0]), cast_to[0]
+    if cast_to[1]:
+        b, b_dtype = _cast(b, b_dtype, cast_to[1]), cast_to[1]
     st = Stats(numel=length)
     same = a_dtype == b_dtype
     if same:
@@ -205,6 +210,14 @@ def decoded(value, dtype: str):
     return value
 
 
+def _cast(raw, src: str, dst: str):
+    """``raw`` (an array of ``src``) as ``dst``, rounded as torch's ``Tensor.to`` rounds (a copy: the cast's buffer
+    is the thread's own)."""
+    import numpy as np
+    from zckpt.encoding import casting
+    return casting.cast(raw.view(np.uint8), src, dst).view(_np_dtype(dst)).copy()
+
+
 def _read(reader, pieces, dtype: str, length: int):
     import numpy as np
     buf = np.empty(length, dtype=_np_dtype(dtype))
@@ -228,6 +241,7 @@ class TensorDiff:
     shape_b: list
     reason: str | None = None  # "dtype", "shape", "values"
     stats: Stats | None = None
+    cast: str | None = None  # "a" or "b": that side's fp32 masters cast to the other's dtype before comparing
 
     @property
     def label(self) -> str:
@@ -241,18 +255,20 @@ class TensorDiff:
                "differing": s.differing if s else None, "outside_tolerance": s.outside if s else None,
                "max_abs_diff": _num(s.max_abs) if s else None, "max_rel_diff": _num(s.max_rel) if s else None,
                "max_ulp": s.max_ulp if s else None, "first_index": None, "first_index_nd": None,
-               "first_a": None, "first_b": None}
+               "first_a": None, "first_b": None, "cast": self.cast}
         if s is not None and s.first is not None:
             out.update(first_index=s.first, first_index_nd=_nd(s.first, self.shape_a),
-                       first_a=_num(decoded(s.first_a, self.dtype_a)),
-                       first_b=_num(decoded(s.first_b, self.dtype_b)))
+                       first_a=_num(decoded(s.first_a, self.dtype_b if self.cast == "a" else self.dtype_a)),
+                       first_b=_num(decoded(s.first_b, self.dtype_a if self.cast == "b" else self.dtype_b)))
         return out
 
     def line(self) -> str:
         """One line: what differs, and where first."""
+        cast = f" ({self.cast.upper()}'s {self.dtype_a if self.cast == 'a' else self.dtype_b} masters cast to " \
+               f"{self.dtype_b if self.cast == 'a' else self.dtype_a})" if self.cast else ""
         if self.status == "equal":
             other = f" (dtype {self.dtype_a} in A, {self.dtype_b} in B: values equal)" if self.reason == "dtype" else ""
-            return f"equal   {self.label}{other}"
+            return f"equal   {self.label}{other}{cast}"
         if self.reason == "shape":
             return f"DIFFER  {self.label}: shape {list(self.shape_a)} in A, {list(self.shape_b)} in B"
         d = self.to_json()
@@ -261,7 +277,7 @@ class TensorDiff:
         dtype = f"dtype {self.dtype_a} in A, {self.dtype_b} in B; " if self.reason == "dtype" else ""
         ulp = f", max ULP {d['max_ulp']}" if d["max_ulp"] is not None else ""
         word = "DIFFER " if self.status == "differ" else "close  "
-        return (f"{word} {self.label}: {dtype}{where}{d['differing']:,} of {d['numel']:,} elements differ, max |a-b| "
+        return (f"{word} {self.label}{cast}: {dtype}{where}{d['differing']:,} of {d['numel']:,} elements differ, max |a-b| "
                 f"{_fmt(d['max_abs_diff'])}, max rel {_fmt(d['max_rel_diff'])}{ulp}")
 
 

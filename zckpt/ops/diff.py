@@ -343,6 +343,12 @@ def _job(name, state, part, ta, tb, pa, pb, da, db):
         return td, None, None
     if da != db:
         td.reason = "dtype"
+        # fp32 masters against weights stored in the training dtype (a bf16 merge, a weights-only folder): the
+        # masters cast to that dtype as torch rounds (what merge --dtype and the training step's copy hold)
+        for side, mine, theirs, other in (("a", ta, tb, db), ("b", tb, ta, da)):
+            if state == "value" and mine.kind == "trainable" and theirs.kind != "trainable" \
+                    and (da if side == "a" else db) == "float32" and other in ("bfloat16", "float16"):
+                td.cast, td.reason = side, None
     return td, pa, pb
 
 
@@ -357,7 +363,7 @@ def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, 
         result.tensors.append(td)
         if pa is None:
             continue
-        td.stats = Stats(max_ulp=0 if td.dtype_a == td.dtype_b else None)
+        td.stats = Stats(max_ulp=0 if td.dtype_a == td.dtype_b or td.cast else None)
         width = max(compare.DTYPE_SIZES[td.dtype_a], compare.DTYPE_SIZES[td.dtype_b])
         numel = sum(p.numel for p in pa)
         tasks += [(i, pa, pb, s, n, n * (compare.DTYPE_SIZES[td.dtype_a] + compare.DTYPE_SIZES[td.dtype_b]))
@@ -369,7 +375,8 @@ def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, 
     def one(task):
         i, pa, pb, start, n, _ = task
         td = result.tensors[i]
-        return compare.compare_range(readers, pa, td.dtype_a, pb, td.dtype_b, start, n, tol)
+        cast_to = (td.dtype_b if td.cast == "a" else None, td.dtype_a if td.cast == "b" else None)
+        return compare.compare_range(readers, pa, td.dtype_a, pb, td.dtype_b, start, n, tol, cast_to)
 
     try:
         with ThreadPoolExecutor(max(1, n_workers)) as pool:
