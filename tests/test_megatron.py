@@ -27,7 +27,8 @@ from zckpt.megatron import reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
-NAMES = sorted(p.name for p in MEG.iterdir() if p.is_dir() and (MEG / f"{p.name}.oracle.json").exists())
+NAMES = sorted(p.name for p in MEG.iterdir() if p.is_dir() and p.name.startswith("gpt_")  # made by generate.py
+               and (MEG / f"{p.name}.oracle.json").exists())  # (Megatron-LM's own saves: test_megatron_lm.py)
 STATE = ("master.", "exp_avg.", "exp_avg_sq.")
 
 

@@ -41,10 +41,7 @@ from zckpt.io import links, storage
 from zckpt.megatron import buckets
 from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors, pieces_of
 
-FORMAT = "megatron"
-CRC_ENTRIES = "zckpt.megatron.entries"  # crc_entries(ckpt): the zip entries guarding the .distcp items' bytes
-MERGE_VIEW = "zckpt.megatron.hf_names"  # merge_view(ckpt, dtype): the records under Hugging Face Llama's names
-STATE_VIEW = "zckpt.megatron.state"  # training_state(ckpt, groups, native_names): the optimizer state placed
+FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
 
 LATEST = "latest_checkpointed_iteration.txt"
 META_JSON = "metadata.json"
@@ -61,7 +58,8 @@ SUPPORTED = ("Megatron-Core torch_dist checkpoints (metadata.json sharded_backen
              "fully_reshardable or dp_reshardable distributed-optimizer layout")
 TIED = ("output_layer.weight", "embedding.word_embeddings.weight")
 GROUPS_REFUSAL = ("Megatron's param groups (common.pt) do not say which parameter is in which group; the masters "
-                  "and moments read exactly, and convert carries them once --groups states the groups")
+                  "and moments read exactly, and convert carries them once --groups states the groups (DeepSpeed "
+                  "files: zckpt convert PATH --to deepspeed --world-size N --groups megatron-default ...)")
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -365,11 +363,23 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     data = storage.read_bytes(mpath, opts)
     md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
     links.check([storage.join(folder, n) for n in md.files], folder)
-    common = safeload.load(common_path, storage_options=opts)
+    common = load_common(common_path, opts)
     if not isinstance(common, dict):
         raise CorruptFile("common.pt does not hold a dict", path=common_path)
     with metadata_errors(mpath):
         return _build(path, save_dir, folder, has_latest, opts, md, common, sizes)
+
+
+COMMON_REFUSAL = ("zckpt never runs code from checkpoints; a Megatron-LM common.pt holds its args (plain values, "
+                  "torch dtypes and the megatron-core enums zckpt knows), iteration and optimizer layout, nothing else")
+
+
+def load_common(common_path: str, opts=None):
+    """common.pt through the allow-list; a global outside it is refused as not what Megatron-LM saves."""
+    try:
+        return safeload.load(common_path, storage_options=opts)
+    except UnsafePickle as e:
+        raise UnsafePickle(f"Megatron common.pt: {e.message}", path=common_path, hint=COMMON_REFUSAL) from None
 
 
 def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Checkpoint:
@@ -430,5 +440,6 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
              "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}
     return Checkpoint(loc, 0, "megatron", precision, f["world_size"] or len(ranks), records, [], {}, [], [],
                       notes=notes, format=FORMAT, extra=extra, state_refusal=refusal,
-                      reshard_refusal="zckpt does not re-partition Megatron checkpoints; `zckpt merge` gives the "
-                                      "consolidated weights")
+                      reshard_refusal="zckpt reshard re-partitions DeepSpeed checkpoints; DeepSpeed files of this "
+                                      "one: zckpt convert PATH --to deepspeed --world-size N --groups "
+                                      "megatron-default ...; `zckpt merge` gives the consolidated weights")
