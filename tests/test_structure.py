@@ -138,18 +138,63 @@ def _package(module: str) -> str | None:
 
 
 def test_formats_are_peers():
-    """No format package imports another; each format's reader module answers the opener's three questions."""
-    import importlib
+    """No format package imports another; each declares what it reads and writes in one registry entry."""
     _, edges, _ = _graph()
     crossing = sorted(f"{m} imports {t}" for m, ts in edges.items() for t in ts
                       if _package(m) and _package(t) and _package(m) != _package(t))
     assert not crossing, "format packages importing each other:\n" + "\n".join(crossing)
-    from zckpt.state import open as opener
-    assert set(opener.FORMATS.values()) == set(opener.READERS)
-    for name in opener.READERS:
-        reader = importlib.import_module(name)
-        assert _package(name) and callable(reader.claims) and callable(reader.read), name
-        assert opener.FORMATS[reader.FORMAT] == name
+
+
+def test_formats_declare_through_the_registry():
+    """Every format package has a ``format`` module whose ``FORMAT`` (a :class:`zckpt.state.formats.Format`) is one
+    line of the registry; its abilities are methods, never module names looked up elsewhere (no ``CRC_ENTRIES``
+    strings, no importlib outside the registry and the lazy package attributes)."""
+    import importlib
+    from zckpt.state import formats
+    mods = _modules()
+    assert sorted(formats.REGISTRY) == sorted(f"{p}.format" for p in FORMAT_PACKAGES), formats.REGISTRY
+    names = []
+    for module in formats.REGISTRY:
+        fmt = importlib.import_module(module).FORMAT
+        assert isinstance(fmt, formats.Format) and fmt.name, module
+        assert fmt.claims is None or callable(fmt.read), module
+        names.append(fmt.name)
+        assert formats.named(fmt.name) is fmt
+    assert len(set(names)) == len(names), names
+    assert formats.names()[:1] == ["megatron"]  # claimed before DCP: torch_dist has a .metadata too
+    allowed = {"zckpt.state.formats", "zckpt.lazy", "zckpt.errors", "zckpt.cli", "zckpt.cli.estimate",
+               "zckpt.cli._common", "zckpt.backup.hub"}  # (the last four: optional third-party packages, not formats)
+    looked_up = sorted(m for m, p in mods.items() if m not in allowed and "importlib" in p.read_text())
+    assert not looked_up, f"modules looking modules up by name outside the registry: {looked_up}"
+    legacy = sorted(m for m, p in mods.items() if any(f"\n{k} = " in p.read_text()
+                                                     for k in ("CRC_ENTRIES", "MERGE_VIEW", "STATE_VIEW")))
+    assert not legacy, legacy
+
+
+# operations go down only: none imports another, except the helpers named here (and convert's target halves)
+OPS_HELPERS = {"zckpt.ops.outputs", "zckpt.ops.verify_checks", "zckpt.ops.verify_report", "zckpt.ops.resume_checks",
+               "zckpt.ops.model_size"}
+OPS_PARTS = {"zckpt.ops.convert": {"zckpt.ops.to_deepspeed"}}  # convert --to deepspeed: the DCP-source route
+OPS_ALIASES = {"zckpt.ops.push", "zckpt.ops.scan"}  # deprecated import paths of backup
+
+
+def test_operations_call_no_other_operation():
+    mods, edges, _ = _graph()
+    wrong = sorted(f"{m} imports {t}" for m, ts in edges.items() for t in ts
+                   if m.startswith("zckpt.ops.") and t.startswith("zckpt.ops.") and t not in OPS_HELPERS
+                   and t not in OPS_PARTS.get(m, ()) and m not in OPS_ALIASES)
+    assert not wrong, "operations importing another operation:\n" + "\n".join(wrong)
+    assert all(h in mods for h in OPS_HELPERS)
+
+
+def test_formats_and_below_do_not_ask_backup():
+    """Which files belong to a checkpoint is known below the formats (zckpt.state.files); writing operations
+    (merge, reshard, convert) ask their source's format, not the backup layer above it."""
+    _, edges, _ = _graph()
+    wrong = sorted(f"{m} imports {t}" for m in ("zckpt.ops.merge", "zckpt.ops.reshard", "zckpt.ops.convert",
+                                                "zckpt.ops.to_deepspeed")
+                   for t in edges.get(m, ()) if t.startswith("zckpt.backup"))
+    assert not wrong, wrong
 
 
 def test_modules_stay_small():

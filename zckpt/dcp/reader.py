@@ -84,9 +84,6 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     return open_dcp(path, storage_options)
 
 
-CRC_ENTRIES = "zckpt.dcp.entries"  # crc_entries(ckpt): the zip entries guarding a DCP checkpoint's bytes
-
-
 def is_dcp(path: str, storage_options: dict | None = None) -> bool:
     """A folder with DCP's ``.metadata`` (its commit marker), or a Trainer FSDP checkpoint of DCP folders."""
     return bool(dcp_parts(path, storage_options))

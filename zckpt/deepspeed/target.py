@@ -134,7 +134,7 @@ class Group:
 
 def _source_groups(ckpt: Checkpoint) -> list[Group]:
     if ckpt.format != "deepspeed":  # zckpt.ops.to_deepspeed: the groups as another format saved them (DCP's,
-        # or Megatron's placed by its STATE_VIEW), one step tensor per group (deepspeed_source)
+        # or Megatron's placed by its format's training_state), one step tensor per group (deepspeed_source)
         byname, steps = ckpt.by_name(), ckpt.extra.get("group_steps") or {}
         return [Group(g.index, OrderedDict((k, None if k == "params" else v) for k, v in g.hyperparams.items()),
                        steps.get(g.index), [byname[n] for n in g.names]) for g in ckpt.groups]

@@ -14,7 +14,6 @@ it through :mod:`zckpt.engine` into a scratch folder published by :mod:`zckpt.io
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
@@ -31,12 +30,13 @@ from zckpt.errors import InvalidArgument
 from zckpt.io import links, publish, storage
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import open_checkpoint, reader_of
+from zckpt.state.open import format_named, open_checkpoint
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("dcp", "deepspeed")
+FORMATS = ("dcp", "deepspeed", "megatron")  # dcp and deepspeed: this module's routes; the rest: the registry's
+# writers (a format's plan_convert, zckpt.state.formats), one generic route
 _DEEPSPEED_FILES = ("latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py")
 
 
@@ -122,7 +122,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
             layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
-            native_names: bool = False):
+            native_names: bool = False, tp: int | None = None, pp: int | None = None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -145,10 +145,20 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     A Megatron-Core ``fully_reshardable`` source (either target): ``groups`` states its param groups, which its
     files do not record (``"megatron-default"`` or ``["GLOB=K", ...]``: :mod:`zckpt.megatron.state`); the state is
     written under Hugging Face Llama's names when the files say the model is Llama-shaped, unless
-    ``native_names``."""
+    ``native_names``.
+
+    ``to="megatron"``: a Megatron-LM save folder (:mod:`zckpt.megatron.writer`) that megatron-core resumes at any
+    TP / PP / DP; ``tp`` / ``pp``: the target's sizes, checked against the model (default: the source's);
+    ``layout``: ``"fully_reshardable"`` (the default)."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
+    if to not in ("dcp", "deepspeed"):
+        return convert_to(path, to, out, tag, dry_run, overwrite, workers, progress, durable, storage_options, group,
+                          {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout})
+    if tp is not None or pp is not None:
+        raise InvalidArgument(f"--tp / --pp set a Megatron target's parallel sizes; --to {to} has none",
+                              hint="drop --tp / --pp")
     if to == "deepspeed":
         from zckpt.ops import to_deepspeed
         if group is not None:
@@ -161,9 +171,10 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
                                          overwrite=overwrite, workers=workers, progress=progress, durable=durable,
                                          storage_options=storage_options, groups=groups, native_names=native_names)
     ckpt = open_checkpoint(path, tag, storage_options)
-    view = getattr(reader_of(ckpt.format), "STATE_VIEW", None)  # a module with training_state(ckpt, groups, ...)
+    fmt = format_named(ckpt.format)
+    view = fmt.training_state  # the source's state placed for another format's writer (Megatron's groups)
     if view is not None:
-        ckpt = importlib.import_module(view).training_state(ckpt, groups, native_names)
+        ckpt = view(ckpt, groups, native_names)
     elif groups:
         raise InvalidArgument(f"--groups states a Megatron checkpoint's param groups; this {ckpt.format} "
                               "checkpoint records its own", path=path)
@@ -172,7 +183,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     _check_out(out, overwrite, source)  # before planning or writing anything
     plan = plan_convert(ckpt, to, adam_mode, checkpoint_id=os.path.abspath(out), layout=layout, torchtitan=torchtitan)
     if view is not None:  # what the source holds that no DCP key carries
-        for what, why in importlib.import_module(view).side_state(ckpt)["left"].items():
+        for what, why in fmt.side_state(ckpt)["left"].items():
             plan.not_carried[what] = why
             plan.notes.append(f"left out {what}: {why}")
     result = ConvertResult(out, plan, dry_run=dry_run)
@@ -189,6 +200,42 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
         else:
             stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
                                             ckpt.storage_options, check) or {})}
+    finally:
+        check.close()
+    stats["crc_checked_entries"] = check.checked
+    result.seconds = time.perf_counter() - t0
+    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
+                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
+    return result
+
+
+def convert_to(path: str, to: str, out: str | None, tag: str | None, dry_run: bool, overwrite: bool, workers,
+               progress, durable: bool, storage_options: dict | None, group, options: dict) -> ConvertResult:
+    """The generic route: the target format's writer from the registry (its ``plan_convert(ckpt, out, options)``),
+    one engine, one publish path. ``options``: the target's own (the others were refused before)."""
+    t0 = time.perf_counter()
+    target = format_named(to)
+    given = {k for k, v in options.items() if v is not None}
+    if target.plan_convert is None or not given <= set(target.convert_options):
+        raise InvalidArgument(f"--to {to}: " + ("zckpt does not write this format" if target.plan_convert is None else
+                                                f"{', '.join(sorted(given - set(target.convert_options)))} do not "
+                                                "apply"))
+    if group is not None:
+        raise InvalidArgument(f"convert --to {to} runs in one process, not under a launcher",
+                              hint="run it without torchrun / srun")
+    ckpt = open_checkpoint(path, tag, storage_options)
+    source = publish.source_of(ckpt.location, picked_tag=tag is not None)
+    out = str(out) if out is not None else default_output(source, to)
+    _check_out(out, overwrite, source)  # before planning or writing anything
+    plan = target.plan_convert(ckpt, os.path.abspath(out), options)
+    result = ConvertResult(out, plan, dry_run=dry_run)
+    if dry_run:
+        return result
+    t_plan = time.perf_counter()
+    check = checksums.input_check(ckpt)
+    try:
+        stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
+                                        ckpt.storage_options, check) or {})}
     finally:
         check.close()
     stats["crc_checked_entries"] = check.checked

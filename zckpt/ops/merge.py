@@ -19,7 +19,6 @@ metadata, plan, stream bytes, publish atomically. Also the Python loaders (``ite
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of
     trainer_files,
 )
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import open_checkpoint, reader_of
+from zckpt.state.open import format_named, open_checkpoint
 from zckpt.errors import InvalidArgument, require_torch
 from zckpt.units import format_size
 
@@ -92,7 +91,7 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     URL ``out`` unless ``output_storage_options`` are given (another endpoint or account); used for this call only
     (the CLI's ``--storage-option`` and ``--output-storage-option``).
     ``native_names``: keep the source format's own tensor names where its reader offers Hugging Face's
-    (``MERGE_VIEW``: Megatron-Core's Llama-shaped models get Llama's names and a ``config.json``).
+    (its format's ``merge_view``: Megatron-Core's Llama-shaped models get Llama's names and a ``config.json``).
     ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``merge``
     and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`). ``progress`` then counts
     this rank's share.
@@ -103,10 +102,10 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     if out is None:
         out = publish.default_output(source, "merged") + f"-{dtype}"
     notes = list(ckpt.extra.get("merge_notes") or [])
-    view = getattr(reader_of(ckpt.format), "MERGE_VIEW", None)  # a module with merge_view(ckpt, dtype)
+    view = format_named(ckpt.format).merge_view  # the format's records under Hugging Face names, if it has them
     extra = trainer_files(ckpt, dtype)
     if view is not None and not native_names:
-        ckpt, files, notes = importlib.import_module(view).merge_view(ckpt, dtype)
+        ckpt, files, notes = view(ckpt, dtype)
         extra.update(files)
     plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)
     log.info("plan: %d tensors in %d file(s), %s %s %s, %d side file(s) -> %s (planned in %.2fs)",

@@ -6,7 +6,7 @@ The pairing of a reader and a writer, and what is the operation's own:
    master and Adam moments as lists of byte ranges in the rank files);
 2. plan: :func:`zckpt.deepspeed.writer.plan_reshard` lays the same training state out as DeepSpeed would have
    saved it at world size M and stage S (or in its universal layout), the side files beside it (a Trainer
-   checkpoint's files: :func:`zckpt.backup.files.side_files`): plain data, what ``--dry-run`` prints;
+   checkpoint's files: the source format's ``side_files``, :mod:`zckpt.state.formats`): plain data, what ``--dry-run`` prints;
 3. execute: :func:`execute` writes exactly the planned archives (:func:`zckpt.engine.torchzip.write_planned`,
    nothing pickled again) and copies the side files into a temporary sibling of OUT, writes ``latest`` and the
    ``.zckpt.json`` marker last, and renames the folder into place (:mod:`zckpt.io.publish`); under a launcher,
@@ -18,48 +18,26 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from zckpt.backup.files import side_files
 from zckpt.deepspeed.target import PlannedFile, ReshardPlan  # noqa: F401 - the plan's types, for callers
 from zckpt.deepspeed.writer import FORMATS, plan_ranks, plan_reshard  # noqa: F401 - the writer, for callers
 from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.errors import InvalidArgument
-from zckpt.io import publish, storage
+from zckpt.io import publish
+from zckpt.ops.outputs import ReshardResult, check_out
 from zckpt.state import checksums
-from zckpt.state.open import open_checkpoint
+from zckpt.state.open import format_named, open_checkpoint
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ReshardResult:
-    output: str
-    plan: ReshardPlan
-    seconds: float = 0.0
-    dry_run: bool = False
-    stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
-
-    def to_json(self) -> dict:
-        return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
-                **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
-
-    def __repr__(self) -> str:
-        what = "would write" if self.dry_run else f"wrote in {self.seconds:.2f}s"
-        return f"<ReshardResult {self.output!r}: {self.plan!r}, {what}>"
-
-
-
 # ---------------------------------------------------------------------------------------------- execute
 
 def _check_out(out: str, overwrite: bool, source: publish.Source | None, kind: str = "reshard") -> None:
-    if storage.is_url(out):
-        raise InvalidArgument(f"{kind} writes to a local folder", path=out,
-                              hint=f"{kind} locally, then `zckpt push` the result")
-    publish.check_output(out, kind, source, overwrite)
+    check_out(out, overwrite, source, kind)
 
 
 def execute(plan: ReshardPlan, out: str, workers: int | None = None, overwrite: bool = False,
@@ -108,7 +86,8 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, world_size, stage, fmt)
     _check_out(out, overwrite, source)  # before planning or writing anything
-    side = side_files(ckpt.location, ckpt.storage_options)  # a Trainer checkpoint's files, a save folder's scripts
+    # a Trainer checkpoint's files, a save folder's scripts: what the source's format says is not its own
+    side = (format_named(ckpt.format).side_files or (lambda c: []))(ckpt)
     plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side)
     log.info("plan: %d file(s), %s, world size %d -> %s (planned in %.2fs)", len(plan.files),
              format_size(plan.total_bytes), world_size, out, time.perf_counter() - t0)

@@ -1,11 +1,11 @@
 """A DCP checkpoint (FSDP2 + ``torch.optim.AdamW``, ``dcp.save`` of ``get_state_dict``) as native DeepSpeed ZeRO files.
 
 No converter of its own: the DCP reader (:mod:`zckpt.dcp.reader`) gives the training-state model, this module adds
-what a DeepSpeed engine needs and DCP does not record, and the reshard writer (:mod:`zckpt.ops.reshard`) lays it
-out for the world size and stage asked, through the one engine and the one publish path::
+what a DeepSpeed engine needs and DCP does not record, and the DeepSpeed writer (:mod:`zckpt.deepspeed.writer`,
+reshard's) lays it out for the world size and stage asked, through the one engine and the one publish path::
 
     DCP folder --open_dcp--> Checkpoint (format "dcp") --deepspeed_source--> Checkpoint a DeepSpeed writer reads
-               --reshard.plan_reshard(world_size, stage)--> rank files --reshard.execute--> OUT/ (latest, tag/)
+               --deepspeed.writer.plan_reshard(world_size, stage)--> rank files --engine.run.run_reshard--> OUT/
 
 Taken from DCP: every parameter's value (FSDP2's sharded parameters: the fp32 masters), ``exp_avg``,
 ``exp_avg_sq``, the step (one per parameter in torch's AdamW; all of a group's must agree, as DeepSpeed keeps one
@@ -20,29 +20,28 @@ group with and without state, flattened optimizer state (``flatten_optimizer_sta
 
 from __future__ import annotations
 
-import importlib
 import time
 from typing import Callable
 
 from zckpt.dcp.reader import check_stateless_named, open_dcp
-from zckpt.dcp.sidestate import check_no_hidden_ties, dcp_file, side_state
+from zckpt.dcp.sidestate import check_no_hidden_ties
 from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config  # noqa: F401 - load_config too
 from zckpt.deepspeed.target import ReshardPlan
 from zckpt.deepspeed.writer import plan_reshard
+from zckpt.engine import run
 from zckpt.errors import InvalidArgument
-from zckpt.io import publish, storage
-from zckpt.ops import reshard
-from zckpt.backup.files import side_files
+from zckpt.io import publish
+from zckpt.ops.outputs import ToDeepSpeedResult, check_out
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import format_of, open_checkpoint, reader_of
+from zckpt.state.open import format_named, format_of
 
 
 def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: dict,
                       buffers=None, config_known: bool = True, side: dict | None = None) -> ReshardPlan:
     """The DeepSpeed rank files of ``ckpt`` at ``world_size`` and ``stage``: plain data. ``ckpt``: a DCP
     checkpoint, or (``side`` given: what it holds beside model and optimizer) another format's training state
-    with its groups placed (a reader's ``STATE_VIEW``: Megatron's)."""
+    with its groups placed (its format's ``training_state``: Megatron's)."""
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}")
     cfg = dict(ds_config)
@@ -50,10 +49,11 @@ def plan_to_deepspeed(ckpt: Checkpoint, world_size: int, stage: int, ds_config: 
     copied = []
     if side is None:
         check_stateless_named(ckpt, buffers)
-        side = side_state(ckpt)
+        fmt = format_named(ckpt.format)
+        side = fmt.side_state(ckpt)
         # a Trainer FSDP checkpoint's own files (config, trainer_state.json, scheduler.pt, RNG states) are copied;
         # its DCP folders are what the rank files replace
-        copied = [f for f in side_files(ckpt.location, ckpt.storage_options) if not dcp_file(f.rel)]
+        copied = fmt.side_files(ckpt)
     src = deepspeed_source(ckpt, cfg, buffers, config_known, side)
     plan = plan_reshard(src, world_size, stage, bf16_optimizer(cfg, stage), "deepspeed", copied)
     carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)"]
@@ -100,14 +100,6 @@ def parse_tied(tied) -> dict | None:
     return out
 
 
-class ToDeepSpeedResult(reshard.ReshardResult):
-    """A reshard's result, plus what the DCP checkpoint held that the DeepSpeed files carry and what they do not."""
-
-    def to_json(self) -> dict:
-        return {**super().to_json(), "carried": list(getattr(self.plan, "carried", [])),
-                "not_carried": dict(getattr(self.plan, "not_carried", {}))}
-
-
 def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dtype: str | None = None, dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
@@ -129,9 +121,9 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     if stage not in (1, 2, 3):
         raise InvalidArgument(f"--stage must be 1, 2 or 3, got {stage!r}", hint="pass --stage S")
     fmt = format_of(path, storage_options)
-    view = getattr(reader_of(fmt), "STATE_VIEW", None)  # another format's training state, groups placed
-    if fmt != "dcp" and view is None:
-        raise InvalidArgument(f"--to deepspeed reads a PyTorch DCP or Megatron checkpoint, not {fmt}", path=path,
+    view = fmt.training_state  # another format's training state, groups placed (Megatron's)
+    if fmt.name != "dcp" and view is None:
+        raise InvalidArgument(f"--to deepspeed reads a PyTorch DCP or Megatron checkpoint, not {fmt.name}", path=path,
                               hint="for a DeepSpeed checkpoint at another size or stage use zckpt reshard")
     if isinstance(buffers, str):
         buffers = [b for b in buffers.split(",") if b]
@@ -141,9 +133,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
         if tied:
             raise InvalidArgument("--tied names DCP's aliases; a Megatron checkpoint's args say what is tied",
                                   path=path)
-        module = importlib.import_module(view)
-        ckpt = module.training_state(open_checkpoint(path, None, storage_options), groups, native_names)
-        side = module.side_state(ckpt)
+        ckpt = view(fmt.read(path, None, storage_options), groups, native_names)
+        side = fmt.side_state(ckpt)
     else:
         if groups:
             raise InvalidArgument("--groups states a Megatron checkpoint's param groups; DCP records its own",
@@ -153,20 +144,17 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
             check_no_hidden_ties(ckpt)
     source = publish.source_of(ckpt.location)
     out = str(out) if out is not None else publish.default_output(source, "converted") + "-deepspeed"
-    if storage.is_url(out):
-        raise InvalidArgument("convert writes to a local folder", path=out,
-                              hint="convert locally, then `zckpt push` the result")
-    publish.check_output(out, "convert", source, overwrite)
+    check_out(out, overwrite, source, "convert")
     plan = plan_to_deepspeed(ckpt, world_size, stage, cfg, buffers, config_known, side)
-    plan.notes[:0] = ckpt.extra.get("state_notes") or []  # how a STATE_VIEW placed the state (groups, names)
+    plan.notes[:0] = ckpt.extra.get("state_notes") or []  # how training_state placed the state (groups, names)
     result = ToDeepSpeedResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
     t_plan = time.perf_counter()
     check = checksums.input_check(ckpt)
     try:
-        stats = reshard.execute(plan, out, workers, overwrite, progress, durable=durable, source=source,
-                                storage_options=storage_options, kind="convert", check=check)
+        stats = run.run_reshard(plan, out, workers, overwrite, progress, "latest", durable, source,
+                                storage_options, "convert", check)
     finally:
         check.close()
     stats["crc_checked_entries"] = check.checked

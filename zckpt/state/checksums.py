@@ -15,13 +15,11 @@ entry they read; :mod:`zckpt.ops.resume` checks the entries a rank reads whole (
 
 from __future__ import annotations
 
-import importlib
-
 from zckpt.encoding.safeload import Inert, LazyTensor
 from zckpt.encoding.zipentries import ZipEntry
 from zckpt.engine.checked import InputCheck
 from zckpt.state.model import Checkpoint
-from zckpt.state.open import reader_of
+from zckpt.state.formats import named
 
 _WHAT = {"value": "", "exp_avg": "exp_avg of ", "exp_avg_sq": "exp_avg_sq of "}
 
@@ -32,9 +30,9 @@ def input_check(ckpt: Checkpoint, max_fill: float | None = None) -> InputCheck:
 
 
 def entries_of(ckpt: Checkpoint):
-    hook = getattr(reader_of(ckpt.format), "CRC_ENTRIES", None)  # a module with crc_entries(ckpt)
-    if hook is not None:
-        return importlib.import_module(hook).crc_entries(ckpt)
+    crc_entries = named(ckpt.format).crc_entries  # the format's own, where its metadata read at open does not say
+    if crc_entries is not None:
+        return crc_entries(ckpt)
     known = stored_entries(ckpt)  # (InputCheck reads a file's own directory where a span falls outside these)
     return lambda path: known.get(path, [])
 

@@ -1,0 +1,50 @@
+"""Megatron-Core ``torch_dist``'s declaration in the format registry (:mod:`zckpt.state.formats`): read (claimed
+before DCP: it has a ``.metadata`` too), its ``.distcp`` items' zip entries, merge's Hugging Face Llama names, the
+training state placed for other formats' writers (param groups stated by the user), and its own writer
+(:mod:`zckpt.megatron.writer`: a Megatron-LM save folder at any TP/PP/DP)."""
+
+from __future__ import annotations
+
+from zckpt.state.formats import Format
+
+
+class Megatron(Format):
+    name = "megatron"
+    convert_options = ("tp", "pp", "layout")
+
+    def claims(self, path, storage_options=None) -> bool:
+        from zckpt.megatron import reader
+        return reader.claims(path, storage_options)
+
+    def preload(self) -> None:
+        from zckpt.megatron import reader  # noqa: F401
+
+    def read(self, path, tag=None, storage_options=None):
+        from zckpt.megatron import reader
+        return reader.read(path, tag, storage_options)
+
+    def crc_entries(self, ckpt):
+        from zckpt.megatron import entries
+        return entries.crc_entries(ckpt)
+
+    def merge_view(self, ckpt, dtype):
+        from zckpt.megatron import hf_names
+        return hf_names.merge_view(ckpt, dtype)
+
+    def training_state(self, ckpt, groups, native_names=False):
+        from zckpt.megatron import state
+        return state.training_state(ckpt, groups, native_names)
+
+    def side_state(self, ckpt) -> dict:
+        from zckpt.megatron import state
+        return state.side_state(ckpt)
+
+    def side_files(self, ckpt) -> list:
+        return []  # a save folder holds its iterations and the latest file: all Megatron's own
+
+    def plan_convert(self, ckpt, out, options):
+        from zckpt.megatron import writer
+        return writer.plan_megatron(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"))
+
+
+FORMAT = Megatron()
