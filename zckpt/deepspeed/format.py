@@ -25,6 +25,10 @@ class DeepSpeed(Format):
         from zckpt.deepspeed import hf_moe
         return hf_moe.merge_view(ckpt, dtype)
 
+    def merge_view(self, ckpt, dtype):
+        from zckpt.deepspeed import hf_moe  # AutoEP layers under the model class's names (any other: unchanged)
+        return hf_moe.merge_view(ckpt, dtype)
+
     def side_files(self, ckpt) -> list:
         from zckpt.deepspeed.discover import side_files
         return side_files(ckpt.location, ckpt.storage_options)

@@ -24,8 +24,7 @@ from zckpt.units import format_size
 log = logging.getLogger(__name__)
 
 
-FORMAT = "deepspeed"
-MERGE_VIEW = "zckpt.deepspeed.hf_moe"  # merge_view(ckpt, dtype): AutoEP layers under the model class's names
+FORMAT = "deepspeed"  # what the package declares to the registry: zckpt.deepspeed.format
 
 
 def claims(path: str, storage_options: dict | None = None) -> bool:
