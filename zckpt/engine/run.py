@@ -236,6 +236,9 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
             for folder, part in plan.parts:
                 pub.write_bytes(works_.part_path(folder, part.commit_name), part.metadata)
                 step(len(part.metadata))
+            for rel, data in getattr(plan, "written", ()):  # small files a format writes last (Megatron's latest)
+                pub.write_bytes(rel, data)
+                step(len(data))
             if check is not None:  # a damaged input is refused here: nothing has been published
                 check.finish()
             pub.commit()

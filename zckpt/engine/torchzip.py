@@ -72,6 +72,16 @@ def plain_object(module: str, name: str, state: dict) -> Reduce:
                   (GlobalRef(module, name), GlobalRef("builtins", "object"), None), state)
 
 
+@dataclass(frozen=True)
+class NewObj:
+    """Pickles as protocol 2's ``NEWOBJ`` of the class ``cls`` (no arguments), then ``BUILD`` with ``state``: what
+    ``pickle`` writes for a plain instance (an ``argparse.Namespace``), the form ``torch.load(weights_only=True)``
+    accepts for an allowed class (``copyreg._reconstructor`` is not allowed)."""
+
+    cls: GlobalRef
+    state: dict
+
+
 def enum_member(module: str, name: str, value: int) -> Reduce:
     return Reduce(GlobalRef(module, name), (int(value),))
 
@@ -105,6 +115,15 @@ class _Pickler(pickle._Pickler):
         self.memoize(obj)
 
     dispatch[GlobalRef] = save_globalref
+
+    def save_newobj(self, obj):
+        self.save(obj.cls)
+        self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+        self.memoize(obj)
+        self.save(obj.state)
+        self.write(pickle.BUILD)
+
+    dispatch[NewObj] = save_newobj
 
     def persistent_id(self, obj):  # the C pickler asks this of every object it writes: kept short
         if type(obj) is _StorageOut:
@@ -169,6 +188,8 @@ class _FastPickler(pickle.Pickler):
             return got[0].decode()
         if cls is Reduce:
             return obj.__reduce__()
+        if cls is NewObj:  # NEWOBJ of a class it cannot import: the pure-Python pickler writes the whole object
+            raise pickle.PicklingError("NewObj")
         return _Pickler.reducer_override(self, obj)
 
 

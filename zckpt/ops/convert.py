@@ -154,6 +154,12 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if to not in ("dcp", "deepspeed"):
+        others = {"--world-size": world_size, "--stage": stage, "--ds-config": ds_config, "--buffers": buffers,
+                  "--tied": tied, "--dtype": dtype, "--adam-mode": adam_mode, "--torchtitan options": torchtitan,
+                  "--groups": groups, "--native-names": native_names}
+        given = sorted({k.strip() for k, v in others.items() if v not in (None, False, [], (), {}, "")})
+        if given:
+            raise InvalidArgument(f"{', '.join(given)} do not apply to --to {to}", hint=f"drop {', '.join(given)}")
         return convert_to(path, to, out, tag, dry_run, overwrite, workers, progress, durable, storage_options, group,
                           {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout})
     if tp is not None or pp is not None:

@@ -1,0 +1,124 @@
+"""One rank of megatron-core 0.16.1 loading a checkpoint ``zckpt convert --to megatron`` wrote, at a (tp, pp, dp)
+of the caller's choosing: the oracle of tests/test_megatron_write.py (run under torchrun with the megatron venv).
+
+Megatron-LM's ``load_checkpoint`` path, as fixtures/megatron/generate.py does it for the fixtures (its functions,
+imported): fresh ``GPTModel`` + ``DistributedDataParallel`` + ``DistributedOptimizer`` + ``OptimizerParamScheduler``
+at the new shape; the content metadata read from the checkpoint; ``dist_checkpointing.load`` of the model's and the
+optimizer's sharded state dicts; ``load_state_dict`` of each. Then, on rank 0, every weight, fp32 master,
+``exp_avg`` and ``exp_avg_sq`` (gathered back to full tensors by megatron-core's own ``fully_reshardable`` sharded
+state dict) must equal the source's ``NAME.oracle.safetensors`` bit for bit; every param group's hyperparameters,
+Adam step and members, the scheduler and the counters the source's ``NAME.oracle.json``; and one more training
+iteration runs with finite losses. The result is written as JSON to ``--result``.
+
+    python -m torch.distributed.run --nproc-per-node N tests/megatron_write_worker.py --jobs JOBS.json --result R.json
+
+JOBS.json: ``[{"source": NAME, "ckpt": OUT, "shape": [tp, pp, dp]}, ...]`` (tp * pp * dp = N each): one process
+group, each shape's model parallel groups made and destroyed in turn, so one launch checks several shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "fixtures" / "megatron"
+
+
+def check(G, job: dict) -> dict | None:
+    """Load ``job["ckpt"]`` at ``job["shape"]`` (tp, pp, dp) as Megatron-LM would; rank 0's findings (None
+    elsewhere)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    tp, pp, dp = job["shape"]
+    spec = {**G.spec_of(job["source"]), "tp": tp, "pp": pp, "dp": dp}
+    assert dist.get_world_size() == tp * pp * dp
+    ps.initialize_model_parallel(tp, pp)
+    src_doc = json.loads((FIX / f"{job['source']}.oracle.json").read_text())
+    ckpt = Path(job["ckpt"])
+    it_dir = ckpt / f"iter_{int((ckpt / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+
+    cfg, ddp, opt, sched, _ = G._build(spec, spec["seed"] + 1000)
+    G._train(spec, cfg, ddp, opt, None, iterations=1)  # makes the optimizer's state exist (see generate.py)
+    meta = dist_checkpointing.load_content_metadata(str(it_dir))
+    sd, _, _ = G._state_dict({**spec, "sharding": meta["distrib_optim_sharding_type"]}, ddp, opt, sched,
+                             is_loading=True)
+    sd.pop("args")
+    common = dist_checkpointing.load_common_state_dict(str(it_dir))
+    if getattr(common["args"], "no_save_rng", False):  # Megatron-LM's load_checkpoint then asks for no rng state
+        sd.pop("rng_state")
+    state = dist_checkpointing.load(sd, str(it_dir), strict="assume_ok_unexpected")
+    G._unwrap(ddp).load_state_dict(state["model"], strict=True)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["opt_param_scheduler"])
+    tensors, _, groups = G._oracle_tensors(spec, ddp, opt)
+    all_groups = [None] * dist.get_world_size()
+    dist.all_gather_object(all_groups, groups)
+    sched_state = sched.state_dict()
+    losses = G._train(spec, cfg, ddp, opt, sched, iterations=1)  # one more iteration at the new shape
+    all_losses = [None] * dist.get_world_size()
+    dist.all_gather_object(all_losses, losses)
+    ps.destroy_model_parallel()
+    if dist.get_rank() != 0:
+        return None
+    from safetensors.torch import load_file
+    want = load_file(str(FIX / f"{job['source']}.oracle.safetensors"))
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def same_bits(x, y):
+        return (x.dtype == y.dtype and x.shape == y.shape and
+                torch.equal(x.contiguous().view(ints[x.element_size()]), y.contiguous().view(ints[y.element_size()])))
+
+    differ = sorted(k for k in want if k in tensors and not same_bits(want[k], tensors[k]))
+
+    def summary(per_rank):  # per group: settings and step (all ranks agree), members (union over ranks)
+        out = {}
+        for rank_groups in per_rank:
+            for g in rank_groups:
+                key = (g["chained_optimizer"], g["group"])
+                settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                            if k not in ("params", "chained_optimizer", "group")}
+                entry = out.setdefault(key, {"settings": settings, "params": set(), "agree": True})
+                entry["agree"] &= entry["settings"] == settings
+                entry["params"] |= set(g["params"])
+        return {f"{k[0]}.{k[1]}": {**v, "params": sorted(v["params"])} for k, v in sorted(out.items())}
+
+    got, expect = summary(all_groups), summary(src_doc["param_groups_per_rank"])
+    flat = [x for r in all_losses for step in r for x in step]
+    return {**job, "tensors": len(tensors), "keys_equal": set(want) == set(tensors),
+            "missing": sorted(set(want) - set(tensors))[:5], "extra": sorted(set(tensors) - set(want))[:5],
+            "differ": differ[:10], "groups_equal": got == expect, "groups": got, "groups_expected": expect,
+            "scheduler_equal": sched_state == src_doc["scheduler"], "scheduler": sched_state,
+            "iteration": common.get("iteration"), "iteration_expected": src_doc["iteration"],
+            "consumed_train_samples": getattr(common["args"], "consumed_train_samples", None),
+            "losses": flat, "losses_finite": bool(flat) and all(math.isfinite(x) for x in flat)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", required=True, help="JSON: [{source, ckpt, shape: [tp, pp, dp]}, ...]")
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args()
+    sys.path.insert(0, str(FIX))
+    import cpu_shim  # noqa: F401 - before megatron
+    import generate as G
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    cpu_shim.no_cuda_rng_fork()
+    cpu_shim.torch_adam_load_fix()
+    results = [check(G, job) for job in json.loads(Path(a.jobs).read_text())]
+    if dist.get_rank() == 0:
+        Path(a.result).write_text(json.dumps(results, indent=1, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""``zckpt convert --to megatron``: a Megatron-LM save folder that megatron-core 0.16.1 itself resumes at other
+TP / PP / DP (fixtures/megatron, written by megatron-core 0.16.1, both optimizer layouts as sources).
+
+The oracle is megatron-core's own load (tests/megatron_write_worker.py, one torchrun for every shape): fresh
+``GPTModel`` + ``DistributedOptimizer`` + ``OptimizerParamScheduler`` at the new shape, ``dist_checkpointing.load``,
+``load_state_dict``; every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the source's oracle
+(megatron-core's load of the source), every param group's settings, Adam step and members, the scheduler and the
+counters equal, and one more training iteration runs. A round trip (Megatron -> zckpt -> Megatron at the source's
+shape) gives the source's tensors back byte for byte. Refusals are one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES
+
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parent.parent
+MEG = FIXTURES / "megatron"
+# (source, (tp, pp, dp) megatron-core loads the output at): each shape other than the source's; fully_reshardable
+# (tp2 pp2, 4 layers), dp_reshardable (Megatron-LM's default: dp2; tied and GELU at pp2; fp32 params, tied)
+JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (2, 1, 1)), ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1)),
+        ("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2)), ("gpt_tp1_pp1_dp2", (2, 1, 1)), ("gpt_tp1_pp1_dp2", (1, 2, 1)),
+        ("gpt_tp1_pp2_dp1_tied", (2, 1, 1)), ("gpt_tp1_pp1_dp2_fp32", (1, 2, 1))]
+
+
+def _convert(src, out, **kw):
+    from zckpt.ops.convert import convert
+    return convert(str(src), to="megatron", out=str(out), **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    """megatron-core's findings for every job (one launch of 2 CPU ranks)."""
+    pytest.importorskip("megatron.core")
+    tmp = tmp_path_factory.mktemp("megatron_write")
+    jobs = []
+    for i, (src, (tp, pp, dp)) in enumerate(JOBS):
+        out = tmp / f"{i}-{src}-tp{tp}pp{pp}"
+        _convert(MEG / src, out, tp=tp, pp=pp)
+        jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
+    (tmp / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           str(ROOT / "tests" / "megatron_write_worker.py"), "--jobs", str(tmp / "jobs.json"),
+           "--result", str(tmp / "result.json")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    return json.loads((tmp / "result.json").read_text())
+
+
+@pytest.mark.parametrize("i", range(len(JOBS)), ids=[f"{s}-to-tp{t[0]}pp{t[1]}dp{t[2]}" for s, t in JOBS])
+def test_megatron_core_resumes_the_output_at_another_shape(loaded, i):
+    got = loaded[i]
+    assert got["source"] == JOBS[i][0] and tuple(got["shape"]) == JOBS[i][1]
+    assert got["keys_equal"], (got["missing"], got["extra"])  # every weight, master, exp_avg, exp_avg_sq
+    assert got["tensors"] > 0 and not got["differ"], got["differ"]  # bit for bit
+    assert got["groups_equal"], (got["groups"], got["groups_expected"])  # settings, Adam step, members
+    assert all(g["agree"] for g in got["groups"].values())
+    assert got["scheduler_equal"], got["scheduler"]
+    assert got["iteration"] == got["iteration_expected"] == 3
+    src_args = json.loads((MEG / f"{JOBS[i][0]}.oracle.json").read_text())
+    assert got["consumed_train_samples"] == 3 * 4 * src_args["dp"]  # the source's: 3 iterations of its batch
+    assert got["losses_finite"], got["losses"]  # one more iteration at the new shape
+
+
+def _dcp_tensors(folder: Path, tmp: Path) -> dict:
+    """Every item of the checkpoint's iteration folder, as torch's own DCP reader gives it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    it = next(folder.glob("iter_*"))
+    dst = tmp / f"{folder.name}-{len(list(tmp.glob('*.pt')))}.pt"
+    dcp_to_torch_save(str(it), str(dst))
+    return torch.load(str(dst), weights_only=False)
+
+
+def _equal(a: dict, b: dict, keys) -> list[str]:
+    return [k for k in keys if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and
+                                    torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k],
+                                                b[k].view(torch.uint8) if b[k].dim() else b[k]))]
+
+
+def test_round_trip_gives_the_source_back_byte_for_byte(tmp_path):
+    """fully_reshardable tp2 pp2 -> zckpt at tp1 pp1 -> zckpt at tp2 pp2: every tensor as the source's."""
+    src = MEG / "gpt_tp2_pp2_dp1_fullyresh"
+    _convert(src, tmp_path / "one", tp=1, pp=1)
+    _convert(tmp_path / "one", tmp_path / "two", tp=2, pp=2)
+    a, b = _dcp_tensors(src, tmp_path), _dcp_tensors(tmp_path / "two", tmp_path)
+    tensors = sorted(k for k, v in a.items() if isinstance(v, torch.Tensor) and not k.startswith("rng_state"))
+    assert tensors and set(tensors) <= set(b), set(tensors) - set(b)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in tensors)
+    assert not _equal(a, b, tensors)
+    c1 = torch.load(str(next(src.glob("iter_*")) / "common.pt"), weights_only=False)
+    c2 = torch.load(str(next((tmp_path / "two").glob("iter_*")) / "common.pt"), weights_only=False)
+    assert c1["optimizer"] == c2["optimizer"] and c1["opt_param_scheduler"] == c2["opt_param_scheduler"]
+    assert (c1["iteration"], c1["num_floating_point_operations_so_far"], c1["content_metadata"]) == \
+        (c2["iteration"], c2["num_floating_point_operations_so_far"], c2["content_metadata"])
+    assert vars(c2["args"])["tensor_model_parallel_size"] == 2 and vars(c2["args"])["no_save_rng"] is True
+    assert {k: v for k, v in vars(c1["args"]).items() if k not in ("world_size", "data_parallel_size")} == \
+        {k: v for k, v in vars(c2["args"]).items() if k != "no_save_rng"}
+
+
+def test_dp_reshardable_source_the_weights_as_saved_and_state_stable(tmp_path):
+    """Megatron-LM's default layout -> fully_reshardable: the weights are the source's bytes; converting the output
+    again changes nothing."""
+    src = MEG / "gpt_tp1_pp1_dp2"
+    _convert(src, tmp_path / "one", tp=2)
+    _convert(tmp_path / "one", tmp_path / "two", tp=1)
+    a, b, c = (_dcp_tensors(p, tmp_path) for p in (src, tmp_path / "one", tmp_path / "two"))
+    weights = sorted(k for k, v in a.items() if isinstance(v, torch.Tensor) and not k.startswith(("optimizer.",
+                                                                                                   "rng_state")))
+    assert weights and not _equal(a, b, weights)
+    tensors = sorted(k for k, v in b.items() if isinstance(v, torch.Tensor))
+    assert sum(k.startswith("optimizer.state.param.") for k in tensors) == 9
+    assert set(tensors) == {k for k, v in c.items() if isinstance(v, torch.Tensor)} and not _equal(b, c, tensors)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+def _refused(tmp_path, src, words, **kw):
+    from zckpt.errors import ZckptError
+    out = tmp_path / "out"
+    with pytest.raises(ZckptError) as e:
+        _convert(src, out, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for w in words:
+        assert w in msg, msg
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
+    return e.value
+
+
+def test_a_vocabulary_that_does_not_divide_into_the_tp_is_refused(tmp_path):
+    _refused(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["padded_vocab_size", "64", "--tp 3"], tp=3)
+
+
+def test_uneven_pipeline_stages_are_refused(tmp_path):
+    _refused(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["2 layers", "--pp 3", "uneven"], pp=3)
+
+
+def test_heads_that_do_not_divide_are_refused(tmp_path):
+    _refused(tmp_path, MEG / "gpt_tp1_pp2_dp1_tied", ["num_attention_heads 4", "--tp 8"], tp=8)  # vocab 96 = 8 x 12
+
+
+def test_dp_reshardable_target_is_refused_not_ignored(tmp_path):
+    _refused(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["dp_reshardable", "fully_reshardable"], layout="dp_reshardable")
+
+
+def test_tp_for_another_target_is_refused(tmp_path):
+    from zckpt.errors import InvalidArgument
+    from zckpt.ops.convert import convert
+    with pytest.raises(InvalidArgument, match="--tp"):
+        convert(str(MEG / "gpt_tp1_pp1_dp2_fullyresh"), to="dcp", out=str(tmp_path / "o"), tp=2,
+                groups=["megatron-default"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_deepspeed_source_is_refused(tmp_path):
+    _refused(tmp_path, FIXTURES / "z2_bf16_ws2", ["--to megatron reads a Megatron checkpoint", "deepspeed"])
+
+
+def test_an_optimizer_other_than_adam_is_refused(tmp_path):
+    bad = tmp_path / "sgd"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp2_fullyresh", bad)
+    common = next(bad.glob("iter_*")) / "common.pt"
+    c = torch.load(str(common), weights_only=False)
+    c["args"].optimizer = "sgd"
+    torch.save(c, str(common))
+    _refused(tmp_path, bad, ["optimizer is 'sgd'", "Adam"])
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("src", ["gpt_tp1_pp1_dp2_fullyresh", "gpt_tp1_pp1_dp2"])
+def test_a_flipped_byte_in_the_source_is_refused(tmp_path, src):
+    import zckpt
+    bad = tmp_path / "bad"
+    shutil.copytree(MEG / src, bad)
+    ckpt = zckpt.open_checkpoint(str(bad))
+    if ckpt.extra.get("buckets"):  # dp_reshardable: a moment in a bucket
+        piece = ckpt.extra["buckets"]["decoder.layers.1.mlp.linear_fc1.weight"][1][0]
+    else:
+        piece = [r for r in ckpt.records if r.kind == "trainable"][3].exp_avg[0]
+    _flip(piece.path, piece.offset + 2)
+    _refused(tmp_path, bad, ["CRC-32"])
+
+
+def test_a_truncated_source_file_is_refused(tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(MEG / "gpt_tp2_pp2_dp1_fullyresh", bad)
+    data = sorted(next(bad.glob("iter_*")).glob("*.distcp"))[-1]
+    os.truncate(data, data.stat().st_size - 100)
+    _refused(tmp_path, bad, [data.name])
+
+
+def test_options_of_other_targets_are_refused_not_ignored(tmp_path):
+    from zckpt.errors import InvalidArgument
+    for kw in ({"world_size": 2}, {"groups": ["megatron-default"]}, {"native_names": True}, {"dtype": "bf16"}):
+        with pytest.raises(InvalidArgument, match="do not apply to --to megatron"):
+            _convert(MEG / "gpt_tp1_pp1_dp2_fullyresh", tmp_path / "o", **kw)
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,256 @@
+"""Megatron-Core ``torch_dist`` written from the training-state model: a Megatron-LM save folder that
+megatron-core's ``dist_checkpointing.load`` resumes at any TP / PP / DP (fixtures/megatron/README.md draws the
+files)::
+
+    OUT/latest_checkpointed_iteration.txt   the iteration, written last
+    OUT/iter_NNNNNNN/.metadata              PyTorch DCP metadata (:mod:`zckpt.engine.dcplayout`, shared with DCP)
+    OUT/iter_NNNNNNN/__I_0.distcp           one torch.save zip per tensor chunk or object
+    OUT/iter_NNNNNNN/common.pt              args, iteration, the optimizer's param groups (Adam's step in them),
+                                            the scheduler, counters, content metadata
+    OUT/iter_NNNNNNN/metadata.json          {"sharded_backend": "torch_dist", ...}
+
+Layout ``fully_reshardable`` (the default): every tensor in model space under its global key, as Megatron's
+``DistributedOptimizer.sharded_state_dict(..., 'fully_reshardable')`` saves it: the model weights as the source saved
+them (stacked layers: one key with a leading layer axis, TE-style norm names), and per parameter
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` (fp32 master and both moments); nothing depends on the
+ranks that load it, so megatron-core reshards it on load to any TP / PP / DP. The target TP / PP are checked
+against the model (vocabulary, heads, query groups, FFN divisible by TP; layers by PP: no uneven stages) and
+stated in the args, so that Megatron-LM knows whether its RNG states apply (none are carried: ``no_save_rng``).
+``dp_reshardable`` (flat DDP buckets at one TP / PP) is refused: write ``fully_reshardable``.
+
+Sources: a Megatron checkpoint read by :mod:`zckpt.megatron.reader`, either layout (``dp_reshardable`` state placed
+by :mod:`zckpt.megatron.buckets`, checked against the saved weights). Refused in one line, nothing written: an
+optimizer other than Adam, a checkpoint without optimizer state, a model the target TP / PP cannot split evenly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from zckpt.encoding import distcp
+from zckpt.engine import dcplayout, torchzip
+from zckpt.engine.torchzip import GlobalRef, NewObj, TensorOut
+from zckpt.errors import InvalidArgument, UnsupportedLayout
+from zckpt.io import storage
+from zckpt.megatron.reader import COMMON, LATEST, LAYERS, META_JSON, OPTIM_STATE
+from zckpt.state.model import Checkpoint, pieces_of
+
+LAYOUTS = ("fully_reshardable", "dp_reshardable")
+META_DOC = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+            "common_backend_version": 1}
+_DROP_ARGS = ("world_size", "data_parallel_size")  # the loading job's own; Megatron-LM reads its own args
+_GROUP_DROP = ("params",)  # a fully_reshardable save's param groups carry no params (Megatron fills them on load)
+
+
+@dataclass
+class MegatronPlan:
+    """What ``convert --to megatron`` writes (plain data; :func:`zckpt.engine.run.run_convert` writes it):
+    ``parts``: the iteration folder's DCP layout (``common.pt`` placed as one more file of it); ``written``: small
+    files written after the parts' ``.metadata`` (``metadata.json``, then ``latest_checkpointed_iteration.txt``)."""
+
+    source: str
+    tag: str
+    source_format: str
+    parts: list
+    written: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    layout: str = "fully_reshardable"
+    tp: int = 1
+    pp: int = 1
+    copies: list = field(default_factory=list)
+    carried: list = field(default_factory=list)
+    not_carried: dict = field(default_factory=dict)
+    to: str = "megatron"
+    optimizer: str = "adam"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.total_bytes for _, p in self.parts) + sum(len(d) for _, d in self.written)
+
+    def summary(self) -> dict:
+        files = []
+        for folder, part in self.parts:
+            files += [{"name": f"{folder}/{f.name}", "bytes": f.size} for f in part.files]
+            files.append({"name": f"{folder}/{part.commit_name}", "bytes": len(part.metadata)})
+        files += [{"name": rel, "bytes": len(data)} for rel, data in self.written]
+        return {"source": self.source, "tag": self.tag, "from": self.source_format, "to": "megatron",
+                "layout": self.layout, "optimizer": self.optimizer, "tp": self.tp, "pp": self.pp,
+                "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
+                "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes,
+                "carried": self.carried, "not_carried": self.not_carried}
+
+
+def _positive(name: str, value) -> int:
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidArgument(f"--{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_target(f: dict, tp: int, pp: int, path: str) -> None:
+    """The model splits evenly at ``tp`` / ``pp`` (what megatron-core asserts when it builds the model), or a
+    one-line refusal naming the size that does not."""
+    need = {"padded_vocab_size (the vocabulary)": f.get("vocab_size"), "num_attention_heads": f.get("num_attention_heads"),
+            "num_query_groups": f.get("num_query_groups"), "ffn_hidden_size": f.get("ffn_hidden_size"),
+            "num_layers": f.get("num_layers")}
+    missing = [k.split(" ")[0] for k, v in need.items() if v is None]
+    if missing:
+        raise UnsupportedLayout(f"the source does not say its {', '.join(missing)}, which a Megatron checkpoint's "
+                                "args must hold", path=path)
+    for what, n in list(need.items())[:4]:
+        if n % tp:
+            raise UnsupportedLayout(f"{what} {n} does not divide into --tp {tp}", path=path,
+                                    hint="choose a TP that divides it (Megatron pads the vocabulary when it "
+                                         "builds the model: a checkpoint's padded size is fixed)")
+    if f["num_layers"] % pp:
+        raise UnsupportedLayout(f"{f['num_layers']} layers do not split evenly into --pp {pp} stages (uneven "
+                                "pipeline stages are not written)", path=path, hint="choose a PP that divides them")
+
+
+def _records_by_key(ckpt: Checkpoint, md) -> dict[str, list]:
+    """Model key -> the records it holds, in order (a stacked key: one per layer)."""
+    by_name = {r.name: r for r in ckpt.records}
+    out = {}
+    for key, te in md.tensors.items():
+        if key.startswith(("optimizer.", "rng_state")):
+            continue
+        if key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
+            out[key] = [by_name.get(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(te.shape[0])]
+        else:
+            out[key] = [by_name.get(key)]
+    return out
+
+
+def _adam_state(ckpt: Checkpoint, path: str) -> None:
+    args = ckpt.extra.get("args") or {}
+    opt = args.get("optimizer")
+    if opt is not None and opt != "adam":
+        raise UnsupportedLayout(f"the run's optimizer is {opt!r}: only Adam's state (exp_avg, exp_avg_sq) is "
+                                "written", path=path)
+    stateful = [r for r in ckpt.records if r.kind == "trainable" and r.exp_avg]
+    if not stateful or not ckpt.extra.get("param_groups"):
+        raise UnsupportedLayout("the checkpoint holds no optimizer state (masters, moments and param groups) to "
+                                "carry", path=path, hint="zckpt merge writes the weights")
+    if ckpt.extra.get("step") is None:
+        raise UnsupportedLayout("the param groups do not agree on Adam's step", path=path)
+
+
+def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | None = None, pp: int | None = None,
+                  layout: str | None = None) -> MegatronPlan:
+    """The save folder of ``ckpt`` (a Megatron checkpoint, either optimizer layout) for ``tp`` / ``pp`` (default:
+    the source's), as plain data; ``checkpoint_id``: the output folder (DCP's ``storage_meta``)."""
+    path = ckpt.location.tag_dir
+    layout = layout or "fully_reshardable"
+    if layout not in LAYOUTS:
+        raise InvalidArgument(f"unknown Megatron layout {layout!r}", hint=f"choose one of {', '.join(LAYOUTS)}")
+    if layout == "dp_reshardable":
+        raise UnsupportedLayout("writing dp_reshardable (flat DDP buckets for one TP/PP) is not supported",
+                                path=path, hint="write --layout fully_reshardable: Megatron-LM resumes it at any "
+                                                "TP/PP/DP")
+    if ckpt.format != "megatron":
+        raise UnsupportedLayout(f"--to megatron reads a Megatron checkpoint; this is {ckpt.format}", path=path)
+    f = ckpt.extra["megatron"]
+    tp = _positive("tp", tp) if tp is not None else (f.get("tp") or 1)
+    pp = _positive("pp", pp) if pp is not None else (f.get("pp") or 1)
+    check_target(f, tp, pp, path)
+    if f.get("iteration") is None:
+        raise UnsupportedLayout("common.pt does not say the iteration, which names the folder Megatron-LM loads",
+                                path=path)
+    if f["optimizer_layout"] == "dp_reshardable":
+        from zckpt.megatron import buckets
+        ckpt = buckets.attach(ckpt)  # raises why the buckets could not be placed; checked against the weights
+    _adam_state(ckpt, path)
+    md = ckpt.extra["metadata"]
+    state: dict = {}
+    items = distcp.Items(path, ckpt.storage_options)
+    try:
+        for key, te in md.tensors.items():  # the weights exactly as saved (stacked layers, TE-style norm names)
+            if key.startswith(("optimizer.", "rng_state")):
+                continue
+            runs = distcp.tensor_runs(items, te, storage.join(path, ".metadata"))
+            state[key] = TensorOut(te.dtype, tuple(te.shape), [p for t, s, n in runs for p in pieces_of(t, s, n)])
+        extra = {k: items.load(v.file, v.offset, v.length) for k, v in md.values.items() if "._extra_state" in k}
+    finally:
+        items.close()
+    for key, recs in _records_by_key(ckpt, md).items():
+        if any(r is None for r in recs):
+            raise UnsupportedLayout(f"'{key}': the reader holds no record for each of its layers", path=path)
+        with_state = [bool(r.exp_avg) for r in recs]
+        if not any(with_state):
+            continue  # a weight without optimizer state (frozen in the run)
+        if not all(with_state):
+            raise UnsupportedLayout(f"'{key}': some layers have optimizer state and some do not", path=path)
+        te = md.tensors[key]
+        for name, pieces in (("param", lambda r: r.value), ("exp_avg", lambda r: r.exp_avg),
+                             ("exp_avg_sq", lambda r: r.exp_avg_sq)):
+            segs = [p for r in recs for p in pieces(r)]
+            state[f"{OPTIM_STATE}{name}.{key}"] = TensorOut("float32", tuple(te.shape), segs)
+    for key, value in extra.items():  # the local spec's [None] (the reader refuses TransformerEngine's)
+        state[key] = value
+    folder = ckpt.location.tag
+    iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
+    part = dcplayout.plan_dcp(state, iter_id)
+    common, dropped = _common(ckpt, f, tp, pp, layout)
+    archive = torchzip.plan_archive(common, "common")
+    part.files.append(dcplayout.DcpFile(COMMON, [(archive, 0)], archive.file_size))
+    iteration = f.get("iteration")
+    latest = str(iteration) if folder != "release" else "release"
+    written = [(f"{folder}/{META_JSON}", json.dumps(META_DOC).encode()), (LATEST, latest.encode())]
+    n_state = sum(1 for k in state if k.startswith(OPTIM_STATE)) // 3
+    notes = [f"{layout}: {len([k for k in state if not k.startswith(OPTIM_STATE) and '/' not in k])} model keys as "
+             f"saved, the fp32 master and both Adam moments of {n_state} in model space; loads at any TP/PP/DP",
+             f"args state --tp {tp} --pp {pp}; RNG states not carried (no_save_rng: Megatron-LM reseeds)"]
+    if f["optimizer_layout"] == "dp_reshardable":
+        notes.append("optimizer state read from the source's dp_reshardable buckets (placed by megatron-core's "
+                     "layout rule, every master checked against its saved weight)")
+    carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)", "opt_param_scheduler",
+               "iteration", "consumed_train_samples", "num_floating_point_operations_so_far", "args"]
+    left = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)"}
+    if dropped:
+        left[f"args.{{{','.join(dropped)}}}"] = "not plain values (Megatron-LM's loader compares none of them)"
+        notes.append(f"left out args {', '.join(dropped)}: not plain values")
+    return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
+                        tp, pp, carried=carried, not_carried=left)
+
+
+def _plain(value) -> bool:
+    try:
+        dcplayout.check_plain(value, "")
+        return True
+    except UnsupportedLayout:
+        return False
+
+
+def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str) -> tuple[dict, list[str]]:
+    """``common.pt``: what Megatron-LM's ``generate_state_dict`` keeps out of the sharded tensors; and the names of
+    the args left out (not plain values)."""
+    source_args = ckpt.extra.get("args") or {}
+    dropped = sorted(k for k, v in source_args.items() if k not in _DROP_ARGS and not _plain(v))
+    args = {k: v for k, v in source_args.items() if k not in _DROP_ARGS and k not in dropped}
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
+                dist_ckpt_optim_fully_reshardable=layout == "fully_reshardable", no_save_rng=True)
+    content = dict(f.get("content_metadata") or {})
+    content["distrib_optim_sharding_type"] = layout
+    if layout == "fully_reshardable":
+        content.setdefault("distrib_optim_fully_reshardable_mem_efficient", False)
+    content.setdefault("singleton_local_shards", False)
+    content.setdefault("chained_optim_avoid_prefix", True)
+    step = float(ckpt.extra["step"])
+    groups = [{**{k: v for k, v in g.items() if k not in _GROUP_DROP}, "step": step}
+              for g in ckpt.extra["param_groups"]]
+    side = ckpt.extra.get("common") or {}
+    out = {"args": NewObj(GlobalRef("argparse", "Namespace"), args), "checkpoint_version": 3.0,
+           "iteration": f.get("iteration"),
+           "optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": layout}}
+    if "opt_param_scheduler" in side:
+        out["opt_param_scheduler"] = side["opt_param_scheduler"]
+    if "num_floating_point_operations_so_far" in side:
+        out["num_floating_point_operations_so_far"] = side["num_floating_point_operations_so_far"]
+    out["content_metadata"] = content
+    for what, value in (("param groups", groups), ("scheduler", out.get("opt_param_scheduler"))):
+        if not _plain(value):
+            raise UnsupportedLayout(f"the source's {what} hold values that are not plain data", path=ckpt.location.tag_dir)
+    return out, dropped
+
