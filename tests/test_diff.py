@@ -269,3 +269,18 @@ def test_check_conversion_recipe_runs_in_order(workspace):
         assert res.exit_code == 0, f"{command}\n{res.output}"
         if command.startswith("zckpt diff") and "--only" not in command:
             assert "SAME:" in res.stdout and "0 differ" in res.stdout, res.output
+
+
+def test_a_url_side(s3_server, outs, changed):
+    """A checkpoint behind an S3 URL (the real local S3 server) against a local one: the same verdicts."""
+    from tests.test_distributed import _upload
+    opts = s3_server.storage_options()
+    url = s3_server.url("diff", "dcp")
+    _upload(outs / "dcp", url, opts)
+    r = zckpt.diff(str(Z2), url, storage_options=opts)
+    assert r.ok and r.b == url and r.crc_checked_entries > 0, r.summary()
+    moved = s3_server.url("diff", "moment")
+    _upload(changed["moment"], moved, opts)
+    r = zckpt.diff(moved, str(Z2), storage_options=opts)
+    assert [d.label for d in r.differences] == ["blocks.0.up.weight [exp_avg_sq]"]
+    assert r.differences[0].to_json()["first_index_nd"] == [9, 6]

@@ -19,6 +19,7 @@ values; a NaN against a number, or infinities of other signs, are never within a
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 from zckpt.encoding.lazytensor import DTYPE_SIZES, FLOATING
@@ -115,8 +116,8 @@ def compare_range(readers, a_pieces, a_dtype: str, b_pieces, b_dtype: str, start
     :class:`~zckpt.encoding.tensors.Reader` per side) and compared; ``cast_to``: a dtype a side is first cast to
     (fp32 masters against weights stored in the training dtype: torch's rounding, :mod:`zckpt.encoding.casting`)."""
     import numpy as np
-    a = _read(readers[0], slice_pieces(a_pieces, start, length), a_dtype, length)
-    b = _read(readers[1], slice_pieces(b_pieces, start, length), b_dtype, length)
+    a = _read(readers[0], slice_pieces(a_pieces, start, length), a_dtype, length, "a")
+    b = _read(readers[1], slice_pieces(b_pieces, start, length), b_dtype, length, "b")
     if cast_to[0]:
         a, a_dtype = _cast(a, a_dtype, cast_to[0]), cast_to[0]
     if cast_to[1]:
@@ -218,11 +219,21 @@ def _cast(raw, src: str, dst: str):
     return casting.cast(raw.view(np.uint8), src, dst).view(_np_dtype(dst)).copy()
 
 
-def _read(reader, pieces, dtype: str, length: int):
+_tls = threading.local()
+
+
+def _read(reader, pieces, dtype: str, length: int, slot: str):
+    """The pieces' bytes in this thread's buffer ``slot`` (reused range after range: no fresh pages to fault in;
+    valid until the thread's next read into the same slot)."""
     import numpy as np
-    buf = np.empty(length, dtype=_np_dtype(dtype))
-    reader.read_pieces(pieces, memoryview(buf.view(np.uint8)))
-    return buf
+    nbytes = length * DTYPE_SIZES[dtype]
+    raw = getattr(_tls, slot, None)
+    if raw is None or raw.size < nbytes:
+        raw = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        setattr(_tls, slot, raw)
+    buf = raw[:nbytes]
+    reader.read_pieces(pieces, memoryview(buf))
+    return buf.view(_np_dtype(dtype))
 
 
 # ------------------------------------------------------------------------------------------ the verdict
