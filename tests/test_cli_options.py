@@ -126,3 +126,133 @@ def test_default_output_names_use_the_folder_name(outputs, tmp_path, monkeypatch
     monkeypatch.chdir(MEGATRON)
     code, out, err = run("merge", ".", "--dry-run", "--json")
     assert code == 0 and Path(json.loads(out)["output"]).name == "merged-gpt_tp2_pp1_dp2-fp32", (err, out)
+
+
+# ---------------------------------------------------------- items 3 and 7: options that do not apply, one answer
+
+@pytest.fixture(scope="module")
+def dcp_ckpt(tmp_path_factory) -> Path:
+    """A real DCP checkpoint: torch's dcp.save (one process) of get_state_dict after one AdamW step, and a
+    DeepSpeed config saying ZeRO-3 bf16."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    work = tmp_path_factory.mktemp("dcp")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "step-3"), no_dist=True)
+    (work / "ds_config.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                                                     "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    return work / "step-3"
+
+
+def _usage(code, err, *words):
+    (line,) = err.splitlines()
+    assert code == 2 and line.startswith("zckpt: error: ") and "Traceback" not in err, (code, err)
+    for w in words:
+        assert w in line, (w, line)
+    return line
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--world-size", "4"], "--world-size"), (["-w", "4"], "--world-size"), (["--stage", "3"], "--stage"),
+    (["--dtype", "bf16"], "--dtype"), (["--ds-config", "c.json"], "--ds-config"), (["--buffers", ""], "--buffers"),
+    (["--tied", "a=b"], "--tied")])
+def test_deepspeed_options_with_to_dcp_are_refused(extra, flag, tmp_path):
+    code, out, err = run("convert", TRAINER, "--to", "dcp", *extra, "-o", tmp_path / "o")
+    _usage(code, err, f"{flag}: does not apply here (--to dcp): only with --to deepspeed")
+    code, out, err = run("convert", TRAINER, *extra, "-o", tmp_path / "o")  # --to dcp by default: the same
+    _usage(code, err, f"{flag}: does not apply")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--layout", "torchtitan"], "--layout: torchtitan does not apply here (--to deepspeed): only with --to dcp"),
+    (["--layout", "trainer"], "--layout: trainer does not apply here"),
+    (["--adam-mode", "adam"], "--adam-mode: does not apply here (--to deepspeed)"),
+    (["--ntokens-seen", "0"], "--ntokens-seen: does not apply here (--to deepspeed, --layout auto): only with --to "
+                              "dcp and with --layout torchtitan"),
+    (["--tag", "global_step4"], "--tag: does not apply here (--to deepspeed)")])
+def test_dcp_options_with_to_deepspeed_are_refused(dcp_ckpt, extra, words, tmp_path):
+    code, out, err = run("convert", dcp_ckpt, "--to", "deepspeed", "-w", "2", "--stage", "2", "--dtype", "fp32",
+                         *extra, "-o", tmp_path / "o")
+    _usage(code, err, words)
+
+
+def test_torchtitan_options_need_the_torchtitan_layout(tmp_path):
+    for extra in (["--ntokens-seen", "0"], ["--lr-last-epoch", "1"], ["--initial-lr", "0.1"]):
+        code, _, err = run("convert", TRAINER, "--layout", "dcp", *extra, "-o", tmp_path / "o")
+        _usage(code, err, f"{extra[0]}: does not apply here (--layout dcp): only with --to dcp and with --layout torchtitan")
+
+
+def test_stage_and_dtype_against_the_config(dcp_ckpt, tmp_path):
+    cfg = dcp_ckpt.parent / "ds_config.json"
+    code, _, err = run("convert", dcp_ckpt, "--to", "deepspeed", "-w", "2", "--stage", "2", "--ds-config", cfg,
+                       "-o", tmp_path / "o")
+    _usage(code, err, "--stage: 2 contradicts the DeepSpeed config, whose zero_optimization.stage is 3", str(cfg))
+    code, _, err = run("convert", dcp_ckpt, "--to", "deepspeed", "-w", "2", "--dtype", "fp32", "--ds-config", cfg,
+                       "-o", tmp_path / "o")
+    _usage(code, err, "--dtype: fp32 contradicts the DeepSpeed config, which trains in bf16")
+    # the config's stage is the stage when --stage is not given; the same stage given is fine
+    for extra in ([], ["--stage", "3"]):
+        code, out, err = run("convert", dcp_ckpt, "--to", "deepspeed", "-w", "2", "--ds-config", cfg, *extra,
+                             "--dry-run", "--json")
+        assert code == 0, err
+        assert json.loads(out)["to"]["stage"] == 3
+    code, _, err = run("convert", dcp_ckpt, "--to", "deepspeed", "-w", "2", "--dtype", "bf16", "-o", tmp_path / "o")
+    _usage(code, err, "--stage: missing option, required with --to deepspeed")
+    assert not (tmp_path / "o").exists()
+
+
+def test_one_mistake_one_answer(dcp_ckpt, tmp_path):
+    # a missing --world-size: exit 2 in both commands that take it, named alike
+    code, _, err = run("convert", dcp_ckpt, "--to", "deepspeed", "--stage", "2", "--dtype", "fp32")
+    _usage(code, err, "--world-size: missing option")
+    code, _, err = run("reshard", SAVE)
+    _usage(code, err, "--world-size: missing option")
+    # -w everywhere --world-size is, one --stage type, both ranges said alike
+    from zckpt.cli import COMMANDS
+    import importlib
+    commands = {n: getattr(importlib.import_module(t.split(":")[0]), t.split(":")[1]) for n, t in COMMANDS.items()}
+    stages = set()
+    for name, command in commands.items():
+        for p in command.params:
+            if "--world-size" in p.opts:
+                assert "-w" in p.opts, name
+            if "--stage" in p.opts:
+                stages.add(repr(p.type))
+    assert len(stages) == 1, stages
+    for args in (["reshard", SAVE, "-w", "0"], ["convert", dcp_ckpt, "--to", "deepspeed", "-w", "0"],
+                 ["estimate", "--params", "8B", "--largest-layer", "1M", "--gpus", "0"],
+                 ["estimate", "--params", "8B", "--largest-layer", "1M", "--nodes", "0"]):
+        code, _, err = run(*args)
+        _usage(code, err, ": 0 is not in the range x>=1")
+    for args in (["reshard", SAVE, "-w", "2", "--stage", "4"], ["convert", dcp_ckpt, "--to", "deepspeed", "-w", "2",
+                                                                "--stage", "4"]):
+        code, _, err = run(*args)
+        _usage(code, err, "--stage: 4 is not in the range 1<=x<=3")
+    # the Megatron reshard refusal names the command that does it
+    code, _, err = run("reshard", MEGATRON, "-w", "2", "--dry-run")
+    assert code == 1 and "zckpt convert PATH --to deepspeed --world-size N --groups megatron-default" in err, err
+
+
+def test_options_of_other_commands(tmp_path):
+    code, _, err = run("push", TRAINER.parent, tmp_path / "dest", "--every", "1m", "--allow-empty")
+    _usage(code, err, "--allow-empty: does not apply here (--every 1m): only without --every")
+    code, _, err = run("push", TRAINER.parent, tmp_path / "dest", "--part-size", "8MiB", "--dry-run")
+    _usage(code, err, "--part-size: does not apply here (DEST ", "only with DEST an s3:// URL")
+    code, _, err = run("merge", TRAINER, "-o", tmp_path / "m", "--output-storage-option", "anon=true")
+    _usage(code, err, "--output-storage-option: does not apply here (-o ", "only with -o a URL")
+    code, _, err = run("estimate", "--params", "10", "--largest-layer", "1", "--headroom", "25%")
+    _usage(code, err, "--headroom: does not apply here (no --gpu-memory): only with --gpu-memory")
+    code, _, err = run("estimate", SAVE, "--params", "10", "--largest-layer", "1")
+    _usage(code, err, "--params: does not apply here (PATH ")
+    assert not (tmp_path / "dest").exists() and not (tmp_path / "m").exists()

@@ -682,28 +682,33 @@ def test_cli_nothing_fits_is_an_answer():
 @pytest.mark.parametrize("args,words", [
     ([], "give the model size"),
     (["--params", "abc", "--largest-layer", "1"], "cannot read 'abc'"),
-    (["--params", "100"], "--params needs --largest-layer"),
-    (["--largest-layer", "100"], "--largest-layer needs --params"),
+    (["--params", "100"], "--largest-layer: missing option, required with --params"),
+    (["--largest-layer", "100"], "--largest-layer: does not apply here (no --params): only with --params"),
     (["--params", "10", "--largest-layer", "11"], "larger than --params"),
     (["--params", "0", "--largest-layer", "0"], "at least 1"),
-    (["--params", "10", "--largest-layer", "1", "--gpus", "0"], "--gpus must be at least 1"),
-    (["--params", "10", "--largest-layer", "1", "--gpus", "two"], "--gpus must be a whole number"),
-    (["--params", "10", "--largest-layer", "1", "--nodes", "-1"], "--nodes must be at least 1"),
+    (["--params", "10", "--largest-layer", "1", "--gpus", "0"], "--gpus: 0 is not in the range x>=1"),
+    (["--params", "10", "--largest-layer", "1", "--gpus", "two"], "--gpus: 'two' is not a valid integer"),
+    (["--params", "10", "--largest-layer", "1", "--nodes", "-1"], "--nodes: -1 is not in the range x>=1"),
     (["--params", "10", "--largest-layer", "1", "--buffer-factor", "-1"], "--buffer-factor"),
     (["--params", "10", "--largest-layer", "1", "--buffer-factor", "inf"], "--buffer-factor"),
     (["--params", "10", "--largest-layer", "1", "--gpu-memory", "lots"], "memory size"),
     (["--params", "10", "--largest-layer", "1", "--gpu-memory", "80GiB", "--headroom", "25"], "ambiguous"),
     (["--params", "10", "--largest-layer", "1", "--gpu-memory", "80GiB", "--headroom", "100%"], "nothing"),
     (["--params", "10", "--largest-layer", "1", "--gpu-memory", "8GiB", "--headroom", "9GiB"], "nothing"),
-    (["--params", "10", "--largest-layer", "1", "--headroom", "25%"], "--headroom goes with --gpu-memory"),
-    (["--params", "10", "--largest-layer", "1", "--config", "x.json"], "one source"),
+    (["--params", "10", "--largest-layer", "1", "--headroom", "25%"], "--headroom: does not apply here (no "
+                                                                        "--gpu-memory): only with --gpu-memory"),
+    (["--params", "10", "--largest-layer", "1", "--config", "x.json"], "--params: does not apply here (--config "
+                                                                         "x.json): only without PATH and without"),
     (["--config", "/nonexistent/config.json"], "no such file"),
     (["/nonexistent/checkpoint"], "no such file or folder"),
-    (["--params", "10", "--largest-layer", "1", "--tag", "t"], "--tag goes with"),
+    (["--params", "10", "--largest-layer", "1", "--tag", "t"], "--tag: does not apply here (no PATH): only with PATH"),
 ])
 def test_cli_bad_inputs_are_one_line_errors(args, words):
+    """A value zckpt reads and refuses: exit 1; a usage mistake (an option outside its range, one that does not
+    apply, a missing one: the message starts with the flag and a colon) exit 2, as in every command."""
     result = run(*args)
-    assert result.exit_code == 1, result.output
+    usage = re.match(r"--[a-z-]+: (missing option|does not apply|-?\w+ is not in the range|'\w+' is not a valid)", words)
+    assert result.exit_code == (2 if usage else 1), result.output
     assert result.stdout == ""
     assert result.stderr.startswith("zckpt: error:") and result.stderr.count("\n") == 1
     assert words in result.stderr

@@ -764,7 +764,7 @@ def test_cli_help_parsing_and_json(tmp_path):
     res = runner.invoke(main, ["push", str(src), str(tmp_path / "dest"), "--settle", "0"])
     assert "checkpoint-2: up to date" in res.stdout and "checkpoint-4: incomplete" in res.stdout
     res = runner.invoke(main, ["push", str(src), str(tmp_path / "dest"), "--every", "1m", "--once"])
-    assert res.exit_code == 1 and "--every and --once exclude each other" in res.stderr  # read, then refused
+    assert res.exit_code == 2 and "--once: does not apply here (--every 1m): only without --every" in res.stderr
 
 
 def test_cli_storage_options_reach_s3(s3_server, tmp_path, monkeypatch):

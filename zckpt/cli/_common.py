@@ -175,6 +175,8 @@ def _home_expanded(f):
                                       hint="a shell variable that is not set? give the path")
             if name in kwargs:
                 kwargs[name] = expand_home(kwargs[name])
+        from zckpt.cli import _applies
+        _applies.check(click.get_current_context(silent=True))  # options that do not apply: one table
         return f(*args, **kwargs)
     return command
 

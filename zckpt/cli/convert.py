@@ -29,8 +29,10 @@ Examples:
                    "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
                    "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
                    "engine.load_checkpoint restores (needs --world-size, --stage, and --ds-config or --dtype).")
-@click.option("--world-size", type=click.IntRange(1), default=None, help="--to deepspeed: the DeepSpeed job's ranks.")
-@click.option("--stage", type=click.IntRange(1, 3), default=None, help="--to deepspeed: the ZeRO stage (1, 2, 3).")
+@click.option("--world-size", "-w", "world_size", type=click.IntRange(1), default=None,
+              help="--to deepspeed: the DeepSpeed job's ranks.")
+@click.option("--stage", type=click.IntRange(1, 3), default=None,
+              help="--to deepspeed: the ZeRO stage (1, 2, 3); default: the --ds-config's zero_optimization.stage.")
 @click.option("--ds-config", default=None, metavar="JSON",
               help="--to deepspeed: the DeepSpeed config the job runs with (precision, gradient_clipping and "
                    "zero_optimization shape the files).")
@@ -98,6 +100,9 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     from zckpt.units import format_size as human_bytes
 
     settings().output = out
+    if to == "deepspeed":  # --stage against the config it names (the options of each --to: cli/_applies.py)
+        from zckpt.cli._applies import convert_config
+        stage = convert_config(ds_config, stage, dtype, storage_options)
     titan = {"ntokens_seen": ntokens_seen, "lr_last_epoch": lr_last_epoch, "initial_lr": _lrs(initial_lr)}
     with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
         quiet = quiet or (group is not None and group.rank != 0)

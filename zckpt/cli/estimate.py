@@ -43,16 +43,6 @@ def _count(text: str, what: str) -> int:
     return parse_count(text, what)
 
 
-def _positive_int(text: str, option: str) -> int:
-    try:
-        value = int(str(text).replace("_", ""), 10)
-    except ValueError:
-        raise InvalidArgument(f"{option} must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise InvalidArgument(f"{option} must be at least 1, got {value}")
-    return value
-
-
 def _buffer_factor(text: str) -> float:
     try:
         value = float(text)
@@ -116,9 +106,10 @@ def _read_config(path: str) -> dict:
               help="Most parameters owned directly by one module (usually the embedding or LM head).")
 @click.option("--config", "config_path", metavar="PATH", default=None,
               help="A Hugging Face config.json, or a folder holding one.")
-@click.option("--gpus", "--gpus-per-node", "gpus_text", metavar="G", default="1", show_default=True,
+@click.option("--gpus", "--gpus-per-node", "gpus", type=click.IntRange(1), metavar="G", default=1, show_default=True,
               help="GPUs per node.")
-@click.option("--nodes", "nodes_text", metavar="N", default="1", show_default=True, help="Number of nodes.")
+@click.option("--nodes", "nodes", type=click.IntRange(1), metavar="N", default=1, show_default=True,
+              help="Number of nodes.")
 @click.option("--buffer-factor", "buffer_text", metavar="F", default="1.5", show_default=True,
               help="DeepSpeed's additional_buffer_factor (scales the CPU figures only).")
 @click.option("--gpu-memory", "gpu_memory_text", metavar="SIZE", default=None,
@@ -127,7 +118,7 @@ def _read_config(path: str) -> dict:
               help="Part of the GPU kept free for activations: 25% (default), 0.3, or a size like 16GiB.")
 @follow_links_option
 @global_options()
-def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes_text, buffer_text,
+def estimate(path, tag, params_text, largest_text, config_path, gpus, nodes, buffer_text,
              gpu_memory_text, headroom_text, as_json, quiet):
     """Memory per GPU and per node for each ZeRO stage and offload setting.
 
@@ -187,8 +178,6 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus_text, nodes
         source = f"from checkpoint {path}" + (f", tag {tag}" if tag else "")
         kind, read, model_type = "checkpoint", path, None
 
-    gpus = _positive_int(gpus_text, "--gpus")
-    nodes = _positive_int(nodes_text, "--nodes")
     buffer_factor = _buffer_factor(buffer_text)
     rows = est.estimate(params, largest, gpus, nodes, buffer_factor)
 

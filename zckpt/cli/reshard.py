@@ -22,7 +22,7 @@ Examples:
 @click.argument("path")
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(1, None), required=True,
               help="Data-parallel world size the output is for.")
-@click.option("--stage", type=click.Choice(["1", "2", "3"]), default=None,
+@click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of the output (default: the source's).")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
@@ -58,7 +58,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
     with launched() as group:  # under torchrun / srun / deepspeed: every rank writes a share, rank 0 publishes
         quiet = quiet or (group is not None and group.rank != 0)
         with Progress("reshard", enabled=not quiet and not as_json and not dry_run) as bar:
-            result = run(path, out, world_size=world_size, stage=int(stage) if stage else None, fmt=fmt, tag=tag,
+            result = run(path, out, world_size=world_size, stage=stage, fmt=fmt, tag=tag,
                          dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
                          bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options,
                          group=None if dry_run else group)

@@ -211,13 +211,36 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
         "normalization": a.get("normalization"), "position_embedding_type": a.get("position_embedding_type"),
         "add_bias_linear": a.get("add_bias_linear") if isinstance(a.get("add_bias_linear"), bool) else None,
         "params_dtype": a.get("params_dtype"), "max_position_embeddings": _int(a.get("max_position_embeddings")),
-        "norm_epsilon": _num(a.get("norm_epsilon")), "rotary_base": _num(a.get("rotary_base")),
+        # Megatron-LM >= 0.14 saves --norm-epsilon as TransformerConfig's layernorm_epsilon; older ones norm_epsilon
+        "norm_epsilon": _num(a.get("layernorm_epsilon")) if _num(a.get("layernorm_epsilon")) is not None
+        else _num(a.get("norm_epsilon")), "rotary_base": _num(a.get("rotary_base")),
         "rotary_percent": _num(a.get("rotary_percent")),
         "iteration": _int(common.get("iteration")) if _int(common.get("iteration")) is not None
         else _int(a.get("iteration")),
+        "run": run_facts(a),
         "optimizer_layout": layout, "checkpoint_version": common.get("checkpoint_version"),
         "content_metadata": dict(content), "has_args": bool(a),
     }
+
+
+#: what Megatron-LM's args say about the run (``info``'s "run"), each as saved; absent ones are left out
+RUN_FACTS = ("consumed_train_samples", "train_iters", "train_samples", "global_batch_size", "micro_batch_size",
+             "seq_length", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "weight_decay", "clip_grad",
+             "attention_backend", "transformer_impl", "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by",
+             "ckpt_format", "exit_signal", "model_type", "seed")
+
+
+def _plain_value(v):
+    """An args value as info shows it: an enum stand-in by its member's name, a dtype by its name."""
+    if isinstance(v, safeload.EnumValue):
+        return getattr(v, "name", None) or repr(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain_value(x) for x in v]
+    return v if isinstance(v, (str, int, float, bool)) or v is None else repr(v)
+
+
+def run_facts(args: dict) -> dict:
+    return {k: _plain_value(args[k]) for k in RUN_FACTS if k in args}
 
 
 def check_extra_state(key: str, value, path: str | None = None) -> None:
