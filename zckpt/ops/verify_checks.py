@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from zckpt.io import hashing, storage
@@ -167,59 +168,98 @@ def check_megatron_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
 DISTCP_FORMATS = ("dcp", "megatron")  # formats whose data files are DCP .distcp files of torch-zip items
 
 
-def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None) -> None:
-    """Every item of every ``.distcp`` file read: each is a torch zip whose entries' CRC-32 must match."""
+def dcp_items(ckpt: Checkpoint) -> dict:
+    """path -> [(offset, length, key)]: the items of a DCP (or torch_dist) checkpoint's ``.distcp`` files."""
     from zckpt.encoding.distcp import items_by_file
+    return items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)
+
+
+def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, tick=None) -> None:
+    """Every item of every ``.distcp`` file read: each is a torch zip whose entries' CRC-32 must match. ``tick``:
+    the :class:`Ticker` the bytes read are reported to (default: one of ``progress``, over the items' bytes)."""
     from zckpt.encoding.zipentries import Window
-    by_file = items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)
-    total = sum(length for its in by_file.values() for _, length, _ in its)
-    damaged, done = [], 0
+    by_file = dcp_items(ckpt)
+    tick = tick or Ticker(sum(length for its in by_file.values() for _, length, _ in its), progress)
+    damaged, first = [], tick.done
     for path, its in by_file.items():
         with storage.open_input(path, ckpt.storage_options) as f:
             for offset, length, key in its:
                 window = Window(f, offset, length)
+                start = tick.done
                 try:
                     entries = read_entries(window, length, path)
                 except CorruptFile as exc:
                     damaged.append(f"{storage.basename(path)}@{offset} ({key}): {exc.message}")
-                    continue
+                    entries = {}
                 for e in entries.values():
                     window.seek(e.data_offset)
                     crc, left = 0, e.size
                     while left:
-                        block = window.read(min(left, 4 << 20))
+                        block = window.read(min(left, READ_CHUNK))
                         if not block:
                             break
                         crc, left = hashing.crc32(block, crc), left - len(block)
+                        tick(len(block))  # the bar advances by bytes, not by whole items
                     if left or crc != e.crc:
                         damaged.append(f"{storage.basename(path)}@{offset} ({key}):{e.name}")
-                done += length
+                tick(length - (tick.done - start))  # the item's headers: each item counts its length once
                 report.bytes_read += length
-                if progress:
-                    progress(done, total)
+    done = tick.done - first
     report.add("CRC of every item", not damaged, "; ".join(damaged[:5]) or
                f"{sum(len(v) for v in by_file.values())} items in {len(by_file)} .distcp files, {format_size(done)}")
 
 
-def _scan_file(path: str, storage_options: dict | None = None) -> tuple[int, list[str], str]:
+READ_CHUNK = 4 << 20  # bytes read at a time by verify --deep (and reported to its progress bar)
+
+
+class Ticker:
+    """``tick(n)``: ``n`` more bytes read, reported to ``progress(done, total)`` as they are read (thread-safe: the
+    files are read by several threads), so that ``verify --deep``'s bar advances by bytes as merge's does."""
+
+    def __init__(self, total: int, progress=None):
+        self.total, self.progress, self.done = total, progress, 0
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._lock:
+            self.done += n
+            if self.progress:
+                self.progress(self.done, self.total)
+
+
+def _scan_file(path: str, storage_options: dict | None = None, tick=None) -> tuple[int, list[str], str]:
     """One sequential pass over a rank file: the CRC of every zip entry and the sha256 of the whole file.
 
     Returns (bytes read, damaged entry names, sha256 hex); the hash lets a manifest be checked without a second
     read of the same bytes."""
     with storage.open_input(path, storage_options) as f:
         if legacy.is_legacy(f.read(4)):
-            return _scan_legacy(f, path)
+            return _scan_legacy(f, path, tick)
         try:
             entries = read_entries(f, None, path)
         except CorruptFile as exc:  # any damage to the directory is a failed check
             return 0, [exc.message], ""
         crcs = StreamedCrcs(entries.values())  # each entry's CRC over the bytes as they are hashed
         f.seek(0)
-        digest = hashing.sha256_stream(f, on_chunk=crcs, name=path)
+        digest = hashing.sha256_stream(f, on_chunk=_ticking(crcs, tick), name=path, chunk=READ_CHUNK)
     return crcs.pos, crcs.damaged(), digest
 
 
-def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
+def _ticking(on_chunk, tick):
+    """``on_chunk`` that also reports each chunk's length to ``tick``."""
+    if tick is None:
+        return on_chunk
+
+    def both(chunk) -> None:
+        if on_chunk is not None:
+            on_chunk(chunk)
+        tick(len(chunk))
+    return both
+
+
+def _scan_legacy(f, path: str, tick=None) -> tuple[int, list[str], str]:
     """A legacy (non-zip) file has no CRCs: its layout is checked (pickles, storage keys, sizes that end the file,
     each storage's size field), then every byte is read and hashed, the size fields compared again in the stream."""
     size = f.seek(0, 2)
@@ -229,7 +269,7 @@ def _scan_legacy(f, path: str) -> tuple[int, list[str], str]:
         return 0, [exc.message], ""
     check = legacy.FieldCheck(legacy.size_fields(places))
     f.seek(0)
-    digest = hashing.sha256_stream(f, on_chunk=check, name=path)
+    digest = hashing.sha256_stream(f, on_chunk=_ticking(check, tick), name=path, chunk=READ_CHUNK)
     return check.pos, check.problems(size), digest
 
 
@@ -247,15 +287,17 @@ def _is_zip_file(path: str, storage_options: dict | None = None) -> bool:
     return head == LOCAL_SIG or (name.endswith(".bin") and legacy.is_legacy(head))
 
 
-def _read_whole(path: str, storage_options: dict | None = None) -> tuple[int, list[str], str]:
-    """Every byte of one file: (bytes read, damaged zip entries, sha256). Torch zips get the CRC of every entry."""
+def _read_whole(path: str, storage_options: dict | None = None, tick=None) -> tuple[int, list[str], str]:
+    """Every byte of one file: (bytes read, damaged zip entries, sha256). Torch zips get the CRC of every entry.
+    ``tick(n)``: called as the bytes are read."""
     if _is_zip_file(path, storage_options):
-        n, bad, digest = _scan_file(path, storage_options)
+        n, bad, digest = _scan_file(path, storage_options, tick)
         if not digest:  # the zip directory itself is damaged: still hash every byte for the manifest
-            digest = hashing.sha256_file(path, storage_options=storage_options)
+            digest = hashing.sha256_file(path, storage_options=storage_options, on_chunk=_ticking(None, tick),
+                                         chunk=READ_CHUNK)
         return max(n, storage.size(path, storage_options)), bad, digest
     with storage.open_input(path, storage_options) as f:
-        digest = hashing.sha256_stream(f, name=path)
+        digest = hashing.sha256_stream(f, name=path, on_chunk=_ticking(None, tick), chunk=READ_CHUNK)
         return f.tell(), [], digest
 
 
@@ -264,19 +306,32 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
     """Read every byte of ``files`` (default: the rank files) and of ``extra`` paths: the CRC of every torch zip
     entry, every safetensors header against its size, and the sha256 of each file (returned by path, for the
     manifests)."""
+    opts = ckpt.storage_options
+    items = 0
     if ckpt.format in DISTCP_FORMATS:  # .distcp items by their CRCs; .metadata was read whole at open
-        check_dcp_bytes(ckpt, report, progress)
+        items = sum(length for its in dcp_items(ckpt).values() for _, length, _ in its)
         files = [f for f in (files or []) if not f.rel.endswith(".distcp") and f.rel.rsplit("/", 1)[-1] != ".metadata"]
     elif files is None:
         files = ckpt_rank_files(ckpt)
     paths = [f.path for f in files] + list(extra or [])
-    opts = ckpt.storage_options
+    total = items + sum(f.size for f in files) + sum(_size_or_zero(p, opts) for p in extra or [])
+    # one bar over every byte read, by bytes as the threads read them; each file's count settled when it ends
+    tick = Ticker(total, progress)
+    if ckpt.format in DISTCP_FORMATS:
+        check_dcp_bytes(ckpt, report, progress, tick)
     if not paths:
         return {}
-    total = sum(f.size for f in files) + sum(_size_or_zero(p, opts) for p in extra or [])
     done, damaged, zips, hashes = 0, [], 0, {}
+
+    def read(p):
+        mine = Ticker(0)
+        result = _try_read(p, opts, lambda n: (mine(n), tick(n)))
+        if not isinstance(result, str):
+            tick(result[0] - mine.done)  # bytes counted without being streamed (a damaged zip directory)
+        return result
+
     with ThreadPoolExecutor(4) as pool:
-        for path, result in zip(paths, pool.map(lambda p: _try_read(p, opts), paths)):
+        for path, result in zip(paths, pool.map(read, paths)):
             if isinstance(result, str):
                 damaged.append(f"{storage.basename(path)}: {result}")
                 continue
@@ -285,8 +340,6 @@ def check_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, files: li
             report.bytes_read += n
             hashes[path_key(path)] = digest
             zips += _is_zip_file(path, opts)
-            if progress:
-                progress(done, total)
             damaged += [f"{storage.basename(path)}:{b}" for b in bad]
             log.debug("  %s: %s, %s", path, format_size(n), f"{len(bad)} damaged entries" if bad else
                       "CRCs match" if _is_zip_file(path, opts) else "read")
@@ -307,9 +360,9 @@ def _size_or_zero(path: str, storage_options: dict | None) -> int:
         return 0
 
 
-def _try_read(path: str, storage_options: dict | None):
+def _try_read(path: str, storage_options: dict | None, tick=None):
     try:
-        return _read_whole(path, storage_options)
+        return _read_whole(path, storage_options, tick)
     except (OSError, ZckptError) as exc:
         return f"cannot be read ({getattr(exc, 'message', None) or exc})"
 
