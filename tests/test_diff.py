@@ -284,3 +284,21 @@ def test_a_url_side(s3_server, outs, changed):
     r = zckpt.diff(moved, str(Z2), storage_options=opts)
     assert [d.label for d in r.differences] == ["blocks.0.up.weight [exp_avg_sq]"]
     assert r.differences[0].to_json()["first_index_nd"] == [9, 6]
+
+
+def test_ranks_of_a_launcher_split_the_ranges(changed, tmp_path):
+    """Under torchrun each rank compares a share; rank 0 says the verdict, every rank exits with it; a flipped byte
+    read by either rank is refused by all."""
+    from tests.test_checksums import damaged_copy
+    from tests.test_distributed import torchrun
+    res = torchrun(2, "diff", str(Z2), str(changed["moment"]), "--json")
+    assert res.returncode == 1, res.stderr[-2000:]
+    (line,) = [x for x in res.stdout.splitlines() if x.startswith("{")]  # rank 0 only
+    doc = json.loads(line)
+    (d,) = [t for t in doc["tensor_diffs"] if t["status"] != "equal"]
+    assert d["name"] == "blocks.0.up.weight" and d["state"] == "exp_avg_sq" and d["first_index_nd"] == [9, 6]
+    assert doc["counts"]["differ"] == 1 and doc["crc_checked_entries"] > 0
+    ck, piece, _ = damaged_copy(tmp_path, "trainer", "exp_avg")
+    res = torchrun(2, "diff", str(TRAINER), str(ck))
+    assert res.returncode != 0 and "CRC-32" in res.stderr and Path(piece.path).name in res.stderr
+    assert "DIFFER" not in res.stderr + res.stdout

@@ -49,17 +49,24 @@ def diff(a, b, only, include, exclude, atol, rtol, ulp, tag_a, tag_b, workers, s
     Llama-shaped; a tied alias compared once) and streamed in aligned ranges, every byte CRC-checked where the
     files hold one. One summary line (N equal, M differ, K only in A, L only in B), the first differences named;
     -v lists every tensor and value. Exit status 0 when everything compared is equal (within --atol / --rtol /
-    --ulp), 1 when anything differs or is on one side only.
+    --ulp), 1 when anything differs or is on one side only. Under torchrun / srun each rank compares a share.
     """
     from zckpt.cli._common import settings
+    from zckpt.engine.launch import launched
     from zckpt.errors import InvalidArgument
     from zckpt.ops.diff import diff as run
 
     if workers is not None and workers < 1:
-        raise InvalidArgument(f"--workers {workers}: at least 1", param="workers")
-    with Progress("diff", enabled=not quiet and not as_json) as bar:
-        result = run(a, b, only=only, include=include, exclude=exclude, atol=atol, rtol=rtol, ulp=ulp,
-                     tag_a=tag_a, tag_b=tag_b, storage_options=storage_options, workers=workers, progress=bar)
+        raise InvalidArgument(f"{workers}: at least 1", param="workers")
+    with launched() as group:  # under torchrun / srun / deepspeed: each rank compares a share, rank 0 says it
+        with Progress("diff", enabled=not quiet and not as_json and (group is None or group.rank == 0)) as bar:
+            result = run(a, b, only=only, include=include, exclude=exclude, atol=atol, rtol=rtol, ulp=ulp,
+                         tag_a=tag_a, tag_b=tag_b, storage_options=storage_options, workers=workers, progress=bar,
+                         group=group)
+    if group is not None and group.rank != 0:  # the same verdict (exit status) on every rank, said once
+        if not result.ok:
+            raise SystemExit(1)
+        return
     if as_json:
         emit_json(result.to_json())
     else:

@@ -56,7 +56,6 @@ class Stats:
     first_a: float | int | None = None
     first_b: float | int | None = None
     first_outside: int | None = None  # flat index of the first element beyond the tolerance
-    _firsts: list = field(default_factory=list, repr=False)
 
     def merge(self, other: Stats) -> None:
         self.numel += other.numel

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import logging
 import math
 import os
@@ -232,7 +233,7 @@ def _tolerance(atol, rtol, ulp) -> Tolerance:
 def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | None = None,
          rtol: float | None = None, ulp: int | None = None, tag_a: str | None = None, tag_b: str | None = None,
          storage_options: dict | None = None, storage_options_b: dict | None = None, workers: int | None = None,
-         progress=None) -> DiffResult:
+         progress=None, group=None) -> DiffResult:
     """Compare the checkpoints at ``a`` and ``b`` (any format zckpt reads, local or URL; see the module docstring).
 
     ``only``: parts to compare ("weights,optimizer" or a list of :data:`PARTS`; default all); ``include`` /
@@ -240,7 +241,9 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
     and no ``exclude`` glob); ``atol`` / ``rtol`` / ``ulp``: the tolerance (default: equal bits); ``tag_a`` /
     ``tag_b``: a tag or iteration of each side; ``storage_options``: fsspec options for URLs (``b`` too, unless
     ``storage_options_b``); ``workers``: threads comparing at once (default: the CPUs, at most 8);
-    ``progress(done_bytes, total_bytes)``: called as bytes are compared."""
+    ``progress(done_bytes, total_bytes)``: called as bytes are compared (under a launcher: this rank's share).
+    ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`): each compares a share of the
+    ranges (by bytes), rank 0 checks every CRC from the spans all read, and every rank returns the same result."""
     t0 = time.perf_counter()
     parts = parse_parts(only)
     tol = _tolerance(atol, rtol, ulp)
@@ -257,7 +260,7 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
             not any(fnmatch.fnmatchcase(name, g) for g in exclude)
 
     jobs = _pair_tensors(sa, sb, parts, wanted, result)
-    _run(jobs, sa, sb, tol, result, workers, progress)
+    _run(jobs, sa, sb, tol, result, workers, progress, group)
     if "groups" in parts:
         _compare_groups(sa, sb, result)
     if "counters" in parts:
@@ -352,8 +355,50 @@ def _job(name, state, part, ta, tb, pa, pb, da, db):
     return td, pa, pb
 
 
-def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, progress) -> None:
-    """Compare every pair, range by range, on a thread pool; each side's CRCs checked before anything is said."""
+def _share(tasks: list, group) -> list[int]:
+    """The ranges this rank compares: all of them, or under a launcher its share by bytes (the largest first, each
+    to the rank with the fewest bytes so far: the same answer on every rank)."""
+    if group is None:
+        return list(range(len(tasks)))
+    loads = [0] * group.world
+    mine = []
+    for k in sorted(range(len(tasks)), key=lambda k: (-tasks[k][5], k)):
+        r = loads.index(min(loads))
+        loads[r] += tasks[k][5]
+        if r == group.rank:
+            mine.append(k)
+    return sorted(mine)
+
+
+def _gathered(group, got: dict, checks: list[InputCheck]) -> tuple[dict, int]:
+    """Every rank's results and CRC spans on rank 0, which checks each zip entry whole (a damaged byte: every rank
+    raises the same one-line error); every rank then gets every range's result."""
+    mine = json.dumps({"stats": [[k, dataclasses.asdict(st)] for k, st in got.items()],
+                       "spans": [c.export() for c in checks]}).encode()
+    parts = group.gather_bytes(mine)
+    out, checked = {}, 0
+
+    def check() -> None:
+        nonlocal checked
+        for data in parts or []:
+            doc = json.loads(data)
+            for c, spans in zip(checks, doc["spans"]):
+                c.absorb(spans)
+            out.update({k: Stats(**st) for k, st in doc["stats"]})
+        for c in checks:
+            c.finish()
+        checked = sum(c.checked for c in checks)
+
+    group.phase(check if group.rank == 0 else (lambda: None))
+    doc = json.loads(group.broadcast_bytes(json.dumps({"stats": [[k, dataclasses.asdict(st)] for k, st in
+                                                                 out.items()], "checked": checked}).encode()
+                                           if group.rank == 0 else None))
+    return {k: Stats(**st) for k, st in doc["stats"]}, doc["checked"]
+
+
+def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, progress, group=None) -> None:
+    """Compare every pair, range by range, on a thread pool (under a launcher: this rank's share); each side's CRCs
+    checked before anything is said."""
     checks: list[InputCheck] = [_check(sa), _check(sb)]
     readers = [Reader(sa.ckpt.storage_options), Reader(sb.ckpt.storage_options)]
     for r, c in zip(readers, checks):
@@ -368,9 +413,11 @@ def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, 
         numel = sum(p.numel for p in pa)
         tasks += [(i, pa, pb, s, n, n * (compare.DTYPE_SIZES[td.dtype_a] + compare.DTYPE_SIZES[td.dtype_b]))
                   for s, n in compare.ranges(numel, width)]
-    total = sum(t[5] for t in tasks)
+    mine = _share(tasks, group)
+    total = sum(tasks[k][5] for k in mine)
     done = 0
     n_workers = workers or min(8, os.cpu_count() or 1)
+    got: dict[int, Stats] = {}
 
     def one(task):
         i, pa, pb, start, n, _ = task
@@ -378,25 +425,36 @@ def _run(jobs, sa: Side, sb: Side, tol: Tolerance, result: DiffResult, workers, 
         cast_to = (td.dtype_b if td.cast == "a" else None, td.dtype_a if td.cast == "b" else None)
         return compare.compare_range(readers, pa, td.dtype_a, pb, td.dtype_b, start, n, tol, cast_to)
 
-    try:
+    def compare_mine() -> None:
+        nonlocal done
         with ThreadPoolExecutor(max(1, n_workers)) as pool:
             window = max(2, 2 * n_workers)  # ranges in flight: memory stays a few chunks per thread
-            for lo in range(0, len(tasks), window):
-                batch = tasks[lo:lo + window]
-                for task, st in zip(batch, pool.map(one, batch)):
-                    result.tensors[task[0]].stats.merge(st)
-                    done += task[5]
+            for lo in range(0, len(mine), window):
+                batch = mine[lo:lo + window]
+                for k, st in zip(batch, pool.map(lambda k: one(tasks[k]), batch)):
+                    got[k] = st
+                    done += tasks[k][5]
                     if progress:
                         progress(done, total)
-        for c in checks:  # a damaged byte: CorruptFile naming the file, before any verdict
-            c.finish()
+
+    try:
+        if group is None:
+            compare_mine()
+            for c in checks:  # a damaged byte: CorruptFile naming the file, before any verdict
+                c.finish()
+            checked = sum(c.checked for c in checks)
+        else:
+            group.phase(compare_mine)
+            got, checked = _gathered(group, got, checks)
     finally:
         for r in readers:
             r.close()
         for c in checks:
             c.close()
-    result.bytes_compared = total
-    result.crc_checked_entries = sum(c.checked for c in checks)
+    for k in sorted(got):
+        result.tensors[tasks[k][0]].stats.merge(got[k])
+    result.bytes_compared = sum(t[5] for t in tasks)
+    result.crc_checked_entries = checked
     for td in result.tensors:
         st = td.stats
         if st is None:
