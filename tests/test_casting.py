@@ -71,3 +71,40 @@ def test_integers_to_floats_match_torch_without_torch(src, dst, monkeypatch):
     want = torch.from_numpy(a.copy()).to(getattr(torch, dst)).numpy().view(np.uint8).tobytes()
     monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch would fail here
     assert cast(a.view(np.uint8), src, dst).tobytes() == want
+
+
+def _edges() -> np.ndarray:
+    """Every fp32 sign, exponent and high mantissa bits (all 65536 high halves) with the low halves that decide a
+    rounding to bf16 (bit 16) or to fp16 (bit 13): below, at and above half an ulp, with the kept lsb clear or set;
+    NaNs left out (torch's kernels decide their bits: those chunks go to torch)."""
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x2FFF, 0x3000, 0x3001, 0x7FFF, 0x8000, 0x8001,
+                     0xFFFF, 0x5A5A], dtype=np.uint32)
+    u = (hi[:, None] | lows[None, :]).ravel()
+    return u[~np.isnan(u.view(np.float32))]
+
+
+@pytest.mark.parametrize("dst", ["bfloat16", "float16"])
+def test_numpy_downcasts_match_torch_at_every_rounding_edge(dst, monkeypatch):
+    """The numpy kernels alone (torch not importable while they run): every exponent, subnormals, the overflow to
+    infinity and the round-half-to-even cases, bit for bit as torch; cut into blocks that end at odd places."""
+    import sys
+    from zckpt.encoding import casting
+    raw = _edges().view(np.uint8)
+    want = _torch(raw, "float32", dst)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    assert np.array_equal(cast(raw, "float32", dst), want)
+    monkeypatch.setattr(casting, "_BLOCK", 9973)  # a prime: blocks of every phase
+    monkeypatch.setattr(casting, "_tls", type(casting._tls)())
+    assert np.array_equal(cast(raw, "float32", dst), want)
+    assert np.array_equal(cast(raw[:4 * 10007], "float32", dst), want[:2 * 10007])  # a shorter chunk after
+
+
+def test_torch_path_reuses_its_buffer_and_stays_exact():
+    """Casts through torch (a process that imported it) write into one per-thread buffer: a larger chunk after a
+    smaller one and a smaller after a larger both give torch's bits."""
+    rng = np.random.default_rng(1)
+    for n in (1000, 300000, 77):
+        raw = rng.standard_normal(n).astype(np.float32).view(np.uint8)
+        for dst in ("bfloat16", "float16"):
+            assert np.array_equal(cast(raw, "float32", dst, use_torch=True), _torch(raw, "float32", dst))
