@@ -221,3 +221,28 @@ def test_options_of_other_targets_are_refused_not_ignored(tmp_path):
         with pytest.raises(InvalidArgument, match="do not apply to --to megatron"):
             _convert(MEG / "gpt_tp1_pp1_dp2_fullyresh", tmp_path / "o", **kw)
     assert not (tmp_path / "o").exists()
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_cli_writes_it_and_names_what_does_not_apply(tmp_path):
+    src = MEG / "gpt_tp1_pp1_dp2"
+    res = _cli("convert", src, "--to", "megatron", "--tp", "2", "-o", tmp_path / "ok", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert (doc["format"], doc["source_format"], doc["layout"], doc["tp"], doc["pp"]) == \
+        ("megatron", "megatron", "fully_reshardable", 2, 1)
+    assert (tmp_path / "ok" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    for bad in (["--to", "dcp", "--tp", "2"], ["--to", "megatron", "--groups", "megatron-default"],
+                ["--to", "megatron", "--layout", "trainer"], ["--to", "megatron", "--world-size", "2"]):
+        res = _cli("convert", src, *bad, "-o", tmp_path / "no")
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (bad, res.stderr)
+        assert "does not apply" in res.stderr, res.stderr
+    res = _cli("convert", src, "--to", "megatron", "--tp", "3", "-o", tmp_path / "no")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "Traceback" not in res.stderr and "--tp 3" in res.stderr
+    assert not (tmp_path / "no").exists()

@@ -58,8 +58,14 @@ RULES: list[Row] = [
     Row("convert", "lr_last_epoch", _TORCHTITAN),
     Row("convert", "initial_lr", _TORCHTITAN),
     Row("convert", "adam_mode", {"to": ("dcp",)}),  # DeepSpeed's FusedAdam / CPUAdam, written as torch AdamW
-    Row("convert", "tag", {"to": ("dcp",)}),  # a DeepSpeed tag; --to deepspeed reads a DCP / Megatron folder
-    Row("convert", "workers", {"to": ("dcp", "deepspeed")}),
+    Row("convert", "tag", {"to": ("dcp", "megatron")}),  # a DeepSpeed tag or Megatron iteration; --to deepspeed
+    # reads a DCP / Megatron folder
+    Row("convert", "workers", {"to": ("dcp", "deepspeed", "megatron")}),
+    Row("convert", "tp", {"to": ("megatron",)}),  # the Megatron target's parallel sizes (zckpt/megatron/writer.py)
+    Row("convert", "pp", {"to": ("megatron",)}),
+    Row("convert", "layout", {"to": ("megatron",)}, values=("fully_reshardable", "dp_reshardable")),
+    Row("convert", "groups", {"to": ("dcp", "deepspeed")}),  # a Megatron source's groups for another format
+    Row("convert", "native_names", {"to": ("dcp", "deepspeed")}),
     # merge: an output URL's own storage options
     Row("merge", "output_storage_options", {"out": URL}),
     # push

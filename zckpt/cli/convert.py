@@ -22,9 +22,10 @@ Examples:
   zckpt convert outputs/ --latest --to dcp -o latest-dcp/   # the newest complete checkpoint
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/
   zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
-  zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/""")
+  zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/
+  zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 4 -o megatron-tp2pp4/   # any TP/PP/DP (fully_reshardable)""")
 @click.argument("path")
-@click.option("--to", "to", type=click.Choice(["dcp", "deepspeed"]), default="dcp", show_default=True,
+@click.option("--to", "to", type=click.Choice(["dcp", "deepspeed", "megatron"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
                    "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
                    "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
@@ -50,13 +51,19 @@ Examples:
 @click.option("-o", "--output", "out", default=None, metavar="OUT",
               help="Output folder (local), never in or around the checkpoint. Default: next to it, e.g. "
                    "outputs/checkpoint-4 -> outputs/converted-checkpoint-4-dcp.")
-@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer", "torchtitan"]), default="auto",
+@click.option("--layout", type=click.Choice(["auto", "dcp", "trainer", "torchtitan", "fully_reshardable",
+                                           "dp_reshardable"]), default="auto",
               show_default=True,
               help="--to dcp: dcp = one DCP folder (model, optim, scheduler, counters); trainer = a Hugging Face "
                    "Trainer / Accelerate FSDP2 checkpoint folder (pytorch_model_fsdp_0/, optimizer_0/, the "
                    "Trainer's scheduler.pt, trainer_state.json, rng states); torchtitan = a step-<N> folder "
                    "torchtitan's CheckpointManager loads (model keys at the top, flat optimizer state, "
-                   "lr_scheduler, train_state; needs --ntokens-seen); auto = trainer for a checkpoint-N.")
+                   "lr_scheduler, train_state; needs --ntokens-seen); auto = trainer for a checkpoint-N. --to "
+                   "megatron: fully_reshardable (the default: resumes at any TP/PP/DP).")
+@click.option("--tp", type=click.IntRange(1), default=None,
+              help="--to megatron: the tensor-parallel size the Megatron-LM job resumes at (default: the source's).")
+@click.option("--pp", type=click.IntRange(1), default=None,
+              help="--to megatron: the pipeline-parallel size (even stages only; default: the source's).")
 @click.option("--ntokens-seen", type=click.IntRange(0), default=None, metavar="N",
               help="--layout torchtitan: train_state.ntokens_seen (no DeepSpeed file records it; 0 restarts the "
                    "count).")
@@ -84,10 +91,11 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, ntokens_seen, lr_last_epoch,
-            initial_lr, adam_mode, groups, native_names, tag, workers, overwrite, durable, dry_run, storage_options,
-            as_json, quiet):
-    """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back, keeping the whole training state.
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, ntokens_seen,
+            lr_last_epoch, initial_lr, adam_mode, groups, native_names, tag, workers, overwrite, durable, dry_run,
+            storage_options, as_json, quiet):
+    """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back (or a Megatron-Core one into any of them,
+    or into a Megatron-LM save folder that resumes at any TP/PP/DP), keeping the whole training state.
 
     The fp32 masters become the model parameters; Adam moments, steps and param groups (lr, betas, eps, weight
     decay) become torch AdamW state under each parameter's name; frozen weights, buffers, the LR scheduler state
@@ -112,7 +120,8 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
                          dtype=dtype, layout=layout, group=None if dry_run else group,
                          torchtitan={k: v for k, v in titan.items() if v is not None} or None,
-                         groups=list(groups) or None, native_names=native_names)
+                         groups=list(groups) or None, native_names=native_names,
+                         **({"tp": tp, "pp": pp} if to == "megatron" else {}))
     if group is not None and group.rank != 0:
         return
     if not dry_run:
@@ -120,7 +129,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     if as_json:
         doc = result.to_json()
         doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
-        if to == "dcp":  # "format" is what was written, as in merge and reshard ("to"/"from": reshard's layouts)
+        if to in ("dcp", "megatron"):  # "format" is what was written, as in merge and reshard ("to"/"from": reshard's layouts)
             doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
             mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer": the ZeRO optimizer)
             doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None

@@ -102,8 +102,7 @@ def check_target(f: dict, tp: int, pp: int, path: str) -> None:
     for what, n in list(need.items())[:4]:
         if n % tp:
             raise UnsupportedLayout(f"{what} {n} does not divide into --tp {tp}", path=path,
-                                    hint="choose a TP that divides it (Megatron pads the vocabulary when it "
-                                         "builds the model: a checkpoint's padded size is fixed)")
+                                    hint="choose a TP that divides it (a checkpoint's padded vocabulary is fixed)")
     if f["num_layers"] % pp:
         raise UnsupportedLayout(f"{f['num_layers']} layers do not split evenly into --pp {pp} stages (uneven "
                                 "pipeline stages are not written)", path=path, hint="choose a PP that divides them")
