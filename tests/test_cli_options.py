@@ -256,3 +256,22 @@ def test_options_of_other_commands(tmp_path):
     code, _, err = run("estimate", SAVE, "--params", "10", "--largest-layer", "1")
     _usage(code, err, "--params: does not apply here (PATH ")
     assert not (tmp_path / "dest").exists() and not (tmp_path / "m").exists()
+
+
+# ------------------------------------------------------------------- item 6: the step push reports is the checkpoint's
+
+def test_push_step_is_the_checkpoints_own(tmp_path):
+    """A Trainer checkpoint under another name keeps its trainer_state.json's step; a folder whose name is no
+    framework's convention has none; never digits from an arbitrary name (resharded-checkpoint-4-ws2 was step 2)."""
+    src = tmp_path / "src"
+    code, _, err = run("reshard", TRAINER, "-w", "2", "-o", src / "resharded-checkpoint-4-ws2", "-q")
+    assert code == 0, err
+    shutil.copytree(SAVE / (SAVE / "latest").read_text().strip(), src / "snapshot-12")  # a tag folder, renamed
+    shutil.copytree(TRAINER, tmp_path / "outputs" / "checkpoint-4")
+    want = {"resharded-checkpoint-4-ws2": 4, "snapshot-12": None, "checkpoint-4": 4}
+    for name, step in want.items():
+        folder = src / name if name != "checkpoint-4" else tmp_path / "outputs"
+        code, out, err = run("push", folder, tmp_path / "dest" / name, "--settle", "0", "--json")
+        assert code == 0, err
+        (ckpt,) = json.loads(out)["checkpoints"]
+        assert ckpt["step"] == step, (name, ckpt)

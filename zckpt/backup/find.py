@@ -7,8 +7,8 @@ merged weights, reshard results) are never taken for checkpoints (and are report
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
-import re
 
 from zckpt.io import storage
 from zckpt.deepspeed.discover import TRAINER_MARKERS
@@ -33,12 +33,30 @@ class LocalCheckpoint:
 
 
 def step_of(name: str) -> int | None:
+    """The step a checkpoint's own folder name states by its framework's convention (the Trainer's
+    ``checkpoint-N``, DeepSpeed's ``global_stepN``), else None: digits of any other name are not a step
+    (``merged-checkpoint-4-fp32`` is not step 32)."""
     for regex in (TRAINER_RE, TAG_STEP_RE):
         m = regex.match(name)
         if m:
             return int(m.group(1))
-    m = re.search(r"(\d+)$", name)
-    return int(m.group(1)) if m else None
+    return None
+
+
+def own_step(path: str, name: str, kind: str) -> int | None:
+    """The step of the checkpoint at ``path``: its folder's own name where that is its framework's convention
+    (:func:`step_of`; the Trainer sorts and resumes by it), else a Trainer checkpoint's ``trainer_state.json``
+    (``global_step``: a renamed or resharded copy keeps it), else None."""
+    step = step_of(os.path.basename(path.rstrip(os.sep)) if not name else name.rsplit("/", 1)[-1])
+    if step is None and kind == "trainer":
+        try:
+            with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
+                saved = json.load(f).get("global_step")
+            if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0:
+                return saved
+        except (OSError, ValueError, AttributeError):
+            pass
+    return step
 
 
 def _zckpt_output(folder: str) -> str | None:
@@ -82,9 +100,9 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
                               hint="push checkpoints; to put merged weights on DEST, zckpt merge -o DEST")
     trainer_inside = [n for n in subs if TRAINER_RE.match(n)]
     if TRAINER_RE.match(base) or (is_trainer_folder(base, names) and not trainer_inside):
-        return [LocalCheckpoint("", src, "trainer", step_of(base))], []
+        return [LocalCheckpoint("", src, "trainer", own_step(src, "", "trainer"))], []
     if has_rank_files(src):
-        return [LocalCheckpoint("", src, "deepspeed", step_of(base))], []
+        return [LocalCheckpoint("", src, "deepspeed", own_step(src, "", "deepspeed"))], []
     found: list[LocalCheckpoint] = []
     save_folder = not trainer_inside and (any(n in names for n in ("latest", "latest_universal"))
                                           or any(has_rank_files(os.path.join(src, n)) for n in subs))
@@ -93,12 +111,12 @@ def find_checkpoints(src: str) -> tuple[list[LocalCheckpoint], list[str]]:
         inner = os.listdir(path) if os.access(path, os.R_OK | os.X_OK) else []
         sub_kind = _zckpt_output(path)
         if sub_kind is not None:  # a zckpt output next to the checkpoints: never one of them
-            found.append(LocalCheckpoint(name, path, "skip", step_of(name),
+            found.append(LocalCheckpoint(name, path, "skip", None,
                                          f"a zckpt {sub_kind} output, not one of the checkpoints"
                                          + (f" (push it on its own: zckpt push {path} DEST)"
                                             if sub_kind in ("reshard", "convert") else "")))
         elif TRAINER_RE.match(name) or "trainer_state.json" in inner:  # however it is called now
-            found.append(LocalCheckpoint(name, path, "trainer", step_of(name)))
+            found.append(LocalCheckpoint(name, path, "trainer", own_step(path, name, "trainer")))
         elif not save_folder and "training_args.bin" in inner and not has_rank_files(path):
             continue  # trainer.save_model("final"): a saved model, not a checkpoint (like runs/)
         elif has_rank_files(path):
