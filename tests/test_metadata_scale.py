@@ -478,3 +478,7 @@ def test_a_chunk_laid_out_unlike_its_layout_is_refused_when_read(tmp_path):
     with pytest.raises(CorruptFile):
         merge(str(src), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+    from zckpt.ops.verify import verify
+    assert verify(str(src)).ok  # the metadata alone cannot see it
+    report = verify(str(src), deep=True)
+    assert not report.ok and "model.b" in report.checks[-1].detail and "data.pkl differs" in report.checks[-1].detail

@@ -178,7 +178,9 @@ def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, tick=
     """Every item of every ``.distcp`` file read: each is a torch zip whose entries' CRC-32 must match. ``tick``:
     the :class:`Ticker` the bytes read are reported to (default: one of ``progress``, over the items' bytes)."""
     from zckpt.encoding.zipentries import Window
+    from zckpt.encoding.distcp import layouts_by_file
     by_file = dcp_items(ckpt)
+    laid = layouts_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)  # chunks placed by a zip layout at open
     tick = tick or Ticker(sum(length for its in by_file.values() for _, length, _ in its), progress)
     damaged, first = [], tick.done
     for path, its in by_file.items():
@@ -191,6 +193,11 @@ def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, tick=
                 except CorruptFile as exc:
                     damaged.append(f"{storage.basename(path)}@{offset} ({key}): {exc.message}")
                     entries = {}
+                lay = laid.get(path, {}).get(offset) if entries else None
+                why = lay[0].mismatch(entries) if lay is not None else None
+                if why is not None:
+                    damaged.append(f"{storage.basename(path)}@{offset} ({key}): {why}, unlike the layout it was read "
+                                   f"by ({lay[0].sample})")
                 for e in entries.values():
                     window.seek(e.data_offset)
                     crc, left = 0, e.size
