@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable
 
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout
+from zckpt.encoding.enums import MEGATRON_ENUMS, named_enum, signal_members
 from zckpt.encoding.lazytensor import DTYPE_SIZES, LazyTensor, StorageRef
 
 # elements the allow-listed callables (torch.Size, list, dict, ...) and stand-ins may copy while one pickle loads:
@@ -164,24 +165,6 @@ class TorchDevice(str):
     """Stand-in for a pickled ``torch.device``."""
 
 
-class NamedEnum(EnumValue):
-    """Stand-in for a member of an allow-listed ``enum.Enum`` (Megatron-LM's ``AttnBackend.auto``): the value the
-    pickle holds, shown as the member's name where the allow-list knows the class's members (from its source), else
-    as ``Class(value)``; never the class itself."""
-
-    _members: dict = {}
-
-    @property
-    def name(self) -> str | None:
-        return self._members.get(int(self))
-
-    def __repr__(self) -> str:
-        short = self._qualname.rsplit(".", 1)[-1]
-        return f"{short}.{self.name}" if self.name else f"{short}({int(self)})"
-
-    __str__ = __repr__
-
-
 def _inert_class(qualname: str) -> type:
     return type(qualname.rsplit(".", 1)[-1], (Inert,), {"_qualname": qualname})
 
@@ -189,26 +172,6 @@ def _inert_class(qualname: str) -> type:
 def _enum_class(qualname: str) -> Callable:
     cls = type(qualname.rsplit(".", 1)[-1], (EnumValue,), {"_qualname": qualname})
     return lambda value: cls(value)
-
-
-def _named_enum(qualname: str, members: dict[int, str] | Callable[[], dict[int, str]]) -> Callable:
-    """``Class(value)``, as pickle rebuilds an Enum member (``REDUCE`` of the class and its value): an int value
-    becomes a :class:`NamedEnum`; anything else is refused (no member the allow-list knows is another type)."""
-    cls = type(qualname.rsplit(".", 1)[-1], (NamedEnum,), {"_qualname": qualname})
-
-    def member(value):
-        if not cls._members:
-            cls._members = dict(members() if callable(members) else members)
-        if type(value) is not int:
-            raise UnsafePickle(f"pickle builds the enum '{qualname}' from a {type(value).__name__}, not its "
-                               "integer value")
-        return cls(value)
-    return member
-
-
-def _signals() -> dict[int, str]:
-    import signal
-    return {s.value: s.name for s in signal.Signals}
 
 
 def _size(*args):
@@ -409,26 +372,12 @@ _ALLOWED: dict[str, Any] = {
     "deepspeed.runtime.zero.stage_1_and_2.ZeroStageEnum": _enum_class("deepspeed.runtime.zero.config.ZeroStageEnum"),
     "argparse.Namespace": _inert_class("argparse.Namespace"),  # Megatron-DeepSpeed client state, Megatron-LM args
 }
-# Megatron-LM's common.pt holds its whole args Namespace (megatron/training/arguments.py); besides plain values and
-# torch dtypes its fields name these enums (found by saving through pretrain_gpt.py, megatron-core 0.16.1 and 0.19.2;
-# members as the classes' source defines them). A member is its value and name, the class never imported.
-MEGATRON_ENUMS: dict[str, dict[int, str]] = {
-    # attention_backend (default AttnBackend.auto); megatron/core/transformer/enums.py, same in 0.16 and 0.19
-    "megatron.core.transformer.enums.AttnBackend": {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"},
-    # cuda_graph_scope (a list; 0.16: --cuda-graph-scope, 0.19 keeps the class for older checkpoints, adds 8)
-    "megatron.core.transformer.enums.CudaGraphScope": {
-        1: "full_iteration", 2: "attn", 3: "mlp", 4: "moe", 5: "moe_router", 6: "moe_preprocess", 7: "mamba",
-        8: "full_iteration_inference"},
-    # 0.19: cuda_graph_modules (a list) and inference_cuda_graph_scope
-    "megatron.core.transformer.enums.CudaGraphModule": {
-        1: "attn", 2: "mlp", 3: "moe", 4: "moe_router", 5: "moe_preprocess", 6: "mamba"},
-    "megatron.core.transformer.enums.InferenceCudaGraphScope": {1: "none", 2: "layer", 3: "block"},
-    # model_type (pretrain sets it); megatron/core/enums.py
-    "megatron.core.enums.ModelType": {1: "encoder_or_decoder"},
-}
+# Megatron-LM's common.pt: its args Namespace names megatron-core's enums (zckpt.encoding.enums), as names
 for _name, _members in MEGATRON_ENUMS.items():
-    _ALLOWED[_name] = _named_enum(_name, _members)
-_ALLOWED["signal.Signals"] = _named_enum("signal.Signals", _signals)  # Megatron-LM's exit_signal (SIGTERM)
+    _ALLOWED[_name] = named_enum(_name, _members)
+_ALLOWED["signal.Signals"] = named_enum("signal.Signals", signal_members)  # Megatron-LM's exit_signal (SIGTERM)
+for _name in ("megatron.core.optimizer.optimizer_config.OptimizerConfig", "types.SimpleNamespace"):
+    _ALLOWED[_name] = _inert_class(_name)  # dataclass / namespace: their fields kept, nothing run
 for _name in _STORAGE_DTYPES:
     _ALLOWED[f"torch.{_name}"] = ("storage", _STORAGE_DTYPES[_name])
 _ALLOWED["torch.storage.UntypedStorage"] = ("storage", "uint8")

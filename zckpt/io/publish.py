@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 from zckpt.io import storage
 from zckpt.errors import InvalidArgument, OptionError, OutputExists, StorageError
+from zckpt.units import counted
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def output_state(folder: str, storage_options: dict | None = None, check_files: 
     bad = [rel for rel, size in files.items() if have.get(rel) != size]
     if bad:
         return False, f"{len(bad)} file(s) missing or of the wrong size, e.g. {bad[0]}"
-    return True, f"zckpt {doc.get('kind')} output, {len(files)} files committed"
+    return True, f"zckpt {doc.get('kind')} output, {counted(len(files), 'file')} committed"
 
 
 # ============================================================================= where an output may go

@@ -232,7 +232,7 @@ RUN_FACTS = ("consumed_train_samples", "train_iters", "train_samples", "global_b
 
 def _plain_value(v):
     """An args value as info shows it: an enum stand-in by its member's name, a dtype by its name."""
-    if isinstance(v, safeload.EnumValue):
+    if isinstance(v, safeload.EnumValue) or hasattr(type(v), "_members"):  # an enum stand-in
         return getattr(v, "name", None) or repr(v)
     if isinstance(v, (list, tuple)):
         return [_plain_value(x) for x in v]
@@ -376,25 +376,52 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     save_dir, folder, has_latest = locate(path, tag, opts)
     _backend(folder, opts)
     common_path, mpath = storage.join(folder, COMMON), storage.join(folder, METADATA)
-    for p, what in ((mpath, "DCP's .metadata (written last by the save: it did not finish)"),
-                    (common_path, "common.pt (the non-sharded state, written by rank 0)")):
-        if not _isfile(p, opts):
-            raise IncompleteCheckpoint(f"{p}: missing: {what}", path=p, hint="use the folder of a finished save")
+    if not _isfile(mpath, opts):
+        raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by the save: it did not "
+                                   "finish)", path=mpath, hint="use the folder of a finished save")
     names = storage.listdir(folder, opts)
     sizes = {n: storage.size(storage.join(folder, n), opts) for n in names if _isfile(storage.join(folder, n), opts)}
-    links.check([mpath, common_path], folder)
+    links.check([mpath] + ([common_path] if COMMON in sizes else []), folder)
     data = storage.read_bytes(mpath, opts)
     md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
     links.check([storage.join(folder, n) for n in md.files], folder)
-    common = load_common(common_path, opts)
+    if COMMON in sizes:  # megatron-core <= 0.17: rank 0's torch.save beside the DCP files
+        common = load_common(common_path, opts)
+    elif COMMON_ITEM in md.values:  # 0.18+: the same dict as a sharded object in the DCP (docs/megatron.md)
+        common = _common_item(folder, opts, md)
+    else:
+        raise IncompleteCheckpoint(f"{common_path}: missing: common.pt (the non-sharded state, written by rank 0; "
+                                   f"megatron-core 0.18+ keeps it as '{COMMON_ITEM}' in .metadata, absent too)",
+                                   path=common_path, hint="use the folder of a finished save")
     if not isinstance(common, dict):
-        raise CorruptFile("common.pt does not hold a dict", path=common_path)
+        raise CorruptFile(f"{COMMON if COMMON in sizes else COMMON_ITEM} does not hold a dict", path=common_path)
     with metadata_errors(mpath):
         return _build(path, save_dir, folder, has_latest, opts, md, common, sizes)
 
 
 COMMON_REFUSAL = ("zckpt never runs code from checkpoints; a Megatron-LM common.pt holds its args (plain values, "
                   "torch dtypes and the megatron-core enums zckpt knows), iteration and optimizer layout, nothing else")
+
+
+COMMON_ITEM = "common_state/shard_0_1"  # megatron-core 0.18+ (dist_checkpointing/serialization.py, save)
+
+
+def _common_item(folder: str, opts, md: dcpmeta.DcpMetadata) -> dict:
+    """The common state a megatron-core 0.18+ save keeps in the DCP: one ShardedObject ``common_state`` (global
+    shape (1,)) whose item is a torch.save of ``[state_dict]``, read through the allow-list (its zip CRCs checked)."""
+    v = md.values[COMMON_ITEM]
+    items = distcp.Items(folder, opts)
+    try:
+        value = items.load(v.file, v.offset, v.length)
+    except UnsafePickle as e:
+        raise UnsafePickle(f"Megatron common state ('{COMMON_ITEM}' in {v.file}): {e.message}",
+                           path=storage.join(folder, v.file), hint=COMMON_REFUSAL) from None
+    finally:
+        items.close()
+    if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)):
+        raise CorruptFile(f"'{COMMON_ITEM}' does not hold [dict], as megatron-core saves its common state",
+                          path=storage.join(folder, v.file))
+    return value[0]
 
 
 def load_common(common_path: str, opts=None):
@@ -447,8 +474,9 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     elif f["tied"] and any(r.kind == "tied" for r in records):
         notes.append(f"tied: {TIED[0]} -> {TIED[1]} (args: untie_embeddings_and_output_weights false)")
     data_files = [RankFile(storage.join(folder, n), n, "data", None, 0, sizes.get(n, -1)) for n in md.files]
-    data_files += [RankFile(storage.join(folder, METADATA), METADATA, "metadata", None, 0, sizes.get(METADATA, -1)),
-                   RankFile(storage.join(folder, COMMON), COMMON, "common", None, 0, sizes.get(COMMON, -1))]
+    data_files += [RankFile(storage.join(folder, METADATA), METADATA, "metadata", None, 0, sizes.get(METADATA, -1))]
+    if COMMON in sizes:  # 0.18+ saves keep the common state in the DCP (COMMON_ITEM)
+        data_files.append(RankFile(storage.join(folder, COMMON), COMMON, "common", None, 0, sizes[COMMON]))
     loc = Location(str(path).rstrip("/") or "/", save_dir, storage.basename(folder), folder, None,
                    data_files=data_files, has_latest=has_latest, storage_options=opts)
     masters = sorted({r.dtype for r in records if r.kind == "trainable"}) or ["float32"]
@@ -460,7 +488,8 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
              "extra_states": n_extra, "args": _args(common), "buckets": placed, "bucket_error": bucket_error,
              "common": {k: common[k] for k in ("opt_param_scheduler", "num_floating_point_operations_so_far")
                         if k in common},
-             "other": [k for k in list(md.tensors) + list(md.values) if k.startswith(("optimizer.", "rng_state"))]}
+             "other": [k for k in list(md.tensors) + list(md.values)
+                       if k.startswith(("optimizer.", "rng_state", "rerun_state_machine_state", "common_state"))]}
     return Checkpoint(loc, 0, "megatron", precision, f["world_size"] or len(ranks), records, [], {}, [], [],
                       notes=notes, format=FORMAT, extra=extra, state_refusal=refusal,
                       reshard_refusal="zckpt reshard re-partitions DeepSpeed checkpoints; DeepSpeed files of this "

@@ -9,6 +9,7 @@ from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
 from zckpt.encoding.safeload import Inert
 from zckpt.backup.files import NotBackedUp, files_in_folder
+from zckpt.units import counted
 
 FLAVOURS = {
     "zero": "DeepSpeedZeroOptimizer",
@@ -74,7 +75,7 @@ def render_dcp(d: dict) -> str:
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} with optimizer state ({n['trainable']:,}), {c['frozen']} without ({n['frozen']:,}), "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
-        "optimizer    " + (", ".join(f"group {g['index']}: {g['params']} params, lr {g['lr']}, step {g['step']}"
+        "optimizer    " + (", ".join(f"group {g['index']}: {counted(g['params'], 'param')}, lr {g['lr']}, step {g['step']}"
                                      for g in d["param_groups"]) or "no param groups"),
         f"other keys   {', '.join(d['other_keys']) or 'none'}",
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
@@ -95,7 +96,9 @@ def describe_megatron(ckpt: Checkpoint) -> dict:
         "tp_world_size": f["tp"], "pp_world_size": f["pp"], "dp_world_size": f["dp"], "world_size": ckpt.world_size,
         "model": {k: f[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                                      "kv_channels", "ffn_hidden_size", "vocab_size", "swiglu", "tied",
-                                     "normalization", "position_embedding_type", "add_bias_linear", "params_dtype")},
+                                     "normalization", "position_embedding_type", "add_bias_linear", "params_dtype",
+                                     "norm_epsilon", "rotary_base", "rotary_percent", "max_position_embeddings")},
+        "run": dict(f.get("run") or {}), "checkpoint_version": f.get("checkpoint_version"),
         "optimizer_layout": f["optimizer_layout"], "precision": ckpt.precision,
         "parameter_dtype": _one_or_list(_param_dtypes(ckpt)), **_megatron_state(ckpt), "counts": counts,
         "numel": numels,
@@ -131,22 +134,27 @@ def _megatron_state(ckpt: Checkpoint) -> dict:
             "optimizer_state_keys": keys}
 
 
+_RUN_SHOWN = ("consumed_train_samples", "global_batch_size", "seq_length", "attention_backend", "transformer_impl")
+
+
 def render_megatron(d: dict) -> str:
     c, n, m = d["counts"], d["numel"], d["model"]
     lines = [
         f"checkpoint   {d['path']}",
         f"format       Megatron-Core torch_dist, {d['tag']} (iteration {d['iteration']})",
         f"world size   {d['tp_world_size']} tensor-parallel x {d['pp_world_size']} pipeline x {d['dp_world_size']} "
-        f"data-parallel ({d['world_size']} ranks)",
+        f"data-parallel ({counted(d['world_size'], 'rank')})",
         f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
         f"{m['num_query_groups']} query groups, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}, "
         f"swiglu {m['swiglu']}, tied {m['tied']}",
+        *(["run          " + ", ".join(f"{k} {v}" for k, v in d["run"].items() if k in _RUN_SHOWN)]
+          if any(k in d["run"] for k in _RUN_SHOWN) else []),
         f"dtypes       {d['precision']}; parameters {_dtypes(d['parameter_dtype'])}"
         + (f", masters {_dtypes(d['master_dtype'])}" if d["master_dtype"] != d["parameter_dtype"] else "")
         + f", optimizer states {_dtypes(d['optimizer_state_dtype'])}"
         + (f" ({', '.join(d['optimizer_state_keys'])} in {d['optimizer_layout']} buckets)"
            if d["optimizer_state_keys"] and d["optimizer_layout"] == "dp_reshardable" else ""),
-        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {c['trainable']} tensors, "
+        f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): {counted(c['trainable'], 'tensor')}, "
         f"{c['tied']} tied",
         f"optimizer    {d['optimizer_layout']}" + "".join(
             f"; group {g['index']}: lr {g['lr']}, weight decay {g['weight_decay']}, step {g['step']}"
@@ -197,7 +205,7 @@ def render_hf(d: dict) -> str:
         f"format       Hugging Face model folder, {kind}"
         + (f", sharded ({len(d['files'])} files, {d['index']})" if d["index"] else ""),
         f"tensors      {d['tensors']}, {human_count(d['parameters'])} parameters ({d['parameters']:,})",
-        "dtypes       " + (", ".join(f"{v['dtype']} {v['tensors']} tensors ({v['numel']:,})" for v in d["dtypes"])
+        "dtypes       " + (", ".join(f"{v['dtype']} {counted(v['tensors'], 'tensor')} ({v['numel']:,})" for v in d["dtypes"])
                            or "none"),
         f"config       {facts}",
         "checksums    " + ("CRC-32 of every zip entry (checked when read)" if d["checksums"] else

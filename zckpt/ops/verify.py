@@ -30,7 +30,7 @@ from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBacke
 from zckpt.backup.find import step_of
 from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
-from zckpt.units import format_size
+from zckpt.units import counted, format_size
 from zckpt.ops.verify_checks import (
     DISTCP_FORMATS, check_bytes, check_latest, check_metadata, check_structure, ckpt_rank_files, path_key,
 )
@@ -292,7 +292,7 @@ def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progr
             bad.append(f"{rel}: missing or unreadable")
     what = "sizes and sha256" if hashes else "sizes; --deep compares sha256"
     where = storage.join(folder, MANIFEST)
-    detail = "; ".join(bad[:5]) or f"{len(items)} files match {where} ({what})"
+    detail = "; ".join(bad[:5]) or f"{counted(len(items), 'file')} match{'es' if len(items) == 1 else ''} {where} ({what})"
     if scope is not None and not bad:  # files under the manifest's folder it does not list: not checked by it
         listed = {path_key(storage.join(folder, rel)) for rel, _ in items}
         base = path_key(folder).rstrip("/") + ("/" if storage.is_url(folder) else os.sep)

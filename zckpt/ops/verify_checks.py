@@ -20,7 +20,7 @@ from zckpt.encoding.zipentries import LOCAL_SIG, StreamedCrcs, read_entries
 from zckpt.backup.files import CheckpointFile
 from zckpt.backup.scan import latest_problem, safetensors_problem
 from zckpt.ops.verify_report import VerifyReport
-from zckpt.units import format_size
+from zckpt.units import counted, format_size
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,12 @@ def check_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     if ckpt.format == "megatron":
         return check_megatron_metadata(ckpt, report)
     if loc.universal:
-        report.add("rank files", True, f"universal: {len(loc.optim_files)} files under zero/ + "
-                                       f"{len(loc.model_files)} model-states files")
+        report.add("rank files", True, f"universal: {counted(len(loc.optim_files), 'file')} under zero/ + "
+                                       f"{counted(len(loc.model_files), 'model-states file')}")
     else:
-        report.add("rank files", True, f"{len(loc.optim_files)} optimizer + {len(loc.model_files)} model-states "
-                                       f"files for world size {ckpt.world_size}")
+        report.add("rank files", True, f"{len(loc.optim_files)} optimizer + "
+                                       f"{counted(len(loc.model_files), 'model-states file')} for world size "
+                                       f"{ckpt.world_size}")
     versions = {str(s.get("ds_version")) for s in ckpt.model_states + ckpt.optim_states}
     report.add("versions agree", len(versions) == 1, ", ".join(sorted(str(v) for v in versions)))
     dp = {ms.get("dp_world_size") for ms in ckpt.model_states if isinstance(ms.get("dp_world_size"), int)}
@@ -123,9 +124,9 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     every tensor); what is left is the model's own consistency."""
     md = ckpt.extra["metadata"]
     data = [f for f in ckpt.files if f.kind == "data"]
-    report.add("metadata", True, f"DCP {md.version}: {len(md.tensors)} tensors, {len(md.values)} values; chunks "
-                                 "cover every tensor exactly once")
-    report.add("data files", True, f"{len(data)} .distcp files, every item inside its file")
+    report.add("metadata", True, f"DCP {md.version}: {counted(len(md.tensors), 'tensor')}, "
+                                 f"{counted(len(md.values), 'value')}; chunks cover every tensor exactly once")
+    report.add("data files", True, f"{counted(len(data), '.distcp file')}, every item inside its file")
     bad = [f"{r.name}: {sum(p.numel for p in r.value)} elements for shape {list(r.shape)}" for r in ckpt.records
            if r.kind != "tied" and sum(p.numel for p in r.value) != math.prod(r.shape)]
     report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
@@ -142,9 +143,9 @@ def check_megatron_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     read, and whether ``latest_checkpointed_iteration.txt`` names it."""
     md, f = ckpt.extra["metadata"], ckpt.extra["megatron"]
     data = [x for x in ckpt.files if x.kind == "data"]
-    report.add("metadata", True, f"torch_dist (DCP {md.version}): {len(md.tensors)} tensors, {len(md.values)} "
-                                 "values; chunks cover every tensor exactly once")
-    report.add("data files", True, f"{len(data)} .distcp files, every item inside its file")
+    report.add("metadata", True, f"torch_dist (DCP {md.version}): {counted(len(md.tensors), 'tensor')}, "
+                                 f"{counted(len(md.values), 'value')}; chunks cover every tensor exactly once")
+    report.add("data files", True, f"{counted(len(data), '.distcp file')}, every item inside its file")
     bad = [f"{r.name}: {sum(p.numel for p in r.value)} elements for shape {list(r.shape)}" for r in ckpt.records
            if r.kind != "tied" and sum(p.numel for p in r.value) != math.prod(r.shape)]
     report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
@@ -213,7 +214,8 @@ def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, tick=
                 report.bytes_read += length
     done = tick.done - first
     report.add("CRC of every item", not damaged, "; ".join(damaged[:5]) or
-               f"{sum(len(v) for v in by_file.values())} items in {len(by_file)} .distcp files, {format_size(done)}")
+               f"{counted(sum(len(v) for v in by_file.values()), 'item')} in {counted(len(by_file), '.distcp file')}, "
+               f"{format_size(done)}")
 
 
 READ_CHUNK = 4 << 20  # bytes read at a time by verify --deep (and reported to its progress bar)
@@ -390,8 +392,8 @@ def check_structure(files: list[CheckpointFile], report: VerifyReport, storage_o
             bad.append(f"{f.rel}: {exc.message}")
         except OSError as exc:
             bad.append(f"{f.rel}: cannot be read ({exc})")
-    report.add("files", not bad, "; ".join(bad[:5]) or f"{len(files)} files of the checkpoint; {len(zips)} torch "
-               "files with intact directories")
+    report.add("files", not bad, "; ".join(bad[:5]) or f"{counted(len(files), 'file')} of the checkpoint; "
+               f"{counted(len(zips), 'torch file')} with intact directories")
     _check_safetensors(files, report, storage_options)
 
 
