@@ -68,6 +68,12 @@ def parse_size(text, flag: str | None = None, what: str = "a size") -> int:
     return nbytes
 
 
+def counted(n: int, word: str, words: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``, ``0 files``: a count and its noun, singular only for one (``words``: an irregular
+    plural)."""
+    return f"{n} {word if n == 1 else (words or word + 's')}"
+
+
 def format_size(nbytes: int | float | None) -> str:
     """``512 B``, ``26.3 KiB``, ``1.5 GiB``: binary units, one decimal; ``?`` for an unknown size."""
     if nbytes is None:

@@ -173,6 +173,8 @@ def _render_deepspeed(s: dict, result, dry_run: bool, human_bytes) -> None:
         click.echo(f"note: {note}")
     to = s["to"]
     src = {"dcp": "DCP", "megatron": "Megatron-Core"}.get(getattr(result.plan, "source_format", "dcp"), "DCP")
-    click.echo(f"{'plan' if dry_run else 'converted'}: {src} ({s['from']['world_size']} ranks) -> DeepSpeed ZeRO-"
-               f"{to['stage']} x {to['world_size']} ranks ({s['precision']}), {human_bytes(s['total_bytes'])} -> "
+    from zckpt.units import counted
+    click.echo(f"{'plan' if dry_run else 'converted'}: {src} ({counted(s['from']['world_size'], 'rank')}) -> "
+               f"DeepSpeed ZeRO-{to['stage']} x {counted(to['world_size'], 'rank')} ({s['precision']}), "
+               f"{human_bytes(s['total_bytes'])} -> "
                f"{result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else ""))

@@ -92,7 +92,8 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
     for note in result.notes:
         click.echo(f"note: {note}")
     tied = ", ".join(f"{a} as {b}" for a, b in s["tied"].items())
-    click.echo(f"{'plan' if dry_run else 'merged'}: {s['tensors']} tensors, {human_bytes(s['total_bytes'])} "
+    from zckpt.units import counted
+    click.echo(f"{'plan' if dry_run else 'merged'}: {counted(s['tensors'], 'tensor')}, {human_bytes(s['total_bytes'])} "
                f"{dtype} {fmt} -> {result.output}" + (f" in {result.seconds:.2f}s" if not dry_run else "")
                + (f"; {len(s['tied'])} tied alias{'es' if len(s['tied']) > 1 else ''} stored once, as "
                   f"save_pretrained does ({tied}; --keep-tied writes them too)" if tied else ""))

@@ -71,11 +71,13 @@ def render_dcp(d: dict) -> str:
         f"checkpoint   {d['path']}",
         f"format       PyTorch DCP (torch.distributed.checkpoint, version {d['dcp_version']}), saved by "
         f"{d['world_size']} rank{'s' if d['world_size'] != 1 else ''}",
-        f"dtypes       parameters {_dtypes(d['parameter_dtype'])}, optimizer states {_dtypes(d['optimizer_state_dtype'])}",
+        f"dtypes       parameters {_dtypes(d['parameter_dtype'])}, "
+        f"optimizer states {_dtypes(d['optimizer_state_dtype'])}",
         f"parameters   {human_count(d['parameters'])} ({d['parameters']:,}): "
         f"{c['trainable']} with optimizer state ({n['trainable']:,}), {c['frozen']} without ({n['frozen']:,}), "
         f"{c['tied']} tied, {c['buffer']} buffers ({n['buffer']:,} elements)",
-        "optimizer    " + (", ".join(f"group {g['index']}: {counted(g['params'], 'param')}, lr {g['lr']}, step {g['step']}"
+        "optimizer    " + (", ".join(f"group {g['index']}: {counted(g['params'], 'param')}, lr {g['lr']}, "
+                                     f"step {g['step']}"
                                      for g in d["param_groups"]) or "no param groups"),
         f"other keys   {', '.join(d['other_keys']) or 'none'}",
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
@@ -205,7 +207,8 @@ def render_hf(d: dict) -> str:
         f"format       Hugging Face model folder, {kind}"
         + (f", sharded ({len(d['files'])} files, {d['index']})" if d["index"] else ""),
         f"tensors      {d['tensors']}, {human_count(d['parameters'])} parameters ({d['parameters']:,})",
-        "dtypes       " + (", ".join(f"{v['dtype']} {counted(v['tensors'], 'tensor')} ({v['numel']:,})" for v in d["dtypes"])
+        "dtypes       " + (", ".join(f"{v['dtype']} {counted(v['tensors'], 'tensor')} ({v['numel']:,})"
+                                     for v in d["dtypes"])
                            or "none"),
         f"config       {facts}",
         "checksums    " + ("CRC-32 of every zip entry (checked when read)" if d["checksums"] else
@@ -232,7 +235,7 @@ def describe(ckpt: Checkpoint) -> dict:
         numels[kind] = sum(r.numel for r in recs)
     unplaced = getattr(ckpt.state_refusal, "params", None)
     parameters = numels["trainable"] + numels["frozen"]
-    if unplaced:  # trainable parameters the reader holds as frozen (their state cannot be placed): said as what they are
+    if unplaced:  # trainable parameters held as frozen (their state cannot be placed): said as what they are
         kind = "trainable" if counts["frozen"] <= unplaced else "not_told_apart"
         counts[kind], numels[kind] = counts.get(kind, 0) + counts["frozen"], numels.get(kind, 0) + numels["frozen"]
         counts["frozen"], numels["frozen"] = 0, 0
@@ -417,8 +420,8 @@ def _kinds(d: dict) -> str:
                 f"placed), {c['frozen']} frozen ({n['frozen']:,})")
     rest = c["not_told_apart"] - unplaced
     known = "".join(f"{c[k]} {k} ({n[k]:,}), " for k in ("trainable", "frozen") if c[k])
-    return (f"{known}{c['not_told_apart']} not told apart ({n['not_told_apart']:,}): {unplaced} trainable whose optimizer "
-            f"state cannot be placed, {rest} frozen")
+    return (f"{known}{c['not_told_apart']} not told apart ({n['not_told_apart']:,}): {unplaced} trainable whose "
+            f"optimizer state cannot be placed, {rest} frozen")
 
 
 

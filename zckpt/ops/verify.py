@@ -292,7 +292,8 @@ def check_manifest(folder: str, report: VerifyReport, hashes: bool = True, progr
             bad.append(f"{rel}: missing or unreadable")
     what = "sizes and sha256" if hashes else "sizes; --deep compares sha256"
     where = storage.join(folder, MANIFEST)
-    detail = "; ".join(bad[:5]) or f"{counted(len(items), 'file')} match{'es' if len(items) == 1 else ''} {where} ({what})"
+    detail = "; ".join(bad[:5]) or \
+        f"{counted(len(items), 'file')} match{'es' if len(items) == 1 else ''} {where} ({what})"
     if scope is not None and not bad:  # files under the manifest's folder it does not list: not checked by it
         listed = {path_key(storage.join(folder, rel)) for rel, _ in items}
         base = path_key(folder).rstrip("/") + ("/" if storage.is_url(folder) else os.sep)
