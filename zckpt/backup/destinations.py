@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from zckpt.errors import StorageError
 from zckpt.io import storage
 from zckpt.backup.hub import HubDestination
 from zckpt.backup.objectstore import FsDestination
@@ -23,5 +24,9 @@ def make_destination(dest, storage_options: dict | None = None, *, hub_api=None,
         return dest
     dest = os.fspath(dest)
     if storage.protocol(dest) == "hf":
-        return HubDestination(dest, api=hub_api)
+        try:
+            return HubDestination(dest, api=hub_api)
+        except ImportError as exc:  # said about DEST, as every other missing backend is about the URL given
+            raise StorageError("no backend for hf:// is installed", path=dest,
+                               hint="pip install 'zckpt[hub]'") from exc
     return FsDestination(dest, storage_options, part_size=part_size)

@@ -47,16 +47,16 @@ def verify(path, tag, deep, storage_options, as_json, quiet):
         if not c.ok and c.hint:
             c.advice = with_earlier_checkpoint(c.hint, path)
     flags = command_names(click.get_current_context().command)
-    if as_json:  # (the hints in the library's words, as the JSON schema says)
-        emit_json(report.to_json())
-    elif not report.ok and not settings().verbose:  # one line, as every error; -v lists every check
+    if as_json:  # (hints name the flags, as every message on the command line does: --tag)
+        emit_json(report.to_json(flags))
+    if not report.ok and (as_json or not settings().verbose):  # one line, as every error (--json: on stderr too)
         bad = [c for c in report.checks if not c.ok]
         c = bad[0]
         hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""
         more = f"; {len(bad) - 1} more failed check(s): {', '.join(b.name for b in bad[1:4])}" \
                f"{'...' if len(bad) > 4 else ''} (-v lists every check)" if len(bad) > 1 else ""
         click.echo(f"zckpt: error: {path}: NOT consistent: {c.name}: {c.detail}{hint}{more}", err=True)
-    elif not (quiet and report.ok):  # -q: silent on success
+    elif not as_json and not (quiet and report.ok):  # -q: silent on success
         for c in report.checks:
             if not (quiet and c.ok):
                 hint = f" ({names_rendered(c.hint, flags)})" if c.hint else ""

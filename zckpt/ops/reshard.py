@@ -115,7 +115,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     result.seconds = time.perf_counter() - t0
     result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3), "open_seconds": round(t_open - t0, 3),
                     "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
-    log.info("wrote and published %s in %.2fs (%.2fs in all; %.1f MB/s, %d process%s)", out,
-             time.perf_counter() - t_plan, result.seconds, plan.total_bytes / max(result.seconds, 1e-9) / 1e6,
+    log.info("wrote and published %s in %.2fs (%.2fs in all; %s/s, %d process%s)", out,  # binary units, as sizes
+             time.perf_counter() - t_plan, result.seconds, format_size(plan.total_bytes / max(result.seconds, 1e-9)),
              stats["ranks"], "es" if stats["ranks"] > 1 else "")
     return result

@@ -13,6 +13,7 @@ is what explains, in one line, why a folder is no checkpoint at all.
 
 from __future__ import annotations
 
+from zckpt.errors import StorageError
 from zckpt.state import formats
 from zckpt.state.formats import Format
 from zckpt.state.model import Checkpoint
@@ -24,10 +25,16 @@ def format_named(name: str) -> Format:
 
 
 def format_of(path: str, storage_options: dict | None = None) -> Format:
-    """The format that claims ``path`` first (DeepSpeed, the last reader, claims whatever is left)."""
-    for fmt in formats.readers():
-        if fmt.claims(path, storage_options):
-            return fmt
+    """The format that claims ``path`` first (DeepSpeed, the last reader, claims whatever is left). A URL whose
+    scheme has no backend installed is refused naming the URL given, not the first file a reader looked for."""
+    try:
+        for fmt in formats.readers():
+            if fmt.claims(path, storage_options):
+                return fmt
+    except StorageError as exc:
+        if isinstance(exc.__cause__, ImportError) and exc.path != str(path):
+            raise StorageError(exc.message, path=str(path), hint=exc.hint) from exc.__cause__
+        raise
     raise AssertionError("unreachable: the last reader claims every path")
 
 
