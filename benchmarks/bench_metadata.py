@@ -99,6 +99,8 @@ def gen_dcp_files(out: Path, chunks: int, ranks: int) -> Path:
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
     )
+    if (out / ".metadata").exists():  # made by an earlier run (--keep): the same folder
+        return out / ".metadata"
     out.mkdir(parents=True, exist_ok=True)
     rows, cols = 4, 64
     nparams = max(1, chunks // (3 * ranks))
@@ -229,7 +231,9 @@ CHILD = r'''
 import json, os, resource, sys, time
 kind, path = sys.argv[1], sys.argv[2]
 if kind.startswith("plain"):
-    import torch, torch.distributed.checkpoint, deepspeed.runtime.fp16.loss_scaler  # the classes, not timed
+    import torch, torch.distributed.checkpoint  # the classes, not timed
+if kind == "plain-ds":
+    import deepspeed.runtime.fp16.loss_scaler
 if kind.startswith("zckpt"):
     import zckpt.encoding.dcpmeta, zckpt.state.open  # imported untimed, like torch for plain
 def rss():
