@@ -255,6 +255,9 @@ def test_cli_usage_json_and_dtypes(outs, tmp_path):
     (t,) = r.tensors
     assert r.ok and t.reason == "dtype" and (t.dtype_a, t.dtype_b) == ("bfloat16", "float32")
     assert r.counts["other_dtype"] == 1 and "another dtype" in r.summary()
+    zckpt.merge(str(Z2), str(tmp_path / "m16"), dtype="bf16")  # every floating tensor cast, the fp32 buffer too
+    r = zckpt.diff(str(Z2), str(tmp_path / "m16"))
+    assert r.ok and {t.name: t.cast for t in r.tensors}["scale"] == "a", r.summary()
 
 
 # the docs' workspace (the names the examples use), for the recipe

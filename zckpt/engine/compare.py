@@ -251,7 +251,7 @@ class TensorDiff:
     shape_b: list
     reason: str | None = None  # "dtype", "shape", "values"
     stats: Stats | None = None
-    cast: str | None = None  # "a" or "b": that side's fp32 masters cast to the other's dtype before comparing
+    cast: str | None = None  # "a" or "b": that side's fp32 values cast to the other's dtype before comparing
 
     @property
     def label(self) -> str:
@@ -274,7 +274,7 @@ class TensorDiff:
 
     def line(self) -> str:
         """One line: what differs, and where first."""
-        cast = f" ({self.cast.upper()}'s {self.dtype_a if self.cast == 'a' else self.dtype_b} masters cast to " \
+        cast = f" ({self.cast.upper()}'s {self.dtype_a if self.cast == 'a' else self.dtype_b} values cast to " \
                f"{self.dtype_b if self.cast == 'a' else self.dtype_a})" if self.cast else ""
         if self.status == "equal":
             other = f" (dtype {self.dtype_a} in A, {self.dtype_b} in B: values equal)" if self.reason == "dtype" else ""

@@ -301,7 +301,8 @@ def _pair_tensors(sa: Side, sb: Side, parts: list[str], wanted, result: DiffResu
         masters = ta.kind == "trainable" and tb.kind == "trainable"
         part = "masters" if masters else "weights"
         if "weights" in parts or ("masters" in parts and masters):
-            jobs.append(_job(name, "value", part, ta, tb, ta.value, tb.value, ta.dtype, tb.dtype))
+            jobs.append(_job(name, "value", part, ta, tb, ta.value, tb.value, ta.dtype, tb.dtype,
+                             (sa.ckpt.format == "hf", sb.ckpt.format == "hf")))
         if "optimizer" not in parts:
             continue
         sta, stb = _states(ta), _states(tb)
@@ -339,7 +340,7 @@ def _dtype(pieces, rec) -> str:
     return pieces[0].dtype if pieces else rec.dtype
 
 
-def _job(name, state, part, ta, tb, pa, pb, da, db):
+def _job(name, state, part, ta, tb, pa, pb, da, db, weights_only=(False, False)):
     td = TensorDiff(name, state, part, "equal", da, db, list(ta.shape), list(tb.shape))
     if list(ta.shape) != list(tb.shape):
         td.status, td.reason = "differ", "shape"
@@ -347,9 +348,10 @@ def _job(name, state, part, ta, tb, pa, pb, da, db):
     if da != db:
         td.reason = "dtype"
         # fp32 masters against weights stored in the training dtype (a bf16 merge, a weights-only folder): the
-        # masters cast to that dtype as torch rounds (what merge --dtype and the training step's copy hold)
-        for side, mine, theirs, other in (("a", ta, tb, db), ("b", tb, ta, da)):
-            if state == "value" and mine.kind == "trainable" and theirs.kind != "trainable" \
+        # masters cast to that dtype as torch rounds (what merge --dtype and the training step's copy hold); a
+        # Hugging Face folder's every floating tensor likewise (merge --dtype casts buffers and frozen weights too)
+        for side, mine, theirs, other, hf in (("a", ta, tb, db, weights_only[1]), ("b", tb, ta, da, weights_only[0])):
+            if state == "value" and ((mine.kind == "trainable" and theirs.kind != "trainable") or hf) \
                     and (da if side == "a" else db) == "float32" and other in ("bfloat16", "float16"):
                 td.cast, td.reason = side, None
     return td, pa, pb
