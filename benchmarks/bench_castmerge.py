@@ -125,10 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--before", default=None, help="another tree (holding zckpt/) run beside this one")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    before = Path(args.before).resolve() if args.before else None  # (both before the chdir below)
+    given = Path(args.src).resolve() if args.src else None
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     os.chdir(work)  # python -m puts the working folder first on sys.path: never this tree's, for --before
-    src = Path(args.src) if args.src else generate(
+    src = given or generate(
         work / f"dcp_fp32_L{args.layers}_H{args.hidden}_F{args.ffn}_V{args.vocab}", args.layers, args.hidden,
         args.ffn, args.vocab)
     fp32 = sum(p.stat().st_size for p in src.glob("*.distcp"))
@@ -136,8 +138,8 @@ def main(argv=None) -> int:
              f"fp32-{args.files}files": ("fp32", f"{fp32 // args.files + (1 << 20)}B"),
              f"bf16-{args.files}files": ("bf16", f"{fp32 // 2 // args.files + (1 << 20)}B")}
     trees = {"after": str(ROOT)}
-    if args.before:
-        trees["before"] = str(Path(args.before).resolve())
+    if before is not None:
+        trees["before"] = str(before)
     print(f"source {src} ({fp32 / 1e9:.2f} GB of fp32 items), {os.cpu_count()} CPUs", flush=True)
     for tree, root in trees.items():  # which zckpt each tree's commands import (a check, not assumed)
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
