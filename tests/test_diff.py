@@ -305,3 +305,19 @@ def test_ranks_of_a_launcher_split_the_ranges(changed, tmp_path):
     res = torchrun(2, "diff", str(TRAINER), str(ck))
     assert res.returncode != 0 and "CRC-32" in res.stderr and Path(piece.path).name in res.stderr
     assert "DIFFER" not in res.stderr + res.stdout
+
+
+def test_torchtitan_layout_per_parameter_groups(outs, tmp_path):
+    """torchtitan's flattened optimizer state records each parameter's group values, no group list: compared per
+    parameter; one parameter's lr changed (through dcp.save) is named."""
+    tt = tmp_path / "tt"
+    zckpt.convert(str(Z2), to="dcp", out=str(tt), layout="torchtitan",
+                  torchtitan={"ntokens_seen": 0, "initial_lr": [0.001, 0.001]})
+    r = zckpt.diff(str(Z2), str(tt))
+    assert r.ok and "lr of every parameter" in {v.name for v in r.values}, r.summary()
+
+    def lr(state):
+        state["optimizer"]["param_groups.blocks.0.up.weight.lr"] *= 2
+
+    r = zckpt.diff(str(Z2), str(_torch_dcp(tt, tmp_path / "tt-lr", lr)))
+    assert [d.name for d in r.differences] == ["blocks.0.up.weight lr"], [d.line() for d in r.differences]

@@ -109,6 +109,11 @@ def read_side(path: str, tag: str | None, storage_options: dict | None, state_wa
     records = {r.name: r for r in ckpt.records}
     if groups is None:
         groups = [_group(g.index, g.hyperparams, g.step, list(g.names)) for g in ckpt.groups] or None
+    if groups is None and ckpt.extra.get("flat_groups"):  # torchtitan: each parameter's group values, no list
+        from zckpt.state.model import scalar_value
+        steps = ckpt.extra.get("step_tensors") or {}
+        groups = [_group(-1, hyper, scalar_value(steps[name], ckpt.storage_options) if name in steps else None,
+                         [name]) for name, hyper in ckpt.extra["flat_groups"].items()]
     if counters is None:
         counters = _side_counters(ckpt)
     return Side(str(path), ckpt, records, groups, counters, notes)
@@ -482,11 +487,33 @@ def _equal_values(x, y) -> bool:
     return x == y
 
 
+def _per_parameter(side: Side) -> dict | None:
+    """{parameter: its group's values}, where the members are known."""
+    if side.groups is None or any(g["members"] is None for g in side.groups):
+        return None
+    return {n: g for g in side.groups for n in g["members"]}
+
+
 def _compare_groups(sa: Side, sb: Side, result: DiffResult) -> None:
     if sa.groups is None or sb.groups is None:
         for side, s in (("A", sa), ("B", sb)):
             if s.groups is not None:
                 result.not_compared.append(f"param groups of {side}: the other side holds none")
+        return
+    flat = [s for s in (sa, sb) if s.groups and s.groups[0]["index"] == -1]
+    pa, pb = _per_parameter(sa), _per_parameter(sb)
+    if flat and pa is not None and pb is not None:  # torchtitan's per-parameter values: compared per parameter
+        for key in ("step",) + GROUP_KEYS:
+            bad = [(n, pa[n][key], pb[n][key]) for n in pa if n in pb and not _equal_values(pa[n][key], pb[n][key])]
+            result.values += [ValueDiff(f"{n} {key}", "groups", "differ", x, y) for n, x, y in bad] or \
+                [ValueDiff(f"{key} of every parameter", "groups", "equal", len(pa), len(pb))]
+        if set(pa) != set(pb):
+            result.values.append(ValueDiff("parameters with optimizer state", "groups", "differ",
+                                           sorted(set(pa) - set(pb))[:8], sorted(set(pb) - set(pa))[:8]))
+        return
+    if flat:
+        result.not_compared.append("param groups: one side records each parameter's values, the other does not "
+                                   "list its groups' members")
         return
     for i in range(max(len(sa.groups), len(sb.groups))):
         ga = sa.groups[i] if i < len(sa.groups) else None
