@@ -85,6 +85,11 @@ def test_megatron_against_its_conversion(outs):
         assert all(t.dtype_a == "float32" for t in r.tensors)  # the masters, not the bf16 weights
         assert any("members" in line for line in r.not_compared)  # Megatron does not list them: said
         assert {"group 0 lr", "group 1 weight_decay", "global_steps"} <= {v.name for v in r.values}
+    # its merge (weights only, Llama's names): a dp_reshardable save's saved weights are what merge wrote
+    zckpt.merge(str(MEGATRON / "gpt_tp1_pp1_dp2"), str(outs / "mg-merged"), dtype="bf16")
+    r = zckpt.diff(str(MEGATRON / "gpt_tp1_pp1_dp2"), str(outs / "mg-merged"))
+    assert r.ok and len(r.tensors) > 15 and any("saved weights are compared" in x for x in r.not_compared), \
+        (r.summary(), [x.line() for x in r.differences])
     # two Megatron runs of other layouts and seeds: differences named, matched through the same names
     r = zckpt.diff(str(MEGATRON / "gpt_tp1_pp1_dp2"), str(MEGATRON / "gpt_tp2_pp2_dp1_fullyresh"),
                    only="weights", include=["model.layers.0.*"])

@@ -97,10 +97,9 @@ def open_any(path: str, tag: str | None, storage_options: dict | None) -> Checkp
         raise
 
 
-def read_side(path: str, tag: str | None, storage_options: dict | None, state_wanted: bool) -> Side:
-    """``path`` as one side of a diff (see the module docstring); ``state_wanted``: masters or optimizer state are
-    compared (a Megatron ``dp_reshardable`` save's buckets are then placed)."""
-    ckpt = open_any(path, tag, storage_options)
+def read_side(path: str, ckpt: Checkpoint, state_wanted: bool) -> Side:
+    """``ckpt`` (opened from ``path``) as one side of a diff (see the module docstring); ``state_wanted``: masters
+    or optimizer state are compared (a Megatron ``dp_reshardable`` save's buckets are then placed)."""
     ckpt.check_ties()
     notes: list[str] = []
     groups = counters = None
@@ -255,10 +254,18 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
     include, exclude = list(include or []), list(exclude or [])
     state_wanted = bool({"masters", "optimizer"} & set(parts))
     opts_b = storage_options if storage_options_b is None else storage_options_b
-    sa = read_side(a, tag_a, storage_options, state_wanted)
-    sb = read_side(b, tag_b, opts_b, state_wanted)
+    ca, cb = open_any(a, tag_a, storage_options), open_any(b, tag_b, opts_b)
+    # against a folder of weights only, a Megatron dp_reshardable save's weights are compared as saved (what merge
+    # writes), its masters not placed from the buckets
+    sa = read_side(a, ca, state_wanted and cb.format != "hf")
+    sb = read_side(b, cb, state_wanted and ca.format != "hf")
     result = DiffResult(str(a), str(b), sa.tag, sb.tag, sa.ckpt.format, sb.ckpt.format, parts, tol,
                         notes=sa.notes + sb.notes)
+    for side, c, other in (("A", ca, cb), ("B", cb, ca)):
+        if state_wanted and other.format == "hf" and c.format == "megatron" and \
+                c.extra["megatron"].get("optimizer_layout") == "dp_reshardable":
+            result.not_compared.append(f"masters and optimizer state of {side}: the other side holds weights only "
+                                       f"({side}'s saved weights are compared)")
 
     def wanted(name: str) -> bool:
         return (not include or any(fnmatch.fnmatchcase(name, g) for g in include)) and \
