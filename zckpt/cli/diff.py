@@ -67,8 +67,10 @@ def diff(a, b, only, include, exclude, atol, rtol, ulp, tag_a, tag_b, workers, s
         if not result.ok:
             raise SystemExit(1)
         return
-    if as_json:
+    if as_json:  # (and the verdict's one line on stderr when they differ, as every failing command says it)
         emit_json(result.to_json())
+        if not result.ok:
+            click.echo(f"zckpt: error: {result.summary()} ({result.a} vs {result.b})", err=True)
     else:
         _render(result, settings().verbose, quiet)
     if not result.ok:
