@@ -275,3 +275,62 @@ def test_push_step_is_the_checkpoints_own(tmp_path):
         assert code == 0, err
         (ckpt,) = json.loads(out)["checkpoints"]
         assert ckpt["step"] == step, (name, ckpt)
+
+
+# --------------------------------------------------------------- item 12: containers nested 10**6 deep, real bytes
+
+DEEP = b"]" * 10**6 + b"a" * (10**6 - 1)  # 10**6 nested lists (EMPTY_LIST ... APPEND): 2 MB, no recursion to build
+
+
+def _with_deep_entry(pickled: bytes) -> bytes:
+    """``pickled`` (a real pickle) with an entry 'zdeep' -> 10**6 nested lists in its first dict (frames dropped:
+    they are optional, and the entry is larger than any)."""
+    import pickletools
+    ops = list(pickletools.genops(pickled))
+    out, last = bytearray(), 0
+    for op, _, pos in ops:  # drop FRAME opcodes (9 bytes each)
+        if op.name == "FRAME":
+            out += pickled[last:pos]
+            last = pos + 9
+    out += pickled[last:]
+    m = re.search(rb"\}(?:\x94|q.|r....)?\(", bytes(out), re.S)
+    assert m, "no dict with a MARK in this pickle"
+    return bytes(out[:m.end()]) + b"X\x05\x00\x00\x00zdeep" + DEEP + bytes(out[m.end():])
+
+
+def _rezip(src: Path, dst: Path) -> None:
+    """A torch zip whose data.pkl holds the deep entry, every other entry as saved (CRCs recomputed for it)."""
+    import zipfile
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            zout.writestr(info, _with_deep_entry(data) if info.filename.endswith("/data.pkl") else data)
+
+
+def test_containers_nested_a_million_deep_are_refused(dcp_ckpt, tmp_path):
+    cases = []
+    dcp_copy = tmp_path / "dcp"  # DCP's .metadata (torch's dcp.save)
+    shutil.copytree(dcp_ckpt, dcp_copy)
+    (dcp_copy / ".metadata").write_bytes(_with_deep_entry((dcp_ckpt / ".metadata").read_bytes()))
+    cases.append((dcp_copy, dcp_copy / ".metadata"))
+    ds = tmp_path / "ds"  # a DeepSpeed rank file (ZeRO-2, 2 ranks) and optimizer file
+    shutil.copytree(SAVE, ds)
+    tag = ds / (ds / "latest").read_text().strip()
+    for name in ("mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        one = tmp_path / f"ds-{name}"
+        shutil.copytree(SAVE, one)
+        target = one / tag.name / name
+        _rezip(tag / name, target)
+        cases.append((one, target))
+    meg = tmp_path / "megatron"  # Megatron-Core's common.pt
+    shutil.copytree(MEGATRON, meg)
+    common = next(meg.glob("iter_*/common.pt"))
+    _rezip(next(MEGATRON.glob("iter_*/common.pt")), common)
+    cases.append((meg, common))
+    for folder, bad in cases:
+        more = [["verify", folder], ["merge", folder, "-o", tmp_path / "m", "--dry-run"]] if folder == dcp_copy else []
+        for command in (["info", folder], *more):
+            code, out, err = run(*command)
+            (line,) = err.splitlines()
+            assert code == 1 and str(bad) in line and "nests containers deeper than 200 levels" in line, (command, err)
+            assert "RecursionError" not in err and "internal error" not in err

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import click
 
 from zckpt.errors import (
-    InvalidArgument, NetworkError, OptionError, OutputExists, StorageError, ZckptError, names_rendered,
+    InvalidArgument, NetworkError, OptionError, OutputExists, StorageError, UnsupportedLayout, ZckptError,
+    names_rendered,
 )
 
 
@@ -63,6 +64,11 @@ EXIT_STATUSES = ((EXIT_OK, "done"), (EXIT_ERROR, "refused or failed"), (EXIT_USA
 STOPPED_BETWEEN_RUNS = "push --every stopped by Ctrl-C between runs exits 0"
 
 INTERNAL_HINT = "internal error: rerun with --debug for a traceback and report it"
+#: the next step of an error raised without one (every error says what to do; tests/test_messages.py)
+STORAGE_HINT = "check the URL, the credentials and that the server is reachable"
+NO_HINT = "rerun with --debug to see where it stopped, and report it"
+LAYOUT_HINT = ("zckpt refuses what it cannot read exactly rather than guess; zckpt info shows what it reads, and "
+               "--debug where it stopped (report the layout if a framework wrote it)")
 INSTALL_HINT = "install the missing package; s3:// URLs: pip install 'zckpt[s3]', hf:// URLs: pip install 'zckpt[hub]'"
 #: a missing package (ImportError.name, its top level) -> the install line of the extra that brings it
 _EXTRAS = {"torch": "torch", "s3fs": "s3", "boto3": "s3", "botocore": "s3", "aiobotocore": "s3",
@@ -87,11 +93,13 @@ ERROR_TABLE: list[tuple[type[BaseException], int, str]] = [
     (KeyboardInterrupt, EXIT_INTERRUPTED, ""),
     (click.BadParameter, EXIT_USAGE, "see --help"),  # outside its option's range / choices: a usage error
     (click.UsageError, EXIT_USAGE, "see --help"),  # the command line could not be read
-    (OptionError, EXIT_USAGE, ""),  # an option that does not apply, is missing or contradicts another: as click's
-    (InvalidArgument, EXIT_ERROR, ""),  # the message names the parameter and the accepted forms
+    (OptionError, EXIT_USAGE, "see --help"),  # an option that does not apply, is missing or contradicts another: as click's
+    (InvalidArgument, EXIT_ERROR, "see --help"),  # the message names the parameter and the accepted forms
     (OutputExists, EXIT_ERROR, "pass `overwrite` or choose another `out`"),
     (NetworkError, EXIT_NETWORK, ""),  # transient: the same command should succeed later (the hint says when)
-    (ZckptError, EXIT_ERROR, ""),  # zckpt's own errors carry their hint
+    (StorageError, EXIT_ERROR, STORAGE_HINT),
+    (UnsupportedLayout, EXIT_ERROR, LAYOUT_HINT),
+    (ZckptError, EXIT_ERROR, ""),  # zckpt's own errors carry their hint (one without: NO_HINT)
     (PermissionError, EXIT_ERROR, "check the permissions of that path"),
     (FileNotFoundError, EXIT_ERROR, "check the path"),
     (FileExistsError, EXIT_ERROR, "choose another `out`"),
@@ -245,7 +253,7 @@ def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
     own_hint = names_rendered(raw_hint, name) if raw_hint else ""
     if type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint:
         own_hint = default_hint  # the table's wording for the CLI
-    hint = own_hint or default_hint
+    hint = own_hint or default_hint or NO_HINT
     # StorageError wraps a backend failure: a missing package or an unknown scheme is not a server problem
     cause = exc.__cause__
     if isinstance(exc, StorageError) and isinstance(cause, ImportError) and not exc.hint:
@@ -265,7 +273,7 @@ def _os_error(exc: OSError, code: int, default_hint: str, name, output) -> UserE
     if path is None and output and exc.errno in _WRITE_ERRNOS:  # a write into the output: name it
         path, scratch = str(output), True
     what = _one_line(exc.strerror or str(exc))
-    hint = default_hint or names_rendered(_ERRNO_HINTS.get(exc.errno or -1, ""), name)
+    hint = default_hint or names_rendered(_ERRNO_HINTS.get(exc.errno or -1, "check that path and run again"), name)
     if scratch:  # failed creating the output: say so about the user's own -o
         what = f"cannot write the output here: {what}"
         if exc.errno == errno.EBUSY and exc.filename and os.path.ismount(os.fspath(exc.filename)):

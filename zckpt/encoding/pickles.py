@@ -8,6 +8,7 @@ opcodes (the walk of ``pickletools.genops`` without building its argument object
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import pickle
 import pickletools
@@ -183,6 +184,37 @@ def scan(data, start: int = 0, path: str | None = None, what: str = "data.pkl", 
     raise Truncated(f"damaged pickle in {what} (no STOP opcode)", path=path)
 
 
+MAX_NESTING = 200  # containers in containers: real checkpoints nest about a dozen levels
+_LEAF_TYPES = frozenset({str, int, float, bool, type(None), bytes, complex, type})
+
+
+def check_nesting(obj, path: str | None = None, what: str = "pickle", limit: int = MAX_NESTING,
+                  budget: int | None = None) -> None:
+    """Refuse (:class:`~zckpt.errors.CorruptFile`) an unpickled object whose containers nest deeper than ``limit``
+    levels (or hold themselves: a cycle never ends): whatever walks it recursively (``repr``, a reader, ``json``)
+    would fail with a RecursionError. Unpickling builds any depth without recursion: ``]]]...aaa`` is 10**6 nested
+    lists in 2 MB, and memo references can hang a deep chain from a shallow place.
+
+    Walked level by level, each level the distinct objects reached by a path of that length (``gc.get_referents``:
+    the items, keys, values and stand-ins' state, in C): as many levels as the longest path, each object once per
+    level. ``budget`` (default: ``limit`` times the objects of the first levels, at least 10**6) bounds the visits a
+    crafted sharing of deep chains could multiply; past it the pickle is refused too."""
+    get, leaves = gc.get_referents, _LEAF_TYPES
+    level, depth, visits = [obj], 0, 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise CorruptFile(f"{what} nests containers deeper than {limit} levels (or holds itself): not a "
+                              "checkpoint's metadata", path=path)
+        visits += len(level)
+        if budget is None and depth == 4:
+            budget = max(10**6, 8 * visits)
+        if budget is not None and visits > budget:
+            raise CorruptFile(f"{what} reaches its containers by too many paths ({visits} visits): not a "
+                              "checkpoint's metadata", path=path)
+        level = list({id(x): x for x in get(*level) if type(x) not in leaves}.values())
+
+
 class _PlainUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         raise UnsafePickle(f"pickle names the global '{module}.{name}' where only plain data belongs")
@@ -195,7 +227,9 @@ def plain_loads(data: bytes, path: str | None = None, what: str = "pickle"):
     """Unpickle ``data`` (already :func:`scan` ned) that may hold only ints, strings, lists, dicts, tuples, bools:
     no global is resolved and no persistent id answered."""
     try:
-        return _PlainUnpickler(io.BytesIO(data), encoding="utf-8").load()
+        obj = _PlainUnpickler(io.BytesIO(data), encoding="utf-8").load()
+        check_nesting(obj, path, what, budget=2 * len(data) + 10**6)
+        return obj
     except (CorruptFile, UnsafePickle) as exc:
         if exc.path is None:
             exc.path = path

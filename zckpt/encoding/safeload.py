@@ -39,7 +39,7 @@ from zckpt.encoding import allowlist, legacy
 from zckpt.encoding.allowlist import (ALLOWED_GLOBALS, COPY_BASE, COPY_FACTOR, EnumValue, Inert, SafeUnpickler,
                                      TorchDevice, TorchDtype, gc_paused)
 from zckpt.encoding.lazytensor import DTYPE_SIZES, FLOATING, LazyTensor, StorageRef
-from zckpt.encoding.pickles import scan
+from zckpt.encoding.pickles import check_nesting, scan
 from zckpt.encoding.zipentries import LOCAL_SIG, ZipEntry, read_entries
 
 __all__ = ["load", "load_plain", "legacy_layout", "MAX_PICKLE_BYTES", "DTYPE_SIZES", "FLOATING", "LazyTensor",
@@ -168,13 +168,17 @@ def load(path: str, opener: Callable[[str], BinaryIO] | None = None, storage_opt
             raise CorruptFile("data.pkl fails its CRC check (the file is damaged)", path=path)
         _check_opcodes(data, path)
         unpickler = SafeUnpickler(data, archive)
-        obj = _unpickle(unpickler, path)
+        obj = _unpickle(unpickler, path, size=len(data))
         return allowlist.unwrap(obj) if unpickler.placeholders else obj
 
 
-def _unpickle(unpickler: SafeUnpickler, path: str, what: str = "data.pkl") -> Any:
+def _unpickle(unpickler: SafeUnpickler, path: str, what: str = "data.pkl", size: int = 0) -> Any:
+    """The unpickled object, its nesting checked (:func:`zckpt.encoding.pickles.check_nesting`; ``size``: the
+    pickle's bytes, which bound the visits a real one needs)."""
     try:
-        return unpickler.load()
+        obj = unpickler.load()
+        check_nesting(obj, path, what, budget=2 * size + 10**6)
+        return obj
     except ZckptError as exc:  # raised by a stand-in deep in the pickle: name the file
         if exc.path is None:
             exc.path = path
@@ -206,7 +210,7 @@ def legacy_layout(path: str, f: BinaryIO, size: int) -> tuple[Any, dict, int]:
     See :mod:`zckpt.encoding.legacy` for the layout and what is refused."""
     header = legacy.read_header(f, size, path)
     unpickler = SafeUnpickler(header.obj_pickle, _LegacyArchive(path, size))
-    obj = _unpickle(unpickler, path, "the object pickle")
+    obj = _unpickle(unpickler, path, "the object pickle", len(header.obj_pickle))
     storages = {k: (st.ref.nbytes // DTYPE_SIZES[st.dtype], DTYPE_SIZES[st.dtype])
                 for k, st in unpickler.storages.items()}
     places, read = legacy.locate(f, header, storages)
@@ -253,6 +257,7 @@ def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None) -> A
     try:
         unpickler = _PlainUnpickler(data, path, extra or {})
         obj = unpickler.load()
+        check_nesting(obj, path, budget=2 * len(data) + 10**6)
         return allowlist.unwrap(obj) if unpickler.placeholders else obj
     except ZckptError as exc:
         if exc.path is None:
