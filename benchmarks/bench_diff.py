@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -73,7 +72,8 @@ def main(argv=None) -> int:
     ckpt = ensure_checkpoint(workdir, dims, args.world_size)
     env = dict(os.environ, DS_ACCELERATOR="cpu", ZCKPT_DISABLE_PROGRESS_BARS="1")
     zckpt = [sys.executable, "-m", "zckpt"]
-    others = {"reshard": workdir / f"{ckpt.name}-diff-ws{args.to_world_size}", "dcp": workdir / f"{ckpt.name}-diff-dcp"}
+    others = {"reshard": workdir / f"{ckpt.name}-diff-ws{args.to_world_size}",
+              "dcp": workdir / f"{ckpt.name}-diff-dcp"}
     for kind, out in others.items():
         if not out.exists():
             cmd = ["reshard", str(ckpt), "-w", str(args.to_world_size)] if kind == "reshard" else \
@@ -100,7 +100,8 @@ def main(argv=None) -> int:
     summary = {"params": count_params(dims), "checkpoint_bytes": du(ckpt), "cpus": os.cpu_count(),
                **{f"{kind}_bytes": du(o) for kind, o in others.items()}, "routes": {}}
     print(f"\n{count_params(dims) / 1e6:.0f}M params, checkpoint {du(ckpt) / 1e9:.2f} GB "
-          f"({args.world_size} ranks), reshard {du(others['reshard']) / 1e9:.2f} GB, DCP {du(others['dcp']) / 1e9:.2f} GB")
+          f"({args.world_size} ranks), reshard {du(others['reshard']) / 1e9:.2f} GB, "
+          f"DCP {du(others['dcp']) / 1e9:.2f} GB")
     for name, runs in results.items():
         med = statistics.median(r[0] for r in runs)
         rss = max(r[1] for r in runs)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         print(f"| {name} | {med:.2f} | {rss / 2**20:.0f} MiB |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.unlink(missing_ok=True)
     return 0
 
 
