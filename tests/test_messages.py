@@ -96,3 +96,29 @@ def test_verbose_speeds_in_binary_units(tmp_path):
         assert res.returncode == 0, res.stderr
         speed = re.search(r"; ([\d.]+ (B|KiB|MiB|GiB|TiB))/s, ", res.stderr)
         assert speed and " MB/s" not in res.stderr and " GB/s" not in res.stderr, res.stderr
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def test_every_error_says_what_to_do():
+    """Whatever zckpt raises without a hint of its own, the one line ends with a next step (the table's)."""
+    import errno
+
+    import click
+
+    from zckpt import errors
+    from zckpt.cli._errors import describe
+
+    raised = [cls("something is wrong", path="/x") for cls in {errors.ZckptError, *_subclasses(errors.ZckptError)}
+              if cls.__module__.startswith("zckpt")]
+    raised += [OSError(errno.EIO, "Input/output error", "/x"), OSError(errno.ENOSPC, "No space left", "/x"),
+               ImportError("no module named s3fs", name="s3fs"), RuntimeError("boom"),
+               click.UsageError("no such option: --x")]
+    assert len(raised) > 15
+    for exc in raised:
+        err = describe(exc, command="merge")
+        assert err.hint and err.message.endswith(")"), (type(exc).__name__, err.message)
