@@ -247,6 +247,9 @@ def test_cli_usage_json_and_dtypes(outs, tmp_path):
     for bad in (["--only", "weights,banana"], ["--atol", "-1"], ["--ulp", "-2"], ["--workers", "0"]):
         res = invoke("diff", Z2, Z2, *bad)
         assert res.exit_code == 1 and res.stderr.count("\n") == 1 and bad[0] in res.stderr, (bad, res.output)
+    for nothing in (["--include", "typo*"], ["--only", "masters", "--include", "frozen.*"]):  # never a pass
+        res = invoke("diff", Z2, outs / "dcp", *nothing)
+        assert res.exit_code == 1 and res.stderr.count("\n") == 1, (nothing, res.output)
     res = invoke("diff", Z2, tmp_path / "nothing")
     assert res.exit_code == 1 and "nothing" in res.stderr and "Traceback" not in res.output
     res = invoke("diff", Z2, Z2, "-v")

@@ -272,11 +272,21 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
             not any(fnmatch.fnmatchcase(name, g) for g in exclude)
 
     jobs = _pair_tensors(sa, sb, parts, wanted, result)
-    _run(jobs, sa, sb, tol, result, workers, progress, group)
     if "groups" in parts:
         _compare_groups(sa, sb, result)
     if "counters" in parts:
         _compare_counters(sa, sb, result)
+    names = set(sa.records) | set(sb.records)
+    if include and not any(wanted(n) for n in names):  # a typo in a glob is no verdict
+        raise InvalidArgument(f"{' '.join(include)}: no tensor of either side matches", param="include",
+                              hint="check the names with zckpt info; they are Hugging Face names where the model is "
+                                   "Llama-shaped")
+    if not (jobs or result.values or result.only_in_a or result.only_in_b):
+        what = ["--include " + " ".join(include)] * bool(include) + ["--exclude " + " ".join(exclude)] * bool(exclude)
+        what.append("--only " + ",".join(parts))
+        raise InvalidArgument(f"nothing to compare: {', '.join(what)} leave no tensor or value that both sides hold",
+                              hint="check the names with zckpt info, or widen --include / --only")
+    _run(jobs, sa, sb, tol, result, workers, progress, group)
     result.seconds = time.perf_counter() - t0
     log.info("diff: %s in %.2fs (%d bytes compared, %d CRC-checked zip entries)", result.summary(), result.seconds,
              result.bytes_compared, result.crc_checked_entries)
