@@ -44,69 +44,22 @@ def _scratch(slot: str, n: int, dtype) -> np.ndarray:
     return arr[:n]
 
 
-_BLOCK = 1 << 18  # elements cast at a time: a block's temporaries (a few MiB) stay in cache between passes
-
-
-def _blocks(a: np.ndarray, kernel) -> np.ndarray:
-    """``kernel(u, out, scratch)`` over blocks of ``a``'s uint32 view into a uint16 result (a per-thread buffer)."""
+def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16, round to nearest even: ``(u + 0x7FFF + lsb) >> 16`` (no NaN here), over the whole chunk in six
+    numpy calls, all but the first in place. Few calls matter more than fewer passes: the engine's worker threads
+    cast at once, and each call takes the GIL again (cut into cache-sized blocks, 16 threads cast at half the rate,
+    docs/benchmarks.md)."""
     import numpy as np
     u = a.view(np.uint32)
-    out = _scratch("out16", u.size, np.uint16)
-    scratch = (_scratch("u32", min(u.size, _BLOCK), np.uint32), _scratch("u32b", min(u.size, _BLOCK), np.uint32))
-    for lo in range(0, u.size, _BLOCK):
-        k = min(_BLOCK, u.size - lo)
-        kernel(u[lo:lo + k], out[lo:lo + k], scratch[0][:k], scratch[1][:k])
-    return out
-
-
-def _bf16_kernel(u, out, r, _s) -> None:
-    """fp32 -> bf16, round to nearest even: ``(u + 0x7FFF + lsb) >> 16`` (no NaN here). Every pass stays in uint32
-    and all but the first works in place (numpy's mixed-width ufuncs go through a slow buffered cast)."""
-    import numpy as np
+    r = _scratch("u32", u.size, np.uint32)
     np.right_shift(u, 16, out=r)
     np.bitwise_and(r, 1, out=r)
     np.add(r, u, out=r)
     np.add(r, 0x7FFF, out=r)
     np.right_shift(r, 16, out=r)
+    out = _scratch("out16", u.size, np.uint16)
     np.copyto(out, r, casting="unsafe")  # (every value < 2**16: nothing is cut)
-
-
-def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
-    return _blocks(a, _bf16_kernel)
-
-
-_F16_MIN_NORMAL = 0x38800000  # 2**-14 as fp32 bits: below it an fp16 is subnormal
-_F16_TO_INF = 0x477FF000  # 65520 as fp32 bits: from here on an fp16 rounds to infinity
-_F16_ROUND = (0xFFF - (((127 - 15) << 10) << 13)) % (1 << 32)  # half an fp16 ulp less, the exponent re-biased
-
-
-def _f16_kernel(u, out, mag, r) -> None:
-    """fp32 -> fp16 as torch rounds it (IEEE round to nearest even; 65520 and up to infinity; no NaN here), in
-    integer passes (numpy's own float16 cast converts one element at a time, about 3x slower). Normal results:
-    ``(|u| + lsb + 0xFFF - bias) >> 13`` and the sign; subnormal ones (|x| < 2**-14): ``rint(|x| * 2**24)``, and
-    infinities, set for those elements alone."""
-    import numpy as np
-    np.bitwise_and(u, 0x7FFFFFFF, out=mag)
-    small = np.flatnonzero(mag < _F16_MIN_NORMAL)
-    sub = np.rint(mag[small].view(np.float32) * np.float32(2.0 ** 24)).astype(np.uint16)  # exact, half to even
-    big = np.flatnonzero(mag >= _F16_TO_INF) if (mag >= _F16_TO_INF).any() else None
-    np.right_shift(mag, 13, out=r)
-    np.bitwise_and(r, 1, out=r)
-    np.add(r, mag, out=r)
-    np.add(r, _F16_ROUND, out=r)  # (wraps below 2**-14: those elements are set below)
-    np.right_shift(r, 13, out=r)
-    np.right_shift(u, 16, out=mag)
-    np.bitwise_and(mag, 0x8000, out=mag)  # the sign
-    np.bitwise_or(r, mag, out=r)
-    np.copyto(out, r, casting="unsafe")  # (bits above 16 only where set again below)
-    if small.size:
-        out[small] = mag[small].astype(np.uint16) | sub
-    if big is not None:
-        out[big] = mag[big].astype(np.uint16) | 0x7C00
-
-
-def _f16_from_f32(a: np.ndarray) -> np.ndarray:
-    return _blocks(a, _f16_kernel)
+    return out
 
 
 #: torch's integer and bool dtype names (numpy's are the same)
@@ -163,6 +116,10 @@ def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
         return out.view(np.uint8)
     if src == "float32" and dst == "bfloat16":
         return _bf16_from_f32(raw.view(np.float32)).view(np.uint8)
-    if src == "float32" and dst == "float16":
-        return _f16_from_f32(raw.view(np.float32)).view(np.uint8)
+    if src == "float32" and dst == "float16":  # numpy's cast (IEEE round to nearest even, as torch): one call
+        x = raw.view(np.float32)
+        out = _scratch("out16", x.size, np.uint16).view(np.float16)
+        with np.errstate(over="ignore"):
+            np.copyto(out, x, casting="unsafe")
+        return out.view(np.uint8)
     return cast(cast(raw, src, "float32"), "float32", dst)  # bf16 <-> fp16: exact via fp32, as torch does
