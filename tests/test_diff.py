@@ -6,6 +6,7 @@ flipped byte refused; the CLI's exit statuses and --json schema; docs/check-conv
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -329,3 +330,41 @@ def test_torchtitan_layout_per_parameter_groups(outs, tmp_path):
 
     r = zckpt.diff(str(Z2), str(_torch_dcp(tt, tmp_path / "tt-lr", lr)))
     assert [d.name for d in r.differences] == ["blocks.0.up.weight lr"], [d.line() for d in r.differences]
+
+
+def test_measures_on_known_bits(tmp_path):
+    """The element measures on raw arrays whose answers are known: NaNs, signed zeros, ULPs across zero, more
+    differing elements than one measuring block, and two dtypes."""
+    from zckpt.encoding.tensors import Reader
+    from zckpt.engine import compare
+    from zckpt.engine.segments import Piece
+
+    def pieces(arr, name):
+        path = tmp_path / name
+        path.write_bytes(arr.tobytes())
+        half = arr.size // 2  # two pieces, cut elsewhere than the ranges are
+        size = arr.itemsize
+        dtype = "bfloat16" if arr.dtype == np.uint16 else str(arr.dtype)
+        return [Piece(str(path), 0, half, dtype), Piece(str(path), half * size, arr.size - half, dtype)]
+
+    a = np.array([1.0, np.nan, 0.0, 1.0, -1e-45, 2.0], dtype=np.float32)
+    b = np.array([1.0, np.nan, -0.0, np.nan, 1e-45, 2.0], dtype=np.float32)
+    readers = [Reader(), Reader()]
+    st = compare.compare_range(readers, pieces(a, "a"), "float32", pieces(b, "b"), "float32", 0, 6,
+                               compare.Tolerance(atol=0.5))
+    # +0 / -0 differ in bits, not in value (within atol); the NaN against 1.0 is never within; +-1e-45: 2 ULPs
+    assert st.differing == 3 and st.outside == 1 and st.first == 2 and st.first_outside == 3
+    assert math.isinf(st.max_abs) and st.max_ulp == np.iinfo(np.int64).max
+    st = compare.compare_range(readers, pieces(a, "a"), "float32", pieces(b, "b"), "float32", 4, 2, compare.Tolerance())
+    assert st.differing == st.outside == 1 and st.max_ulp == 2 and st.first == 4
+    n = compare.MEASURE_BLOCK * 2 + 5  # every element differs by one ULP: measured over three blocks
+    x = np.arange(n, dtype=np.float32) + 1
+    y = x.view(np.int32) + 1
+    st = compare.compare_range(readers, pieces(x, "x"), "float32", pieces(y.view(np.float32), "y"), "float32", 0,
+                               n, compare.Tolerance(ulp=1))
+    assert st.differing == n and st.outside == 0 and st.max_ulp == 1 and st.first == 0
+    # bf16 against fp32: the values compared (no bits across dtypes)
+    bf = (x.view(np.uint32) >> 16).astype(np.uint16)[:8]
+    st = compare.compare_range(readers, pieces(bf, "bf"), "bfloat16", pieces(x[:8], "f"), "float32", 0, 8,
+                               compare.Tolerance())
+    assert st.differing == 0 and st.max_ulp is None  # small integers: exact in bf16

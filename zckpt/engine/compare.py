@@ -26,6 +26,7 @@ from zckpt.encoding.lazytensor import DTYPE_SIZES, FLOATING
 from zckpt.engine.segments import slice_pieces
 
 CHUNK_BYTES = 16 << 20
+MEASURE_BLOCK = 1 << 18  # differing elements measured at once (float64 temporaries: 2 MiB each)
 
 _UINT = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
 _SIGNED = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
@@ -121,8 +122,8 @@ def compare_range(readers, a_pieces, a_dtype: str, b_pieces, b_dtype: str, start
         a, a_dtype = _cast(a, a_dtype, cast_to[0]), cast_to[0]
     if cast_to[1]:
         b, b_dtype = _cast(b, b_dtype, cast_to[1]), cast_to[1]
-    st = Stats(numel=length)
     same = a_dtype == b_dtype
+    st = Stats(numel=length, max_ulp=0 if same else None)
     if same:
         size = DTYPE_SIZES[a_dtype]
         if size not in _UINT:  # complex: compared as two halves' bits
@@ -130,11 +131,18 @@ def compare_range(readers, a_pieces, a_dtype: str, b_pieces, b_dtype: str, start
                                 .any(axis=1))
         else:
             ne = np.flatnonzero(a.view(_UINT[size]) != b.view(_UINT[size]))
-        if ne.size == 0:
-            return st
-    else:
-        ne = np.arange(length)
-    st.differing = int(ne.size) if same else 0
+        blocks = (ne[i:i + MEASURE_BLOCK] for i in range(0, ne.size, MEASURE_BLOCK))
+    else:  # two dtypes: every element's value
+        blocks = (np.arange(lo, min(lo + MEASURE_BLOCK, length)) for lo in range(0, length, MEASURE_BLOCK))
+    for idx in blocks:  # the differing elements measured a block at a time: a few MiB of temporaries per thread
+        st.merge(_measure(a, b, a_dtype, b_dtype, idx, start, same, tol))
+    return st
+
+
+def _measure(a, b, a_dtype: str, b_dtype: str, ne, start: int, same: bool, tol: Tolerance) -> Stats:
+    """The elements ``ne`` of ``a`` and ``b`` (bits differing, or any across two dtypes), measured."""
+    import numpy as np
+    st = Stats(differing=int(ne.size) if same else 0)
     av, bv = a[ne], b[ne]
     floating = a_dtype in FLOATING or b_dtype in FLOATING
     if a_dtype.startswith("float8") or b_dtype.startswith("float8") or "complex" in a_dtype + b_dtype:
@@ -153,8 +161,7 @@ def compare_range(readers, a_pieces, a_dtype: str, b_pieces, b_dtype: str, start
         rel = np.where(diff == 0, 0.0, diff / np.abs(fb))
         rel = np.where(np.isnan(rel), np.inf, rel)
     if not same:
-        keep = diff != 0  # the elements whose values differ (the bits cannot be compared across dtypes)
-        st.differing = int(keep.sum())
+        st.differing = int((diff != 0).sum())  # the elements whose values differ (bits cannot be compared)
     within = np.zeros(ne.size, dtype=bool)
     if same:
         if floating:
@@ -287,8 +294,8 @@ class TensorDiff:
         dtype = f"dtype {self.dtype_a} in A, {self.dtype_b} in B; " if self.reason == "dtype" else ""
         ulp = f", max ULP {d['max_ulp']}" if d["max_ulp"] is not None else ""
         word = "DIFFER " if self.status == "differ" else "close  "
-        return (f"{word} {self.label}{cast}: {dtype}{where}{d['differing']:,} of {d['numel']:,} elements differ, max |a-b| "
-                f"{_fmt(d['max_abs_diff'])}, max rel {_fmt(d['max_rel_diff'])}{ulp}")
+        return (f"{word} {self.label}{cast}: {dtype}{where}{d['differing']:,} of {d['numel']:,} elements differ, "
+                f"max |a-b| {_fmt(d['max_abs_diff'])}, max rel {_fmt(d['max_rel_diff'])}{ulp}")
 
 
 @dataclass
