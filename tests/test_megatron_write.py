@@ -246,3 +246,20 @@ def test_cli_writes_it_and_names_what_does_not_apply(tmp_path):
     assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "Traceback" not in res.stderr and "--tp 3" in res.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_megatron_lms_own_args_are_carried_as_saved(tmp_path):
+    """A save by Megatron-LM's pretrain_gpt.py (its whole args Namespace: enums, torch dtypes): common.pt keeps
+    every arg as it was, as the same classes (megatron-core's own torch.load, weights_only, reads it), but the
+    parallel sizes, no_save_rng and the optimizer layout."""
+    pytest.importorskip("megatron.core")
+    src = MEG / "lm16_tp2_pp1_dp2"
+    _convert(src, tmp_path / "o", tp=1, pp=2)
+    a = vars(torch.load(str(src / "iter_0000004" / "common.pt"), weights_only=False)["args"])  # the latest
+    out = torch.load(str(tmp_path / "o" / "iter_0000004" / "common.pt"))  # weights_only: megatron's safe globals
+    b = vars(out["args"])
+    changed = {k for k in set(a) | set(b) if a.get(k) != b.get(k) or type(a.get(k)) is not type(b.get(k))}
+    assert changed == {"tensor_model_parallel_size", "pipeline_model_parallel_size", "world_size",
+                       "data_parallel_size", "no_save_rng", "dist_ckpt_optim_fully_reshardable"}, changed
+    assert (b["tensor_model_parallel_size"], b["pipeline_model_parallel_size"], b["no_save_rng"]) == (1, 2, True)
+    assert type(b["attention_backend"]).__name__ == "AttnBackend" and str(b["params_dtype"]) == "torch.bfloat16"

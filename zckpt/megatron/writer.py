@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from zckpt.encoding import distcp
 from zckpt.engine import dcplayout, torchzip
-from zckpt.engine.torchzip import GlobalRef, NewObj, TensorOut
+from zckpt.encoding.enums import NamedEnum, NamedStrEnum
+from zckpt.engine.torchzip import GlobalRef, NewObj, Reduce, TensorOut
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.megatron.reader import COMMON, LATEST, LAYERS, META_JSON, OPTIM_STATE
@@ -208,26 +209,42 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
                "iteration", "consumed_train_samples", "num_floating_point_operations_so_far", "args"]
     left = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)"}
     if dropped:
-        left[f"args.{{{','.join(dropped)}}}"] = "not plain values (Megatron-LM's loader compares none of them)"
-        notes.append(f"left out args {', '.join(dropped)}: not plain values")
+        left[f"args.{{{','.join(dropped)}}}"] = "values zckpt cannot pickle again (Megatron-LM's loader compares none)"
+        notes.append(f"left out args {', '.join(dropped)}: values zckpt cannot pickle again")
     return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
                         tp, pp, carried=carried, not_carried=left)
 
 
-def _plain(value) -> bool:
-    try:
-        dcplayout.check_plain(value, "")
-        return True
-    except UnsupportedLayout:
-        return False
+_PLAIN = (bool, int, float, str, bytes, type(None))
+_NOT_PLAIN = object()
+
+
+def _pickled(value):
+    """``value`` (read through the allow-list) as ``common.pt`` pickles it again: plain data as it is, an enum
+    member's stand-in as the member (``Class(value)``, the class named, never imported), a torch dtype as
+    ``torch.<name>``; :data:`_NOT_PLAIN` for anything else."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, (NamedEnum, NamedStrEnum)) and "." in value._qualname:
+        module, name = value._qualname.rsplit(".", 1)
+        return Reduce(GlobalRef(module, name), ((int if isinstance(value, NamedEnum) else str)(value),))
+    if type(value).__name__ == "TorchDtype" and isinstance(value, str):
+        return GlobalRef("torch", str(value))
+    if type(value) in (list, tuple):
+        out = [_pickled(v) for v in value]
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in out) else type(value)(out)
+    if type(value) is dict:
+        out = {_pickled(k): _pickled(v) for k, v in value.items()}
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in list(out) + list(out.values())) else out
+    return _NOT_PLAIN
 
 
 def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str) -> tuple[dict, list[str]]:
     """``common.pt``: what Megatron-LM's ``generate_state_dict`` keeps out of the sharded tensors; and the names of
     the args left out (not plain values)."""
-    source_args = ckpt.extra.get("args") or {}
-    dropped = sorted(k for k, v in source_args.items() if k not in _DROP_ARGS and not _plain(v))
-    args = {k: v for k, v in source_args.items() if k not in _DROP_ARGS and k not in dropped}
+    source_args = {k: _pickled(v) for k, v in (ckpt.extra.get("args") or {}).items() if k not in _DROP_ARGS}
+    dropped = sorted(k for k, v in source_args.items() if v is _NOT_PLAIN)
+    args = {k: v for k, v in source_args.items() if k not in dropped}
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
                 dist_ckpt_optim_fully_reshardable=layout == "fully_reshardable", no_save_rng=True)
     content = dict(f.get("content_metadata") or {})
@@ -248,8 +265,9 @@ def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str) -> tuple[d
     if "num_floating_point_operations_so_far" in side:
         out["num_floating_point_operations_so_far"] = side["num_floating_point_operations_so_far"]
     out["content_metadata"] = content
-    for what, value in (("param groups", groups), ("scheduler", out.get("opt_param_scheduler"))):
-        if not _plain(value):
-            raise UnsupportedLayout(f"the source's {what} hold values that are not plain data", path=ckpt.location.tag_dir)
+    for what, key in (("param groups", "optimizer"), ("scheduler", "opt_param_scheduler")):
+        if key in out and _pickled(out[key]) is _NOT_PLAIN:
+            raise UnsupportedLayout(f"the source's {what} hold values that are not plain data",
+                                    path=ckpt.location.tag_dir)
     return out, dropped
 
