@@ -6,16 +6,21 @@
    it is Llama-shaped goes through merge's map (:func:`zckpt.megatron.hf_names.state_view`: q/k/v split per query
    group, fc1 into gate and up, masters and moments split as the weights), else keeps Megatron's names (a note
    says why); a Megatron ``dp_reshardable`` save's masters and moments are placed from its buckets and checked
-   against its weights (:func:`zckpt.megatron.buckets.attach`). A tied alias is compared once, through the tensor
-   it names. Names on one side only are listed, never guessed.
+   against its weights (:func:`zckpt.megatron.buckets.attach`), except against a folder of weights only (then its
+   saved weights, what merge writes). A tied alias is compared once, through the tensor it names. Names on one
+   side only are listed, never guessed.
 2. What is compared, each part selectable (``only``): ``weights`` (every tensor's value: the fp32 masters where both
    sides hold them, else the weights as stored), ``masters`` (only the values both sides hold as masters),
    ``optimizer`` (every per-element optimizer state: Adam's moments, SGD's momentum...), ``groups`` (each param
-   group's members, lr, betas, eps, weight decay and step), ``counters`` (global steps and samples, the
-   scheduler's state). ``include`` / ``exclude``: name globs (fnmatch) on the common names.
+   group's members, lr, betas, eps, weight decay and step; torchtitan's flattened groups per parameter),
+   ``counters`` (global steps and samples, the scheduler's state). ``include`` / ``exclude``: name globs (fnmatch)
+   on the common names; a selection that leaves nothing to compare is refused, never a pass. fp32 values against
+   bf16 / fp16 weights without masters (a ``merge --dtype bf16``) are cast as torch rounds, then compared.
 3. Tensors are streamed in aligned element ranges of at most 16 MiB (:mod:`zckpt.engine.compare`), several at
    once on a thread pool, every byte read reported to each side's CRC check (:func:`zckpt.state.checksums
    .input_check`): a damaged byte is a :class:`~zckpt.errors.CorruptFile` naming the file, never a difference.
+   Under a launcher (``group``) each rank compares a share of the ranges by bytes; rank 0 checks the CRCs from
+   every rank's spans, and every rank returns the same result.
 4. The result (:class:`DiffResult`): per tensor equal bits, or how many elements differ, max |a-b|, max relative
    difference, max ULP distance and the first difference's index; dtype and shape mismatches; what was not
    compared and why. ``ok`` when everything compared is equal within the tolerance and no name is on one side only.
