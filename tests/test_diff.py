@@ -190,6 +190,14 @@ def test_step_and_lr_are_named(changed):
     assert zckpt.diff(str(Z2), str(changed["lr"]), only="weights,optimizer,counters").ok  # --only leaves it out
 
 
+def test_groups_matched_by_their_members(outs, tmp_path):
+    def swap(state):
+        state["optim"]["param_groups"] = state["optim"]["param_groups"][::-1]
+
+    r = zckpt.diff(str(Z2), str(_torch_dcp(outs / "dcp", tmp_path / "swapped", swap)), only="groups")
+    assert r.ok and "group 0 (B's 1) lr" in {v.name for v in r.values}, [v.line() for v in r.values]
+
+
 def test_tolerances_at_their_edges(changed):
     r = zckpt.diff(str(Z2), str(changed["master"]), only="weights")
     (d,) = r.differences

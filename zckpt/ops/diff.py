@@ -537,13 +537,19 @@ def _compare_groups(sa: Side, sb: Side, result: DiffResult) -> None:
         result.not_compared.append("param groups: one side records each parameter's values, the other does not "
                                    "list its groups' members")
         return
+    order = list(range(len(sb.groups)))  # B's group for A's i: by index, or where both list members, by the most
+    if pa is not None and pb is not None:  # shared (a conversion may order the groups otherwise)
+        for i, g in enumerate(sa.groups[:len(order)]):
+            j = max(order[i:], key=lambda j: (len(set(g["members"]) & set(sb.groups[j]["members"])), -j))
+            order[order.index(j)], order[i] = order[i], j
     for i in range(max(len(sa.groups), len(sb.groups))):
         ga = sa.groups[i] if i < len(sa.groups) else None
-        gb = sb.groups[i] if i < len(sb.groups) else None
+        gb = sb.groups[order[i]] if i < len(order) else None
         if ga is None or gb is None:
             result.values.append(ValueDiff(f"group {i}", "groups", "differ", "present" if ga else None,
                                            "present" if gb else None))
             continue
+        i = i if order[i] == i else f"{i} (B's {order[i]})"
         for key in ("step",) + GROUP_KEYS:
             same = _equal_values(ga[key], gb[key])
             result.values.append(ValueDiff(f"group {i} {key}", "groups", "equal" if same else "differ",
