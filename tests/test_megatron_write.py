@@ -27,10 +27,12 @@ torch = pytest.importorskip("torch")
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
 # (source, (tp, pp, dp) megatron-core loads the output at): each shape other than the source's; fully_reshardable
-# (tp2 pp2, 4 layers), dp_reshardable (Megatron-LM's default: dp2; tied and GELU at pp2; fp32 params, tied)
+# (tp2 pp2, 4 layers), dp_reshardable (Megatron-LM's default: dp2; tied and GELU at pp2; fp32 params, tied; tp2 x
+# dp2, tied; per-layer keys)
 JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (2, 1, 1)), ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1)),
         ("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2)), ("gpt_tp1_pp1_dp2", (2, 1, 1)), ("gpt_tp1_pp1_dp2", (1, 2, 1)),
-        ("gpt_tp1_pp2_dp1_tied", (2, 1, 1)), ("gpt_tp1_pp1_dp2_fp32", (1, 2, 1))]
+        ("gpt_tp1_pp2_dp1_tied", (2, 1, 1)), ("gpt_tp1_pp1_dp2_fp32", (1, 2, 1)), ("gpt_tp2_pp1_dp2", (1, 1, 2)),
+        ("gpt_tp1_pp1_dp1_perlayer", (2, 1, 1))]
 
 
 def _convert(src, out, **kw):
@@ -263,3 +265,14 @@ def test_megatron_lms_own_args_are_carried_as_saved(tmp_path):
                        "data_parallel_size", "no_save_rng", "dist_ckpt_optim_fully_reshardable"}, changed
     assert (b["tensor_model_parallel_size"], b["pipeline_model_parallel_size"], b["no_save_rng"]) == (1, 2, True)
     assert type(b["attention_backend"]).__name__ == "AttnBackend" and str(b["params_dtype"]) == "torch.bfloat16"
+
+
+def test_an_fp16_run_is_refused(tmp_path):
+    """fp16 training keeps a loss scaler beside the param groups, which the writer does not carry: refused."""
+    bad = tmp_path / "fp16"
+    shutil.copytree(MEG / "gpt_tp1_pp1_dp2_fullyresh", bad)
+    common = next(bad.glob("iter_*")) / "common.pt"
+    c = torch.load(str(common), weights_only=False)
+    c["args"].fp16, c["args"].bf16 = True, False
+    torch.save(c, str(common))
+    _refused(tmp_path, bad, ["fp16", "loss scaler"])

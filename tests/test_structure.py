@@ -109,7 +109,7 @@ LAYERS = [
     ("formats", ["zckpt.deepspeed", "zckpt.dcp", "zckpt.megatron", "zckpt.hf"]),
     ("backup", ["zckpt.backup"]),
     ("ops", ["zckpt.ops"]),
-    ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__"]),
+    ("front ends", ["zckpt.cli", "zckpt.integrations", "zckpt.__main__", "zckpt.api"]),
 ]
 
 

@@ -125,6 +125,9 @@ def _records_by_key(ckpt: Checkpoint, md) -> dict[str, list]:
 
 def _adam_state(ckpt: Checkpoint, path: str) -> None:
     args = ckpt.extra.get("args") or {}
+    if args.get("fp16") is True:
+        raise UnsupportedLayout("an fp16 run: its loss scaler's state is not carried", path=path,
+                                hint="convert a bf16 or fp32 run's checkpoint")
     opt = args.get("optimizer")
     if opt is not None and opt != "adam":
         raise UnsupportedLayout(f"the run's optimizer is {opt!r}: only Adam's state (exp_avg, exp_avg_sq) is "
