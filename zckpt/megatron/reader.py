@@ -385,13 +385,13 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     data = storage.read_bytes(mpath, opts)
     md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
     links.check([storage.join(folder, n) for n in md.files], folder)
-    if COMMON in sizes:  # megatron-core <= 0.17: rank 0's torch.save beside the DCP files
+    if COMMON in sizes:  # megatron-core <= 0.18: rank 0's torch.save beside the DCP files
         common = load_common(common_path, opts)
-    elif COMMON_ITEM in md.values:  # 0.18+: the same dict as a sharded object in the DCP (docs/megatron.md)
+    elif COMMON_ITEM in md.values:  # 0.19+: the same dict as a sharded object in the DCP (docs/megatron.md)
         common = _common_item(folder, opts, md)
     else:
         raise IncompleteCheckpoint(f"{common_path}: missing: common.pt (the non-sharded state, written by rank 0; "
-                                   f"megatron-core 0.18+ keeps it as '{COMMON_ITEM}' in .metadata, absent too)",
+                                   f"megatron-core 0.19+ keeps it as '{COMMON_ITEM}' in .metadata, absent too)",
                                    path=common_path, hint="use the folder of a finished save")
     if not isinstance(common, dict):
         raise CorruptFile(f"{COMMON if COMMON in sizes else COMMON_ITEM} does not hold a dict", path=common_path)
@@ -403,11 +403,11 @@ COMMON_REFUSAL = ("zckpt never runs code from checkpoints; a Megatron-LM common.
                   "torch dtypes and the megatron-core enums zckpt knows), iteration and optimizer layout, nothing else")
 
 
-COMMON_ITEM = "common_state/shard_0_1"  # megatron-core 0.18+ (dist_checkpointing/serialization.py, save)
+COMMON_ITEM = "common_state/shard_0_1"  # megatron-core 0.19+ (dist_checkpointing/serialization.py, save)
 
 
 def _common_item(folder: str, opts, md: dcpmeta.DcpMetadata) -> dict:
-    """The common state a megatron-core 0.18+ save keeps in the DCP: one ShardedObject ``common_state`` (global
+    """The common state a megatron-core 0.19+ save keeps in the DCP: one ShardedObject ``common_state`` (global
     shape (1,)) whose item is a torch.save of ``[state_dict]``, read through the allow-list (its zip CRCs checked)."""
     v = md.values[COMMON_ITEM]
     items = distcp.Items(folder, opts)
@@ -475,7 +475,7 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
         notes.append(f"tied: {TIED[0]} -> {TIED[1]} (args: untie_embeddings_and_output_weights false)")
     data_files = [RankFile(storage.join(folder, n), n, "data", None, 0, sizes.get(n, -1)) for n in md.files]
     data_files += [RankFile(storage.join(folder, METADATA), METADATA, "metadata", None, 0, sizes.get(METADATA, -1))]
-    if COMMON in sizes:  # 0.18+ saves keep the common state in the DCP (COMMON_ITEM)
+    if COMMON in sizes:  # 0.19+ saves keep the common state in the DCP (COMMON_ITEM)
         data_files.append(RankFile(storage.join(folder, COMMON), COMMON, "common", None, 0, sizes[COMMON]))
     loc = Location(str(path).rstrip("/") or "/", save_dir, storage.basename(folder), folder, None,
                    data_files=data_files, has_latest=has_latest, storage_options=opts)
