@@ -63,7 +63,7 @@ class MegatronPlan:
     carried: list = field(default_factory=list)
     not_carried: dict = field(default_factory=dict)
     to: str = "megatron"
-    optimizer: str = "adam"
+    optimizer: str = ""  # (DCP's adam_mode: Megatron's param groups say decoupled_weight_decay themselves)
 
     @property
     def total_bytes(self) -> int:
