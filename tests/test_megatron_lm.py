@@ -265,3 +265,17 @@ def test_an_enum_value_megatron_does_not_define_is_shown_not_guessed():
     assert repr(member(b"K\x2a")) == "AttnBackend(42)" and member(b"K\x2a").name is None
     with pytest.raises(UnsafePickle, match="AttnBackend"):
         member(b"X\x04\x00\x00\x00auto")
+
+
+def test_the_classes_megatron_core_lists_as_safe_are_inert(tmp_path):
+    """megatron-core's own SAFE_GLOBALS (megatron/core/safe_globals.py) beyond the enums: a PosixPath in the args is
+    its text, a SimpleNamespace a stand-in keeping its fields."""
+    import argparse
+    import pathlib
+    import types
+
+    from zckpt.megatron import reader
+    src = _with_common(tmp_path, lambda: {"args": argparse.Namespace(data_cache_path=pathlib.PosixPath("/data/c")),
+                                          "extra": types.SimpleNamespace(n=3), "iteration": 4})
+    got = reader.load_common(str(src / "iter_0000004" / "common.pt"))
+    assert got["args"].data_cache_path == "/data/c" and got["extra"].n == 3 and got["iteration"] == 4

@@ -378,6 +378,18 @@ for _name, _members in MEGATRON_ENUMS.items():
 _ALLOWED["signal.Signals"] = named_enum("signal.Signals", signal_members)  # Megatron-LM's exit_signal (SIGTERM)
 for _name in ("megatron.core.optimizer.optimizer_config.OptimizerConfig", "types.SimpleNamespace"):
     _ALLOWED[_name] = _inert_class(_name)  # dataclass / namespace: their fields kept, nothing run
+
+
+def _posix_path(*parts):
+    """``pathlib.PosixPath`` (in megatron-core's SAFE_GLOBALS: a path in the args) as its text; no filesystem."""
+    if not all(type(p) is str for p in parts):
+        raise UnsafePickle("pickle builds a pathlib.PosixPath from something other than strings")
+    _charge(sum(map(len, parts)))
+    import posixpath
+    return posixpath.join(*parts) if parts else "."
+
+
+_ALLOWED["pathlib.PosixPath"] = _posix_path
 for _name in _STORAGE_DTYPES:
     _ALLOWED[f"torch.{_name}"] = ("storage", _STORAGE_DTYPES[_name])
 _ALLOWED["torch.storage.UntypedStorage"] = ("storage", "uint8")
