@@ -4,6 +4,7 @@ another's private names. A change that knots modules together fails here (docs/a
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "zckpt"
@@ -38,6 +39,7 @@ def _imports(name: str, path: Path, mods: dict) -> list[tuple[str, str | None]]:
     return out
 
 
+@functools.lru_cache(maxsize=1)  # the same tree for every test of this file: read and parsed once
 def _graph():
     mods = _modules()
     edges = {m: set() for m in mods}
@@ -53,6 +55,7 @@ def _graph():
 
 def test_no_import_cycles():
     mods, edges, _ = _graph()
+    edges = {m: set(ts) for m, ts in edges.items()}  # (the cached graph stays as read)
     # package __init__ files re-export lazily (PEP 562); an edge into a package's own __init__ is not a cycle
     for m in edges:
         edges[m] = {t for t in edges[m] if not (mods[t].name == "__init__.py" and m.startswith(t + "."))}
