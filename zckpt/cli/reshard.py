@@ -24,6 +24,8 @@ Examples:
               help="Data-parallel world size the output is for.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of the output (default: the source's).")
+@click.option("--ep", "ep", type=click.IntRange(1, None), default=None,
+              help="Expert-parallel size of the output (native DeepSpeed MoE, ZeRO-1/2; default: the source's).")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
                    "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")
@@ -41,7 +43,7 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,
+def reshard(path, world_size, stage, ep, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,
             storage_options, as_json, quiet):
     """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
 
@@ -61,7 +63,7 @@ def reshard(path, world_size, stage, bf16_optimizer, out, fmt, tag, workers, ove
             result = run(path, out, world_size=world_size, stage=stage, fmt=fmt, tag=tag,
                          dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
                          bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options,
-                         group=None if dry_run else group)
+                         group=None if dry_run else group, ep=ep)
     if group is not None and group.rank != 0:
         return
     if not dry_run:

@@ -254,3 +254,59 @@ def _owners(name: str, amap: dict, path: str) -> dict[int, list[int]]:
             for x in range(soff // per, soff // per + shape[0]):
                 out.setdefault(x, []).append(e)
     return out
+
+
+_LOCAL_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+
+
+def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str) -> tuple[MoELayout, dict[int, dict]]:
+    """A native MoE layout laid out again at expert-parallel size ``ep`` (``zckpt reshard --ep``): expert-parallel
+    rank e holds global experts ``e * E/ep .. (e+1) * E/ep - 1`` of each layer under local ids ``0 .. E/ep - 1``, in
+    the order DeepSpeed's flat group has them (layer by layer, expert by expert, each expert's parameters in module
+    order: the source's order, read from its expert-parallel rank 0). Returns the layout and, per expert group, the
+    new ``param_shapes`` entry (rank 0's local experts, shapes as the source saved them). Refused in one line: AutoEP,
+    layers of several expert-parallel sizes (their expert groups would become one), a layer whose experts do not
+    split over ``ep``."""
+    if layout.autoep:
+        raise UnsupportedLayout("another expert-parallel size of an AutoEP checkpoint is not supported (its affine "
+                                "maps and ds_autoep_layers are not laid out again): keep the expert-parallel size",
+                                path=path, hint="drop --ep")
+    if len(set(layout.ep.values())) > 1:
+        raise UnsupportedLayout(f"MoE layers of expert-parallel sizes {sorted(set(layout.ep.values()))}: at one "
+                                "size their expert groups would be one group, which zckpt does not lay out",
+                                path=path, hint="drop --ep")
+    shards: dict[int, dict[int, list]] = {}
+    shapes: dict[int, dict] = {}
+    nl_of: dict[str, int] = {}
+    for g, by_rank in layout.shards.items():
+        recs = {rec.name: rec for pairs in by_rank.values() for _, rec in pairs}
+        blocks: list[tuple[str, set[int], list[str]]] = []  # (prefix, local ids, suffixes in order)
+        for local, _ in by_rank[0]:
+            m = _LOCAL_RE.match(local)
+            if m is None:
+                raise CorruptFile(f"'{local}' is in an expert group but is not a deepspeed_experts parameter",
+                                  path=path)
+            prefix, i, suffix = m.group(1), int(m.group(2)), m.group(3)
+            if not blocks or blocks[-1][0] != prefix:
+                blocks.append((prefix, set(), []))
+            blocks[-1][1].add(i)
+            if suffix not in blocks[-1][2]:
+                blocks[-1][2].append(suffix)
+        new: dict[int, list] = {}
+        for prefix, ids, suffixes in blocks:
+            total = len(ids) * layout.ep[g]
+            if total % ep:
+                raise UnsupportedLayout(f"MoE layer {prefix.split('.deepspeed_moe.')[0]}: {total} experts do not split "
+                                        f"over expert-parallel size {ep}", path=path, hint="pass an --ep dividing it")
+            nl = nl_of[prefix] = total // ep
+            for e in range(ep):
+                new.setdefault(e, []).extend(
+                    (f"{prefix}{i}{sfx}", recs[f"{prefix}{e * nl + i}{sfx}"]) for i in range(nl) for sfx in suffixes)
+        src = param_shapes[g]
+        shapes[g] = {local: src[_LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
+        shards[g] = new
+    files = {}
+    for name, (tensors, _, _) in layout.expert_files.items():  # (ep, the expert-parallel rank that loads it)
+        m = _LOCAL_RE.match(tensors[0][0]) if tensors else None
+        files[name] = (tensors, ep, int(m.group(2)) // nl_of[m.group(1)] if m and m.group(1) in nl_of else 0)
+    return MoELayout({g: ep for g in layout.ep}, shards, files), shapes

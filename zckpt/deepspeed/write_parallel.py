@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
+from zckpt.deepspeed.expert_groups import at_ep
 from zckpt.deepspeed.partition import TorchObject
 from zckpt.state.model import Checkpoint
-from zckpt.errors import UnsupportedLayout
+from zckpt.errors import InvalidArgument, UnsupportedLayout
 
 from zckpt.deepspeed.target import (
     Group, ReshardPlan, Target, check_world_size, copied, is_elastic, output_tag, planned, side_planned, target_of,
@@ -76,9 +77,11 @@ def plan_pipeline(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_opt
 # ---- mixture of experts: dense groups over the new data-parallel size, each expert group over its new
 # expert-data-parallel ranks
 
-def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: bool | None, fmt: str):
-    """The :class:`zckpt.deepspeed.moe.MoELayout` of an MoE checkpoint that can be laid out at ``world_size``;
-    what cannot is refused in one line."""
+def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: bool | None, fmt: str,
+              ep: int | None = None):
+    """The :class:`zckpt.deepspeed.moe.MoELayout` of an MoE checkpoint that can be laid out at ``world_size`` (and
+    expert-parallel size ``ep``: :func:`~zckpt.deepspeed.expert_groups.at_ep`), with the new ``param_shapes``
+    entries of its expert groups (empty when ``ep`` is kept); what cannot is refused in one line."""
     check_world_size(world_size)
     tag_dir = ckpt.location.tag_dir
     layout = ckpt.extra.get("moe")
@@ -104,15 +107,20 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
     if isinstance(zcfg, dict) and zcfg.get("round_robin_gradients"):
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
                                 path=tag_dir)
-    bad = sorted({ep for ep in layout.ep.values() if world_size % ep})
+    shapes: dict = {}
+    if ep is not None and set(layout.ep.values()) != {ep}:
+        if not isinstance(ep, int) or ep < 1:
+            raise InvalidArgument(f"the expert-parallel size must be a positive integer, not {ep!r}", param="ep")
+        layout, shapes = at_ep(layout, ep, ckpt.model_state.get("param_shapes") or [], tag_dir)
+    bad = sorted({n for n in layout.ep.values() if world_size % n})
     if bad:
         raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
-                                f"of the expert-parallel size {bad[0]}, which is kept (changing the expert-parallel size is not supported)",
-                                path=tag_dir, hint=f"pass a multiple of {bad[0]}")
-    return layout
+                                f"of the expert-parallel size {bad[0]}", path=tag_dir,
+                                hint=f"pass a multiple of {bad[0]}" + ("" if ep else ", or another --ep"))
+    return layout, shapes
 
 
-def _moe_model(t: Target, layout) -> TorchObject:
+def _moe_model(t: Target, layout, shapes: dict | None = None) -> TorchObject:
     """``mp_rank_00_model_states.pt``: the source's (dense module, rank 0's param_shapes, num_experts...) with the
     new ``dp_world_size`` and, for AutoEP, each layer's new ``expert_data_parallel_world_size``."""
     def layers(v):
@@ -125,6 +133,8 @@ def _moe_model(t: Target, layout) -> TorchObject:
     for k, v in t.ms0.items():
         if k == "dp_world_size":
             v = t.world_size
+        elif k == "param_shapes" and shapes:  # another expert-parallel size: rank 0's local experts
+            v = [OrderedDict(shapes[g]) if g in shapes else ps for g, ps in enumerate(v)]
         elif k == "ds_autoep_layers":
             v = layers(v)
         elif k == "universal_checkpoint_info" and isinstance(v, dict) and "ds_autoep_layers" in v:
@@ -133,7 +143,8 @@ def _moe_model(t: Target, layout) -> TorchObject:
     return TorchObject(t.model_path(0), ms)
 
 
-def plan_moe(t: Target, layout, expert_files: str) -> tuple[list[TorchObject], list[dict]]:
+def plan_moe(t: Target, layout, expert_files: str,
+             shapes: dict | None = None) -> tuple[list[TorchObject], list[dict]]:
     """The model- and optimizer-states files of ``t.ranks`` (and the expert files: ``"object"`` for each rank's own
     experts, as objects to load; ``"none"``: none, they are copied). A dense group is partitioned over all
     ``world_size`` ranks, an expert group of ep_size N separately for each expert-parallel rank e over its
@@ -155,7 +166,7 @@ def plan_moe(t: Target, layout, expert_files: str) -> tuple[list[TorchObject], l
             partitions.append({"group": g.index, "expert_parallel_rank": e, "expert_parallel_size": ep,
                                "numel": sum(r.numel for r in sub.records), "partition": fg.layout.partition,
                                "paddings": [fg.layout.group_padding(r) for r in range(ws // ep)]})
-    objects = [_moe_model(t, layout)]
+    objects = [_moe_model(t, layout, shapes)]
     own: set[tuple[int, int]] = set()
     for rank in t.ranks:
         fgs, windows = [], []
@@ -177,20 +188,27 @@ def plan_moe(t: Target, layout, expert_files: str) -> tuple[list[TorchObject], l
 
 
 def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
-                fmt: str, side=()) -> ReshardPlan:
+                fmt: str, side=(), ep: int | None = None) -> ReshardPlan:
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
-    layout = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt)
+    src_eps = sorted(set((ckpt.extra.get("moe").ep if ckpt.extra.get("moe") else {}).values()))
+    layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
     t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
-    objects, partitions = plan_moe(t, layout, "none")
+    for g in t.groups:  # another expert-parallel size: DeepSpeed names the expert group after it
+        if g.index in shapes:
+            g.hyper = OrderedDict((k, f"ep_size_{layout.ep[g.index]}" if k == "name" else v)
+                                  for k, v in g.hyper.items())
+    objects, partitions = plan_moe(t, layout, "none", shapes)
     experts = [copied(os.path.join(t.tag, f.path.replace("\\", "/").rsplit("/", 1)[-1]), f.path, f.size)
                for f in sorted(ckpt.location.expert_files, key=lambda f: (f.index, f.expert))]
     files = [planned(o) for o in objects] + experts + side_planned(side, world_size)
     plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
                        ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
     eps = sorted(set(layout.ep.values()))
-    plan.notes.append(f"mixture of experts: expert-parallel size {', '.join(map(str, eps))} kept, data-parallel size "
+    kept = f"{', '.join(map(str, eps))} kept" if eps == src_eps else \
+        f"{'/'.join(map(str, src_eps))} -> {'/'.join(map(str, eps))}"
+    plan.notes.append(f"mixture of experts: expert-parallel size {kept}, data-parallel size "
                       f"{ckpt.world_size} -> {world_size}; each expert group over "
                       + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
     if not t.has_state:

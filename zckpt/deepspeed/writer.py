@@ -97,7 +97,7 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
 
 
 def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf16_optimizer: bool | None = None,
-                 fmt: str = "deepspeed", side=()) -> ReshardPlan:
+                 fmt: str = "deepspeed", side=(), ep: int | None = None) -> ReshardPlan:
     """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the ``side`` files
     (:func:`zckpt.deepspeed.target.side_planned`: copied, RNG states renamed for the new ranks)."""
@@ -108,7 +108,10 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
         return plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt, side)
     if ckpt.parallel == "moe":
-        return moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side)
+        return moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
+    if ep is not None:
+        raise InvalidArgument("an expert-parallel size is for mixture-of-experts checkpoints; this one has no "
+                              "experts", param="ep", path=ckpt.location.tag_dir, hint="drop --ep")
     world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
     if fmt == "universal" and is_elastic(ckpt):
         raise UnsupportedLayout("an elastic checkpoint saves no optimizer hyperparameters, which the universal "
@@ -143,7 +146,7 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     layout = None
     _check_state(ckpt)
     if ckpt.parallel == "moe":
-        layout = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
+        layout, _ = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
         stage, flavour = ckpt.stage, ckpt.flavour
     else:
         world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)

@@ -1,0 +1,74 @@
+"""``zckpt reshard --ep N``: a native DeepSpeed MoE checkpoint (ZeRO-2) laid out at another expert-parallel size
+(issue 47, item 1), checked by real DeepSpeed 0.19.8.
+
+``fixtures/moe_z2_bf16_ws2_ep2`` (2 ranks, ep 2: experts 0-1 on expert-parallel rank 0, 2-3 on rank 1) is resharded
+to 4 ranks at ep 4 (one expert per rank); torchrun at 4 CPU ranks builds the same model with ``ep_size`` 4 from
+another seed, loads the output with a plain ``engine.load_checkpoint`` and captures its state
+(``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, experts under their global ids): it equals the
+source's live state bit for bit, and the tag DeepSpeed saves again at ep 4 equals ours file for file. Without
+DeepSpeed: ep 2 -> 1 -> 2 and ep 2 -> 4 -> 2 give back every source file; refusals are one line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zckpt.errors import UnsupportedLayout, ZckptError
+from zckpt.ops.reshard import reshard
+from tests.test_reshard import assert_same_files, assert_same_tree, _torch_load
+from tests.test_reshard_moe import FIX, _check_loaded, _launch, _spec
+
+
+@pytest.mark.slow
+def test_ep_reshard_loads_natively_at_the_new_ep(tmp_path):
+    name, ws, ep = "moe_z2_bf16_ws2_ep2", 4, 4
+    src, out, oracle, again = FIX / name, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
+    res = reshard(str(src), str(out), world_size=ws, ep=ep)
+    assert any("expert-parallel size 2 -> 4" in n for n in res.plan.notes)
+    _launch({"kind": "moe", "mode": "native", "spec": dict(_spec(name), world_size=ws, ep_size=ep), "ckpt": str(out),
+             "out": str(oracle), "resave": str(again)}, ws)
+    info = _check_loaded(src, oracle, ws)  # every master, moment, weight, buffer, step = the source's engine
+    assert info["ep_ranks"] == [0, 1, 2, 3] and info["loaded_dp"] == ws
+    assert_same_files(out, again, (src / "latest").read_text().strip())  # = what DeepSpeed saves at ep 4
+
+
+@pytest.mark.parametrize("mid_ws,mid_ep", [(2, 1), (4, 4)], ids=["ep1", "ep4"])
+def test_ep_round_trip_reproduces_every_file(tmp_path, mid_ws, mid_ep):
+    name = "moe_z2_bf16_ws2_ep2"
+    src, a, b = FIX / name, tmp_path / "a", tmp_path / "b"
+    reshard(str(src), str(a), world_size=mid_ws, ep=mid_ep)
+    reshard(str(a), str(b), world_size=2, ep=2)
+    tag = (src / "latest").read_text().strip()
+    assert sorted(os.listdir(src / tag)) == sorted(os.listdir(b / tag))
+    for n in sorted(os.listdir(src / tag)):
+        assert_same_tree(_torch_load(src / tag / n), _torch_load(b / tag / n), n)
+    osd = _torch_load(a / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert osd["partition_count"] == [mid_ws, mid_ws // mid_ep]
+    assert osd["base_optimizer_state"]["param_groups"][1]["name"] == f"ep_size_{mid_ep}"
+    local = _torch_load(a / tag / "mp_rank_00_model_states.pt")["param_shapes"][1]  # rank 0's local experts
+    assert {int(n.split(".deepspeed_experts.")[1].split(".")[0]) for n in local} == set(range(4 // mid_ep))
+
+
+@pytest.mark.parametrize("name,kw,words", [
+    ("moe_z2_bf16_ws4_ep2_ep4_mixed", dict(world_size=4, ep=1), "expert-parallel sizes [2, 4]"),
+    ("moe_autoep_z2_bf16_ws2_ep2", dict(world_size=4, ep=4), "AutoEP"),
+    ("moe_z2_bf16_ws2_ep2", dict(world_size=4, ep=3), "4 experts do not split over expert-parallel size 3"),
+    ("moe_z2_bf16_ws2_ep2", dict(world_size=2, ep=4), "data-parallel size 2 is not a multiple of the "
+                                                       "expert-parallel size 4"),
+    ("z2_bf16_ws2", dict(world_size=4, ep=2), "no experts"),
+], ids=["two-sizes", "autoep", "not-dividing", "dp-not-multiple", "dense"])
+def test_ep_refusals_are_one_line(tmp_path, name, kw, words):
+    with pytest.raises(ZckptError) as err:
+        reshard(str(FIX / name), str(tmp_path / "o"), **kw)
+    assert words in str(err.value) and "\n" not in str(err.value) and not (tmp_path / "o").exists()
+
+
+def test_cli_ep(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(FIX / "moe_z2_bf16_ws2_ep2"), "-w", "4",
+                           "--ep", "4", "-o", str(tmp_path / "o"), "--json"], capture_output=True, text=True,
+                          cwd=FIX.parent)
+    assert proc.returncode == 0 and "expert-parallel size 2 -> 4" in proc.stdout, proc.stderr
