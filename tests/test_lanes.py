@@ -127,7 +127,7 @@ def test_several_files_at_once_write_what_one_at_a_time_writes(tmp_path, monkeyp
         "merge": lambda out: zckpt.merge(src, str(out), max_shard_size="500B", workers=4),
         "merge-pt": lambda out: zckpt.merge(src, str(out), fmt="pt", max_shard_size="500B", workers=4),
         "reshard": lambda out: zckpt.reshard(src, str(out), world_size=3, workers=4),
-        "convert": lambda out: zckpt.convert(trainer, "dcp", str(out), workers=4),
+        "convert": lambda out: zckpt.convert(trainer, str(out), to="dcp", workers=4),
     }[job]
     dealt = []
     real = lanes._deal

@@ -1,15 +1,19 @@
 """zckpt: a toolkit for DeepSpeed ZeRO checkpoints.
 
-Public API (imported lazily, so ``import zckpt`` is cheap)::
+Public API (imported lazily, so ``import zckpt`` is cheap); one function per command, its parameters the
+command's options (``--fsync`` -> ``fsync=``, ``--latest`` -> ``latest=``, ``--tie`` -> ``ties=``; docs/guide.md)::
 
     zckpt.open_checkpoint(path, tag=None) -> Checkpoint   # metadata only, no tensor bytes
+    zckpt.info(path, tag=None, *, latest=False) -> dict   # the fields of info --json
+    zckpt.verify(path, tag=None, deep=False, *, latest=False) -> VerifyReport
     zckpt.merge(path, out, fmt="safetensors", dtype="fp32", ...)
     zckpt.iter_tensors(path, dtype="fp32") -> iterator of (name, tensor)
     zckpt.load_state_dict(path, dtype="fp32") -> dict
     zckpt.load_into_module(module, path, strict=True)
     zckpt.reshard(path, out, world_size=..., stage=None, ...)
-    zckpt.convert(path, to="dcp" | "deepspeed", out=...)   # DeepSpeed <-> PyTorch DCP (FSDP2), whole training state
-    zckpt.estimate(...)
+    zckpt.convert(path, out, to="dcp" | "deepspeed" | ...)  # between formats, whole training state
+    zckpt.diff(a, b, ...) / zckpt.push(src, dest, ...) / zckpt.estimate(...)
+    every result: .to_dict(), the fields --json prints
     zckpt.diff(a, b, only=None, atol=None, ...) -> DiffResult   # two checkpoints of any formats, tensor by tensor
     from zckpt.integrations import fsdp2                    # DCP -> FSDP2 in one call, groups from the checkpoint
     fsdp2.load(model, optimizer, path, scheduler=None); fsdp2.param_groups(model, path)
@@ -58,16 +62,17 @@ __version__ = "0.1.0"
 _LAZY = {
     "open_checkpoint": "zckpt.state.open",
     "Checkpoint": "zckpt.state.model",
-    "verify": "zckpt.ops.verify",
-    "merge": "zckpt.ops.merge",
+    "info": "zckpt.api",
+    "verify": "zckpt.api",
+    "merge": "zckpt.api",
     "iter_tensors": "zckpt.ops.merge",
     "load_state_dict": "zckpt.ops.merge",
     "load_into_module": "zckpt.ops.merge",
-    "reshard": "zckpt.ops.reshard",
-    "convert": "zckpt.ops.convert",
+    "reshard": "zckpt.api",
+    "convert": "zckpt.api",
     "estimate": "zckpt.ops.estimate",
-    "diff": "zckpt.ops.diff",
-    "push": "zckpt.backup.push",
+    "diff": "zckpt.api",
+    "push": "zckpt.api",
     "Pusher": "zckpt.backup.schedule",
 }
 
@@ -91,4 +96,9 @@ __all__ = sorted(list(_LAZY) + [
 ])
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
+__getattr__, _ = lazy_exports(__name__, _LAZY)
+
+
+def __dir__() -> list[str]:
+    """The public names only (no ``annotations``, no subpackages): what ``__all__`` lists."""
+    return list(__all__)

@@ -127,14 +127,10 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
     if not dry_run:
         published(result.output)
     if as_json:
-        doc = result.to_json()
-        doc["path"] = doc.pop("source", path)  # the checkpoint read is "path" in every command
-        if to in ("dcp", "megatron"):  # "format" is what was written, as in merge and reshard ("to"/"from": reshard's layouts)
-            doc["format"], doc["source_format"] = doc.pop("to", to), doc.pop("from", None)
-            mode = doc.pop("optimizer", None)  # as --adam-mode spells it (info's "optimizer": the ZeRO optimizer)
-            doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
-        else:  # --to deepspeed: reshard's result (from / to: the layouts)
-            doc["source_format"] = getattr(result.plan, "source_format", "dcp")
+        doc = result.to_dict()  # (the fields zckpt.convert's result has)
+        doc["path"] = doc.get("path") or path  # the checkpoint read is "path" in every command
+        if to in ("dcp", "megatron"):
+            doc["format"] = doc.get("format") or to
         emit_json(doc)
         return
     if quiet:  # -q: silent on success

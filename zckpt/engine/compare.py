@@ -365,6 +365,10 @@ class DiffResult:
         return (f"{'SAME' if self.ok else 'DIFFERENT'}: {c['equal']} equal{close}, {c['differ']} differ, "
                 f"{c['only_in_a']} only in A, {c['only_in_b']} only in B")
 
+    def to_dict(self) -> dict:
+        """The fields ``--json`` prints (``to_json``, by the name every zckpt result has)."""
+        return self.to_json()
+
     def to_json(self) -> dict:
         t = self.tolerance
         return {"ok": self.ok, "a": self.a, "b": self.b, "path": self.a, "tag": self.tag_a, "tag_a": self.tag_a,

@@ -48,6 +48,16 @@ class ConvertResult:
     dry_run: bool = False
     stats: dict = field(default_factory=dict)  # ranks, bytes, seconds, remote reads (as merge and reshard report)
 
+    def to_dict(self) -> dict:
+        """The fields ``convert --json`` prints: the checkpoint read is ``path``, what was written ``format`` (as in
+        merge and reshard), the source's ``source_format``, the optimizer as ``--adam-mode`` spells it."""
+        doc = self.to_json()
+        doc["path"] = doc.pop("source", None)
+        doc["format"], doc["source_format"] = doc.pop("to", None), doc.pop("from", None)
+        mode = doc.pop("optimizer", None)  # (info's "optimizer": the ZeRO optimizer)
+        doc["adam_mode"] = mode.lower() if isinstance(mode, str) and mode else None
+        return doc
+
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
                 **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}

@@ -53,6 +53,10 @@ class MergeResult:
     stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
     notes: list[str] = field(default_factory=list)  # what the reader says of the output (Megatron: its names)
 
+    def to_dict(self) -> dict:
+        """The fields ``--json`` prints (``to_json``, by the name every zckpt result has)."""
+        return self.to_json()
+
     def to_json(self) -> dict:
         return {"path": self.path, "tag": self.tag, "output": self.output, "dry_run": self.dry_run,
                 "seconds": round(self.seconds, 3), "copied": self.copied, "notes": self.notes, **self.plan.summary(),

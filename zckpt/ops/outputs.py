@@ -28,6 +28,10 @@ class ReshardResult:
     dry_run: bool = False
     stats: dict = field(default_factory=dict)  # ranks, bytes per second, remote reads (engine.distributed.Stats)
 
+    def to_dict(self) -> dict:
+        """The fields ``--json`` prints (``to_json``, by the name every zckpt result has)."""
+        return self.to_json()
+
     def to_json(self) -> dict:
         return {"output": self.output, "dry_run": self.dry_run, "seconds": round(self.seconds, 3),
                 **self.plan.summary(), **({"stats": self.stats} if self.stats else {})}
@@ -39,6 +43,10 @@ class ReshardResult:
 
 class ToDeepSpeedResult(ReshardResult):
     """A reshard's result, plus what the source held that the DeepSpeed files carry and what they do not."""
+
+    def to_dict(self) -> dict:
+        """The fields ``convert --to deepspeed --json`` prints (``from`` / ``to``: the layouts, as reshard's)."""
+        return {**self.to_json(), "source_format": getattr(self.plan, "source_format", "dcp")}
 
     def to_json(self) -> dict:
         return {**super().to_json(), "carried": list(getattr(self.plan, "carried", [])),

@@ -65,6 +65,10 @@ class VerifyReport:
     def add(self, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(name, bool(ok), detail))
 
+    def to_dict(self, name=None) -> dict:
+        """The fields ``verify --json`` prints (``to_json``, by the name every zckpt result has)."""
+        return self.to_json(name)
+
     def to_json(self, name=None) -> dict:
         """``name``: parameter -> how the caller names it (the CLI: its flags); by default as Python passes it."""
         return {"path": self.path, "tag": self.tag, "ok": self.ok, "bytes_read": self.bytes_read,
