@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import warnings
 from pathlib import Path
 
@@ -376,3 +377,15 @@ def test_measures_on_known_bits(tmp_path):
     st = compare.compare_range(readers, pieces(bf, "bf"), "bfloat16", pieces(x[:8], "f"), "float32", 0, 8,
                                compare.Tolerance())
     assert st.differing == 0 and st.max_ulp is None  # small integers: exact in bf16
+
+
+@pytest.mark.parametrize("fixture", ["z2_bf16_ws2", "z3_bf16_ws4", "z2_bf16master_ws2", "trainer"])
+def test_masters_equal_deepspeeds_own_converter(fixture, tmp_path):
+    """The oracle: DeepSpeed's zero_to_fp32 output of each fixture (expected/fp32.safetensors, made by DeepSpeed
+    itself), as a Hugging Face folder, against the checkpoint: every master equal, element for element."""
+    folder = tmp_path / "oracle"
+    folder.mkdir()
+    shutil.copy(FIXTURES / fixture / "expected" / "fp32.safetensors", folder / "model.safetensors")
+    ck = TRAINER if fixture == "trainer" else FIXTURES / fixture
+    r = zckpt.diff(str(ck), str(folder), only="weights")
+    assert r.ok and len(r.tensors) >= 10, (r.summary(), r.only_in_a, r.only_in_b, [d.line() for d in r.differences])
