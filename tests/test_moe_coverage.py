@@ -145,6 +145,9 @@ def _damage(fx: Path, tmp_path: Path, case: str) -> Path:
     elif case == "z3-held-twice":
         for f in tag.glob("zero_pp_rank_*_model_states.pt"):
             _overlap_layer1(f)
+    elif case == "z2-copied-expert":  # expert 5's file replaced by a copy of expert 4's
+        shutil.copy(tag / "layer_1_expert_4_mp_rank_00_model_states.pt",
+                    tag / "layer_1_expert_5_mp_rank_00_model_states.pt")
     elif case == "z2-rank-expert-files":  # ep 4: rank 2 saved experts 4 and 5 of each layer
         for f in list(tag.glob("layer_*_expert_4_*")) + list(tag.glob("layer_*_expert_5_*")):
             f.unlink()
@@ -160,6 +163,8 @@ DAMAGED = [
     (Z3L2, "z3-held-twice", r"MoE layer 1 \(model\.layers\.1\.mlp\): expert 0 is held twice \(expert-parallel ranks "
                             r"0 and 1\)"),
     (Z2L2, "z2-rank-expert-files", r"MoE layer 0: expert 4 has no file"),
+    (Z2L2, "z2-copied-expert", r"MoE layer 1: expert 4 is held twice \(its own file and 'model\.layers\.1\.mlp\."
+                               r"experts\.w1\.4' in the file of expert 5\)"),
 ]
 
 

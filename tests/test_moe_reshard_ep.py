@@ -36,12 +36,13 @@ def test_ep_reshard_loads_natively_at_the_new_ep(tmp_path):
     assert_same_files(out, again, (src / "latest").read_text().strip())  # = what DeepSpeed saves at ep 4
 
 
-@pytest.mark.parametrize("mid_ws,mid_ep", [(2, 1), (4, 4)], ids=["ep1", "ep4"])
-def test_ep_round_trip_reproduces_every_file(tmp_path, mid_ws, mid_ep):
-    name = "moe_z2_bf16_ws2_ep2"
+@pytest.mark.parametrize("name,mid_ws,mid_ep", [("moe_z2_bf16_ws2_ep2", 2, 1), ("moe_z2_bf16_ws2_ep2", 4, 4),
+                                              ("moe_z2_bf16_ws4_ep2_dbe", 4, 4)], ids=["ep1", "ep4", "dbe-ep4"])
+def test_ep_round_trip_reproduces_every_file(tmp_path, name, mid_ws, mid_ep):
+    """ep 2 -> mid_ep -> 2 (use_data_before_expert_parallelism too: expert-data-parallel blocks)."""
     src, a, b = FIX / name, tmp_path / "a", tmp_path / "b"
     reshard(str(src), str(a), world_size=mid_ws, ep=mid_ep)
-    reshard(str(a), str(b), world_size=2, ep=2)
+    reshard(str(a), str(b), world_size=_spec(name)["world_size"], ep=2)
     tag = (src / "latest").read_text().strip()
     assert sorted(os.listdir(src / tag)) == sorted(os.listdir(b / tag))
     for n in sorted(os.listdir(src / tag)):

@@ -440,6 +440,9 @@ def _autoep_expert_files(loc: Location, layers: list[dict], maps: dict[str, dict
             seen.append((f, key, t))
             name, _, gid = key.rpartition(".")
             amap = maps.get(name)
+            if amap is not None and gid.isdigit() and int(gid) != f.expert and (f.index, int(gid)) in have:
+                raise CorruptFile(f"MoE layer {f.index}: expert {gid} is held twice (its own file and '{key}' in "
+                                  f"the file of expert {f.expert})", path=f.path)
             if amap is None or not gid.isdigit() or int(gid) != f.expert or not isinstance(t, LazyTensor) \
                     or tuple(t.shape) != tuple(amap["logical_shape"][1:]):
                 raise CorruptFile(f"'{key}' is not a slice of an AutoEP expert parameter of expert {f.expert}",
