@@ -389,3 +389,26 @@ def test_masters_equal_deepspeeds_own_converter(fixture, tmp_path):
     ck = TRAINER if fixture == "trainer" else FIXTURES / fixture
     r = zckpt.diff(str(ck), str(folder), only="weights")
     assert r.ok and len(r.tensors) >= 10, (r.summary(), r.only_in_a, r.only_in_b, [d.line() for d in r.differences])
+
+
+def test_moments_equal_deepspeeds_own_api(tmp_path):
+    """The oracle of the moments: what DeepSpeed's per-parameter API returned inside the training processes
+    (expected/oracle.safetensors: safe_get_full_fp32_param, safe_get_full_optimizer_state), saved by torch's
+    dcp.save as FSDP2 lays a state out, against the checkpoint's files: every master and moment equal."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    oracle = load_file(str(Z2 / "expected" / "oracle.safetensors"))
+    facts = json.loads((Z2 / "expected" / "oracle.json").read_text())
+    by = lambda kind: {k.split("/", 1)[1]: v for k, v in oracle.items() if k.startswith(kind + "/")}  # noqa: E731
+    model = {**by("buffer"), **{n: v for n, v in by("module").items() if n in facts["frozen"]}, **by("fp32")}
+    model = {n: v for n, v in model.items() if n not in dict(facts["tied"])}
+    state = {n: {"exp_avg": by("exp_avg")[n], "exp_avg_sq": by("exp_avg_sq")[n], "step": torch.tensor(3.0)}
+             for n in facts["trainable"]}
+    groups = [{"params": g["names"], "lr": g["lr"], "weight_decay": g["weight_decay"]} for g in facts["param_groups"]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model, "optim": {"state": state, "param_groups": groups}},
+                 checkpoint_id=str(tmp_path / "oracle"), no_dist=True)
+    r = zckpt.diff(str(Z2), str(tmp_path / "oracle"), only="weights,optimizer")
+    assert r.ok and r.counts["equal"] == 7 * 3 + 3, (r.summary(), r.only_in_a, r.only_in_b)
