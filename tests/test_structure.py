@@ -178,14 +178,13 @@ def test_formats_declare_through_the_registry():
 OPS_HELPERS = {"zckpt.ops.outputs", "zckpt.ops.verify_checks", "zckpt.ops.verify_report", "zckpt.ops.resume_checks",
                "zckpt.ops.model_size"}
 OPS_PARTS = {"zckpt.ops.convert": {"zckpt.ops.to_deepspeed"}}  # convert --to deepspeed: the DCP-source route
-OPS_ALIASES = {"zckpt.ops.push", "zckpt.ops.scan"}  # deprecated import paths of backup
 
 
 def test_operations_call_no_other_operation():
     mods, edges, _ = _graph()
     wrong = sorted(f"{m} imports {t}" for m, ts in edges.items() for t in ts
                    if m.startswith("zckpt.ops.") and t.startswith("zckpt.ops.") and t not in OPS_HELPERS
-                   and t not in OPS_PARTS.get(m, ()) and m not in OPS_ALIASES)
+                   and t not in OPS_PARTS.get(m, ()))
     assert not wrong, "operations importing another operation:\n" + "\n".join(wrong)
     assert all(h in mods for h in OPS_HELPERS)
 

@@ -141,9 +141,11 @@ def _adam_state(ckpt: Checkpoint, path: str) -> None:
 
 
 def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | None = None, pp: int | None = None,
-                  layout: str | None = None) -> MegatronPlan:
+                  layout: str | None = None, chunk_bytes: int = dcplayout.CHUNK_BYTES,
+                  file_bytes: int = dcplayout.FILE_BYTES) -> MegatronPlan:
     """The save folder of ``ckpt`` (a Megatron checkpoint, either optimizer layout) for ``tp`` / ``pp`` (default:
-    the source's), as plain data; ``checkpoint_id``: the output folder (DCP's ``storage_meta``)."""
+    the source's), as plain data; ``checkpoint_id``: the output folder (DCP's ``storage_meta``); a tensor over
+    ``chunk_bytes`` is stored as blocks of rows, a ``.distcp`` file closed past ``file_bytes``."""
     path = ckpt.location.tag_dir
     layout = layout or "fully_reshardable"
     if layout not in LAYOUTS:
@@ -158,6 +160,9 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     tp = _positive("tp", tp) if tp is not None else (f.get("tp") or 1)
     pp = _positive("pp", pp) if pp is not None else (f.get("pp") or 1)
     check_target(f, tp, pp, path)
+    args = ckpt.extra.get("args") or {}
+    if args.get("num_experts") or any(".experts." in k for k in ckpt.extra["metadata"].tensors):
+        raise UnsupportedLayout("a mixture-of-experts model: its expert-parallel optimizer is not written", path=path)
     if f.get("iteration") is None:
         raise UnsupportedLayout("common.pt does not say the iteration, which names the folder Megatron-LM loads",
                                 path=path)
@@ -194,7 +199,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         state[key] = value
     folder = ckpt.location.tag
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
-    part = dcplayout.plan_dcp(state, iter_id)
+    part = dcplayout.plan_dcp(state, iter_id, chunk_bytes, file_bytes)
     common, dropped = _common(ckpt, f, tp, pp, layout)
     archive = torchzip.plan_archive(common, "common")
     part.files.append(dcplayout.DcpFile(COMMON, [(archive, 0)], archive.file_size))
@@ -210,12 +215,30 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
                      "layout rule, every master checked against its saved weight)")
     carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)", "opt_param_scheduler",
                "iteration", "consumed_train_samples", "num_floating_point_operations_so_far", "args"]
-    left = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)"}
+    left = _left_out(md, state)
+    notes += [f"left out {what}: {why}" for what, why in left.items() if what != "rng_state"]
     if dropped:
         left[f"args.{{{','.join(dropped)}}}"] = "values zckpt cannot pickle again (Megatron-LM's loader compares none)"
         notes.append(f"left out args {', '.join(dropped)}: values zckpt cannot pickle again")
     return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
                         tp, pp, carried=carried, not_carried=left)
+
+
+_LEFT = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)",
+         "rerun_state_machine_state": "per-rank state of Megatron-LM's rerun machine (it starts afresh; Megatron-LM "
+                                      "skips it when TP/PP change)"}
+_REWRITTEN = ("optimizer.", "common_state/")  # the optimizer state in model space and common.pt replace these
+
+
+def _left_out(md, state: dict) -> dict:
+    """{what: why} for every item of the source that the output does not hold (never a silent subset)."""
+    left = {}
+    for key in list(md.tensors) + list(md.values):
+        if key in state or key.startswith(_REWRITTEN):
+            continue
+        root = key.split("/", 1)[0]
+        left[root] = _LEFT.get(root, "not a part of the training state zckpt writes")
+    return left
 
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
