@@ -204,6 +204,31 @@ def test_convert_to_deepspeed_loads_in_deepspeed_bit_for_bit(tmp_path):
     assert (got["global_steps"], got["global_samples"]) == (meta["iteration"], meta["consumed_train_samples"])
 
 
+@pytest.mark.parametrize("name", [n for n in LM if n.startswith("lm19_")])
+def test_convert_of_a_019_save_reads_back_in_torch_dcp(tmp_path, name):
+    """megatron-core 0.19's layout (common state in the DCP) converted to DCP: torch.distributed.checkpoint's own
+    load (one process) gives every master, moment and step Megatron-LM's load gave (cheap beside the FSDP2 and
+    DeepSpeed loads above, which run on the 0.16 saves)."""
+    import torch.distributed.checkpoint as dcp
+    from tests import test_megatron_convert as mc
+    out = tmp_path / "dcp"
+    res = zckpt_run("convert", MEG / name, "--groups", "megatron-default", "--to", "dcp", "-o", out)
+    assert res.returncode == 0, res.stderr
+    meta, want = mc.expected(name)
+    sd = {}
+    for n, t in want["master"].items():
+        sd[f"model.{n}"] = torch.empty_like(t)
+        sd[f"optim.state.{n}.exp_avg"] = torch.empty_like(t)
+        sd[f"optim.state.{n}.exp_avg_sq"] = torch.empty_like(t)
+        sd[f"optim.state.{n}.step"] = torch.empty((), dtype=torch.float32)
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    for n in want["master"]:
+        assert mc._exact(sd[f"model.{n}"], want["master"][n]), n
+        assert mc._exact(sd[f"optim.state.{n}.exp_avg"], want["exp_avg"][n]), n
+        assert mc._exact(sd[f"optim.state.{n}.exp_avg_sq"], want["exp_avg_sq"][n]), n
+        assert float(sd[f"optim.state.{n}.step"]) == meta["iteration"], n
+
+
 # ------------------------------------------------------------------------------ refusals
 
 def _with_common(tmp_path, obj_factory) -> Path:

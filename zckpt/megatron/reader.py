@@ -345,7 +345,12 @@ def _dp_optimizer(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> d
     found = []
     for key, v in md.values.items():
         if _DP_OPTIM_RE.match(key):
-            value = items.load(v.file, v.offset, v.length)
+            try:
+                value = items.load(v.file, v.offset, v.length)
+            except UnsafePickle as e:
+                raise UnsafePickle(f"Megatron optimizer object '{key}' in {v.file}: {e.message}", path=e.path,
+                                   hint="zckpt never runs code from checkpoints; Megatron's distributed-optimizer "
+                                        "objects hold param groups of plain values, nothing else") from None
             if isinstance(value, list) and len(value) == 1:  # a sharded object's value, as Megatron wraps it
                 value = value[0]
             if not isinstance(value, dict):
