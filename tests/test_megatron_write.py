@@ -318,3 +318,14 @@ def test_a_mixture_of_experts_model_is_refused(tmp_path):
     moe = dataclasses.replace(ckpt, extra={**ckpt.extra, "args": {**ckpt.extra["args"], "num_experts": 4}})
     with pytest.raises(UnsupportedLayout, match="mixture-of-experts"):
         plan_megatron(moe, str(tmp_path / "o"))
+
+
+def test_tag_picks_an_older_iteration(tmp_path):
+    """A save folder of two iterations (Megatron-LM saved at 2 and 4): --tag 2 writes iter_0000002, named by the
+    latest file."""
+    _convert(MEG / "lm16_tp2_pp1_dp2", tmp_path / "o", tag="2", tp=1)
+    assert sorted(p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith(".")) == \
+        ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "o" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    c = torch.load(str(tmp_path / "o" / "iter_0000002" / "common.pt"), weights_only=False)
+    assert c["iteration"] == 2 and all(g["step"] == 2.0 for g in c["optimizer"]["optimizer"]["param_groups"])

@@ -20,8 +20,8 @@ def _help(cmd: click.Command, name: str, parent: click.Context | None = None) ->
 def render_reference() -> str:
     root = click.Context(main, info_name="zckpt", terminal_width=100, **main.context_settings)
     parts = ["# zckpt command reference", "",
-             "Generated from the live `--help` by `python -m zckpt.cli._docs > docs/cli.md`; "
-             "`tests/test_cli.py` fails when it is out of date.", "",
+             "Generated from the live `--help` (`python -m zckpt.cli._docs`): every option of every command, as "
+             "`zckpt COMMAND --help` prints it.", "",
              "## zckpt", "", "```text", main.get_help(root), "```", ""]
     for name in main.list_commands(root):
         cmd = main.get_command(root, name)
