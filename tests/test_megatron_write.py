@@ -329,3 +329,11 @@ def test_tag_picks_an_older_iteration(tmp_path):
     assert (tmp_path / "o" / "latest_checkpointed_iteration.txt").read_text() == "2"
     c = torch.load(str(tmp_path / "o" / "iter_0000002" / "common.pt"), weights_only=False)
     assert c["iteration"] == 2 and all(g["step"] == 2.0 for g in c["optimizer"]["optimizer"]["param_groups"])
+
+
+def test_a_vocabulary_megatron_lm_pads_to_another_size_is_refused(tmp_path):
+    """Megatron-LM pads the tokenizer's vocabulary again at the new TP (to a multiple of make_vocab_size_divisible_by
+    x TP): 91 tokens pad to 96 at tp 1 and 2, to 128 at tp 4, which the saved 96 rows cannot load into."""
+    src = MEG / "lm16_tp1_pp2_dp2_fullyresh"
+    _refused(tmp_path, src, ["does not pad to --tp 4", "multiple of 64", "= 128", "96 rows"], tp=4)
+    _convert(src, tmp_path / "tp2", tp=2, pp=1)  # 96 at tp 2 too

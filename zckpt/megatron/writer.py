@@ -90,9 +90,31 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def check_target(f: dict, tp: int, pp: int, path: str) -> None:
-    """The model splits evenly at ``tp`` / ``pp`` (what megatron-core asserts when it builds the model), or a
-    one-line refusal naming the size that does not."""
+def padded_vocab(args: dict, tp: int) -> tuple[int | None, int | None]:
+    """(the multiple Megatron-LM pads the vocabulary to at ``tp``, the padded size it comes to) from the saved args:
+    ``make_vocab_size_divisible_by`` x TP (``_vocab_size_with_padding``); the size only where the args hold the
+    tokenizer's own (``NullTokenizer``: ``vocab_size`` + 1), else None."""
+    div = args.get("make_vocab_size_divisible_by")
+    if not isinstance(div, int) or isinstance(div, bool) or div < 1:
+        return None, None
+    multiple = div * tp
+    orig = args.get("vocab_size")
+    if args.get("tokenizer_type") != "NullTokenizer" or not isinstance(orig, int) or isinstance(orig, bool):
+        return multiple, None
+    return multiple, -(-(orig + 1) // multiple) * multiple
+
+
+def check_target(f: dict, tp: int, pp: int, path: str, args: dict | None = None) -> None:
+    """The model splits evenly at ``tp`` / ``pp`` (what megatron-core asserts when it builds the model), and the
+    vocabulary Megatron-LM pads again at ``tp`` comes to the saved size; or a one-line refusal naming the size that
+    does not."""
+    multiple, padded = padded_vocab(args or {}, tp)
+    saved = f.get("vocab_size")
+    if saved is not None and multiple is not None and (saved % multiple or (padded is not None and padded != saved)):
+        raise UnsupportedLayout(f"the vocabulary does not pad to --tp {tp}: Megatron-LM pads it to a multiple of "
+                                f"{multiple} (make_vocab_size_divisible_by x TP) = "
+                                f"{padded if padded is not None else 'another size'}, the checkpoint holds {saved} "
+                                "rows", path=path, hint="choose a TP at which the padded size is unchanged")
     need = {"padded_vocab_size (the vocabulary)": f.get("vocab_size"), "num_attention_heads": f.get("num_attention_heads"),
             "num_query_groups": f.get("num_query_groups"), "ffn_hidden_size": f.get("ffn_hidden_size"),
             "num_layers": f.get("num_layers")}
@@ -159,8 +181,8 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     f = ckpt.extra["megatron"]
     tp = _positive("tp", tp) if tp is not None else (f.get("tp") or 1)
     pp = _positive("pp", pp) if pp is not None else (f.get("pp") or 1)
-    check_target(f, tp, pp, path)
     args = ckpt.extra.get("args") or {}
+    check_target(f, tp, pp, path, args)
     if args.get("num_experts") or any(".experts." in k for k in ckpt.extra["metadata"].tensors):
         raise UnsupportedLayout("a mixture-of-experts model: its expert-parallel optimizer is not written", path=path)
     if f.get("iteration") is None:
