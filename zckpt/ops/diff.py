@@ -102,6 +102,16 @@ def open_any(path: str, tag: str | None, storage_options: dict | None) -> Checkp
         raise
 
 
+def _opened(path: str, tag: str | None, storage_options: dict | None, which: str) -> Checkpoint:
+    """:func:`open_any`; a reader's words about its ``tag`` said of this side's (``tag_a`` / ``tag_b``)."""
+    try:
+        return open_any(path, tag, storage_options)
+    except ZckptError as exc:
+        exc.param = which if exc.param == "tag" else exc.param
+        exc.message, exc.hint = (x.replace("`tag`", f"`{which}`") if x else x for x in (exc.message, exc.hint))
+        raise
+
+
 def read_side(path: str, ckpt: Checkpoint, state_wanted: bool) -> Side:
     """``ckpt`` (opened from ``path``) as one side of a diff (see the module docstring); ``state_wanted``: masters
     or optimizer state are compared (a Megatron ``dp_reshardable`` save's buckets are then placed)."""
@@ -259,7 +269,7 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
     include, exclude = list(include or []), list(exclude or [])
     state_wanted = bool({"masters", "optimizer"} & set(parts))
     opts_b = storage_options if storage_options_b is None else storage_options_b
-    ca, cb = open_any(a, tag_a, storage_options), open_any(b, tag_b, opts_b)
+    ca, cb = _opened(a, tag_a, storage_options, "tag_a"), _opened(b, tag_b, opts_b, "tag_b")
     # against a folder of weights only, a Megatron dp_reshardable save's weights are compared as saved (what merge
     # writes), its masters not placed from the buckets
     sa = read_side(a, ca, state_wanted and cb.format != "hf")
