@@ -260,6 +260,9 @@ def test_cli_usage_json_and_dtypes(outs, tmp_path):
     for nothing in (["--include", "typo*"], ["--only", "masters", "--include", "frozen.*"]):  # never a pass
         res = invoke("diff", Z2, outs / "dcp", *nothing)
         assert res.exit_code == 1 and res.stderr.count("\n") == 1, (nothing, res.output)
+    res = invoke("diff", Z2, Z2, "--tag-b", "global_step9")  # the side's own flag named
+    assert res.exit_code == 1 and "--tag-b global_step9" in res.stderr and invoke("diff", Z2, Z2, "--tag-a",
+                                                                                   "global_step3").exit_code == 0
     res = invoke("diff", Z2, tmp_path / "nothing")
     assert res.exit_code == 1 and "nothing" in res.stderr and "Traceback" not in res.output
     res = invoke("diff", Z2, Z2, "-v")
