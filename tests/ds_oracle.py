@@ -182,6 +182,8 @@ def _worker(job_path: str) -> None:
         opt = torch.optim.SGD(torch_groups, lr=spec["lr"], momentum=0.9)
     elif spec["optimizer"] == "lion":
         opt = G.lion_like(torch_groups, spec["lr"])
+    elif spec["optimizer"] == "hybrid":
+        opt = G.hybrid_state(torch_groups, spec["lr"])
     else:
         opt = torch.optim.AdamW(torch_groups, lr=spec["lr"], betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)

@@ -157,12 +157,42 @@ def _memory(t) -> tuple | None:
     return (t.storage.path, t.storage.key, t.storage_offset, tuple(t.shape), tuple(t.stride))
 
 
-def elementwise_state(states: list, reals: list[int], sizes: list[int], where: str, paths: list[str]):
+_SCALAR_STORAGE = 1 << 16  # a one-element state tensor's storage read whole (CRC-checked) up to this size
+
+
+def _element_bytes(t: LazyTensor, storage_options: dict | None) -> bytes | None:
+    """The bytes of a one-element tensor, its storage's CRC-32 checked (None: a storage too large to read whole)."""
+    import zlib
+    ref = t.storage
+    if ref.nbytes > _SCALAR_STORAGE or ref.offset < 0:
+        return None
+    raw = storage.read_range(ref.path, ref.offset, ref.nbytes, storage_options)
+    if len(raw) != ref.nbytes or (ref.crc is not None and zlib.crc32(raw) != ref.crc):
+        raise CorruptFile(f"storage {ref.key} fails its CRC check (the file is damaged)", path=ref.path)
+    at = t.storage_offset * t.itemsize
+    return bytes(raw[at:at + t.itemsize])
+
+
+def same_scalar(vs: list, storage_options: dict | None = None) -> bool:
+    """Every rank's value is a one-element tensor (shape ``[]`` or ``[1]``) of one dtype and shape holding the
+    same bytes: a scalar the optimizer keeps per partition (DeepSpeed's own ``HybridStateOptimizer`` test:
+    ``tensor_step``), carried as saved by a reshard, as ``step`` is."""
+    if not vs or not all(isinstance(t, LazyTensor) and t.numel == 1 and len(t.shape) <= 1 for t in vs):
+        return False
+    if len({(t.dtype, tuple(t.shape)) for t in vs}) > 1:
+        return False
+    values = [_element_bytes(t, storage_options) for t in vs]
+    return values[0] is not None and all(v == values[0] for v in values)
+
+
+def elementwise_state(states: list, reals: list[int], sizes: list[int], where: str, paths: list[str],
+                      storage_options: dict | None = None):
     """The per-element optimizer state of one flat group, from each rank's state dict (``states[r]``; ``reals``:
     the partition's elements without padding, ``sizes``: with): (keys laid out like the partition, in the
     optimizer's order; the first key that is a tensor of another size: factored or per-group state, which
-    cannot be re-partitioned, as ``(key, description)``, or None). Other values (``step``, counters) are not
-    elementwise and are carried as saved."""
+    cannot be re-partitioned, as ``(key, description)``, or None). Other values (``step``, counters, a
+    one-element tensor equal on every rank: :func:`same_scalar`) are not elementwise and are carried as saved;
+    a one-element tensor that differs between ranks is per-partition state, refused like a factored one."""
     if all(st is None for st in states):
         return [], None
     if any(st is None for st in states):
@@ -177,6 +207,9 @@ def elementwise_state(states: list, reals: list[int], sizes: list[int], where: s
                    t.numel >= reals[r] for r, t in enumerate(vs))
         if elem:
             keys.append(str(key))
+        elif odd is None and v.numel == 1 and len(v.shape) <= 1 and not (len(vs) == 1 and len(v.shape) == 0):
+            if not same_scalar(vs, storage_options):  # ([] on one rank: carried as saved, as it always was)
+                odd = (str(key), f"a one-element tensor {list(v.shape)} whose value differs between ranks")
         elif (len(v.shape) or v.numel != 1) and odd is None:
             odd = (str(key), f"{list(v.shape)} where the partition has {sizes[0]} elements")
     return keys, odd

@@ -131,7 +131,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
             states.append(st)
         # per-element state of any optimizer (Adam's moments, SGD's momentum_buffer, Lion's exp_avg...): laid out
         # like the partition; a tensor of another size (factored moments) cannot be re-partitioned: refused
-        keys, odd = elementwise_state(states, reals, sizes, f"group {g}", opath)
+        keys, odd = elementwise_state(states, reals, sizes, f"group {g}", opath, loc.storage_options)
         if odd is not None:
             bad_state.setdefault(odd[0], (g, odd[1]))
         for key in (k for k in ("exp_avg", "exp_avg_sq") if isinstance(states[0] and states[0].get(k), LazyTensor)):
