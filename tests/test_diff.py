@@ -76,6 +76,10 @@ def test_conversions_hold_the_same_state(outs):
         assert r.crc_checked_entries > 0 and r.bytes_compared > 0
     parts = {t.part for t in zckpt.diff(str(Z2), str(outs / "dcp")).tensors}
     assert parts == {"masters", "weights", "optimizer"}
+    # a Trainer checkpoint-N as FSDP saves it (two DCP folders) against the DeepSpeed one it came from
+    zckpt.convert(str(TRAINER), to="dcp", out=str(outs / "trainer-fsdp"), layout="trainer")
+    r = zckpt.diff(str(TRAINER), str(outs / "trainer-fsdp"))
+    assert r.ok and r.format_b == "dcp" and len(r.tensors) == 60, (r.summary(), len(r.tensors))
 
 
 def test_megatron_against_its_conversion(outs):
