@@ -2,9 +2,11 @@
 
 Each side is a list of :class:`~zckpt.engine.segments.Piece` s (however its format shards it); both are cut into the
 same element ranges of at most ``chunk_bytes`` (:func:`~zckpt.engine.segments.slice_pieces`), each range read from
-both sides into fresh buffers by a :class:`~zckpt.encoding.tensors.Reader` whose ``check`` (an
+both sides into the thread's two reused buffers by a :class:`~zckpt.encoding.tensors.Reader` whose ``check`` (an
 :class:`~zckpt.engine.checked.InputCheck`) records every span read for the CRC-32 check, and compared in numpy.
-Memory is a few buffers of ``chunk_bytes`` per thread, whatever the model's size.
+Memory is two buffers of ``CHUNK_BYTES`` per thread, and the differing elements are measured ``MEASURE_BLOCK`` at a
+time, whatever the model's size. A side may first be cast to the other's dtype (``cast_to``: fp32 masters against
+bf16 / fp16 weights, with torch's rounding).
 
 Per range: the elements whose bits differ (raw integer views, so NaN payloads and -0.0 count); for those only,
 |a - b|, |a - b| / |b| (``b``: the second side, as ``numpy.allclose(a, b)``), the distance in units in the last
@@ -14,6 +16,10 @@ whether each is within the tolerance, and the first one's flat index. :meth:`Sta
 Tolerance (:class:`Tolerance`): an element is within it when its bits are equal, or ``|a-b| <= atol + rtol*|b|``
 (when ``atol`` or ``rtol`` is given), or its ULP distance is at most ``ulp`` (when given). Two NaNs are equal
 values; a NaN against a number, or infinities of other signs, are never within any tolerance.
+
+The verdict's data (plain, no I/O): :class:`TensorDiff` (one tensor's value or optimizer state), :class:`ValueDiff`
+(a group's hyperparameter, a counter, a tie) and :class:`DiffResult` (what ``zckpt.diff`` returns and ``--json``
+prints, :meth:`DiffResult.to_json`).
 """
 
 from __future__ import annotations
