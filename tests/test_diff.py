@@ -236,6 +236,11 @@ def test_a_missing_tensor_on_either_side(outs, tmp_path):
     res = invoke("diff", folder, TRAINER)
     assert res.exit_code == 1 and f"only in B: {gone}" in res.stderr and "1 only in B" in res.stderr
     assert zckpt.diff(str(folder), str(TRAINER), exclude=["*.up_proj.*"]).ok  # globs leave it out
+    (tmp_path / "reshaped").mkdir()  # the same elements in another shape: a difference, said so
+    save_file({k: (v.reshape(-1) if k == gone else v) for k, v in tensors.items()},
+              str(tmp_path / "reshaped" / "model.safetensors"))
+    (d,) = zckpt.diff(str(TRAINER), str(tmp_path / "reshaped")).differences
+    assert d.name == gone and d.reason == "shape" and d.shape_b == [d.shape_a[0] * d.shape_a[1]], d.line()
 
 
 def test_damaged_input_is_refused(tmp_path):
