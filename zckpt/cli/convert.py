@@ -23,7 +23,7 @@ Examples:
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/
   zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
   zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/
-  zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 4 -o megatron-tp2pp4/   # any TP/PP/DP (fully_reshardable)""")
+  zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 2 -o megatron-tp2pp2/   # any TP/PP/DP (fully_reshardable)""")
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp", "deepspeed", "megatron"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
