@@ -43,6 +43,10 @@ class Megatron(Format):
         return []  # a save folder holds its iterations and the latest file: all Megatron's own
 
     def plan_convert(self, ckpt, out, options):
+        if ckpt.format == "dcp":  # a state under Hugging Face Llama names: fused back
+            from zckpt.megatron import from_hf
+            return from_hf.plan_from_hf(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
+                                        options.get("side"))
         from zckpt.megatron import writer
         return writer.plan_megatron(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"))
 

@@ -82,7 +82,7 @@ class MegatronPlan:
                 "carried": self.carried, "not_carried": self.not_carried}
 
 
-def _positive(name: str, value) -> int:
+def positive(name: str, value) -> int:
     if value is None:
         return 1
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -177,10 +177,10 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
                                 path=path, hint="write --layout fully_reshardable: Megatron-LM resumes it at any "
                                                 "TP/PP/DP")
     if ckpt.format != "megatron":
-        raise UnsupportedLayout(f"--to megatron reads a Megatron checkpoint; this is {ckpt.format}", path=path)
+        raise UnsupportedLayout(f"--to megatron reads a Megatron or DCP checkpoint; this is {ckpt.format}", path=path)
     f = ckpt.extra["megatron"]
-    tp = _positive("tp", tp) if tp is not None else (f.get("tp") or 1)
-    pp = _positive("pp", pp) if pp is not None else (f.get("pp") or 1)
+    tp = positive("tp", tp) if tp is not None else (f.get("tp") or 1)
+    pp = positive("pp", pp) if pp is not None else (f.get("pp") or 1)
     args = ckpt.extra.get("args") or {}
     check_target(f, tp, pp, path, args)
     if args.get("num_experts") or any(".experts." in k for k in ckpt.extra["metadata"].tensors):

@@ -26,7 +26,7 @@ from zckpt.dcp.plan import ConvertPlan, plan_dcp
 from zckpt.deepspeed.from_state import config_adam_w_mode
 from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
-from zckpt.errors import InvalidArgument
+from zckpt.errors import InvalidArgument, OptionError
 from zckpt.io import links, publish, storage
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
@@ -191,9 +191,10 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     view = fmt.training_state  # the source's state placed for another format's writer (Megatron's groups)
     if view is not None:
         ckpt = view(ckpt, groups, native_names)
-    elif groups:
-        raise InvalidArgument(f"--groups states a Megatron checkpoint's param groups; this {ckpt.format} "
-                              "checkpoint records its own", path=path)
+    elif groups or native_names:  # a Megatron source's options: never ignored for another
+        raise OptionError(f"--{'groups' if groups else 'native-names'} applies to a Megatron-Core source; this "
+                          f"{ckpt.format} checkpoint records its own groups and names", path=path,
+                          hint=f"drop --{'groups' if groups else 'native-names'}")
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)
     _check_out(out, overwrite, source)  # before planning or writing anything
@@ -243,6 +244,9 @@ def convert_to(path: str, to: str, out: str | None, tag: str | None, dry_run: bo
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     out = str(out) if out is not None else default_output(source, to)
     _check_out(out, overwrite, source)  # before planning or writing anything
+    source_fmt = format_named(ckpt.format)
+    if source_fmt.name != to and source_fmt.side_state is not None:  # what the source holds beside the state
+        options = {**options, "side": source_fmt.side_state(ckpt)}
     plan = target.plan_convert(ckpt, os.path.abspath(out), options)
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
