@@ -5,7 +5,8 @@
 to 4 ranks at ep 4 (one expert per rank); torchrun at 4 CPU ranks builds the same model with ``ep_size`` 4 from
 another seed, loads the output with a plain ``engine.load_checkpoint`` and captures its state
 (``safe_get_full_fp32_param``, ``safe_get_full_optimizer_state``, experts under their global ids): it equals the
-source's live state bit for bit, and the tag DeepSpeed saves again at ep 4 equals ours file for file. Without
+source's live state bit for bit, and the tag DeepSpeed saves again at ep 4 equals ours file for file. The same
+source resumed at ep 4 x dp 4 with ``zckpt.deepspeed.load_checkpoint`` gives the same state and files. Without
 DeepSpeed: ep 2 -> 1 -> 2 and ep 2 -> 4 -> 2 give back every source file; refusals are one line.
 """
 
@@ -34,6 +35,21 @@ def test_ep_reshard_loads_natively_at_the_new_ep(tmp_path):
     info = _check_loaded(src, oracle, ws)  # every master, moment, weight, buffer, step = the source's engine
     assert info["ep_ranks"] == [0, 1, 2, 3] and info["loaded_dp"] == ws
     assert_same_files(out, again, (src / "latest").read_text().strip())  # = what DeepSpeed saves at ep 4
+
+
+@pytest.mark.slow
+def test_resume_at_another_ep_equals_the_source(tmp_path):
+    """``zckpt.deepspeed.load_checkpoint`` of the ep 2 x dp 2 source into an engine of ep 4 x dp 4 (each rank's
+    files laid out in memory at ep 4): the engine's state is the source's, and what it saves equals the offline
+    ``reshard --ep 4`` output file for file."""
+    name, ws, ep = "moe_z2_bf16_ws2_ep2", 4, 4
+    src, out, oracle, again = FIX / name, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
+    reshard(str(src), str(out), world_size=ws, ep=ep)
+    _launch({"kind": "moe", "mode": "zckpt", "spec": dict(_spec(name), world_size=ws, ep_size=ep), "ckpt": str(src),
+             "out": str(oracle), "resave": str(again)}, ws)
+    info = _check_loaded(src, oracle, ws)
+    assert info["resumed"] == {"mode": "reshard", "source_world_size": 2, "world_size": ws}
+    assert_same_files(out, again, (src / "latest").read_text().strip())
 
 
 @pytest.mark.parametrize("name,mid_ws,mid_ep", [("moe_z2_bf16_ws2_ep2", 2, 1), ("moe_z2_bf16_ws2_ep2", 4, 4),

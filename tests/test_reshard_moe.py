@@ -397,9 +397,11 @@ def test_resume_refuses_another_expert_parallel_size_in_one_line():
     ckpt = zckpt.open_checkpoint(str(FIX / "moe_z2_bf16_ws2_ep2"))
     target = Target(4, 0, 2, False, "bf16")
     engine = SimpleNamespace(has_moe_layers=True, module=gen_parallel.build_moe({"ep_size": 1}))
+    # (native layers of one size at another: laid out again, tests/test_moe_reshard_ep.py); layers of ep 2 and 4:
+    mixed = zckpt.open_checkpoint(str(FIX / "moe_z2_bf16_ws4_ep2_ep4_mixed"))
     with pytest.raises(UnsupportedLayout, match="changing the expert-parallel size is not supported") as err:
-        check_compatible(ckpt, engine, target)
-    assert "[2]" in str(err.value) and "[1]" in str(err.value) and "\n" not in str(err.value)
+        check_compatible(mixed, engine, Target(4, 0, 2, False, "bf16"))
+    assert "[2, 4]" in str(err.value) and "[1]" in str(err.value) and "\n" not in str(err.value)
     dense = SimpleNamespace(has_moe_layers=False, module=gen_parallel.build_moe({"ep_size": 1}))
     with pytest.raises(InvalidArgument, match="without MoE layers"):
         check_compatible(ckpt, dense, target)

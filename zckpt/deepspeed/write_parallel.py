@@ -120,6 +120,14 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
     return layout, shapes
 
 
+def rename_expert_groups(t: Target, layout, shapes: dict) -> None:
+    """Another expert-parallel size: DeepSpeed names each expert group after it (``ep_size_N``)."""
+    for g in t.groups:
+        if g.index in shapes:
+            g.hyper = OrderedDict((k, f"ep_size_{layout.ep[g.index]}" if k == "name" else v)
+                                  for k, v in g.hyper.items())
+
+
 def _moe_model(t: Target, layout, shapes: dict | None = None) -> TorchObject:
     """``mp_rank_00_model_states.pt``: the source's (dense module, rank 0's param_shapes, num_experts...) with the
     new ``dp_world_size`` and, for AutoEP, each layer's new ``expert_data_parallel_world_size``."""
@@ -195,10 +203,7 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     src_eps = sorted(set((ckpt.extra.get("moe").ep if ckpt.extra.get("moe") else {}).values()))
     layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
     t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
-    for g in t.groups:  # another expert-parallel size: DeepSpeed names the expert group after it
-        if g.index in shapes:
-            g.hyper = OrderedDict((k, f"ep_size_{layout.ep[g.index]}" if k == "name" else v)
-                                  for k, v in g.hyper.items())
+    rename_expert_groups(t, layout, shapes)
     objects, partitions = plan_moe(t, layout, "none", shapes)
     experts = [copied(os.path.join(t.tag, f.path.replace("\\", "/").rsplit("/", 1)[-1]), f.path, f.size)
                for f in sorted(ckpt.location.expert_files, key=lambda f: (f.index, f.expert))]

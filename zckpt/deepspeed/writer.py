@@ -41,7 +41,7 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.deepspeed.target import (
     PlannedFile, ReshardPlan, Target, check_world_size, flavour_of, is_elastic, planned, side_planned, target_of,
 )
-from zckpt.deepspeed.write_parallel import check_moe, moe_reshard, plan_moe, plan_pipeline
+from zckpt.deepspeed.write_parallel import check_moe, moe_reshard, plan_moe, plan_pipeline, rename_expert_groups
 from zckpt.deepspeed.write_zero import plan_zero12, plan_zero3
 
 log = logging.getLogger(__name__)
@@ -137,16 +137,17 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
 
 
 def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
-               bf16_optimizer: bool | None = None, zero: dict | None = None) -> ReshardPlan:
+               bf16_optimizer: bool | None = None, zero: dict | None = None, ep: int | None = None) -> ReshardPlan:
     """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
     (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`). The files
     are object trees to load (kind "object"), not laid out for writing.
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
-    ``parameter_alignment``), applied where they differ from the source config's."""
-    layout = None
+    ``parameter_alignment``), applied where they differ from the source config's. ``ep``: a native MoE source at
+    another expert-parallel size (:func:`zckpt.deepspeed.write_parallel.check_moe`)."""
+    layout, shapes = None, {}
     _check_state(ckpt)
     if ckpt.parallel == "moe":
-        layout, _ = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed")
+        layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep)
         stage, flavour = ckpt.stage, ckpt.flavour
     else:
         world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
@@ -156,7 +157,9 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     for key, value in (zero or {}).items():
         if value is not None and zcfg.get(key, defaults.get(key)) != value:
             zcfg[key] = value
-    objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object")
+    if shapes:
+        rename_expert_groups(t, layout, shapes)
+    objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object", shapes)
     files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]
     return ReshardPlan(ckpt.location.input_path, t.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
                        stage, flavour, world_size, ckpt.precision, files, partitions=partitions)

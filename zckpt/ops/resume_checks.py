@@ -26,6 +26,7 @@ class Target:
     bf16_optimizer: bool
     precision: str
     zero: dict = field(default_factory=dict)  # layout-shaping zero_optimization values
+    ep: int | None = None  # the engine's expert-parallel size where it differs from the checkpoint's (native MoE)
 
     @property
     def flavour(self) -> str:
@@ -158,7 +159,7 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
     if ckpt.precision != target.precision:
         raise InvalidArgument(f"the checkpoint was trained in {ckpt.precision}, the engine runs {target.precision}",
                               path=path, hint="start the engine with the checkpoint's precision")
-    moe = _check_moe_engine(ckpt, engine)
+    moe = _check_moe_engine(ckpt, engine, target)
     layout = moe.layout if moe is not None else None
     params, buffers = _engine_params(engine), _engine_buffers(engine)
     recs = ckpt.by_name()
@@ -210,9 +211,10 @@ class _EngineMoE:
     other_experts: set  # expert parameters held by other expert-parallel ranks (absent from this rank's module)
 
 
-def _check_moe_engine(ckpt: Checkpoint, engine) -> _EngineMoE | None:
-    """An MoE engine takes an MoE checkpoint of its expert-parallel sizes (resharded on its data-parallel size
-    only), anything else takes a dense one; refused in one line otherwise."""
+def _check_moe_engine(ckpt: Checkpoint, engine, target: Target | None = None) -> _EngineMoE | None:
+    """An MoE engine takes an MoE checkpoint of its expert-parallel sizes, or a native one of one size at the
+    engine's one other size (laid out again: :func:`zckpt.deepspeed.expert_groups.at_ep`, ``target.ep`` set),
+    anything else takes a dense one; refused in one line otherwise."""
     path = ckpt.location.tag_dir
     moe_engine = bool(getattr(engine, "has_moe_layers", False))
     if ckpt.parallel == "moe" and not moe_engine:
@@ -228,9 +230,15 @@ def _check_moe_engine(ckpt: Checkpoint, engine) -> _EngineMoE | None:
         raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
                                 path=path, hint="load it with engine.load_checkpoint")
     have, want = _engine_ep_sizes(engine), set(layout.ep.values())
-    if have != want:
+    if have != want and len(have) == 1 and len(want) == 1 and not layout.autoep and target is not None:
+        from zckpt.deepspeed.expert_groups import at_ep
+        target.ep = have.pop()
+        layout, _ = at_ep(layout, target.ep, ckpt.model_state.get("param_shapes") or [], path)
+        have = {target.ep}
+    if have != set(layout.ep.values()):
         raise UnsupportedLayout(f"the checkpoint's expert-parallel size {sorted(want)} differs from the engine's "
-                                f"{sorted(have)}: changing the expert-parallel size is not supported", path=path,
+                                f"{sorted(have)}: changing the expert-parallel size is not supported (only for "
+                                "native MoE layers of one size)", path=path,
                                 hint="start the engine with the checkpoint's expert-parallel size")
     mine = {n for n, _ in moe_experts(engine).values()}
     names = {r.name for by_rank in layout.shards.values() for recs in by_rank.values() for _, r in recs}
