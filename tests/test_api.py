@@ -105,3 +105,11 @@ def test_convert_output_second_fsync_and_latest(tmp_path):
     assert info["path"].endswith("checkpoint-4") and info.to_dict() == dict(info) and info["tag"] == "global_step4"
     with pytest.raises(zckpt.InvalidArgument, match="do not go together"):
         zckpt.verify(FIXTURES / "trainer", tag="global_step4", latest=True)
+
+
+def test_convert_old_order_is_refused_not_guessed(tmp_path):
+    """zckpt.convert(path, "deepspeed") was (path, to): now the second argument is the output, and a format name
+    there is refused in one line rather than written to a folder called "deepspeed" as DCP."""
+    with pytest.raises(zckpt.InvalidArgument, match="second argument of convert is the output"):
+        zckpt.convert(checkpoint_path(FIXTURES / "z2_bf16_ws2"), "deepspeed")
+    assert not (tmp_path / "deepspeed").exists()

@@ -35,6 +35,8 @@ def operation(name: str):
 
 
 OPERATIONS = ("merge", "reshard", "convert", "verify", "info", "diff", "push")
+#: convert's target formats: a second positional argument naming one is the old order (path, to), refused
+TARGETS = ("dcp", "deepspeed", "megatron")
 #: an operation's parameter -> the name the API gives it (as the command line's flag says it)
 RENAMED = {"durable": "fsync"}
 #: parameters each function adds to its operation's: what the command line applies around the call
@@ -94,6 +96,12 @@ def _make(name: str):
         bound = sig.bind(*args, **kwargs)
         kw = {back.get(k, k): v for k, v in bound.arguments.items()}
         latest, ties, follow = kw.pop("latest", False), kw.pop("ties", None), kw.pop("follow_links", False)
+        if name == "convert" and "to" not in bound.arguments and str(kw.get("out")) in TARGETS:
+            from zckpt.errors import InvalidArgument  # the old order, convert(path, "deepspeed"): never guessed
+            raise InvalidArgument(f"the second argument of convert is the output folder (as merge's and reshard's), "
+                                  f"and {kw['out']!r} is a target format", param="out",
+                                  hint=f"pass to={kw['out']!r} (and the output as the second argument), or "
+                                       f"out='./{kw['out']}' for a folder of that name")
         with _around(ties, follow):
             if latest:
                 from zckpt.backup.latest import newest_complete
