@@ -334,3 +334,14 @@ def test_containers_nested_a_million_deep_are_refused(dcp_ckpt, tmp_path):
             (line,) = err.splitlines()
             assert code == 1 and str(bad) in line and "nests containers deeper than 200 levels" in line, (command, err)
             assert "RecursionError" not in err and "internal error" not in err
+
+
+def test_source_and_stage_options_that_do_not_apply(tmp_path):
+    """--groups / --native-names state a Megatron-Core source's groups and names: for another source they are
+    refused, never ignored; --bf16-optimizer is a ZeRO-1 optimizer: not with --stage 2."""
+    for extra in (["--groups", "megatron-default"], ["--native-names"]):
+        code, _, err = run("convert", TRAINER, "--to", "dcp", *extra, "-o", tmp_path / "o")
+        _usage(code, err, f"{extra[0]} applies to a Megatron-Core source", f"drop {extra[0]}")
+    code, _, err = run("reshard", SAVE, "-w", "3", "--stage", "2", "--bf16-optimizer", "-o", tmp_path / "o")
+    _usage(code, err, "--bf16-optimizer: does not apply here (--stage 2): only with --stage 1 (or no --stage)")
+    assert not (tmp_path / "o").exists()

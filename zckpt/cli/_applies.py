@@ -66,6 +66,8 @@ RULES: list[Row] = [
     Row("convert", "layout", {"to": ("megatron",)}, values=("fully_reshardable", "dp_reshardable")),
     Row("convert", "groups", {"to": ("dcp", "deepspeed")}),  # a Megatron source's groups for another format
     Row("convert", "native_names", {"to": ("dcp", "deepspeed")}),
+    # reshard: DeepSpeed's BF16 optimizer is a ZeRO-1 optimizer (stage 1, or the source's when --stage is not given)
+    Row("reshard", "bf16_optimizer", {"stage": (None, 1)}),
     # merge: an output URL's own storage options
     Row("merge", "output_storage_options", {"out": URL}),
     # push
@@ -109,7 +111,8 @@ def _say(ctx: click.Context, name: str, cond) -> str:
         return f"without {flag}"
     if isinstance(cond, Cond):
         return f"with {flag} {cond.words}" if cond is not GIVEN else f"with {flag}"
-    return f"with {flag} {'/'.join(str(v) for v in cond)}"
+    said = f"with {flag} {'/'.join(str(v) for v in cond if v is not None)}"
+    return f"{said} (or no {flag})" if None in cond else said
 
 
 def _now(ctx: click.Context, name: str, cond) -> str:
