@@ -107,9 +107,10 @@ def test_convert_output_second_fsync_and_latest(tmp_path):
         zckpt.verify(FIXTURES / "trainer", tag="global_step4", latest=True)
 
 
-def test_convert_old_order_is_refused_not_guessed(tmp_path):
+def test_convert_old_order_is_refused_not_guessed(tmp_path, monkeypatch):
     """zckpt.convert(path, "deepspeed") was (path, to): now the second argument is the output, and a format name
     there is refused in one line rather than written to a folder called "deepspeed" as DCP."""
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(zckpt.InvalidArgument, match="second argument of convert is the output"):
-        zckpt.convert(checkpoint_path(FIXTURES / "z2_bf16_ws2"), "deepspeed")
-    assert not (tmp_path / "deepspeed").exists()
+        zckpt.convert(checkpoint_path(FIXTURES / "z2_bf16_ws2").resolve(), "deepspeed")
+    assert not any(tmp_path.iterdir())
