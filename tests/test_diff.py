@@ -424,3 +424,29 @@ def test_moments_equal_deepspeeds_own_api(tmp_path):
                  checkpoint_id=str(tmp_path / "oracle"), no_dist=True)
     r = zckpt.diff(str(Z2), str(tmp_path / "oracle"), only="weights,optimizer")
     assert r.ok and r.counts["equal"] == 7 * 3 + 3, (r.summary(), r.only_in_a, r.only_in_b)
+
+
+def test_deepspeed_side_changed_by_torch_save(tmp_path):
+    """A DeepSpeed optimizer file loaded with torch, one fp32 master element and one exp_avg element of rank 1's
+    partition changed, saved again with torch.save (its CRCs right); DeepSpeed's own param_slice_mappings say which
+    parameter and element: diff names exactly those."""
+    import torch
+    opt = "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    sd = torch.load(str(Z2 / opt), weights_only=False, map_location="cpu")
+    osd = sd["optimizer_state_dict"]
+    numel = {r.name: r.numel for r in zckpt.open_checkpoint(str(Z2)).records}
+    name, frag = next((n, fa) for n, fa in osd["param_slice_mappings"][0].items() if fa.numel == numel[n] > 4)
+    j = frag.numel // 2
+    for what in ("master", "exp_avg"):
+        copy = tmp_path / what
+        shutil.copytree(Z2, copy, ignore=shutil.ignore_patterns("expected"))
+        flat = osd["single_partition_of_fp32_groups"][0] if what == "master" else \
+            osd["base_optimizer_state"]["state"][0]["exp_avg"]
+        with torch.no_grad():  # (the masters are saved as leaves that require grad)
+            saved = flat[frag.start + j].clone()
+            flat[frag.start + j] = saved * 1.5 + 1e-3
+            torch.save(sd, str(copy / opt))
+            flat[frag.start + j] = saved
+        (d,) = zckpt.diff(str(Z2), str(copy)).differences
+        assert (d.name, d.state, d.stats.first, d.stats.differing) == \
+            (name, "value" if what == "master" else "exp_avg", j, 1), d.line()
