@@ -24,6 +24,12 @@ and [1, 3]), each local expert parameter split in ceil(n/2) slices over its two 
 tie / info / verify / convert tests run on it too; two ranks of one group claiming the same slice are refused.
 ``fixtures/moe_autoep_z3_bf16_ws6_ep2`` (6 ranks, ep 2: edp 3) has local expert params of 256 elements, not a
 multiple of 3: 86 per rank, the last slice 84 and 2 of padding; the same tests run on it.
+
+Two MoE layers of 8 experts, top-2 (issue 47): ``fixtures/moe_autoep_z3_bf16_ws4_ep2_l2`` (a random tiny Qwen3-MoE
+at ZeRO-3, ws 4, ep 2: both layers' experts in one ZeRO-3 sub-group, which earlier zckpt refused) and
+``moe_autoep_z2_bf16_ws4_ep4_l2`` (Mixtral at ZeRO-2, ep 4): merge (AutoEP's names, ``native_names``), state and
+moments = the engine; the ZeRO-3 one also info / verify --deep / convert. Under the model class's own names:
+tests/test_moe_hf_names.py.
 """
 
 from __future__ import annotations

@@ -192,3 +192,23 @@ def test_damaged_coverage_refused_by_every_command(tmp_path, fx, case, message):
             lines = proc.stderr.strip().splitlines()
             assert proc.returncode == 1 and len(lines) == 1 and re.search(message, lines[0]), proc.stderr
             assert not (tmp_path / "out").exists()
+
+
+def test_flipped_byte_in_an_expert_moment_refused(tmp_path):
+    """One byte of expert 5's exp_avg (layer moe2, ep 4) flipped in a copy: reshard and convert, which carry the
+    moments, refuse it naming the file (its zip CRC-32), nothing written; verify --deep reports it."""
+    copy = tmp_path / "ck"
+    shutil.copytree(MIXED, copy, ignore=shutil.ignore_patterns("expected"))
+    rec = zckpt.open_checkpoint(str(copy)).by_name()["moe2.deepspeed_moe.experts.deepspeed_experts.5.up.weight"]
+    piece = rec.exp_avg[0]
+    data = bytearray(Path(piece.path).read_bytes())
+    data[piece.offset + 1] ^= 0x40
+    Path(piece.path).write_bytes(bytes(data))
+    for call in (lambda: zckpt.reshard(str(copy), str(tmp_path / "out"), world_size=8),
+                 lambda: zckpt.convert(str(copy), out=str(tmp_path / "out"))):
+        with pytest.raises(ZckptError) as err:
+            call()
+        assert Path(piece.path).name in str(err.value) and "\n" not in str(err.value)
+        assert not (tmp_path / "out").exists()
+    report = zckpt.verify(str(copy), deep=True)
+    assert not report.ok and any(Path(piece.path).name in c.detail for c in report.checks if not c.ok)
