@@ -255,6 +255,19 @@ def test_damaged_input_is_refused(tmp_path):
     assert zckpt.diff(str(TRAINER), str(ck), only="weights").ok  # the moments are not read: not checked either
 
 
+def test_damaged_dcp_item_is_refused(outs, tmp_path):
+    dcp_copy = tmp_path / "dcp"
+    shutil.copytree(outs / "dcp", dcp_copy)
+    piece = {r.name: r for r in zckpt.open_checkpoint(str(dcp_copy)).records}["blocks.0.up.weight"].exp_avg[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + piece.nbytes // 2)
+        byte = f.read(1)
+        f.seek(piece.offset + piece.nbytes // 2)
+        f.write(bytes([byte[0] ^ 0x08]))
+    with pytest.raises(CorruptFile, match="CRC"):
+        zckpt.diff(str(Z2), str(dcp_copy))
+
+
 def test_cli_usage_json_and_dtypes(outs, tmp_path):
     from tests.test_cli import _check, _schemas
     res = invoke("diff", Z2, outs / "dcp", "--json")
