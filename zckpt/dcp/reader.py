@@ -34,6 +34,7 @@ from zckpt.errors import (
     ZckptError,
 )
 from zckpt.encoding import dcpmeta, distcp
+from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
 from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of,
@@ -93,8 +94,11 @@ _Items = distcp.Items  # DCP items through the allow-list (zckpt.encoding.distcp
 
 
 def tensor_pieces(items: distcp.Items, te: dcpmeta.TensorEntry, path: str) -> list:
-    """The pieces of ``te``'s row-major flat tensor, from its chunks."""
-    return [p for t, local, n in distcp.tensor_runs(items, te, path) for p in pieces_of(t, local, n)]
+    """The pieces of ``te``'s row-major flat tensor, from its chunks (their layouts place them)."""
+    runs = distcp.flat_runs(items, te, path)
+    if runs is None:  # a chunk saved with strides of its own: element runs
+        return [p for t, local, n in distcp.tensor_runs(items, te, path) for p in pieces_of(t, local, n)]
+    return [Piece(f, off, n, te.dtype) for f, off, n in runs]
 
 
 def _split(md: dcpmeta.DcpMetadata):
@@ -176,6 +180,7 @@ def _relative(md: dcpmeta.DcpMetadata, part: str) -> dcpmeta.DcpMetadata:
         return md
     for te in md.tensors.values():
         te.chunks = [dataclasses.replace(c, file=f"{part}/{c.file}") for c in te.chunks]
+        te.runs = None  # (cut from the chunks as they were named before)
     md.values = {k: dataclasses.replace(v, file=f"{part}/{v.file}") for k, v in md.values.items()}
     md.files = [f"{part}/{f}" for f in md.files]
     return md

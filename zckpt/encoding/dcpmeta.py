@@ -91,6 +91,7 @@ class TensorEntry:
     # (chunk sizes, item length) -> the zip layout its items were read with at open (zckpt.encoding.distcp.Layout),
     # checked against each item's own zip directory when its bytes are read
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
+    runs: list | None = field(default=None, compare=False, repr=False)  # chunk_runs(self), kept by parse
 
     @property
     def numel(self) -> int:
@@ -152,18 +153,20 @@ def _storage_index(storage_data, path: str) -> dict:
     """(fqn, offsets or None) -> (file, offset, length), every entry checked."""
     if not isinstance(storage_data, dict):
         raise CorruptFile("DCP metadata: storage_data is not a dict (not written by FileSystemWriter)", path=path)
-    out = {}
+    out, names = {}, set()  # names: the file names checked already (a few, named by every entry)
     for idx, info in storage_data.items():
         i, s = _fields(idx, "MetadataIndex", path), _fields(info, "_StorageInfo", path)
         fqn, offs = i.get("fqn"), i.get("offset")
         offs = None if offs is None else _ints(offs, f"the storage offset of '{fqn}'", path)
         name, off, length = s.get("relative_path"), s.get("offset"), s.get("length")
-        if not isinstance(fqn, str) or not isinstance(name, str) or not _DATA_NAME.match(name) or name in (".", ".."):
+        if not isinstance(fqn, str) or (name not in names and (not isinstance(name, str) or not _DATA_NAME.match(name)
+                                                               or name in (".", ".."))):
             raise CorruptFile(f"DCP metadata: storage entry of '{str(fqn)[:60]}' names the file {str(name)[:60]!r}, "
                               "not a file of the checkpoint folder", path=path)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
             raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {off!r}, length {length!r}",
                               path=path)
+        names.add(name)
         if s.get("transform_descriptors"):
             raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {list(s['transform_descriptors'])}"
                                     " (compression or another extension); zckpt reads raw torch.save items only",
@@ -220,7 +223,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
                 raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)
             chunks.append(Chunk(offs, sizes, *where))
         te = TensorEntry(key, _dtype(t.get("properties"), key, path), shape, chunks)
-        chunk_runs(te, path)  # the chunks cover the tensor exactly once
+        te.runs = chunk_runs(te, path)  # the chunks cover the tensor exactly once (kept: readers cut by them)
         tensors[key] = te
     if file_sizes is not None:
         for e in [c for te in tensors.values() for c in te.chunks] + list(values.values()):

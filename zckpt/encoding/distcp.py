@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 
 from zckpt.encoding import dcpmeta, safeload
-from zckpt.encoding.safeload import LazyTensor, StorageRef
+from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor, StorageRef
 from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
 from zckpt.errors import CorruptFile
 from zckpt.io import storage
@@ -48,6 +48,7 @@ class Layout:
     entries: tuple  # (name, header offset, data offset, size) of every zip entry, from the item's start
     pickle_crc: int  # data.pkl's CRC-32: the same pickle is the same dtype, shape, stride and storage key
     sample: str
+    contiguous: bool = True  # row-major: the chunk's elements are one byte range
 
     def mismatch(self, found: dict[str, ZipEntry]) -> str | None:
         """What differs between this layout and an item's zip entries (offsets from the item's start), or None."""
@@ -135,12 +136,11 @@ class Items:
         s = t.storage
         return Layout(s.key, s.offset, s.nbytes, t.storage_offset, tuple(t.shape), tuple(t.stride),
                       tuple(sorted((e.name, e.header_offset, e.data_offset, e.size) for e in entries.values())),
-                      pkl.crc, f"{c.file}@{c.offset}")
+                      pkl.crc, f"{c.file}@{c.offset}", t.is_contiguous())
 
-    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
-        """The chunk as a LazyTensor whose offsets are absolute in its data file, placed by its layout (the first
-        item of that layout is read; the others are checked against it when their bytes are read:
-        :func:`crc_entries_of`)."""
+    def layout(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> Layout:
+        """The chunk's layout (the first item of that layout is read; the others are checked against it when their
+        bytes are read: :func:`crc_entries_of`)."""
         sizes = (tuple(c.sizes), c.length)
         lay = te.layouts.get(sizes)
         if lay is None:
@@ -148,6 +148,11 @@ class Items:
             if lay is None:
                 lay = self.layouts[(te.dtype,) + sizes] = self._learn(te, c)
             te.layouts[sizes] = lay
+        return lay
+
+    def tensor(self, te: dcpmeta.TensorEntry, c: dcpmeta.Chunk) -> LazyTensor:
+        """The chunk as a LazyTensor whose offsets are absolute in its data file, placed by its layout."""
+        lay = self.layout(te, c)
         return LazyTensor(StorageRef(self.path(c.file), lay.key, te.dtype, c.offset + lay.data_offset, lay.nbytes),
                           lay.storage_offset, lay.shape, lay.stride, te.dtype)
 
@@ -184,7 +189,7 @@ def tensor_runs(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0
     end = te.numel if length is None else start + length
     chunks = {} if cache is None else cache
     out = []
-    for flat, c, local, n in dcpmeta.chunk_runs(te, path):
+    for flat, c, local, n in te.runs if te.runs is not None else dcpmeta.chunk_runs(te, path):
         lo, hi = max(flat, start), min(flat + n, end)
         if lo >= hi:
             continue
@@ -204,6 +209,20 @@ def _joiner(folder: str):
             p = paths[name] = storage.join(folder, name)
         return p
     return join
+
+
+def flat_runs(items: Items, te: dcpmeta.TensorEntry, path: str) -> list[tuple[str, int, int]] | None:
+    """``te``'s row-major flat elements as ``(data file path, byte offset, elements)`` runs, in order, straight from
+    its chunks' layouts (no LazyTensor per chunk: what a reader of whole tensors needs); None when a chunk's
+    elements are not one byte range (then :func:`tensor_runs`)."""
+    size = DTYPE_SIZES[te.dtype]
+    out = []
+    for _flat, c, local, n in te.runs if te.runs is not None else dcpmeta.chunk_runs(te, path):
+        lay = items.layout(te, c)
+        if not lay.contiguous:
+            return None
+        out.append((items.path(c.file), c.offset + lay.data_offset + (lay.storage_offset + local) * size, n))
+    return out
 
 
 def items_by_file(md: dcpmeta.DcpMetadata, folder: str) -> dict[str, list[tuple[int, int, str]]]:

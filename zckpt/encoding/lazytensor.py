@@ -3,6 +3,7 @@ element offset) over a :class:`StorageRef` (where its storage's bytes are in the
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,6 +18,17 @@ DTYPE_SIZES = {
 }
 FLOATING = {"float64", "float32", "float16", "bfloat16",
             "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape: tuple, stride: tuple) -> bool:
+    """Row-major contiguity of ``shape`` / ``stride`` (a DCP checkpoint's 10**5 chunks have a few shapes)."""
+    expected = 1
+    for dim, st in zip(reversed(shape), reversed(stride)):
+        if dim != 1 and st != expected:
+            return False
+        expected *= dim
+    return True
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,7 @@ class LazyTensor:
         shape, stride = self.shape, self.stride
         if len(shape) == 1 and len(stride) == 1:  # flat partitions: the common case
             return shape[0] == 1 or stride[0] == 1
-        expected = 1
-        for dim, st in zip(reversed(self.shape), reversed(self.stride)):
-            if dim != 1 and st != expected:
-                return False
-            expected *= dim
-        return True
+        return _contiguous(tuple(shape), tuple(stride))
 
     @property
     def byte_offset(self) -> int:
