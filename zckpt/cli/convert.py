@@ -29,7 +29,8 @@ Examples:
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
                    "size (dcp.load + set_state_dict; keys as get_state_dict makes them, see zckpt help migrate-fsdp2). "
                    "deepspeed: a DCP checkpoint (FSDP2 + AdamW) as DeepSpeed ZeRO files that a plain "
-                   "engine.load_checkpoint restores (needs --world-size, --stage, and --ds-config or --dtype).")
+                   "engine.load_checkpoint restores (needs --world-size, --ds-config or --dtype, and --stage unless "
+                   "the config states it).")
 @click.option("--world-size", "-w", "world_size", type=click.IntRange(1), default=None,
               help="--to deepspeed: the DeepSpeed job's ranks.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
