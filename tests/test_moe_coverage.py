@@ -76,6 +76,12 @@ def test_mixed_group_orders_are_read_from_each_rank(tmp_path):
     report = zckpt.verify(str(MIXED))
     assert report.ok and any(c.name == "MoE experts" and "2 layers x 8 experts, ep 2/4" in c.detail
                              for c in report.checks)
+    assert any("ranks 1, 2, 3 list their param groups in another order" in n for n in ckpt.notes)
+    res = zckpt.reshard(str(MIXED), str(tmp_path / "ws8"), world_size=8)  # every rank in rank 0's order, said
+    assert any("every output file has rank 0's order (dense, ep_size_2, ep_size_4)" in n for n in res.plan.notes)
+    for r in range(8):
+        names = _group_names(tmp_path / "ws8" / info["tag"] / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        assert names == orders[0]
 
 
 def test_unmatched_group_order_refused_naming_the_cause(tmp_path):

@@ -102,7 +102,9 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     ngroups = len(osds[0].get("single_partition_of_fp32_groups") or [])
     if not isinstance(param_shapes, list) or len(param_shapes) != ngroups:
         raise CorruptFile(f"param_shapes lists {len(param_shapes or [])} groups, the optimizer {ngroups}", path=mpath)
-    optim_states = in_rank0_order(loc, optim_states, param_shapes)  # ranks of other hash seeds: other orders
+    viewed = in_rank0_order(loc, optim_states, param_shapes)  # ranks of other hash seeds: other orders
+    reordered = [f.dp_rank for f, a, b in zip(loc.optim_files, viewed, optim_states) if a is not b]
+    optim_states = viewed
     hyper = param_groups_of(osds[0], ngroups)
     experts = [g for g in range(ngroups) if hyper[g].get("moe") or any(EXPERT_RE.match(n) for n in param_shapes[g])]
     dense = [g for g in range(ngroups) if g not in experts]
@@ -133,6 +135,12 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     records = _insert_experts(records, list(expert_recs.values()))
     notes = [f"mixture of experts: {len(loc.expert_files)} expert files, expert groups "
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    if reordered:
+        notes.append(f"the optimizer files of rank{'s' if len(reordered) > 1 else ''} "
+                     f"{', '.join(map(str, sorted(reordered)))} list their param groups in another order than rank "
+                     f"0's ({', '.join(str(h.get('name')) for h in hyper)}): DeepSpeed orders expert groups by a set "
+                     "of names, so ranks without a fixed PYTHONHASHSEED differ; each was read in its own order, and "
+                     "files zckpt writes have rank 0's on every rank")
     ep_of = {name: ep for ep, by_rank in placed.values() for pairs in by_rank.values() for _, name in pairs}
     layer_ep: dict[int, int] = {}
     for name, _, layer, _, _ in tensors:
@@ -147,7 +155,7 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     coverage.check(layers, records, loc.tag_dir)
     return Checkpoint(loc, base.stage, base.flavour, base.precision, ws, records, groups, ms0, optim_states,
                       model_states, offload=base.offload, notes=notes, parallel="moe", reshard_refusal=REFUSAL,
-                      extra={"moe": layout, "moe_coverage": layers}, state_refusal=moe_state_refusal(base, records))
+                      extra={"moe": layout, "moe_coverage": layers, "mixed_group_orders": reordered}, state_refusal=moe_state_refusal(base, records))
 
 
 def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:

@@ -216,6 +216,11 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     plan.notes.append(f"mixture of experts: expert-parallel size {kept}, data-parallel size "
                       f"{ckpt.world_size} -> {world_size}; each expert group over "
                       + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
+    if ckpt.extra.get("mixed_group_orders"):
+        plan.notes.append("the source's ranks saved their param groups in different orders (no fixed "
+                          "PYTHONHASHSEED); every output file has rank 0's order ("
+                          + ", ".join(str(g.hyper.get("name")) for g in t.groups) + "): resume with a "
+                          "PYTHONHASHSEED that gives every rank that order")
     if not t.has_state:
         plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
     return plan
