@@ -19,7 +19,7 @@ HISTORY = re.compile(r"the tree before|used to be|make demo|make test|was printe
 #: a path inside the repository (a module, a test, a benchmark script)
 REPO_PATH = re.compile(r"(?<![\w./:@-])(tests|zckpt|benchmarks)/[\w./-]*\w")
 #: guides whose notes on how a claim is tested still name the test files (reference guides, to be rewritten)
-TESTED_NOTES = {"layouts.md", "megatron.md"}
+TESTED_NOTES = {"megatron.md"}
 
 
 def installed_guides() -> list[str]:
