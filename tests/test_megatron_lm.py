@@ -279,6 +279,32 @@ def test_code_in_common_pt_is_refused_never_run(tmp_path):
     assert "DeepSpeed" not in res.stderr and not flag.exists() and not (tmp_path / "out").exists()
 
 
+def test_code_in_019s_common_state_object_is_refused_never_run(tmp_path):
+    """0.19 keeps the common state as the DCP item common_state/shard_0_1: replaced here by a torch.save of a payload
+    of the same length (padded by a zip comment), it is refused in one line naming it; nothing runs."""
+    import io
+    import struct
+    flag = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {flag}",))
+    src = tmp_path / "src"
+    shutil.copytree(MEG / "lm19_tp2_pp1_dp2", src)
+    v = zckpt.open_checkpoint(str(src)).extra["metadata"].values["common_state/shard_0_1"]
+    buf = io.BytesIO()
+    torch.save([{"args": Payload(), "iteration": 4}], buf)
+    data = buf.getvalue()
+    pad = v.length - len(data)
+    assert 0 <= pad < 1 << 16 and data[-22:-18] == b"PK\x05\x06"
+    with open(src / "iter_0000004" / v.file, "r+b") as f:
+        f.seek(v.offset)
+        f.write(data[:-2] + struct.pack("<H", pad) + b"\0" * pad)
+    res = zckpt_run("merge", src, "-o", tmp_path / "out")
+    one_line(res, "Megatron common state", "common_state/shard_0_1", "system'", "never runs code")
+    assert not flag.exists() and not (tmp_path / "out").exists()
+
+
 def test_an_enum_value_megatron_does_not_define_is_shown_not_guessed():
     from zckpt.encoding import safeload
 

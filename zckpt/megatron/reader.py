@@ -404,8 +404,9 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
         return _build(path, save_dir, folder, has_latest, opts, md, common, sizes)
 
 
-COMMON_REFUSAL = ("zckpt never runs code from checkpoints; a Megatron-LM common.pt holds its args (plain values, "
-                  "torch dtypes and the megatron-core enums zckpt knows), iteration and optimizer layout, nothing else")
+COMMON_REFUSAL = ("zckpt never runs code from checkpoints; Megatron-LM's common state (common.pt; in megatron-core "
+                  "0.19 the DCP object common_state) holds its args (plain values, torch dtypes and the "
+                  "megatron-core enums zckpt knows), iteration and optimizer layout, nothing else")
 
 
 COMMON_ITEM = "common_state/shard_0_1"  # megatron-core 0.19+ (dist_checkpointing/serialization.py, save)
