@@ -25,7 +25,7 @@ Examples:
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of the output (default: the source's).")
 @click.option("--ep", "ep", type=click.IntRange(1, None), default=None,
-              help="Expert-parallel size of the output (native DeepSpeed MoE, ZeRO-1/2; default: the source's).")
+              help="Expert-parallel size of the output (DeepSpeed MoE or AutoEP, ZeRO-1/2; default: the source's).")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
                    "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")

@@ -12,7 +12,9 @@ import re
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.encoding.safeload import LazyTensor
+from zckpt.deepspeed.partition import torch_size
+from zckpt.engine.segments import Piece
+from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor
 from zckpt.state import experts as coverage
 
 EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")
@@ -259,7 +261,8 @@ def _owners(name: str, amap: dict, path: str) -> dict[int, list[int]]:
 _LOCAL_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
-def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str) -> tuple[MoELayout, dict[int, dict]]:
+def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str,
+          records: dict | None = None) -> tuple[MoELayout, dict[int, dict]]:
     """A native MoE layout laid out again at expert-parallel size ``ep`` (``zckpt reshard --ep``): expert-parallel
     rank e holds global experts ``e * E/ep .. (e+1) * E/ep - 1`` of each layer under local ids ``0 .. E/ep - 1``, in
     the order DeepSpeed's flat group has them (layer by layer, expert by expert, each expert's parameters in module
@@ -267,14 +270,12 @@ def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str) -> tuple[Mo
     new ``param_shapes`` entry (rank 0's local experts, shapes as the source saved them). Refused in one line: AutoEP,
     layers of several expert-parallel sizes (their expert groups would become one), a layer whose experts do not
     split over ``ep``."""
-    if layout.autoep:
-        raise UnsupportedLayout("another expert-parallel size of an AutoEP checkpoint is not supported (its affine "
-                                "maps and ds_autoep_layers are not laid out again): keep the expert-parallel size",
-                                path=path, hint="drop --ep")
     if len(set(layout.ep.values())) > 1:
         raise UnsupportedLayout(f"MoE layers of expert-parallel sizes {sorted(set(layout.ep.values()))}: at one "
                                 "size their expert groups would be one group, which zckpt does not lay out",
                                 path=path, hint="drop --ep")
+    if layout.autoep:
+        return _autoep_at_ep(layout, ep, records or {}, path)
     shards: dict[int, dict[int, list]] = {}
     shapes: dict[int, dict] = {}
     nl_of: dict[str, int] = {}
@@ -310,3 +311,84 @@ def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str) -> tuple[Mo
         m = _LOCAL_RE.match(tensors[0][0]) if tensors else None
         files[name] = (tensors, ep, int(m.group(2)) // nl_of[m.group(1)] if m and m.group(1) in nl_of else 0)
     return MoELayout({g: ep for g in layout.ep}, shards, files), shapes
+
+
+def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple[MoELayout, dict[int, dict]]:
+    """AutoEP at expert-parallel size ``ep``: expert-parallel rank e's shard of each fused expert parameter is
+    experts ``e * E/ep .. (e+1) * E/ep - 1`` of the full (logical) record, masters and moments sliced alike
+    (:func:`autoep_layers_at` rewrites ``ds_autoep_layers``)."""
+    shards: dict[int, dict[int, list]] = {}
+    shapes: dict[int, dict] = {}
+    for g, by_rank in layout.shards.items():
+        new: dict[int, list] = {}
+        for name, _ in by_rank[0]:
+            full = records.get(name)
+            if full is None or not full.shape or full.shape[0] % ep:
+                raise UnsupportedLayout(f"AutoEP '{name}': {full.shape[0] if full else '?'} experts do not split "
+                                        f"over expert-parallel size {ep}", path=path, hint="pass an --ep dividing it")
+            nl = int(full.shape[0]) // ep
+            per = math.prod(int(d) for d in full.shape[1:])
+            for e in range(ep):
+                def cut(pieces, e=e):
+                    return cut_pieces(pieces, e * nl * per, nl * per) if pieces else []
+                new.setdefault(e, []).append((name, dataclasses.replace(
+                    full, shape=(nl, *full.shape[1:]), value=cut(full.value), exp_avg=cut(full.exp_avg),
+                    exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()},
+                    group=g)))
+        shards[g] = new
+        shapes[g] = {name: torch_size(rec.shape) for name, rec in new[0]}
+    return MoELayout({g: ep for g in layout.ep}, shards, layout.expert_files, autoep=True), shapes
+
+
+def autoep_layers_at(layers: list, ep: int, world_size: int) -> list:
+    """``ds_autoep_layers`` (rank 0's view) at expert-parallel size ``ep`` and data-parallel size ``world_size``:
+    the placement (rank e holds experts ``e * E/ep ..``), every fused parameter's affine map (one whole block per
+    rank), the group name and rank 0's own fields, as DeepSpeed writes them."""
+    out = []
+    for x in layers:
+        if not isinstance(x, dict) or "ep_size" not in x:
+            out.append(x)
+            continue
+        n = int(x["num_experts"])
+        nl = n // ep
+        y = dict(x)
+        y.update(num_local_experts=nl, ep_size=ep, ep_group_name=f"ep_size_{ep}", ep_rank=0,
+                 expert_data_parallel_rank=0, expert_data_parallel_world_size=world_size // ep,
+                 global_expert_start=0, global_expert_end=nl)
+        if isinstance(x.get("expert_placement"), dict):
+            y["expert_placement"] = dict(x["expert_placement"], ep_size=ep, ranks=[
+                {"rank": e, "experts": list(range(e * nl, (e + 1) * nl))} for e in range(ep)])
+        params = {}
+        for name, amap in ((x.get("affine_maps") or {}).get("params") or {}).items():
+            logical = [int(d) for d in amap["logical_shape"]]
+            shard = [nl, *logical[1:]]
+            strides = list(_strides_of(logical))
+            per = math.prod(logical[1:])
+            params[name] = dict(amap, ranks={e: {"shard_shape": list(shard), "pieces": [
+                {"shape": list(shard), "source": [e * nl * per, list(strides)], "dest": [0, list(_strides_of(shard))],
+                 "locations": [e]}]} for e in range(ep)})
+        if params:
+            y["affine_maps"] = dict(x["affine_maps"], params=params)
+        out.append(y)
+    return out
+
+
+def _strides_of(shape) -> tuple:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= int(d)
+    return tuple(reversed(out))
+
+
+def cut_pieces(pieces: list, start: int, length: int) -> list:
+    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
+    out, at, end = [], 0, start + length
+    for p in pieces:
+        lo, hi = max(start, at), min(end, at + p.numel)
+        if lo < hi:
+            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
+        at += p.numel
+        if at >= end:
+            break
+    return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
-from zckpt.deepspeed.expert_groups import at_ep
+from zckpt.deepspeed.expert_groups import at_ep, autoep_layers_at
 from zckpt.deepspeed.partition import TorchObject
 from zckpt.state.model import Checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
@@ -111,7 +111,7 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
     if ep is not None and set(layout.ep.values()) != {ep}:
         if not isinstance(ep, int) or ep < 1:
             raise InvalidArgument(f"the expert-parallel size must be a positive integer, not {ep!r}", param="ep")
-        layout, shapes = at_ep(layout, ep, ckpt.model_state.get("param_shapes") or [], tag_dir)
+        layout, shapes = at_ep(layout, ep, ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name())
     bad = sorted({n for n in layout.ep.values() if world_size % n})
     if bad:
         raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
@@ -134,6 +134,8 @@ def _moe_model(t: Target, layout, shapes: dict | None = None) -> TorchObject:
     def layers(v):
         if not isinstance(v, list):
             return v
+        if shapes and layout.autoep:  # another expert-parallel size
+            return autoep_layers_at(v, next(iter(layout.ep.values())), t.world_size)
         return [dict(x, expert_data_parallel_world_size=t.world_size // int(x.get("ep_size") or 1))
                 if isinstance(x, dict) and "expert_data_parallel_world_size" in x else x for x in v]
 

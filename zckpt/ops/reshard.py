@@ -70,7 +70,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
     new size. ``fmt="universal"``: DeepSpeed's universal layout (``"checkpoint": {"load_universal": true}``).
     ``bf16_optimizer``: target the BF16 optimizer (stage 1, bf16, ``grad_accum_dtype: fp32``); default keeps the
-    source's choice when the stage stays 1. ``ep``: the expert-parallel size of a native DeepSpeed MoE checkpoint of
+    source's choice when the stage stays 1. ``ep``: the expert-parallel size of a DeepSpeed MoE or AutoEP checkpoint of
     ZeRO-1/2 (default: kept; docs/layouts.md). ``progress(done_bytes, total_bytes)`` is called as data is written;
     ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
