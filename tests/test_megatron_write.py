@@ -38,17 +38,20 @@ JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (2, 1, 1)), ("gpt_tp2_pp2_dp1_fullyresh", 
 CHUNKED = ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1))
 # source (c): a DCP under Hugging Face Llama names (zckpt's own Megatron -> DCP, the q/k/v and gate/up split) with the
 # model's config.json beside it, fused back; megatron-core's load must equal the original Megatron source's oracle
-DCP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1)), ("gpt_tp2_pp1_dp2", (1, 2, 1))]
+DCP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1), "dcp"), ("gpt_tp2_pp1_dp2", (1, 2, 1), "dcp"),
+            ("gpt_tp2_pp2_dp1_fullyresh", (2, 1, 1), "deepspeed")]  # source (b): DeepSpeed ZeRO-2 files
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 32, "vocab_size": 64, "rms_norm_eps": 1e-05,
          "rope_theta": 10000.0, "torch_dtype": "bfloat16", "hidden_act": "silu", "attention_bias": False,
          "mlp_bias": False, "max_position_embeddings": 16}
 
 
-def _dcp_of(src: str, out: Path, **config) -> Path:
-    """A DCP of the Megatron fixture ``src`` under Llama's names (convert --to dcp), its config.json beside it."""
+def _dcp_of(src: str, out: Path, to: str = "dcp", **config) -> Path:
+    """A DCP (or DeepSpeed ZeRO-2 at 2 ranks) checkpoint of the Megatron fixture ``src`` under Llama's names
+    (convert --to dcp / deepspeed), its config.json beside it."""
     from zckpt.ops.convert import convert
-    convert(str(MEG / src), to="dcp", out=str(out), groups=["megatron-default"])
+    more = {"world_size": 2, "stage": 2, "dtype": "bf16"} if to == "deepspeed" else {}
+    convert(str(MEG / src), to=to, out=str(out), groups=["megatron-default"], **more)
     meta = json.loads((MEG / f"{src}.oracle.json").read_text())
     cfg = {**LLAMA, "num_hidden_layers": meta["num_layers"], "tie_word_embeddings": meta["tied_embeddings"], **config}
     (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
@@ -88,9 +91,9 @@ def loaded(tmp_path_factory):
     assert len(plan.parts[0][1].files) > 3 and max(len(i.chunks) for i in plan.parts[0][1].items) > 8
     execute(plan, str(out), check=checksums.input_check(ckpt))
     jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
-    for i, (src, (tp, pp, dp)) in enumerate(DCP_JOBS):
-        out = tmp / f"dcp-{i}-{src}-tp{tp}pp{pp}"
-        _convert(_dcp_of(src, tmp / f"dcp-{i}-{src}"), out, tp=tp, pp=pp)
+    for i, (src, (tp, pp, dp), via) in enumerate(DCP_JOBS):
+        out = tmp / f"{via}-{i}-{src}-tp{tp}pp{pp}"
+        _convert(_dcp_of(src, tmp / f"{via}-{i}-{src}", via), out, tp=tp, pp=pp)
         jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
@@ -126,11 +129,12 @@ def test_megatron_core_reads_tensors_stored_in_blocks_of_rows(loaded):
     assert got["groups_equal"] and got["scheduler_equal"] and got["losses_finite"]
 
 
-@pytest.mark.parametrize("i", range(len(DCP_JOBS)), ids=[f"{s}-via-dcp-to-tp{t[0]}pp{t[1]}dp{t[2]}"
-                                                         for s, t in DCP_JOBS])
-def test_a_dcp_under_llama_names_is_fused_back_exactly(loaded, i):
-    """source (c): q/k/v fused per query group, gate/up fused, layers stacked, weights the masters' bf16 cast:
-    megatron-core's load equals the original Megatron checkpoint's, every tensor bit for bit."""
+@pytest.mark.parametrize("i", range(len(DCP_JOBS)), ids=[f"{s}-via-{v}-to-tp{t[0]}pp{t[1]}dp{t[2]}"
+                                                         for s, t, v in DCP_JOBS])
+def test_llama_names_are_fused_back_exactly(loaded, i):
+    """sources (b) and (c), a DeepSpeed or DCP checkpoint under Hugging Face Llama names: q/k/v fused per query
+    group, gate/up fused, layers stacked, weights the masters' bf16 cast: megatron-core's load equals the original
+    Megatron checkpoint's, every tensor bit for bit."""
     got = loaded[len(JOBS) + 1 + i]
     assert got["source"] == DCP_JOBS[i][0] and tuple(got["shape"]) == DCP_JOBS[i][1]
     assert got["keys_equal"] and got["tensors"] > 0 and not got["differ"], (got["missing"], got["differ"])
@@ -258,8 +262,8 @@ def test_tp_for_another_target_is_refused(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_deepspeed_source_is_refused(tmp_path):
-    _refused(tmp_path, FIXTURES / "z2_bf16_ws2", ["--to megatron reads a Megatron or DCP checkpoint", "deepspeed"])
+def test_a_deepspeed_source_of_another_model_is_refused(tmp_path):
+    _refused(tmp_path, FIXTURES / "z2_bf16_ws2", ["no config.json beside the checkpoint"])
 
 
 def test_an_optimizer_other_than_adam_is_refused(tmp_path):

@@ -29,6 +29,16 @@ class DeepSpeed(Format):
         from zckpt.deepspeed import hf_moe  # AutoEP layers under the model class's names (any other: unchanged)
         return hf_moe.merge_view(ckpt, dtype)
 
+    def side_state(self, ckpt) -> dict:
+        """The counters (``global_steps``, ``global_samples``, ``skipped_steps``) and the client state (every key of
+        the model-states file that is not DeepSpeed's own) beside model and optimizer."""
+        from zckpt.deepspeed.target import MODEL_KEYS
+        ms = ckpt.model_state or {}
+        counters = {k: ms[k] for k in ("global_steps", "global_samples", "skipped_steps")
+                    if isinstance(ms.get(k), int) and not isinstance(ms.get(k), bool)}
+        client = {k: v for k, v in ms.items() if k not in MODEL_KEYS}
+        return {"train_state": counters, "lr_scheduler": ms.get("lr_scheduler"), "client_state": client, "left": {}}
+
     def side_files(self, ckpt) -> list:
         from zckpt.deepspeed.discover import side_files
         return side_files(ckpt.location, ckpt.storage_options)

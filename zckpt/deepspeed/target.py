@@ -370,6 +370,7 @@ _MODEL_KEYS = ["module", "buffer_names", "optimizer", "param_shapes", "frozen_pa
                "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
                "global_steps", "global_samples", "dp_world_size", "mp_world_size",
                "checkpoint_parallel_dimensions", "ds_config", "ds_version"]
+MODEL_KEYS = tuple(_MODEL_KEYS)  # DeepSpeed's own keys of a model-states file; the others are the client state
 
 
 def model_file(t: Target, rank: int, module, param_shapes, frozen_shapes, frozen_frags) -> TorchObject:

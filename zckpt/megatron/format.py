@@ -43,7 +43,7 @@ class Megatron(Format):
         return []  # a save folder holds its iterations and the latest file: all Megatron's own
 
     def plan_convert(self, ckpt, out, options):
-        if ckpt.format == "dcp":  # a state under Hugging Face Llama names: fused back
+        if ckpt.format in ("dcp", "deepspeed"):  # a state under Hugging Face Llama names: fused back
             from zckpt.megatron import from_hf
             return from_hf.plan_from_hf(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
                                         options.get("side"))

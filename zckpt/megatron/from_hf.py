@@ -1,5 +1,5 @@
-"""A training state under Hugging Face Llama's names (a DCP checkpoint: FSDP2's, or zckpt's own conversion of a
-Megatron run) written as Megatron-Core's ``fully_reshardable`` ``torch_dist`` tensors: the exact inverse of the
+"""A training state under Hugging Face Llama's names (a DCP checkpoint, or a DeepSpeed one: FSDP2's or DeepSpeed's
+own, or zckpt's conversion of a Megatron run) written as Megatron-Core's ``fully_reshardable`` ``torch_dist`` tensors: the exact inverse of the
 reader's split (:mod:`zckpt.megatron.hf_names`): q/k/v fused per query group (``[q of the group's heads, k, v]``,
 group after group), gate and up fused as ``[gate; up]``, the layers stacked, the norms under TE's fused names.
 
@@ -181,7 +181,8 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     w.check_target(facts, tp, pp, path)
     side = side or {}
     counters, client = side.get("train_state") or {}, side.get("client_state") or {}
-    sched = {k.split(".", 1)[1]: v for k, v in client.items() if k.startswith("opt_param_scheduler.")}
+    sched = client.get("opt_param_scheduler") if isinstance(client.get("opt_param_scheduler"), dict) else \
+        {k.split(".", 1)[1]: v for k, v in client.items() if k.startswith("opt_param_scheduler.")}  # DCP's: flat
     iteration = counters.get("global_steps")
     if not sched or iteration is None:
         raise UnsupportedLayout("the checkpoint holds no Megatron scheduler state (client_state.opt_param_scheduler)"
@@ -229,7 +230,7 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     part.files.append(dcplayout.DcpFile(w.COMMON, [(archive, 0)], archive.file_size))
     written = [(f"{folder}/{w.META_JSON}", json.dumps(w.META_DOC).encode()), (w.LATEST, str(iteration).encode())]
     left = {k: f"the {ckpt.format} checkpoint's own (Megatron has no place for it)"
-            for k in list(client) if not k.startswith(("opt_param_scheduler.", "num_floating_point"))}
+            for k in list(client) if not k.startswith(("opt_param_scheduler", "num_floating_point"))}
     left.update({k: why for k, why in (side.get("left") or {}).items()})
     notes = [f"from {ckpt.format} under Hugging Face Llama names: q/k/v fused per query group, gate/up fused, layers "
              f"stacked; weights = the fp32 masters cast to {dtype} ({CONFIG}'s torch_dtype)",

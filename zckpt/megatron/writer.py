@@ -177,7 +177,8 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
                                 path=path, hint="write --layout fully_reshardable: Megatron-LM resumes it at any "
                                                 "TP/PP/DP")
     if ckpt.format != "megatron":
-        raise UnsupportedLayout(f"--to megatron reads a Megatron or DCP checkpoint; this is {ckpt.format}", path=path)
+        raise UnsupportedLayout(f"--to megatron reads a Megatron, DCP or DeepSpeed checkpoint; this is {ckpt.format}",
+                                path=path)
     f = ckpt.extra["megatron"]
     tp = positive("tp", tp) if tp is not None else (f.get("tp") or 1)
     pp = positive("pp", pp) if pp is not None else (f.get("pp") or 1)
