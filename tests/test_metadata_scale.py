@@ -482,3 +482,33 @@ def test_a_chunk_laid_out_unlike_its_layout_is_refused_when_read(tmp_path):
     assert verify(str(src)).ok  # the metadata alone cannot see it
     report = verify(str(src), deep=True)
     assert not report.ok and "model.b" in report.checks[-1].detail and "data.pkl differs" in report.checks[-1].detail
+
+
+def test_deepspeed_opens_in_requests_per_rank_file(s3_server, tmp_path):
+    """The same for DeepSpeed: opening a ZeRO-3 checkpoint on S3 (requests counted at a proxy in front of the local
+    server) costs a few requests per rank file, whatever the world size: the committed real saves at 2 and 4 ranks
+    (4 and 8 rank files) differ by at most 3 requests per extra file; what opens is the checkpoint read locally."""
+    import uuid
+    from tests.faultproxy import FaultProxy
+    from zckpt.state.open import open_checkpoint
+    proxy = FaultProxy(("127.0.0.1", s3_server.s3_port)).start()
+    try:
+        opts = dict(s3_server.storage_options(), endpoint_url=proxy.endpoint)
+        client, counts = s3_server.client(), {}
+        for ws in (2, 4):
+            src = ROOT / "fixtures" / f"z3_bf16_ws{ws}"
+            prefix = f"ds-{uuid.uuid4().hex[:8]}"
+            files = [p for p in src.rglob("*") if p.is_file() and "expected" not in p.parts]
+            for p in files:
+                client.put_object(Bucket=s3_server.bucket, Key=f"{prefix}/{p.relative_to(src).as_posix()}",
+                                  Body=p.read_bytes())
+            before = len(proxy.requests)
+            ckpt = open_checkpoint(s3_server.url(prefix), storage_options=opts)
+            counts[ws] = len(proxy.requests) - before
+            local = open_checkpoint(str(src))
+            assert ckpt.world_size == ws and [(r.name, r.shape) for r in ckpt.records] == \
+                [(r.name, r.shape) for r in local.records]
+    finally:
+        proxy.stop()
+    assert counts[4] - counts[2] <= 3 * 4, counts  # 4 more rank files (20 and 28 requests here: 2 a file)
+    assert counts[2] <= 24, counts  # 4 rank files, the listing, latest
