@@ -512,3 +512,26 @@ def test_deepspeed_opens_in_requests_per_rank_file(s3_server, tmp_path):
         proxy.stop()
     assert counts[4] - counts[2] <= 3 * 4, counts  # 4 more rank files (20 and 28 requests here: 2 a file)
     assert counts[2] <= 24, counts  # 4 rank files, the listing, latest
+
+
+def test_tie_candidates_read_each_tensor_once_not_each_pair(tmp_path, monkeypatch):
+    """Frozen tensors of a trainable tensor's shape are compared with it for a likely tie: the first bytes of each
+    tensor are read once (12 frozen against 2 trainable: 14 first reads, not 48), and the one real copy is still
+    found (a frozen tensor equal to a trainable one), the others not."""
+    import torch.distributed.checkpoint as dcp
+    from zckpt.io import storage
+    from zckpt.state.open import open_checkpoint
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    model = {f"frozen.{i}": torch.randn(8, 6, generator=g) for i in range(11)}
+    model.update({"copy_of_a": a.clone(), "a": a, "b": b})
+    state = {n: {"step": torch.tensor(2.0), "exp_avg": torch.zeros(8, 6), "exp_avg_sq": torch.zeros(8, 6)}
+             for n in ("a", "b")}
+    dcp.save({"model": model, "optim": {"state": state, "param_groups": [{"lr": 0.1, "params": ["a", "b"]}]}},
+             checkpoint_id=str(tmp_path / "d"), no_dist=True)
+    reads = []
+    real = storage.read_range
+    monkeypatch.setattr(storage, "read_range", lambda *a, **k: reads.append(a[0]) or real(*a, **k))
+    ckpt = open_checkpoint(str(tmp_path / "d"))
+    assert ckpt.extra["tie_candidates"] == [("copy_of_a", "a")]
+    assert len(reads) <= 14 + 2, len(reads)  # 14 first reads, the equal pair's full comparison (2)

@@ -343,15 +343,37 @@ def equal_pairs(md: dcpmeta.DcpMetadata, model: dict, state: dict, items: "_Item
     tensor of the same shape and dtype: likely ties (or a frozen copy), never assumed to be either."""
     stateless = [f for f in model if not state.get(f)]
     trainable = [f for f in model if state.get(f)]
-    out = []
+    out, first = [], _Firsts(opts)
     for a in stateless:
         ta = md.tensors[model[a]]
         for b in trainable:
             tb = md.tensors[model[b]]
-            if tuple(ta.shape) == tuple(tb.shape) and ta.dtype == tb.dtype and ta.numel and \
-                    same_bytes(tensor_pieces(items, ta, mpath), tensor_pieces(items, tb, mpath), opts):
-                out.append((a, b))
+            if tuple(ta.shape) == tuple(tb.shape) and ta.dtype == tb.dtype and ta.numel:
+                pa, pb = tensor_pieces(items, ta, mpath), tensor_pieces(items, tb, mpath)
+                if first(a, pa) == first(b, pb) and same_bytes(pa, pb, opts):
+                    out.append((a, b))
     return out
+
+
+class _Firsts:
+    """The first 64 KiB of each tensor compared for a tie, read once per tensor (not once per pair: one trainable
+    tensor against many frozen ones of its shape reads each once; most unequal pairs differ there)."""
+
+    def __init__(self, opts):
+        self.opts, self.got = opts, {}
+
+    def __call__(self, name: str, pieces: list) -> bytes:
+        """The tensor's first min(64 KiB, size) bytes, whatever its pieces (tensors compared have one size)."""
+        if name not in self.got:
+            want, parts = 64 << 10, []
+            for p in pieces:
+                if want <= 0:
+                    break
+                n = min(want, p.nbytes)
+                parts.append(storage.read_range(p.path, p.offset, n, self.opts))
+                want -= n
+            self.got[name] = b"".join(parts)
+        return self.got[name]
 
 
 def tie_candidates(ckpt: Checkpoint) -> list[tuple[str, str]]:
@@ -359,10 +381,11 @@ def tie_candidates(ckpt: Checkpoint) -> list[tuple[str, str]]:
     state (read as frozen) whose bytes are identical to a trainable tensor's of the same shape and dtype."""
     stateless = set(ckpt.extra.get("stateless") or [])
     trainable = [r for r in ckpt.records if r.kind == "trainable" and r.exp_avg]
-    out = []
+    out, first = [], _Firsts(ckpt.storage_options)
     for a in (r for r in ckpt.records if r.name in stateless and r.numel):
         for b in trainable:
             if tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and \
+                    first(a.name, a.value) == first(b.name, b.value) and \
                     same_bytes(a.value, b.value, ckpt.storage_options):
                 out.append((a.name, b.name))
     return out
