@@ -127,6 +127,30 @@ def test_keys_and_metadata_are_torchs_own(tmp_path):
     assert tied == [i for k, i in ours.storage_data.items() if k.fqn == "model.emb.weight"]  # stored once
 
 
+def test_fp16_loss_scaler_names_torchs_dtype(tmp_path):
+    """The fp16 loss scaler's ``dtype`` is written as ``torch.float16`` (was zckpt's own stand-in class, which
+    torch's reader would import from zckpt and zckpt's own reader refused): torch loads it with weights_only=True,
+    and zckpt reopens the output."""
+    from zckpt.state.open import open_checkpoint
+    out = tmp_path / "dcp"
+    convert(str(checkpoint_path(FIXTURES / "z2_fp16_ws2")), out=str(out), workers=2)
+    for f in [out / ".metadata", *out.glob("*.distcp")]:  # no GLOBAL opcode naming a module of zckpt's
+        assert b"czckpt." not in f.read_bytes() and b"TorchDtype" not in f.read_bytes(), f.name
+    sd = load_dcp(out)
+    assert sd["loss_scaler"]["dtype"] is torch.float16 and sd["loss_scaler"]["cur_scale"] == 256
+    assert open_checkpoint(str(out)).format == "dcp"
+
+
+def test_standins_never_reach_an_output(tmp_path):
+    """A stand-in the writers do not convert (an inert object of another class) is refused, never pickled under
+    zckpt's class name."""
+    from zckpt.encoding.allowlist import Inert
+    from zckpt.engine import torchzip
+    stray = type("Thing", (Inert,), {"_qualname": "somepkg.Thing", "__module__": Inert.__module__})()
+    with pytest.raises(UnsupportedLayout, match="stand-in"):
+        torchzip.plan_archive({"x": stray}, "archive")
+
+
 def test_large_tensors_are_split_into_row_blocks(tmp_path):
     from zckpt.state.open import open_checkpoint
     from zckpt.dcp.writer import write_plan  # noqa: F401

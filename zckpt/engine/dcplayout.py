@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.engine import torchzip
 from zckpt.engine.segments import slice_segments
 from zckpt.engine.torchzip import Archive, GlobalRef, Reduce, TensorOut
 from zckpt.errors import UnsupportedLayout
-from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.encoding.safeload import DTYPE_SIZES, TorchDevice, TorchDtype
 
 METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # filesystem.CURRENT_DCP_VERSION in torch 2.13
@@ -152,19 +153,25 @@ def key_of(path: tuple) -> str:
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-def check_plain(value, key: str) -> None:
-    if isinstance(value, _PLAIN):
-        return
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            check_plain(v, key)
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            check_plain(k, key)
-            check_plain(v, key)
-        return
+def plain_value(value, key: str):
+    """``value`` as DCP pickles it: plain data (exact builtin types) as it is, a torch dtype or device read through
+    the allow-list as ``torch.<dtype>`` / ``torch.device`` (what ``torch.load(weights_only=True)`` accepts); anything
+    else (an enum or object stand-in: its class is zckpt's, not the framework's) is refused."""
+    if type(value) in _PLAIN:
+        return value
+    if isinstance(value, TorchDtype):
+        return GlobalRef("torch", str(value))
+    if isinstance(value, TorchDevice):
+        return Reduce(GlobalRef("torch", "device"), (str(value),))
+    if type(value) in (list, tuple):
+        return type(value)(plain_value(v, key) for v in value)
+    if type(value) in (dict, OrderedDict):
+        return type(value)((plain_value(k, key), plain_value(v, key)) for k, v in value.items())
     raise UnsupportedLayout(f"'{key}' holds a {type(value).__name__}, not plain data; DCP would need its class")
+
+
+def check_plain(value, key: str) -> None:
+    plain_value(value, key)
 
 
 # ------------------------------------------------------------------------------------------- planning
@@ -204,8 +211,8 @@ def plan_dcp(state: dict, checkpoint_id: str | None = None, chunk_bytes: int = C
             item = Item(key, path, None, None)
             aliases.append((item, leaf))
         else:
-            check_plain(leaf, key)
-            item = Item(key, path, None, None, [Chunk(None, None, torchzip.plan_archive(leaf, "archive"))])
+            item = Item(key, path, None, None,
+                        [Chunk(None, None, torchzip.plan_archive(plain_value(leaf, key), "archive"))])
         items.append(item)
         by_path[path] = item
         by_key[key] = item

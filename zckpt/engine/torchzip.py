@@ -143,12 +143,22 @@ class _Pickler(pickle._Pickler):
             size = Reduce(self.ref("torch", "Size"), (shape,))
             return (self.ref("torch._utils", "_rebuild_tensor_v2"),
                     (_StorageOut(obj, key), 0, size, stride, False, OrderedDict()))
+        cls = type(obj)
+        if cls.__module__.startswith("zckpt.") and cls not in _WRITTEN_AS_THEMSELVES:
+            # a stand-in read through the allow-list (a dtype, an enum member, an inert object) names a class of
+            # zckpt's: written as it is, the output would name zckpt instead of the framework's class
+            from zckpt.errors import UnsupportedLayout
+            raise UnsupportedLayout(f"a {cls.__name__} (zckpt's stand-in for a pickled object) reached the writer "
+                                    "unconverted; the output would name a zckpt class, so nothing is written")
         return NotImplemented
 
 
 class _StorageOut:
     def __init__(self, tensor, key):
         self.tensor, self.key = tensor, key
+
+
+_WRITTEN_AS_THEMSELVES = (GlobalRef, Reduce, NewObj, _StorageOut)  # the pickler's own vocabulary
 
 
 # The C pickler (pickle.Pickler) writes a GLOBAL only for an object it finds under that name in a module it imports,
