@@ -13,8 +13,8 @@ from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from zckpt.deepspeed.partition import torch_size
-from zckpt.engine.segments import Piece
-from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor
+from zckpt.engine.segments import slice_pieces
+from zckpt.encoding.safeload import LazyTensor
 from zckpt.state import experts as coverage
 
 EP_NAME_RE = re.compile(r"^ep_size_(\d+)$")
@@ -330,7 +330,7 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
             per = math.prod(int(d) for d in full.shape[1:])
             for e in range(ep):
                 def cut(pieces, e=e):
-                    return cut_pieces(pieces, e * nl * per, nl * per) if pieces else []
+                    return slice_pieces(pieces, e * nl * per, nl * per) if pieces else []
                 new.setdefault(e, []).append((name, dataclasses.replace(
                     full, shape=(nl, *full.shape[1:]), value=cut(full.value), exp_avg=cut(full.exp_avg),
                     exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()},
@@ -381,14 +381,3 @@ def _strides_of(shape) -> tuple:
     return tuple(reversed(out))
 
 
-def cut_pieces(pieces: list, start: int, length: int) -> list:
-    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
-    out, at, end = [], 0, start + length
-    for p in pieces:
-        lo, hi = max(start, at), min(end, at + p.numel)
-        if lo < hi:
-            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
-        at += p.numel
-        if at >= end:
-            break
-    return out

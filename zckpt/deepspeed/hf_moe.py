@@ -27,8 +27,7 @@ import dataclasses
 import json
 
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
-from zckpt.engine.segments import Piece
-from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.engine.segments import slice_pieces
 from zckpt.io import storage
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -36,17 +35,6 @@ _DTYPE = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
           "float16": "float16"}
 
 
-def _cut(pieces: list[Piece], start: int, length: int) -> list[Piece]:
-    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
-    out, at, end = [], 0, start + length
-    for p in pieces:
-        lo, hi = max(start, at), min(end, at + p.numel)
-        if lo < hi:
-            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
-        at += p.numel
-        if at >= end:
-            break
-    return out
 
 
 def _config(ckpt: Checkpoint) -> tuple[dict | None, str, str]:
@@ -101,7 +89,7 @@ def _layer_records(layer: dict, by: dict[str, TensorRecord]) -> tuple[dict[str, 
         return {}, f"layer {mp}: experts.w1 {list(w1.shape)}, w3 {list(w3.shape)}, w2 {list(w2.shape)}"
     block = inter * hidden
     gate_up = TensorRecord(f"{mp}.experts.gate_up_proj", (n, 2 * inter, hidden), w1.kind, w1.dtype,
-                           [p for e in range(n) for src in (w1, w3) for p in _cut(src.value, e * block, block)],
+                           [p for e in range(n) for src in (w1, w3) for p in slice_pieces(src.value, e * block, block)],
                            group=w1.group, lp_dtype=w1.lp_dtype)
     out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj")],
            router.name: [_renamed(router, f"{mp}.gate.weight")]}

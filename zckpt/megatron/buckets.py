@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 
 from zckpt.errors import CorruptFile, UnsupportedLayout
-from zckpt.megatron.hf_names import cut
+from zckpt.engine.segments import slice_pieces as cut
 
 BUCKET_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
                        r"\.(param|exp_avg|exp_avg_sq)$")

@@ -27,8 +27,7 @@ import dataclasses
 import json
 import re
 
-from zckpt.engine.segments import Piece
-from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.engine.segments import slice_pieces
 from zckpt.state.model import Checkpoint, TensorRecord
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -58,17 +57,6 @@ def why_not(f: dict) -> str | None:
     return f"the files do not say {', '.join(missing)}" if missing else None
 
 
-def cut(pieces: list[Piece], start: int, length: int) -> list[Piece]:
-    """Elements ``[start, start + length)`` of the flat tensor the pieces make."""
-    out, at, end = [], 0, start + length
-    for p in pieces:
-        lo, hi = max(start, at), min(end, at + p.numel)
-        if lo < hi:
-            out.append(Piece(p.path, p.offset + (lo - at) * DTYPE_SIZES[p.dtype], hi - lo, p.dtype))
-        at += p.numel
-        if at >= end:
-            break
-    return out
 
 
 def _rows(rec: TensorRecord, name: str, blocks: list[tuple[int, int]], state: bool = False) -> TensorRecord:
@@ -77,7 +65,7 @@ def _rows(rec: TensorRecord, name: str, blocks: list[tuple[int, int]], state: bo
     width = rec.shape[1]
 
     def rows(pieces):
-        return [p for first, n in blocks for p in cut(pieces, first * width, n * width)]
+        return [p for first, n in blocks for p in slice_pieces(pieces, first * width, n * width)]
     out = TensorRecord(name, (sum(n for _, n in blocks), width), rec.kind, rec.dtype, rows(rec.value),
                        group=rec.group, lp_dtype=rec.lp_dtype)
     if state and rec.exp_avg:
