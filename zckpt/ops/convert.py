@@ -206,24 +206,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
-    t_plan = time.perf_counter()
-    check = checksums.input_check(ckpt)
-    try:
-        if group is not None:
-            from zckpt.engine import distributed
-            stats = distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite,
-                                            progress=progress, durable=durable, source=source,
-                                            storage_options=ckpt.storage_options, check=check).to_json()
-        else:
-            stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
-                                            ckpt.storage_options, check) or {})}
-    finally:
-        check.close()
-    stats["crc_checked_entries"] = check.checked
-    result.seconds = time.perf_counter() - t0
-    result.stats = {**stats, "plan_seconds": round(t_plan - t0, 3),
-                    "bytes_per_second": round(plan.total_bytes / max(result.seconds, 1e-9))}
-    return result
+    return _execute(result, ckpt, source, t0, group, workers, overwrite, progress, durable)
 
 
 def convert_to(path: str, to: str, out: str | None, tag: str | None, dry_run: bool, overwrite: bool, workers,
@@ -251,11 +234,25 @@ def convert_to(path: str, to: str, out: str | None, tag: str | None, dry_run: bo
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
         return result
+    return _execute(result, ckpt, source, t0, None, workers, overwrite, progress, durable)
+
+
+def _execute(result: ConvertResult, ckpt, source, t0: float, group, workers, overwrite: bool, progress,
+             durable: bool) -> ConvertResult:
+    """Run ``result.plan`` (in this process, or split over a launcher's ranks), every input byte CRC-checked; the
+    result's timings."""
+    plan, out = result.plan, result.output
     t_plan = time.perf_counter()
     check = checksums.input_check(ckpt)
     try:
-        stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
-                                        ckpt.storage_options, check) or {})}
+        if group is not None:
+            from zckpt.engine import distributed
+            stats = distributed.run_convert(group, plan, out, workers=workers, overwrite=overwrite,
+                                            progress=progress, durable=durable, source=source,
+                                            storage_options=ckpt.storage_options, check=check).to_json()
+        else:
+            stats = {"ranks": 1, **(execute(plan, out, workers, overwrite, progress, durable, source,
+                                            ckpt.storage_options, check) or {})}
     finally:
         check.close()
     stats["crc_checked_entries"] = check.checked
