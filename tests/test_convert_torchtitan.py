@@ -118,7 +118,7 @@ def test_values_the_source_does_not_hold_are_refused_until_stated(tmp_path):
                 "--initial-lr", "0.01", "-o", out, "--json")  # no scheduler in that run
     assert proc.returncode == 1 and "--lr-last-epoch" in proc.stdout + proc.stderr and not out.exists()
     proc = _cli("convert", src, "--to", "dcp", "--layout", "dcp", "--ntokens-seen", "0", "-o", out)
-    assert proc.returncode == 1 and "--layout torchtitan" in proc.stderr
+    assert proc.returncode == 2 and "--layout torchtitan" in proc.stderr  # an option that does not apply: usage
     proc = _cli("convert", src, "--to", "dcp", "--layout", "torchtitan", "--ntokens-seen", "0", "--initial-lr", "x",
                 "-o", out)
     assert proc.returncode == 1 and "--initial-lr" in proc.stderr

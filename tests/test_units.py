@@ -110,7 +110,7 @@ def test_cli_sizes_mean_the_same_in_every_command(tmp_path):
           for g in ("80G", "80GB", "80GiB")]
     assert gb[0] == gb[1]
     bad = [_cli(*cmd) for cmd in (["merge", str(ckpt), "--dry-run", "--max-shard-size", "5X"],
-                                  ["push", str(tmp_path), str(tmp_path / "d"), "--part-size", "5X"],
+                                  ["push", str(tmp_path), "s3://bucket/run", "--part-size", "5X"],  # read before any request
                                   ["estimate", "--params", "8B", "--largest-layer", "1M", "--gpu-memory", "5X"])]
     for res in bad:
         assert res.exit_code == 1 and res.stderr.startswith("zckpt: error: --") and "'5X'" in res.stderr, res.output

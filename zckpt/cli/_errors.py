@@ -251,8 +251,10 @@ def _zckpt(exc: ZckptError, code: int, default_hint: str, name) -> UserError:
         from zckpt.backup.latest import with_earlier_checkpoint
         raw_hint = with_earlier_checkpoint(raw_hint, exc.path)
     own_hint = names_rendered(raw_hint, name) if raw_hint else ""
-    if type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint:
-        own_hint = default_hint  # the table's wording for the CLI
+    table_type = next(t for t, _, _ in ERROR_TABLE if isinstance(exc, t))
+    if (type(exc).default_hint and raw_hint == type(exc).default_hint and default_hint
+            and getattr(table_type, "default_hint", None) == type(exc).default_hint):
+        own_hint = default_hint  # the table's wording for the CLI (never a broader class's over a subclass's own)
     hint = own_hint or default_hint or NO_HINT
     # StorageError wraps a backend failure: a missing package or an unknown scheme is not a server problem
     cause = exc.__cause__
