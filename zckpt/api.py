@@ -77,7 +77,8 @@ def _around(ties, follow_links: bool):
     if follow_links:
         os.environ[links.ENV] = "1"
     try:
-        with declared_ties(ties):
+        # ties=None keeps what the caller declared around the call (``with declared_ties(...)``)
+        with declared_ties(ties) if ties is not None else contextlib.nullcontext():
             yield
     finally:
         if follow_links:
