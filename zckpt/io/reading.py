@@ -3,7 +3,9 @@ through fsspec (part of :mod:`zckpt.io.storage`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from contextvars import ContextVar
 from typing import IO, Any
 
 from zckpt.io import fetched
@@ -31,11 +33,36 @@ def open_input(path: str | os.PathLike, storage_options: dict[str, Any] | None =
         return metered(fs.open(inner, "rb", block_size=block_size, cache_type="readahead"), path)
 
 
+#: a URL folder's listing, kept within :func:`listings_kept` (one open: each format's ``claims`` asks the same folder)
+_LISTINGS: ContextVar[dict | None] = ContextVar("zckpt_listings", default=None)
+
+
+@contextlib.contextmanager
+def listings_kept():
+    """Within the block, a URL folder is listed once (a request per listing on an object store); local folders are
+    always listed afresh."""
+    token = _LISTINGS.set({} if _LISTINGS.get() is None else _LISTINGS.get())
+    try:
+        yield
+    finally:
+        _LISTINGS.reset(token)
+
+
 def listdir(path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[str]:
     """Sorted names (not paths) of the entries in a folder / under a prefix."""
     path = os.fspath(path)
     if not is_url(path):
         return sorted(os.listdir(local_path(path)))
+    kept = _LISTINGS.get()
+    if kept is None:
+        return _listdir_url(path, storage_options)
+    key = (path.rstrip("/"), repr(sorted((storage_options or {}).items())))
+    if key not in kept:
+        kept[key] = _listdir_url(path, storage_options)
+    return list(kept[key])
+
+
+def _listdir_url(path: str, storage_options: dict[str, Any] | None) -> list[str]:
     s3 = S3Object.of(path, storage_options)
     if s3 is not None:
         return s3.listdir()

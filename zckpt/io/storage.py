@@ -50,16 +50,16 @@ from zckpt.io.filesystems import get_fs, parse_storage_options
 from zckpt.io.meters import ReadMeter, count_read, metered, read_meter
 from zckpt.io.paths import basename, is_url, join, local_path, parent, protocol
 from zckpt.io.ranges import RangeFile, open_ranges
-from zckpt.io.reading import (REMOTE_BLOCK_SIZE, exists, isdir, isfile, list_files, listdir, metadata, open_input,
-                              read_bytes, read_range, read_text, size)
+from zckpt.io.reading import (REMOTE_BLOCK_SIZE, exists, isdir, isfile, list_files, listdir, listings_kept, metadata,
+                              open_input, read_bytes, read_range, read_text, size)
 from zckpt.io.writing import fsync_dir, makedirs, put_file, remove, umask, write_bytes_atomic
 
 __all__ = [
     "protocol", "is_url", "local_path", "join", "basename", "parent",
     "parse_storage_options", "get_fs",
     "ReadMeter", "read_meter", "count_read", "metered",
-    "open_input", "listdir", "list_files", "exists", "isdir", "isfile", "size", "read_bytes", "read_range",
-    "read_text", "metadata", "REMOTE_BLOCK_SIZE",
+    "open_input", "listdir", "listings_kept", "list_files", "exists", "isdir", "isfile", "size", "read_bytes",
+    "read_range", "read_text", "metadata", "REMOTE_BLOCK_SIZE",
     "RangeFile", "open_ranges",
     "keep_fetched",
     "makedirs", "fsync_dir", "umask", "put_file", "write_bytes_atomic", "remove",

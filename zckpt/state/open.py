@@ -14,6 +14,7 @@ is what explains, in one line, why a folder is no checkpoint at all.
 from __future__ import annotations
 
 from zckpt.errors import StorageError
+from zckpt.io import storage
 from zckpt.state import formats
 from zckpt.state.formats import Format
 from zckpt.state.model import Checkpoint
@@ -47,4 +48,5 @@ def open_checkpoint(path: str, tag: str | None = None, storage_options: dict | N
     options for a URL ``path`` (e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for S3); every read
     uses them, and the result keeps them as ``ckpt.storage_options`` for whatever reads its bytes later. Nothing is
     kept process-wide: two checkpoints opened with different options stay apart."""
-    return format_of(path, storage_options).read(path, tag, storage_options)
+    with storage.listings_kept():  # each format's claims and then its read ask the same folders: listed once
+        return format_of(path, storage_options).read(path, tag, storage_options)
