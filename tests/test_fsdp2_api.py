@@ -74,14 +74,14 @@ def _torchrun(script: Path, cwd: Path, dump: Path, nproc: int = 3) -> None:
 def loaded(tmp_path_factory):
     from zckpt.ops.convert import convert
     base = tmp_path_factory.mktemp("fsdp2api")
-    convert(str(TRAINER), out=str(base / "checkpoint-400-fsdp"))  # the docs' command: the Trainer layout
+    convert(str(TRAINER), out=str(base / "fsdp2-400"))  # the docs' command: the Trainer layout
     convert(str(TRAINER), out=str(base / "ds_ckpt-dcp"), layout="dcp")
     code = doc_snippet()
-    assert 'ckpt = "checkpoint-400-fsdp"' in code
+    assert 'ckpt = "fsdp2-400"' in code
     out = {}
-    for name in ("checkpoint-400-fsdp", "ds_ckpt-dcp"):
+    for name in ("fsdp2-400", "ds_ckpt-dcp"):
         script = base / f"run_{name}.py"
-        script.write_text(code.replace('ckpt = "checkpoint-400-fsdp"', f'ckpt = "{name}"') + DUMP)
+        script.write_text(code.replace('ckpt = "fsdp2-400"', f'ckpt = "{name}"') + DUMP)
         _torchrun(script, base, base / name.replace("-", "_"))
         out[name] = base / name.replace("-", "_")
     return out
@@ -94,7 +94,7 @@ def _exact(ours, want) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["checkpoint-400-fsdp", "ds_ckpt-dcp"])
+@pytest.mark.parametrize("layout", ["fsdp2-400", "ds_ckpt-dcp"])
 def test_docs_code_loads_the_trainer_fixture_bit_for_bit_at_another_world_size(loaded, layout):
     from safetensors.torch import load_file
     from zckpt.state.open import open_checkpoint
@@ -115,7 +115,7 @@ def test_docs_code_loads_the_trainer_fixture_bit_for_bit_at_another_world_size(l
         assert (g["lr"], g["weight_decay"]) == (lr, want_g["weight_decay"])
         assert (tuple(g["betas"]), g["eps"]) == (src.hyperparams["betas"], src.hyperparams["eps"])
     assert info["refused"].startswith("InvalidArgument: ") and "the checkpoint 2" in info["refused"]
-    if layout == "checkpoint-400-fsdp":
+    if layout == "fsdp2-400":
         assert info["scheduler"] == oracle["hf_lr_scheduler"]["last_epoch"]
         assert info["counters"]["global_step"] == oracle["global_steps"]
         assert "scheduler (scheduler.pt)" in info["report"]
