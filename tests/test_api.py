@@ -28,7 +28,7 @@ ELSEWHERE = {"push": {"every": lambda: "every" in inspect.signature(zckpt.Pusher
 #: parameters only a Python caller has (callbacks, objects, what a launcher passes), with no flag of their own
 LIBRARY_ONLY = {"progress", "group", "storage_options_b", "hub_api", "hash_cache", "only", "wait_settle", "cancel",
                 "unreachable_after", "reachability", "torchtitan"}
-COMMANDS = ("merge", "reshard", "convert", "verify", "info", "diff", "push")
+COMMANDS = ("merge", "reshard", "convert", "verify", "info", "diff", "push", "estimate")
 
 
 def _cli_names(name: str) -> set[str]:
@@ -88,12 +88,16 @@ def test_results_to_dict_have_the_json_fields(tmp_path):
         (zckpt.verify(ck), ("verify", ck)),
         (zckpt.info(ck), ("info", ck)),
         (zckpt.diff(ck, ws1), ("diff", ck, ws1)),
+        (zckpt.estimate(ck, gpus_per_node=4, gpu_memory="24GiB"), ("estimate", ck, "--gpus", "4", "--gpu-memory", "24GiB")),
     ]
     for result, cli in runs:
         doc = result.to_dict()
         assert isinstance(doc, dict)
         # (path, tag, output: what the command line adds from its own arguments where a result lacks them)
         assert set(doc) >= _cli_json(*cli) - {"path", "tag", "output"}, (cli[0], _cli_json(*cli) - set(doc))
+    est = runs[-1]  # estimate's result is the --json object itself
+    assert est[0].to_dict() == {k: v for k, v in json.loads(CliRunner().invoke(
+        main, [*map(str, est[1]), "--json"]).stdout).items() if k not in ("ok", "command")}
 
 
 def test_convert_output_second_fsync_and_latest(tmp_path):

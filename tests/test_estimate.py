@@ -213,7 +213,11 @@ def test_estimate_refuses_bad_arguments(args):
 def test_package_level_name():
     import zckpt
 
-    assert zckpt.estimate(10, 3)[0].per_gpu_bytes == 20  # works whether zckpt.ops.estimate is the module or function
+    res = zckpt.estimate(params=10, largest_layer=3)  # the command's options as parameters (zckpt estimate --params)
+    assert res.rows[0].per_gpu_bytes == 20 and res.to_dict()["parameters"] == 10
+    assert zckpt.estimate(params="8B", largest_layer="600M", gpu_memory="80GiB").recommendation.fits
+    import zckpt.ops.estimate as module  # the rows alone, as before
+    assert module.estimate(10, 3)[0].per_gpu_bytes == 20
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ _LAZY = {
     "load_into_module": "zckpt.ops.merge",
     "reshard": "zckpt.api",
     "convert": "zckpt.api",
-    "estimate": "zckpt.ops.estimate",
+    "estimate": "zckpt.api",
     "diff": "zckpt.api",
     "push": "zckpt.api",
     "Pusher": "zckpt.backup.schedule",

@@ -29,12 +29,14 @@ def operation(name: str):
         from zckpt.ops.diff import diff as op
     elif name == "push":
         from zckpt.backup.push import push as op
+    elif name == "estimate":
+        from zckpt.ops.estimate import estimate_memory as op
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return op
 
 
-OPERATIONS = ("merge", "reshard", "convert", "verify", "info", "diff", "push")
+OPERATIONS = ("merge", "reshard", "convert", "verify", "info", "diff", "push", "estimate")
 #: convert's target formats: a second positional argument naming one is the old order (path, to), refused
 TARGETS = ("dcp", "deepspeed", "megatron")
 #: an operation's parameter -> the name the API gives it (as the command line's flag says it)
@@ -43,7 +45,7 @@ RENAMED = {"durable": "fsync"}
 ADDED = {
     "latest": ("merge", "reshard", "convert", "verify", "info"),
     "ties": ("merge", "reshard", "convert", "verify", "info", "diff"),
-    "follow_links": ("merge", "reshard", "convert", "verify", "info", "push"),
+    "follow_links": ("merge", "reshard", "convert", "verify", "info", "push", "estimate"),
 }
 #: parameters that come first, in this order (merge, reshard and convert: the checkpoint, then the output)
 LEADING = ("path", "out")

@@ -5,15 +5,11 @@ No torch here (nor in zckpt.ops.estimate): the command answers in milliseconds.
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import textwrap
 
 import click
 
 from zckpt.cli._common import emit_json, global_options, follow_links_option
-from zckpt.errors import InvalidArgument
 
 EPILOG = """\b
 Sources of model size (exactly one):
@@ -35,66 +31,6 @@ Examples:
   zckpt estimate --config Qwen3-8B/config.json --gpus 8 --nodes 2 --json
   zckpt estimate --config Qwen3-8B/ --gpus 8 --gpu-memory 80GiB --headroom 30%
   zckpt estimate checkpoint-400 --gpus 4 --gpu-memory 24GiB"""
-
-
-def _count(text: str, what: str) -> int:
-    from zckpt.ops.estimate import parse_count
-
-    return parse_count(text, what)
-
-
-def _buffer_factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidArgument(f"--buffer-factor must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(f"--buffer-factor must be a positive number, got {text!r}")
-    return value
-
-
-def _headroom(text: str, gpu_memory: int):
-    """``25%`` or ``0.25`` (a share of the GPU), or a size such as ``16GiB``; returns a Fraction."""
-    from fractions import Fraction
-
-    from zckpt.ops.estimate import parse_fraction
-    from zckpt.units import parse_size
-
-    s = text.strip()
-    if s.endswith("%") or not any(ch.isalpha() for ch in s):
-        frac = parse_fraction(s)
-    else:
-        frac = Fraction(parse_size(s, "--headroom", what="a memory size"), gpu_memory)
-    if frac >= 1:
-        raise InvalidArgument(f"--headroom {text} leaves nothing of the GPU's memory for model states")
-    return frac
-
-
-def _gpu_memory(text: str) -> int:
-    """--gpu-memory by the one size rule; a bare small number (``80``) is refused rather than read as 80 bytes."""
-    from zckpt.units import parse_size
-
-    nbytes = parse_size(text, "--gpu-memory", what="a memory size")
-    if nbytes < 2**20:
-        raise InvalidArgument(f"--gpu-memory {text} is {nbytes} bytes, less than any GPU has",
-                              hint=f"write the unit: {text.strip()}GiB (= {text.strip()}*2**30) or {text.strip()}GB")
-    return nbytes
-
-
-def _read_config(path: str) -> dict:
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-        raise InvalidArgument("no such file" if not os.path.isdir(path) else "no config.json in this folder",
-                              path=file, hint="--config takes a config.json or the folder holding it")
-    try:
-        with open(file, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"not a JSON file ({exc})", path=file,
-                              hint="--config takes a Hugging Face config.json") from None
-    if not isinstance(config, dict):
-        raise InvalidArgument("not a JSON object", path=file, hint="--config takes a Hugging Face config.json")
-    return config
 
 
 @click.command(epilog=EPILOG, context_settings={"max_content_width": 100})
@@ -127,85 +63,15 @@ def estimate(path, tag, params_text, largest_text, config_path, gpus, nodes, buf
     and off. The figures equal DeepSpeed's byte values; no DeepSpeed install is needed. With --gpu-memory,
     names the lowest stage and offload setting that leaves the headroom free for activations.
     """
-    import importlib
+    from zckpt.ops.estimate import estimate_memory
 
-    est = importlib.import_module("zckpt.ops.estimate")  # the module; zckpt.ops.estimate may name the function
-
-    # ---- where the model size comes from
-    sources = [name for name, given in (("PATH", path is not None), ("--config", config_path is not None),
-                                        ("--params", params_text is not None)) if given]
-    if len(sources) > 1:
-        raise InvalidArgument(f"give one source of model size, not {' and '.join(sources)}")
-    if not sources:
-        if largest_text is not None:
-            raise InvalidArgument("--largest-layer needs --params")
-        raise InvalidArgument("give the model size: --params P --largest-layer L, --config config.json, "
-                              "or a checkpoint PATH", hint="see zckpt estimate --help")
-    if largest_text is not None and params_text is None:
-        raise InvalidArgument("--largest-layer goes with --params (it is computed from PATH or --config)")
-    if tag is not None and path is None:
-        raise InvalidArgument("--tag goes with a checkpoint PATH")
-
-    if params_text is not None:
-        if largest_text is None:
-            raise InvalidArgument("--params needs --largest-layer (the ZeRO-3 figures depend on it)",
-                                  hint="the most parameters one module owns, usually vocab_size * hidden_size")
-        params = _count(params_text, "--params")
-        largest = _count(largest_text, "--largest-layer")
-        if params < 1:
-            raise InvalidArgument(f"--params must be at least 1, got {params}")
-        if largest < 1:
-            raise InvalidArgument(f"--largest-layer must be at least 1, got {largest}")
-        if largest > params:
-            raise InvalidArgument(f"--largest-layer ({largest:,}) is larger than --params ({params:,})",
-                                  hint="were the two swapped?")
-        source, kind, read, model_type = "from --params", "params", None, None
-    elif config_path is not None:
-        config = _read_config(config_path)
-        params, largest = est.count_from_config(config)
-        model_type = config.get("model_type") or None
-        source = f"from config.json: {model_type or 'model_type unknown'}"
-        kind, read = "config", config_path
-    else:
-        if not os.path.exists(path):
-            from zckpt.errors import CheckpointNotFound
-
-            raise CheckpointNotFound("no such file or folder", path=path)
-        if os.path.isfile(path) and path.endswith(".json"):
-            raise InvalidArgument("this is a JSON file, not a checkpoint", path=path,
-                                  hint="pass a config.json with --config")
-        params, largest = est.counts_from_checkpoint(path, tag=tag)
-        source = f"from checkpoint {path}" + (f", tag {tag}" if tag else "")
-        kind, read, model_type = "checkpoint", path, None
-
-    buffer_factor = _buffer_factor(buffer_text)
-    rows = est.estimate(params, largest, gpus, nodes, buffer_factor)
-
-    # ---- the fit question
-    rec = None
-    if gpu_memory_text is not None:
-        gpu_memory = _gpu_memory(gpu_memory_text)
-        headroom = _headroom(headroom_text if headroom_text is not None else "25%", gpu_memory)
-        rec = est.recommend(rows, gpu_memory, headroom)
-    elif headroom_text is not None:
-        raise InvalidArgument("--headroom goes with --gpu-memory")
-
+    res = estimate_memory(path, tag, params_text, largest_text, config_path, gpus, nodes, buffer_text,
+                          gpu_memory_text, headroom_text)
     if as_json:
-        out = []
-        for row in rows:
-            item = row.to_dict()
-            if rec is not None:
-                item["fits"] = rec.fits_row(row)
-                item["recommended"] = rec.row == row
-            out.append(item)
-        # one object like every command's --json: the inputs (info's field names), DeepSpeed's rows, the choice
-        emit_json({"source": kind, "path": read, "tag": tag, "model_type": model_type, "parameters": params,
-                   "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes, "world_size": gpus * nodes,
-                   "buffer_factor": buffer_factor, "rows": out,
-                   "recommendation": rec.to_dict() if rec is not None else None})
+        emit_json(res.to_dict())  # one object like every command's --json: the inputs, DeepSpeed's rows, the choice
         return
-
-    click.echo(_table(rows, params, largest, gpus, nodes, buffer_factor, source, rec))
+    click.echo(_table(res.rows, res.parameters, res.largest_layer, gpus, nodes, res.buffer_factor, res.described,
+                      res.recommendation))
 
 
 def _table(rows, params, largest, gpus, nodes, buffer_factor, source, rec) -> str:

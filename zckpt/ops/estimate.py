@@ -31,7 +31,9 @@ Pure Python: no torch, no DeepSpeed.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import sys
 import types
@@ -48,6 +50,8 @@ __all__ = [
     "Row",
     "Recommendation",
     "estimate",
+    "estimate_memory",
+    "EstimateResult",
     "recommend",
     "count_from_config",
     "counts_from_checkpoint",
@@ -424,6 +428,165 @@ def parse_count(text: str, what: str = "a parameter count") -> int:
     if value != value.to_integral_value():
         raise InvalidArgument(f"{original!r} is not a whole number of parameters")
     return int(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The command: a model size from one source, DeepSpeed's rows, and the fit question (``zckpt estimate``)
+
+@dataclass
+class EstimateResult:
+    """What ``zckpt estimate`` answers; :meth:`to_dict` is its ``--json`` object."""
+
+    source: str  # "params", "config" or "checkpoint": where the counts came from
+    path: str | None
+    tag: str | None
+    model_type: str | None
+    parameters: int
+    largest_layer: int
+    gpus_per_node: int
+    nodes: int
+    buffer_factor: float
+    rows: list
+    recommendation: Recommendation | None
+    described: str  # the table's "(from ...)"
+
+    def to_dict(self) -> dict:
+        rows = []
+        for row in self.rows:
+            item = row.to_dict()
+            if self.recommendation is not None:
+                item["fits"] = self.recommendation.fits_row(row)
+                item["recommended"] = self.recommendation.row == row
+            rows.append(item)
+        return {"source": self.source, "path": self.path, "tag": self.tag, "model_type": self.model_type,
+                "parameters": self.parameters, "largest_layer": self.largest_layer,
+                "gpus_per_node": self.gpus_per_node, "nodes": self.nodes,
+                "world_size": self.gpus_per_node * self.nodes, "buffer_factor": self.buffer_factor, "rows": rows,
+                "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None}
+
+
+def _count_arg(value, flag: str) -> int:
+    n = parse_count(value, flag) if isinstance(value, str) else value
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidArgument(f"{flag} must be a whole number, got {value!r}")
+    if n < 1:
+        raise InvalidArgument(f"{flag} must be at least 1, got {n}")
+    return n
+
+
+def _buffer_factor_arg(value) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"--buffer-factor must be a number, got {value!r}") from None
+    if not math.isfinite(out) or out <= 0:
+        raise InvalidArgument(f"--buffer-factor must be a positive number, got {value!r}")
+    return out
+
+
+def _gpu_memory_arg(value) -> int:
+    """A size by the one size rule; a bare small number (``80``) is refused rather than read as 80 bytes."""
+    from zckpt.units import parse_size as size_of
+
+    text = str(value).strip()
+    nbytes = size_of(text, "--gpu-memory", what="a memory size") if isinstance(value, str) else value
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
+        raise InvalidArgument(f"--gpu-memory {text} is {nbytes} bytes, less than any GPU has",
+                              hint=f"write the unit: {text}GiB (= {text}*2**30) or {text}GB")
+    return nbytes
+
+
+def _headroom_arg(value, gpu_memory: int) -> Fraction:
+    """``25%`` or ``0.25`` (a share of the GPU), or a size such as ``16GiB``."""
+    from zckpt.units import parse_size as size_of
+
+    s = str(value).strip()
+    if not isinstance(value, str) or s.endswith("%") or not any(ch.isalpha() for ch in s):
+        frac = parse_fraction(s) if isinstance(value, str) else _as_fraction(value)
+    else:
+        frac = Fraction(size_of(s, "--headroom", what="a memory size"), gpu_memory)
+    if frac >= 1:
+        raise InvalidArgument(f"--headroom {value} leaves nothing of the GPU's memory for model states")
+    return frac
+
+
+def _read_config(path: str) -> dict:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.exists(file):
+        raise InvalidArgument("no such file" if not os.path.isdir(path) else "no config.json in this folder",
+                              path=file, hint="--config takes a config.json or the folder holding it")
+    try:
+        with open(file, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"not a JSON file ({exc})", path=file,
+                              hint="--config takes a Hugging Face config.json") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument("not a JSON object", path=file, hint="--config takes a Hugging Face config.json")
+    return config
+
+
+def estimate_memory(path: str | None = None, tag: str | None = None, params=None, largest_layer=None,
+                    config: str | None = None, gpus_per_node: int = 1, nodes: int = 1, buffer_factor=1.5,
+                    gpu_memory=None, headroom=None) -> EstimateResult:
+    """``zckpt estimate``: the model size from exactly one source (``params`` + ``largest_layer``, counts or text
+    such as ``"8.19B"``; ``config``, a Hugging Face config.json or its folder; or a checkpoint ``path`` [+ ``tag``]),
+    every row DeepSpeed's estimators print for ``gpus_per_node`` x ``nodes``, and with ``gpu_memory`` (bytes or
+    ``"80GiB"``) the lowest setting that leaves ``headroom`` (``"25%"``, ``0.3`` or ``"16GiB"``) free."""
+    sources = [name for name, given in (("PATH", path is not None), ("--config", config is not None),
+                                        ("--params", params is not None)) if given]
+    if len(sources) > 1:
+        raise InvalidArgument(f"give one source of model size, not {' and '.join(sources)}")
+    if not sources:
+        if largest_layer is not None:
+            raise InvalidArgument("--largest-layer needs --params")
+        raise InvalidArgument("give the model size: --params P --largest-layer L, --config config.json, "
+                              "or a checkpoint PATH", hint="see zckpt estimate --help")
+    if largest_layer is not None and params is None:
+        raise InvalidArgument("--largest-layer goes with --params (it is computed from PATH or --config)")
+    if tag is not None and path is None:
+        raise InvalidArgument("--tag goes with a checkpoint PATH")
+    for flag, n in (("--gpus", gpus_per_node), ("--nodes", nodes)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"{flag} must be at least 1, got {n!r}")
+
+    if params is not None:
+        if largest_layer is None:
+            raise InvalidArgument("--params needs --largest-layer (the ZeRO-3 figures depend on it)",
+                                  hint="the most parameters one module owns, usually vocab_size * hidden_size")
+        count, largest = _count_arg(params, "--params"), _count_arg(largest_layer, "--largest-layer")
+        if largest > count:
+            raise InvalidArgument(f"--largest-layer ({largest:,}) is larger than --params ({count:,})",
+                                  hint="were the two swapped?")
+        source, described, read, model_type = "params", "from --params", None, None
+    elif config is not None:
+        cfg = _read_config(str(config))
+        count, largest = count_from_config(cfg)
+        model_type = cfg.get("model_type") or None
+        source, described, read = "config", f"from config.json: {model_type or 'model_type unknown'}", str(config)
+    else:
+        path = str(path)
+        if not os.path.exists(path):
+            from zckpt.errors import CheckpointNotFound
+
+            raise CheckpointNotFound("no such file or folder", path=path)
+        if os.path.isfile(path) and path.endswith(".json"):
+            raise InvalidArgument("this is a JSON file, not a checkpoint", path=path,
+                                  hint="pass a config.json with --config")
+        count, largest = counts_from_checkpoint(path, tag=tag)
+        source, read, model_type = "checkpoint", path, None
+        described = f"from checkpoint {path}" + (f", tag {tag}" if tag else "")
+
+    factor = _buffer_factor_arg(buffer_factor)
+    rows = estimate(count, largest, gpus_per_node, nodes, factor)
+    rec = None
+    if gpu_memory is not None:
+        nbytes = _gpu_memory_arg(gpu_memory)
+        rec = recommend(rows, nbytes, _headroom_arg(headroom if headroom is not None else "25%", nbytes))
+    elif headroom is not None:
+        raise InvalidArgument("--headroom goes with --gpu-memory")
+    return EstimateResult(source, read, tag, model_type, count, largest, gpus_per_node, nodes, factor, rows, rec,
+                          described)
 
 
 # ``zckpt.ops.estimate`` is both this module and (lazily, in zckpt/__init__.py) the function; once the module is
