@@ -55,6 +55,24 @@ class SameAs:
     path: tuple
 
 
+@dataclass(frozen=True)
+class Whole:
+    """A non-tensor value stored as one DCP item whatever it holds, never walked (a Megatron ``ShardedObject``'s
+    ``[data]``, which megatron-core ``torch.save``s whole)."""
+
+    value: object
+
+
+@dataclass
+class ChunkedOut:
+    """A tensor stored as exactly the chunks given, each ``(offsets, sizes, TensorOut)`` (Megatron-Core's
+    ``dp_reshardable`` buckets: one chunk per parameter fragment or gap of a data-parallel rank)."""
+
+    dtype: str
+    shape: tuple
+    chunks: list
+
+
 @dataclass
 class Chunk:
     """One stored piece of a key: a tensor chunk (``offsets``/``sizes``) or a whole non-tensor value."""
@@ -113,7 +131,7 @@ class DcpPlan:
 # ------------------------------------------------------------------------------------------- flattening
 
 def _is_tensor(v) -> bool:
-    return isinstance(v, (TensorOut, SameAs))
+    return isinstance(v, (TensorOut, SameAs, ChunkedOut))
 
 
 def _terminal(value) -> bool:
@@ -207,12 +225,19 @@ def plan_dcp(state: dict, checkpoint_id: str | None = None, chunk_bytes: int = C
             item = Item(key, path, leaf.dtype, tuple(int(d) for d in leaf.shape))
             for offsets, sizes, part in _tensor_chunks(leaf, chunk_bytes):
                 item.chunks.append(Chunk(offsets, sizes, torchzip.plan_archive(part, "archive")))
+        elif isinstance(leaf, ChunkedOut):
+            if leaf.dtype not in _TORCH_DTYPES:
+                raise UnsupportedLayout(f"'{key}': no torch dtype for {leaf.dtype}")
+            item = Item(key, path, leaf.dtype, tuple(int(d) for d in leaf.shape))
+            for offsets, sizes, part in leaf.chunks:
+                item.chunks.append(Chunk(tuple(offsets), tuple(sizes), torchzip.plan_archive(part, "archive")))
         elif isinstance(leaf, SameAs):
             item = Item(key, path, None, None)
             aliases.append((item, leaf))
         else:
+            value = leaf.value if isinstance(leaf, Whole) else leaf
             item = Item(key, path, None, None,
-                        [Chunk(None, None, torchzip.plan_archive(plain_value(leaf, key), "archive"))])
+                        [Chunk(None, None, torchzip.plan_archive(plain_value(value, key), "archive"))])
         items.append(item)
         by_path[path] = item
         by_key[key] = item

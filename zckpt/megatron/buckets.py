@@ -61,17 +61,17 @@ _TOP_AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", 
               "output_layer.bias")
 # how tensor parallelism splits a parameter (megatron-core's Column/RowParallelLinear, VocabParallelEmbedding);
 # all others are whole on every TP rank (norms, row-parallel biases, position embeddings)
-_ROWS = {"embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
+ROWS = {"embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
          "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"}
-_FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias"}  # rows; with SwiGLU the shard is [gate_r; up_r]
-_COLS = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
+FC1 = {"mlp.linear_fc1.weight", "mlp.linear_fc1.bias"}  # rows; with SwiGLU the shard is [gate_r; up_r]
+COLS = {"self_attention.linear_proj.weight", "mlp.linear_fc2.weight"}
 
 
 def _refuse(why: str, path: str) -> UnsupportedLayout:
     return UnsupportedLayout(f"dp_reshardable optimizer state: {why}", path=path, hint=HINT)
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     """A record name without ``decoder.layers.<i>.``."""
     if name.startswith(LAYERS):
         return name[len(LAYERS):].split(".", 1)[1]
@@ -93,11 +93,11 @@ def _order(records, path: str) -> list:
     return [by_name[n] for n in names]
 
 
-def _local_numel(rec, tp: int, path: str) -> int:
-    short = _short(rec.name)
-    if short in _ROWS or short in _FC1 or short in _COLS:
-        axis = 1 if short in _COLS else 0
-        parts = tp * (2 if short in _FC1 and rec.swiglu else 1)
+def local_numel(rec, tp: int, path: str) -> int:
+    short = short_name(rec.name)
+    if short in ROWS or short in FC1 or short in COLS:
+        axis = 1 if short in COLS else 0
+        parts = tp * (2 if short in FC1 and rec.swiglu else 1)
         if len(rec.shape) <= axis or rec.shape[axis] % parts:
             raise _refuse(f"'{rec.name}' of size {list(rec.shape)} does not split into {parts} tensor-parallel "
                           "parts", path)
@@ -125,7 +125,7 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def _stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[_Rec]]:
+def stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[_Rec]]:
     """Each pipeline stage's parameters in ``named_parameters()`` order: the first holds the embedding, the last
     the final norm and the output layer (tied: a copy of the embedding, Megatron's ``shared_embedding``), the
     layers split evenly (megatron-core's default; the args that change it are refused)."""
@@ -160,6 +160,9 @@ def _stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[
             stage.append(_Rec(embedding, swiglu, name="output_layer.weight", shared=True))
         out.append(stage)
     return out
+
+
+_stages = stages  # (the name tests/test_megatron_convert.py calls)
 
 
 def _buckets(md, tp: int, path: str) -> dict[int, list[dict]]:
@@ -222,20 +225,20 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
     if args.get("num_experts") not in (None, 0):
         raise _refuse("mixture-of-experts parameters (an expert grad buffer)", path)
     swiglu = f.get("swiglu")
-    fc1 = [r for r in records if _short(r.name) in _FC1 and r.kind == "trainable"]
+    fc1 = [r for r in records if short_name(r.name) in FC1 and r.kind == "trainable"]
     if fc1 and tp > 1 and swiglu is None:
         raise _refuse("the args do not say whether linear_fc1 is SwiGLU (gate and up shards per TP rank)", path)
-    stages = _stages(records, pp, bool(swiglu), args, path)
+    per_stage = stages(records, pp, bool(swiglu), args, path)
     buckets = _buckets(md, tp * pp, path)
     local: dict[int, dict] = {}  # model-parallel rank (pp rank x tp + tp rank) -> name -> (states, start, numel)
     stage_of = {}
-    for s, params in enumerate(stages):
+    for s, params in enumerate(per_stage):
         for t in range(tp):
             g = s * tp + t  # the rank in megatron-core's tp-pp group: tp fastest
             local[g] = _walk(params, buckets[g], g, tp, path)
         stage_of.update({p.name: s for p in params})
     return {p.name: tuple(_global(p, local, stage_of[p.name], tp, tensors, k) for k in STATE_KEYS)
-            for params in stages for p in params}
+            for params in per_stage for p in params}
 
 
 def _walk(params: list[_Rec], buckets: list[dict], g: int, tp: int, path: str) -> dict:
@@ -268,7 +271,7 @@ def _walk(params: list[_Rec], buckets: list[dict], g: int, tp: int, path: str) -
             start = 0
         if b >= len(buckets):
             raise _refuse(f"rank {g}'s buckets end before '{p.name}'", path)
-        n = _local_numel(p, tp, path)
+        n = local_numel(p, tp, path)
         end, size = start + n, buckets[b]["param"].shape[0]
         if end > size:
             raise _refuse(f"'{p.name}' ({n} elements at {start}) runs past the end of rank {g}'s bucket {b} "
@@ -290,16 +293,16 @@ def _global(p: _Rec, local: dict, stage: int, tp: int, tensors, key: str) -> lis
     def shard(t):
         states, start, n = local[stage * tp + t][p.name]
         return tensors.pieces(states[key], start, n)
-    short = _short(p.name)
-    if tp == 1 or not (short in _ROWS or short in _FC1 or short in _COLS):
+    short = short_name(p.name)
+    if tp == 1 or not (short in ROWS or short in FC1 or short in COLS):
         return shard(0)  # whole on every TP rank: Megatron's main replica is TP rank 0's
     shards = [shard(g) for g in range(tp)]
     n = sum(x.numel for x in shards[0])
-    if short in _COLS:  # [rows, cols/tp] per rank: each global row is the ranks' row pieces side by side
+    if short in COLS:  # [rows, cols/tp] per rank: each global row is the ranks' row pieces side by side
         rows = p.shape[0]
         width = n // rows
         return [x for r in range(rows) for g in range(tp) for x in cut(shards[g], r * width, width)]
-    if short in _FC1 and p.swiglu:  # rank r holds [gate_r; up_r]; global is [gate_0..gate_tp-1; up_0..up_tp-1]
+    if short in FC1 and p.swiglu:  # rank r holds [gate_r; up_r]; global is [gate_0..gate_tp-1; up_0..up_tp-1]
         half = n // 2
         return [x for h in range(2) for g in range(tp) for x in cut(shards[g], h * half, half)]
     return [x for g in range(tp) for x in shards[g]]

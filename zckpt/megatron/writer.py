@@ -16,7 +16,8 @@ them (stacked layers: one key with a leading layer axis, TE-style norm names), a
 ranks that load it, so megatron-core reshards it on load to any TP / PP / DP. The target TP / PP are checked
 against the model (vocabulary, heads, query groups, FFN divisible by TP; layers by PP: no uneven stages) and
 stated in the args, so that Megatron-LM knows whether its RNG states apply (none are carried: ``no_save_rng``).
-``dp_reshardable`` (flat DDP buckets at one TP / PP) is refused: write ``fully_reshardable``.
+Layout ``dp_reshardable`` (Megatron-LM's default): the same model keys, the optimizer state as the distributed
+optimizer's flat DDP buckets for one TP / PP and a data-parallel size (:mod:`zckpt.megatron.writer_buckets`).
 
 Sources: a Megatron checkpoint read by :mod:`zckpt.megatron.reader`, either layout (``dp_reshardable`` state placed
 by :mod:`zckpt.megatron.buckets`, checked against the saved weights). Refused in one line, nothing written: an
@@ -32,7 +33,7 @@ from zckpt.encoding import distcp
 from zckpt.engine import dcplayout, torchzip
 from zckpt.encoding.enums import NamedEnum, NamedStrEnum
 from zckpt.engine.torchzip import GlobalRef, NewObj, Reduce, TensorOut
-from zckpt.errors import InvalidArgument, UnsupportedLayout
+from zckpt.errors import InvalidArgument, OptionError, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.megatron.reader import COMMON, LATEST, LAYERS, META_JSON, OPTIM_STATE
 from zckpt.state.model import Checkpoint, pieces_of
@@ -64,6 +65,7 @@ class MegatronPlan:
     not_carried: dict = field(default_factory=dict)
     to: str = "megatron"
     optimizer: str = ""  # (DCP's adam_mode: Megatron's param groups say decoupled_weight_decay themselves)
+    stated: dict | None = None  # what --megatron-args made (a run Megatron did not train): --json's megatron_args
 
     @property
     def total_bytes(self) -> int:
@@ -79,7 +81,7 @@ class MegatronPlan:
                 "layout": self.layout, "optimizer": self.optimizer, "tp": self.tp, "pp": self.pp,
                 "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
                 "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes,
-                "carried": self.carried, "not_carried": self.not_carried}
+                "carried": self.carried, "not_carried": self.not_carried, "megatron_args": self.stated}
 
 
 def positive(name: str, value) -> int:
@@ -164,18 +166,17 @@ def _adam_state(ckpt: Checkpoint, path: str) -> None:
 
 def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | None = None, pp: int | None = None,
                   layout: str | None = None, chunk_bytes: int = dcplayout.CHUNK_BYTES,
-                  file_bytes: int = dcplayout.FILE_BYTES) -> MegatronPlan:
+                  file_bytes: int = dcplayout.FILE_BYTES, dp: int | None = None, ddp_config=None) -> MegatronPlan:
     """The save folder of ``ckpt`` (a Megatron checkpoint, either optimizer layout) for ``tp`` / ``pp`` (default:
     the source's), as plain data; ``checkpoint_id``: the output folder (DCP's ``storage_meta``); a tensor over
-    ``chunk_bytes`` is stored as blocks of rows, a ``.distcp`` file closed past ``file_bytes``."""
+    ``chunk_bytes`` is stored as blocks of rows, a ``.distcp`` file closed past ``file_bytes``. ``layout``
+    ``dp_reshardable``: the buckets for ``dp`` data-parallel ranks (default: the source's, at its own TP / PP) and
+    the DDP settings ``ddp_config`` (:mod:`zckpt.megatron.writer_buckets`)."""
     path = ckpt.location.tag_dir
     layout = layout or "fully_reshardable"
     if layout not in LAYOUTS:
         raise InvalidArgument(f"unknown Megatron layout {layout!r}", hint=f"choose one of {', '.join(LAYOUTS)}")
-    if layout == "dp_reshardable":
-        raise UnsupportedLayout("writing dp_reshardable (flat DDP buckets for one TP/PP) is not supported",
-                                path=path, hint="write --layout fully_reshardable: Megatron-LM resumes it at any "
-                                                "TP/PP/DP")
+    check_dp_options(layout, dp, ddp_config)
     if ckpt.format != "megatron":
         raise UnsupportedLayout(f"--to megatron reads a Megatron, DCP or DeepSpeed checkpoint; this is {ckpt.format}",
                                 path=path)
@@ -220,6 +221,11 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
             state[f"{OPTIM_STATE}{name}.{key}"] = TensorOut("float32", tuple(te.shape), segs)
     for key, value in extra.items():  # the local spec's [None] (the reader refuses TransformerEngine's)
         state[key] = value
+    bucket_notes = []
+    if layout == "dp_reshardable":
+        if dp is None and (tp, pp) == (f.get("tp"), f.get("pp")):
+            dp = args.get("data_parallel_size")  # the source's own shape
+        bucket_notes = dp_buckets(state, md, ckpt, f, args, tp, pp, dp, ddp_config, path)
     folder = ckpt.location.tag
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes, file_bytes)
@@ -233,6 +239,11 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     notes = [f"{layout}: {len([k for k in state if not k.startswith(OPTIM_STATE) and '/' not in k])} model keys as "
              f"saved, the fp32 master and both Adam moments of {n_state} in model space; loads at any TP/PP/DP",
              f"args state --tp {tp} --pp {pp}; RNG states not carried (no_save_rng: Megatron-LM reseeds)"]
+    if layout == "dp_reshardable":
+        notes[0] = f"{layout}: the model keys as saved, the fp32 masters and both Adam moments in the distributed " \
+                   f"optimizer's buckets for tp {tp}, pp {pp}, dp {dp} (loads at this TP/PP, any DP megatron-core " \
+                   "can shard the buckets over)"
+    notes += bucket_notes
     if f["optimizer_layout"] == "dp_reshardable":
         notes.append("optimizer state read from the source's dp_reshardable buckets (placed by megatron-core's "
                      "layout rule, every master checked against its saved weight)")
@@ -245,6 +256,37 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         notes.append(f"left out args {', '.join(dropped)}: values zckpt cannot pickle again")
     return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
                         tp, pp, carried=carried, not_carried=left)
+
+
+def check_dp_options(layout: str, dp, ddp_config) -> None:
+    """``dp`` / ``ddp_config`` shape ``dp_reshardable`` buckets: given for another layout, exit 2 naming them."""
+    given = [n for n, v in (("--dp", dp), ("--ddp-config", ddp_config)) if v not in (None, "", {})]
+    if given and layout != "dp_reshardable":
+        raise OptionError(f"{' / '.join(given)} shape{'s' if len(given) == 1 else ''} the dp_reshardable layout's "
+                          f"buckets; --layout {layout} has none", hint=f"drop {' / '.join(given)}")
+    if dp is not None:
+        positive("dp", dp)
+
+
+def dp_buckets(state: dict, md, ckpt: Checkpoint, f: dict, args: dict, tp: int, pp: int, dp, ddp_config,
+               path: str) -> list[str]:
+    """``state``'s optimizer tensors laid out as ``dp_reshardable`` buckets (:mod:`zckpt.megatron.writer_buckets`),
+    in place; its notes."""
+    from zckpt.megatron import writer_buckets as wb
+    swiglu = f.get("swiglu")
+    if swiglu is None and tp > 1 and any(".linear_fc1." in k for k in state):
+        raise UnsupportedLayout("the args do not say whether linear_fc1 is SwiGLU (gate and up shards per TP rank)",
+                                path=path)
+    weights = {md.tensors[k[len(OPTIM_STATE) + len("param."):]].dtype for k in state
+               if k.startswith(OPTIM_STATE + "param.")}
+    if len(weights) != 1:
+        raise UnsupportedLayout(f"parameters of several dtypes {sorted(weights)}: more than one grad buffer",
+                                path=path)
+    ddp = wb.ddp_facts(args, wb.parse_ddp_config(ddp_config), dp, weights.pop(), path, list(md.tensors))
+    step = float(ckpt.extra["step"])
+    groups = [{**{k: v for k, v in g.items() if k not in _GROUP_DROP}, "step": step}
+              for g in ckpt.extra["param_groups"]]
+    return wb.to_dp_reshardable(state, bool(swiglu), bool(f.get("tied")), args, tp, pp, ddp, groups, path)
 
 
 _LEFT = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)",
@@ -309,6 +351,8 @@ def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str) -> tuple[d
     out = {"args": NewObj(GlobalRef("argparse", "Namespace"), args), "checkpoint_version": 3.0,
            "iteration": f.get("iteration"),
            "optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": layout}}
+    if layout == "dp_reshardable":  # its param groups are the DCP's per-rank optimizer objects
+        out["optimizer"] = {"param_state_sharding_type": layout}
     if "opt_param_scheduler" in side:
         out["opt_param_scheduler"] = side["opt_param_scheduler"]
     if "num_floating_point_operations_so_far" in side:
