@@ -10,6 +10,19 @@ from zckpt.cli._common import (
 )
 
 
+def _ep_sizes(value):
+    """``--ep 4`` -> 4, ``--ep 4,2`` -> (4, 2): one expert-parallel size, or one per MoE layer."""
+    if value is None:
+        return None
+    try:
+        sizes = tuple(int(x) for x in str(value).split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 for n in sizes):
+        raise click.BadParameter(f"{value!r} is not a positive size or a comma-separated list of them (4, or 4,2)")
+    return sizes[0] if len(sizes) == 1 else sizes
+
+
 @click.command(epilog="""\b
 Examples:
   zckpt reshard ckpt/ --world-size 4 -o ckpt-ws4/
@@ -24,8 +37,9 @@ Examples:
               help="Data-parallel world size the output is for.")
 @click.option("--stage", type=click.IntRange(1, 3), default=None,
               help="ZeRO stage of the output (default: the source's).")
-@click.option("--ep", "ep", type=click.IntRange(1, None), default=None,
-              help="Expert-parallel size of the output (DeepSpeed MoE or AutoEP, ZeRO-1/2; default: the source's).")
+@click.option("--ep", "ep", callback=lambda ctx, param, v: _ep_sizes(v), default=None, metavar="N[,N...]",
+              help="Expert-parallel size of the output (DeepSpeed MoE or AutoEP; default: the source's): one size "
+                   "for every MoE layer, or one per MoE layer in order (2,4).")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
                    "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")

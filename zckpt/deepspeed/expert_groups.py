@@ -11,7 +11,7 @@ import re
 
 from zckpt.deepspeed.discover import Location, RankFile
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
-from zckpt.errors import CorruptFile, UnsupportedLayout
+from zckpt.errors import CorruptFile, InvalidArgument, UnsupportedLayout
 from zckpt.deepspeed.partition import torch_size
 from zckpt.engine.segments import slice_pieces
 from zckpt.encoding.safeload import LazyTensor
@@ -381,3 +381,29 @@ def _strides_of(shape) -> tuple:
     return tuple(reversed(out))
 
 
+
+
+def target_eps(ep, layers: list[dict], world_size: int, path: str) -> dict[int, int]:
+    """Each MoE layer's expert-parallel size in the output (MoE layer index -> size). ``ep``: one size for every
+    layer, or a sequence of one size per MoE layer in model order (the ``layer_{L}`` order of the expert files, as
+    ``info`` lists them). Refused in one line: a count other than the layers', a size below 1, a size not dividing
+    the layer's experts or not dividing ``world_size`` (DeepSpeed builds neither)."""
+    order = sorted(layers, key=lambda x: x["index"])
+    sizes = [ep] * len(order) if isinstance(ep, int) else list(ep)
+    if len(sizes) != len(order):
+        raise InvalidArgument(f"{len(sizes)} expert-parallel sizes for {len(order)} MoE layers: give one size, or "
+                              "one per MoE layer in order", param="ep", path=path,
+                              hint=f"e.g. --ep {','.join(str(x.get('ep') or 'N') for x in order)}")
+    out: dict[int, int] = {}
+    for x, n in zip(order, sizes):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidArgument(f"the expert-parallel size must be a positive integer, not {n!r}", param="ep")
+        if int(x["experts"]) % n:
+            raise UnsupportedLayout(f"MoE layer {x['index']} ({x['layer']}): {x['experts']} experts do not split "
+                                    f"over expert-parallel size {n}", path=path, hint="pass an --ep dividing it")
+        if world_size % n:
+            raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a "
+                                    f"multiple of the expert-parallel size {n} (MoE layer {x['index']})", path=path,
+                                    hint=f"pass a multiple of {n}, or another --ep")
+        out[int(x["index"])] = n
+    return out

@@ -64,8 +64,8 @@ EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 ZERO0_REFUSAL = ("mixture-of-experts checkpoint without ZeRO: each expert-parallel rank's whole optimizer is in "
                  "expp_rank_{e}_mp_rank_00_optim_states.pt, which DeepSpeed loads at any data-parallel size with the "
-                 "same expert-parallel size as it is; nothing to reshard (changing the expert-parallel size is not "
-                 "supported)")
+                 "same expert-parallel size as it is; nothing to reshard at the same expert-parallel size (--ep N "
+                 "lays it out at another)")
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -186,10 +186,12 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     trainable: dict[str, TensorRecord] = {}
     groups: list[GroupInfo] = []
     notes: list[str] = []
+    saved = []  # per expp_rank file: (file, its optimizer object, each group's names in position order)
     for e, (f, st) in enumerate(files):
         mine = [(n, t) for n, t, layer, gid, _ in tensors if gid in held[e][layer]]
         opt = st.get("optimizer") if isinstance(st, dict) else None
         recs, gis, more = zero0.read_optimizer(opt, dense + mine, precision, f.path, loc.storage_options)
+        saved.append((f, opt, [list(gi.names) for gi in gis]))
         notes += [type(n)(f"expert-parallel rank {e}: {n}") for n in more]
         for gi in gis:
             expert_group = bool(gi.hyperparams.get("moe"))
@@ -210,7 +212,8 @@ def _build_zero0(loc: Location, model_states: list[dict], optim_states: list[dic
     layers = native_layers(tensors, counts, {}, loc.tag_dir)  # (which ep_size a layer has is not saved)
     coverage.check(layers, records, loc.tag_dir)
     return Checkpoint(loc, 0, "zero0", precision, ws, records, groups, ms0, [], model_states, notes=notes,
-                      parallel="moe", reshard_refusal=ZERO0_REFUSAL, extra={"moe_coverage": layers},
+                      parallel="moe", reshard_refusal=ZERO0_REFUSAL,
+                      extra={"moe_coverage": layers, "moe_zero0": saved},
                       state_refusal=next((n for n in notes if isinstance(n, zero0.StateNotRead)), None))
 
 

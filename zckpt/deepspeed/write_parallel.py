@@ -5,10 +5,11 @@ pipeline stage, and each expert group over its expert-data-parallel ranks, plann
 from __future__ import annotations
 
 import os
+import re
 from collections import OrderedDict
 
-from zckpt.deepspeed.expert_groups import at_ep, autoep_layers_at
-from zckpt.deepspeed.partition import TorchObject
+from zckpt.deepspeed.expert_groups import EP_NAME_RE, at_ep, autoep_layers_at, expert_data_ranks, target_eps
+from zckpt.deepspeed.partition import Converter, TorchObject
 from zckpt.state.model import Checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 
@@ -202,6 +203,9 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
+    if ckpt.extra.get("moe_zero0") and ep is not None and fmt == "deepspeed" and stage in (None, 0) \
+            and not bf16_optimizer and _changes_ep(ckpt, ep):
+        return moe_zero0_at_ep(ckpt, world_size, ep, side)
     src_eps = sorted(set((ckpt.extra.get("moe").ep if ckpt.extra.get("moe") else {}).values()))
     layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
     t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
@@ -226,3 +230,175 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     if not t.has_state:
         plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
     return plan
+
+
+# ---- mixture of experts without ZeRO at another expert-parallel size: each expp_rank file rebuilt
+
+_EXPERT = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
+
+
+def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPlan:
+    """A native MoE checkpoint without ZeRO (:func:`zckpt.deepspeed.moe._build_zero0`'s files) laid out at other
+    expert-parallel sizes (``ep``: one, or one per MoE layer: :func:`~zckpt.deepspeed.expert_groups.target_eps`).
+
+    DeepSpeed saves ``expp_rank_{e}_mp_rank_00_optim_states.pt`` = ``{"optimizer": engine.optimizer.state_dict()}``
+    of the expert-data-parallel rank 0 of expert-parallel rank e of the largest expert group, and each rank loads
+    the file of its own expert-parallel rank (``engine._load_checkpoint``): a torch optimizer state (one state entry
+    per parameter, numbered across the groups) and, for the bf16/fp16 ``FP16_UnfusedOptimizer``, ``fp32_groups`` (one
+    fp32 master per parameter), both by position. File e' is that writer rank's: the dense groups as saved, then one
+    expert group per expert-parallel size (``ep_size_N``) holding, layer by layer in model order, the rank's experts
+    ``e * E/N ..`` under local ids, each parameter's master and state entry (step, moments) taken whole from the
+    source file the reader matched it in (:mod:`zckpt.deepspeed.zero0`). ``mp_rank_00_model_states.pt`` gets the new
+    ``dp_world_size`` and rank 0's new optimizer; the expert files (global ids) are copied."""
+    check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    saved = ckpt.extra.get("moe_zero0")
+    if not saved:
+        raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
+                                path=tag_dir)
+    layers = {int(x["index"]): x for x in ckpt.extra["moe_coverage"]}
+    new = target_eps(ep, list(layers.values()), world_size, tag_dir)
+    layer_of = {x["prefix"]: i for i, x in layers.items()}
+    f0, opt0, names0 = saved[0]
+    flat = "fp32_groups" in opt0
+    if not flat and not ("state" in opt0 and "param_groups" in opt0):
+        raise UnsupportedLayout("mixture-of-experts checkpoint without ZeRO whose optimizer keeps one flat master per "
+                                "group (FP16_Optimizer): its flat groups are not laid out at another expert-parallel "
+                                "size", path=f0.path)
+    where: dict[str, tuple[int, int, int]] = {}  # name -> (file, group, position)
+    for e, (_, _, names) in enumerate(saved):
+        for g, ns in enumerate(names):
+            for j, n in enumerate(ns):
+                where.setdefault(n, (e, g, j))
+    pgs0 = _osd(opt0)["param_groups"]
+    suffixes: dict[str, list[str]] = {}
+    plan_groups: list[tuple[dict, list[int] | int]] = []  # (hyper, dense group index | expert sizes' layers)
+    expert_groups: dict[int, tuple[dict, list[int]]] = {}  # new size -> (hyper, layers)
+    for g, ns in enumerate(names0):
+        if not pgs0[g].get("moe"):
+            plan_groups.append((pgs0[g], g))
+            continue
+        for n in ns:
+            m = _EXPERT.match(n)
+            if m is None or m.group(1) not in layer_of:
+                raise UnsupportedLayout(f"'{n}' is in an expert param group but is not an expert of a MoE layer",
+                                        path=f0.path)
+            sfx = suffixes.setdefault(m.group(1), [])
+            if m.group(3) not in sfx:
+                sfx.append(m.group(3))
+            size = new[layer_of[m.group(1)]]
+            hyper = {k: v for k, v in pgs0[g].items() if k not in ("name", "params")}
+            if "param_names" in hyper:
+                raise UnsupportedLayout(f"expert group {pgs0[g].get('name')!r} saves param_names (local expert "
+                                        "names of its rank), which zckpt does not rename for another "
+                                        "expert-parallel size", path=f0.path)
+            got = expert_groups.get(size)
+            if got is None:
+                expert_groups[size] = (dict(pgs0[g], name=f"ep_size_{size}"), [])
+                plan_groups.append((None, size))
+            elif {k: v for k, v in got[0].items() if k not in ("name", "params")} != hyper:
+                raise UnsupportedLayout(f"expert groups {got[0].get('name')!r} and {pgs0[g].get('name')!r} have other "
+                                        f"hyperparameters and would be one group at expert-parallel size {size}",
+                                        path=f0.path, hint="give their layers different --ep sizes")
+            if layer_of[m.group(1)] not in expert_groups[size][1]:
+                expert_groups[size][1].append(layer_of[m.group(1)])
+    missing = sorted(set(layers) - {i for _, ls in expert_groups.values() for i in ls})
+    if missing:
+        raise UnsupportedLayout(f"MoE layer {missing[0]}'s experts are in no expert param group of rank 0's optimizer",
+                                path=f0.path)
+    biggest = max(new.values())
+    files, conv = [], Converter()
+    for e in range(biggest):
+        writer = expert_data_ranks(ckpt.model_state, world_size, biggest, e, tag_dir)[0]
+        groups = []
+        for hyper, which in plan_groups:
+            if hyper is not None:  # a dense group: as saved (every rank holds it)
+                groups.append((hyper, [(0, which, j) for j in range(len(names0[which]))]))
+                continue
+            ghyper, ls = expert_groups[which]
+            er = next(r for r in range(which) if writer in expert_data_ranks(ckpt.model_state, world_size, which, r,
+                                                                              tag_dir))
+            members = []
+            for i in sorted(ls):
+                prefix, nl = layers[i]["prefix"], int(layers[i]["experts"]) // which
+                for x in range(er * nl, (er + 1) * nl):
+                    for sfx in suffixes[prefix]:
+                        n = f"{prefix}{x}{sfx}"
+                        if n not in where:
+                            raise UnsupportedLayout(f"no expp_rank file holds the optimizer state of '{n}'",
+                                                    path=tag_dir)
+                        members.append(where[n])
+            groups.append((ghyper, members))
+        files.append(_zero0_optimizer(saved, groups, flat, conv))
+    ms = OrderedDict((k, world_size if k == "dp_world_size" else files[0] if k == "optimizer" else conv(v))
+                     for k, v in ckpt.model_state.items())
+    tag = output_tag(ckpt)
+    objects = [TorchObject(os.path.join(tag, "mp_rank_00_model_states.pt"), ms)]
+    objects += [TorchObject(os.path.join(tag, f"expp_rank_{e}_mp_rank_00_optim_states.pt"), {"optimizer": o})
+                for e, o in enumerate(files)]
+    experts = [copied(os.path.join(tag, f.path.replace("\\", "/").rsplit("/", 1)[-1]), f.path, f.size)
+               for f in sorted(ckpt.location.expert_files, key=lambda f: (f.index, f.expert))]
+    out = [planned(o) for o in objects] + experts + side_planned(side, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, tag, "deepspeed", 0, ckpt.flavour, ckpt.world_size, 0,
+                       ckpt.flavour, world_size, ckpt.precision, out)
+    src = _zero0_layer_eps(ckpt)
+    plan.notes.append("mixture of experts without ZeRO: expert-parallel size " + ", ".join(
+        f"layer {i} {src[i] or '?'} -> {new[i]}" for i in sorted(new)) + f", data-parallel size {ckpt.world_size} -> "
+        f"{world_size}; {biggest} expp_rank files")
+    if len(expert_groups) > 1:
+        plan.notes.append("expert groups in the order " + ", ".join(f"ep_size_{n}" for n in expert_groups)
+                          + ": DeepSpeed orders them by a set of names, so resume with a PYTHONHASHSEED giving it")
+    return plan
+
+
+def _zero0_layer_eps(ckpt: Checkpoint) -> dict[int, int | None]:
+    """MoE layer index -> the expert-parallel size of the group (``ep_size_N``) rank 0's optimizer holds its
+    experts in (None: not found)."""
+    _, opt0, names0 = ckpt.extra["moe_zero0"][0]
+    pgs0 = _osd(opt0)["param_groups"]
+    of_prefix = {}
+    for g, ns in enumerate(names0):
+        m = EP_NAME_RE.match(str(pgs0[g].get("name", ""))) if pgs0[g].get("moe") else None
+        for n in ns if m else ():
+            x = _EXPERT.match(n)
+            if x:
+                of_prefix.setdefault(x.group(1), int(m.group(1)))
+    return {int(x["index"]): of_prefix.get(x["prefix"]) for x in ckpt.extra["moe_coverage"]}
+
+
+def _changes_ep(ckpt: Checkpoint, ep) -> bool:
+    """Whether ``ep`` gives some MoE layer another expert-parallel size than it has (unknown sizes count as other)."""
+    src = _zero0_layer_eps(ckpt)
+    sizes = [ep] * len(src) if isinstance(ep, int) else list(ep)
+    return len(sizes) != len(src) or any(src[i] != n for i, n in zip(sorted(src), sizes))
+
+
+def _osd(opt: dict) -> dict:
+    return opt["optimizer_state_dict"] if "fp32_groups" in opt else opt
+
+
+def _zero0_optimizer(saved: list, groups: list[tuple[dict, list[tuple[int, int, int]]]], flat: bool,
+                     conv: Converter) -> OrderedDict:
+    """One rank's ``optimizer.state_dict()``: ``groups`` as (param group, the (file, group, position) of each
+    parameter in the source files), state entries renumbered across the groups as torch numbers them."""
+    state, pgs, masters = OrderedDict(), [], []
+    pid = 0
+    for hyper, members in groups:
+        ids, mine = [], []
+        for e, g, j in members:
+            opt = saved[e][1]
+            osd = _osd(opt)
+            src = osd["param_groups"][g]["params"][j]
+            if src in (osd.get("state") or {}):
+                state[pid] = conv(osd["state"][src])
+            if flat:
+                mine.append(conv(opt["fp32_groups"][g][j]))
+            ids.append(pid)
+            pid += 1
+        pgs.append(OrderedDict((k, ids if k == "params" else conv(v)) for k, v in hyper.items()))
+        masters.append(mine)
+    osd = OrderedDict([("state", state), ("param_groups", pgs)])
+    if not flat:
+        return osd
+    return OrderedDict((k, osd if k == "optimizer_state_dict" else masters if k == "fp32_groups" else conv(v))
+                       for k, v in saved[0][1].items())
