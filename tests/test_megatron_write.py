@@ -36,6 +36,12 @@ JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (2, 1, 1)), ("gpt_tp2_pp2_dp1_fullyresh", 
 
 
 CHUNKED = ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1))
+# --layout dp_reshardable (Megatron-LM's default) at another (tp, pp, dp) than the source's: fully_reshardable tp2 pp2
+# -> dp2; dp_reshardable dp2 -> pp2; tied tp2 x dp2 -> pp2 (the shared embedding's own buckets); fp32 params -> tp2;
+# tied GELU pp2 -> dp2. generate.py's DDP (overlap_grad_reduce off: one bucket) is not in its args: stated.
+DDP = "overlap_grad_reduce=false,grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false"
+DP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2)), ("gpt_tp1_pp1_dp2", (1, 2, 1)), ("gpt_tp2_pp1_dp2", (1, 2, 1)),
+           ("gpt_tp1_pp1_dp2_fp32", (2, 1, 1)), ("gpt_tp1_pp2_dp1_tied", (1, 1, 2))]
 # source (c): a DCP under Hugging Face Llama names (zckpt's own Megatron -> DCP, the q/k/v and gate/up split) with the
 # model's config.json beside it, fused back; megatron-core's load must equal the original Megatron source's oracle
 DCP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1), "dcp"), ("gpt_tp2_pp1_dp2", (1, 2, 1), "dcp"),
@@ -61,6 +67,18 @@ def _dcp_of(src: str, out: Path, to: str = "dcp", **config) -> Path:
 def _convert(src, out, **kw):
     from zckpt.ops.convert import convert
     return convert(str(src), to="megatron", out=str(out), **kw)
+
+
+def _write_dp(src, out, tp, pp, dp, ddp=None, tag=None):
+    """--layout dp_reshardable at (tp, pp, dp), ``ddp``: --ddp-config."""
+    from zckpt.megatron.writer import plan_megatron
+    from zckpt.ops.convert import execute
+    from zckpt.state import checksums
+    from zckpt.state.open import open_checkpoint
+    ckpt = open_checkpoint(str(src), tag)
+    plan = plan_megatron(ckpt, str(out), tp, pp, layout="dp_reshardable", dp=dp, ddp_config=ddp)
+    execute(plan, str(out), check=checksums.input_check(ckpt))
+    return plan
 
 
 def _free_port() -> int:
@@ -94,6 +112,10 @@ def loaded(tmp_path_factory):
     for i, (src, (tp, pp, dp), via) in enumerate(DCP_JOBS):
         out = tmp / f"{via}-{i}-{src}-tp{tp}pp{pp}"
         _convert(_dcp_of(src, tmp / f"{via}-{i}-{src}", via), out, tp=tp, pp=pp)
+        jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
+    for i, (src, (tp, pp, dp)) in enumerate(DP_JOBS):
+        out = tmp / f"dp-{i}-{src}-tp{tp}pp{pp}dp{dp}"
+        _write_dp(MEG / src, out, tp, pp, dp, DDP)
         jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
@@ -142,6 +164,77 @@ def test_llama_names_are_fused_back_exactly(loaded, i):
     assert got["iteration"] == 3
 
 
+@pytest.mark.parametrize("i", range(len(DP_JOBS)), ids=[f"{s}-to-dp_reshardable-tp{t[0]}pp{t[1]}dp{t[2]}"
+                                                         for s, t in DP_JOBS])
+def test_megatron_core_resumes_dp_reshardable_buckets(loaded, i):
+    """--layout dp_reshardable: megatron-core 0.16.1's own dp_reshardable load (its per_bucket_numel_unpadded
+    compared with its buffers, each parameter's state taken by position in the buckets) equals the source's oracle
+    bit for bit, and one more iteration runs."""
+    got = loaded[len(JOBS) + 1 + len(DCP_JOBS) + i]
+    assert got["source"] == DP_JOBS[i][0] and tuple(got["shape"]) == DP_JOBS[i][1]
+    assert got["keys_equal"] and got["tensors"] > 0 and not got["differ"], (got["missing"], got["differ"])
+    assert got["groups_equal"], (got["groups"], got["groups_expected"])
+    assert got["scheduler_equal"] and got["losses_finite"] and got["iteration"] == 3
+    folder = Path(got["ckpt"])
+    c = torch.load(str(next(folder.glob("iter_*")) / "common.pt"), weights_only=False)
+    assert c["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    assert c["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+
+
+@pytest.mark.parametrize("i", [0, 2])
+def test_zckpt_reads_the_buckets_back_as_the_source(loaded, i):
+    """zckpt's own reader places every master and moment in the written buckets (checked against the weights) and
+    zckpt diff finds them equal to the source's, across shapes (tp2 pp2 -> dp2; tied tp2 x dp2 -> pp2)."""
+    import zckpt
+    got = loaded[len(JOBS) + 1 + len(DCP_JOBS) + i]
+    out = zckpt.open_checkpoint(got["ckpt"])
+    assert out.extra["megatron"]["optimizer_layout"] == "dp_reshardable" and out.extra["bucket_error"] is None
+    res = zckpt.diff(str(MEG / DP_JOBS[i][0]), got["ckpt"])
+    assert res.ok and " 0 differ, 0 only in A, 0 only in B" in res.to_dict()["summary"], res.to_dict()["summary"]
+
+
+def test_a_real_dp_reshardable_save_comes_back_as_megatron_saved_it(tmp_path):
+    """Megatron-LM's own default save (lm16_tp2_pp1_dp2, pretrain_gpt.py) -> dp_reshardable at its own tp2 pp1 dp2
+    (dp and the DDP settings from its args): the same keys, every bucket chunked as megatron-core chunked it, the
+    same per_bucket_numel objects and param groups, every weight and every bucket element outside the gaps equal;
+    zckpt's reader gives the masters and moments of Megatron-LM's own load (the oracle files)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+    import zckpt
+    from zckpt.encoding.tensors import load_pieces
+    src = MEG / "lm16_tp2_pp1_dp2"
+    plan = _write_dp(src, tmp_path / "o", None, None, None)
+    assert any("from args" in n for n in plan.notes), plan.notes
+    a, b = _dcp_tensors(src, tmp_path, "iter_0000004"), _dcp_tensors(tmp_path / "o", tmp_path)
+    ma = FileSystemReader(str(src / "iter_0000004")).read_metadata().state_dict_metadata
+    mb = FileSystemReader(str(tmp_path / "o" / "iter_0000004")).read_metadata().state_dict_metadata
+    keys = {k for k in ma if not k.startswith("rng_state")}
+    assert keys == set(mb), keys ^ set(mb)
+    buckets = [k for k in keys if ".bucket_idx_" in k]
+    assert len(buckets) == 6  # 2 model-parallel ranks x (param, exp_avg, exp_avg_sq)
+    for k in keys:
+        if k in buckets:
+            chunks = [sorted((tuple(c.offsets), tuple(c.sizes)) for c in m[k].chunks) for m in (ma, mb)]
+            assert chunks[0] == chunks[1] and len(chunks[0]) > 10, k
+            gaps = b[k] == 0  # zckpt's gaps are zeros; megatron-core's hold whatever memory held
+            same = a[k].view(torch.int32) == b[k].view(torch.int32)
+            assert bool((same | gaps).all()) and int(same.sum()) > b[k].numel() // 2, k
+        elif isinstance(a[k], torch.Tensor):
+            assert not _equal(a, b, [k]), k
+        else:
+            assert a[k] == b[k], k  # param groups, per_bucket_numel(_unpadded), the local spec's extra states
+    meta = json.loads((MEG / "lm16_tp2_pp1_dp2.oracle.json").read_text())
+    want = load_file(str(MEG / "lm16_tp2_pp1_dp2.oracle.safetensors"))
+    ckpt = zckpt.open_checkpoint(str(tmp_path / "o"))
+    by_name = ckpt.by_name()
+    got = {n: t for n, t in ckpt.extra["buckets"].items() if by_name[n].kind == "trainable"}
+    assert ckpt.extra["bucket_error"] is None and got and ckpt.extra["step"] == meta["iteration"] == 4
+    assert set(got) == {k[len("master."):] for k in want if k.startswith("master.")}
+    for n, triple in got.items():
+        for kind, pieces in zip(("master", "exp_avg", "exp_avg_sq"), triple):
+            assert torch.equal(load_pieces(pieces, "float32", by_name[n].shape), want[f"{kind}.{n}"]), (kind, n)
+
+
 def test_a_dcp_without_what_megatron_needs_is_refused(tmp_path):
     dcp = _dcp_of("gpt_tp1_pp1_dp2_fullyresh", tmp_path / "dcp")
     (dcp / "config.json").unlink()
@@ -172,10 +265,11 @@ def test_groups_without_megatrons_settings_are_refused(tmp_path):
         megatron_groups(dataclasses.replace(ckpt, groups=swapped), 3)
 
 
-def _dcp_tensors(folder: Path, tmp: Path) -> dict:
-    """Every item of the checkpoint's iteration folder, as torch's own DCP reader gives it."""
+def _dcp_tensors(folder: Path, tmp: Path, it: str | None = None) -> dict:
+    """Every item of the checkpoint's iteration folder (``it``, default the only one), as torch's own DCP reader
+    gives it."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    it = next(folder.glob("iter_*"))
+    it = folder / it if it else next(folder.glob("iter_*"))
     dst = tmp / f"{folder.name}-{len(list(tmp.glob('*.pt')))}.pt"
     dcp_to_torch_save(str(it), str(dst))
     return torch.load(str(dst), weights_only=False)
@@ -249,8 +343,50 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
     _refused(tmp_path, MEG / "gpt_tp1_pp2_dp1_tied", ["num_attention_heads 4", "--tp 8"], tp=8)  # vocab 96 = 8 x 12
 
 
-def test_dp_reshardable_target_is_refused_not_ignored(tmp_path):
-    _refused(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["dp_reshardable", "fully_reshardable"], layout="dp_reshardable")
+def _refused_dp(tmp_path, src, words, tp=None, pp=None, dp=None, ddp=None, kind=None):
+    from zckpt.errors import ZckptError
+    out = tmp_path / "out"
+    with pytest.raises(kind or ZckptError) as e:
+        _write_dp(src, out, tp, pp, dp, ddp)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not out.exists() and not list(tmp_path.glob("*.tmp*"))
+
+
+def test_dp_reshardable_needs_the_facts_its_buckets_depend_on(tmp_path):
+    """generate.py's args do not say the run's DDP settings: refused naming them; another shape without --dp:
+    refused (the dp size is the target's, never guessed)."""
+    from zckpt.errors import InvalidArgument
+    _refused_dp(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["overlap_grad_reduce", "grad_reduce_in_fp32",
+                                                    "pad_buckets_for_high_nccl_busbw", "--ddp-config"])
+    _refused_dp(tmp_path, MEG / "lm16_tp2_pp1_dp2", ["--dp N"], tp=1, pp=2, kind=InvalidArgument)
+    _refused_dp(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["bucket_sizes", "KEY=VALUE"], dp=1, ddp="bucket_sizes=4",
+                kind=InvalidArgument)
+
+
+def test_dp_reshardable_shapes_megatron_core_cannot_save_are_refused(tmp_path):
+    """A dp whose shard of a bucket holds only padding (megatron-core asserts 'empty bucket encountered' when it
+    saves or loads it); a mixture-of-experts model."""
+    import dataclasses
+    import zckpt
+    from zckpt.errors import UnsupportedLayout
+    from zckpt.megatron.writer import plan_megatron
+    _refused_dp(tmp_path, MEG / "gpt_tp1_pp1_dp1", ["data-parallel rank", "holds no parameter", "empty bucket"],
+                dp=128, ddp=DDP)
+    ckpt = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp2"))
+    moe = dataclasses.replace(ckpt, extra={**ckpt.extra, "args": {**ckpt.extra["args"], "num_experts": 4}})
+    with pytest.raises(UnsupportedLayout, match="mixture-of-experts"):
+        plan_megatron(moe, str(tmp_path / "o"), layout="dp_reshardable", dp=2, ddp_config=DDP)
+
+
+def test_dp_options_for_fully_reshardable_are_refused_not_ignored(tmp_path):
+    from zckpt.errors import OptionError
+    from zckpt.megatron.writer import plan_megatron
+    import zckpt
+    ckpt = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp1_dp2"))
+    for kw in ({"dp": 2}, {"ddp_config": DDP}):
+        with pytest.raises(OptionError, match="dp_reshardable"):
+            plan_megatron(ckpt, str(tmp_path / "o"), **kw)
 
 
 def test_tp_for_another_target_is_refused(tmp_path):
