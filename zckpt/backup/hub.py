@@ -13,7 +13,7 @@ from typing import Any
 from zckpt.io import hashing, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
 from zckpt.backup.faults import describe_fault, fault_error
-from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE
+from zckpt.backup.files import is_checkpoint_name
 from zckpt.backup.find import step_of
 from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 from zckpt.backup.transfer import FileTask, RemoteFile, check_unchanged, wait_all
@@ -361,7 +361,7 @@ class HubDestination:
         prefix = self.prefix + "/" if self.prefix else ""
         names = {p[len(prefix):].split("/", 1)[0] for p in tree if p.startswith(prefix) and "/" in p[len(prefix):]}
         return [(n, step_of(n), self.has_manifest(n)) for n in sorted(names)
-                if TRAINER_RE.match(n) or TAG_STEP_RE.match(n)]
+                if is_checkpoint_name(n)]
 
     def remove_checkpoints(self, names: list[str], ctx: PushContext) -> None:
         if not names:

@@ -59,7 +59,7 @@ def newest_complete(src: str) -> Choice:
                                  path=shown, hint="pass a training output folder or a DeepSpeed save folder")
     passed: list[tuple[str, str]] = []
     for c in candidates:
-        ok, reason = scan.check_complete(c.path)
+        ok, reason = scan.check_checkpoint(c)
         if ok:
             return Choice(shown, c.path, c.name, c.step, passed)
         passed.append((c.name or os.path.basename(c.path), reason))

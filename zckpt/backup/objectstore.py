@@ -14,7 +14,7 @@ import os
 from zckpt.io import hashing, publish, storage
 from zckpt.errors import InvalidArgument, PushInterrupted, StorageError
 from zckpt.backup.faults import RESUME_NOTE, cause_chain, describe_fault, fault_error
-from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE
+from zckpt.backup.files import is_checkpoint_name
 from zckpt.backup.find import step_of
 from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME, record_bytes
 from zckpt.backup.transfer import FileTask, RemoteFile, check_unchanged, wait_all
@@ -204,7 +204,7 @@ class FsDestination:
             return []
         out = []
         for n in names:
-            if TRAINER_RE.match(n) or TAG_STEP_RE.match(n):
+            if is_checkpoint_name(n):
                 out.append((n, step_of(n), self.has_manifest(n)))
         return out
 

@@ -46,6 +46,7 @@ from zckpt.errors import EndpointUnreachable, InvalidArgument, PushInterrupted, 
 from zckpt.backup.context import UNREACHABLE_AFTER, PushContext, Reachability
 from zckpt.backup.destinations import make_destination
 from zckpt.backup.faults import RESUME_NOTE, describe_fault, one_line, unreachable
+from zckpt.backup.files import MEGATRON_TRACKER
 from zckpt.backup.find import LocalCheckpoint, find_checkpoints
 from zckpt.backup.files import checkpoint_files
 from zckpt.backup.hashes import HashCache
@@ -53,7 +54,7 @@ from zckpt.backup.hub import HubDestination
 from zckpt.backup.manifest import RECORD_NAME, manifest_bytes
 from zckpt.backup.objectstore import FsDestination
 from zckpt.backup.results import CheckpointResult, PushEvent, PushResult
-from zckpt.backup.scan import check_complete, check_save_tag, newest_mtime
+from zckpt.backup.scan import check_checkpoint, newest_mtime
 from zckpt.backup.transfer import FileChanged, FileTask, check_unchanged, wait_all
 
 log = logging.getLogger(__name__)
@@ -147,14 +148,8 @@ def _push_one(ckpt: LocalCheckpoint, dest, ctx: PushContext, dry_run: bool) -> C
 
 
 def _complete(ckpt: LocalCheckpoint) -> tuple[bool, str]:
-    """:func:`check_complete`, and for a tag of the save folder SRC its ``latest`` (:func:`check_save_tag`)."""
-    ok, reason = check_complete(ckpt.path)
-    if ok and ckpt.save_dir:
-        try:
-            ok, reason = check_save_tag(ckpt.save_dir, ckpt.name)
-        except ZckptError as exc:  # a 'latest' that is a link out of SRC
-            ok, reason = False, exc.render()
-    return ok, reason
+    """:func:`check_checkpoint`: whole, and resumable from its save folder's ``latest`` or tracker file."""
+    return check_checkpoint(ckpt)
 
 
 def _select(checkpoints, settle, wait_settle, ctx, results):
@@ -219,8 +214,10 @@ def _push_roots(src: str, roots: list[str], dest, ctx: PushContext, dry_run: boo
     for rel in roots:
         with open(os.path.join(src, rel), "rb") as f:
             data = f.read()
-        if rel.startswith("latest"):
+        if rel.startswith("latest"):  # DeepSpeed's latest / latest_universal, Megatron-LM's tracker file
             tag = data.decode("utf-8", "replace").strip()
+            if rel == MEGATRON_TRACKER and tag.isdigit():
+                tag = f"iter_{int(tag):07d}"
             if not ctx.retry(functools.partial(dest.has_manifest, tag), dest.url_of(tag)):
                 log.info("not updating %s at DEST: %s is not complete there", rel, tag)
                 continue

@@ -1,7 +1,10 @@
 """Whether a checkpoint is complete: :func:`check_complete` (every rank file named by the layout there and whole:
 zip directory and safetensors header readable, ``dp_world_size`` ranks present, Trainer state written, resumable
 as saved), :func:`latest_problem` (``latest`` names a tag that is there) and the per-file checks
-(:func:`check_torch_zip`, :func:`check_safetensors`). Nothing here unpickles tensors or imports torch.
+(:func:`check_torch_zip`, :func:`check_safetensors`); for a DCP folder (FSDP2, torchtitan, a Megatron ``torch_dist``
+iteration) its ``.metadata`` read and every item it names inside its data file (:func:`check_dcp`), for a
+Megatron-LM save folder its tracker file (:func:`check_megatron_iteration`). Nothing here unpickles tensors or
+imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from zckpt.errors import LinkOutside, ZckptError
 from zckpt.encoding.legacy import is_legacy
 from zckpt.encoding.zipentries import LOCAL_SIG, read_file_entries
 from zckpt.io.publish import has_marker
-from zckpt.backup.files import MODEL_RE, OPTIM_RE, NotBackedUp, checkpoint_files, has_rank_files, is_trainer_folder
+from zckpt.backup.files import (DCP_METADATA, ITER_RE, MEGATRON_TORCH_RE, MEGATRON_TRACKER, MODEL_RE, OPTIM_RE,
+                                NotBackedUp, checkpoint_files, has_dcp_metadata, has_rank_files, is_trainer_folder)
 from zckpt.backup.find import step_of
 
 def _model_meta(path: str) -> dict:
@@ -222,6 +226,70 @@ def check_save_tag(save_dir: str, tag: str) -> tuple[bool, str]:
     return True, "complete"
 
 
+def check_dcp(folder: str) -> str | None:
+    """Why the DCP folder ``folder`` is not whole, or None: its ``.metadata`` (written last, by the coordinator,
+    once every rank's files are) read as :mod:`zckpt.encoding.dcpmeta` reads it (no code runs) and every item it
+    names inside a data file of the folder. In a Megatron ``torch_dist`` iteration (``common.pt`` there, 0.16), also
+    its ``metadata.json``, which megatron-core writes after the tensors."""
+    from zckpt.encoding import dcpmeta
+    path = os.path.join(folder, DCP_METADATA)
+    sizes = {}
+    for n in os.listdir(folder):
+        with contextlib.suppress(OSError):
+            if os.path.isfile(os.path.join(folder, n)):
+                sizes[n] = os.path.getsize(os.path.join(folder, n))
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        dcpmeta.read_metadata(data, path, sizes)
+    except OSError as exc:
+        return f"{DCP_METADATA} cannot be read ({exc.strerror or exc})"
+    except ZckptError as exc:
+        return exc.message
+    if "common.pt" in sizes and "metadata.json" not in sizes:
+        return "metadata.json missing (megatron-core writes it after the tensors)"
+    return None
+
+
+def check_megatron_iteration(save_dir: str, name: str) -> tuple[bool, str]:
+    """An iteration folder ``name`` of the Megatron-LM save folder ``save_dir``, pushed as a checkpoint of its own:
+    resumable once ``latest_checkpointed_iteration.txt`` (which Megatron-LM's rank 0 writes after every rank's save
+    has finished, and its load reads to find the iteration) names an iteration folder that is there, and ``name`` is
+    not newer than it (a newer one is a save that has not finished)."""
+    path = os.path.join(save_dir, MEGATRON_TRACKER)
+    fix = "wait for the save to finish, or write the iteration into it as Megatron-LM does"
+    try:
+        links.check([path], save_dir)
+        with open(path, "rb") as f:
+            text = f.read(64).decode("utf-8").strip()
+    except FileNotFoundError:
+        return False, (f"not resumable from {save_dir}: no {MEGATRON_TRACKER} (Megatron-LM writes it after each save; "
+                       f"its load finds no iteration without it); {fix}")
+    except (OSError, UnicodeDecodeError):
+        return False, f"{MEGATRON_TRACKER} is not a text file naming an iteration; {fix}"
+    except ZckptError as exc:
+        return False, exc.render()
+    if text == "release":
+        named, it = "release", None
+    elif text.isdigit():
+        it = int(text)
+        named = f"iter_{it:07d}"
+    else:
+        return False, f"{MEGATRON_TRACKER} says {text[:40]!r}, not an iteration; {fix}"
+    if not os.path.isdir(os.path.join(save_dir, named)):
+        return False, f"{MEGATRON_TRACKER} names {named}, which is missing"
+    m = ITER_RE.match(name)
+    if it is not None and m and int(m.group(1)) > it:
+        return False, (f"newer than {named}, the iteration {MEGATRON_TRACKER} names: its save has not finished "
+                       "(Megatron-LM's rank 0 writes the tracker after every rank's files)")
+    return True, "complete"
+
+
+def _megatron_torch_folder(entries) -> bool:
+    """A Megatron-LM iteration in its ``torch`` format: ``mp_rank_XX[_YYY]/`` folders of ``model_optim_rng.pt``."""
+    return any(MEGATRON_TORCH_RE.match(e) for e in entries)
+
+
 def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
     """``(True, "complete")`` when a checkpoint folder is whole, else ``(False, reason)``.
 
@@ -258,8 +326,18 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
         if why:
             return False, f"not resumable: {why}; {PUSH_LATEST_FIX}"
     tags = ([checkpoint_dir] if has_rank_files(checkpoint_dir) else []) + inner
-    if not tags and not trainer:
-        return False, "no DeepSpeed rank files and no trainer_state.json"
+    dcps = ([checkpoint_dir] if has_dcp_metadata(checkpoint_dir) else []) + [  # and a Trainer's FSDP folders
+        os.path.join(checkpoint_dir, e) for e in sorted(entries) if has_dcp_metadata(os.path.join(checkpoint_dir, e))]
+    if not tags and not trainer and not dcps and not _megatron_torch_folder(entries):
+        if any(e.endswith(".distcp") for e in entries):
+            return False, (f"{DCP_METADATA} missing (torch.distributed.checkpoint writes it last, once every rank's "
+                           "files are: the save has not finished)")
+        return False, "no DeepSpeed rank files, DCP .metadata or trainer_state.json"
+    for folder in dcps:
+        reason = check_dcp(folder)
+        if reason:
+            where = os.path.relpath(folder, checkpoint_dir)
+            return False, reason if where == "." else f"{where}: {reason}"
     for tag in tags:
         ok, reason = _check_tag(tag)
         if not ok:
@@ -278,6 +356,22 @@ def check_complete(checkpoint_dir: str) -> tuple[bool, str]:
             where = f.rel.rsplit("/", 1)[0] if "/" in f.rel else "."
             return False, reason if where == "." else f"{where}/{reason}"
     return True, "complete"
+
+
+def check_checkpoint(ckpt) -> tuple[bool, str]:
+    """One checkpoint :func:`zckpt.backup.find.find_checkpoints` found: :func:`check_complete`, and for a tag of a
+    DeepSpeed save folder its ``latest`` (:func:`check_save_tag`), for an iteration of a Megatron-LM save folder its
+    tracker file (:func:`check_megatron_iteration`)."""
+    ok, reason = check_complete(ckpt.path)
+    if ok and ckpt.save_dir:
+        try:
+            if ckpt.kind == "megatron":
+                ok, reason = check_megatron_iteration(ckpt.save_dir, ckpt.name)
+            else:
+                ok, reason = check_save_tag(ckpt.save_dir, ckpt.name)
+        except ZckptError as exc:  # a 'latest' that is a link out of SRC
+            ok, reason = False, exc.render()
+    return ok, reason
 
 
 def newest_mtime(folder: str) -> float:

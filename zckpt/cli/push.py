@@ -168,8 +168,8 @@ def push(src, dest, every, once, keep_last, settle, dry_run, workers, part_size,
          storage_options, as_json, quiet):
     """Copy complete checkpoints from SRC to DEST (a folder, s3://..., hf://...).
 
-    Only whole checkpoints are pushed (all rank files with intact zips, trainer_state.json, no file
-    changed for --settle). Files go in parallel; DEST/<checkpoint>/zckpt-manifest.json is written last,
+    Only whole checkpoints are pushed (all rank files with intact zips, trainer_state.json, a DCP
+    folder's .metadata, a Megatron-LM iteration its tracker file names, no file changed for --settle). Files go in parallel; DEST/<checkpoint>/zckpt-manifest.json is written last,
     so a checkpoint without it is not complete. Files already at DEST with the same size and sha256 are
     not sent again: an interrupted push resumes where it stopped.
     """
