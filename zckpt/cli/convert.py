@@ -23,7 +23,9 @@ Examples:
   zckpt convert fsdp2-step-1200/ --to deepspeed --world-size 8 --stage 3 --ds-config ds_config.json -o ds/
   zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
   zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/
-  zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 2 -o megatron-tp2pp2/   # any TP/PP/DP (fully_reshardable)""")
+  zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 2 -o megatron-tp2pp2/   # any TP/PP/DP (fully_reshardable)
+  zckpt convert checkpoint-400 --to megatron --pp 2 -o megatron-400/ \\
+      --megatron-args "--lr 5e-3 --train-iters 1000 --global-batch-size 4 --weight-decay 0.01"   # a DeepSpeed run""")
 @click.argument("path")
 @click.option("--to", "to", type=click.Choice(["dcp", "deepspeed", "megatron"]), default="dcp", show_default=True,
               help="dcp: a PyTorch Distributed Checkpoint that FSDP2 + torch.optim.AdamW resume from at any world "
@@ -65,6 +67,21 @@ Examples:
               help="--to megatron: the tensor-parallel size the Megatron-LM job resumes at (default: the source's).")
 @click.option("--pp", type=click.IntRange(1), default=None,
               help="--to megatron: the pipeline-parallel size (even stages only; default: the source's).")
+@click.option("--dp", type=click.IntRange(1), default=None,
+              help="--layout dp_reshardable: the data-parallel size the Megatron-LM job resumes at (the buckets' "
+                   "padding and each rank's shard depend on it; default: the source's, at its own TP/PP).")
+@click.option("--ddp-config", "ddp_config", default=None, metavar="KEY=VALUE[,...]",
+              help="--layout dp_reshardable: the target run's DDP settings the buckets depend on, as megatron-core's "
+                   "DistributedDataParallelConfig names them: overlap_grad_reduce, bucket_size (elements or none), "
+                   "grad_reduce_in_fp32, pad_buckets_for_high_nccl_busbw; default: the source's Megatron-LM args "
+                   "(refused where they do not say).")
+@click.option("--megatron-args", "megatron_args", default=None, metavar="FLAGS",
+              help="--to megatron from a run Megatron did not train (DeepSpeed, FSDP2 under Hugging Face Llama "
+                   "names): the pretrain_gpt.py flags the job will resume with that state its schedule and batch, "
+                   "e.g. '--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10 --train-iters 1000 "
+                   "--global-batch-size 8 --weight-decay 0.1'. Needs --lr, --global-batch-size and --train-iters "
+                   "(or --train-samples); other flags of the schedule, weight decay and Adam are read, any other is "
+                   "refused. The scheduler is made as Megatron-LM makes it, stepped to the source's step.")
 @click.option("--ntokens-seen", type=click.IntRange(0), default=None, metavar="N",
               help="--layout torchtitan: train_state.ntokens_seen (no DeepSpeed file records it; 0 restarts the "
                    "count).")
@@ -92,7 +109,9 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, ntokens_seen,
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, dp, ddp_config,
+            megatron_args,
+            ntokens_seen,
             lr_last_epoch, initial_lr, adam_mode, groups, native_names, tag, workers, overwrite, durable, dry_run,
             storage_options, as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back (or a Megatron-Core one into any of them,
@@ -122,7 +141,8 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          dtype=dtype, layout=layout, group=None if dry_run else group,
                          torchtitan={k: v for k, v in titan.items() if v is not None} or None,
                          groups=list(groups) or None, native_names=native_names,
-                         **({"tp": tp, "pp": pp} if to == "megatron" else {}))
+                         **({"tp": tp, "pp": pp, "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config}
+                            if to == "megatron" else {}))
     if group is not None and group.rank != 0:
         return
     if not dry_run:

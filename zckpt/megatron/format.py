@@ -10,7 +10,7 @@ from zckpt.state.formats import Format
 
 class Megatron(Format):
     name = "megatron"
-    convert_options = ("tp", "pp", "layout")
+    convert_options = ("tp", "pp", "layout", "megatron_args", "dp", "ddp_config")
 
     def claims(self, path, storage_options=None) -> bool:
         from zckpt.megatron import reader
@@ -46,9 +46,16 @@ class Megatron(Format):
         if ckpt.format in ("dcp", "deepspeed"):  # a state under Hugging Face Llama names: fused back
             from zckpt.megatron import from_hf
             return from_hf.plan_from_hf(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
-                                        options.get("side"))
+                                        options.get("side"), megatron_args=options.get("megatron_args"),
+                                        dp=options.get("dp"), ddp_config=options.get("ddp_config"))
+        if options.get("megatron_args") is not None:  # a Megatron source: its own scheduler and groups, never two
+            from zckpt.errors import OptionError
+            raise OptionError("--megatron-args does not apply to a Megatron checkpoint: its scheduler, param groups "
+                              "and counters are carried as saved", path=ckpt.location.input_path,
+                              hint="drop --megatron-args")
         from zckpt.megatron import writer
-        return writer.plan_megatron(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"))
+        return writer.plan_megatron(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
+                                    dp=options.get("dp"), ddp_config=options.get("ddp_config"))
 
 
 FORMAT = Megatron()

@@ -19,8 +19,9 @@ import re
 
 from zckpt.engine.segments import Cast, slice_segments
 from zckpt.engine.torchzip import TensorOut
-from zckpt.errors import UnsupportedLayout
+from zckpt.errors import OptionError, UnsupportedLayout
 from zckpt.io import storage
+from zckpt.megatron import run_args
 from zckpt.state.model import Checkpoint
 
 CONFIG = "config.json"
@@ -47,6 +48,9 @@ def read_config(ckpt: Checkpoint) -> dict:
         cfg = json.loads(storage.read_bytes(path, ckpt.storage_options))
     except (ValueError, UnicodeDecodeError):
         raise UnsupportedLayout(f"{CONFIG} is not JSON", path=path) from None
+    if not isinstance(cfg, dict):
+        raise UnsupportedLayout(f"{CONFIG} is not a JSON object", path=path)
+    cfg = _current(cfg, path)
     if cfg.get("model_type") != "llama":
         raise UnsupportedLayout(f"{CONFIG} says model_type {cfg.get('model_type')!r}: the name map covers Llama",
                                 path=path)
@@ -61,6 +65,27 @@ def read_config(ckpt: Checkpoint) -> dict:
     if _DTYPES.get(cfg["torch_dtype"]) is None:
         raise UnsupportedLayout(f"{CONFIG}: torch_dtype {cfg['torch_dtype']!r}; Megatron's weights are written as "
                                 "bfloat16 or float32", path=path)
+    return cfg
+
+
+def _current(cfg: dict, path: str) -> dict:
+    """transformers 5 writes ``dtype`` (was ``torch_dtype``) and the rotary base in ``rope_parameters`` (was
+    ``rope_theta``): either spelling read; a rotary scaling Megatron's plain RoPE does not apply is refused."""
+    cfg = dict(cfg)
+    if cfg.get("torch_dtype") is None and cfg.get("dtype") is not None:
+        cfg["torch_dtype"] = cfg["dtype"]
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise UnsupportedLayout(f"{CONFIG}: {key} is not an object", path=path)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise UnsupportedLayout(f"{CONFIG}: {key} says rope_type {kind!r}; Megatron's model is written with "
+                                    "plain RoPE (no scaling)", path=path)
+        if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
+            cfg["rope_theta"] = rope["rope_theta"]
     return cfg
 
 
@@ -162,17 +187,19 @@ def megatron_groups(ckpt: Checkpoint, step) -> list[dict]:
 
 
 def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp: int | None, layout: str | None,
-                 side: dict | None, chunk_bytes: int | None = None, file_bytes: int | None = None):
+                 side: dict | None, chunk_bytes: int | None = None, file_bytes: int | None = None,
+                 megatron_args=None, dp: int | None = None, ddp_config=None):
     """The Megatron-LM save folder of ``ckpt`` (Hugging Face Llama names) for ``tp`` / ``pp`` (default 1: the
-    source has no Megatron shape), ``side``: the source format's side state (counters, client state)."""
+    source has no Megatron shape), ``side``: the source format's side state (counters, client state);
+    ``megatron_args``: the pretrain_gpt.py flags that state what a run not trained by Megatron lacks (the schedule,
+    the global batch; :mod:`zckpt.megatron.run_args`)."""
     from zckpt.engine import dcplayout, torchzip
     from zckpt.engine.torchzip import GlobalRef, NewObj
     from zckpt.megatron import writer as w
 
     path = ckpt.location.input_path
-    if (layout or "fully_reshardable") != "fully_reshardable":
-        raise UnsupportedLayout(f"writing {layout} is not supported", path=path,
-                                hint="write --layout fully_reshardable: Megatron-LM resumes it at any TP/PP/DP")
+    layout = layout or "fully_reshardable"
+    w.check_dp_options(layout, dp, ddp_config)
     cfg = read_config(ckpt)
     tp, pp = w.positive("tp", tp) if tp is not None else 1, w.positive("pp", pp) if pp is not None else 1
     facts = {"vocab_size": cfg["vocab_size"], "num_attention_heads": cfg["num_attention_heads"],
@@ -183,19 +210,40 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     counters, client = side.get("train_state") or {}, side.get("client_state") or {}
     sched = client.get("opt_param_scheduler") if isinstance(client.get("opt_param_scheduler"), dict) else \
         {k.split(".", 1)[1]: v for k, v in client.items() if k.startswith("opt_param_scheduler.")}  # DCP's: flat
-    iteration = counters.get("global_steps")
-    if not sched or iteration is None:
-        raise UnsupportedLayout("the checkpoint holds no Megatron scheduler state (client_state.opt_param_scheduler)"
-                                " and iteration (train_state.global_steps), which Megatron-LM's load needs", path=path)
     steps = {g.step for g in ckpt.groups}
     if len(steps) != 1 or not ckpt.groups:
         raise UnsupportedLayout("the param groups do not agree on Adam's step", path=path)
     step = steps.pop()
+    stated = None
+    if megatron_args is not None:
+        if sched:
+            raise OptionError(f"{run_args.OPTION} does not apply: the source holds Megatron's own scheduler and "
+                              "group settings (from a Megatron run), carried as saved", path=path,
+                              hint=f"drop {run_args.OPTION}")
+        stated = run_args.parse(megatron_args)
+    elif not sched and not any("wd_mult" in g.hyperparams for g in ckpt.groups):
+        raise OptionError(f"a run not trained by Megatron: its scheduler, param groups' Megatron settings and global "
+                          f"batch are not in the files; state them with {run_args.OPTION} (at least "
+                          f"{', '.join(run_args.REQUIRED)} and --train-iters or --train-samples, as pretrain_gpt.py "
+                          "will run)", path=path, hint=f"e.g. {run_args.OPTION} '{run_args.EXAMPLE}'")
+    iteration = counters.get("global_steps", step if stated is not None else None)
+    if not sched and stated is None or iteration is None:
+        raise UnsupportedLayout("the checkpoint holds no Megatron scheduler state (client_state.opt_param_scheduler)"
+                                " and iteration (train_state.global_steps), which Megatron-LM's load needs", path=path)
     if step != iteration:
         raise UnsupportedLayout(f"iteration {iteration} but Adam's step {step}: Megatron keeps them equal here",
                                 path=path)
     state, _ = megatron_tensors(ckpt, cfg)
-    groups = megatron_groups(ckpt, step)
+    if stated is not None:
+        groups, sched, facts = run_args.megatron_groups(ckpt, stated, step)
+        consumed = int(iteration) * stated["global_batch_size"]
+        if counters.get("global_samples") not in (None, consumed):
+            raise OptionError(f"the source consumed {counters['global_samples']} samples in {iteration} iterations, "
+                              f"not {iteration} x --global-batch-size {stated['global_batch_size']} = {consumed}",
+                              path=path, hint="give the run's global batch size")
+        counters = {**counters, "global_samples": consumed}
+    else:
+        groups = megatron_groups(ckpt, step)
     dtype = _DTYPES[cfg["torch_dtype"]]
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     args = {"num_layers": cfg["num_hidden_layers"], "hidden_size": h, "ffn_hidden_size": cfg["intermediate_size"],
@@ -212,6 +260,8 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
         args["max_position_embeddings"] = cfg["max_position_embeddings"]
     if counters.get("global_samples") is not None:
         args["consumed_train_samples"] = counters["global_samples"]
+    if stated is not None:
+        args.update(run_args.args_of(stated, groups[0]["betas"], groups[0]["eps"], counters["global_samples"]))
     content = {"distrib_optim_sharding_type": "fully_reshardable",
                "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
                "chained_optim_avoid_prefix": True}
@@ -222,6 +272,10 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     if "num_floating_point_operations_so_far" in client:
         common["num_floating_point_operations_so_far"] = client["num_floating_point_operations_so_far"]
     common["content_metadata"] = content
+    if layout == "dp_reshardable":  # the optimizer's buckets for one TP/PP/DP (zckpt.megatron.writer_buckets)
+        from zckpt.megatron import writer_buckets
+        dp_notes = writer_buckets.lay_out_common(state, common, args, True, cfg["tie_word_embeddings"], tp, pp, dp,
+                                                 ddp_config, dtype, path)
     folder = f"iter_{int(iteration):07d}"
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes or dcplayout.CHUNK_BYTES,
@@ -235,8 +289,25 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     notes = [f"from {ckpt.format} under Hugging Face Llama names: q/k/v fused per query group, gate/up fused, layers "
              f"stacked; weights = the fp32 masters cast to {dtype} ({CONFIG}'s torch_dtype)",
              f"args from {CONFIG} (tp {tp}, pp {pp}); RNG states none (no_save_rng)"]
+    if stated is not None:
+        left.pop("lr_scheduler", None)
+        notes.append(f"from {run_args.OPTION} ({' '.join(stated['given'])}): Megatron-LM's scheduler at iteration "
+                     f"{iteration} (num_steps {facts['num_steps']} samples), lr {facts['lr']!r} (the source's groups "
+                     f"ran at {facts['source_lr']!r}), weight decay {facts['weight_decay']!r}; megatron-core's two "
+                     f"groups ({len(facts['members'][0])} parameters with weight decay, {len(facts['members'][1])} "
+                     "without), betas and eps the source's; consumed_train_samples "
+                     f"{counters['global_samples']}")
+        if side.get("lr_scheduler") is not None:
+            left["lr_scheduler"] = f"the {ckpt.format} run's own scheduler state (Megatron's is made from " \
+                                   f"{run_args.OPTION})"
     notes += [f"left out {k}: {why}" for k, why in left.items()]
     carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)", "opt_param_scheduler",
                "iteration"] + (["consumed_train_samples"] if "consumed_train_samples" in args else [])
-    return w.MegatronPlan(path, folder, ckpt.format, [(folder, part)], written, notes, "fully_reshardable", tp, pp,
-                          carried=carried, not_carried=left)
+    made = None
+    if stated is not None:
+        made = {"flags": {f: stated[run_args.FLAGS[f][0]] for f in stated["given"]}, "iteration": int(iteration),
+                "num_steps": facts["num_steps"], "lr": facts["lr"], "weight_decay": facts["weight_decay"],
+                "consumed_train_samples": counters["global_samples"], "opt_param_scheduler": sched}
+    notes += dp_notes if layout == "dp_reshardable" else []
+    return w.MegatronPlan(path, folder, ckpt.format, [(folder, part)], written, notes, layout, tp, pp,
+                          carried=carried, not_carried=left, stated=made)

@@ -132,7 +132,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
             layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
-            native_names: bool = False, tp: int | None = None, pp: int | None = None):
+            native_names: bool = False, tp: int | None = None, pp: int | None = None, megatron_args=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -159,7 +159,11 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
 
     ``to="megatron"``: a Megatron-LM save folder (:mod:`zckpt.megatron.writer`) that megatron-core resumes at any
     TP / PP / DP; ``tp`` / ``pp``: the target's sizes, checked against the model (default: the source's);
-    ``layout``: ``"fully_reshardable"`` (the default)."""
+    ``layout``: ``"fully_reshardable"`` (the default). ``megatron_args``: for a run Megatron did not train (DeepSpeed,
+    FSDP2 under Hugging Face Llama names), the ``pretrain_gpt.py`` flags that state its schedule and global batch
+    (one string, or a list of words: ``"--lr 3e-4 --train-iters 1000 --global-batch-size 8 ..."``;
+    :mod:`zckpt.megatron.run_args`), from which the scheduler, the groups' Megatron settings and the consumed
+    samples are made; refused for a source that holds Megatron's own."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
@@ -171,7 +175,11 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
         if given:
             raise InvalidArgument(f"{', '.join(given)} do not apply to --to {to}", hint=f"drop {', '.join(given)}")
         return convert_to(path, to, out, tag, dry_run, overwrite, workers, progress, durable, storage_options, group,
-                          {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout})
+                          {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout,
+                           "megatron_args": megatron_args})
+    if megatron_args is not None:
+        raise OptionError(f"--megatron-args states a Megatron target's schedule; --to {to} has none",
+                          hint="drop --megatron-args")
     if tp is not None or pp is not None:
         raise InvalidArgument(f"--tp / --pp set a Megatron target's parallel sizes; --to {to} has none",
                               hint="drop --tp / --pp")
