@@ -38,8 +38,10 @@ import re
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from zckpt.engine.segments import slice_pieces as cut
 
-BUCKET_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
-                       r"\.(param|exp_avg|exp_avg_sq)$")
+BUCKET_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+                       r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)$")
+# an expert's record name (zckpt.megatron.moe): its buffer is the second optimizer's (chained_1)
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.experts\.(\d+)\.(.+)$")
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
 ALIGN = 64  # _pad_start_of_param_if_needed: params start at multiples of 64 elements
 LAYERS = "decoder.layers."
@@ -55,6 +57,7 @@ _LAYER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_
           "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
           "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
           "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
+          "mlp.router.weight", "mlp.router.bias",  # an MoE layer's router (MoELayer: router, then its experts)
           "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
           "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 _TOP_AFTER = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
@@ -72,15 +75,18 @@ def _refuse(why: str, path: str) -> UnsupportedLayout:
 
 
 def short_name(name: str) -> str:
-    """A record name without ``decoder.layers.<i>.``."""
+    """A record name without ``decoder.layers.<i>.`` (an expert's: ``mlp.<param>``, split as a dense MLP's)."""
+    m = _EXPERT.match(name)
+    if m:
+        return "mlp." + m.group(3)
     if name.startswith(LAYERS):
         return name[len(LAYERS):].split(".", 1)[1]
     return name
 
 
 def _order(records, path: str) -> list:
-    """The trainable records in ``named_parameters()`` order."""
-    by_name = {r.name: r for r in records if r.kind == "trainable"}
+    """The trainable records in ``named_parameters()`` order (experts aside: their own buffer, :func:`_experts`)."""
+    by_name = {r.name: r for r in records if r.kind == "trainable" and not _EXPERT.match(r.name)}
     layers = sorted({int(n[len(LAYERS):].split(".", 1)[0]) for n in by_name if n.startswith(LAYERS)})
     names = [n for n in _TOP_BEFORE if n in by_name]
     for i in layers:
@@ -165,23 +171,34 @@ def stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[_
 _stages = stages  # (the name tests/test_megatron_convert.py calls)
 
 
-def _buckets(md, tp: int, path: str) -> dict[int, list[dict]]:
-    """model-parallel rank -> its buckets in order, each {state key: tensor entry}."""
+def _buckets(md, tp: int, path: str, chained: int = 0) -> dict[int, list[dict]]:
+    """model-parallel rank -> its buckets in order, each {state key: tensor entry}; ``chained``: those of one
+    optimizer of a chain (an MoE model's ``chained_0``: dense, ``chained_1``: experts; one optimizer: 0)."""
+    prefixed = {bool(re.match(r"chained_\d+\.optimizer\.", k)) for k in md.tensors if "optimizer." in k}
+    if len(prefixed) > 1:
+        raise _refuse("bucket tensors of one optimizer and of an optimizer chain in one checkpoint", path)
     found: dict = {}
     for key, te in md.tensors.items():
-        if not key.startswith("optimizer."):
+        if not key.startswith("optimizer.") and not re.match(r"chained_\d+\.optimizer\.", key):
             continue
         m = BUCKET_RE.match(key)
         if not m:
             raise _refuse(f"'{key[:120]}' is not a bucket tensor of megatron-core's distributed optimizer", path)
-        g, gbuf, dtype, b, state = int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)), m.group(5)
+        c = int(m.group(1)) if m.group(1) is not None else 0
+        if c != chained:
+            if c not in (0, 1):  # a third optimizer
+                raise _refuse(f"'{key[:120]}': the buckets of an optimizer chain zckpt does not know (it reads one "
+                              "optimizer, or an MoE model's dense chained_0 and expert chained_1)", path)
+            continue
+        g, gbuf, dtype, b, state = int(m.group(2)), int(m.group(3)), m.group(4), int(m.group(5)), m.group(6)
         if gbuf != 0:
             raise _refuse(f"'{key[:120]}': more than one grad buffer (several parameter dtypes or experts)", path)
         if len(te.shape) != 1:
             raise CorruptFile(f"'{key[:120]}' has size {list(te.shape)}, not a flat bucket", path=path)
         found.setdefault(g, {}).setdefault(b, {}).setdefault(dtype, {})[state] = te
     if sorted(found) != list(range(tp)):
-        raise _refuse(f"buckets for model-parallel ranks {sorted(found)}, the args say {tp} (tp x pp)", path)
+        raise _refuse(f"buckets for model-parallel ranks {sorted(found)}, the args say {tp} " +
+                      ("(tp x pp)" if chained != 1 else "(expert tp x ep x pp)"), path)
     out = {}
     for g, buckets in found.items():
         if sorted(buckets) != list(range(len(buckets))):
@@ -222,8 +239,9 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
     if args.get("virtual_pipeline_model_parallel_size") not in (None, 1) or \
             args.get("num_virtual_stages_per_pipeline_rank") not in (None, 1):
         raise _refuse("virtual pipeline stages (several model chunks per rank)", path)
-    if args.get("num_experts") not in (None, 0):
-        raise _refuse("mixture-of-experts parameters (an expert grad buffer)", path)
+    moe = f.get("moe") or {}
+    if not moe and any(k.startswith("chained_") and not k.startswith("chained_0.") for k in md.tensors):
+        raise _refuse("the buckets of several optimizers in a model the args say has no experts", path)
     swiglu = f.get("swiglu")
     fc1 = [r for r in records if short_name(r.name) in FC1 and r.kind == "trainable"]
     if fc1 and tp > 1 and swiglu is None:
@@ -231,14 +249,55 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
     per_stage = stages(records, pp, bool(swiglu), args, path)
     buckets = _buckets(md, tp * pp, path)
     local: dict[int, dict] = {}  # model-parallel rank (pp rank x tp + tp rank) -> name -> (states, start, numel)
-    stage_of = {}
+    ranks_of = {}
     for s, params in enumerate(per_stage):
         for t in range(tp):
             g = s * tp + t  # the rank in megatron-core's tp-pp group: tp fastest
             local[g] = _walk(params, buckets[g], g, tp, path)
-        stage_of.update({p.name: s for p in params})
-    return {p.name: tuple(_global(p, local, stage_of[p.name], tp, tensors, k) for k in STATE_KEYS)
-            for params in per_stage for p in params}
+        ranks_of.update({p.name: [s * tp + t for t in range(tp)] for p in params})
+    out = {p.name: tuple(_global(p, local, ranks_of[p.name], tp, tensors, k) for k in STATE_KEYS)
+           for params in per_stage for p in params}
+    if moe:
+        out.update(_experts(records, moe, pp, bool(swiglu), md, tensors, path))
+    return out
+
+
+def _experts(records, moe: dict, pp: int, swiglu: bool, md, tensors, path: str) -> dict:
+    """An MoE model's expert state: the second optimizer's buckets, one set per rank of the expert tensor x expert
+    x pipeline group (``g = etp_rank + etp * (ep_rank + ep * pp_rank)``, megatron-core's ``tp-ep-pp`` order), each
+    holding that expert-parallel rank's experts (global ``ep_rank * E/ep + j``) of its stage's MoE layers, in
+    ``named_parameters()`` order (layer by layer, local expert by expert, ``linear_fc1`` then ``linear_fc2``)."""
+    n, ep, etp = moe.get("num_experts"), moe.get("ep") or 1, moe.get("etp") or 1
+    if not n or n % ep:
+        raise _refuse(f"{n} experts do not split over expert-parallel size {ep}", path)
+    by_layer: dict[int, dict[int, list]] = {}
+    for r in records:
+        m = _EXPERT.match(r.name)
+        if m and r.kind == "trainable":
+            by_layer.setdefault(int(m.group(1)), {}).setdefault(int(m.group(2)), []).append(r)
+    order = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+    for recs in (x for es in by_layer.values() for x in es.values()):
+        unknown = [r.name for r in recs if _EXPERT.match(r.name).group(3) not in order]
+        if unknown:
+            raise _refuse(f"'{unknown[0]}' is not a parameter of SequentialMLP's experts", path)
+        recs.sort(key=lambda r: order.index(_EXPERT.match(r.name).group(3)))
+    all_layers = sorted({_layer(r.name) for r in records if _layer(r.name) is not None})
+    if len(all_layers) % pp:
+        raise _refuse(f"{len(all_layers)} layers do not split evenly over {pp} pipeline stages", path)
+    per_stage, local_n = len(all_layers) // pp, n // ep
+    buckets = _buckets(md, etp * ep * pp, path, 1)
+    local, ranks_of, params_of = {}, {}, {}
+    for s in range(pp):
+        for r in range(ep):
+            params = [_Rec(x, swiglu) for i in sorted(by_layer) if s * per_stage <= i < (s + 1) * per_stage
+                      for e in range(r * local_n, (r + 1) * local_n) for x in by_layer[i].get(e, [])]
+            for t in range(etp):
+                g = t + etp * (r + ep * s)
+                local[g] = _walk(params, buckets[g], g, etp, path)
+            ranks_of.update({p.name: [t + etp * (r + ep * s) for t in range(etp)] for p in params})
+            params_of.update({p.name: p for p in params})
+    return {name: tuple(_global(params_of[name], local, ranks, etp, tensors, k) for k in STATE_KEYS)
+            for name, ranks in ranks_of.items()}
 
 
 def _walk(params: list[_Rec], buckets: list[dict], g: int, tp: int, path: str) -> dict:
@@ -287,11 +346,11 @@ def _walk(params: list[_Rec], buckets: list[dict], g: int, tp: int, path: str) -
     return out
 
 
-def _global(p: _Rec, local: dict, stage: int, tp: int, tensors, key: str) -> list:
+def _global(p: _Rec, local: dict, ranks: list[int], tp: int, tensors, key: str) -> list:
     """The pieces of state ``key`` of parameter ``p`` in its global row-major order, from the TP ranks' shards
-    (model-parallel ranks ``stage * tp + t``)."""
+    (``ranks``: the model-parallel ranks of TP ranks 0..tp-1 holding it)."""
     def shard(t):
-        states, start, n = local[stage * tp + t][p.name]
+        states, start, n = local[ranks[t]][p.name]
         return tensors.pieces(states[key], start, n)
     short = short_name(p.name)
     if tp == 1 or not (short in ROWS or short in FC1 or short in COLS):

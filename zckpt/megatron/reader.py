@@ -38,7 +38,7 @@ from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
 )
 from zckpt.io import links, storage
-from zckpt.megatron import buckets
+from zckpt.megatron import buckets, moe
 from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors, pieces_of
 
 FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
@@ -219,7 +219,7 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
         else _int(a.get("iteration")),
         "run": run_facts(a),
         "optimizer_layout": layout, "checkpoint_version": common.get("checkpoint_version"),
-        "content_metadata": dict(content), "has_args": bool(a),
+        "content_metadata": dict(content), "has_args": bool(a), "moe": moe.facts(a),
     }
 
 
@@ -280,24 +280,31 @@ class _Tensors:
         return [p for t, local, n in runs for p in pieces_of(t, local, n)]
 
 
+_CHAINED_RE = re.compile(r"^chained_\d+\.optimizer\.")  # a mixture-of-experts model's two optimizers' keys
+
+
 def _model_keys(md: dcpmeta.DcpMetadata) -> list[str]:
-    return [k for k in md.tensors if not k.startswith(("optimizer.", "rng_state"))]
+    return [k for k in md.tensors if not k.startswith(("optimizer.", "rng_state")) and not _CHAINED_RE.match(k)]
 
 
-def _entries(md: dcpmeta.DcpMetadata, num_layers, mpath: str) -> list[tuple]:
-    """(record name, model key, layer or None, shape), in model order: embedding, the layers, the rest."""
+def _entries(md: dcpmeta.DcpMetadata, f: dict, mpath: str) -> list[tuple]:
+    """(record name, model key, layer or None, shape, flat start, numel), in model order: embedding, the layers
+    (an MoE layer's experts one record per expert and parameter: :mod:`zckpt.megatron.moe`), the rest."""
     out = []
+    num_layers = f["num_layers"]
     order = {k: i for i, k in enumerate(md.tensors)}
     for key in _model_keys(md):
         te = md.tensors[key]
-        if key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
+        if moe.is_expert_key(key):
+            out += moe.entries(key, tuple(te.shape), num_layers, (f.get("moe") or {}).get("num_experts"), mpath)
+        elif key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
             if not te.shape or (num_layers is not None and te.shape[0] != num_layers):
                 raise UnsupportedLayout(f"'{key}' has size {list(te.shape)}: not stacked over the "
                                         f"{num_layers} layers the args name", path=mpath)
-            rest = key[len(LAYERS):]
-            out += [(f"{LAYERS}{i}.{rest}", key, i, tuple(te.shape[1:])) for i in range(te.shape[0])]
+            rest, per = key[len(LAYERS):], te.numel // te.shape[0]
+            out += [(f"{LAYERS}{i}.{rest}", key, i, tuple(te.shape[1:]), i * per, per) for i in range(te.shape[0])]
         else:
-            out.append((key, key, None, tuple(te.shape)))
+            out.append((key, key, None, tuple(te.shape), 0, te.numel))
 
     def rank(e):
         name = e[0]
@@ -310,10 +317,8 @@ def _entries(md: dcpmeta.DcpMetadata, num_layers, mpath: str) -> list[tuple]:
 def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) -> list[TensorRecord]:
     fully = f["optimizer_layout"] == "fully_reshardable"
     records = []
-    for name, key, layer, shape in _entries(md, f["num_layers"], mpath):
+    for name, key, layer, shape, start, per in _entries(md, f, mpath):
         te = md.tensors[key]
-        per = te.numel // te.shape[0] if layer is not None else te.numel
-        start = layer * per if layer is not None else 0
         value = tensors.pieces(te, start, per)
         rec = TensorRecord(name, shape, "trainable", te.dtype, value, lp_dtype=te.dtype)
         state = {k: md.tensors.get(f"{OPTIM_STATE}{k}.{key}") for k in STATE_KEYS}
@@ -335,16 +340,17 @@ def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) ->
     return records
 
 
-_DP_OPTIM_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1$")
+_DP_OPTIM_RE = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1$")
 
 
 def _dp_optimizer(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> dict | None:
     """``dp_reshardable``: the optimizer's non-parameter state (param groups with Adam's step), saved as one
     sharded object per model-parallel rank, not in common.pt; None when the ranks' objects disagree or are
-    missing (then no step is known)."""
-    found = []
+    missing (then no step is known). A mixture-of-experts model has two optimizers (``chained_0``: the dense
+    parameters, ``chained_1``: the experts'): their param groups in that order."""
+    found: dict[int, list] = {}
     for key, v in md.values.items():
-        if _DP_OPTIM_RE.match(key):
+        if m := _DP_OPTIM_RE.match(key):
             try:
                 value = items.load(v.file, v.offset, v.length)
             except UnsafePickle as e:
@@ -355,10 +361,14 @@ def _dp_optimizer(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> d
                 value = value[0]
             if not isinstance(value, dict):
                 raise CorruptFile(f"'{key}' does not hold the optimizer's state dict", path=mpath)
-            found.append(value)
-    if not found or any(v != found[0] for v in found[1:]):
+            found.setdefault(int(m.group(1) or 0), []).append(value)
+    if not found or sorted(found) != list(range(len(found))) or \
+            any(v != vs[0] for vs in found.values() for v in vs[1:]):
         return None
-    return found[0]
+    if len(found) == 1:
+        return found[0][0]
+    groups = [found[c][0].get("param_groups") for c in sorted(found)]
+    return {"param_groups": [g for gs in groups for g in gs]} if all(isinstance(g, list) for g in groups) else None
 
 
 def _step(common: dict) -> tuple[list[dict], object]:
@@ -388,7 +398,11 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     sizes = {n: storage.size(storage.join(folder, n), opts) for n in names if _isfile(storage.join(folder, n), opts)}
     links.check([mpath] + ([common_path] if COMMON in sizes else []), folder)
     data = storage.read_bytes(mpath, opts)
-    md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
+    try:
+        md = dcpmeta.read_metadata(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
+    except CorruptFile:  # an expert's chunk missing or twice, or its data file gone: named by layer and expert
+        moe.diagnose(data, mpath, {n: s for n, s in sizes.items() if n != METADATA})
+        raise
     links.check([storage.join(folder, n) for n in md.files], folder)
     if COMMON in sizes:  # megatron-core <= 0.18: rank 0's torch.save beside the DCP files
         common = load_common(common_path, opts)
@@ -448,12 +462,17 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
                                 f"zckpt reads {SUPPORTED}", path=folder)
     if not _model_keys(md):
         raise CorruptFile("no model tensors in .metadata", path=mpath)
+    experts_saved = f["moe"] or any(moe.is_expert_key(k) for k in md.tensors)
+    if experts_saved:
+        moe.check_supported(list(md.tensors), f["moe"], mpath)
     items = distcp.Items(folder, opts)
-    placed, bucket_error = None, None
+    placed, bucket_error, layers = None, None, None
     try:
         n_extra = _extra_states(items, md, mpath)
         tensors = _Tensors(items, mpath)
         records = _records(tensors, md, f, mpath)
+        if experts_saved:  # every expert once, with its value and state, and the routers (or refused here)
+            layers = moe.coverage(records, f["moe"], mpath)
         if layout == "dp_reshardable":
             optim = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
             common = {**common, "optimizer": {**optim, "optimizer": _dp_optimizer(items, md, mpath)}}
@@ -461,6 +480,8 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
                 placed = buckets.place(records, md, f, _args(common), tensors, mpath)
             except (UnsupportedLayout, CorruptFile) as e:
                 bucket_error = e
+            if placed and layers:
+                moe.check_placed(layers, records, placed, mpath)
     finally:
         items.close()
     groups, step = _step(common)
@@ -490,7 +511,14 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
         _PRECISION.get(masters[0], masters[0])
     merge_notes = ["tensor names are Megatron's (decoder.layers.<i>.self_attention.linear_qkv.weight...), not a "
                    "Hugging Face model's: the folder holds the weights, not a transformers model"]
+    if layers:
+        notes.append(f"MoE: {len(layers)} layer(s) x {layers[0]['experts']} experts (SequentialMLP, expert-parallel "
+                     f"size {f['moe'].get('ep', '?')}), one record per expert and parameter "
+                     "(decoder.layers.<i>.mlp.experts.experts.<e>.<param>, e global)")
     extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step,
+             **({"moe_coverage": layers} if layers else {}),
+             # dp_reshardable: every expert's master and moments placed in the expert buckets (moe.check_placed)
+             **({"moe_states": ["master", "exp_avg", "exp_avg_sq"]} if layers and placed else {}),
              "extra_states": n_extra, "args": _args(common), "buckets": placed, "bucket_error": bucket_error,
              "common": {k: common[k] for k in ("opt_param_scheduler", "num_floating_point_operations_so_far")
                         if k in common},

@@ -60,6 +60,7 @@ def describe_dcp(ckpt: Checkpoint) -> dict:
                          for g in ckpt.groups],
         "without_optimizer_state": list(ckpt.extra.get("stateless") or []),
         "other_keys": list(ckpt.extra.get("other") or []), "notes": list(ckpt.notes),
+        **({"moe": moe} if (moe := experts.summary(ckpt)) else {}),  # MoE layers x experts (by the shapes)
         "files": [{"name": f.name, "bytes": f.size} for f in ckpt.files],
         "total_bytes": sum(f.size for f in ckpt.files),
     }
@@ -80,6 +81,7 @@ def render_dcp(d: dict) -> str:
                                      f"step {g['step']}"
                                      for g in d["param_groups"]) or "no param groups"),
         f"other keys   {', '.join(d['other_keys']) or 'none'}",
+    ] + ([f"experts      {experts.render(d['moe'])}"] if d.get("moe") else []) + [
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
     lines += [f"note         {note}" for note in d["notes"]]
@@ -108,6 +110,10 @@ def describe_megatron(ckpt: Checkpoint) -> dict:
         "param_groups": [{"index": i, "step": g.get("step"), "lr": g.get("lr"), "weight_decay": g.get("weight_decay")}
                          for i, g in enumerate(ckpt.extra.get("param_groups") or [])],
         "state_refusal": ckpt.state_refusal, "content_metadata": _plain(f["content_metadata"]),
+        # MoE layers x experts, checked, with the args' router top-k, expert tensor-parallel size, token dispatcher
+        **({"moe": {**moe, **{k: _plain(v) for k, v in (f.get("moe") or {}).items()
+                              if k in ("topk", "etp", "token_dispatcher", "ffn_hidden_size")}}}
+           if (moe := experts.summary(ckpt)) else {}),
         "notes": list(ckpt.notes), "files": [{"name": x.name, "bytes": x.size} for x in ckpt.files],
         "total_bytes": sum(x.size for x in ckpt.files),
     }
@@ -161,6 +167,8 @@ def render_megatron(d: dict) -> str:
         f"optimizer    {d['optimizer_layout']}" + "".join(
             f"; group {g['index']}: lr {g['lr']}, weight decay {g['weight_decay']}, step {g['step']}"
             for g in d["param_groups"]),
+        *([f"experts      {experts.render(d['moe'])}" + (f" (top-{d['moe']['topk']})" if d["moe"].get("topk")
+                                                           else "")] if d.get("moe") else []),
         f"files        {len(d['files'])}, {human_bytes(d['total_bytes'])}",
     ]
     lines += [f"note         {note}" for note in d["notes"]]

@@ -86,7 +86,8 @@ def check_owners(layer: dict, path: str | None = None) -> None:
 
 
 def _check_fused(layer: dict, where: str, n: int, by_name: dict, want: set[str], path) -> None:
-    check_owners(layer, path)
+    if layer.get("owners") is not None:  # (a DCP's fused tensors are whole: no placement, the shape says it)
+        check_owners(layer, path)
     for name in layer["fused"]:
         recs = by_name.get(name) or []
         if len(recs) != 1:
@@ -136,9 +137,12 @@ def summary(ckpt) -> dict | None:
     counts = [int(x["experts"]) for x in layers]
     eps = sorted({int(x["ep"]) for x in layers if x.get("ep")}) or [None]
     states = sorted(_want_states(ckpt.records), key=lambda k: (k not in ADAM, k))
+    # a reader that placed the state beside the records (Megatron's dp_reshardable buckets) says what it checked
+    states = list(ckpt.extra.get("moe_states") or states)
     return {"layers": len(layers), "experts": counts[0] if len(set(counts)) == 1 else counts,
             "ep": eps[0] if len(eps) == 1 else eps, "checked": True,
             "each_expert_has": ["value"] + states, "routers": sum(bool(x.get("router")) for x in layers),
+            "whole": all(x.get("ep") is None and x.get("owners") is None for x in layers),  # a DCP's, by shape
             "by_layer": [{"layer": x["layer"], "experts": int(x["experts"]), "ep": x.get("ep")} for x in layers]}
 
 
@@ -147,5 +151,6 @@ def render(s: dict) -> str:
     saved)."""
     experts = "/".join(map(str, s["experts"])) if isinstance(s["experts"], list) else s["experts"]
     ep = "/".join(map(str, s["ep"])) if isinstance(s["ep"], list) else (s["ep"] or "?")
-    return (f"{s['layers']} layer{'s' if s['layers'] != 1 else ''} x {experts} experts, ep {ep}: every expert "
+    ep = " (whole [E, ...] tensors: counted by their shape)" if s.get("whole") else f", ep {ep}"
+    return (f"{s['layers']} layer{'s' if s['layers'] != 1 else ''} x {experts} experts{ep}: every expert "
             f"once, with {', '.join(s['each_expert_has'])}; {s['routers']} router{'s' if s['routers'] != 1 else ''}")
