@@ -132,7 +132,8 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             adam_mode: str | None = None, storage_options: dict | None = None, world_size: int | None = None,
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
             layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
-            native_names: bool = False, tp: int | None = None, pp: int | None = None, megatron_args=None):
+            native_names: bool = False, tp: int | None = None, pp: int | None = None, megatron_args=None,
+            dp: int | None = None, ddp_config=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -163,7 +164,9 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     FSDP2 under Hugging Face Llama names), the ``pretrain_gpt.py`` flags that state its schedule and global batch
     (one string, or a list of words: ``"--lr 3e-4 --train-iters 1000 --global-batch-size 8 ..."``;
     :mod:`zckpt.megatron.run_args`), from which the scheduler, the groups' Megatron settings and the consumed
-    samples are made; refused for a source that holds Megatron's own."""
+    samples are made; refused for a source that holds Megatron's own. ``layout="dp_reshardable"``: the
+    distributed optimizer's buckets for ``dp`` data-parallel ranks and the DDP settings ``ddp_config``
+    (``"overlap_grad_reduce=false,..."``; :mod:`zckpt.megatron.writer_buckets`)."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
@@ -176,13 +179,13 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             raise InvalidArgument(f"{', '.join(given)} do not apply to --to {to}", hint=f"drop {', '.join(given)}")
         return convert_to(path, to, out, tag, dry_run, overwrite, workers, progress, durable, storage_options, group,
                           {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout,
-                           "megatron_args": megatron_args})
+                           "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config})
     if megatron_args is not None:
         raise OptionError(f"--megatron-args states a Megatron target's schedule; --to {to} has none",
                           hint="drop --megatron-args")
-    if tp is not None or pp is not None:
-        raise InvalidArgument(f"--tp / --pp set a Megatron target's parallel sizes; --to {to} has none",
-                              hint="drop --tp / --pp")
+    if tp is not None or pp is not None or dp is not None or ddp_config is not None:
+        raise InvalidArgument(f"--tp / --pp / --dp / --ddp-config set a Megatron target's shape; --to {to} has none",
+                              hint="drop them")
     if to == "deepspeed":
         from zckpt.ops import to_deepspeed
         if group is not None:
