@@ -63,9 +63,9 @@ RULES: list[Row] = [
     Row("convert", "workers", {"to": ("dcp", "deepspeed", "megatron")}),
     Row("convert", "tp", {"to": ("megatron",)}),  # the Megatron target's parallel sizes (zckpt/megatron/writer.py)
     Row("convert", "pp", {"to": ("megatron",)}),
-    Row("convert", "megatron_args", {"to": ("megatron",)}),
+    Row("convert", "megatron_args", {"to": ("megatron",)}),  # a non-Megatron run's schedule (megatron/run_args.py)
     Row("convert", "dp", {"to": ("megatron",), "layout": ("dp_reshardable",)}),  # the buckets' shape (writer_buckets)
-    Row("convert", "ddp_config", {"to": ("megatron",), "layout": ("dp_reshardable",)}),  # a non-Megatron run's schedule (megatron/run_args.py)
+    Row("convert", "ddp_config", {"to": ("megatron",), "layout": ("dp_reshardable",)}),  # the target's DDP settings (writer_buckets)
     Row("convert", "layout", {"to": ("megatron",)}, values=("fully_reshardable", "dp_reshardable")),
     Row("convert", "groups", {"to": ("dcp", "deepspeed")}),  # a Megatron source's groups for another format
     Row("convert", "native_names", {"to": ("dcp", "deepspeed")}),
