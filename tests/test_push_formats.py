@@ -40,16 +40,19 @@ def _same(src: Path, dest: Path) -> None:
 
 
 def _dcp_save(folder: Path, step: int) -> None:
-    """What torchtitan's CheckpointManager leaves for one step: torch's own dcp.save of a model + optimizer."""
+    """What torchtitan's CheckpointManager leaves for one step: torch's own dcp.save of a model + optimizer (its
+    OptimizersContainer's state: get_state_dict, flattened), one process."""
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     torch.manual_seed(step)
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 6)).sum().backward()
     opt.step()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "train_state": {"step": step}}
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state = {"model": msd, "optimizer": osd, "train_state": {"step": step}}  # as torchtitan's containers give them
     dcp.save(state, checkpoint_id=str(folder))
 
 
@@ -158,3 +161,15 @@ def test_megatron_save_without_tracker(tmp_path):
     assert out.returncode == 1
     assert "latest_checkpointed_iteration.txt" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
+def test_verify_a_torchtitan_checkpoint_folder(titan, tmp_path):
+    """`zckpt verify outputs/checkpoint` verifies each step-N, and names the one whose save has not finished."""
+    src = tmp_path / "checkpoint"
+    shutil.copytree(titan, src)
+    ok = subprocess.run([sys.executable, "-m", "zckpt", "verify", str(src), "-v"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "ok   step-10: metadata" in ok.stdout and "ok   step-20: metadata" in ok.stdout
+    (src / "step-20" / ".metadata").unlink()
+    bad = subprocess.run([sys.executable, "-m", "zckpt", "verify", str(src)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "step-20" in bad.stderr and "Traceback" not in bad.stderr

@@ -26,7 +26,7 @@ from zckpt.io import hashing, publish, storage
 from zckpt.state import experts
 from zckpt.state.model import Checkpoint, metadata_errors
 from zckpt.state.open import open_checkpoint
-from zckpt.backup.files import TAG_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file
+from zckpt.backup.files import TAG_STEP_RE, TITAN_STEP_RE, TRAINER_RE, CheckpointFile, NotBackedUp, files_in_folder, is_rank_file
 from zckpt.backup.find import step_of
 from zckpt.backup.manifest import MANIFEST_NAME, RECORD_NAME
 from zckpt.errors import CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, ZckptError
@@ -178,7 +178,7 @@ def _verify_folder_of_checkpoints(path: str, report: VerifyReport, deep: bool, p
         names = [n for n in listing if storage.isdir(storage.join(path, n), storage_options)]
     except (OSError, ZckptError):
         return False
-    inside = [n for n in names if TRAINER_RE.match(n) or TAG_STEP_RE.match(n) or any(
+    inside = [n for n in names if TRAINER_RE.match(n) or TAG_STEP_RE.match(n) or TITAN_STEP_RE.match(n) or any(
         storage.exists(storage.join(path, n, m), storage_options) for m in (MANIFEST, RECORD_NAME))]
     if not inside:
         return False
