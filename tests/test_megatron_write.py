@@ -40,8 +40,9 @@ CHUNKED = ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1))
 # -> dp2; dp_reshardable dp2 -> pp2; tied tp2 x dp2 -> pp2 (the shared embedding's own buckets); fp32 params -> tp2;
 # tied GELU pp2 -> dp2. generate.py's DDP (overlap_grad_reduce off: one bucket) is not in its args: stated.
 DDP = "overlap_grad_reduce=false,grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false"
-DP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2)), ("gpt_tp1_pp1_dp2", (1, 2, 1)), ("gpt_tp2_pp1_dp2", (1, 2, 1)),
-           ("gpt_tp1_pp1_dp2_fp32", (2, 1, 1)), ("gpt_tp1_pp2_dp1_tied", (1, 1, 2))]
+DP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2), None), ("gpt_tp1_pp1_dp2", (1, 2, 1), None),
+           ("gpt_tp2_pp1_dp2", (1, 2, 1), None), ("gpt_tp1_pp1_dp2_fp32", (2, 1, 1), None),
+           ("gpt_tp1_pp2_dp1_tied", (1, 1, 2), None), ("gpt_tp2_pp1_dp2", (2, 1, 1), "dcp")]  # + via Llama names
 # source (c): a DCP under Hugging Face Llama names (zckpt's own Megatron -> DCP, the q/k/v and gate/up split) with the
 # model's config.json beside it, fused back; megatron-core's load must equal the original Megatron source's oracle
 DCP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1), "dcp"), ("gpt_tp2_pp1_dp2", (1, 2, 1), "dcp"),
@@ -69,16 +70,9 @@ def _convert(src, out, **kw):
     return convert(str(src), to="megatron", out=str(out), **kw)
 
 
-def _write_dp(src, out, tp, pp, dp, ddp=None, tag=None):
-    """--layout dp_reshardable at (tp, pp, dp), ``ddp``: --ddp-config."""
-    from zckpt.megatron.writer import plan_megatron
-    from zckpt.ops.convert import execute
-    from zckpt.state import checksums
-    from zckpt.state.open import open_checkpoint
-    ckpt = open_checkpoint(str(src), tag)
-    plan = plan_megatron(ckpt, str(out), tp, pp, layout="dp_reshardable", dp=dp, ddp_config=ddp)
-    execute(plan, str(out), check=checksums.input_check(ckpt))
-    return plan
+def _write_dp(src, out, tp, pp, dp, ddp=None):
+    """--layout dp_reshardable at (tp, pp, dp), ``ddp``: --ddp-config; the plan."""
+    return _convert(src, out, tp=tp, pp=pp, layout="dp_reshardable", dp=dp, ddp_config=ddp).plan
 
 
 def _free_port() -> int:
@@ -113,9 +107,9 @@ def loaded(tmp_path_factory):
         out = tmp / f"{via}-{i}-{src}-tp{tp}pp{pp}"
         _convert(_dcp_of(src, tmp / f"{via}-{i}-{src}", via), out, tp=tp, pp=pp)
         jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
-    for i, (src, (tp, pp, dp)) in enumerate(DP_JOBS):
+    for i, (src, (tp, pp, dp), via) in enumerate(DP_JOBS):
         out = tmp / f"dp-{i}-{src}-tp{tp}pp{pp}dp{dp}"
-        _write_dp(MEG / src, out, tp, pp, dp, DDP)
+        _write_dp(_dcp_of(src, tmp / f"dp-{via}-{i}-{src}", via) if via else MEG / src, out, tp, pp, dp, DDP)
         jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp]})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
@@ -164,16 +158,16 @@ def test_llama_names_are_fused_back_exactly(loaded, i):
     assert got["iteration"] == 3
 
 
-@pytest.mark.parametrize("i", range(len(DP_JOBS)), ids=[f"{s}-to-dp_reshardable-tp{t[0]}pp{t[1]}dp{t[2]}"
-                                                         for s, t in DP_JOBS])
+@pytest.mark.parametrize("i", range(len(DP_JOBS)), ids=[f"{s}{'-via-' + v if v else ''}-to-dp_reshardable-tp{t[0]}"
+                                                         f"pp{t[1]}dp{t[2]}" for s, t, v in DP_JOBS])
 def test_megatron_core_resumes_dp_reshardable_buckets(loaded, i):
     """--layout dp_reshardable: megatron-core 0.16.1's own dp_reshardable load (its per_bucket_numel_unpadded
     compared with its buffers, each parameter's state taken by position in the buckets) equals the source's oracle
-    bit for bit, and one more iteration runs."""
+    bit for bit, and one more iteration runs; from Megatron either layout, and from a DCP under Llama names."""
     got = loaded[len(JOBS) + 1 + len(DCP_JOBS) + i]
     assert got["source"] == DP_JOBS[i][0] and tuple(got["shape"]) == DP_JOBS[i][1]
     assert got["keys_equal"] and got["tensors"] > 0 and not got["differ"], (got["missing"], got["differ"])
-    assert got["groups_equal"], (got["groups"], got["groups_expected"])
+    assert got["groups_equal"], (got["groups"], got["groups_expected"])  # (its members: megatron-core's own)
     assert got["scheduler_equal"] and got["losses_finite"] and got["iteration"] == 3
     folder = Path(got["ckpt"])
     c = torch.load(str(next(folder.glob("iter_*")) / "common.pt"), weights_only=False)
@@ -472,6 +466,28 @@ def test_cli_writes_it_and_names_what_does_not_apply(tmp_path):
     res = _cli("convert", src, "--to", "megatron", "--tp", "3", "-o", tmp_path / "no")
     assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "Traceback" not in res.stderr and "--tp 3" in res.stderr
+    assert not (tmp_path / "no").exists()
+
+
+def test_cli_writes_dp_reshardable_and_refuses_its_options_elsewhere(tmp_path):
+    """--layout dp_reshardable --dp N --ddp-config ...: exit 0, the buckets written; --dp / --ddp-config with
+    fully_reshardable or another target: exit 2 naming the option; a dp megatron-core cannot shard: exit 1."""
+    src = MEG / "gpt_tp2_pp2_dp1_fullyresh"
+    res = _cli("convert", src, "--to", "megatron", "--tp", "1", "--pp", "1", "--layout", "dp_reshardable", "--dp", "2",
+               "--ddp-config", DDP, "-o", tmp_path / "ok", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert (doc["layout"], doc["tp"], doc["pp"]) == ("dp_reshardable", 1, 1)
+    assert any("dp_reshardable for dp 2: buckets per model-parallel rank [1]" in n for n in doc["notes"]), doc["notes"]
+    for bad, word in ((["--to", "megatron", "--dp", "2"], "--dp"), (["--to", "megatron", "--ddp-config", DDP],
+                                                                     "--ddp-config"),
+                      (["--to", "dcp", "--dp", "2"], "--dp")):
+        res = _cli("convert", src, *bad, "-o", tmp_path / "no")
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, (bad, res.stderr)
+        assert word in res.stderr, res.stderr
+    res = _cli("convert", src, "--to", "megatron", "--layout", "dp_reshardable", "--dp", "4096", "--ddp-config", DDP,
+               "-o", tmp_path / "no")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1 and "empty bucket" in res.stderr
     assert not (tmp_path / "no").exists()
 
 

@@ -199,6 +199,8 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
 
     path = ckpt.location.input_path
     layout = layout or "fully_reshardable"
+    if layout not in w.LAYOUTS:
+        raise UnsupportedLayout(f"unknown Megatron layout {layout!r}", path=path, hint=f"one of {', '.join(w.LAYOUTS)}")
     w.check_dp_options(layout, dp, ddp_config)
     cfg = read_config(ckpt)
     tp, pp = w.positive("tp", tp) if tp is not None else 1, w.positive("pp", pp) if pp is not None else 1

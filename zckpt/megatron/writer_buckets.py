@@ -284,3 +284,19 @@ def to_dp_reshardable(state: dict, swiglu: bool, tied: bool, args: dict, tp: int
     said = ", ".join(f"{k} from {v}" for k, v in ddp.said.items())
     return [f"dp_reshardable for dp {ddp.dp}: buckets per model-parallel rank {counts} (bucket size "
             f"{ddp.bucket_size or 'unbounded'}, grads {ddp.grad_dtype}); {said}"]
+
+
+def lay_out_common(state: dict, common: dict, args: dict, swiglu: bool, tied: bool, tp: int, pp: int, dp, ddp_config,
+                   param_dtype: str, path: str) -> list[str]:
+    """``--layout dp_reshardable`` for a save folder built in model space (:mod:`zckpt.megatron.from_hf`): the
+    buckets in place of ``state``'s optimizer tensors, ``common`` (its param groups) and ``args`` saying so, in
+    place; the notes."""
+    ddp = ddp_facts(args, parse_ddp_config(ddp_config), dp, param_dtype, path)
+    groups = common["optimizer"]["optimizer"]["param_groups"]
+    notes = to_dp_reshardable(state, swiglu, tied, args, tp, pp, ddp, groups, path)
+    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+    content = {k: v for k, v in (common.get("content_metadata") or {}).items()
+               if k != "distrib_optim_fully_reshardable_mem_efficient"}
+    common["content_metadata"] = {**content, "distrib_optim_sharding_type": "dp_reshardable"}
+    args["dist_ckpt_optim_fully_reshardable"] = False
+    return notes
