@@ -12,6 +12,7 @@ DeepSpeed cannot run is refused in one line.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from zckpt.errors import ZckptError
 from zckpt.ops.reshard import reshard
-from tests.test_reshard import assert_same_files, assert_same_tree, _torch_load
+from tests.test_reshard import assert_same_files, assert_same_state, assert_same_tree, _torch_load
 from tests.test_reshard_moe import FIX, _check_loaded, _launch, _spec
 
 
@@ -73,3 +74,74 @@ def test_zero0_ep_round_trip_reproduces_every_file(tmp_path, name, mid_ws, mid_e
     back = (2,) if len(eps) == 1 else (2, 1)
     reshard(str(a), str(b), world_size=_spec(name)["world_size"], ep=back if len(back) > 1 else back[0])
     _same_files(src, b)
+
+
+# ------------------------------------------------------------------------------------------------ layers of several sizes
+
+MIXED = "moe_z2_bf16_ws4_ep2_ep4_mixed"  # ZeRO-2, layer 0 at ep 2, layer 1 at ep 4, 8 experts each, ws 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [(4, 2), (4, 4)], ids=["swapped", "one-size"])
+def test_layers_of_several_sizes_load_natively(tmp_path, ep):
+    """Layers of ep 2 and ep 4 laid out at ep 4 and 2 (the groups swap their layers; rank 0's order of the names
+    kept, which the engine's PYTHONHASHSEED 0 gives) and at ep 4 for both (one expert group): DeepSpeed loads each
+    at 4 ranks with the source's state and re-saves zckpt's files."""
+    src, out, oracle, again = FIX / MIXED, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
+    res = reshard(str(src), str(out), world_size=4, ep=ep)
+    assert f"layer 0 2 -> {ep[0]}, layer 1 4 -> {ep[1]}" in res.plan.notes[0]
+    spec = dict(_spec(MIXED), ep_size=ep[0], moe2_ep_size=ep[1])
+    _launch({"kind": "moe", "mode": "native", "spec": spec, "ckpt": str(out), "out": str(oracle),
+             "resave": str(again)}, 4)
+    assert_same_state(src / "expected", oracle / "expected", skip=("lrs",))  # every tensor, step, counters
+    want, got = (json.loads((d / "expected" / "oracle.json").read_text())["lrs"] for d in (src, oracle))
+    assert got == want[:len(set(ep)) + 1]  # the dense group and one expert group per size, the source's lr
+    assert_same_files(out, again, (src / "latest").read_text().strip())
+
+
+@pytest.fixture(scope="module")
+def mixed_in_rank0_order(tmp_path_factory):
+    """The mixed fixture resharded at its own sizes: every rank's file in rank 0's group order (the source's ranks
+    1-3 saved another order), what a round trip comes back to."""
+    out = tmp_path_factory.mktemp("mixed") / "norm"
+    reshard(str(FIX / MIXED), str(out), world_size=4)
+    return out
+
+
+@pytest.mark.parametrize("ws,ep", [(4, (4, 2)), (8, (8, 8)), (4, (1, 4)), (2, (2, 2)), (8, (4, 4))],
+                         ids=["swap", "merge-8", "ep1", "merge-2", "merge-4-ws8"])
+def test_several_sizes_round_trip_reproduces_every_file(tmp_path, mixed_in_rank0_order, ws, ep):
+    src, a, b = mixed_in_rank0_order, tmp_path / "a", tmp_path / "b"
+    reshard(str(src), str(a), world_size=ws, ep=ep)
+    tag = (src / "latest").read_text().strip()
+    osd = _torch_load(a / tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    names = [pg["name"] for pg in osd["base_optimizer_state"]["param_groups"][1:]]
+    assert sorted(names) == sorted({f"ep_size_{n}" for n in ep})
+    assert osd["partition_count"][1:] == [ws // int(n.rsplit("_", 1)[1]) for n in names]
+    ms = _torch_load(a / tag / "mp_rank_00_model_states.pt")
+    assert len(ms["param_shapes"]) == 1 + len(names)
+    reshard(str(a), str(b), world_size=4, ep=(2, 4))
+    _same_files(src, b)
+
+
+@pytest.mark.parametrize("name,kw,words", [
+    (MIXED, dict(world_size=4, ep=(2, 4, 4)), "3 expert-parallel sizes for 2 MoE layers"),
+    (MIXED, dict(world_size=4, ep=(3, 4)), "8 experts do not split over expert-parallel size 3"),
+    (MIXED, dict(world_size=6, ep=(2, 4)), "data-parallel size 6 is not a multiple of the expert-parallel size 4"),
+    ("moe_autoep_z2_bf16_ws4_ep4_l2", dict(world_size=4, ep=(2, 4)), "AutoEP requires one size"),
+    ("moe_z0_bf16_ws2_ep2_ep1", dict(world_size=2, ep=(4, 1)), "data-parallel size 2 is not a multiple"),
+    ("moe_z0_bf16_ws2_ep2_ep1", dict(world_size=4, ep=(2, 1), stage=1), "ZeRO stage"),
+], ids=["count", "not-dividing", "dp", "autoep-two-sizes", "zero0-dp", "zero0-stage"])
+def test_several_sizes_refusals_are_one_line(tmp_path, name, kw, words):
+    with pytest.raises(ZckptError) as err:
+        reshard(str(FIX / name), str(tmp_path / "o"), **kw)
+    assert words in str(err.value) and "\n" not in str(err.value) and not (tmp_path / "o").exists()
+
+
+def test_cli_ep_per_layer(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(FIX / MIXED), "-w", "4", "--ep", "4,2",
+                           "-o", str(tmp_path / "o"), "--json"], capture_output=True, text=True, cwd=FIX.parent)
+    assert proc.returncode == 0 and "layer 0 2 -> 4, layer 1 4 -> 2" in proc.stdout, proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(FIX / MIXED), "-w", "4", "--ep", "4,x",
+                          "-o", str(tmp_path / "bad")], capture_output=True, text=True, cwd=FIX.parent)
+    assert bad.returncode == 2 and "--ep" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

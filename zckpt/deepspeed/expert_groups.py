@@ -40,6 +40,9 @@ class MoELayout:
     shards: dict[int, dict[int, list[tuple[str, TensorRecord]]]]
     expert_files: dict[str, tuple[list[tuple[str, LazyTensor]], int, int]]
     autoep: bool = False
+    # another expert-parallel size that changes the expert groups (:func:`at_ep`): new group -> the source groups
+    # its parameters come from (hyperparameters and step from the first)
+    regroup: dict[int, list[int]] | None = None
 
     def ep_rank(self, ms0: dict, ws: int, ep: int, rank: int, path: str) -> tuple[int, int]:
         """(expert-parallel rank, index in its expert-data-parallel group) of data-parallel rank ``rank`` at world
@@ -261,56 +264,113 @@ def _owners(name: str, amap: dict, path: str) -> dict[int, list[int]]:
 _LOCAL_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 
-def at_ep(layout: MoELayout, ep: int, param_shapes: list, path: str,
-          records: dict | None = None) -> tuple[MoELayout, dict[int, dict]]:
-    """A native MoE layout laid out again at expert-parallel size ``ep`` (``zckpt reshard --ep``): expert-parallel
-    rank e holds global experts ``e * E/ep .. (e+1) * E/ep - 1`` of each layer under local ids ``0 .. E/ep - 1``, in
-    the order DeepSpeed's flat group has them (layer by layer, expert by expert, each expert's parameters in module
-    order: the source's order, read from its expert-parallel rank 0). Returns the layout and, per expert group, the
-    new ``param_shapes`` entry (rank 0's local experts, shapes as the source saved them). Refused in one line: AutoEP,
-    layers of several expert-parallel sizes (their expert groups would become one), a layer whose experts do not
-    split over ``ep``."""
-    if len(set(layout.ep.values())) > 1:
-        raise UnsupportedLayout(f"MoE layers of expert-parallel sizes {sorted(set(layout.ep.values()))}: at one "
-                                "size their expert groups would be one group, which zckpt does not lay out",
-                                path=path, hint="drop --ep")
+def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | None = None,
+          names: dict[int, str] | None = None) -> tuple[MoELayout, dict[int, dict]]:
+    """A native MoE layout laid out again at other expert-parallel sizes (``zckpt reshard --ep``): ``ep`` one size
+    for every MoE layer, or ``{MoE layer index: size}``. Expert-parallel rank e of a layer of size N holds its global
+    experts ``e * E/N .. (e+1) * E/N - 1`` under local ids ``0 .. E/N - 1``. DeepSpeed gives each size one expert
+    param group (``ep_size_N``, after the dense groups) whose flat group holds, layer by layer in model order, each
+    local expert's parameters in module order (the source's order, read from its expert-parallel rank 0). Returns
+    the layout and, per expert group, the new ``param_shapes`` entry (rank 0's local experts, shapes as the source
+    saved them). Where the groups change (sizes merged, split or swapped), ``MoELayout.regroup`` says from which
+    source groups each new one comes: its order is the source rank 0's order of the same names, else the order the
+    source's groups first hold its layers. Refused in one line: a layer whose experts do not split, a layer's experts
+    in several source groups or two source groups of one name (several user param groups, or DeepSpeed's
+    ``max_group_size`` split), source expert groups before a dense one."""
     if layout.autoep:
-        return _autoep_at_ep(layout, ep, records or {}, path)
-    shards: dict[int, dict[int, list]] = {}
-    shapes: dict[int, dict] = {}
-    nl_of: dict[str, int] = {}
-    for g, by_rank in layout.shards.items():
-        recs = {rec.name: rec for pairs in by_rank.values() for _, rec in pairs}
-        blocks: list[tuple[str, set[int], list[str]]] = []  # (prefix, local ids, suffixes in order)
+        sizes = set(ep.values()) if isinstance(ep, dict) else {ep}
+        if len(sizes) > 1:
+            raise UnsupportedLayout(f"AutoEP layers at expert-parallel sizes {sorted(sizes)}: DeepSpeed's AutoEP "
+                                    "requires one size for every layer", path=path, hint="pass one --ep size")
+        return _autoep_at_ep(layout, sizes.pop(), records or {}, path)
+    names = names or {}
+    recs: dict[str, TensorRecord] = {}
+    blocks: dict[str, tuple[int, int, list[str]]] = {}  # prefix -> (source group, experts, suffixes in order)
+    order: list[str] = []
+    for g in sorted(layout.shards):
+        by_rank = layout.shards[g]
+        recs.update({rec.name: rec for pairs in by_rank.values() for _, rec in pairs})
+        ids: dict[str, set[int]] = {}
         for local, _ in by_rank[0]:
             m = _LOCAL_RE.match(local)
             if m is None:
                 raise CorruptFile(f"'{local}' is in an expert group but is not a deepspeed_experts parameter",
                                   path=path)
             prefix, i, suffix = m.group(1), int(m.group(2)), m.group(3)
-            if not blocks or blocks[-1][0] != prefix:
-                blocks.append((prefix, set(), []))
-            blocks[-1][1].add(i)
-            if suffix not in blocks[-1][2]:
-                blocks[-1][2].append(suffix)
-        new: dict[int, list] = {}
-        for prefix, ids, suffixes in blocks:
-            total = len(ids) * layout.ep[g]
-            if total % ep:
-                raise UnsupportedLayout(f"MoE layer {prefix.split('.deepspeed_moe.')[0]}: {total} experts do not split "
-                                        f"over expert-parallel size {ep}", path=path, hint="pass an --ep dividing it")
-            nl = nl_of[prefix] = total // ep
-            for e in range(ep):
-                new.setdefault(e, []).extend(
-                    (f"{prefix}{i}{sfx}", recs[f"{prefix}{e * nl + i}{sfx}"]) for i in range(nl) for sfx in suffixes)
-        src = param_shapes[g]
-        shapes[g] = {local: src[_LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
-        shards[g] = new
+            if prefix in blocks and blocks[prefix][0] != g:
+                raise UnsupportedLayout(f"MoE layer {_module(prefix)}'s experts are in expert groups "
+                                        f"{blocks[prefix][0]} and {g} (several user param groups): not laid out at another "
+                                        "expert-parallel size", path=path, hint="drop --ep")
+            if prefix not in blocks:
+                blocks[prefix] = (g, 0, [])
+                order.append(prefix)
+            ids.setdefault(prefix, set()).add(i)
+            if suffix not in blocks[prefix][2]:
+                blocks[prefix][2].append(suffix)
+        for prefix, got in ids.items():
+            blocks[prefix] = (g, len(got) * layout.ep[g], blocks[prefix][2])
+    src_names = [names.get(g, f"ep_size_{layout.ep[g]}") for g in sorted(layout.shards)]
+    if len(set(src_names)) < len(src_names):
+        raise UnsupportedLayout(f"expert param groups {src_names}: two of one size (several user param groups, or "
+                                "DeepSpeed's max_group_size split) are not laid out at another expert-parallel size",
+                                path=path, hint="drop --ep")
+    layer_of = _layer_indices(layout, order)
+    size_of = {p: (ep[layer_of[p]] if isinstance(ep, dict) else ep) for p in order}
+    for p in order:
+        if blocks[p][1] % size_of[p]:
+            raise UnsupportedLayout(f"MoE layer {_module(p)}: {blocks[p][1]} experts do not split over expert-parallel "
+                                    f"size {size_of[p]}", path=path, hint="pass an --ep dividing it")
+    sizes: list[int] = []
+    for p in order:
+        if size_of[p] not in sizes:
+            sizes.append(size_of[p])
+    if {f"ep_size_{n}" for n in sizes} == set(src_names):
+        sizes.sort(key=lambda n: src_names.index(f"ep_size_{n}"))
+    base = min(layout.shards)
+    shards: dict[int, dict[int, list]] = {}
+    shapes: dict[int, dict] = {}
+    regroup: dict[int, list[int]] = {}
+    nl_of: dict[str, int] = {}
+    for k, n in enumerate(sizes):
+        new: dict[int, list] = {e: [] for e in range(n)}
+        mine = sorted((p for p in order if size_of[p] == n), key=lambda p: layer_of[p])
+        for prefix in mine:
+            g, total, suffixes = blocks[prefix]
+            nl = nl_of[prefix] = total // n
+            for e in range(n):
+                new[e].extend((f"{prefix}{i}{sfx}", recs[f"{prefix}{e * nl + i}{sfx}"])
+                              for i in range(nl) for sfx in suffixes)
+        src = {g for g, _, _ in (blocks[p] for p in mine)}
+        regroup[base + k] = sorted(src, key=lambda g: min(order.index(p) for p in mine if blocks[p][0] == g))
+        shapes[base + k] = {local: param_shapes[blocks[_LOCAL_RE.match(local).group(1)][0]][
+            _LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
+        shards[base + k] = new
     files = {}
     for name, (tensors, _, _) in layout.expert_files.items():  # (ep, the expert-parallel rank that loads it)
         m = _LOCAL_RE.match(tensors[0][0]) if tensors else None
-        files[name] = (tensors, ep, int(m.group(2)) // nl_of[m.group(1)] if m and m.group(1) in nl_of else 0)
-    return MoELayout({g: ep for g in layout.ep}, shards, files), shapes
+        p = m.group(1) if m else None
+        files[name] = (tensors, size_of.get(p, 1), int(m.group(2)) // nl_of[p] if p in nl_of else 0)
+    out = MoELayout({base + k: n for k, n in enumerate(sizes)}, shards, files)
+    if regroup != {g: [g] for g in layout.shards}:
+        out.regroup = regroup
+    return out, shapes
+
+
+def _module(prefix: str) -> str:
+    return prefix.split(".deepspeed_moe.")[0]
+
+
+def _layer_indices(layout: MoELayout, prefixes: list[str]) -> dict[str, int]:
+    """MoE layer index (``layer_{L}_expert_{E}`` of the expert files) of each expert name prefix."""
+    out: dict[str, int] = {}
+    for name, (tensors, _, _) in layout.expert_files.items():
+        m, t = re.match(r"^layer_(\d+)_expert_", name), _LOCAL_RE.match(tensors[0][0]) if tensors else None
+        if m and t:
+            out.setdefault(t.group(1), int(m.group(1)))
+    missing = [p for p in prefixes if p not in out]
+    if missing:
+        raise CorruptFile(f"no expert file names the MoE layer of {missing[0]}*")
+    return out
 
 
 def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple[MoELayout, dict[int, dict]]:

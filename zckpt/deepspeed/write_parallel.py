@@ -9,7 +9,9 @@ import re
 from collections import OrderedDict
 
 from zckpt.deepspeed.expert_groups import EP_NAME_RE, at_ep, autoep_layers_at, expert_data_ranks, target_eps
+from zckpt.deepspeed.model import scalar_value
 from zckpt.deepspeed.partition import Converter, TorchObject
+from zckpt.encoding.safeload import LazyTensor
 from zckpt.state.model import Checkpoint
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 
@@ -109,10 +111,13 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
                                 path=tag_dir)
     shapes: dict = {}
-    if ep is not None and set(layout.ep.values()) != {ep}:
-        if not isinstance(ep, int) or ep < 1:
-            raise InvalidArgument(f"the expert-parallel size must be a positive integer, not {ep!r}", param="ep")
-        layout, shapes = at_ep(layout, ep, ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name())
+    if ep is not None:
+        cover = ckpt.extra.get("moe_coverage") or []
+        new = target_eps(ep, cover, world_size, tag_dir)
+        if any(new[int(x["index"])] != x.get("ep") for x in cover):
+            names = {g.index: g.hyperparams.get("name") for g in ckpt.groups if g.index in layout.ep}
+            layout, shapes = at_ep(layout, ep if isinstance(ep, int) else new,
+                                   ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name(), names)
     bad = sorted({n for n in layout.ep.values() if world_size % n})
     if bad:
         raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
@@ -122,11 +127,41 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
 
 
 def rename_expert_groups(t: Target, layout, shapes: dict) -> None:
-    """Another expert-parallel size: DeepSpeed names each expert group after it (``ep_size_N``)."""
+    """Another expert-parallel size: DeepSpeed names each expert group after it (``ep_size_N``); where the expert
+    groups change (``layout.regroup``), the target's groups become the dense ones and one per new expert group."""
+    tag_dir, opts = t.ckpt.location.tag_dir, t.ckpt.location.storage_options
+    if layout.regroup:
+        src = {g.index: g for g in t.groups}
+        dense = [g for g in t.groups if g.index not in {s for ss in layout.regroup.values() for s in ss}]
+        if [g.index for g in dense] != list(range(len(dense))) or min(layout.regroup) != len(dense):
+            raise UnsupportedLayout("expert param groups before a dense one: not laid out at other expert-parallel "
+                                    "sizes", path=tag_dir, hint="drop --ep")
+        groups = list(dense)
+        for k, ss in sorted(layout.regroup.items()):
+            first = src[ss[0]]
+            for s in ss[1:]:
+                other = src[s]
+                if [(a, b) for a, b in other.hyper.items() if a != "name"] != \
+                        [(a, b) for a, b in first.hyper.items() if a != "name"]:
+                    raise UnsupportedLayout(f"expert groups {first.hyper.get('name')!r} and "
+                                            f"{other.hyper.get('name')!r} have other hyperparameters and would be one "
+                                            f"group at expert-parallel size {layout.ep[k]}", path=tag_dir,
+                                            hint="give their layers different --ep sizes")
+                if _step_of(first.step, opts) != _step_of(other.step, opts):
+                    raise UnsupportedLayout(f"expert groups {first.hyper.get('name')!r} and "
+                                            f"{other.hyper.get('name')!r} are at other optimizer steps and would be "
+                                            "one group", path=tag_dir, hint="give their layers different --ep sizes")
+            recs = [r for e in sorted(layout.shards[k]) for _, r in layout.shards[k][e]]
+            groups.append(Group(k, first.hyper, first.step, recs, first.template))
+        t.groups = groups
     for g in t.groups:
         if g.index in shapes:
             g.hyper = OrderedDict((k, f"ep_size_{layout.ep[g.index]}" if k == "name" else v)
                                   for k, v in g.hyper.items())
+
+
+def _step_of(step, storage_options):
+    return scalar_value(step, storage_options) if isinstance(step, LazyTensor) else step
 
 
 def _moe_model(t: Target, layout, shapes: dict | None = None) -> TorchObject:
@@ -145,7 +180,7 @@ def _moe_model(t: Target, layout, shapes: dict | None = None) -> TorchObject:
         if k == "dp_world_size":
             v = t.world_size
         elif k == "param_shapes" and shapes:  # another expert-parallel size: rank 0's local experts
-            v = [OrderedDict(shapes[g]) if g in shapes else ps for g, ps in enumerate(v)]
+            v = [OrderedDict(shapes[g.index]) if g.index in shapes else v[g.index] for g in t.groups]
         elif k == "ds_autoep_layers":
             v = layers(v)
         elif k == "universal_checkpoint_info" and isinstance(v, dict) and "ds_autoep_layers" in v:
@@ -203,9 +238,17 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
-    if ckpt.extra.get("moe_zero0") and ep is not None and fmt == "deepspeed" and stage in (None, 0) \
-            and not bf16_optimizer and _changes_ep(ckpt, ep):
-        return moe_zero0_at_ep(ckpt, world_size, ep, side)
+    if ckpt.extra.get("moe_zero0") and ep is not None:
+        tag_dir = ckpt.location.tag_dir
+        if stage not in (None, 0) or bf16_optimizer:
+            raise UnsupportedLayout("changing the ZeRO stage or optimizer of a mixture-of-experts checkpoint is not "
+                                    "supported: without ZeRO it stays without", path=tag_dir,
+                                    hint="drop --stage / --bf16-optimizer")
+        if fmt != "deepspeed":
+            raise UnsupportedLayout("a mixture-of-experts checkpoint is resharded in the DeepSpeed layout only",
+                                    path=tag_dir, hint="drop --format universal")
+        if _changes_ep(ckpt, ep):
+            return moe_zero0_at_ep(ckpt, world_size, ep, side)
     src_eps = sorted(set((ckpt.extra.get("moe").ep if ckpt.extra.get("moe") else {}).values()))
     layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
     t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
@@ -217,8 +260,12 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, ckpt.stage, ckpt.flavour, ckpt.world_size, ckpt.stage,
                        ckpt.flavour, world_size, ckpt.precision, files, partitions=partitions)
     eps = sorted(set(layout.ep.values()))
-    kept = f"{', '.join(map(str, eps))} kept" if eps == src_eps else \
+    kept = f"{', '.join(map(str, eps))} kept" if not shapes else \
         f"{'/'.join(map(str, src_eps))} -> {'/'.join(map(str, eps))}"
+    cover = sorted(ckpt.extra.get("moe_coverage") or [], key=lambda x: x["index"])
+    if shapes and len(src_eps) + len(eps) > 2:
+        new = target_eps(ep, cover, world_size, ckpt.location.tag_dir)
+        kept = ", ".join(f"layer {x['index']} {x.get('ep')} -> {new[int(x['index'])]}" for x in cover)
     plan.notes.append(f"mixture of experts: expert-parallel size {kept}, data-parallel size "
                       f"{ckpt.world_size} -> {world_size}; each expert group over "
                       + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
