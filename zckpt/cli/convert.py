@@ -62,7 +62,8 @@ Examples:
                    "Trainer's scheduler.pt, trainer_state.json, rng states); torchtitan = a step-<N> folder "
                    "torchtitan's CheckpointManager loads (model keys at the top, flat optimizer state, "
                    "lr_scheduler, train_state; needs --ntokens-seen); auto = trainer for a checkpoint-N. --to "
-                   "megatron: fully_reshardable (the default: resumes at any TP/PP/DP).")
+                   "megatron: fully_reshardable (the default: resumes at any TP/PP/DP); dp_reshardable = Megatron-LM's "
+                   "default layout, the optimizer's buckets for this TP/PP (needs --dp and the DDP settings).")
 @click.option("--tp", type=click.IntRange(1), default=None,
               help="--to megatron: the tensor-parallel size the Megatron-LM job resumes at (default: the source's).")
 @click.option("--pp", type=click.IntRange(1), default=None,
