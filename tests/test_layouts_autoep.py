@@ -176,7 +176,7 @@ def test_zero3_info_verify_convert_and_reshard_refused(tmp_path, fx):
         assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
     # to DCP: every master and moment under its name, = the engine (the router alias is tied: no state of its own)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    zckpt.convert(str(ck), out=str(tmp_path / "dcp"))
+    zckpt.convert(str(ck), out=str(tmp_path / "dcp"), native_names=True)  # (the model's names: test_moe_dcp)
     dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "dcp.pt"))
     sd = torch.load(tmp_path / "dcp.pt", weights_only=False)
     aliases = {a for a, _ in info["tied"]}

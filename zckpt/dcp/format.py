@@ -25,6 +25,10 @@ class Dcp(Format):
         from zckpt.dcp import entries
         return entries.crc_entries(ckpt)
 
+    def merge_view(self, ckpt, dtype):  # the records as they are, with the folder's config.json (hf_config)
+        from zckpt.dcp import hf_config
+        return hf_config.merge_view(ckpt, dtype)
+
     def side_state(self, ckpt) -> dict:
         from zckpt.dcp import sidestate
         return sidestate.side_state(ckpt)

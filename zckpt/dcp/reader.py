@@ -36,6 +36,7 @@ from zckpt.errors import (
 from zckpt.encoding import dcpmeta, distcp
 from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
+from zckpt.state import experts, moe_names
 from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of,
 )
@@ -296,6 +297,12 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
                       records, grouped, {}, [], [], notes=notes, format="dcp", extra=extra,
                       reshard_refusal="a DCP checkpoint becomes DeepSpeed files through "
                                       "`zckpt convert SRC --to deepspeed --world-size N --stage S`")
+    moe = moe_names.layers(records)  # MoE layers under the model's names: every expert once, its state, router
+    if moe:
+        experts.check(moe, records, mpath)
+        extra["moe_coverage"] = moe
+        notes.append(f"MoE: {len(moe)} layer(s) named as the model class does; the experts of a fused [E, ...] "
+                     "tensor are its first dimension (checked against the router's rows)")
     if not tie_source and stateless:
         pairs = extra["tie_candidates"] = tie_candidates(ckpt)
         if pairs:

@@ -19,6 +19,12 @@ fuses its experts so (``mixtral``: ``MixtralSparseMoeBlock``, ``qwen3_moe``: ``Q
 from transformers 5.24's modeling code) and a ``transformers_version`` of 5 or later (4.x Mixtral keeps one module
 per expert). Without it, or with anything else in a layer (a router bias, shared experts), AutoEP's names are kept
 and a note says why. The values are the same bytes either way: each name is slices of the same pieces.
+
+``convert --to dcp`` writes the same names (:func:`training_view`) with the optimizer state mapped as the values
+are: ``gate_up_proj``'s fp32 master, ``exp_avg`` and ``exp_avg_sq`` are, per expert e, w1's then w3's; the param
+groups name the model's parameters (``gate.weight`` in the router's group, ``gate_up_proj`` / ``down_proj`` in the
+experts'), each with its group's step, so that FSDP2 + AdamW over the transformers class loads it with
+``dcp.load`` + ``set_state_dict``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.engine.segments import slice_pieces
+from zckpt.errors import OptionError
 from zckpt.io import storage
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -69,8 +76,32 @@ def _why_not(cfg: dict, path: str) -> str:
     return ""
 
 
-def _layer_records(layer: dict, by: dict[str, TensorRecord]) -> tuple[dict[str, list[TensorRecord]], str]:
-    """{AutoEP name: the model's records} for one MoE layer, or why it cannot be mapped."""
+def _sliced(srcs: list[TensorRecord], attr: str, key: str | None, n: int, blocks: list[int]) -> list:
+    """Per expert e, the e-th block of each of ``srcs``' pieces (``attr``: value / exp_avg / exp_avg_sq, or
+    ``other_state[key]``): the fused tensor's pieces, in expert order."""
+    lists = [getattr(s, attr) if key is None else s.other_state[key] for s in srcs]
+    return [p for e in range(n) for pieces, b in zip(lists, blocks) for p in slice_pieces(pieces, e * b, b)]
+
+
+def _fused(name: str, shape: tuple, srcs: list[TensorRecord], n: int, state: bool) -> TensorRecord:
+    """One record of ``srcs`` put together expert by expert (``state``: the masters' moments and every other
+    per-element state with them, cut at the same places)."""
+    first = srcs[0]
+    blocks = [int(s.numel) // n for s in srcs]
+    rec = TensorRecord(name, shape, first.kind, first.dtype, _sliced(srcs, "value", None, n, blocks),
+                       group=first.group, lp_dtype=first.lp_dtype)
+    if state and first.exp_avg:
+        rec.exp_avg = _sliced(srcs, "exp_avg", None, n, blocks)
+        rec.exp_avg_sq = _sliced(srcs, "exp_avg_sq", None, n, blocks)
+    if state:
+        rec.other_state = {k: _sliced(srcs, "other_state", k, n, blocks) for k in first.other_state}
+    return rec
+
+
+def _layer_records(layer: dict, by: dict[str, TensorRecord],
+                   state: bool = False) -> tuple[dict[str, list[TensorRecord]], str]:
+    """{AutoEP name: the model's records} for one MoE layer, or why it cannot be mapped (``state``: with the
+    moments and every other per-element state, mapped as the values are; else the values only, for merge)."""
     mp = layer["layer"]
     names = {n for n in by if n.startswith(mp + ".")}
     w1, w2, w3 = (by.get(f"{mp}.experts.{w}") for w in ("w1", "w2", "w3"))
@@ -87,19 +118,75 @@ def _layer_records(layer: dict, by: dict[str, TensorRecord]) -> tuple[dict[str, 
     n, inter, hidden = (int(d) for d in w1.shape)
     if tuple(w3.shape) != (n, inter, hidden) or tuple(w2.shape) != (n, hidden, inter) or w1.dtype != w3.dtype:
         return {}, f"layer {mp}: experts.w1 {list(w1.shape)}, w3 {list(w3.shape)}, w2 {list(w2.shape)}"
-    block = inter * hidden
-    gate_up = TensorRecord(f"{mp}.experts.gate_up_proj", (n, 2 * inter, hidden), w1.kind, w1.dtype,
-                           [p for e in range(n) for src in (w1, w3) for p in slice_pieces(src.value, e * block, block)],
-                           group=w1.group, lp_dtype=w1.lp_dtype)
-    out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj")],
-           router.name: [_renamed(router, f"{mp}.gate.weight")]}
+    if state and (w1.group != w3.group or w1.state_dtype != w3.state_dtype
+                  or set(w1.other_state) != set(w3.other_state) or bool(w1.exp_avg) != bool(w3.exp_avg)):
+        return {}, f"layer {mp}: experts.w1 and experts.w3 are in different param groups or keep different state"
+    gate_up = _fused(f"{mp}.experts.gate_up_proj", (n, 2 * inter, hidden), [w1, w3], n, state)
+    out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj", state)],
+           router.name: [_renamed(router, f"{mp}.gate.weight", state)]}
     if alias is not None:
         out[alias.name] = []
     return out, ""
 
 
-def _renamed(rec: TensorRecord, name: str) -> TensorRecord:
+def _renamed(rec: TensorRecord, name: str, state: bool = False) -> TensorRecord:
+    if state:
+        return dataclasses.replace(rec, name=name)
     return dataclasses.replace(rec, name=name, exp_avg=[], exp_avg_sq=[], other_state={})
+
+
+def _mapped(ckpt: Checkpoint, state: bool) -> tuple[dict[str, list[TensorRecord]], str, dict | None, str]:
+    """({AutoEP name: the model's records}, why not, config.json, its path) for every AutoEP layer of ``ckpt``."""
+    layers = [x for x in ckpt.extra.get("moe_coverage") or [] if x.get("fused") is not None]
+    cfg, path, why = _config(ckpt)
+    why = why or _why_not(cfg, path)
+    by = ckpt.by_name()
+    mapped: dict[str, list[TensorRecord]] = {}
+    for layer in [] if why else layers:
+        got, why = _layer_records(layer, by, state)
+        if why:
+            break
+        mapped.update(got)
+    return mapped, why, cfg, path
+
+
+def _coverage(layers: list[dict]) -> list[dict]:
+    """The MoE layers' coverage entries under the model's names (state/experts checks them as it did AutoEP's)."""
+    return [{**x, "router": f"{x['layer']}.gate.", "fused": [f"{x['layer']}.experts.gate_up_proj",
+                                                            f"{x['layer']}.experts.down_proj"]}
+            if x.get("fused") is not None else x for x in layers]
+
+
+def is_autoep(ckpt: Checkpoint) -> bool:
+    return any(x.get("fused") is not None for x in ckpt.extra.get("moe_coverage") or [])
+
+
+def training_view(ckpt: Checkpoint, native_names: bool = False) -> Checkpoint:
+    """``ckpt`` with its AutoEP layers under the model class's names and fusion, with the optimizer state:
+    each master and every moment mapped as merge maps the values (``gate_up_proj``'s ``exp_avg``: per expert e,
+    w1's then w3's), the param groups naming the model's parameters, the steps as they are, the MoE coverage
+    under the new names. ``native_names``: AutoEP's names (refused for a checkpoint without AutoEP layers: the
+    option would do nothing). Where the files do not say the class, AutoEP's names with a note saying why."""
+    if not is_autoep(ckpt):
+        if native_names:
+            raise OptionError("--native-names applies to a Megatron-Core source or an AutoEP checkpoint; this "
+                              "deepspeed checkpoint records its own names", path=ckpt.location.input_path,
+                              hint="drop --native-names")
+        return ckpt
+    if native_names:
+        return ckpt
+    mapped, why, cfg, path = _mapped(ckpt, state=True)
+    if why:
+        return dataclasses.replace(ckpt, notes=list(ckpt.notes) + [
+            f"AutoEP names kept (experts.w1/w2/w3, router.gate.weight): {why}; --native-names keeps them without "
+            "this note"])
+    records = [m for r in ckpt.records for m in mapped.get(r.name, [r])]
+    renamed = {old: [r.name for r in new] for old, new in mapped.items()}
+    groups = [dataclasses.replace(g, names=[m for n in g.names for m in renamed.get(n, [n])]) for g in ckpt.groups]
+    notes = list(ckpt.notes) + [f"{CLASSES[cfg['model_type']]} names and fused experts, with the optimizer state "
+                                f"(as {path} says); --native-names keeps AutoEP's"]
+    extra = {**ckpt.extra, "moe_coverage": _coverage(ckpt.extra.get("moe_coverage") or []), "merge_notes": []}
+    return dataclasses.replace(ckpt, records=records, groups=groups, notes=notes, extra=extra)
 
 
 def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, bytes], list[str]]:
@@ -107,18 +194,9 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
     beside them and the notes; ``ckpt`` as it is (AutoEP's names) with a note saying why where the files do not say
     which class, and unchanged, without a note, for any checkpoint that is not AutoEP."""
     notes = list(ckpt.extra.get("merge_notes") or [])
-    layers = [x for x in ckpt.extra.get("moe_coverage") or [] if x.get("fused") is not None]
-    if not layers:
+    if not is_autoep(ckpt):
         return ckpt, {}, notes
-    cfg, path, why = _config(ckpt)
-    why = why or _why_not(cfg, path)
-    by = ckpt.by_name()
-    mapped: dict[str, list[TensorRecord]] = {}
-    for layer in [] if why else layers:
-        got, why = _layer_records(layer, by)
-        if why:
-            break
-        mapped.update(got)
+    mapped, why, cfg, path = _mapped(ckpt, state=False)
     if why:
         return ckpt, {}, notes + [f"AutoEP names kept (experts.w1/w2/w3, router.gate.weight): {why}; "
                                   "--native-names keeps them without this note"]

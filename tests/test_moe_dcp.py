@@ -1,0 +1,229 @@
+"""MoE state across frameworks (issue 47 item 2): DeepSpeed AutoEP <-> DCP under the names and fusion of the
+transformers class the run trains, loaded by the real frameworks bit for bit.
+
+DeepSpeed AutoEP -> DCP: ``fixtures/moe_autoep_z2_bf16_ws4_ep4_l2`` (Mixtral, ZeRO-2, ep 4) and
+``moe_autoep_z3_bf16_ws4_ep2_l2`` (Qwen3-MoE, ZeRO-3, ep 2), each 2 MoE layers x 8 experts, top-2, saved by DeepSpeed
+0.19.8 with the model's ``config.json``. ``zckpt convert --to dcp`` writes ``experts.gate_up_proj`` (w1 then w3 per
+expert), ``experts.down_proj`` and ``mlp.gate.weight`` with their fp32 masters, both moments and steps. The oracle is
+FSDP2 itself (tests/moe_dcp_worker.py, one torchrun of 2 gloo ranks): the transformers class built from the
+fixture's config.json, ``fully_shard`` per decoder layer, AdamW in two groups, ``dcp.load`` + ``set_state_dict``;
+every parameter, ``exp_avg``, ``exp_avg_sq`` and ``step`` must equal the live DeepSpeed engine's
+(``expected/oracle.safetensors``: ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``), and one
+optimizer step runs.
+
+FSDP2 -> DeepSpeed: ``fixtures/fsdp2_moe_mixtral_ws2`` / ``fsdp2_moe_qwen3_ws2`` (a real FSDP2 run's ``dcp.save``,
+fixtures/gen_fsdp2_moe.py) -> ``convert --to deepspeed`` -> DeepSpeed 0.19.8 (the same transformers class, no
+AutoEP) at ZeRO-2 and ZeRO-1 loads it: masters and moments equal FSDP2's full state bit for bit. ``merge`` of the
+DCP loads with ``from_pretrained``; the coverage check runs on such DCPs (a fused tensor's experts are its shape).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import zckpt
+from tests.conftest import FIXTURES, checkpoint_path
+from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+AUTOEP = {"mixtral": FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2", "qwen3_moe": FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"}
+FSDP2 = {"mixtral": FIXTURES / "fsdp2_moe_mixtral_ws2", "qwen3_moe": FIXTURES / "fsdp2_moe_qwen3_ws2"}
+DS_STAGE = {"mixtral": 2, "qwen3_moe": 1}
+
+
+def _torchrun(job: dict, nproc: int = 2, timeout: int = 600) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_oracle
+    G = ds_oracle.generate_module()
+    with tempfile.TemporaryDirectory(prefix="zckpt-moe-dcp-") as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps(job))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
+               str(ROOT / "tests" / "moe_dcp_worker.py"), str(path)]
+        proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), timeout)
+        assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
+
+
+def _load(path: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+@pytest.fixture(scope="module")
+def fsdp2_loads(tmp_path_factory):
+    """Both AutoEP fixtures converted to DCP, loaded by FSDP2 at 2 ranks (one launch)."""
+    base = tmp_path_factory.mktemp("moe-fsdp2")
+    cases, results = [], {}
+    for arch, fx in AUTOEP.items():
+        res = zckpt.convert(str(checkpoint_path(fx)), out=str(base / f"{arch}.dcp"))
+        results[arch] = res
+        cases.append({"mode": "load", "config": str(fx), "dcp": str(base / f"{arch}.dcp"), "out": str(base / arch)})
+    _torchrun({"cases": cases})
+    return base, results
+
+
+@pytest.mark.parametrize("arch", list(AUTOEP))
+def test_fsdp2_loads_autoep_under_the_model_names(fsdp2_loads, arch):
+    base, results = fsdp2_loads
+    fx = AUTOEP[arch]
+    assert any("names and fused experts, with the optimizer state" in n for n in results[arch].plan.notes)
+    want = _load(fx / "expected" / "oracle.safetensors")
+    oracle = json.loads((fx / "expected" / "oracle.json").read_text())
+    got = _load(base / arch / "loaded.safetensors")
+    info = json.loads((base / arch / "loaded.json").read_text())
+
+    def engine(kind: str, name: str):
+        if name.endswith(".experts.gate_up_proj"):
+            mp = name[:-len(".gate_up_proj")]
+            return torch.cat([want[f"{kind}/{mp}.w1"], want[f"{kind}/{mp}.w3"]], dim=1)
+        if name.endswith(".experts.down_proj"):
+            return want[f"{kind}/{name[:-len('down_proj')]}w2"]
+        if name.endswith(".mlp.gate.weight"):
+            return want[f"{kind}/{name[:-len('gate.weight')]}router.gate.weight"]
+        return want[f"{kind}/{name}"]
+
+    names = [k.split("/", 1)[1] for k in got if k.startswith("param/")]
+    assert sum(n.endswith(".experts.gate_up_proj") for n in names) == 2 and len(names) == len(oracle["trainable"]) - 2  # (w1 + w3: one)
+    for name in names:
+        assert torch.equal(got[f"param/{name}"], engine("fp32", name)), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[f"{kind}/{name}"], engine(kind, name)), (kind, name)
+        assert got[f"step/{name}"].tolist() == [float(oracle["step"])], name
+    dense, experts = info["groups"]
+    assert all(".experts." in n for n in experts["names"]) and len(experts["names"]) == 4
+    assert "model.layers.1.mlp.gate.weight" in dense["names"]
+    for g in (dense, experts):  # DeepSpeed's hyperparameters, not the wrong ones the job built the optimizer with
+        assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.01, [0.9, 0.95], 1e-8, 0.01), g
+    assert "optim.state.model.layers.0.mlp.experts.gate_up_proj.exp_avg" in info["target_keys"]
+    after = json.loads((base / arch / "after.json").read_text())
+    assert after["loss"] == after["loss"] and all(after["moved"].values()), after  # one step ran: finite, moved
+
+
+def test_autoep_names_where_the_class_is_not_said(tmp_path):
+    """Without config.json: DeepSpeed's names and a note (as merge); native_names keeps them without one; a
+    checkpoint with no AutoEP layer refuses native_names (it would do nothing)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    fx = AUTOEP["mixtral"]
+    copy = tmp_path / "ck"
+    shutil.copytree(fx, copy, ignore=shutil.ignore_patterns("expected"))
+    (copy / "config.json").unlink()
+    res = zckpt.convert(str(copy), out=str(tmp_path / "noconfig"))
+    assert any("AutoEP names kept" in n and "no config.json" in n for n in res.plan.notes), res.plan.notes
+    res2 = zckpt.convert(str(checkpoint_path(fx)), out=str(tmp_path / "native"), native_names=True)
+    assert not any("AutoEP names kept" in n or "fused experts" in n for n in res2.plan.notes)
+    for out in ("noconfig", "native"):
+        dcp_to_torch_save(str(tmp_path / out), str(tmp_path / f"{out}.pt"))
+        sd = torch.load(tmp_path / f"{out}.pt", weights_only=False)
+        assert "model.layers.1.mlp.experts.w3" in sd["model"] and "model.layers.1.mlp.experts.w3" in sd["optim"][
+            "state"] and not any("gate_up_proj" in k for k in sd["model"])
+    with pytest.raises(InvalidArgument, match="--native-names applies to a Megatron-Core source or an AutoEP"):
+        zckpt.convert(str(checkpoint_path(FIXTURES / "z2_bf16_ws2")), out=str(tmp_path / "o"), native_names=True)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def deepspeed_loads(tmp_path_factory):
+    """Both FSDP2 MoE fixtures converted to DeepSpeed (ZeRO-2 / ZeRO-1 at 2 ranks), loaded by DeepSpeed."""
+    base = tmp_path_factory.mktemp("moe-ds")
+    cases = []
+    for arch, fx in FSDP2.items():
+        zckpt.convert(str(fx / "dcp"), to="deepspeed", out=str(base / f"{arch}.ds"), world_size=2,
+                      stage=DS_STAGE[arch], dtype="bf16")
+        cases.append({"mode": "deepspeed", "stage": DS_STAGE[arch], "config": str(fx / "dcp"),
+                      "ckpt": str(base / f"{arch}.ds"), "out": str(base / arch)})
+    _torchrun({"deepspeed": True, "cases": cases})
+    return base
+
+
+@pytest.mark.parametrize("arch", list(FSDP2))
+def test_deepspeed_loads_an_fsdp2_moe_run(deepspeed_loads, arch):
+    fx = FSDP2[arch]
+    want = _load(fx / "expected" / "oracle.safetensors")
+    oracle = json.loads((fx / "expected" / "oracle.json").read_text())
+    got = _load(deepspeed_loads / arch / "deepspeed.safetensors")
+    info = json.loads((deepspeed_loads / arch / "deepspeed.json").read_text())
+    assert sum(k.endswith(".experts.gate_up_proj") for k in want) == 6  # 2 layers x (fp32, exp_avg, exp_avg_sq)
+    for key, t in want.items():
+        assert torch.equal(got[key], t), key
+    for name in (k.split("/", 1)[1] for k in want if k.startswith("fp32/")):
+        assert torch.equal(got[f"module/{name}"], want[f"fp32/{name}"].to(torch.bfloat16)), name
+    assert info["step"] == oracle["step"][0] == 2.0 and info["global_steps"] == 2
+    assert [(g["lr"], g["weight_decay"]) for g in info["groups"]] == [(0.01, 0.01), (0.01, 0.0)]
+    assert json.loads((deepspeed_loads / arch / "after.json").read_text())["loss"] > 0  # one step ran
+
+
+@pytest.mark.parametrize("arch", list(FSDP2))
+def test_merge_of_an_fsdp2_moe_run_loads_with_from_pretrained(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+    fx = FSDP2[arch]
+    res = zckpt.merge(str(fx / "dcp"), str(tmp_path / "out"))
+    assert any("config.json copied from the DCP folder" in n for n in res.notes)
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    assert type(model).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    want = _load(fx / "expected" / "oracle.safetensors")
+    sd = model.state_dict()
+    assert sum(n.endswith(".experts.down_proj") for n in sd) == 2
+    for name, t in sd.items():
+        assert torch.equal(t, want[f"fp32/{name}"]), name
+
+
+def _damaged(tmp_path: Path, change) -> Path:
+    """The Mixtral FSDP2 DCP read by torch, changed, written back by torch (``torch_save_to_dcp``)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    dcp_to_torch_save(str(FSDP2["mixtral"] / "dcp"), str(tmp_path / "sd.pt"))
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    change(sd)
+    torch.save(sd, tmp_path / "bad.pt")
+    torch_save_to_dcp(str(tmp_path / "bad.pt"), str(tmp_path / "bad"))
+    return tmp_path / "bad"
+
+
+def test_coverage_of_an_fsdp2_moe_dcp(tmp_path):
+    """info / verify report layers x experts (whole fused tensors: counted by their shape); an expert cut off, a
+    fused tensor or a router deleted is refused by every command naming the layer."""
+    d = zckpt.info(str(FSDP2["qwen3_moe"] / "dcp")).to_dict()
+    assert d["moe"]["layers"] == 2 and d["moe"]["experts"] == 8 and d["moe"]["whole"] and d["moe"]["checked"]
+    assert d["moe"]["each_expert_has"] == ["value", "exp_avg", "exp_avg_sq"]
+    assert zckpt.verify(str(FSDP2["qwen3_moe"] / "dcp")).ok
+    mp = "model.layers.1.mlp"
+
+    def cut(sd):  # expert 7 dropped from gate_up_proj (its value and both moments)
+        sd["model"][f"{mp}.experts.gate_up_proj"] = sd["model"][f"{mp}.experts.gate_up_proj"][:7].clone()
+        st = sd["optim"]["state"][f"{mp}.experts.gate_up_proj"]
+        st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"][:7].clone(), st["exp_avg_sq"][:7].clone()
+
+    def drop(key):
+        def change(sd):
+            del sd["model"][key]
+            sd["optim"]["state"].pop(key, None)
+            for g in sd["optim"]["param_groups"]:
+                g["params"] = [p for p in g["params"] if p != key]
+        return change
+
+    for i, (change, err, text) in enumerate([
+            (cut, CorruptFile, f"MoE layer 1 ({mp}): '{mp}.experts.gate_up_proj' holds 7 experts, the layer 8"),
+            (drop(f"{mp}.experts.down_proj"), IncompleteCheckpoint,
+             f"MoE layer 1 ({mp}): the experts' '{mp}.experts.down_proj' is missing"),
+            (drop(f"{mp}.gate.weight"), IncompleteCheckpoint, f"MoE layer 1 ({mp}): no router")]):
+        (tmp_path / str(i)).mkdir()
+        bad = str(_damaged(tmp_path / str(i), change))
+        for command in (lambda: zckpt.info(bad), lambda: zckpt.verify(bad),
+                        lambda: zckpt.merge(bad, str(tmp_path / "m")),
+                        lambda: zckpt.convert(bad, to="deepspeed", out=str(tmp_path / "c"), world_size=2, stage=2,
+                                              dtype="bf16")):
+            with pytest.raises(err) as e:
+                command()
+            assert text in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
