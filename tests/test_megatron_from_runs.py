@@ -351,6 +351,7 @@ def test_cli_json_and_exit_status(tmp_path):
     m = doc["megatron_args"]
     assert m["flags"]["--lr"] == 5e-3 and m["iteration"] == 4 and m["consumed_train_samples"] == 16
     assert lr is None or (m["lr"] == lr and m["opt_param_scheduler"] == sched)
+    assert {"scheduler.pt", "trainer_state.json", "rng_state_0.pth"} <= set(doc["not_carried"])  # never silent
     c = torch.load(str(tmp_path / "ok" / "iter_0000004" / "common.pt"), weights_only=False)
     assert c["opt_param_scheduler"] == m["opt_param_scheduler"]
     args = vars(c["args"])

@@ -31,6 +31,9 @@ _GROUP_KEYS = ("wd_mult", "lr_mult", "max_lr", "min_lr")
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
 _LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TRAINER_FILES = {"scheduler.pt": "the Trainer's lr schedule (Megatron's is the one --megatron-args states)",
+                  "trainer_state.json": "the Trainer's log and counters (the iteration and samples are carried)",
+                  "model.safetensors": "the Trainer's bf16 weights (Megatron's are the masters' cast)"}
 
 
 def read_config(ckpt: Checkpoint) -> dict:
@@ -303,6 +306,13 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
             left["lr_scheduler"] = f"the {ckpt.format} run's own scheduler state (Megatron's is made from " \
                                    f"{run_args.OPTION})"
     notes += [f"left out {k}: {why}" for k, why in left.items()]
+    if ckpt.location.trainer_dir:  # a Trainer checkpoint's own files: none has a place in a Megatron-LM save
+        from zckpt.state import files
+        own = [f.rel for f in files.side_files(ckpt.location, ckpt.storage_options) if f.rel != CONFIG]
+        left.update({rel: _TRAINER_FILES.get(rel, "the Trainer checkpoint's own file (Megatron-LM has no place for "
+                                                  "it)") for rel in own})
+        notes.append(f"left out the Trainer checkpoint's own files ({', '.join(own)}): Megatron-LM has no place for "
+                     "them")
     carried = ["model", "optimizer (masters, exp_avg, exp_avg_sq, step, param groups)", "opt_param_scheduler",
                "iteration"] + (["consumed_train_samples"] if "consumed_train_samples" in args else [])
     made = None
