@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 49 item 3 and issue 47 item 5 on the lent 16-core host (run from the repo root), one device call per step:
+#   bash benchmarks/device_copybar.sh OUTDIR warm    # the 1.05B ZeRO-2 checkpoint (made by DeepSpeed if missing),
+#        every job beside a 16-thread copy of its output, cp -r and copy_file_range, best of REPEAT, each tree of
+#        TREES; the --workers 16 variant; then benchmarks/profile_lanes.py of each job in each tree
+#   bash benchmarks/device_copybar.sh OUTDIR cold    # each job with the page cache dropped, beside a 16-thread
+#        read of its source; then the ~1B native-MoE checkpoint (DeepSpeed, ep 2, 4 ranks) and
+#        zckpt reshard --ep 4 -w 8 beside a copy of its output, peak RSS (benchmarks/bench_moe_ep.py)
+# .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
+# pydantic-core, annotated-types, typing-inspection, typing-extensions). TREES (default
+# before=.bench/before,fix=.bench/fix): `git archive OLD zckpt | tar -x -C .bench/before`, and the same with the
+# change. Raw logs under OUTDIR, tarred by the caller.
+set -euo pipefail
+out=${1:?outdir}
+step=${2:?warm or cold}
+if ! python3 -c "import deepspeed, isal" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+work=${WORK:-/tmp/zbench}
+trees=${TREES:-before=.bench/before,fix=.bench/fix}
+mkdir -p "$work" "$out"
+{ date -u; nproc; free -g | head -2; uname -r; df -hT /tmp | tail -1; grep -m1 "model name" /proc/cpuinfo
+  cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true
+  sysctl vm.dirty_ratio vm.dirty_background_ratio 2>/dev/null || true
+  python3 -c "import sys, torch, deepspeed, numpy; print(sys.version.split()[0], torch.__version__, deepspeed.__version__, numpy.__version__)"
+  git log --oneline -1 2>/dev/null || true; } 2>&1 | tee -a "$out/host.log"
+dims=(${DIMS:---layers 26 --hidden 2048 --ffn 8192 --world-size 4})  # DIMS, CK, MOE_ARGS: smaller for a smoke test
+case $step in warm)
+  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat ${REPEAT:-3} --trees "$trees" \
+    --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} \
+    --variants "${VARIANTS:-w16:|--workers 16}" --json-out "$out/warm.json" 2>&1 | tee "$out/warm.log"
+  ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
+  mkdir -p "$work/prof"
+  for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
+    for job in "merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8" \
+               "convert $ck --to dcp" \
+               "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx"; do
+      rm -rf "$work/prof-out"; sync; k=$((k + 1)); echo "== $name: zckpt $job"
+      PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --json-out "$work/prof/$name-$k.json" \
+        -- $job -o "$work/prof-out" -q || echo "profile failed: $name $job"
+    done; done 2>&1 | tee "$out/profile.log"
+  rm -rf "$work/prof-out"; tar -czf "$out/prof.tgz" -C "$work" prof ;; esac
+case $step in cold)
+  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} \
+    --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --json-out "$out/cold.json" 2>&1 \
+    | tee "$out/cold.log"
+  rm -rf "$work"/*-dcp "$work/cb-out" "$work/cb-copy"
+  df -h /tmp | tail -1 | tee -a "$out/host.log"
+  python3 benchmarks/bench_moe_ep.py --workdir "$work" ${MOE_ARGS:-} --repeat ${MOE_REPEAT:-3} --trees "$trees" \
+    --json-out "$out/moe.json" 2>&1 | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log" ;; esac
