@@ -28,6 +28,7 @@ import json
 import re
 
 from zckpt.engine.segments import slice_pieces
+from zckpt.megatron import moe_hf
 from zckpt.state.model import Checkpoint, TensorRecord
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -139,26 +140,43 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
     names), no files, and a note saying why."""
     f = ckpt.extra["megatron"]
     why = why_not(f) or ("the files do not say whether the output layer is tied" if f.get("tied") is None else None)
-    records = []
-    for rec in [] if why else ckpt.records:
+    records, source = [], ckpt.records
+    is_moe = bool(ckpt.extra.get("moe_coverage"))
+    if is_moe and not why:  # transformers' Mixtral: experts fused per layer, the router as mlp.gate
+        why = moe_hf.why_not(ckpt.records, f)
+        source = source if why else moe_hf.fuse(source, f, state=False)[0]
+    for rec in [] if why else source:
+        if rec.name.startswith("model.layers."):  # named by moe_hf already
+            records.append(rec)
+            continue
         mapped = _mapped(rec, f)
         if mapped is None:
             why = f"'{rec.name}' has no Llama name"
             break
         records += mapped
+    model = "Mixtral" if is_moe else "Llama"
     if why:
-        return ckpt, {}, [f"{note} (not mapped to Hugging Face Llama names: {why})"
+        return ckpt, {}, [f"{note} (not mapped to Hugging Face {model} names: {why})"
                           for note in ckpt.extra.get("merge_notes") or []]
     view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": []})
-    notes = ["Hugging Face Llama names (SwiGLU, RMSNorm, RoPE, no biases: as the files say); --native-names keeps "
-             "Megatron's names"]
+    notes = [f"Hugging Face {model} names (SwiGLU, RMSNorm, RoPE, no biases: as the files say"
+             + ("; experts fused per layer as transformers' MixtralExperts, the router as mlp.gate" if is_moe else "")
+             + "); --native-names keeps Megatron's names"]
     missing = config_missing(f)
+    if is_moe and not missing and (differs := moe_hf.router_differs(ckpt.extra.get("args") or {})):
+        notes.append(f"no config.json written: the router is not Mixtral's ({', '.join(differs)}); the weights "
+                     "are written under Mixtral's names")
+        return view, {}, notes
     if missing:
         notes.append(f"no config.json written: the checkpoint's args do not hold {', '.join(missing)}, which "
                      "LlamaConfig needs to compute what the Megatron model computed (its defaults differ); write "
                      "config.json with the run's --norm-epsilon and --rotary-base")
         return view, {}, notes
-    cfg = json.dumps(config(f, dtype), indent=2, sort_keys=True) + "\n"
+    cfg = config(f, dtype)
+    if is_moe:  # MixtralConfig: no attention_bias / mlp_bias fields (Mixtral has neither)
+        cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
+        cfg.update(moe_hf.config(f, ckpt.extra.get("args") or {}))
+    cfg = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
     return view, {"config.json": cfg.encode()}, notes
 
 
@@ -171,12 +189,12 @@ _LAYER_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _hf_rank(name: str) -> tuple:
+def _hf_rank(name: str, order=_LAYER_ORDER) -> tuple:
     if name == "model.embed_tokens.weight":
         return (0, 0, 0)
     m = _HF_LAYER.match(name)
     if m:
-        return (1, int(m.group(1)), _LAYER_ORDER.index(m.group(2)))
+        return (1, int(m.group(1)), order.index(m.group(2)))
     return (2, 0, 0) if name == "model.norm.weight" else (3, 0, 0)
 
 
@@ -187,11 +205,19 @@ def state_view(ckpt: Checkpoint) -> tuple[list[TensorRecord], dict[str, list[str
     f = ckpt.extra["megatron"]
     if why_not(f) or f.get("tied") is None:
         return None
-    records, names = [], {}
-    for rec in ckpt.records:
+    records, names, source, order = [], {}, ckpt.records, _LAYER_ORDER
+    if ckpt.extra.get("moe_coverage"):  # transformers' Mixtral (moe_hf), or Megatron's names
+        if moe_hf.why_not(source, f):
+            return None
+        source, names = moe_hf.fuse(source, f, state=True)
+        order = moe_hf.LAYER_ORDER
+    for rec in source:
+        if rec.name.startswith("model.layers."):  # named by moe_hf already
+            records.append(rec)
+            continue
         mapped = _mapped(rec, f, state=True)
         if mapped is None:
             return None
         records += mapped
         names[rec.name] = [m.name for m in mapped]
-    return sorted(records, key=lambda r: _hf_rank(r.name)), names
+    return sorted(records, key=lambda r: _hf_rank(r.name, order)), names

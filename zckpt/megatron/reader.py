@@ -196,7 +196,8 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
     if dp is None and tp and pp and world and world % (tp * pp) == 0:
         dp = world // (tp * pp)
     untie = a.get("untie_embeddings_and_output_weights")
-    layout = content.get("distrib_optim_sharding_type") or optim.get("param_state_sharding_type")
+    layout = content.get("distrib_optim_sharding_type") or optim.get("param_state_sharding_type") or \
+        (optim.get(0) or {}).get("param_state_sharding_type")  # (a chain: per optimizer)
     return {
         "tp": tp, "pp": pp, "dp": dp, "world_size": world,
         "num_layers": _int(a.get("num_layers")), "hidden_size": _int(a.get("hidden_size")),
@@ -374,8 +375,13 @@ def _dp_optimizer(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> d
 def _step(common: dict) -> tuple[list[dict], object]:
     """The param groups' hyperparameters in common.pt (fully_reshardable) and their one Adam step (None when
     they disagree or are not saved)."""
-    groups = (((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups")
-              if isinstance(common.get("optimizer"), dict) else None)
+    optim = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    if optim and all(isinstance(k, int) for k in optim) and sorted(optim) == list(range(len(optim))):  # a chain (an MoE model's dense 0, experts 1): in order
+        parts = [((optim[i] or {}).get("optimizer") or {}).get("param_groups") if isinstance(optim[i], dict) else None
+                 for i in range(len(optim))]
+        groups = [g for p in parts for g in p] if all(isinstance(p, list) for p in parts) else None
+    else:
+        groups = (optim.get("optimizer") or {}).get("param_groups")
     groups = [dict(g) for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []
     steps = {g.get("step") for g in groups}
     step = steps.pop() if len(steps) == 1 else None

@@ -27,7 +27,7 @@ import dataclasses
 import fnmatch
 
 from zckpt.errors import InvalidArgument, UnsupportedLayout
-from zckpt.megatron import buckets, hf_names
+from zckpt.megatron import buckets, hf_names, moe
 from zckpt.state.model import Checkpoint, GroupInfo
 
 DEFAULT_RULE = "megatron-default"
@@ -44,20 +44,27 @@ def _default_rule(ckpt: Checkpoint, stateful: list, files_groups: list[dict], pa
             raise UnsupportedLayout(f"the run's args set {key}={args[key]!r}, so its groups are not Megatron's "
                                     f"standard two; {DEFAULT_RULE} does not apply", path=path,
                                     hint="name each group with --groups 'GLOB=K'")
-    no_wd = [r.name for r in stateful if len(r.shape) == 1 or r.name.endswith(".bias")]
-    rest = [r.name for r in stateful if r.name not in set(no_wd)]
-    wanted = [(names, wd) for names, wd in ((rest, 1.0), (no_wd, 0.0)) if names]
-    got = [(g.get("wd_mult"), g.get("lr_mult"), g.get("is_decoupled_lr")) for g in files_groups]
-    expect = [(wd, 1.0, False) for _, wd in wanted]
+    # a mixture-of-experts model's experts are the second optimizer's (is_expert_parallel groups, after the dense)
+    wanted = []
+    for expert in (False, True):
+        mine = [r for r in stateful if bool(moe.expert_of(r.name)) == expert]
+        no_wd = [r.name for r in mine if len(r.shape) == 1 or r.name.endswith(".bias")]
+        rest = [r.name for r in mine if r.name not in set(no_wd)]
+        wanted += [(names, wd, expert) for names, wd in ((rest, 1.0), (no_wd, 0.0)) if names]
+    moe_run = any(e for _, _, e in wanted)
+    got = [(g.get("wd_mult"), g.get("lr_mult"), g.get("is_decoupled_lr"))
+           + ((g.get("is_expert_parallel"),) if moe_run else ()) for g in files_groups]
+    expect = [(wd, 1.0, False) + ((e,) if moe_run else ()) for _, wd, e in wanted]
     if got != expect:
-        raise UnsupportedLayout(f"common.pt's param groups (wd_mult, lr_mult, is_decoupled_lr: {got}) are not the "
+        raise UnsupportedLayout(f"common.pt's param groups (wd_mult, lr_mult, is_decoupled_lr"
+                                f"{', is_expert_parallel' if moe_run else ''}: {got}) are not the "
                                 f"groups {DEFAULT_RULE} gives for these parameters ({expect})", path=path,
                                 hint="name each group with --groups 'GLOB=K'")
     for i, g in enumerate(files_groups):
         if g.get("wd_mult") == 0.0 and float(g.get("weight_decay", 0.0)) != 0.0:
             raise UnsupportedLayout(f"param group {i} has wd_mult 0 and weight decay {g.get('weight_decay')}",
                                     path=path)
-    return [names for names, _ in wanted]
+    return [names for names, _, _ in wanted]
 
 
 def _globs(spec: list[str], stateful: list, n_groups: int, path: str) -> list[list[str]]:
@@ -129,7 +136,11 @@ def training_state(ckpt: Checkpoint, groups, native_names: bool = False) -> Chec
         members = [[hf for n in names for hf in renamed[n]] for names in members]
         order = {r.name: i for i, r in enumerate(records)}
         members = [sorted(m, key=order.__getitem__) for m in members]
-        notes.append("Hugging Face Llama names (qkv split per query group, fc1 into gate and up; the masters and "
+        notes.append("Hugging Face Mixtral names (qkv split per query group, each layer's experts fused as "
+                     "MixtralExperts' gate_up_proj and down_proj, the router as mlp.gate; the masters and both "
+                     "moments split and fused the same way), in MixtralForCausalLM's parameter order"
+                     if ckpt.extra.get("moe_coverage") else
+                     "Hugging Face Llama names (qkv split per query group, fc1 into gate and up; the masters and "
                      "both moments split the same way), in LlamaForCausalLM's parameter order")
     else:
         notes.append("Megatron's own names (decoupled from any Hugging Face model: "

@@ -1,0 +1,401 @@
+"""Megatron-Core mixture-of-experts checkpoints saved by Megatron-LM's own ``pretrain_gpt.py`` (fixtures/megatron/
+moe16_*: megatron-core 0.16.1 on CPU ranks, SequentialMLP experts, 8 per layer, top-2; generate_lm.py), each with
+what Megatron-LM's own ``load_checkpoint`` gives beside it (the oracle):
+
+- ``moe16_ep2_dp4``: 2 MoE layers, expert-parallel 2 x expert-data-parallel 2, ``dp_reshardable`` (the experts'
+  state in the second optimizer's buckets), allgather dispatcher;
+- ``moe16_etp2_ep2_fullyresh``: 3 layers of which 1 and 2 are MoE (per-layer keys), expert tensor parallelism 2 x
+  expert-parallel 2, ``fully_reshardable``.
+
+read (every expert's weight, master and moments equal to the oracle bit for bit; the buckets placed where DDP's own
+buffers had them), ``info`` / ``info --json`` (layers x experts, ep, the coverage check), ``verify --deep``; a
+deleted data file, an expert missing from or doubled in ``.metadata`` and a flipped byte refused in one line naming
+the layer and the expert; ``merge`` under transformers' Mixtral names loaded by ``MixtralForCausalLM``; ``convert``
+to DCP loaded by FSDP2 and to DeepSpeed loaded by DeepSpeed, into Mixtral, bit for bit. Megatron is never imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FIXTURES
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import load_file  # noqa: E402
+
+import zckpt  # noqa: E402
+from zckpt.encoding.tensors import load_pieces  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MEG = FIXTURES / "megatron"
+DP, FULLY = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh"
+MOE = [DP, FULLY]
+EXPERT = "decoder.layers.{i}.mlp.experts.experts.{e}.{p}"
+
+
+def oracle(name: str) -> tuple[dict, dict]:
+    return json.loads((MEG / f"{name}.oracle.json").read_text()), load_file(str(MEG / f"{name}.oracle.safetensors"))
+
+
+def zckpt_run(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=300)
+
+
+def one_line(res, *words):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def moe_layers(meta: dict) -> list[int]:
+    freq = meta["moe_layer_freq"]
+    return [i for i in range(meta["num_layers"]) if (freq[i] if isinstance(freq, list) else i % freq == 0)]
+
+
+def test_the_fixtures_are_megatron_lms_own_moe_saves():
+    for name in MOE:
+        meta, _ = oracle(name)
+        assert "--mock-data" in meta["megatron_lm_flags"] and meta["oracle_method"].startswith("pretrain_gpt.py")
+        assert (meta["num_experts"], meta["moe_router_topk"], meta["moe_grouped_gemm"]) == (8, 2, False)
+        assert len(moe_layers(meta)) == 2
+    assert {oracle(n)[0]["expert_model_parallel_size"] for n in MOE} == {2}
+    assert {oracle(n)[0]["expert_tensor_parallel_size"] for n in MOE} == {1, 2}
+    assert {oracle(n)[0]["distrib_optim_sharding_type"] for n in MOE} == {"dp_reshardable", "fully_reshardable"}
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_info_shows_layers_x_experts_ep_and_the_check(name):
+    meta, _ = oracle(name)
+    res = zckpt_run("info", MEG / name, "--json")
+    assert res.returncode == 0, res.stderr
+    m = json.loads(res.stdout)["moe"]
+    assert (m["layers"], m["experts"], m["ep"], m["topk"], m["etp"], m["checked"], m["routers"]) == \
+        (2, 8, meta["expert_model_parallel_size"], 2, meta["expert_tensor_parallel_size"], True, 2)
+    assert m["each_expert_has"] == ["value", "master", "exp_avg", "exp_avg_sq"] or \
+        m["each_expert_has"] == ["value", "exp_avg", "exp_avg_sq"]  # fully_reshardable: the value is the master
+    assert [x["layer"] for x in m["by_layer"]] == [f"decoder.layers.{i}.mlp" for i in moe_layers(meta)]
+    text = zckpt_run("info", MEG / name)
+    assert f"experts      2 layers x 8 experts, ep {meta['expert_model_parallel_size']}: every expert once" \
+        in text.stdout and "(top-2)" in text.stdout, text.stdout
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_verify_deep(name):
+    res = zckpt_run("verify", "--deep", MEG / name)
+    assert res.returncode == 0 and "complete and consistent" in res.stdout, res.stdout + res.stderr
+    assert "ok   MoE experts: 2 layers x 8 experts" in res.stdout
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_every_expert_router_master_and_moment_equals_megatron_lms_load(name):
+    meta, want = oracle(name)
+    ckpt = zckpt.open_checkpoint(str(MEG / name))
+    by_name = ckpt.by_name()
+    weights = {k for k in want if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))}
+    assert {n for n, r in by_name.items() if r.kind == "trainable"} == weights
+    experts = [EXPERT.format(i=i, e=e, p=p) for i in moe_layers(meta) for e in range(8)
+               for p in ("linear_fc1.weight", "linear_fc2.weight")]
+    assert set(experts) <= weights and {f"decoder.layers.{i}.mlp.router.weight" for i in moe_layers(meta)} <= weights
+    placed = ckpt.extra.get("buckets")
+    assert (placed is not None) == (meta["distrib_optim_sharding_type"] == "dp_reshardable")
+    for n in weights:
+        r = by_name[n]
+        triple = placed[n] if placed else (r.value, r.exp_avg, r.exp_avg_sq)
+        if placed:  # the records hold the training-dtype weights; the masters are in the buckets
+            assert torch.equal(load_pieces(r.value, r.dtype, r.shape), want[n]), n
+        for kind, pieces in zip(("master", "exp_avg", "exp_avg_sq"), triple):
+            assert torch.equal(load_pieces(pieces, "float32", r.shape), want[f"{kind}.{n}"]), (kind, n)
+    assert ckpt.extra["step"] == meta["iteration"] == 3
+
+
+def test_expert_buckets_placed_where_ddps_expert_buffers_had_them():
+    """Every expert's place in each expert-parallel rank's buckets equals megatron-core's live
+    expert_parallel_buffers (DDP's param_index_map, recorded by the generator); rank g of the expert tp x ep x pp
+    group holds experts g*4..g*4+3 of both layers."""
+    from zckpt.megatron import buckets
+    meta, _ = oracle(DP)
+    ckpt = zckpt.open_checkpoint(str(MEG / DP))
+    placed = ckpt.extra["buckets"]
+    md = ckpt.extra["metadata"]
+    for g, bufs in enumerate(meta["dp_expert_buffers_per_rank"][:2]):  # global ranks 0, 1: ep ranks 0, 1
+        (buf,) = bufs
+        for p in buf["params"]:
+            assert p["name"] in placed
+            key = f"chained_1.optimizer.distributed.dp_group_idx_{g}."
+            assert all(x.path for x in placed[p["name"]][0])
+            assert any(te.key.startswith(key) for te in md.tensors.values()), key
+        mine = {p["name"] for p in buf["params"]}
+        assert mine == {EXPERT.format(i=i, e=e, p=q) for i in (0, 1) for e in range(4 * g, 4 * g + 4)
+                        for q in ("linear_fc1.weight", "linear_fc2.weight")}
+    f = ckpt.extra["megatron"]
+    bk = buckets._buckets(md, 2, "", 1)
+    records = {r.name: r for r in ckpt.records}
+    for g in range(2):
+        (buf,) = meta["dp_expert_buffers_per_rank"][g]
+        params = [buckets._Rec(records[p["name"]], True) for p in sorted(buf["params"], key=lambda p: -p["start"])]
+        got = buckets._walk(params, bk[g], g, 1, "")
+        starts = [b["start"] for b in buf["buckets"]]
+        theirs = {(p["name"], starts[p["bucket"]] + 0, p["start"], p["end"]) for p in buf["params"]}
+        mine = {(n, starts[0], starts[0] + s, starts[0] + s + k) for n, (_, s, k) in got.items()}
+        assert {x[0::2] + x[3:] for x in mine} == {x[0::2] + x[3:] for x in theirs}, (g, f["moe"])
+
+
+# ------------------------------------------------------------------------------------------------- damage
+
+def _copy(tmp_path, name) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(MEG / name, dst)
+    return dst / "iter_0000003"
+
+
+def _metadata(folder: Path):
+    """.metadata unpickled by torch's own classes (the test may use pickle; zckpt never does)."""
+    import torch.distributed.checkpoint  # noqa: F401  (the classes the pickle names)
+    with open(folder / ".metadata", "rb") as fh:
+        return pickle.load(fh)
+
+
+def _expert_chunk(md, param="linear_fc1.weight", layer=1, expert=5):
+    key = f"decoder.layers.mlp.experts.experts.{param}"
+    for c in md.state_dict_metadata[key].chunks:
+        if tuple(c.offsets[:2]) == (layer, expert):
+            return key, c
+    raise AssertionError("no such chunk")
+
+
+def test_a_deleted_data_file_is_refused_naming_the_layer_and_expert(tmp_path):
+    folder = _copy(tmp_path, DP)
+    md = _metadata(folder)
+    key, chunk = _expert_chunk(md)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    victim = md.storage_data[MetadataIndex(key, chunk.offsets)].relative_path
+    (folder / victim).unlink()
+    for cmd in (["info"], ["verify"], ["merge", "-o", tmp_path / "m"]):
+        line = one_line(zckpt_run(*cmd, folder.parent), "MoE layer", "expert", victim, "not in the folder")
+        assert "decoder.layers." in line
+    assert not (tmp_path / "m").exists()
+
+
+def test_an_expert_missing_from_the_metadata_is_refused_naming_it(tmp_path):
+    """A save whose .metadata lacks one expert's chunk (a rank's plan lost): refused by every command, naming layer
+    1 and expert 5, exit 1, nothing written."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    folder = _copy(tmp_path, DP)
+    md = _metadata(folder)
+    key, chunk = _expert_chunk(md, "linear_fc2.weight")
+    md.state_dict_metadata[key].chunks.remove(chunk)
+    del md.storage_data[MetadataIndex(key, chunk.offsets)]
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    for cmd in (["info"], ["verify"], ["convert", "--groups", "megatron-default", "--to", "dcp", "-o", tmp_path / "d"]):
+        one_line(zckpt_run(*cmd, folder.parent), "MoE layer 1 (decoder.layers.1.mlp): expert 5 is missing",
+                 "linear_fc2.weight")
+    assert not (tmp_path / "d").exists()
+
+
+def test_an_expert_held_twice_is_refused_naming_it(tmp_path):
+    """Expert 5's chunk relabelled as expert 4's (two saves put together): expert 4 held twice."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    folder = _copy(tmp_path, DP)
+    md = _metadata(folder)
+    key, chunk = _expert_chunk(md, "linear_fc2.weight", 0, 5)
+    where = md.storage_data.pop(MetadataIndex(key, chunk.offsets))
+    chunk.offsets = torch.Size([0, 4, *chunk.offsets[2:]])
+    md.storage_data[MetadataIndex(key, chunk.offsets, 1)] = where
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    one_line(zckpt_run("info", folder.parent), "MoE layer 0 (decoder.layers.0.mlp): expert 4 is held twice")
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_an_expert_moment_is_refused_naming_the_expert(tmp_path):
+    """fully_reshardable: the exp_avg of layer 2's expert 6 (per-layer keys); verify --deep and convert name it."""
+    folder = _copy(tmp_path, FULLY)
+    ckpt = zckpt.open_checkpoint(str(folder.parent))
+    rec = ckpt.by_name()[EXPERT.format(i=2, e=6, p="linear_fc2.weight")]
+    p = rec.exp_avg[0]
+    _flip(Path(p.path), p.offset + 3)
+    # verify --deep names the file, the item (layer 2's experts' exp_avg) and the entry
+    one_line(zckpt_run("verify", "--deep", folder.parent), "NOT consistent", Path(p.path).name,
+             "optimizer.state.exp_avg.decoder.layers.2.mlp.experts.experts.linear_fc2.weight")
+    one_line(zckpt_run("convert", folder.parent, "--groups", "megatron-default", "--to", "dcp", "-o", tmp_path / "d"),
+             "decoder.layers.2.mlp.experts.experts.6.linear_fc2.weight", "CRC-32")
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_flipped_byte_in_an_expert_bucket_moment_is_refused_naming_the_expert(tmp_path):
+    """dp_reshardable: a byte of the expert buckets' exp_avg under layer 1's expert 2; convert names the tensor it
+    is in: Mixtral's fused layer-1 experts, or (--native-names) the expert itself."""
+    folder = _copy(tmp_path, DP)
+    ckpt = zckpt.open_checkpoint(str(folder.parent))
+    p = ckpt.extra["buckets"][EXPERT.format(i=1, e=2, p="linear_fc1.weight")][1][0]
+    _flip(Path(p.path), p.offset + 5)
+    to = ["--to", "deepspeed", "-w", 2, "--stage", 2, "--dtype", "bf16", "-o", tmp_path / "d"]
+    one_line(zckpt_run("convert", folder.parent, "--groups", "megatron-default", *to),
+             "exp_avg of 'model.layers.1.mlp.experts.gate_up_proj'", "CRC-32")
+    one_line(zckpt_run("convert", folder.parent, "--groups", "megatron-default", "--native-names", *to),
+             "exp_avg of 'decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight'", "CRC-32")
+    assert not (tmp_path / "d").exists()
+
+
+# ------------------------------------------------------------------------------------------------- merge
+
+def mixtral_expected(name: str, kind: str | None = None) -> dict:
+    """The oracle under transformers' Mixtral names, split and stacked here with torch's own indexing; ``kind``:
+    master / exp_avg / exp_avg_sq (None: the weights)."""
+    meta, want = oracle(name)
+    t = {k[len(kind) + 1:]: v for k, v in want.items() if k.startswith(kind + ".")} if kind else \
+        {k: v for k, v in want.items() if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))}
+    heads, groups, kv = meta["num_attention_heads"], meta["num_query_groups"], meta["kv_channels"]
+    per = heads // groups
+    d = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"],
+         "model.norm.weight": t["decoder.final_layernorm.weight"], "lm_head.weight": t["output_layer.weight"]}
+    for i in range(meta["num_layers"]):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = t[m + "self_attention.linear_qkv.weight"]
+        qkv = qkv.view(groups, per + 2, kv, qkv.shape[-1])
+        d[h + "self_attn.q_proj.weight"] = qkv[:, :per].reshape(-1, qkv.shape[-1])
+        d[h + "self_attn.k_proj.weight"] = qkv[:, per].reshape(-1, qkv.shape[-1])
+        d[h + "self_attn.v_proj.weight"] = qkv[:, per + 1].reshape(-1, qkv.shape[-1])
+        d[h + "self_attn.o_proj.weight"] = t[m + "self_attention.linear_proj.weight"]
+        d[h + "input_layernorm.weight"] = t[m + "self_attention.linear_qkv.layer_norm_weight"]
+        d[h + "post_attention_layernorm.weight"] = t[m + "mlp.linear_fc1.layer_norm_weight"]
+        d[h + "mlp.gate.weight"] = t[m + "mlp.router.weight"]
+        d[h + "mlp.experts.gate_up_proj"] = torch.stack([t[EXPERT.format(i=i, e=e, p="linear_fc1.weight")]
+                                                         for e in range(meta["num_experts"])])
+        d[h + "mlp.experts.down_proj"] = torch.stack([t[EXPERT.format(i=i, e=e, p="linear_fc2.weight")]
+                                                      for e in range(meta["num_experts"])])
+    return d
+
+
+def test_merge_writes_a_mixtral_transformers_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    meta, _ = oracle(DP)
+    out = tmp_path / "hf"
+    res = zckpt_run("merge", MEG / DP, "--dtype", "bf16", "-o", out)
+    assert res.returncode == 0, res.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"],
+            cfg["rms_norm_eps"], cfg["rope_theta"], cfg["head_dim"]) == \
+        ("mixtral", 8, 2, meta["moe_ffn_hidden_size"], meta["norm_epsilon"], meta["rotary_base"], meta["kv_channels"])
+    model, info = transformers.MixtralForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16,
+                                                                  output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched key
+    sd, want = model.state_dict(), mixtral_expected(DP)
+    assert set(sd) == set(want)
+    for k, v in want.items():
+        assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+
+
+def test_merge_of_dense_and_moe_layers_keeps_megatrons_names_with_a_note(tmp_path):
+    """Layer 0 is dense (--moe-layer-freq [0,1,1]): not a Mixtral; the weights under Megatron's names, the note
+    says why; the fp32 masters equal the oracle's."""
+    meta, want = oracle(FULLY)
+    out = tmp_path / "hf"
+    res = zckpt_run("merge", MEG / FULLY, "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert "layers [0] are dense" in res.stdout + res.stderr and not (out / "config.json").exists()
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == {k for k in want if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))}
+    for k, v in got.items():
+        assert torch.equal(v, want[f"master.{k}"]), k
+
+
+# ------------------------------------------------------------------------------------------------- convert
+
+def torchrun(tmp: Path, nproc: int, *args) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_oracle
+    G = ds_oracle.generate_module()
+    dump = tmp / f"dump_{args[0]}_{nproc}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
+           str(ROOT / "tests" / "megatron_moe_worker.py"), args[0], str(args[1]), str(args[2]), str(dump),
+           *map(str, args[3:])]
+    proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}), cwd=str(tmp),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
+    return {"tensors": load_file(str(dump) + ".safetensors"), **json.loads(Path(str(dump) + ".json").read_text())}
+
+
+def _exact(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8),
+                                                                    b.contiguous().view(-1).view(torch.uint8))
+
+
+def check_loaded(got: dict) -> None:
+    t = got["tensors"]
+    want = {k: mixtral_expected(DP, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+    assert {k[len("param/"):] for k in t if k.startswith("param/")} == set(want["master"])
+    for n in want["master"]:
+        for kind, prefix in (("master", "param/"), ("exp_avg", "exp_avg/"), ("exp_avg_sq", "exp_avg_sq/")):
+            assert _exact(t[prefix + n], want[kind][n]), (kind, n)
+    meta, _ = oracle(DP)
+    names = [set(g["names"]) for g in got["groups"]]
+    experts = {n for n in want["master"] if ".experts." in n}
+    no_wd = {n for n in want["master"] if want["master"][n].ndim == 1}
+    assert names == [set(want["master"]) - experts - no_wd, no_wd, experts]
+    files = [g for r in meta["param_groups_per_rank"][:1] for g in r]  # rank 0: dense 2 groups, then experts'
+    for g, fg in zip(got["groups"], files):
+        assert (g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"]) == \
+            (fg["lr"], fg["weight_decay"], tuple(fg["betas"]), fg["eps"])
+
+
+@pytest.mark.slow
+def test_to_dcp_loads_in_fsdp2_mixtral_bit_for_bit(tmp_path):
+    out = tmp_path / "fsdp2"
+    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "dcp", "-o", out, "--json")
+    assert res.returncode == 0, res.stderr
+    got = torchrun(tmp_path, 2, "fsdp2", out, MEG / f"{DP}.oracle.json")
+    assert got["world_size"] == 2
+    check_loaded(got)
+    for n, v in got["tensors"].items():
+        if n.startswith("step/"):
+            assert float(v) == 3.0, n
+    assert got["counters"]["global_steps"] == 3
+
+
+@pytest.mark.slow
+def test_to_deepspeed_loads_in_deepspeed_mixtral_bit_for_bit(tmp_path):
+    out = tmp_path / "ds"
+    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "deepspeed", "--world-size", 2,
+                    "--stage", 2, "--dtype", "bf16", "-o", out, "--json")
+    assert res.returncode == 0, res.stderr
+    got = torchrun(tmp_path, 2, "deepspeed", out, MEG / f"{DP}.oracle.json", 2)
+    check_loaded(got)
+    assert got["steps"] == [3.0] and got["global_steps"] == 3
+
+
+def test_dense_and_moe_layers_to_dcp_read_back_by_torch(tmp_path):
+    """Not a Mixtral (a dense layer): Megatron's names; torch.distributed.checkpoint's own load of the output gives
+    the oracle's masters and moments."""
+    import torch.distributed.checkpoint as dcp
+    meta, want = oracle(FULLY)
+    out = tmp_path / "dcp"
+    res = zckpt_run("convert", MEG / FULLY, "--groups", "megatron-default", "--to", "dcp", "-o", out)
+    assert res.returncode == 0, res.stderr
+    names = [k for k in want if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))]
+    sd = {f"model.{n}": torch.empty_like(want[f"master.{n}"]) for n in names}
+    sd.update({f"optim.state.{n}.{k}": torch.empty_like(want[f"{k}.{n}"]) for n in names
+               for k in ("exp_avg", "exp_avg_sq")})
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    for n in names:
+        assert torch.equal(sd[f"model.{n}"], want[f"master.{n}"]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd[f"optim.state.{n}.{k}"], want[f"{k}.{n}"]), (k, n)
