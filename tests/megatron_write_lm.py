@@ -2,7 +2,8 @@
 TP/PP, on CPU ranks, for the fixtures Megatron-LM itself saved (fixtures/megatron/lm16_*, lm19_*; made by
 fixtures/megatron/generate_lm.py, whose flags, CPU shim and gather this reuses).
 
-For each (source, tp, pp): ``zckpt convert SOURCE --to megatron --tp T --pp P -o OUT``, then under torchrun
+For each (source, tp, pp[, layout]): ``zckpt convert SOURCE --to megatron --tp T --pp P [--layout dp_reshardable
+--dp D] -o OUT`` (D: the source's ranks / (T x P)), then under torchrun
 ``pretrain_gpt.py`` with the source's flags at the new TP/PP, ``--load OUT`` and ``--train-iters`` one past the
 saved iteration. Right after Megatron-LM's ``setup_model_and_optimizer`` (which runs ``load_checkpoint``), every
 rank gathers the loaded model and optimizer (generate.py's ``_oracle_tensors``) and rank 0 compares them with the
@@ -122,7 +123,7 @@ def worker(source: str, out: str, tp: int, pp: int, mlm: str, result: str) -> No
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("jobs", nargs="*", help="SOURCE:TP:PP")
+    ap.add_argument("jobs", nargs="*", help="SOURCE:TP:PP[:dp_reshardable] (default layout fully_reshardable)")
     ap.add_argument("--python", default="/work/venv-mcore/bin/python")
     ap.add_argument("--mlm", default="/work/megatron-lm-0.16")
     ap.add_argument("--extras", default=None)
@@ -137,19 +138,20 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for job in a.jobs:
-        source, tp, pp = job.split(":")
-        out = work / f"{source}-tp{tp}pp{pp}"
+        source, tp, pp, *layout = job.split(":")
+        out = work / f"{source}-tp{tp}pp{pp}{''.join('-' + x for x in layout)}"
+        n = json.loads((FIX / f"{source}.oracle.json").read_text())["world_size"]
+        more = ["--layout", layout[0], "--dp", str(n // (int(tp) * int(pp)))] if layout else []  # same ranks
         r = subprocess.run([sys.executable, "-m", "zckpt", "convert", str(FIX / source), "--to", "megatron",
-                            "--tp", tp, "--pp", pp, "-o", str(out), "--overwrite", "--quiet"],
+                            "--tp", tp, "--pp", pp, *more, "-o", str(out), "--overwrite", "--quiet"],
                            env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        n = json.loads((FIX / f"{source}.oracle.json").read_text())["world_size"]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
                "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
         env.pop("PYTHONPATH", None)
         if a.extras:
             env["PYTHONPATH"] = a.extras
-        res = work / f"{source}-tp{tp}pp{pp}.json"
+        res = work / f"{out.name}.json"
         res.unlink(missing_ok=True)
         cmd = [a.python, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
                str(29700 + len(results)), str(Path(__file__).resolve()), "--_worker", source, str(out), tp, pp,
