@@ -32,6 +32,7 @@ after minus before). Prints a table; ``--json-out`` keeps the numbers.
     python benchmarks/bench_metadata.py --chunks 10000 --ds-world-sizes 8                     # a smoke test
     python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks 100000  # info, real items
     python benchmarks/bench_metadata.py --chunks 100000 --zckpt-root /tmp/old   # another tree's zckpt (before)
+    python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes 64,512 --ds-info  # ZeRO-3 open and info
 """
 
 from __future__ import annotations
@@ -240,7 +241,11 @@ def rss():
     with open("/proc/self/status") as f:
         st = dict(line.split(":", 1) for line in f)
     return int(st["VmHWM"].split()[0]) * 1024, int(st["VmRSS"].split()[0]) * 1024
+def syscr():
+    with open("/proc/self/io") as f:
+        return int(dict(line.split(":", 1) for line in f)["syscr"])
 base, t0, c0, outcome, secs, cpu = rss()[1], time.perf_counter(), time.process_time(), "read", None, None
+r0 = syscr()
 try:
     if kind == "plain-dcp":
         import pickle
@@ -279,12 +284,16 @@ try:
         from zckpt.state.open import open_checkpoint
         ck = open_checkpoint(path)
         outcome = f"read: {ck.world_size} ranks, {len(ck.records)} params"
+    elif kind == "zckpt-ds-info":
+        from zckpt.ops.info import info
+        d = info(os.path.dirname(path))
+        outcome = f"info: stage {d.get('zero_stage')}, world size {d.get('world_size')}"
 except Exception as exc:
     outcome = f"{type(exc).__name__}: {exc}"
 secs = time.perf_counter() - t0 if secs is None else secs
 cpu = time.process_time() - c0 if cpu is None else cpu
 print(json.dumps({"seconds": secs, "cpu": cpu, "rss_growth": rss()[0] - base, "peak_rss": rss()[0],
-                  "outcome": outcome}))
+                  "read_calls": syscr() - r0, "outcome": outcome}))
 '''
 
 
@@ -317,6 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ds-params", type=int, default=720, help="parameters of the ZeRO-3 model (80 layers x 9)")
     ap.add_argument("--ds-subgroups", type=int, default=8)
     ap.add_argument("--hostile", action="store_true")
+    ap.add_argument("--ds-info", action="store_true", help="also zckpt info of each ds-z3 folder (its read syscalls)")
     ap.add_argument("--zckpt-root", type=Path, default=ROOT)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--keep", type=Path)
@@ -343,6 +353,11 @@ def main(argv=None) -> int:
         z = measure("zckpt-ds", tag, args.zckpt_root, args.timeout)
         rows.append({"case": f"ds-z3-{w}", "bytes": size, "plain": plain, "zckpt": z})
         _print(rows[-1])
+        if args.ds_info:  # zckpt info of the folder (read syscalls: what would be requests on an object store)
+            z = measure("zckpt-ds-info", tag, args.zckpt_root, args.timeout)
+            rows.append({"case": f"ds-z3-info-{w}", "bytes": size, "plain": plain, "zckpt": z,
+                         "files": len(list(tag.iterdir()))})
+            _print(rows[-1])
     if args.hostile:
         for name, f in gen_hostile(work / "hostile").items():
             z = measure("zckpt-dcp", f, args.zckpt_root, min(args.timeout, 120))
@@ -374,7 +389,8 @@ def _print(row: dict) -> None:
         return f"{z[k] / p[k]:.2f}" if p.get(k) and z.get(k) is not None else "-"
     print(f"{row['case']:34} {row['bytes'] / 1e6:6.1f} {num(p, 'seconds'):>8} {num(z, 'seconds'):>8} "
           f"{ratio('seconds'):>6} {num(p, 'cpu'):>9} {num(z, 'cpu'):>9} {ratio('cpu'):>6} "
-          f"{mib(p.get('rss_growth')):>10} {mib(z.get('rss_growth')):>10}  {str(z.get('outcome'))[:100]}", flush=True)
+          f"{mib(p.get('rss_growth')):>10} {mib(z.get('rss_growth')):>10}  {str(z.get('outcome'))[:100]}"
+          + (f" ({z['read_calls']} read calls)" if z.get("read_calls") is not None else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
     ZckptError,
 )
-from zckpt.encoding import dcpmeta, distcp
+from zckpt.encoding import dcpmeta, distcp, safeload
 from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
 from zckpt.state import experts, moe_names
@@ -152,27 +152,33 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
         raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by dcp.save: the save did "
                                    "not finish, or this is not a DCP folder)", path=mpath,
                                    hint="use the folder of a finished save")
-    metas, sizes, mds = [], {}, []
     try:
-        for part in parts:
-            folder = storage.join(path, part) if part else path
-            mpath = storage.join(folder, METADATA)
-            names = storage.listdir(folder, opts)
-            own = {n: storage.size(storage.join(folder, n), opts) for n in names
-                   if n != METADATA and storage.isfile(storage.join(folder, n), opts)}
-            links.check([mpath], path)  # .metadata and every .distcp it names: inside the folder, links resolved
-            data = storage.read_bytes(mpath, opts)
-            mds.append(_relative(dcpmeta.read_metadata(data, mpath, own), part))
-            links.check([storage.join(path, f) for f in mds[-1].files], path)
-            sizes.update({f"{part}/{n}" if part else n: size for n, size in own.items()})
-            metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
-        md = _joined(mds, storage.join(path, metas[0][0]))
-        with metadata_errors(storage.join(path, metas[0][0])):
-            return _build(path, opts, md, sizes, metas, buffers, tied)
+        with safeload.gc_paused():  # 10**5-10**6 pieces built, no garbage: one collector pass at the end, not many
+            return _open_parts(path, opts, parts, buffers, tied)
     except (CorruptFile, UnsafePickle) as exc:
         if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
             exc.hint = DCP_HINTS[UnsafePickle if isinstance(exc, UnsafePickle) else CorruptFile]  # subclasses too
         raise
+
+
+def _open_parts(path, opts, parts, buffers, tied) -> Checkpoint:
+    """:func:`open_dcp`'s reads: each part's ``.metadata``, then the checkpoint built from them."""
+    metas, sizes, mds = [], {}, []
+    for part in parts:
+        folder = storage.join(path, part) if part else path
+        mpath = storage.join(folder, METADATA)
+        names = storage.listdir(folder, opts)
+        own = {n: storage.size(storage.join(folder, n), opts) for n in names
+               if n != METADATA and storage.isfile(storage.join(folder, n), opts)}
+        links.check([mpath], path)  # .metadata and every .distcp it names: inside the folder, links resolved
+        data = storage.read_bytes(mpath, opts)
+        mds.append(_relative(dcpmeta.read_metadata(data, mpath, own), part))
+        links.check([storage.join(path, f) for f in mds[-1].files], path)
+        sizes.update({f"{part}/{n}" if part else n: size for n, size in own.items()})
+        metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
+    md = _joined(mds, storage.join(path, metas[0][0]))
+    with metadata_errors(storage.join(path, metas[0][0])):
+        return _build(path, opts, md, sizes, metas, buffers, tied)
 
 
 def _relative(md: dcpmeta.DcpMetadata, part: str) -> dcpmeta.DcpMetadata:
@@ -225,6 +231,9 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
                           else "") + ", which is not a module tensor", path=mpath)
     items = _Items(path, opts)
     try:
+        steps = [md.tensors[st["step"]] for st in state.values() if st.get("step") in md.tensors]
+        items.prefetch([(c.file, c.offset, c.length) for ste in steps if ste.numel == 1 for c in ste.chunks[:1]] +
+                       [(v.file, v.offset, v.length) for v in md.values.values()])  # few reads, not one per item
         group_values = _values(items, md, [k for g in groups_raw.values() for k in g.values()], mpath)
         tie_source = "given" if tied is not None else None
         if tied is None:

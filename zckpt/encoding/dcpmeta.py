@@ -66,10 +66,11 @@ EXTRA_GLOBALS.update({"torch.serialization._get_layout": _layout, "pathlib.Posix
 
 # ---------------------------------------------------------------------------------------------- the model
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True, slots=True)
 class Chunk:
     """One saved rectangle of a tensor: ``offsets``/``sizes`` per dim; its torch zip is ``length`` bytes at
-    ``offset`` of the data file ``file`` (a name inside the checkpoint folder)."""
+    ``offset`` of the data file ``file`` (a name inside the checkpoint folder). Never changed once read (hashed by
+    its fields; not ``frozen``: a frozen dataclass is built 7x slower, and a checkpoint has 10**5-10**6 of them)."""
 
     offsets: tuple
     sizes: tuple
@@ -154,18 +155,24 @@ def _storage_index(storage_data, path: str) -> dict:
     if not isinstance(storage_data, dict):
         raise CorruptFile("DCP metadata: storage_data is not a dict (not written by FileSystemWriter)", path=path)
     out, names = {}, set()  # names: the file names checked already (a few, named by every entry)
+    index_cls, info_cls = _CLASSES["MetadataIndex"], _CLASSES["_StorageInfo"]
     for idx, info in storage_data.items():
-        i, s = _fields(idx, "MetadataIndex", path), _fields(info, "_StorageInfo", path)
+        if type(idx) is not index_cls or type(info) is not info_cls:  # (the checks of _fields, inline: 10**6 entries)
+            _fields(idx, "MetadataIndex", path), _fields(info, "_StorageInfo", path)
+        i, s = idx.__dict__, info.__dict__
         fqn, offs = i.get("fqn"), i.get("offset")
-        offs = None if offs is None else _ints(offs, f"the storage offset of '{fqn}'", path)
+        if offs is not None and not (type(offs) is tuple and len(offs) <= MAX_DIMS and set(map(type, offs)) <= _INT
+                                     and (not offs or min(offs) >= 0)):
+            offs = _ints(offs, f"the storage offset of '{fqn}'", path)
         name, off, length = s.get("relative_path"), s.get("offset"), s.get("length")
         if not isinstance(fqn, str) or (name not in names and (not isinstance(name, str) or not _DATA_NAME.match(name)
-                                                               or name in (".", ".."))):
+                                                           or name in (".", ".."))):
             raise CorruptFile(f"DCP metadata: storage entry of '{str(fqn)[:60]}' names the file {str(name)[:60]!r}, "
                               "not a file of the checkpoint folder", path=path)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
-            raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {off!r}, length {length!r}",
-                              path=path)
+        if type(off) is not int or type(length) is not int or off < 0 or length < 0:
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
+                raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {off!r}, length {length!r}",
+                                  path=path)
         names.add(name)
         if s.get("transform_descriptors"):
             raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {list(s['transform_descriptors'])}"
@@ -185,6 +192,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
     index = _storage_index(md.get("storage_data"), path)
     tensors, values = {}, {}
     seen: set[int] = set()  # ids of the chunk objects read (all alive in ``obj`` while this runs)
+    chunk_cls = _CLASSES["ChunkStorageMetadata"]
     for key, entry in sdm.items():
         if not isinstance(key, str):
             raise CorruptFile(f"DCP metadata: key {str(key)[:60]!r} is not a string", path=path)
@@ -192,6 +200,8 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
             where = index.get((key, None))
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the value '{key}'", path=path)
+            if file_sizes is not None:
+                _inside(where, file_sizes, path)
             values[key] = BytesEntry(key, *where)
             continue
         t = _fields(entry, "TensorStorageMetadata", path)
@@ -202,17 +212,20 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         raw = t.get("chunks")
         if not isinstance(raw, list):
             raise CorruptFile(f"DCP metadata: the chunks of '{key}' are not a list", path=path)
-        chunks, starts = [], set()
+        chunks, starts, ndim = [], set(), len(shape)
         for c in raw:
             if id(c) in seen:  # one object listed twice (a crafted list of memo references): overlapping chunks
                 raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (one chunk object listed twice)",
                                   path=path)
             seen.add(id(c))
-            cf = _fields(c, "ChunkStorageMetadata", path)
-            offs = _ints(cf.get("offsets"), f"a chunk offset of '{key}'", path)
-            sizes = _ints(cf.get("sizes"), f"a chunk size of '{key}'", path)
-            if len(offs) != len(shape) or len(sizes) != len(shape) or \
-                    any(o + s > d for o, s, d in zip(offs, sizes, shape)):
+            cf = c.__dict__ if type(c) is chunk_cls else _fields(c, "ChunkStorageMetadata", path)
+            offs, sizes = cf.get("offsets"), cf.get("sizes")
+            if not (type(offs) is tuple and type(sizes) is tuple and len(offs) == ndim and len(sizes) == ndim
+                    and set(map(type, offs + sizes)) <= _INT and (not ndim or min(offs + sizes) >= 0)):
+                offs = _ints(offs, f"a chunk offset of '{key}'", path)  # (the common case checked above, in C)
+                sizes = _ints(sizes, f"a chunk size of '{key}'", path)
+            if len(offs) != ndim or len(sizes) != ndim or \
+                    (ndim and not all(map(operator.le, map(operator.add, offs, sizes), shape))):
                 raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
                                   f"lies outside its size {list(shape)}", path=path)
             if offs in starts:  # two chunks at one offset: refused here, before 10**7 of them are cut into runs
@@ -221,27 +234,37 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
             where = index.get((key, offs))
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)
+            if file_sizes is not None:
+                _inside(where, file_sizes, path)
             chunks.append(Chunk(offs, sizes, *where))
         te = TensorEntry(key, _dtype(t.get("properties"), key, path), shape, chunks)
         te.runs = chunk_runs(te, path)  # the chunks cover the tensor exactly once (kept: readers cut by them)
         tensors[key] = te
-    if file_sizes is not None:
-        for e in [c for te in tensors.values() for c in te.chunks] + list(values.values()):
-            size = file_sizes.get(e.file)
-            if size is None:
-                raise CorruptFile(f"DCP metadata names the data file {e.file}, which is not in the folder", path=path)
-            if e.offset + e.length > size:
-                raise CorruptFile(f"DCP metadata: an item of {e.file} at bytes [{e.offset}, {e.offset + e.length}) "
-                                  f"lies past its end ({size} bytes)", path=path)
     planner = md.get("planner_data")
     paths = {}
     if isinstance(planner, dict):
         for k, v in planner.items():
-            if isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v):
+            if type(k) is str and type(v) is tuple and set(map(type, v)) <= _STR:  # the common case, checked in C
+                paths[k] = v
+            elif isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v):
                 paths[k] = tuple(str(p) for p in v)
     version = md.get("version") if isinstance(md.get("version"), str) else None
     files = sorted({c.file for te in tensors.values() for c in te.chunks} | {v.file for v in values.values()})
     return DcpMetadata(tensors, values, paths, version, files)
+
+
+_STR = {str}
+
+
+def _inside(where: tuple, file_sizes: dict, path: str) -> None:
+    """Refuse an item ``(file, offset, length)`` outside the data files ``file_sizes`` names."""
+    name, offset, length = where
+    size = file_sizes.get(name)
+    if size is None:
+        raise CorruptFile(f"DCP metadata names the data file {name}, which is not in the folder", path=path)
+    if offset + length > size:
+        raise CorruptFile(f"DCP metadata: an item of {name} at bytes [{offset}, {offset + length}) lies past its "
+                          f"end ({size} bytes)", path=path)
 
 
 def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chunk, int, int]]:
@@ -297,7 +320,9 @@ def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = No
     with safeload.gc_paused():  # millions of live objects, no garbage
         obj = safeload.load_plain(data, path, EXTRA_GLOBALS)
         try:
-            return parse(obj, path, file_sizes)
+            md = parse(obj, path, file_sizes)
+            del obj  # freed here, with the collector still paused: its next pass sees only what parse kept
+            return md
         except (CorruptFile, UnsupportedLayout):
             raise
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:

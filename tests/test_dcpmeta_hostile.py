@@ -1,0 +1,129 @@
+"""Hostile DCP ``.metadata`` pickles against the reader (issue 49): the C unpickler whose ``find_class`` hands back
+only the allow-list's inert stand-ins and whose ``persistent_load`` refuses. Each crafted pickle is refused in one
+line naming the file, nothing it names is ever called (a marker file a payload would create stays absent), and
+no allocation it asks for is made. Hand-assembled opcodes: no pickler would write these."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zckpt.encoding import dcpmeta, safeload
+from zckpt.errors import CorruptFile, UnsafePickle
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = "/ckpt/.metadata"
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return b"\x8c" + bytes([len(b)]) + b  # SHORT_BINUNICODE
+
+
+def _proto4(body: bytes) -> bytes:
+    return b"\x80\x04" + body + b"."
+
+
+def _hostile(marker: Path) -> dict[str, tuple[bytes, type, str]]:
+    """name -> (pickle, the error class, words its message holds)."""
+    cmd = f"touch {marker}"
+    cases = {
+        # GLOBAL (protocol 0's text opcode) os.system, then REDUCE: the classic payload
+        "os.system by GLOBAL": (b"cos\nsystem\n(" + b"V" + cmd.encode() + b"\ntR.", UnsafePickle, "'os.system'"),
+        # STACK_GLOBAL (protocol 4): module and name from the stack, memoized first
+        "posix.system by STACK_GLOBAL": (_proto4(_str("posix") + b"\x94" + _str("system") + b"\x94\x93\x94" +
+                                                 _str(cmd) + b"\x85R"), UnsafePickle, "'posix.system'"),
+        # INST (protocol 0 calls the class with the marked items)
+        "subprocess.call by INST": (b"(V" + cmd.encode() + b"\nisubprocess\ncall\n.", UnsafePickle,
+                                    "'subprocess.call'"),
+        # an allowed class's reduce pointed at a builtin that is not allowed: builtins.eval through torch.Size's name
+        # would need the name itself; any other name is refused, eval included
+        "builtins.eval": (_proto4(_str("builtins") + _str("eval") + b"\x93" + _str(f"__import__('os').system('{cmd}')")
+                                  + b"\x85R"), UnsafePickle, "'builtins.eval'"),
+        # getattr on an allowed class to reach something else (torch.Size -> its module's globals)
+        "builtins.getattr": (_proto4(_str("builtins") + _str("getattr") + b"\x93" + _str("torch") + _str("Size") +
+                                     b"\x93" + _str("__class__") + b"\x86R"), UnsafePickle, "'builtins.getattr'"),
+        # a persistent id (a tensor storage) in a plain pickle
+        "persistent id": (_proto4(_str("storage") + b"Q"), CorruptFile, "persistent id"),
+        # a memo slot far past the pickle's length: CPython would grow its memo table to 2**32 entries (32 GB)
+        "LONG_BINPUT 2**32-1": (_proto4(b"N" + b"r" + struct.pack("<I", 2**32 - 1)), CorruptFile, "memo slot"),
+        # PUT's text index: any size
+        "PUT 10**12": (b"Np1000000000000\n.", CorruptFile, "memo slot"),
+        # a memo GET of a slot never PUT (the trick's other half)
+        "GET of an empty slot": (_proto4(b"h\x05"), CorruptFile, "damaged"),
+        # a string claiming 2**60 bytes: its length past the end, refused before any allocation
+        "BINUNICODE8 2**60": (_proto4(b"\x8d" + struct.pack("<Q", 2**60) + b"x"), CorruptFile, "damaged pickle"),
+        # an allowed callable asked for a huge allocation: bytearray(10**12)
+        "bytearray(10**12)": (_proto4(_str("builtins") + _str("bytearray") + b"\x93" + b"\x8a\x06" +
+                                      (10**12).to_bytes(6, "little") + b"\x85R"), CorruptFile, "bytearray of"),
+        # an allowed copying callable run again and again on one memo'd list: the copy budget
+        "list(big) repeated": (_proto4(_str("builtins") + _str("list") + b"\x93\x94" + b"](" + b"K\x01" * 5000 +
+                                       b"e\x94" + b"(" + b"h\x00h\x01\x85R" * 20000 + b"l"),
+                               CorruptFile, "copies more than"),
+    }
+    return cases
+
+
+@pytest.fixture(scope="module")
+def marker(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hostile") / "ran"
+
+
+@pytest.mark.parametrize("name", list(_hostile(Path("/x"))))
+def test_hostile_metadata_refused_and_nothing_runs(name, marker):
+    data, cls, words = _hostile(marker)[name]
+    with pytest.raises(cls) as exc:
+        dcpmeta.read_metadata(data, PATH)
+    msg = str(exc.value)
+    assert words in msg and PATH in msg and "\n" not in msg, msg
+    assert not marker.exists()
+
+
+def test_allowed_stand_in_reduced_with_arguments_stays_inert():
+    """REDUCE of an allow-listed DCP class with arguments (DCP's own pickles use NEWOBJ + BUILD): the stand-in keeps
+    them as data; a chunk that is not a chunk is then refused by the checks, in one line."""
+    m = "torch.distributed.checkpoint.metadata"
+    body = (_str(m) + _str("Metadata") + b"\x93" + b"}" + _str("state_dict_metadata") + b"}" + _str("k") +
+            _str(m) + _str("TensorStorageMetadata") + b"\x93)\x81}(" + _str("size") + b")" + _str("chunks") + b"]" +
+            _str(m) + _str("ChunkStorageMetadata") + b"\x93" + _str("os") + _str("system") + b"\x86R" + b"a" +
+            b"ub" + b"s" + _str("storage_data") + b"}" + b"s" + b"\x85R")
+    with pytest.raises(CorruptFile) as exc:
+        dcpmeta.read_metadata(_proto4(body), PATH)
+    assert PATH in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_real_metadata_still_read(tmp_path):
+    """The same reader on a genuine ``.metadata`` (torch's own classes, pickled as FileSystemWriter does)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 3])) for r in range(2)]
+    md = Metadata(state_dict_metadata={"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                                        torch.Size([4, 3]), chunks)},
+                  storage_data={MetadataIndex("model.w", c.offsets): _StorageInfo(f"__{r}_0.distcp", 0, 900)
+                                for r, c in enumerate(chunks)})
+    got = dcpmeta.read_metadata(pickle.dumps(md), PATH, {"__0_0.distcp": 900, "__1_0.distcp": 900})
+    te = got.tensors["model.w"]
+    assert (te.dtype, te.shape, [(c.offsets, c.sizes, c.file) for c in te.chunks]) == \
+        ("bfloat16", (4, 3), [((0, 0), (2, 3), "__0_0.distcp"), ((2, 0), (2, 3), "__1_0.distcp")])
+    assert hash(te.chunks[0]) == hash(dcpmeta.Chunk((0, 0), (2, 3), "__0_0.distcp", 0, 900)) and \
+        te.chunks[0] == dcpmeta.Chunk((0, 0), (2, 3), "__0_0.distcp", 0, 900)
+
+
+def test_cli_refuses_a_payload_in_one_line(tmp_path, marker):
+    """``zckpt info`` of a folder whose ``.metadata`` is the os.system payload: exit 1, one line naming the file and
+    the global, no traceback, nothing run."""
+    (tmp_path / ".metadata").write_bytes(_hostile(marker)["posix.system by STACK_GLOBAL"][0])
+    (tmp_path / "__0_0.distcp").write_bytes(b"")
+    run = subprocess.run([sys.executable, "-m", "zckpt", "info", str(tmp_path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    (line,) = run.stderr.splitlines()
+    assert run.returncode == 1 and "posix.system" in line and str(tmp_path / ".metadata") in line, run.stderr
+    assert "Traceback" not in run.stderr and not marker.exists()
+    assert safeload.MAX_PICKLE_BYTES == 1 << 30
