@@ -64,8 +64,8 @@ EXPERT_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
 ZERO0_REFUSAL = ("mixture-of-experts checkpoint without ZeRO: each expert-parallel rank's whole optimizer is in "
                  "expp_rank_{e}_mp_rank_00_optim_states.pt, which DeepSpeed loads at any data-parallel size with the "
-                 "same expert-parallel size as it is; nothing to reshard at the same expert-parallel size (--ep N "
-                 "lays it out at another)")
+                 "same expert-parallel size as it is: resharding it at the same expert-parallel size is not "
+                 "supported (nothing to do; --ep N lays it out at another)")
 
 
 def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:

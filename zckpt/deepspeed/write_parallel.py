@@ -18,7 +18,9 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.deepspeed.target import (
     Group, ReshardPlan, Target, check_world_size, copied, is_elastic, output_tag, planned, side_planned, target_of,
 )
-from zckpt.deepspeed.write_zero import FlatGroup, flat_group, flat_groups, flat_partitions, zero12_optim
+from zckpt.deepspeed.write_zero import (
+    FlatGroup, flat_group, flat_groups, flat_partitions, plan_autoep_zero3, zero12_optim,
+)
 
 
 # ---- pipeline parallel: each stage re-partitioned over the new data-parallel size
@@ -238,6 +240,8 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
+    if ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
+        return _autoep_zero3(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
     if ckpt.extra.get("moe_zero0") and ep is not None:
         tag_dir = ckpt.location.tag_dir
         if stage not in (None, 0) or bf16_optimizer:
@@ -449,3 +453,36 @@ def _zero0_optimizer(saved: list, groups: list[tuple[dict, list[tuple[int, int, 
         return osd
     return OrderedDict((k, osd if k == "optimizer_state_dict" else masters if k == "fp32_groups" else conv(v))
                        for k, v in saved[0][1].items())
+
+
+# ---- AutoEP at ZeRO-3 at another data-parallel and expert-parallel size
+
+def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, side, ep) -> ReshardPlan:
+    """AutoEP at ZeRO-3 (``zero3_partitioned``) laid out at ``world_size`` ranks and expert-parallel size ``ep``
+    (default: kept) by :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`."""
+    check_world_size(world_size)
+    tag_dir = ckpt.location.tag_dir
+    if stage not in (None, 3) or bf16_optimizer:
+        raise UnsupportedLayout("changing the ZeRO stage or optimizer of an AutoEP ZeRO-3 checkpoint is not "
+                                "supported: keep stage 3", path=tag_dir, hint="drop --stage / --bf16-optimizer")
+    if fmt != "deepspeed":
+        raise UnsupportedLayout("a mixture-of-experts checkpoint is resharded in the DeepSpeed layout only",
+                                path=tag_dir, hint="drop --format universal")
+    cover = sorted(ckpt.extra.get("moe_coverage") or [], key=lambda x: x["index"])
+    src = sorted({int(x.get("ep") or 1) for x in cover})
+    new = target_eps(src[0] if ep is None and len(src) == 1 else ep, cover, world_size, tag_dir)
+    if len(set(new.values())) != 1:
+        raise UnsupportedLayout(f"AutoEP layers at expert-parallel sizes {sorted(set(new.values()))}: DeepSpeed's "
+                                "AutoEP requires one size for every layer", path=tag_dir, hint="pass one --ep size")
+    size = next(iter(new.values()))
+    t = target_of(ckpt, world_size, 3, "zero3")
+    objects, partitions = plan_autoep_zero3(t, size)
+    files = [planned(o) for o in objects] + side_planned(side, world_size)
+    plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, 3, ckpt.flavour, ckpt.world_size, 3, ckpt.flavour,
+                       world_size, ckpt.precision, files, partitions=partitions)
+    plan.notes.append(f"AutoEP at ZeRO-3: expert-parallel size {'/'.join(map(str, src))}"
+                      + (" kept" if src == [size] else f" -> {size}") + f", data-parallel size {ckpt.world_size} -> "
+                      f"{world_size}; each expert shard over {world_size // size} expert-data-parallel ranks")
+    if not t.has_state:
+        plan.notes.append("the source has no optimizer state yet (saved before the first step); none is written")
+    return plan

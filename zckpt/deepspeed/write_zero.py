@@ -4,14 +4,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.deepspeed import partition as W
+from zckpt.deepspeed.expert_groups import autoep_layers_at, expert_data_ranks
 from zckpt.deepspeed.partition import TorchObject
 from zckpt.state.model import TensorRecord
 from zckpt.encoding.safeload import DTYPE_SIZES
+from zckpt.engine.segments import slice_pieces
 from zckpt.engine.torchzip import TensorOut
+from zckpt.errors import UnsupportedLayout
 
 from zckpt.deepspeed.target import (
     Group, Target, clip_grad, elastic_base, flat_dtypes, frozen_records, group_params, key_dtype, loss_scaler_state,
@@ -197,3 +201,115 @@ def plan_zero3(t: Target) -> tuple[list[TorchObject], list[dict]]:
     models = [_zero3_model(t, subs, module, rank) for rank in t.ranks]
     optims = [_zero3_optim(t, subs, rank) for rank in t.ranks]
     return models + optims, _sub_partitions(t, subs)
+
+
+# ---- AutoEP at ZeRO-3 (zero3_partitioned): dense sub-groups over every rank, each expert-parallel rank's local
+# shards over its expert-data-parallel group
+
+def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]]:
+    """The ZeRO-3 files of an AutoEP model (``checkpoint_format: zero3_partitioned``) at expert-parallel size ``ep``
+    and data-parallel size ``t.world_size`` (:mod:`zckpt.deepspeed.autoep`'s reader in reverse). Dense groups are
+    cut into sub-groups and partitioned over every rank as :func:`plan_zero3` does; an expert group is one
+    sub-group holding, on rank R of expert-parallel rank e, R's local ``[E/ep, ...]`` shard of each fused expert
+    parameter (experts ``e * E/ep ..`` of the full record), each partitioned in ceil(n/edp) slices over e's
+    expert-data-parallel ranks (:func:`~zckpt.deepspeed.expert_groups.expert_data_ranks`). Each rank's optimizer
+    file states its partitions (``ds_zero_partition_groups``: count, rank, ranks, families, group names), which
+    DeepSpeed compares with its own ("parameter placement topology"); each rank's model-states file its
+    ``ds_autoep_layers`` (placement, affine maps, its ep_rank, expert-data-parallel rank, experts)."""
+    ckpt, ws, tag_dir = t.ckpt, t.world_size, t.ckpt.location.tag_dir
+    fused = {n for x in ckpt.extra.get("moe_coverage") or [] for n in x.get("fused") or []}
+    edp = ws // ep
+    sgs = t.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
+    sgs = int(float(sgs)) if sgs is not None else None
+    subs: list[tuple[bool, _SubGroup, list[TensorRecord]]] = []  # (expert, sub-group, full records)
+    for g in t.groups:
+        expert = bool(g.records) and all(r.name in fused for r in g.records)
+        if not expert:
+            if any(r.name in fused for r in g.records):
+                raise UnsupportedLayout(f"param group {g.index} mixes AutoEP expert and dense parameters",
+                                        path=tag_dir)
+            for idx in W.zero3_sub_groups([r.numel for r in g.records], ws, sgs):
+                recs = [g.records[i] for i in idx]
+                subs.append((False, _SubGroup(g, recs, *flat_dtypes(t, recs, f"ZeRO-3 sub-group {len(subs)}")),
+                             recs))
+            continue
+        local = [r.numel // int(r.shape[0]) * (int(r.shape[0]) // ep) for r in g.records]
+        if any(int(r.shape[0]) % ep for r in g.records):
+            raise UnsupportedLayout(f"AutoEP '{g.records[0].name}': {g.records[0].shape[0]} experts do not split "
+                                    f"over expert-parallel size {ep}", path=tag_dir, hint="pass an --ep dividing it")
+        if len(W.zero3_sub_groups(local, edp, sgs)) != 1:
+            raise UnsupportedLayout(f"AutoEP expert group {g.hyper.get('name')!r} would be cut into several ZeRO-3 "
+                                    "sub-groups (sub_group_size), which zckpt does not lay out", path=tag_dir)
+        g.hyper = OrderedDict((k, f"ep_size_{ep}" if k == "name" else v) for k, v in g.hyper.items())
+        subs.append((True, _SubGroup(g, g.records, *flat_dtypes(t, g.records, f"ZeRO-3 sub-group {len(subs)}")),
+                     g.records))
+    meta0 = ckpt.optim_states[0]["optimizer_state_dict"].get("ds_zero_partition_groups") or []
+    kinds = {}
+    for m in meta0:
+        s = m.get("sub_group") if isinstance(m, dict) else None
+        osub = (ckpt.model_state.get("param_shapes") or [])[s] if isinstance(s, int) else {}
+        kinds.setdefault(any(n in fused for n in osub), (m.get("families"), m.get("group_names")))
+    if set(kinds) != {False, True}:
+        raise UnsupportedLayout("the optimizer files' ds_zero_partition_groups do not describe a dense and an expert "
+                                "sub-group", path=ckpt.location.optim_files[0].path)
+    module = module_zero3(t)
+    ranks_of = {e: expert_data_ranks(ckpt.model_state, ws, ep, e, tag_dir) for e in range(ep)}
+    layers0 = autoep_layers_at(ckpt.model_state["ds_autoep_layers"], ep, ws)
+    objects, optims = [], []
+    for rank in t.ranks:
+        e = next(x for x, rs in ranks_of.items() if rank in rs)
+        p = ranks_of[e].index(rank)
+        mine = []  # this rank's sub-groups: (the sub-group of its records, partition count, rank in it, ranks)
+        for expert, sg, recs in subs:
+            if not expert:
+                mine.append((sg, ws, rank, list(range(ws)), False))
+                continue
+            shards = []
+            for r in recs:
+                nl = int(r.shape[0]) // ep
+                per = r.numel // int(r.shape[0])
+
+                def cut(pieces, nl=nl, per=per):
+                    return slice_pieces(pieces, e * nl * per, nl * per) if pieces else []
+                shards.append(dataclasses.replace(r, shape=(nl, *r.shape[1:]), value=cut(r.value),
+                                                  exp_avg=cut(r.exp_avg), exp_avg_sq=cut(r.exp_avg_sq),
+                                                  other_state={k: cut(v) for k, v in r.other_state.items()}))
+            mine.append((_SubGroup(sg.group, shards, sg.master_dtype, sg.state_dtype), edp, p, ranks_of[e], True))
+        flat, state, meta = [], OrderedDict(), []
+        for s, (sg, count, prank, pranks, expert) in enumerate(mine):
+            flat.append(sg.rank_slice("value", count, prank))
+            if t.has_state:
+                dts = {k: key_dtype(t, sg.records, k, f"ZeRO-3 sub-group {s}") for k in t.state_keys}
+                state[s] = state_dict_out(t, sg.group, lambda key, sg=sg, c=count, pr=prank, dts=dts:
+                                          sg.rank_slice(key, c, pr, dts[key]))
+            families, names = kinds[expert]
+            meta.append({"sub_group": s, "partition_count": count, "partition_rank": prank,
+                         "partition_ranks": list(pranks), "families": list(families or []),
+                         "group_names": [f"ep_size_{ep}"] if expert else list(names or [])})
+        pgroups = [group_params(g.hyper, [s for s, (sg, *_) in enumerate(mine) if sg.group.index == g.index], t.conv)
+                   for g in t.groups]
+        osd = OrderedDict([("zero_stage", W.zero_stage_enum(3))])
+        osd.update(loss_scaler_state(t))
+        osd["partition_count"] = ws
+        osd["ds_zero_partition_groups"] = meta
+        osd["optimizer_state_dict"] = {"state": state, "param_groups": pgroups}
+        osd["fp32_flat_groups"] = flat
+        optims.append(optim_file(t, rank, osd))
+        param_shapes = [OrderedDict((r.name, W.torch_size(r.shape)) for r in sg.records) for sg, *_ in mine]
+        if frozen_records(t):
+            raise UnsupportedLayout("AutoEP ZeRO-3 checkpoint with frozen parameters: not laid out again",
+                                    path=tag_dir)
+        mf = model_file(t, rank, module, param_shapes, None if t.ms0.get("frozen_param_shapes") is None
+                        else OrderedDict(), None if t.ms0.get("frozen_param_fragments") is None else OrderedDict())
+        layers = [dict(x, ep_rank=e, expert_data_parallel_rank=p, global_expert_start=e * int(x["num_local_experts"]),
+                       global_expert_end=(e + 1) * int(x["num_local_experts"])) if isinstance(x, dict) else x
+                  for x in layers0]
+        mf.obj["ds_autoep_layers"] = t.conv(layers)
+        uci = mf.obj.get("universal_checkpoint_info")
+        if isinstance(uci, dict) and "ds_autoep_layers" in uci:
+            mf.obj["universal_checkpoint_info"] = dict(uci, ds_autoep_layers=t.conv(layers))
+        objects.append(mf)
+    partitions = [{"sub_group": s, "group": sg.group.index, "params": len(recs),
+                   "partition": sg.partition(ws) if not expert else
+                   sum(W.zero3_part(r.numel // ep, edp) for r in recs)} for s, (expert, sg, recs) in enumerate(subs)]
+    return objects + optims, partitions
