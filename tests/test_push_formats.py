@@ -173,3 +173,20 @@ def test_verify_a_torchtitan_checkpoint_folder(titan, tmp_path):
     (src / "step-20" / ".metadata").unlink()
     bad = subprocess.run([sys.executable, "-m", "zckpt", "verify", str(src)], capture_output=True, text=True)
     assert bad.returncode == 1 and "step-20" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_optimizer_state_by_index_is_refused_naming_the_fix(tmp_path):
+    """dcp.save of optimizer.state_dict() (torch's own index keys): which parameter each index is, the files do not
+    say; refused in one line with the fix, by info and by push's reader-free check alike (push checks bytes only)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=str(tmp_path / "run"))
+    out = subprocess.run([sys.executable, "-m", "zckpt", "info", str(tmp_path / "run")], capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "keyed by parameter index" in out.stderr and "get_state_dict" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -226,6 +226,12 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         raise UnsupportedLayout("DCP checkpoint without module tensors (no model.* keys)", path=mpath,
                                 hint="zckpt reads DCP checkpoints of dcp.save({'model': ..., 'optim': ...})")
     orphans = sorted(set(state) - set(model))
+    if orphans and all(o.isdigit() for o in orphans):  # optimizer.state_dict(): torch's own keys, not names
+        raise UnsupportedLayout(f"the optimizer state is keyed by parameter index ({', '.join(orphans[:3])}"
+                                f"{' ...' if len(orphans) > 3 else ''}), not by name: it was saved from "
+                                "optimizer.state_dict(), and which parameter each index is the files do not say",
+                                path=mpath, hint="save with torch.distributed.checkpoint.state_dict.get_state_dict("
+                                "model, optimizer), as FSDP2 and torchtitan do")
     if orphans:
         raise CorruptFile(f"optimizer state for '{orphans[0]}'" + (f" and {len(orphans) - 1} more" if len(orphans) > 1
                           else "") + ", which is not a module tensor", path=mpath)
