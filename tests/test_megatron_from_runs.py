@@ -1,10 +1,10 @@
 """``zckpt convert --to megatron --megatron-args ...`` of runs Megatron did not train (issue 46, sources (b) and (c)):
 a real DeepSpeed ZeRO-2 run of a Hugging Face Llama (``fixtures/trainer/checkpoint-4``: the Trainer, 2 ranks, tied,
-2 heads / 1 key-value head) and a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of
+2 heads / 1 key-value head), a real ZeRO-3 one (``fixtures/trainer_z3``: untied, 4 heads / 2 key-value heads) and a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of
 ``get_state_dict``, 2 ranks, untied, 4 heads / 2 key-value heads; ``fixtures/gen_fsdp2_llama.py``).
 
 The oracle is megatron-core 0.16.1's own load (tests/megatron_from_runs_worker.py, one torchrun of 2 CPU ranks for
-every job) at two shapes per source: every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the
+every job) at two shapes per source (ZeRO-3: one, tp 2, which the ZeRO-2 run's one key-value head cannot split): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the
 source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
 at save time, ``fixtures/trainer/expected/oracle.safetensors``; torch's DCP reader for the FSDP2 run), fused here
 with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas, eps and Adam step;
@@ -41,6 +41,12 @@ SOURCES = {
                      "--global-batch-size 4 --weight-decay 0.1 --adam-beta2 0.95",
               {"layers": 2, "hidden": 16, "heads": 4, "groups": 2, "ffn": 32, "vocab": 64, "tied": False}, 3,
               [(2, 1, 1), (1, 2, 1)]),
+    # DeepSpeed ZeRO-3, a real Trainer run of an untied GQA Llama (so tp 2), the weight decay Megatron-LM's default
+    "deepspeed_z3": (FIXTURES / "trainer_z3" / "checkpoint-4",
+                     "--lr 5e-3 --min-lr 5e-4 --lr-decay-style WSD --lr-wsd-decay-style cosine --lr-wsd-decay-iters 4 "
+                     "--lr-warmup-fraction 0.05 --train-iters 6 --global-batch-size 4",
+                     {"layers": 2, "hidden": 16, "heads": 4, "groups": 2, "ffn": 32, "vocab": 64, "tied": False}, 4,
+                     [(2, 1, 1)]),
 }
 JOBS = [(name, shape) for name, src in SOURCES.items() for shape in src[4]]
 
@@ -73,10 +79,12 @@ def _scheduler_args(text: str) -> dict:
     warmup = float(f["lr_warmup_fraction"]) * decay if "lr_warmup_fraction" in f else \
         int(f.get("lr_warmup_iters", 0)) * gbs
     wd = float(f.get("weight_decay", 0.01))
+    wsd = int(f["lr_wsd_decay_iters"]) * gbs if "lr_wsd_decay_iters" in f else None
     return {"init_lr": float(f.get("lr_warmup_init", 0.0)), "max_lr": float(f["lr"]),
             "min_lr": float(f.get("min_lr", 0.0)), "lr_warmup_steps": warmup, "lr_decay_steps": decay,
             "lr_decay_style": f.get("lr_decay_style", "linear"), "start_wd": wd, "end_wd": wd,
-            "wd_incr_steps": iters * gbs, "wd_incr_style": "constant"}
+            "wd_incr_steps": iters * gbs, "wd_incr_style": "constant", "wsd_decay_steps": wsd,
+            "lr_wsd_decay_style": f.get("lr_wsd_decay_style", "exponential")}
 
 
 def _megatron_lr(text: str, iteration: int) -> tuple[float, float, dict]:
@@ -120,8 +128,8 @@ def _expected(name: str, tmp: Path) -> Path:
     exp_avg_sq.* (fp32)."""
     from safetensors.torch import load_file, save_file
     src, _, cfg, _, _ = SOURCES[name]
-    if name == "deepspeed":  # DeepSpeed's own per-parameter API inside the run, at the save
-        o = load_file(str(FIXTURES / "trainer" / "expected" / "oracle.safetensors"))
+    if name.startswith("deepspeed"):  # DeepSpeed's own per-parameter API inside the run, at the save
+        o = load_file(str(Path(src).parent / "expected" / "oracle.safetensors"))
         kinds = {"": lambda n: o[f"module/{n}"], "master.": lambda n: o[f"fp32/{n}"],
                  "exp_avg.": lambda n: o[f"exp_avg/{n}"], "exp_avg_sq.": lambda n: o[f"exp_avg_sq/{n}"]}
     else:  # torch's own DCP reader
