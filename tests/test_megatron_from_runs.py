@@ -344,6 +344,15 @@ def test_the_flags_for_a_megatron_source_are_refused_not_ignored(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_the_flags_for_megatrons_state_under_llama_names_are_refused(tmp_path):
+    """zckpt's Megatron -> DCP holds Megatron's own scheduler and group settings: --megatron-args would replace
+    them, so it is refused (never silently preferred to the source's, nor ignored)."""
+    from tests.test_megatron_write import _dcp_of
+    dcp = _dcp_of("gpt_tp1_pp1_dp2_fullyresh", tmp_path / "dcp")
+    assert _refused(tmp_path, dcp, ["--megatron-args does not apply", "Megatron's own scheduler"], megatron_args=OK)
+    _convert(dcp, tmp_path / "ok")  # without it: carried as saved
+
+
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "zckpt", *map(str, args)], capture_output=True, text=True,
