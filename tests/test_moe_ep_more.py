@@ -63,10 +63,26 @@ def _autoep_worker(job: dict) -> None:
     G._finish(dist)
 
 
+def _native_jobs(jobs: list[dict]) -> None:
+    """Several native MoE loads in one launch (CI time): ``tests/test_reshard_moe.py``'s worker for each job in
+    turn, the process group kept until the last."""
+    from tests import ds_oracle
+    from tests import test_reshard_moe as M
+
+    G = ds_oracle.generate_module()
+    finish = G._finish
+    G._finish = lambda dist: dist.barrier()
+    for job in jobs:
+        M._native_worker(job)
+    import deepspeed.comm as dist
+    finish(dist)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "fixtures"))
-    _autoep_worker(json.loads(Path(sys.argv[1]).read_text()))
+    _job = json.loads(Path(sys.argv[1]).read_text())
+    _native_jobs(_job["jobs"]) if "jobs" in _job else _autoep_worker(_job)
     sys.exit(0)
 
 
@@ -77,14 +93,16 @@ import pytest  # noqa: E402
 from zckpt.errors import ZckptError  # noqa: E402
 from zckpt.ops.reshard import reshard  # noqa: E402
 from tests.test_reshard import assert_same_files, assert_same_state, assert_same_tree, _torch_load  # noqa: E402
-from tests.test_reshard_moe import FIX, _check_loaded, _launch, _spec  # noqa: E402
+from tests.test_reshard_moe import FIX, _check_loaded, _spec  # noqa: E402
 
 
-def _launch_autoep(job: dict, nproc: int, timeout: float = 600) -> None:
+def _launch_here(job: dict, nproc: int, timeout: float = 600) -> None:
+    """torchrun of this file's worker: an AutoEP job, or ``{"jobs": [...]}`` of native MoE jobs."""
     from tests import ds_oracle
     G = ds_oracle.generate_module()
-    Path(job["out"]).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="zckpt-autoep-") as tmp:
+    for j in job.get("jobs") or [job]:
+        Path(j["out"]).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="zckpt-ep-") as tmp:
         path = Path(tmp) / "job.json"
         path.write_text(json.dumps(job))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
@@ -92,7 +110,7 @@ def _launch_autoep(job: dict, nproc: int, timeout: float = 600) -> None:
                str(path)]
         proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"DeepSpeed AutoEP load at {nproc} ranks failed (rc={proc.returncode}):\n"
+            raise RuntimeError(f"DeepSpeed MoE load at {nproc} ranks failed (rc={proc.returncode}):\n"
                                + proc.stdout.decode(errors="replace")[-6000:])
 
 
@@ -110,21 +128,45 @@ def _groups(path):
 
 # ------------------------------------------------------------------------------------------------ without ZeRO
 
+NATIVE = [  # (fixture, new ep per MoE layer): every output loaded at 4 ranks in one DeepSpeed launch
+    ("moe_z0_bf16_ws2_ep2", (4,)),  # without ZeRO: ep 2 -> 4
+    ("moe_z0_bf16_ws2_ep2_ep1", (4, 2)),  # without ZeRO, layers of ep 2 and ep 1 -> 4 and 2
+    ("moe_z2_bf16_ws4_ep2_ep4_mixed", (4, 2)),  # ZeRO-2, layers of ep 2 and 4 swap sizes (the groups swap layers;
+    # rank 0's order of the names kept, which the engine's PYTHONHASHSEED 0 gives)
+    ("moe_z2_bf16_ws4_ep2_ep4_mixed", (4, 4)),  # ZeRO-2, both layers at ep 4: one expert group
+]
+
+
+@pytest.fixture(scope="module")
+def native_loaded(tmp_path_factory):
+    """Each NATIVE case resharded at 4 ranks and loaded by a plain engine.load_checkpoint at its new sizes (one
+    launch), the engine's state captured and its re-save written."""
+    root = tmp_path_factory.mktemp("native")
+    jobs, cases = [], []
+    for i, (name, ep) in enumerate(NATIVE):
+        d = root / str(i)
+        res = reshard(str(FIX / name), str(d / "out"), world_size=4, ep=ep[0] if len(ep) == 1 else ep)
+        spec = dict(_spec(name), world_size=4, ep_size=ep[0], **({"moe2_ep_size": ep[1]} if len(ep) > 1 else {}))
+        jobs.append({"kind": "moe", "mode": "native", "spec": spec, "ckpt": str(d / "out"), "out": str(d / "oracle"),
+                     "resave": str(d / "resaved")})
+        cases.append((name, ep, d, res.plan.notes))
+    _launch_here({"jobs": jobs}, 4)
+    return cases
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,ws,ep", [("moe_z0_bf16_ws2_ep2", 4, 4), ("moe_z0_bf16_ws2_ep2_ep1", 4, (4, 2))],
-                         ids=["ep2-to-4", "ep2+ep1-to-4+2"])
-def test_zero0_ep_reshard_loads_natively(tmp_path, name, ws, ep):
-    """MoE without ZeRO at another expert-parallel size: DeepSpeed loads each rank's expp_rank file of its new
-    expert-parallel rank with the source's state, and re-saves zckpt's files."""
-    src, out, oracle, again = FIX / name, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
-    reshard(str(src), str(out), world_size=ws, ep=ep)
-    eps = (ep,) if isinstance(ep, int) else ep
-    spec = dict(_spec(name), world_size=ws, ep_size=eps[0], **({"moe2_ep_size": eps[1]} if len(eps) > 1 else {}))
-    _launch({"kind": "moe", "mode": "native", "spec": spec, "ckpt": str(out), "out": str(oracle),
-             "resave": str(again)}, ws)
-    info = _check_loaded(src, oracle, ws)
-    assert info["ep_ranks"] == [r % eps[0] for r in range(ws)] and info["loaded_dp"] == ws
-    assert_same_files(out, again, (src / "latest").read_text().strip())
+@pytest.mark.parametrize("case", range(len(NATIVE)), ids=[f"{n}-{'+'.join(map(str, e))}" for n, e in NATIVE])
+def test_native_ep_reshard_loads_natively(native_loaded, case):
+    """DeepSpeed holds every master, both moments, step, router and dense weight of the source after loading
+    zckpt's output at the new expert-parallel sizes, and its re-save equals zckpt's files."""
+    name, ep, d, notes = native_loaded[case]
+    src = FIX / name
+    assert "-> " + str(ep[0]) in notes[0]
+    assert_same_state(src / "expected", d / "oracle" / "expected", skip=("lrs",))  # every tensor, step, counters
+    want, got = (json.loads((x / "expected" / "oracle.json").read_text()) for x in (src, d / "oracle"))
+    assert got["lrs"] == want["lrs"][:len(set(ep)) + 1]  # dense + one group per size, the saved lr (engine: lr/3)
+    assert got["ep_ranks"] == [r % ep[0] for r in range(4)] and got["loaded_dp"] == 4
+    assert_same_files(d / "out", d / "resaved", (src / "latest").read_text().strip())
 
 
 @pytest.mark.parametrize("name,mid_ws,mid_ep", [
@@ -150,24 +192,6 @@ def test_zero0_ep_round_trip_reproduces_every_file(tmp_path, name, mid_ws, mid_e
 # ------------------------------------------------------------------------------------------------ layers of several sizes
 
 MIXED = "moe_z2_bf16_ws4_ep2_ep4_mixed"  # ZeRO-2, layer 0 at ep 2, layer 1 at ep 4, 8 experts each, ws 4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ep", [(4, 2), (4, 4)], ids=["swapped", "one-size"])
-def test_layers_of_several_sizes_load_natively(tmp_path, ep):
-    """Layers of ep 2 and ep 4 laid out at ep 4 and 2 (the groups swap their layers; rank 0's order of the names
-    kept, which the engine's PYTHONHASHSEED 0 gives) and at ep 4 for both (one expert group): DeepSpeed loads each
-    at 4 ranks with the source's state and re-saves zckpt's files."""
-    src, out, oracle, again = FIX / MIXED, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
-    res = reshard(str(src), str(out), world_size=4, ep=ep)
-    assert f"layer 0 2 -> {ep[0]}, layer 1 4 -> {ep[1]}" in res.plan.notes[0]
-    spec = dict(_spec(MIXED), ep_size=ep[0], moe2_ep_size=ep[1])
-    _launch({"kind": "moe", "mode": "native", "spec": spec, "ckpt": str(out), "out": str(oracle),
-             "resave": str(again)}, 4)
-    assert_same_state(src / "expected", oracle / "expected", skip=("lrs",))  # every tensor, step, counters
-    want, got = (json.loads((d / "expected" / "oracle.json").read_text())["lrs"] for d in (src, oracle))
-    assert got == want[:len(set(ep)) + 1]  # the dense group and one expert group per size, the source's lr
-    assert_same_files(out, again, (src / "latest").read_text().strip())
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +254,7 @@ def test_autoep_zero3_ep_reshard_loads_natively(tmp_path):
     src, out, oracle, again = FIX / Z3, tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
     res = reshard(str(src), str(out), world_size=4, ep=4)
     assert "expert-parallel size 2 -> 4" in res.plan.notes[0]
-    _launch_autoep({"spec": dict(_spec(Z3), ep_size=4), "ckpt": str(out), "out": str(oracle),
+    _launch_here({"spec": dict(_spec(Z3), ep_size=4), "ckpt": str(out), "out": str(oracle),
                     "resave": str(again)}, 4)
     info = _check_loaded(src, oracle, 4)
     assert info["ep_ranks"] == [{k: r for k in info["ep_ranks"][0]} for r in range(4)]
