@@ -5,7 +5,7 @@ have. Rank 0 writes what was loaded (``DUMP.safetensors``: ``param/<n>``, ``exp_
 
 ``fsdp2 CKPT META``: FSDP2 (``fully_shard`` per decoder layer and the root) + ``torch.optim.AdamW`` built from
 ``zckpt.integrations.fsdp2.param_groups``, then ``fsdp2.load``.
-``deepspeed CKPT META STAGE``: ``deepspeed.initialize`` with torch's AdamW over Megatron's three groups of an MoE
+``deepspeed CKPT META DUMP STAGE``: ``deepspeed.initialize`` with torch's AdamW over Megatron's three groups of an MoE
 model (dense 2-D weights with weight decay, 1-D norms without, the experts), then a plain ``engine.load_checkpoint``.
 """
 
@@ -87,19 +87,22 @@ def deepspeed_case(ckpt: str, meta: dict, stage: int):
 
 
 def main() -> None:
+    """``both DCP_CKPT META DUMP DS_CKPT STAGE``: the FSDP2 load, then the DeepSpeed one, in one launch (one
+    start-up of torch, transformers and DeepSpeed for both); DUMP_fsdp2.* and DUMP_deepspeed.*."""
     mode, ckpt, meta_path, dump = sys.argv[1:5]
     meta = json.loads(open(meta_path).read())
     dist.init_process_group("gloo")
-    if mode == "fsdp2":
-        out, groups, info = fsdp2_case(ckpt, meta)
-    else:
-        out, groups, info = deepspeed_case(ckpt, meta, int(sys.argv[5]))
-    if dist.get_rank() == 0:
-        from safetensors.torch import save_file
-        save_file(out, dump + ".safetensors")
-        with open(dump + ".json", "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "groups": groups, **info}, f, default=str)
-    dist.barrier()
+    cases = {"fsdp2": lambda: fsdp2_case(ckpt, meta),
+             "deepspeed": lambda: deepspeed_case(ckpt if mode == "deepspeed" else sys.argv[5], meta, int(sys.argv[-1]))}
+    for name in (["fsdp2", "deepspeed"] if mode == "both" else [mode]):
+        out, groups, info = cases[name]()
+        if dist.get_rank() == 0:
+            from safetensors.torch import save_file
+            target = f"{dump}_{name}" if mode == "both" else dump
+            save_file(out, target + ".safetensors")
+            with open(target + ".json", "w") as f:
+                json.dump({"world_size": dist.get_world_size(), "groups": groups, **info}, f, default=str)
+        dist.barrier()
     dist.destroy_process_group()
 
 

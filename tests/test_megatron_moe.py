@@ -331,7 +331,11 @@ def torchrun(tmp: Path, nproc: int, *args) -> dict:
     proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}), cwd=str(tmp),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
     assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
-    return {"tensors": load_file(str(dump) + ".safetensors"), **json.loads(Path(str(dump) + ".json").read_text())}
+    got = {}
+    for case in ("fsdp2", "deepspeed"):
+        base = f"{dump}_{case}"
+        got[case] = {"tensors": load_file(base + ".safetensors"), **json.loads(Path(base + ".json").read_text())}
+    return got
 
 
 def _exact(a, b) -> bool:
@@ -358,28 +362,26 @@ def check_loaded(got: dict) -> None:
 
 
 @pytest.mark.slow
-def test_to_dcp_loads_in_fsdp2_mixtral_bit_for_bit(tmp_path):
-    out = tmp_path / "fsdp2"
-    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "dcp", "-o", out, "--json")
+def test_to_dcp_and_deepspeed_load_in_fsdp2_and_deepspeed_mixtral_bit_for_bit(tmp_path):
+    """convert --to dcp, loaded by FSDP2 into MixtralForCausalLM at 2 ranks (the source had 4), and convert --to
+    deepspeed (ZeRO-2, 2 ranks), loaded by DeepSpeed's engine.load_checkpoint: every master, exp_avg, exp_avg_sq,
+    the three groups and the step equal Megatron-LM's own load (one launch runs both loads)."""
+    dcp_out, ds_out = tmp_path / "fsdp2", tmp_path / "ds"
+    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "dcp", "-o", dcp_out, "--json")
     assert res.returncode == 0, res.stderr
-    got = torchrun(tmp_path, 2, "fsdp2", out, MEG / f"{DP}.oracle.json")
-    assert got["world_size"] == 2
-    check_loaded(got)
-    for n, v in got["tensors"].items():
+    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "deepspeed", "--world-size", 2,
+                    "--stage", 2, "--dtype", "bf16", "-o", ds_out, "--json")
+    assert res.returncode == 0, res.stderr
+    got = torchrun(tmp_path, 2, "both", dcp_out, MEG / f"{DP}.oracle.json", ds_out, 2)
+    fsdp2, ds = got["fsdp2"], got["deepspeed"]
+    assert fsdp2["world_size"] == 2
+    check_loaded(fsdp2)
+    for n, v in fsdp2["tensors"].items():
         if n.startswith("step/"):
             assert float(v) == 3.0, n
-    assert got["counters"]["global_steps"] == 3
-
-
-@pytest.mark.slow
-def test_to_deepspeed_loads_in_deepspeed_mixtral_bit_for_bit(tmp_path):
-    out = tmp_path / "ds"
-    res = zckpt_run("convert", MEG / DP, "--groups", "megatron-default", "--to", "deepspeed", "--world-size", 2,
-                    "--stage", 2, "--dtype", "bf16", "-o", out, "--json")
-    assert res.returncode == 0, res.stderr
-    got = torchrun(tmp_path, 2, "deepspeed", out, MEG / f"{DP}.oracle.json", 2)
-    check_loaded(got)
-    assert got["steps"] == [3.0] and got["global_steps"] == 3
+    assert fsdp2["counters"]["global_steps"] == 3
+    check_loaded(ds)
+    assert ds["steps"] == [3.0] and ds["global_steps"] == 3
 
 
 def test_dense_and_moe_layers_to_dcp_read_back_by_torch(tmp_path):

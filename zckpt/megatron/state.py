@@ -133,7 +133,8 @@ def training_state(ckpt: Checkpoint, groups, native_names: bool = False) -> Chec
     mapped = None if native_names else hf_names.state_view(view)
     if mapped is not None:
         records, renamed = mapped
-        members = [[hf for n in names for hf in renamed[n]] for names in members]
+        # (each layer's experts are one fused tensor under Mixtral's names: listed once)
+        members = [list(dict.fromkeys(hf for n in names for hf in renamed[n])) for names in members]
         order = {r.name: i for i, r in enumerate(records)}
         members = [sorted(m, key=order.__getitem__) for m in members]
         notes.append("Hugging Face Mixtral names (qkv split per query group, each layer's experts fused as "
