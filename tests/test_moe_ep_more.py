@@ -278,3 +278,25 @@ def test_autoep_zero3_round_trip_reproduces_every_file(tmp_path, name, ws, ep):
         {(ep, (ws - 1) % ep, ws // ep)}
     reshard(str(a), str(b), world_size=_spec(name)["world_size"], ep=_spec(name)["ep_size"])
     _same_files(src, b)
+
+
+@pytest.mark.parametrize("name,kw", [("moe_z0_bf16_ws2_ep2", dict(world_size=4, ep=4)),
+                                     ("moe_z2_bf16_ws4_ep2_ep4_mixed", dict(world_size=4, ep=(4, 2))),
+                                     (Z3, dict(world_size=4, ep=4))], ids=["zero0", "several-sizes", "autoep-zero3"])
+def test_flipped_expert_moment_refused_nothing_published(tmp_path, name, kw):
+    """A flipped byte in an expert's exp_avg fails its zip CRC while the new layout is written: refused naming the
+    file, no output."""
+    import shutil
+    import zckpt
+    ck = shutil.copytree(FIX / name, tmp_path / "ck")
+    rec = next(r for r in zckpt.open_checkpoint(str(ck)).records if "expert" in r.name and r.exp_avg)
+    piece = rec.exp_avg[-1]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset)
+        b = f.read(1)
+        f.seek(piece.offset)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ZckptError) as err:
+        reshard(str(ck), str(tmp_path / "o"), **kw)
+    assert os.path.basename(piece.path) in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "o").exists()

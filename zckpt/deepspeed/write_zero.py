@@ -248,7 +248,11 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
     for m in meta0:
         s = m.get("sub_group") if isinstance(m, dict) else None
         osub = (ckpt.model_state.get("param_shapes") or [])[s] if isinstance(s, int) else {}
-        kinds.setdefault(any(n in fused for n in osub), (m.get("families"), m.get("group_names")))
+        kind, desc = any(n in fused for n in osub), (m.get("families"), m.get("group_names"))
+        if kinds.setdefault(kind, desc) != desc:  # (e.g. shared experts placed apart: not laid out)
+            raise UnsupportedLayout(f"the {'expert' if kind else 'dense'} sub-groups have other placement families "
+                                    f"({kinds[kind]} and {desc}): not laid out again",
+                                    path=ckpt.location.optim_files[0].path)
     if set(kinds) != {False, True}:
         raise UnsupportedLayout("the optimizer files' ds_zero_partition_groups do not describe a dense and an expert "
                                 "sub-group", path=ckpt.location.optim_files[0].path)
