@@ -316,6 +316,12 @@ def test_a_group_layout_other_than_megatrons_is_refused(tmp_path):
            for i, g in enumerate(ckpt.groups)]
     with pytest.raises(UnsupportedLayout, match="different learning rates"):
         run_args.megatron_groups(dataclasses.replace(ckpt, groups=lrs), dict(a), 3)
+    silent = [dataclasses.replace(g, hyperparams={k: v for k, v in g.hyperparams.items()
+                                                  if k != "decoupled_weight_decay"}) for g in ckpt.groups]
+    for mode in (None, False):  # DeepSpeed's FusedAdam / CPUAdam groups do not say; its config may (adam_w_mode)
+        with pytest.raises(UnsupportedLayout, match=f"did not decouple its weight decay.*: {mode}"):
+            run_args.megatron_groups(dataclasses.replace(ckpt, groups=silent), dict(a), 3, mode)
+    assert run_args.megatron_groups(dataclasses.replace(ckpt, groups=silent), dict(a), 3, True)[0]
     ams = [dataclasses.replace(g, hyperparams={**g.hyperparams, "amsgrad": True}) for g in ckpt.groups]
     with pytest.raises(UnsupportedLayout, match="amsgrad"):
         run_args.megatron_groups(dataclasses.replace(ckpt, groups=ams), dict(a), 3)

@@ -240,7 +240,7 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
                                 path=path)
     state, _ = megatron_tensors(ckpt, cfg)
     if stated is not None:
-        groups, sched, facts = run_args.megatron_groups(ckpt, stated, step)
+        groups, sched, facts = run_args.megatron_groups(ckpt, stated, step, side.get("adam_w_mode"))
         consumed = int(iteration) * stated["global_batch_size"]
         if counters.get("global_samples") not in (None, consumed):
             raise OptionError(f"the source consumed {counters['global_samples']} samples in {iteration} iterations, "

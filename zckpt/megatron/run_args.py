@@ -238,10 +238,11 @@ def no_decay(name: str, shape) -> bool:
 _SAME = ("betas", "eps")
 
 
-def megatron_groups(ckpt, a: dict, step: int) -> tuple[list[dict], dict, dict]:
+def megatron_groups(ckpt, a: dict, step: int, adam_w_mode: bool | None = None) -> tuple[list[dict], dict, dict]:
     """(the param groups megatron-core makes, as its optimizer saves them at ``step``; the scheduler's state; the
     facts the notes say) for the source ``ckpt`` (Hugging Face names) and the parsed flags ``a``; every contradiction
-    between the source's groups and the flags refused in one line."""
+    between the source's groups and the flags refused in one line. ``adam_w_mode``: whether the source's Adam
+    decoupled its weight decay where its groups do not say (DeepSpeed's FusedAdam / CPUAdam: its config says)."""
     path = ckpt.location.input_path
     s = schedule(a)
     n = int(step) * a["global_batch_size"]
@@ -263,9 +264,10 @@ def megatron_groups(ckpt, a: dict, step: int) -> tuple[list[dict], dict, dict]:
         if h.get("amsgrad") or h.get("maximize"):
             raise UnsupportedLayout(f"the source's Adam ran with {'amsgrad' if h.get('amsgrad') else 'maximize'}, "
                                     "which Megatron's Adam does not", path=path)
-        if h.get("decoupled_weight_decay") is not True:
-            raise UnsupportedLayout("the source's groups do not say decoupled weight decay (AdamW), which Megatron's "
-                                    f"Adam applies (decoupled_weight_decay: {h.get('decoupled_weight_decay')!r})",
+        decoupled = h.get("decoupled_weight_decay", adam_w_mode)
+        if decoupled is not True:
+            raise UnsupportedLayout("the source's Adam did not decouple its weight decay (AdamW), as Megatron's does "
+                                    f"(decoupled_weight_decay / the DeepSpeed config's adam_w_mode: {decoupled!r})",
                                     path=path)
     lrs = sorted({h.get("lr") for h in hyper}, key=repr)
     if len(lrs) != 1:

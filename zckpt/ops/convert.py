@@ -244,6 +244,8 @@ def convert_to(path: str, to: str, out: str | None, tag: str | None, dry_run: bo
     source_fmt = format_named(ckpt.format)
     if source_fmt.name != to and source_fmt.side_state is not None:  # what the source holds beside the state
         options = {**options, "side": source_fmt.side_state(ckpt)}
+        if source_fmt.name == "deepspeed":  # DeepSpeed's own Adam: its config says whether it was AdamW
+            options["side"]["adam_w_mode"] = config_adam_w_mode(ckpt.ds_config)
     plan = target.plan_convert(ckpt, os.path.abspath(out), options)
     result = ConvertResult(out, plan, dry_run=dry_run)
     if dry_run:
