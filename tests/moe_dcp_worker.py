@@ -15,6 +15,9 @@ moved.
 ``deepspeed`` (a job with ``"deepspeed": true``): DeepSpeed, without AutoEP, at ZeRO-``stage`` (bf16) loads the
 DeepSpeed checkpoint ``ckpt`` (:func:`deepspeed_case`); rank 0 writes ``OUT/deepspeed.safetensors`` / ``.json``.
 
+``titan``: torchtitan 0.3.0's Qwen3 MoE model loads ``BASE/ckpt/step-<step>`` with its ``CheckpointManager``
+(:func:`titan_case`); rank 0 writes ``OUT/titan.safetensors`` / ``.json``.
+
 ``train``: build the model from the dict ``config`` (seed 0), train ``steps`` steps on fixed batches, then
 ``dcp.save({"model": msd, "optim": osd}, OUT/dcp)`` of ``get_state_dict`` (what an FSDP2 run saves); rank 0 writes
 ``OUT/config.json`` and the full state (``full_state_dict=True``) as ``OUT/expected/oracle.safetensors``
@@ -179,6 +182,99 @@ def deepspeed_case(case: dict, rank: int, ws: int) -> None:
         (out / "after.json").write_text(json.dumps({"loss": float(loss.detach())}))
 
 
+def _titan_kernels_stub() -> None:
+    """torchtitan 0.3.0's models import ``torchtitan.distributed.minimal_async_ep.kernels``, which imports triton
+    (GPU kernels of its asynchronous expert-parallel dispatch) at module level; triton is not installed on these
+    CPU ranks. That one module is stood in for by one whose every kernel raises if called (none is: no expert
+    parallelism, no forward here); torch's own triton detection is untouched."""
+    import types
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    if name in sys.modules:
+        return
+    mod = types.ModuleType(name)
+
+    def attr(k):
+        if k.startswith("__"):
+            raise AttributeError(k)
+
+        def gpu_only(*a, **kw):
+            raise RuntimeError(f"torchtitan's minimal_async_ep kernel {k} needs triton (a GPU)")
+        return gpu_only
+    mod.__getattr__ = attr
+    sys.modules[name] = mod
+
+
+def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
+    """torchtitan 0.3.0's own Qwen3 MoE model (``Qwen3Model`` from its ``_build_qwen3_moe_layers``: attention with
+    q/k norms, fused ``wqkv`` unless ``case["fuse_qkv"]`` is false, ``MoE`` of ``GroupedExperts`` w1_EFD/w2_EDF/w3_EFD and a ``TokenChoiceTopKRouter``,
+    load_balance_coeff None) at ``case["dims"]``, ``fully_shard`` per layer and at the root, torchtitan's
+    ``OptimizersContainer`` (AdamW, experts and the rest by FQN pattern, wrong hyperparameters on purpose),
+    ``LRSchedulersContainer`` and ``CheckpointManager.load(step)`` of ``BASE/ckpt/step-<step>``. Rank 0 writes
+    ``OUT/titan.safetensors`` / ``.json`` (parameters, each Adam state, groups, last_epoch, train state)."""
+    _titan_kernels_stub()
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.models import qwen3 as Q
+    from torchtitan.models.common.embedding import Embedding
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.qwen3.model import Qwen3Model
+    from titan_worker import TrainState
+
+    d = case["dims"]
+    cfg = Qwen3Model.Config(
+        vocab_size=d["vocab"], dim=d["dim"], norm=Q._qwen3_norm(d["dim"]),
+        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
+                                        param_init=Q._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=Q._LINEAR_INIT),
+        layers=Q._build_qwen3_moe_layers(
+            n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"], n_kv_heads=d["kv_heads"],
+            head_dim=d["head_dim"], moe_hidden_dim=d["moe_hidden"], num_experts=d["experts"], top_k=d["top_k"],
+            attn_backend="flex", moe_comm_backend="standard", fuse_qkv=case.get("fuse_qkv", True),
+            rope=CosSinRoPE.Config(dim=d["head_dim"], max_seq_len=64, theta=1000000.0)))
+    for layer in cfg.layers:
+        layer.moe.load_balance_coeff = None  # no expert_bias_E: the source's router has none
+    torch.manual_seed(777)
+    model = cfg.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    kw = {"lr": 99.0, "betas": (0.5, 0.6), "eps": 1e-3, "weight_decay": 0.5}
+    ocfg = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"\.inner_experts\.", optimizer_name="AdamW", optimizer_kwargs=kw),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=kw)])
+    opt = OptimizersContainer(ocfg, model_parts=[model])
+    sched = LRSchedulersContainer(opt, lambda s: 1.0 / (s + 1))
+    ts = TrainState()
+    ck = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", exclude_from_loading=["dataloader"]),
+                           dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
+                           states={"train_state": ts}, sd_adapter=None, base_folder=case["base"])
+    assert ck.load(step=int(case["step"]))
+    ck.close()
+    (o,) = opt.optimizers
+    loaded = {}
+    for n, p in model.named_parameters():
+        loaded[f"param/{n}"] = _full(p.detach())
+        for k, v in o.state.get(p, {}).items():
+            loaded[f"{k}/{n}"] = _full(v).reshape(-1) if k == "step" else _full(v)
+    names = {id(p): n for n, p in model.named_parameters()}
+    info = {"world_size": ws, "keys": sorted(model.state_dict()),
+            "groups": [{"names": [names[id(p)] for p in g["params"]], "lr": g["lr"], "betas": list(g["betas"]),
+                        "eps": g["eps"], "weight_decay": g["weight_decay"], "initial_lr": g["initial_lr"]}
+                       for g in o.param_groups],
+            "last_epoch": sched.schedulers[0].last_epoch, "train_state": ts.state_dict()}
+    if rank == 0:
+        out = Path(case["out"])
+        _save(out / "titan.safetensors", loaded)
+        (out / "titan.json").write_text(json.dumps(info, indent=1))
+
+
 def main(job_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -196,6 +292,8 @@ def main(job_path: str) -> None:
     for case in job["cases"]:
         if case["mode"] == "deepspeed":
             deepspeed_case(case, rank, ws)
+        elif case["mode"] == "titan":
+            titan_case(case, mesh, rank, ws)
         else:
             (load_case if case["mode"] == "load" else train_case)(case, mesh, rank, ws)
         dist.barrier()

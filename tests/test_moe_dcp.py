@@ -60,15 +60,27 @@ def _load(path: Path) -> dict:
     return load_file(str(path))
 
 
+TITAN_DIMS = {"vocab": 32, "dim": 16, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 8, "moe_hidden": 8,
+              "experts": 8, "top_k": 2}  # the Qwen3-MoE fixture's config.json, as torchtitan's Qwen3 config
+
+
 @pytest.fixture(scope="module")
 def fsdp2_loads(tmp_path_factory):
-    """Both AutoEP fixtures converted to DCP, loaded by FSDP2 at 2 ranks (one launch)."""
+    """Both AutoEP fixtures converted to DCP, loaded by FSDP2 at 2 ranks; the Qwen3-MoE one converted with
+    ``--layout torchtitan`` too, loaded by torchtitan's Qwen3 MoE model (fused qkv and not) and CheckpointManager
+    (one launch)."""
     base = tmp_path_factory.mktemp("moe-fsdp2")
     cases, results = [], {}
     for arch, fx in AUTOEP.items():
         res = zckpt.convert(str(checkpoint_path(fx)), out=str(base / f"{arch}.dcp"))
         results[arch] = res
         cases.append({"mode": "load", "config": str(fx), "dcp": str(base / f"{arch}.dcp"), "out": str(base / arch)})
+    results["titan"] = zckpt.convert(str(checkpoint_path(AUTOEP["qwen3_moe"])), out=str(base / "ckpt" / "step-2"),
+                                     layout="torchtitan", torchtitan={"ntokens_seen": 64, "initial_lr": 0.01,
+                                                                      "lr_last_epoch": 2})
+    for fuse in (True, False):
+        cases.append({"mode": "titan", "base": str(base), "step": 2, "dims": TITAN_DIMS, "fuse_qkv": fuse,
+                      "out": str(base / f"titan-fused{int(fuse)}")})
     _torchrun({"cases": cases})
     return base, results
 
@@ -108,6 +120,69 @@ def test_fsdp2_loads_autoep_under_the_model_names(fsdp2_loads, arch):
     assert "optim.state.model.layers.0.mlp.experts.gate_up_proj.exp_avg" in info["target_keys"]
     after = json.loads((base / arch / "after.json").read_text())
     assert after["loss"] == after["loss"] and all(after["moved"].values()), after  # one step ran: finite, moved
+
+
+# torchtitan 0.3.0's Qwen3 names -> the source's (written out from its Qwen3StateDictAdapter.from_hf_map; AutoEP's
+# fused experts and router for the MoE): the oracle's names, independent of zckpt's table
+TITAN_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+TITAN_LAYER = {"attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
+               "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
+               "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+               "attention.wo.weight": "self_attn.o_proj.weight", "attention.q_norm.weight": "self_attn.q_norm.weight",
+               "attention.k_norm.weight": "self_attn.k_norm.weight", "attention_norm.weight": "input_layernorm.weight",
+               "ffn_norm.weight": "post_attention_layernorm.weight",
+               "moe.routed_experts.inner_experts.w1_EFD": "mlp.experts.w1",
+               "moe.routed_experts.inner_experts.w2_EDF": "mlp.experts.w2",
+               "moe.routed_experts.inner_experts.w3_EFD": "mlp.experts.w3",
+               "moe.router.gate.weight": "mlp.router.gate.weight"}
+
+
+def _titan_source(name: str) -> list[str]:
+    """The source names a torchtitan Qwen3 parameter is made of (a fused wqkv: wq, wk, wv)."""
+    if name.endswith(".qkv_linear.wqkv.weight"):
+        return [n for w in ("wq", "wk", "wv") for n in _titan_source(name.replace("wqkv", w))]
+    if name in TITAN_TOP:
+        return [TITAN_TOP[name]]
+    _, layer, rest = name.split(".", 2)
+    return [f"model.layers.{layer}.{TITAN_LAYER[rest]}"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fuse_qkv", "split_qkv"])
+def test_torchtitan_loads_autoep_qwen3_under_its_names(fsdp2_loads, fused):
+    """torchtitan 0.3.0's own Qwen3 MoE model and CheckpointManager load the AutoEP Qwen3-MoE checkpoint: every
+    parameter, exp_avg, exp_avg_sq and step equal to the DeepSpeed engine's (GroupedExperts w1_EFD/w2_EDF/w3_EFD =
+    AutoEP's w1/w2/w3, router.gate = AutoEP's router; a fused wqkv's = wq/wk/wv per key-value group, as torchtitan's
+    _merge_qkv_on_load fuses them), the lr of each group DeepSpeed's, last_epoch and train_state as stated."""
+    base, results = fsdp2_loads
+    fx = AUTOEP["qwen3_moe"]
+    plan = results["titan"].plan
+    assert "expert_bias_E" in plan.not_carried and any("torchtitan qwen3_moe names" in n for n in plan.notes)
+    want = _load(fx / "expected" / "oracle.safetensors")
+    got = _load(base / f"titan-fused{int(fused)}" / "titan.safetensors")
+    info = json.loads((base / f"titan-fused{int(fused)}" / "titan.json").read_text())
+    names = [k.split("/", 1)[1] for k in got if k.startswith("param/")]
+    assert sum(".inner_experts.w" in n for n in names) == 6 and sum(".router.gate." in n for n in names) == 2
+    assert sum(n.endswith("wqkv.weight") for n in names) == (2 if fused else 0)
+    for name in names:
+        src = _titan_source(name)
+        for kind, key in (("fp32", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            parts = [want[f"{kind}/{s}"] for s in src]
+            if len(parts) == 3:  # per key-value group g: q rows, k rows, v rows (kv_heads 1 here: one group)
+                kv, hd = TITAN_DIMS["kv_heads"], TITAN_DIMS["head_dim"]
+                parts = [torch.cat([p.reshape(kv, -1, hd, p.shape[1]) for p in parts], 1).reshape(-1, parts[0].shape[1])]
+            assert torch.equal(got[f"{key}/{name}"], parts[0]), (kind, name)
+        assert got[f"step/{name}"].tolist() == [2.0], name
+    assert all((g["lr"], g["weight_decay"], g["initial_lr"]) == (0.01, 0.01, 0.01) for g in info["groups"])
+    assert info["last_epoch"] == 2 and info["train_state"] == {"step": 2, "ntokens_seen": 64}
+
+
+def test_torchtitan_layout_of_a_model_torchtitan_does_not_have(tmp_path):
+    from zckpt.errors import UnsupportedLayout
+    with pytest.raises(UnsupportedLayout, match="torchtitan 0.3.0 has no mixtral model") as e:
+        zckpt.convert(str(checkpoint_path(AUTOEP["mixtral"])), out=str(tmp_path / "o"), layout="torchtitan",
+                      torchtitan={"ntokens_seen": 0, "initial_lr": 0.01, "lr_last_epoch": 2})
+    assert "--layout dcp" in str(e.value.hint) and not (tmp_path / "o").exists()
 
 
 def test_autoep_names_where_the_class_is_not_said(tmp_path):

@@ -20,7 +20,11 @@ stated by the user (:data:`STATED`) or refused in one line naming the option; no
 
 from __future__ import annotations
 
+import math
+
 from zckpt.dcp import writer as dcpw
+from zckpt.engine.segments import slice_segments
+from zckpt.engine.torchzip import TensorOut
 from zckpt.encoding import safeload
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.state.model import Checkpoint
@@ -70,6 +74,8 @@ def titan_state(ckpt: Checkpoint, state: dict, copies, stated: dict | None) -> t
     for g in _with_initial_lr(optim["param_groups"], stated, notes, path):
         for n in g["params"]:
             flat.update({f"param_groups.{n}.{k}": v for k, v in g.items() if k != "params"})
+    for prefix, groups in ckpt.extra.get("titan_qkv") or []:  # torchtitan's fused-qkv attention's optimizer keys
+        _fused_qkv(flat, prefix, groups)
     out["optimizer"] = flat
     carried.append("optimizer (flat: state.<fqn>.*, param_groups.<fqn>.*)")
     out["lr_scheduler"] = {"last_epoch": _last_epoch(ckpt, state, copies, stated, notes, path)}
@@ -94,9 +100,32 @@ def titan_state(ckpt: Checkpoint, state: dict, copies, stated: dict | None) -> t
     if isinstance(state.get("lr_scheduler"), dict) or any(rel == "scheduler.pt" for rel, _, _ in copies):
         not_carried["the schedule itself"] = ("torchtitan's LambdaLR recomputes the lr from its own config and "
                                               "last_epoch")
-    notes.append("keys are the source's parameter names: build the torchtitan model with the same names")
+    if ckpt.extra.get("titan_names"):  # (an AutoEP source named as torchtitan's model of its family)
+        not_carried.update(ckpt.extra.get("titan_not_carried") or {})
+        carried[0] = f"model (top-level keys, torchtitan {ckpt.extra['titan_names']}'s names)"
+    else:
+        notes.append("keys are the source's parameter names: build the torchtitan model with the same names")
     notes.append("torchtitan's CheckpointManager.load needs checkpoint.exclude_from_loading=['dataloader']")
     return out, carried, not_carried, notes
+
+
+def _fused_qkv(flat: dict, prefix: str, groups: int) -> None:
+    """torchtitan's fused-qkv attention (``fuse_qkv=True``, its Qwen3 default) names its one parameter
+    ``{prefix}wqkv.weight``: its model state dict splits it into ``wq``/``wk``/``wv`` (``_split_qkv_on_save``),
+    its optimizer's does not. The optimizer's state under that name too, laid out as ``_merge_qkv_on_load`` fuses
+    the weight: per key-value group g, wq's rows of g, then wk's, then wv's; the split keys stay (a model built with
+    ``fuse_qkv=False`` loads them), each ``dcp.load`` reads the keys its model asks for."""
+    names = [f"{prefix}{w}.weight" for w in ("wq", "wk", "wv")]
+    fused = f"{prefix}wqkv.weight"
+    for key in ("exp_avg", "exp_avg_sq"):
+        parts = [flat[f"state.{n}.{key}"] for n in names]
+        blocks = [math.prod(t.shape) // groups for t in parts]
+        segs = [s for g in range(groups) for t, b in zip(parts, blocks) for s in slice_segments(t.segments, g * b, b)]
+        rows = sum(int(t.shape[0]) for t in parts)
+        flat[f"state.{fused}.{key}"] = TensorOut(parts[0].dtype, (rows, *parts[0].shape[1:]), segs)
+    flat[f"state.{fused}.step"] = flat[f"state.{names[0]}.step"]
+    for k in [k for k in flat if k.startswith(f"param_groups.{names[0]}.")]:
+        flat[f"param_groups.{fused}.{k[len(f'param_groups.{names[0]}.'):]}"] = flat[k]
 
 
 def _with_initial_lr(groups: list[dict], stated: dict, notes: list[str], path: str) -> list[dict]:

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.engine.segments import slice_pieces
-from zckpt.errors import OptionError
+from zckpt.errors import OptionError, UnsupportedLayout
 from zckpt.io import storage
 
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
@@ -161,7 +162,90 @@ def is_autoep(ckpt: Checkpoint) -> bool:
     return any(x.get("fused") is not None for x in ckpt.extra.get("moe_coverage") or [])
 
 
-def training_view(ckpt: Checkpoint, native_names: bool = False) -> Checkpoint:
+# torchtitan 0.3.0's Qwen3 (models/qwen3/state_dict_adapter.py, Qwen3StateDictAdapter.from_hf_map): the Hugging Face
+# name of each parameter -> torchtitan's; AutoEP's experts are torchtitan's GroupedExperts as they are (w1/w3
+# [E, F, D], w2 [E, D, F]) and its router torchtitan's TokenChoiceTopKRouter gate
+_L = r"model\.layers\.(\d+)\."
+TITAN = {"qwen3_moe": (
+    (r"model\.embed_tokens\.weight", "tok_embeddings.weight"),
+    (_L + r"self_attn\.q_proj\.weight", "layers.{}.attention.qkv_linear.wq.weight"),
+    (_L + r"self_attn\.k_proj\.weight", "layers.{}.attention.qkv_linear.wk.weight"),
+    (_L + r"self_attn\.v_proj\.weight", "layers.{}.attention.qkv_linear.wv.weight"),
+    (_L + r"self_attn\.o_proj\.weight", "layers.{}.attention.wo.weight"),
+    (_L + r"self_attn\.q_norm\.weight", "layers.{}.attention.q_norm.weight"),
+    (_L + r"self_attn\.k_norm\.weight", "layers.{}.attention.k_norm.weight"),
+    (_L + r"mlp\.gate_proj\.weight", "layers.{}.feed_forward.w1.weight"),
+    (_L + r"mlp\.up_proj\.weight", "layers.{}.feed_forward.w3.weight"),
+    (_L + r"mlp\.down_proj\.weight", "layers.{}.feed_forward.w2.weight"),
+    (_L + r"input_layernorm\.weight", "layers.{}.attention_norm.weight"),
+    (_L + r"post_attention_layernorm\.weight", "layers.{}.ffn_norm.weight"),
+    (_L + r"mlp\.experts\.w1", "layers.{}.moe.routed_experts.inner_experts.w1_EFD"),
+    (_L + r"mlp\.experts\.w2", "layers.{}.moe.routed_experts.inner_experts.w2_EDF"),
+    (_L + r"mlp\.experts\.w3", "layers.{}.moe.routed_experts.inner_experts.w3_EFD"),
+    (_L + r"mlp\.router\.gate\.weight", "layers.{}.moe.router.gate.weight"),
+    (r"model\.norm\.weight", "norm.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+)}
+TITAN_NOT_CARRIED = {
+    "expert_bias_E": "torchtitan's load-balancing bias (a persistent buffer of its MoE when load_balance_coeff is "
+                     "set) has no counterpart in the source's router: build the model with load_balance_coeff=None",
+    "tokens_per_expert_E": "not persistent: torchtitan saves it neither",
+}
+
+
+def _titan_name(name: str, table) -> str | None:
+    for pattern, out in table:
+        m = re.fullmatch(pattern, name)
+        if m:
+            return out.format(*m.groups())
+    return None
+
+
+def titan_view(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` (AutoEP) under the names of torchtitan's model of the family its ``config.json`` says (Qwen3-MoE:
+    torchtitan's own Hugging Face table), experts stacked ``[E, ...]`` as AutoEP keeps them, every master, moment,
+    group and step as it is; refused in one line where the class is not said or has no torchtitan model, or a
+    parameter has no torchtitan name."""
+    cfg, path, why = _config(ckpt)
+    why = why or _why_not(cfg, path)
+    table = TITAN.get((cfg or {}).get("model_type"))
+    if why or table is None:
+        why = why or f"torchtitan 0.3.0 has no {cfg.get('model_type')} model"
+        raise UnsupportedLayout(f"--layout torchtitan of an AutoEP checkpoint names the state as torchtitan's model "
+                                f"of its family: {why}",
+                                path=ckpt.location.input_path,
+                                hint=f"--layout dcp writes the transformers class's names (torchtitan's models "
+                                     f"zckpt names: {', '.join(sorted(TITAN))})")
+    renamed: dict[str, str] = {}
+    for r in ckpt.records:
+        if r.kind == "tied" and r.name.endswith(".mlp.gate.gate.weight"):  # AutoEP's router alias: no module's
+            continue
+        new = _titan_name(r.name, table)
+        if new is None:
+            raise UnsupportedLayout(f"'{r.name}' has no counterpart in torchtitan's {cfg['model_type']} model",
+                                    path=ckpt.location.input_path, hint="--layout dcp keeps the model class's names")
+        renamed[r.name] = new
+    records = [dataclasses.replace(r, name=renamed[r.name],
+                                   tied_to=renamed.get(r.tied_to, r.tied_to) if r.tied_to else None)
+               for r in ckpt.records if r.name in renamed]
+    groups = [dataclasses.replace(g, names=[renamed[n] for n in g.names]) for g in ckpt.groups]
+    layers = [{**x, "layer": renamed[f"{x['layer']}.router.gate.weight"][:-len(".router.gate.weight")],
+               "router": renamed[f"{x['layer']}.router.gate.weight"][:-len("gate.weight")],
+               "fused": [renamed[n] for n in x["fused"]]} if x.get("fused") is not None else x
+              for x in ckpt.extra.get("moe_coverage") or []]
+    notes = list(ckpt.notes) + [f"torchtitan {cfg['model_type']} names (as {path} says; torchtitan 0.3.0's "
+                                "state_dict_adapter table), experts stacked [E, ...] as AutoEP keeps them, "
+                                "attention's optimizer state under wq/wk/wv and the fused wqkv (fuse_qkv either "
+                                "way); expert_bias_E not carried: build the model with load_balance_coeff=None"]
+    kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    qkv = [(n[:-len("wq.weight")], int(kv)) for n in (r.name for r in records)
+           if n.endswith(".attention.qkv_linear.wq.weight") and isinstance(kv, int)]
+    extra = {**ckpt.extra, "moe_coverage": layers, "merge_notes": [], "titan_names": cfg["model_type"],
+             "titan_not_carried": dict(TITAN_NOT_CARRIED), "titan_qkv": qkv}
+    return dataclasses.replace(ckpt, records=records, groups=groups, notes=notes, extra=extra)
+
+
+def training_view(ckpt: Checkpoint, native_names: bool = False, layout: str = "dcp") -> Checkpoint:
     """``ckpt`` with its AutoEP layers under the model class's names and fusion, with the optimizer state:
     each master and every moment mapped as merge maps the values (``gate_up_proj``'s ``exp_avg``: per expert e,
     w1's then w3's), the param groups naming the model's parameters, the steps as they are, the MoE coverage
@@ -175,6 +259,8 @@ def training_view(ckpt: Checkpoint, native_names: bool = False) -> Checkpoint:
         return ckpt
     if native_names:
         return ckpt
+    if layout == "torchtitan":
+        return titan_view(ckpt)
     mapped, why, cfg, path = _mapped(ckpt, state=True)
     if why:
         return dataclasses.replace(ckpt, notes=list(ckpt.notes) + [

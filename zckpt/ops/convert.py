@@ -204,7 +204,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     if view is not None:
         ckpt = view(ckpt, groups, native_names)
     elif ckpt.format == "deepspeed" and not groups:  # AutoEP: the model class's names, unless native_names
-        ckpt = hf_moe.training_view(ckpt, native_names)
+        ckpt = hf_moe.training_view(ckpt, native_names, layout)
     elif groups or native_names:  # a Megatron source's options: never ignored for another
         raise OptionError(f"--{'groups' if groups else 'native-names'} applies to a Megatron-Core source; this "
                           f"{ckpt.format} checkpoint records its own groups and names", path=path,
