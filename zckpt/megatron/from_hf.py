@@ -10,6 +10,12 @@ param groups' Megatron settings (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr`
 carry and torch's AdamW's do not), each group's members as megatron-core's standard rule makes them (1-D
 parameters without weight decay); the scheduler (``opt_param_scheduler``) and counters from the source's side
 state. Weights are the fp32 masters cast to the training dtype (what Megatron's copy after each step holds).
+
+A run Megatron did not train (DeepSpeed, FSDP2) holds neither the scheduler nor the groups' settings nor its
+global batch: the user states them as the ``pretrain_gpt.py`` flags the job resumes with (``megatron_args``,
+:mod:`zckpt.megatron.run_args`), and they are made from those as Megatron-LM makes them, checked against what the
+source says; without them such a source is refused naming the flags, and with them a source that holds Megatron's
+own is refused too.
 """
 
 from __future__ import annotations
