@@ -5,7 +5,8 @@ what Megatron-LM's own ``load_checkpoint`` gives beside it (the oracle):
 - ``moe16_ep2_dp4``: 2 MoE layers, expert-parallel 2 x expert-data-parallel 2, ``dp_reshardable`` (the experts'
   state in the second optimizer's buckets), allgather dispatcher;
 - ``moe16_etp2_ep2_fullyresh``: 3 layers of which 1 and 2 are MoE (per-layer keys), expert tensor parallelism 2 x
-  expert-parallel 2, ``fully_reshardable``.
+  expert-parallel 2, ``fully_reshardable``;
+- ``moe19_ep2_dp4``: ``moe16_ep2_dp4``'s twin saved by megatron-core 0.19.2 (its common state inside the DCP).
 
 read (every expert's weight, master and moments equal to the oracle bit for bit; the buckets placed where DDP's own
 buffers had them), ``info`` / ``info --json`` (layers x experts, ep, the coverage check), ``verify --deep``; a
@@ -35,8 +36,8 @@ from zckpt.encoding.tensors import load_pieces  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
-DP, FULLY = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh"
-MOE = [DP, FULLY]
+DP, FULLY, DP19 = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh", "moe19_ep2_dp4"
+MOE = [DP, FULLY, DP19]
 EXPERT = "decoder.layers.{i}.mlp.experts.experts.{e}.{p}"
 
 
@@ -72,6 +73,7 @@ def test_the_fixtures_are_megatron_lms_own_moe_saves():
     assert {oracle(n)[0]["expert_model_parallel_size"] for n in MOE} == {2}
     assert {oracle(n)[0]["expert_tensor_parallel_size"] for n in MOE} == {1, 2}
     assert {oracle(n)[0]["distrib_optim_sharding_type"] for n in MOE} == {"dp_reshardable", "fully_reshardable"}
+    assert {oracle(n)[0]["megatron_core"].rsplit(".", 1)[0] for n in MOE} == {"0.16", "0.19"}
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -119,36 +121,32 @@ def test_every_expert_router_master_and_moment_equals_megatron_lms_load(name):
     assert ckpt.extra["step"] == meta["iteration"] == 3
 
 
-def test_expert_buckets_placed_where_ddps_expert_buffers_had_them():
-    """Every expert's place in each expert-parallel rank's buckets equals megatron-core's live
-    expert_parallel_buffers (DDP's param_index_map, recorded by the generator); rank g of the expert tp x ep x pp
-    group holds experts g*4..g*4+3 of both layers."""
-    from zckpt.megatron import buckets
-    meta, _ = oracle(DP)
-    ckpt = zckpt.open_checkpoint(str(MEG / DP))
-    placed = ckpt.extra["buckets"]
-    md = ckpt.extra["metadata"]
-    for g, bufs in enumerate(meta["dp_expert_buffers_per_rank"][:2]):  # global ranks 0, 1: ep ranks 0, 1
-        (buf,) = bufs
-        for p in buf["params"]:
-            assert p["name"] in placed
-            key = f"chained_1.optimizer.distributed.dp_group_idx_{g}."
-            assert all(x.path for x in placed[p["name"]][0])
-            assert any(te.key.startswith(key) for te in md.tensors.values()), key
-        mine = {p["name"] for p in buf["params"]}
-        assert mine == {EXPERT.format(i=i, e=e, p=q) for i in (0, 1) for e in range(4 * g, 4 * g + 4)
-                        for q in ("linear_fc1.weight", "linear_fc2.weight")}
-    f = ckpt.extra["megatron"]
-    bk = buckets._buckets(md, 2, "", 1)
-    records = {r.name: r for r in ckpt.records}
-    for g in range(2):
+@pytest.mark.parametrize("name", [DP, DP19])
+def test_expert_buckets_placed_where_ddps_expert_buffers_had_them(name):
+    """Every expert's master and moments come from the DCP chunk of its expert-parallel rank's bucket that starts
+    where megatron-core's live expert_parallel_buffers had the expert (DDP's param_index_map, recorded by the
+    generator); rank g of the expert tp x ep x pp group holds experts 4g..4g+3 of both layers."""
+    meta, _ = oracle(name)
+    ckpt = zckpt.open_checkpoint(str(MEG / name))
+    placed, md = ckpt.extra["buckets"], ckpt.extra["metadata"]
+    tag_dir = Path(ckpt.location.tag_dir)
+    for g in range(2):  # global ranks 0 and 1 are expert-parallel ranks 0 and 1 (expert-data-parallel rank 0)
         (buf,) = meta["dp_expert_buffers_per_rank"][g]
-        params = [buckets._Rec(records[p["name"]], True) for p in sorted(buf["params"], key=lambda p: -p["start"])]
-        got = buckets._walk(params, bk[g], g, 1, "")
-        starts = [b["start"] for b in buf["buckets"]]
-        theirs = {(p["name"], starts[p["bucket"]] + 0, p["start"], p["end"]) for p in buf["params"]}
-        mine = {(n, starts[0], starts[0] + s, starts[0] + s + k) for n, (_, s, k) in got.items()}
-        assert {x[0::2] + x[3:] for x in mine} == {x[0::2] + x[3:] for x in theirs}, (g, f["moe"])
+        assert {p["name"] for p in buf["params"]} == {EXPERT.format(i=i, e=e, p=q) for i in (0, 1)
+                                                      for e in range(4 * g, 4 * g + 4)
+                                                      for q in ("linear_fc1.weight", "linear_fc2.weight")}
+        for p in buf["params"]:
+            lo = buf["buckets"][p["bucket"]]["start"]
+            for k, kind in enumerate(("param", "exp_avg", "exp_avg_sq")):
+                (te,) = [t for key, t in md.tensors.items() if key.startswith(
+                    f"chained_1.optimizer.distributed.dp_group_idx_{g}.") and key.endswith(
+                    f"bucket_idx_{p['bucket']}.{kind}")]
+                (chunk,) = [c for c in te.chunks if c.offsets[0] == p["start"] - lo]
+                assert chunk.sizes[0] == p["end"] - p["start"]
+                pieces = placed[p["name"]][k]
+                assert sum(x.nbytes for x in pieces) == 4 * (p["end"] - p["start"])
+                assert all(Path(x.path) == tag_dir / chunk.file and chunk.offset <= x.offset and
+                           x.offset + x.nbytes <= chunk.offset + chunk.length for x in pieces), (p["name"], kind)
 
 
 # ------------------------------------------------------------------------------------------------- damage
