@@ -105,3 +105,47 @@ def test_torch_path_reuses_its_buffer_and_stays_exact():
         raw = rng.standard_normal(n).astype(np.float32).view(np.uint8)
         for dst in ("bfloat16", "float16"):
             assert np.array_equal(cast(raw, "float32", dst, use_torch=True), _torch(raw, "float32", dst))
+
+
+_MERGE = r'''
+import sys, hashlib
+from pathlib import Path
+from zckpt.encoding import casting
+casting.TORCH_CAST_FROM = int(sys.argv[3])
+from zckpt.ops.merge import merge
+merge(sys.argv[1], sys.argv[2], dtype=sys.argv[4])
+print("torch" in sys.modules, hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(sys.argv[2]).glob("*.safetensors")))).hexdigest())
+'''
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_large_downcasts_import_torch_and_write_the_same_bytes(tmp_path, dtype):
+    """A merge whose down-casts read at least ``TORCH_CAST_FROM`` bytes imports torch and casts with its kernel; a
+    smaller one never imports it (a fresh process each); both write the same bytes (the fp32 masters of a real
+    DeepSpeed save, cast to bf16 / fp16)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "z2_bf16_ws2"
+    got = {}
+    for name, threshold in (("numpy", 1 << 62), ("torch", 1)):
+        run = subprocess.run([sys.executable, "-c", _MERGE, str(src), str(tmp_path / name), str(threshold), dtype],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got[name] = run.stdout.split()
+    assert got["numpy"][0] == "False" and got["torch"][0] == "True", got
+    assert got["numpy"][1] == got["torch"][1]
+
+
+def test_torch_pays_only_from_its_threshold(monkeypatch):
+    """torch imported already: always its kernel; else only from TORCH_CAST_FROM bytes, and not when missing."""
+    import builtins
+    import sys
+    from zckpt.encoding import casting
+    assert casting.torch_pays(0)  # (this process imported torch)
+    monkeypatch.delitem(sys.modules, "torch")
+    assert not casting.torch_pays(casting.TORCH_CAST_FROM - 1)
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "torch" else real(name, *a, **k))
+    assert not casting.torch_pays(casting.TORCH_CAST_FROM)

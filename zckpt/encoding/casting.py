@@ -3,7 +3,8 @@
 Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
 ``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). numpy (imported on first use) does this without importing
 torch (a 1.5 s start-up and ~400 MiB), in per-thread scratch arrays; small bf16 -> fp32 jobs need not even numpy
-(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch) uses torch's kernels.
+(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch, or jobs whose down-casts
+are large enough that importing it pays: :func:`torch_pays`) uses torch's kernels.
 NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
 to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern and random fp32 ones.
 """
@@ -60,6 +61,30 @@ def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
     out = _scratch("out16", u.size, np.uint16)
     np.copyto(out, r, casting="unsafe")  # (every value < 2**16: nothing is cut)
     return out
+
+
+#: fp32 bytes a job's down-casts (fp32 -> bf16 / fp16) must read before importing torch for its one-pass kernel
+#: pays: the import costs about 1.5 s of CPU and 400 MiB; numpy's casts take 5-6 passes (bf16) or numpy's slow
+#: fp16 loop, torch's one. Lent 16-core host, 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into
+#: 5 files took 1.03 s with numpy's cast, 0.46 s with torch's (0.13 s per GB read), so the import pays from about
+#: 11 GB; on fewer cores each GB saves more (one thread: numpy 1.85 GB/s, torch 25)
+TORCH_CAST_FROM = 8 << 30
+
+
+def torch_pays(downcast_bytes: int) -> bool:
+    """Whether a job whose down-casts read ``downcast_bytes`` of fp32 should cast with torch's kernel: torch imported
+    already (a trainer process), or installed and the job at least :data:`TORCH_CAST_FROM` (then it is imported
+    here, once). torch stays optional: without it numpy casts every byte, bit for bit the same."""
+    import sys
+    if "torch" in sys.modules:
+        return True
+    if downcast_bytes < TORCH_CAST_FROM:
+        return False
+    try:
+        import torch  # noqa: F401 - its kernels, for cast(use_torch=True)
+    except ImportError:
+        return False
+    return True
 
 
 #: torch's integer and bool dtype names (numpy's are the same)
