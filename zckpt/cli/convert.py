@@ -102,7 +102,8 @@ Examples:
                    "e.g. '*norm*=1' '*=0'). Repeatable.")
 @click.option("--native-names", is_flag=True,
               help="A Megatron-Core source: keep Megatron's tensor names (default: Hugging Face Llama's, when the "
-                   "files say the model is Llama-shaped).")
+                   "files say the model is Llama-shaped). A DeepSpeed AutoEP source: keep AutoEP's expert and "
+                   "router names (default: the model class's, when the config.json beside it says the class).")
 @tag_option
 @tie_options
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
