@@ -302,3 +302,38 @@ def test_coverage_of_an_fsdp2_moe_dcp(tmp_path):
                 command()
             assert text in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "m").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("kv,hpk", [(2, 2), (4, 1), (1, 3)])
+def test_fused_qkv_optimizer_state_at_other_head_counts(tmp_path, kv, hpk):
+    """The fused ``wqkv`` state at key-value group counts the fixture does not have (it has one): the pieces
+    zckpt lays out equal torchtitan 0.3.0's ``_merge_qkv_on_load`` (attention.py) applied to wq / wk / wv:
+    ``cat([wq.reshape(n_kv, hpk, hd, H), wk.reshape(n_kv, 1, hd, H), wv.reshape(n_kv, 1, hd, H)], 1)``, each
+    rank's flat partition boundaries anywhere (the source pieces are cut at odd places)."""
+    import numpy as np
+    from zckpt.dcp.titan import _fused_qkv
+    from zckpt.engine.segments import Piece
+    from zckpt.engine.torchzip import TensorOut
+    hd, H = 4, 6
+    g = torch.Generator().manual_seed(kv * 10 + hpk)
+    ts = {"wq": torch.randn(kv * hpk * hd, H, generator=g), "wk": torch.randn(kv * hd, H, generator=g),
+          "wv": torch.randn(kv * hd, H, generator=g)}
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(b"".join(t.numpy().tobytes() for t in ts.values()))
+    flat, offset, prefix = {}, 0, "layers.0.attention.qkv_linear."
+    for w, t in ts.items():
+        n, cut = t.numel(), t.numel() // 3 + 1  # two pieces per tensor, cut mid-row
+        segs = [Piece(str(raw), offset, cut, "float32"), Piece(str(raw), offset + 4 * cut, n - cut, "float32")]
+        offset += 4 * n
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat[f"state.{prefix}{w}.weight.{key}"] = TensorOut("float32", tuple(t.shape), segs)
+        flat[f"state.{prefix}{w}.weight.step"] = 7.0
+        flat[f"param_groups.{prefix}{w}.weight.lr"] = 0.5
+    _fused_qkv(flat, prefix, kv)
+    out = flat[f"state.{prefix}wqkv.weight.exp_avg"]
+    data = np.fromfile(raw, dtype=np.float32)
+    got = np.concatenate([data[p.offset // 4:p.offset // 4 + p.numel] for p in out.segments]).reshape(out.shape)
+    q, k, v = ts["wq"].reshape(kv, hpk, hd, H), ts["wk"].reshape(kv, 1, hd, H), ts["wv"].reshape(kv, 1, hd, H)
+    want = torch.cat([q, k, v], dim=1).reshape(-1, H)
+    assert out.shape == tuple(want.shape) and torch.equal(torch.from_numpy(got), want)
+    assert flat[f"state.{prefix}wqkv.weight.step"] == 7.0 and flat[f"param_groups.{prefix}wqkv.weight.lr"] == 0.5
