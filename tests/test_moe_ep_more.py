@@ -72,7 +72,11 @@ def _native_jobs(jobs: list[dict]) -> None:
     G = ds_oracle.generate_module()
     finish = G._finish
     G._finish = lambda dist: dist.barrier()
+    from deepspeed.utils import groups
     for job in jobs:
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS"):  # each job's engine makes its own expert groups (the
+            setattr(groups, name, {})  # largest ep_size names the expp_rank files a rank loads without ZeRO)
         M._native_worker(job)
     import deepspeed.comm as dist
     finish(dist)
@@ -131,6 +135,7 @@ def _groups(path):
 NATIVE = [  # (fixture, new ep per MoE layer): every output loaded at 4 ranks in one DeepSpeed launch
     ("moe_z0_bf16_ws2_ep2", (4,)),  # without ZeRO: ep 2 -> 4
     ("moe_z0_bf16_ws2_ep2_ep1", (4, 2)),  # without ZeRO, layers of ep 2 and ep 1 -> 4 and 2
+    ("moe_z0_bf16_ws2_ep2_ep1", (1, 2)),  # without ZeRO, the sizes swap (rank 0's order of the names kept)
     ("moe_z2_bf16_ws4_ep2_ep4_mixed", (4, 2)),  # ZeRO-2, layers of ep 2 and 4 swap sizes (the groups swap layers;
     # rank 0's order of the names kept, which the engine's PYTHONHASHSEED 0 gives)
     ("moe_z2_bf16_ws4_ep2_ep4_mixed", (4, 4)),  # ZeRO-2, both layers at ep 4: one expert group

@@ -353,6 +353,10 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
                                         path=f0.path, hint="give their layers different --ep sizes")
             if layer_of[m.group(1)] not in expert_groups[size][1]:
                 expert_groups[size][1].append(layer_of[m.group(1)])
+    src_names = [str(pgs0[g].get("name")) for g in range(len(names0)) if pgs0[g].get("moe")]
+    if {f"ep_size_{n}" for n in expert_groups} == set(src_names):  # the names stay: rank 0's order of them
+        sizes = sorted(expert_groups, key=lambda n: src_names.index(f"ep_size_{n}"))
+        plan_groups = [x for x in plan_groups if x[0] is not None] + [(None, n) for n in sizes]
     missing = sorted(set(layers) - {i for _, ls in expert_groups.values() for i in ls})
     if missing:
         raise UnsupportedLayout(f"MoE layer {missing[0]}'s experts are in no expert param group of rank 0's optimizer",
@@ -397,7 +401,7 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
         f"layer {i} {src[i] or '?'} -> {new[i]}" for i in sorted(new)) + f", data-parallel size {ckpt.world_size} -> "
         f"{world_size}; {biggest} expp_rank files")
     if len(expert_groups) > 1:
-        plan.notes.append("expert groups in the order " + ", ".join(f"ep_size_{n}" for n in expert_groups)
+        plan.notes.append("expert groups in the order " + ", ".join(f"ep_size_{n}" for h, n in plan_groups if h is None)
                           + ": DeepSpeed orders them by a set of names, so resume with a PYTHONHASHSEED giving it")
     return plan
 
