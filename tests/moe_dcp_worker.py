@@ -288,7 +288,7 @@ def main(job_path: str) -> None:
         dist.init_process_group("gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    mesh = None if job.get("deepspeed") else init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh("cpu", (ws,))  # (FSDP2 and torchtitan cases; DeepSpeed's make their own groups)
     for case in job["cases"]:
         if case["mode"] == "deepspeed":
             deepspeed_case(case, rank, ws)

@@ -65,11 +65,12 @@ TITAN_DIMS = {"vocab": 32, "dim": 16, "layers": 2, "heads": 2, "kv_heads": 1, "h
 
 
 @pytest.fixture(scope="module")
-def fsdp2_loads(tmp_path_factory):
-    """Both AutoEP fixtures converted to DCP, loaded by FSDP2 at 2 ranks; the Qwen3-MoE one converted with
-    ``--layout torchtitan`` too, loaded by torchtitan's Qwen3 MoE model (fused qkv and not) and CheckpointManager
-    (one launch)."""
-    base = tmp_path_factory.mktemp("moe-fsdp2")
+def launched(tmp_path_factory):
+    """One launch of 2 gloo ranks (``deepspeed.init_distributed``, the default group FSDP2 and torchtitan use too):
+    both AutoEP fixtures converted to DCP, loaded by FSDP2; the Qwen3-MoE one converted with ``--layout
+    torchtitan``, loaded by torchtitan's Qwen3 MoE model (fused qkv and not) and CheckpointManager; both FSDP2 MoE
+    fixtures converted to DeepSpeed (ZeRO-2 / ZeRO-1 at 2 ranks), loaded by DeepSpeed."""
+    base = tmp_path_factory.mktemp("moe-dcp")
     cases, results = [], {}
     for arch, fx in AUTOEP.items():
         res = zckpt.convert(str(checkpoint_path(fx)), out=str(base / f"{arch}.dcp"))
@@ -81,8 +82,23 @@ def fsdp2_loads(tmp_path_factory):
     for fuse in (True, False):
         cases.append({"mode": "titan", "base": str(base), "step": 2, "dims": TITAN_DIMS, "fuse_qkv": fuse,
                       "out": str(base / f"titan-fused{int(fuse)}")})
-    _torchrun({"cases": cases})
+    for arch, fx in FSDP2.items():
+        zckpt.convert(str(fx / "dcp"), to="deepspeed", out=str(base / f"{arch}.ds"), world_size=2,
+                      stage=DS_STAGE[arch], dtype="bf16")
+        cases.append({"mode": "deepspeed", "stage": DS_STAGE[arch], "config": str(fx / "dcp"),
+                      "ckpt": str(base / f"{arch}.ds"), "out": str(base / "ds" / arch)})
+    _torchrun({"deepspeed": True, "cases": cases})
     return base, results
+
+
+@pytest.fixture(scope="module")
+def fsdp2_loads(launched):
+    return launched
+
+
+@pytest.fixture(scope="module")
+def deepspeed_loads(launched):
+    return launched[0] / "ds"
 
 
 @pytest.mark.parametrize("arch", list(AUTOEP))
@@ -205,20 +221,6 @@ def test_autoep_names_where_the_class_is_not_said(tmp_path):
     with pytest.raises(InvalidArgument, match="--native-names applies to a Megatron-Core source or an AutoEP"):
         zckpt.convert(str(checkpoint_path(FIXTURES / "z2_bf16_ws2")), out=str(tmp_path / "o"), native_names=True)
     assert not (tmp_path / "o").exists()
-
-
-@pytest.fixture(scope="module")
-def deepspeed_loads(tmp_path_factory):
-    """Both FSDP2 MoE fixtures converted to DeepSpeed (ZeRO-2 / ZeRO-1 at 2 ranks), loaded by DeepSpeed."""
-    base = tmp_path_factory.mktemp("moe-ds")
-    cases = []
-    for arch, fx in FSDP2.items():
-        zckpt.convert(str(fx / "dcp"), to="deepspeed", out=str(base / f"{arch}.ds"), world_size=2,
-                      stage=DS_STAGE[arch], dtype="bf16")
-        cases.append({"mode": "deepspeed", "stage": DS_STAGE[arch], "config": str(fx / "dcp"),
-                      "ckpt": str(base / f"{arch}.ds"), "out": str(base / arch)})
-    _torchrun({"deepspeed": True, "cases": cases})
-    return base
 
 
 @pytest.mark.parametrize("arch", list(FSDP2))
