@@ -229,21 +229,25 @@ def test_a_flipped_byte_in_an_expert_moment_is_refused_naming_the_expert(tmp_pat
     rec = ckpt.by_name()[EXPERT.format(i=2, e=6, p="linear_fc2.weight")]
     p = rec.exp_avg[0]
     _flip(Path(p.path), p.offset + 3)
-    # verify --deep names the file, the item (layer 2's experts' exp_avg) and the entry
+    # verify --deep names the file, the item and what it holds: the layer and the expert
     one_line(zckpt_run("verify", "--deep", folder.parent), "NOT consistent", Path(p.path).name,
-             "optimizer.state.exp_avg.decoder.layers.2.mlp.experts.experts.linear_fc2.weight")
+             "optimizer.state.exp_avg.decoder.layers.2.mlp.experts.experts.linear_fc2.weight: exp_avg of "
+             "'decoder.layers.2.mlp.experts.experts.6.linear_fc2.weight'")
     one_line(zckpt_run("convert", folder.parent, "--groups", "megatron-default", "--to", "dcp", "-o", tmp_path / "d"),
              "decoder.layers.2.mlp.experts.experts.6.linear_fc2.weight", "CRC-32")
     assert not (tmp_path / "d").exists()
 
 
 def test_a_flipped_byte_in_an_expert_bucket_moment_is_refused_naming_the_expert(tmp_path):
-    """dp_reshardable: a byte of the expert buckets' exp_avg under layer 1's expert 2; convert names the tensor it
-    is in: Mixtral's fused layer-1 experts, or (--native-names) the expert itself."""
+    """dp_reshardable: a byte of the expert buckets' exp_avg under layer 1's expert 2: verify --deep names the
+    expert; convert names the tensor it is in: Mixtral's fused layer-1 experts, or (--native-names) the expert."""
     folder = _copy(tmp_path, DP)
     ckpt = zckpt.open_checkpoint(str(folder.parent))
     p = ckpt.extra["buckets"][EXPERT.format(i=1, e=2, p="linear_fc1.weight")][1][0]
     _flip(Path(p.path), p.offset + 5)
+    one_line(zckpt_run("verify", "--deep", folder.parent), "NOT consistent", Path(p.path).name,
+             "chained_1.optimizer.distributed.dp_group_idx_0.", "exp_avg of "
+             "'decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight'")
     to = ["--to", "deepspeed", "-w", 2, "--stage", 2, "--dtype", "bf16", "-o", tmp_path / "d"]
     one_line(zckpt_run("convert", folder.parent, "--groups", "megatron-default", *to),
              "exp_avg of 'model.layers.1.mlp.experts.gate_up_proj'", "CRC-32")

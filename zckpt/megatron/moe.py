@@ -237,3 +237,41 @@ def _expert_chunks(key, model_key, state, entry, where, gone, folder: str) -> No
                 f"MoE layer {i} ({LAYERS}{i}.mlp): expert {e} {what}: '{key}' in .metadata",
                 path=f"{folder}/.metadata", hint="the save did not finish or was put together from several saves; "
                                                  "use a complete iteration folder")
+
+
+# ------------------------------------------------------------------------------------ naming damaged items
+
+def item_names(md, placed: dict | None) -> dict[tuple[str, int], str]:
+    """{(data file name, item offset): what the item holds, by MoE layer and expert} for every item of an expert's
+    bytes: the chunks of the expert keys (weights; ``fully_reshardable``: masters and moments too) and, with a
+    ``dp_reshardable`` placement, the expert buckets' chunks; ``verify --deep`` names a damaged item so."""
+    out: dict[tuple[str, int], str] = {}
+    for key, te in md.tensors.items():
+        m = _STATE.match(key)
+        model_key, state = (m.group(2), m.group(1)) if m else (key, None)
+        if not is_expert_key(model_key):
+            continue
+        stacked, layer = _axes(model_key)
+        axes = 2 if stacked else 1
+        param = model_key.split(MARK, 1)[1]
+        for c in te.chunks:
+            ls = range(c.offsets[0], c.offsets[0] + c.sizes[0]) if stacked else [layer]
+            es = range(c.offsets[axes - 1], c.offsets[axes - 1] + c.sizes[axes - 1])
+            what = {"param": "the master of ", "exp_avg": "exp_avg of ", "exp_avg_sq": "exp_avg_sq of "}.get(state, "")
+            names = [f"{LAYERS}{i}.{MARK}{e}.{param}" for i in ls for e in es]
+            out[(c.file, c.offset)] = f"{key}: {what}'{names[0]}'" + (f" and {len(names) - 1} more" if names[1:] else "")
+    if placed:
+        items = sorted((c.file, c.offset, c.offset + c.length, key) for key, te in md.tensors.items()
+                       if _BUCKET.match(key) for c in te.chunks)
+        kinds = ("the master of ", "exp_avg of ", "exp_avg_sq of ")
+        for name, triple in placed.items():
+            if not expert_of(name):
+                continue
+            for what, pieces in zip(kinds, triple):
+                for p in pieces:
+                    file = p.path.rsplit("/", 1)[-1]
+                    for f, lo, hi, key in items:
+                        if f == file and lo <= p.offset < hi:
+                            out[(f, lo)] = f"{key}: {what}'{name}'"
+                            break
+    return out

@@ -525,6 +525,8 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
              **({"moe_coverage": layers} if layers else {}),
              # dp_reshardable: every expert's master and moments placed in the expert buckets (moe.check_placed)
              **({"moe_states": ["master", "exp_avg", "exp_avg_sq"]} if layers and placed else {}),
+             # what each item of an expert's bytes holds, by layer and expert (verify --deep names damage so)
+             **({"item_names": moe.item_names(md, placed)} if layers else {}),
              "extra_states": n_extra, "args": _args(common), "buckets": placed, "bucket_error": bucket_error,
              "common": {k: common[k] for k in ("opt_param_scheduler", "num_floating_point_operations_so_far")
                         if k in common},

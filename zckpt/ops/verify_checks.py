@@ -172,7 +172,12 @@ DISTCP_FORMATS = ("dcp", "megatron")  # formats whose data files are DCP .distcp
 def dcp_items(ckpt: Checkpoint) -> dict:
     """path -> [(offset, length, key)]: the items of a DCP (or torch_dist) checkpoint's ``.distcp`` files."""
     from zckpt.encoding.distcp import items_by_file
-    return items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)
+    items = items_by_file(ckpt.extra["metadata"], ckpt.location.tag_dir)
+    names = ckpt.extra.get("item_names")  # a reader's own words for some items (Megatron MoE: layer and expert)
+    if names:
+        items = {path: [(o, n, names.get((storage.basename(path), o), key)) for o, n, key in its]
+                 for path, its in items.items()}
+    return items
 
 
 def check_dcp_bytes(ckpt: Checkpoint, report: VerifyReport, progress=None, tick=None) -> None:
