@@ -64,14 +64,16 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
             fmt: str = "deepspeed", tag: str | None = None, dry_run: bool = False, overwrite: bool = False,
             workers: int | None = None, progress: Callable[[int, int], None] | None = None,
             bf16_optimizer: bool | None = None, durable: bool = False,
-            storage_options: dict | None = None, group=None, ep: int | None = None) -> ReshardResult:
+            storage_options: dict | None = None, group=None,
+            ep: int | tuple[int, ...] | None = None) -> ReshardResult:
     """Re-partition the checkpoint at ``path`` for ``world_size`` ranks (and ``stage``) into the folder ``out``.
 
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
     new size. ``fmt="universal"``: DeepSpeed's universal layout (``"checkpoint": {"load_universal": true}``).
     ``bf16_optimizer``: target the BF16 optimizer (stage 1, bf16, ``grad_accum_dtype: fp32``); default keeps the
-    source's choice when the stage stays 1. ``ep``: the expert-parallel size of a DeepSpeed MoE or AutoEP checkpoint of
-    ZeRO-1/2 (default: kept; docs/layouts.md). ``progress(done_bytes, total_bytes)`` is called as data is written;
+    source's choice when the stage stays 1. ``ep``: the expert-parallel size of a DeepSpeed MoE or AutoEP checkpoint
+    (default: kept; docs/layouts.md): one size, or one per MoE layer in order (``ep=(4, 2)``: DeepSpeed builds each
+    MoE layer with its own). ``progress(done_bytes, total_bytes)`` is called as data is written;
     ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
     (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
