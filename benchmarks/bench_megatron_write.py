@@ -19,6 +19,7 @@ forked writers counted in each), as bench_reshard's ``run_measured``. Afterwards
 ``.metadata`` must name the same tensors with the same shapes and dtypes.
 
     python benchmarks/bench_megatron_write.py --json-out benchmarks/results/DATE/megatron-write.json
+    python benchmarks/bench_megatron_write.py --layout dp_reshardable --json-out ...   # both write dp_reshardable
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_SPEC = "layers=8,hidden=1024,heads=8,groups=4,ffn=4096,vocab=32000,dp=2,sharding=dp_reshardable"
 
 
-def route(save: str, out: str, spec_text: str, result: str) -> None:
+def route(save: str, out: str, spec_text: str, result: str, layout: str = "fully_reshardable") -> None:
     """One rank of megatron-core's route (under torchrun at the saved shape)."""
     sys.path.insert(0, str(ROOT / "fixtures" / "megatron"))
     import cpu_shim  # noqa: F401 - before megatron
@@ -71,7 +72,7 @@ def route(save: str, out: str, spec_text: str, result: str) -> None:
     sched.load_state_dict(state["opt_param_scheduler"])
     dist.barrier()
     t2 = time.perf_counter()
-    new = {**spec, "sharding": "fully_reshardable"}
+    new = {**spec, "sharding": layout}
     sd2, _, content = G._state_dict(new, ddp, opt, sched, False)
     target = Path(out) / f"iter_{it:07d}"
     if dist.get_rank() == 0:
@@ -107,7 +108,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--mcore-python", default="/work/venv-mcore/bin/python")
     ap.add_argument("--json-out", default=None)
-    ap.add_argument("--_route", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="fully_reshardable", choices=("fully_reshardable", "dp_reshardable"),
+                    help="the output's optimizer layout, both routes (dp_reshardable: at the saved shape)")
+    ap.add_argument("--_route", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._route:
         route(*args._route)
@@ -125,11 +128,14 @@ def main(argv=None) -> int:
         zo, mo, res = work / "out-zckpt-megatron", work / "out-mcore-megatron", work / "route.json"
         for p in (zo, mo):
             shutil.rmtree(p, ignore_errors=True)
-        code = f"from zckpt.ops.convert import convert; convert({str(save)!r}, to='megatron', out={str(zo)!r})"
+        more = "" if args.layout == "fully_reshardable" else (  # generate.py's DDP: overlap off (one bucket)
+            f", layout='dp_reshardable', dp={spec['dp']}, ddp_config='overlap_grad_reduce=false,"
+            "grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false'")
+        code = f"from zckpt.ops.convert import convert; convert({str(save)!r}, to='megatron', out={str(zo)!r}{more})"
         zs, zpeak, ztree = run_measured([sys.executable, "-c", code], env)
         cmd = [args.mcore_python, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
                str(29500 + 7 + rep), str(Path(__file__).resolve()), "--_route", str(save), str(mo), args.spec,
-               str(res)]
+               str(res), args.layout]
         ms, mpeak, mtree = run_measured(cmd, menv)
         phases = json.loads(res.read_text())
         same = tensors_of(zo) == tensors_of(mo)
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
                      "mcore_tree_rss_mib": mtree >> 20, "mcore_bytes": du(mo),
                      "mcore_phases_s": {k: round(v, 2) for k, v in phases.items()}, "same_tensors": same})
         print(json.dumps(rows[-1]), flush=True)
-    doc = {"spec": args.spec, "save": str(save), "save_bytes": du(save), "ranks": n, "generated_s": gen_s,
+    doc = {"spec": args.spec, "layout": args.layout, "save": str(save), "save_bytes": du(save), "ranks": n, "generated_s": gen_s,
            "cpus": os.cpu_count(), "runs": rows}
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
