@@ -49,6 +49,11 @@ SOURCES = {
                      [(2, 1, 1)]),
 }
 JOBS = [(name, shape) for name, src in SOURCES.items() for shape in src[4]]
+# and one in Megatron-LM's default layout: the distributed optimizer's buckets for dp 2 (--layout dp_reshardable,
+# the DDP settings generate.py's _build runs with)
+DP_JOB = len(JOBS)
+JOBS.append(("deepspeed_z3", (1, 1, 2)))
+DDP = "overlap_grad_reduce=false,grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false"
 
 
 def _free_port() -> int:
@@ -156,7 +161,8 @@ def loaded(tmp_path_factory):
     for i, (name, (tp, pp, dp)) in enumerate(JOBS):
         src, flags, cfg, _, _ = SOURCES[name]
         out = tmp / f"{i}-{name}-tp{tp}pp{pp}"
-        plans[i] = _convert(src, out, tp=tp, pp=pp, megatron_args=flags).plan
+        more = {"layout": "dp_reshardable", "dp": dp, "ddp_config": DDP} if i == DP_JOB else {}
+        plans[i] = _convert(src, out, tp=tp, pp=pp, megatron_args=flags, **more).plan
         expected = tmp / f"{name}.expected.safetensors"
         if not expected.exists():
             _expected(name, tmp)
@@ -181,12 +187,15 @@ def _members(cfg: dict) -> tuple[list[str], list[str]]:
     return sorted(set(names) - set(one)), one
 
 
-@pytest.mark.parametrize("i", range(len(JOBS)), ids=[f"{n}-to-tp{s[0]}pp{s[1]}dp{s[2]}" for n, s in JOBS])
+@pytest.mark.parametrize("i", range(len(JOBS)), ids=[f"{n}-to-tp{s[0]}pp{s[1]}dp{s[2]}" +
+                                                     ("-dp_reshardable" if i == DP_JOB else "")
+                                                     for i, (n, s) in enumerate(JOBS)])
 def test_megatron_core_resumes_a_genuine_run(loaded, i):
     results, plans = loaded
     got, (name, shape) = results[i], JOBS[i]
     src, flags, cfg, iteration, _ = SOURCES[name]
     assert got["name"] == name and tuple(got["shape"]) == shape
+    assert got["sharding"] == ("dp_reshardable" if i == DP_JOB else "fully_reshardable")
     assert got["keys_equal"], (got["missing"], got["extra"])  # every weight, master, exp_avg, exp_avg_sq
     assert got["tensors"] > 0 and not got["differ"], got["differ"]  # bit for bit
     import zckpt
