@@ -212,6 +212,31 @@ def test_zckpt_reads_the_buckets_back_as_the_source(loaded, i):
     assert res.ok and " 0 differ, 0 only in A, 0 only in B" in res.to_dict()["summary"], res.to_dict()["summary"]
 
 
+def test_dp_of_three_pads_buckets_to_lcm_3_128(tmp_path):
+    """--dp 3: each bucket padded to a multiple of lcm(3, 128) = 384 and cut into 3 equal shards (every shard
+    boundary a chunk boundary; per_bucket_numel says the padded size); zckpt's reader and diff read it back as the
+    source."""
+    import zckpt
+    from zckpt.encoding import distcp
+    plan = _write_dp(MEG / "gpt_tp1_pp1_dp2", tmp_path / "o", None, None, 3, DDP)
+    assert any("dp_reshardable for dp 3" in n for n in plan.notes)
+    out = zckpt.open_checkpoint(str(tmp_path / "o"))
+    md = out.extra["metadata"]
+    (key, te), = [(k, t) for k, t in md.tensors.items() if k.endswith(".param")]
+    items = distcp.Items(out.location.tag_dir, None)
+    try:
+        v = md.values[key.split(".gbuf_idx_")[0] + ".per_bucket_numel/shard_0_1"]
+        (padded,), = [list(d.values())[0] for d in items.load(v.file, v.offset, v.length)[0]]
+    finally:
+        items.close()
+    assert padded % 384 == 0 and padded - 384 < te.shape[0] <= padded, (padded, te.shape)
+    edges = {c.offsets[0] for c in te.chunks}
+    assert {r * padded // 3 for r in range(3) if r * padded // 3 < te.shape[0]} <= edges
+    assert out.extra["bucket_error"] is None
+    res = zckpt.diff(str(MEG / "gpt_tp1_pp1_dp2"), str(tmp_path / "o"))
+    assert res.ok and " 0 differ, 0 only in A, 0 only in B" in res.to_dict()["summary"]
+
+
 def test_a_real_dp_reshardable_save_comes_back_as_megatron_saved_it(tmp_path):
     """Megatron-LM's own default save (lm16_tp2_pp1_dp2, pretrain_gpt.py) -> dp_reshardable at its own tp2 pp1 dp2
     (dp and the DDP settings from its args): the same keys, every bucket chunked as megatron-core chunked it, the
