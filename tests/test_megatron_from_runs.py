@@ -1,12 +1,15 @@
 """``zckpt convert --to megatron --megatron-args ...`` of runs Megatron did not train (issue 46, sources (b) and (c)):
 a real DeepSpeed ZeRO-2 run of a Hugging Face Llama (``fixtures/trainer/checkpoint-4``: the Trainer, 2 ranks, tied,
-2 heads / 1 key-value head), a real ZeRO-3 one (``fixtures/trainer_z3``: untied, 4 heads / 2 key-value heads) and a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of
-``get_state_dict``, 2 ranks, untied, 4 heads / 2 key-value heads; ``fixtures/gen_fsdp2_llama.py``).
+2 heads / 1 key-value head), a real ZeRO-3 one (``fixtures/trainer_z3``: untied, 4 heads / 2 key-value heads) and
+a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of ``get_state_dict``, 2 ranks, untied, 4 heads
+/ 2 key-value heads; ``fixtures/gen_fsdp2_llama.py``).
 
 The oracle is megatron-core 0.16.1's own load (tests/megatron_from_runs_worker.py, one torchrun of 2 CPU ranks for
-every job) at two shapes per source (ZeRO-3: one, tp 2, which the ZeRO-2 run's one key-value head cannot split): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the
-source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
-at save time, ``fixtures/trainer/expected/oracle.safetensors``; torch's DCP reader for the FSDP2 run), fused here
+every job) at two shapes per source (ZeRO-3: tp 2, which the ZeRO-2 run's one key-value head cannot split, and
+Megatron-LM's default ``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq``
+bit-equal to the source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` at save time, ``expected/oracle.safetensors``; torch's DCP reader for the FSDP2
+run), fused here
 with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas, eps and Adam step;
 the ``OptimizerParamScheduler`` Megatron-LM builds from the same flags accepts the checkpoint's (its
 ``_check_and_set`` asserts each value) and sets the lr megatron-core's own scheduler gives at that step; one more

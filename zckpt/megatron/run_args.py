@@ -64,7 +64,8 @@ FLAGS = {
     "--adam-eps": ("adam_eps", float, None),
 }
 REQUIRED = ("--lr", "--global-batch-size")
-EXAMPLE = "--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10 --train-iters 1000 --global-batch-size 8"
+EXAMPLE = ("--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10 --train-iters 1000 "
+           "--global-batch-size 8")
 
 
 def _bad(message: str) -> OptionError:
@@ -255,8 +256,8 @@ def megatron_groups(ckpt, a: dict, step: int, adam_w_mode: bool | None = None) -
             raise UnsupportedLayout(f"the param groups do not share one {key} ({', '.join(sorted(values))}): "
                                     "megatron-core's groups do", path=path)
     betas, eps = tuple(hyper[0]["betas"]), hyper[0]["eps"]
-    for flag, stated, held in (("--adam-beta1", a["adam_beta1"], betas[0]), ("--adam-beta2", a["adam_beta2"],
-                                                                              betas[1]), ("--adam-eps", a["adam_eps"], eps)):
+    for flag, stated, held in (("--adam-beta1", a["adam_beta1"], betas[0]),
+                               ("--adam-beta2", a["adam_beta2"], betas[1]), ("--adam-eps", a["adam_eps"], eps)):
         if stated is not None and stated != held:
             raise OptionError(f"{OPTION} says {flag} {stated!r} but the source's groups hold {held!r}", path=path,
                               hint=f"give {flag} {held!r} (the moments were made with it), or leave it out")
