@@ -305,3 +305,17 @@ def test_flipped_expert_moment_refused_nothing_published(tmp_path, name, kw):
         reshard(str(ck), str(tmp_path / "o"), **kw)
     assert os.path.basename(piece.path) in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("name,kw", [("moe_z0_bf16_ws2_ep2_ep1", dict(world_size=4, ep=(1, 1))),
+                                     (MIXED, dict(world_size=4, ep=(1, 1))), (Z3, dict(world_size=4, ep=1)),
+                                     ("moe_autoep_z2_bf16_ws4_ep4_l2", dict(world_size=4, ep=1))],
+                         ids=["zero0", "zero2", "autoep-zero3", "autoep-zero2"])
+def test_group_deepspeed_would_cut_is_refused(tmp_path, monkeypatch, name, kw):
+    """An expert group over DeepSpeed's max_group_size (178956971 elements; lowered here) would be cut into several
+    param groups by DeepSpeed: refused in one line, not written as one."""
+    from zckpt.deepspeed import expert_groups
+    monkeypatch.setattr(expert_groups, "MAX_GROUP_SIZE", 100)
+    with pytest.raises(ZckptError, match="max_group_size 100") as err:
+        reshard(str(FIX / name), str(tmp_path / "o"), **kw)
+    assert "\n" not in str(err.value) and not (tmp_path / "o").exists()

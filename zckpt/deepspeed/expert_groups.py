@@ -263,6 +263,19 @@ def _owners(name: str, amap: dict, path: str) -> dict[int, list[int]]:
 
 _LOCAL_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 
+# DeepSpeed's split_params_into_different_moe_groups_for_optimizer cuts an expert group holding more elements than
+# this (its default, the engine's for a config optimizer) into several param groups of one name
+MAX_GROUP_SIZE = 178956971
+
+
+def check_group_size(name: str, numel: int, path: str) -> None:
+    """An expert group of the output that DeepSpeed would cut into several param groups is refused in one line."""
+    if numel > MAX_GROUP_SIZE:
+        raise UnsupportedLayout(f"expert group {name} would hold {numel} elements on a rank, more than DeepSpeed's "
+                                f"max_group_size {MAX_GROUP_SIZE}: DeepSpeed cuts it into several param groups, which "
+                                "zckpt does not lay out at another expert-parallel size", path=path,
+                                hint="drop --ep")
+
 
 def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | None = None,
           names: dict[int, str] | None = None) -> tuple[MoELayout, dict[int, dict]]:
@@ -342,6 +355,7 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
                               for i in range(nl) for sfx in suffixes)
         src = {g for g, _, _ in (blocks[p] for p in mine)}
         regroup[base + k] = sorted(src, key=lambda g: min(order.index(p) for p in mine if blocks[p][0] == g))
+        check_group_size(f"ep_size_{n}", sum(r.numel for _, r in new[0]), path)
         shapes[base + k] = {local: param_shapes[blocks[_LOCAL_RE.match(local).group(1)][0]][
             _LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
         shards[base + k] = new
@@ -379,6 +393,10 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
     (:func:`autoep_layers_at` rewrites ``ds_autoep_layers``)."""
     shards: dict[int, dict[int, list]] = {}
     shapes: dict[int, dict] = {}
+    if len(layout.shards) > 1:
+        raise UnsupportedLayout(f"{len(layout.shards)} AutoEP expert param groups (several user param groups, or "
+                                "DeepSpeed's max_group_size split): not laid out at another expert-parallel size",
+                                path=path, hint="drop --ep")
     for g, by_rank in layout.shards.items():
         new: dict[int, list] = {}
         for name, _ in by_rank[0]:
@@ -395,6 +413,7 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
                     full, shape=(nl, *full.shape[1:]), value=cut(full.value), exp_avg=cut(full.exp_avg),
                     exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()},
                     group=g)))
+        check_group_size(f"ep_size_{ep}", sum(r.numel for _, r in new[0]), path)
         shards[g] = new
         shapes[g] = {name: torch_size(rec.shape) for name, rec in new[0]}
     return MoELayout({g: ep for g in layout.ep}, shards, layout.expert_files, autoep=True), shapes

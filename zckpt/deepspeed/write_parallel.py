@@ -8,7 +8,9 @@ import os
 import re
 from collections import OrderedDict
 
-from zckpt.deepspeed.expert_groups import EP_NAME_RE, at_ep, autoep_layers_at, expert_data_ranks, target_eps
+from zckpt.deepspeed.expert_groups import (
+    EP_NAME_RE, at_ep, autoep_layers_at, check_group_size, expert_data_ranks, target_eps,
+)
 from zckpt.deepspeed.model import scalar_value
 from zckpt.deepspeed.partition import Converter, TorchObject
 from zckpt.encoding.safeload import LazyTensor
@@ -362,7 +364,7 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
         raise UnsupportedLayout(f"MoE layer {missing[0]}'s experts are in no expert param group of rank 0's optimizer",
                                 path=f0.path)
     biggest = max(new.values())
-    files, conv = [], Converter()
+    files, conv, byname = [], Converter(), ckpt.by_name()
     for e in range(biggest):
         writer = expert_data_ranks(ckpt.model_state, world_size, biggest, e, tag_dir)[0]
         groups = []
@@ -373,7 +375,7 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
             ghyper, ls = expert_groups[which]
             er = next(r for r in range(which) if writer in expert_data_ranks(ckpt.model_state, world_size, which, r,
                                                                               tag_dir))
-            members = []
+            members, numel = [], 0
             for i in sorted(ls):
                 prefix, nl = layers[i]["prefix"], int(layers[i]["experts"]) // which
                 for x in range(er * nl, (er + 1) * nl):
@@ -383,6 +385,8 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
                             raise UnsupportedLayout(f"no expp_rank file holds the optimizer state of '{n}'",
                                                     path=tag_dir)
                         members.append(where[n])
+                        numel += byname[n].numel
+            check_group_size(f"ep_size_{which}", numel, tag_dir)
             groups.append((ghyper, members))
         files.append(_zero0_optimizer(saved, groups, flat, conv))
     ms = OrderedDict((k, world_size if k == "dp_world_size" else files[0] if k == "optimizer" else conv(v))

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.deepspeed import partition as W
-from zckpt.deepspeed.expert_groups import autoep_layers_at, expert_data_ranks
+from zckpt.deepspeed.expert_groups import autoep_layers_at, check_group_size, expert_data_ranks
 from zckpt.deepspeed.partition import TorchObject
 from zckpt.state.model import TensorRecord
 from zckpt.encoding.safeload import DTYPE_SIZES
@@ -222,6 +222,10 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
     sgs = t.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
     sgs = int(float(sgs)) if sgs is not None else None
     subs: list[tuple[bool, _SubGroup, list[TensorRecord]]] = []  # (expert, sub-group, full records)
+    egroups = [g for g in t.groups if g.records and all(r.name in fused for r in g.records)]
+    if len(egroups) != 1:
+        raise UnsupportedLayout(f"{len(egroups)} AutoEP expert param groups (several user param groups, or "
+                                "DeepSpeed's max_group_size split): not laid out again", path=tag_dir)
     for g in t.groups:
         expert = bool(g.records) and all(r.name in fused for r in g.records)
         if not expert:
@@ -234,6 +238,7 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
                              recs))
             continue
         local = [r.numel // int(r.shape[0]) * (int(r.shape[0]) // ep) for r in g.records]
+        check_group_size(f"ep_size_{ep}", sum(local), tag_dir)
         if any(int(r.shape[0]) % ep for r in g.records):
             raise UnsupportedLayout(f"AutoEP '{g.records[0].name}': {g.records[0].shape[0]} experts do not split "
                                     f"over expert-parallel size {ep}", path=tag_dir, hint="pass an --ep dividing it")
