@@ -6,7 +6,9 @@ what Megatron-LM's own ``load_checkpoint`` gives beside it (the oracle):
   state in the second optimizer's buckets), allgather dispatcher;
 - ``moe16_etp2_ep2_fullyresh``: 3 layers of which 1 and 2 are MoE (per-layer keys), expert tensor parallelism 2 x
   expert-parallel 2, ``fully_reshardable``;
-- ``moe19_ep2_dp4``: ``moe16_ep2_dp4``'s twin saved by megatron-core 0.19.2 (its common state inside the DCP).
+- ``moe19_ep2_dp4``: ``moe16_ep2_dp4``'s twin saved by megatron-core 0.19.2 (its common state inside the DCP);
+- ``moe16_ep1_dp2``: expert-parallel size 1 (the experts are ordinary parameters of the one optimizer and buffer,
+  after their layer's router), alltoall dispatcher, ``dp_reshardable``.
 
 read (every expert's weight, master and moments equal to the oracle bit for bit; the buckets placed where DDP's own
 buffers had them), ``info`` / ``info --json`` (layers x experts, ep, the coverage check), ``verify --deep``; a
@@ -36,8 +38,8 @@ from zckpt.encoding.tensors import load_pieces  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
-DP, FULLY, DP19 = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh", "moe19_ep2_dp4"
-MOE = [DP, FULLY, DP19]
+DP, FULLY, DP19, EP1 = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh", "moe19_ep2_dp4", "moe16_ep1_dp2"
+MOE = [DP, FULLY, DP19, EP1]
 EXPERT = "decoder.layers.{i}.mlp.experts.experts.{e}.{p}"
 
 
@@ -70,7 +72,8 @@ def test_the_fixtures_are_megatron_lms_own_moe_saves():
         assert "--mock-data" in meta["megatron_lm_flags"] and meta["oracle_method"].startswith("pretrain_gpt.py")
         assert (meta["num_experts"], meta["moe_router_topk"], meta["moe_grouped_gemm"]) == (8, 2, False)
         assert len(moe_layers(meta)) == 2
-    assert {oracle(n)[0]["expert_model_parallel_size"] for n in MOE} == {2}
+    assert {oracle(n)[0]["expert_model_parallel_size"] for n in MOE} == {1, 2}
+    assert {oracle(n)[0]["moe_token_dispatcher_type"] for n in MOE} == {"allgather", "alltoall"}
     assert {oracle(n)[0]["expert_tensor_parallel_size"] for n in MOE} == {1, 2}
     assert {oracle(n)[0]["distrib_optim_sharding_type"] for n in MOE} == {"dp_reshardable", "fully_reshardable"}
     assert {oracle(n)[0]["megatron_core"].rsplit(".", 1)[0] for n in MOE} == {"0.16", "0.19"}
@@ -384,6 +387,24 @@ def test_to_dcp_and_deepspeed_load_in_fsdp2_and_deepspeed_mixtral_bit_for_bit(tm
     assert fsdp2["counters"]["global_steps"] == 3
     check_loaded(ds)
     assert ds["steps"] == [3.0] and ds["global_steps"] == 3
+
+
+def test_ep1_to_dcp_under_mixtral_names_read_back_by_torch(tmp_path):
+    """Expert-parallel size 1: the experts in the dense buffer and groups (2 groups, no expert group); the DCP under
+    Mixtral's names, read by torch.distributed.checkpoint's own load, holds the oracle's masters and moments."""
+    import torch.distributed.checkpoint as dcp
+    out = tmp_path / "dcp"
+    res = zckpt_run("convert", MEG / EP1, "--groups", "megatron-default", "--to", "dcp", "-o", out)
+    assert res.returncode == 0, res.stderr
+    want = {k: mixtral_expected(EP1, k) for k in ("master", "exp_avg", "exp_avg_sq")}
+    sd = {f"model.{n}": torch.empty_like(v) for n, v in want["master"].items()}
+    sd.update({f"optim.state.{n}.{k}": torch.empty_like(want[k][n]) for n in want["master"]
+               for k in ("exp_avg", "exp_avg_sq")})
+    dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    for n in want["master"]:
+        assert torch.equal(sd[f"model.{n}"], want["master"][n]), n
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd[f"optim.state.{n}.{k}"], want[k][n]), (k, n)
 
 
 def test_dense_and_moe_layers_to_dcp_read_back_by_torch(tmp_path):

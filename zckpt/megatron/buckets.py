@@ -84,13 +84,26 @@ def short_name(name: str) -> str:
     return name
 
 
-def _order(records, path: str) -> list:
-    """The trainable records in ``named_parameters()`` order (experts aside: their own buffer, :func:`_experts`)."""
-    by_name = {r.name: r for r in records if r.kind == "trainable" and not _EXPERT.match(r.name)}
+_EXPERT_PARAMS = ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+
+
+def _order(records, path: str, experts_inline: bool = False) -> list:
+    """The trainable records in ``named_parameters()`` order; an MoE layer's experts after its router when they
+    share the dense buffer (``experts_inline``: expert-parallel size 1, one optimizer), else aside (their own
+    buffer, :func:`_experts`)."""
+    by_name = {r.name: r for r in records if r.kind == "trainable" and (experts_inline or not _EXPERT.match(r.name))}
+    experts: dict[int, list] = {}
+    for n in by_name:
+        if m := _EXPERT.match(n):
+            experts.setdefault(int(m.group(1)), []).append(
+                (int(m.group(2)), _EXPERT_PARAMS.index(m.group(3)) if m.group(3) in _EXPERT_PARAMS else -1, n))
     layers = sorted({int(n[len(LAYERS):].split(".", 1)[0]) for n in by_name if n.startswith(LAYERS)})
     names = [n for n in _TOP_BEFORE if n in by_name]
     for i in layers:
-        names += [f"{LAYERS}{i}.{rest}" for rest in _LAYER if f"{LAYERS}{i}.{rest}" in by_name]
+        for rest in _LAYER:
+            names += [f"{LAYERS}{i}.{rest}"] if f"{LAYERS}{i}.{rest}" in by_name else []
+            if rest == "mlp.router.bias":  # MoELayer: the router, then experts.local_experts.<j> (fc1, fc2)
+                names += [n for e, k, n in sorted(experts.get(i, [])) if k >= 0]
     names += [n for n in _TOP_AFTER if n in by_name]
     unknown = sorted(set(by_name) - set(names))
     if unknown:
@@ -131,11 +144,14 @@ _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layer
            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 
-def stages(records, pp: int, swiglu: bool, args: dict, path: str) -> list[list[_Rec]]:
+def stages(records, pp: int, swiglu: bool, args: dict, path: str,
+           experts_inline: bool | None = None) -> list[list[_Rec]]:
     """Each pipeline stage's parameters in ``named_parameters()`` order: the first holds the embedding, the last
     the final norm and the output layer (tied: a copy of the embedding, Megatron's ``shared_embedding``), the
     layers split evenly (megatron-core's default; the args that change it are refused)."""
-    order = _order(records, path)
+    if experts_inline is None:  # megatron-core: expert parameters are allreduce=False only when ep > 1
+        experts_inline = bool(args.get("num_experts")) and (args.get("expert_model_parallel_size") or 1) == 1
+    order = _order(records, path, experts_inline)
     if pp == 1:
         return [[_Rec(r, swiglu) for r in order]]
     for key in _UNEVEN:
@@ -246,7 +262,14 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
     fc1 = [r for r in records if short_name(r.name) in FC1 and r.kind == "trainable"]
     if fc1 and tp > 1 and swiglu is None:
         raise _refuse("the args do not say whether linear_fc1 is SwiGLU (gate and up shards per TP rank)", path)
-    per_stage = stages(records, pp, bool(swiglu), args, path)
+    # expert-parallel size 1: the experts are ordinary parameters of the one optimizer and buffer (megatron-core
+    # marks expert parameters allreduce=False only with expert parallelism); otherwise the chain's second
+    chained = any(k.startswith("chained_1.") for k in md.tensors)
+    inline = bool(moe) and not chained
+    if bool(moe) and inline != ((moe.get("ep") or 1) == 1):  # (TransformerConfig: expert_parallel = ep > 1)
+        raise _refuse(f"expert-parallel size {moe.get('ep')} " + ("without the experts' own optimizer (chained_1)"
+                      if inline else "with an expert optimizer (chained_1)"), path)
+    per_stage = stages(records, pp, bool(swiglu), args, path, inline)
     buckets = _buckets(md, tp * pp, path)
     local: dict[int, dict] = {}  # model-parallel rank (pp rank x tp + tp rank) -> name -> (states, start, numel)
     ranks_of = {}
@@ -257,7 +280,7 @@ def place(records, md, f: dict, args: dict, tensors, path: str) -> dict[str, tup
         ranks_of.update({p.name: [s * tp + t for t in range(tp)] for p in params})
     out = {p.name: tuple(_global(p, local, ranks_of[p.name], tp, tensors, k) for k in STATE_KEYS)
            for params in per_stage for p in params}
-    if moe:
+    if moe and not inline:
         out.update(_experts(records, moe, pp, bool(swiglu), md, tensors, path))
     return out
 

@@ -259,7 +259,8 @@ def item_names(md, placed: dict | None) -> dict[tuple[str, int], str]:
             es = range(c.offsets[axes - 1], c.offsets[axes - 1] + c.sizes[axes - 1])
             what = {"param": "the master of ", "exp_avg": "exp_avg of ", "exp_avg_sq": "exp_avg_sq of "}.get(state, "")
             names = [f"{LAYERS}{i}.{MARK}{e}.{param}" for i in ls for e in es]
-            out[(c.file, c.offset)] = f"{key}: {what}'{names[0]}'" + (f" and {len(names) - 1} more" if names[1:] else "")
+            more = f" and {len(names) - 1} more" if names[1:] else ""
+            out[(c.file, c.offset)] = f"{key}: {what}'{names[0]}'{more}"
     if placed:
         items = sorted((c.file, c.offset, c.offset + c.length, key) for key, te in md.tensors.items()
                        if _BUCKET.match(key) for c in te.chunks)

@@ -376,7 +376,8 @@ def _step(common: dict) -> tuple[list[dict], object]:
     """The param groups' hyperparameters in common.pt (fully_reshardable) and their one Adam step (None when
     they disagree or are not saved)."""
     optim = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    if optim and all(isinstance(k, int) for k in optim) and sorted(optim) == list(range(len(optim))):  # a chain (an MoE model's dense 0, experts 1): in order
+    # a chain (an MoE model's dense 0, experts 1): in order
+    if optim and all(isinstance(k, int) for k in optim) and sorted(optim) == list(range(len(optim))):
         parts = [((optim[i] or {}).get("optimizer") or {}).get("param_groups") if isinstance(optim[i], dict) else None
                  for i in range(len(optim))]
         groups = [g for p in parts for g in p] if all(isinstance(p, list) for p in parts) else None

@@ -44,10 +44,12 @@ def _default_rule(ckpt: Checkpoint, stateful: list, files_groups: list[dict], pa
             raise UnsupportedLayout(f"the run's args set {key}={args[key]!r}, so its groups are not Megatron's "
                                     f"standard two; {DEFAULT_RULE} does not apply", path=path,
                                     hint="name each group with --groups 'GLOB=K'")
-    # a mixture-of-experts model's experts are the second optimizer's (is_expert_parallel groups, after the dense)
+    # a mixture-of-experts model's experts are the second optimizer's (is_expert_parallel groups, after the dense);
+    # at expert-parallel size 1 they are ordinary parameters of the one optimizer (no such group)
     wanted = []
-    for expert in (False, True):
-        mine = [r for r in stateful if bool(moe.expert_of(r.name)) == expert]
+    split = any(g.get("is_expert_parallel") for g in files_groups)
+    for expert in (False, True) if split else (False,):
+        mine = [r for r in stateful if bool(moe.expert_of(r.name)) == expert] if split else stateful
         no_wd = [r.name for r in mine if len(r.shape) == 1 or r.name.endswith(".bias")]
         rest = [r.name for r in mine if r.name not in set(no_wd)]
         wanted += [(names, wd, expert) for names, wd in ((rest, 1.0), (no_wd, 0.0)) if names]
