@@ -87,8 +87,7 @@ def test_info_shows_layers_x_experts_ep_and_the_check(name):
     m = json.loads(res.stdout)["moe"]
     assert (m["layers"], m["experts"], m["ep"], m["topk"], m["etp"], m["checked"], m["routers"]) == \
         (2, 8, meta["expert_model_parallel_size"], 2, meta["expert_tensor_parallel_size"], True, 2)
-    assert m["each_expert_has"] == ["value", "master", "exp_avg", "exp_avg_sq"] or \
-        m["each_expert_has"] == ["value", "exp_avg", "exp_avg_sq"]  # fully_reshardable: the value is the master
+    assert m["each_expert_has"] == ["value", "master", "exp_avg", "exp_avg_sq"]
     assert [x["layer"] for x in m["by_layer"]] == [f"decoder.layers.{i}.mlp" for i in moe_layers(meta)]
     text = zckpt_run("info", MEG / name)
     assert f"experts      2 layers x 8 experts, ep {meta['expert_model_parallel_size']}: every expert once" \

@@ -27,6 +27,7 @@ data file that is gone, is refused by :func:`diagnose` in one line naming the la
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 
@@ -262,8 +263,13 @@ def item_names(md, placed: dict | None) -> dict[tuple[str, int], str]:
             more = f" and {len(names) - 1} more" if names[1:] else ""
             out[(c.file, c.offset)] = f"{key}: {what}'{names[0]}'{more}"
     if placed:
-        items = sorted((c.file, c.offset, c.offset + c.length, key) for key, te in md.tensors.items()
-                       if _BUCKET.match(key) for c in te.chunks)
+        by_file: dict[str, list] = {}  # file -> sorted (item offset, end, key) of the expert buckets' chunks
+        for key, te in md.tensors.items():
+            if _BUCKET.match(key):
+                for c in te.chunks:
+                    by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, key))
+        starts = {f: [x[0] for x in sorted(v)] for f, v in by_file.items()}
+        by_file = {f: sorted(v) for f, v in by_file.items()}
         kinds = ("the master of ", "exp_avg of ", "exp_avg_sq of ")
         for name, triple in placed.items():
             if not expert_of(name):
@@ -271,8 +277,8 @@ def item_names(md, placed: dict | None) -> dict[tuple[str, int], str]:
             for what, pieces in zip(kinds, triple):
                 for p in pieces:
                     file = p.path.rsplit("/", 1)[-1]
-                    for f, lo, hi, key in items:
-                        if f == file and lo <= p.offset < hi:
-                            out[(f, lo)] = f"{key}: {what}'{name}'"
-                            break
+                    i = bisect.bisect_right(starts.get(file, []), p.offset) - 1
+                    if i >= 0 and p.offset < by_file[file][i][1]:
+                        lo, _, key = by_file[file][i]
+                        out[(file, lo)] = f"{key}: {what}'{name}'"
     return out

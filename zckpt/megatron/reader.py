@@ -525,7 +525,9 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     extra = {"metadata": md, "megatron": f, "merge_notes": merge_notes, "param_groups": groups, "step": step,
              **({"moe_coverage": layers} if layers else {}),
              # dp_reshardable: every expert's master and moments placed in the expert buckets (moe.check_placed)
-             **({"moe_states": ["master", "exp_avg", "exp_avg_sq"]} if layers and placed else {}),
+             # (fully_reshardable: each expert's value is its master, checked with both moments by coverage)
+             **({"moe_states": ["master", "exp_avg", "exp_avg_sq"]} if layers and (placed or (
+                 layout == "fully_reshardable" and any(r.exp_avg for r in records))) else {}),
              # what each item of an expert's bytes holds, by layer and expert (verify --deep names damage so)
              **({"item_names": moe.item_names(md, placed)} if layers else {}),
              "extra_states": n_extra, "args": _args(common), "buckets": placed, "bucket_error": bucket_error,
