@@ -42,7 +42,8 @@ CHUNKED = ("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1))
 DDP = "overlap_grad_reduce=false,grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false"
 DP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2), None), ("gpt_tp1_pp1_dp2", (1, 2, 1), None),
            ("gpt_tp2_pp1_dp2", (1, 2, 1), None), ("gpt_tp1_pp1_dp2_fp32", (2, 1, 1), None),
-           ("gpt_tp1_pp2_dp1_tied", (1, 1, 2), None), ("gpt_tp2_pp1_dp2", (2, 1, 1), "dcp")]  # + via Llama names
+           ("gpt_tp1_pp2_dp1_tied", (1, 1, 2), None), ("gpt_tp2_pp1_dp2", (2, 1, 1), "dcp"),  # + via Llama names
+           ("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2), "deepspeed")]
 # several buckets (overlap_grad_reduce with a bucket size): the first stage's 3 buckets, the last stage's one (pp 2);
 # 9 buckets over dp 2 (tied, pp1): megatron-core built with the same DDP settings loads them; each rank's shards
 # checked parameter by parameter (megatron_write_worker._direct)
