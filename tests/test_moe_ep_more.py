@@ -319,3 +319,12 @@ def test_group_deepspeed_would_cut_is_refused(tmp_path, monkeypatch, name, kw):
     with pytest.raises(ZckptError, match="max_group_size 100") as err:
         reshard(str(FIX / name), str(tmp_path / "o"), **kw)
     assert "\n" not in str(err.value) and not (tmp_path / "o").exists()
+
+
+def test_group_as_large_as_the_sources_is_not_refused(tmp_path, monkeypatch):
+    """A source whose ranks hold an expert group over DeepSpeed's default max_group_size whole came from a run that
+    passed a larger one: an output group no larger is written (ep 2 -> 4 halves each rank's experts)."""
+    from zckpt.deepspeed import expert_groups
+    monkeypatch.setattr(expert_groups, "MAX_GROUP_SIZE", 100)
+    res = reshard(str(FIX / "moe_z2_bf16_ws2_ep2"), str(tmp_path / "o"), world_size=4, ep=4)
+    assert "expert-parallel size 2 -> 4" in res.plan.notes[0]

@@ -268,13 +268,17 @@ _LOCAL_RE = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
 MAX_GROUP_SIZE = 178956971
 
 
-def check_group_size(name: str, numel: int, path: str) -> None:
-    """An expert group of the output that DeepSpeed would cut into several param groups is refused in one line."""
-    if numel > MAX_GROUP_SIZE:
+def check_group_size(name: str, numel: int, path: str, source: int = 0) -> None:
+    """An expert group of the output that DeepSpeed may cut into several param groups is refused in one line: over
+    its default ``max_group_size`` and over the largest expert group the source's ranks hold whole (``source``: a
+    run that held one so large passed a larger limit to the helper)."""
+    limit = max(MAX_GROUP_SIZE, source)
+    if numel > limit:
         raise UnsupportedLayout(f"expert group {name} would hold {numel} elements on a rank, more than DeepSpeed's "
-                                f"max_group_size {MAX_GROUP_SIZE}: DeepSpeed cuts it into several param groups, which "
-                                "zckpt does not lay out at another expert-parallel size", path=path,
-                                hint="drop --ep")
+                                f"max_group_size {MAX_GROUP_SIZE}" + (f" and the source's largest group ({source})"
+                                                                      if source > MAX_GROUP_SIZE else "")
+                                + ": DeepSpeed may cut it into several param groups, which zckpt does not lay out "
+                                "at another expert-parallel size", path=path, hint="drop --ep")
 
 
 def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | None = None,
@@ -312,8 +316,9 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
             prefix, i, suffix = m.group(1), int(m.group(2)), m.group(3)
             if prefix in blocks and blocks[prefix][0] != g:
                 raise UnsupportedLayout(f"MoE layer {_module(prefix)}'s experts are in expert groups "
-                                        f"{blocks[prefix][0]} and {g} (several user param groups): not laid out at another "
-                                        "expert-parallel size", path=path, hint="drop --ep")
+                                        f"{blocks[prefix][0]} and {g} (several user param groups, or DeepSpeed's "
+                                        "max_group_size split): not laid out at another expert-parallel size",
+                                        path=path, hint="drop --ep")
             if prefix not in blocks:
                 blocks[prefix] = (g, 0, [])
                 order.append(prefix)
@@ -355,7 +360,8 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
                               for i in range(nl) for sfx in suffixes)
         src = {g for g, _, _ in (blocks[p] for p in mine)}
         regroup[base + k] = sorted(src, key=lambda g: min(order.index(p) for p in mine if blocks[p][0] == g))
-        check_group_size(f"ep_size_{n}", sum(r.numel for _, r in new[0]), path)
+        check_group_size(f"ep_size_{n}", sum(r.numel for _, r in new[0]), path, max(
+            sum(r.numel for _, r in by_rank[0]) for by_rank in layout.shards.values()))
         shapes[base + k] = {local: param_shapes[blocks[_LOCAL_RE.match(local).group(1)][0]][
             _LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
         shards[base + k] = new
@@ -413,7 +419,8 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
                     full, shape=(nl, *full.shape[1:]), value=cut(full.value), exp_avg=cut(full.exp_avg),
                     exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()},
                     group=g)))
-        check_group_size(f"ep_size_{ep}", sum(r.numel for _, r in new[0]), path)
+        check_group_size(f"ep_size_{ep}", sum(r.numel for _, r in new[0]), path,
+                         sum(r.numel for _, r in by_rank[0]))
         shards[g] = new
         shapes[g] = {name: torch_size(rec.shape) for name, rec in new[0]}
     return MoELayout({g: ep for g in layout.ep}, shards, layout.expert_files, autoep=True), shapes

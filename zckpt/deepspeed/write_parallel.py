@@ -365,6 +365,7 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
                                 path=f0.path)
     biggest = max(new.values())
     files, conv, byname = [], Converter(), ckpt.by_name()
+    source = max((sum(byname[n].numel for n in ns) for g, ns in enumerate(names0) if pgs0[g].get("moe")), default=0)
     for e in range(biggest):
         writer = expert_data_ranks(ckpt.model_state, world_size, biggest, e, tag_dir)[0]
         groups = []
@@ -386,7 +387,7 @@ def moe_zero0_at_ep(ckpt: Checkpoint, world_size: int, ep, side=()) -> ReshardPl
                                                     path=tag_dir)
                         members.append(where[n])
                         numel += byname[n].numel
-            check_group_size(f"ep_size_{which}", numel, tag_dir)
+            check_group_size(f"ep_size_{which}", numel, tag_dir, source)
             groups.append((ghyper, members))
         files.append(_zero0_optimizer(saved, groups, flat, conv))
     ms = OrderedDict((k, world_size if k == "dp_world_size" else files[0] if k == "optimizer" else conv(v))

@@ -238,7 +238,8 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
                              recs))
             continue
         local = [r.numel // int(r.shape[0]) * (int(r.shape[0]) // ep) for r in g.records]
-        check_group_size(f"ep_size_{ep}", sum(local), tag_dir)
+        src_ep = max(int(x.get("ep") or 1) for x in ckpt.extra.get("moe_coverage") or [{}])
+        check_group_size(f"ep_size_{ep}", sum(local), tag_dir, sum(r.numel // src_ep for r in g.records))
         if any(int(r.shape[0]) % ep for r in g.records):
             raise UnsupportedLayout(f"AutoEP '{g.records[0].name}': {g.records[0].shape[0]} experts do not split "
                                     f"over expert-parallel size {ep}", path=tag_dir, hint="pass an --ep dividing it")
