@@ -144,7 +144,8 @@ def main(argv=None) -> int:
                      "mcore_tree_rss_mib": mtree >> 20, "mcore_bytes": du(mo),
                      "mcore_phases_s": {k: round(v, 2) for k, v in phases.items()}, "same_tensors": same})
         print(json.dumps(rows[-1]), flush=True)
-    doc = {"spec": args.spec, "layout": args.layout, "save": str(save), "save_bytes": du(save), "ranks": n, "generated_s": gen_s,
+    doc = {"spec": args.spec, "layout": args.layout, "save": str(save), "save_bytes": du(save), "ranks": n,
+           "generated_s": gen_s,
            "cpus": os.cpu_count(), "runs": rows}
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

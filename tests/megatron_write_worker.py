@@ -13,7 +13,8 @@ iteration runs with finite losses. The result is written as JSON to ``--result``
     python -m torch.distributed.run --nproc-per-node N tests/megatron_write_worker.py --jobs JOBS.json --result R.json
 
 JOBS.json: ``[{"source": NAME, "ckpt": OUT, "shape": [tp, pp, dp], "ddp": {...}}, ...]`` (tp * pp * dp = N each;
-``ddp``, optional: ``DistributedDataParallelConfig`` fields the job's DDP is built with instead of generate.py's): one process
+``ddp``, optional: ``DistributedDataParallelConfig`` fields the job's DDP is built with instead of generate.py's;
+``direct``, optional: also compare each rank's shards parameter by parameter, :func:`_direct`): one process
 group, each shape's model parallel groups made and destroyed in turn, so one launch checks several shapes.
 """
 

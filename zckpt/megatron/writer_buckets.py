@@ -276,8 +276,8 @@ def to_dp_reshardable(state: dict, swiglu: bool, tied: bool, args: dict, tp: int
                             src = by_name[p.rec.tied_to] if p.rec.kind == "tied" else p.rec
                             segs = slice_segments(_local(p, t, tp, src.state[name]), off, hi - lo)
                         parts.append(((lo,), (hi - lo,), TensorOut("float32", (hi - lo,), segs)))
-                    state[f"{pre}gbuf_idx_0.{dkey}.bucket_idx_{b}.{name}"] = ChunkedOut("float32", (bucket["unpadded"],),
-                                                                                       parts)
+                    key = f"{pre}gbuf_idx_0.{dkey}.bucket_idx_{b}.{name}"
+                    state[key] = ChunkedOut("float32", (bucket["unpadded"],), parts)
             state[f"{pre}optimizer/shard_0_1"] = Whole([{"param_groups": groups}])
             state[f"{pre}per_bucket_numel/shard_0_1"] = Whole([[{dtypes: [bk["padded"] for bk in bks]}]])
             state[f"{pre}per_bucket_numel_unpadded/shard_0_1"] = Whole([[{dtypes: [bk["unpadded"] for bk in bks]}]])
