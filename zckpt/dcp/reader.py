@@ -131,6 +131,17 @@ def _split(md: dcpmeta.DcpMetadata):
     return model, state, groups, flat_groups, other
 
 
+def fused_qkv_twin(fqn: str, model: dict, state: dict) -> bool:
+    """``{p}.wqkv.weight``'s optimizer state beside module tensors ``{p}.wq/wk/wv.weight`` that have their own: the
+    second copy zckpt's ``--layout torchtitan`` writes for torchtitan's fused-qkv attention (its model state dict
+    splits ``wqkv``, its optimizer's does not), read from the split keys. Optimizer state under ``wqkv`` alone (a
+    save of torchtitan's own) is not this: it is refused as state of no module tensor."""
+    if not fqn.endswith(".wqkv.weight"):
+        return False
+    split = [fqn[:-len("wqkv.weight")] + w + ".weight" for w in ("wq", "wk", "wv")]
+    return all(n in model and state.get(n) for n in split)
+
+
 def matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
 
@@ -226,6 +237,11 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         raise UnsupportedLayout("DCP checkpoint without module tensors (no model.* keys)", path=mpath,
                                 hint="zckpt reads DCP checkpoints of dcp.save({'model': ..., 'optim': ...})")
     orphans = sorted(set(state) - set(model))
+    twins = [o for o in orphans if fused_qkv_twin(o, model, state)]
+    for o in twins:  # zckpt's torchtitan layout: the fused wqkv's state beside wq/wk/wv's own (the same values)
+        state.pop(o)
+        flat_groups.pop(o, None)
+    orphans = [o for o in orphans if o not in twins]
     if orphans and all(o.isdigit() for o in orphans):  # optimizer.state_dict(): torch's own keys, not names
         raise UnsupportedLayout(f"the optimizer state is keyed by parameter index ({', '.join(orphans[:3])}"
                                 f"{' ...' if len(orphans) > 3 else ''}), not by name: it was saved from "
