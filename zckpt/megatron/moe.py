@@ -104,7 +104,8 @@ def check_supported(keys, f: dict, path: str) -> None:
         raise UnsupportedLayout("grouped-GEMM experts (--moe-grouped-gemm: TEGroupedMLP/GroupedMLP, experts fused "
                                 "in one weight per rank): zckpt reads the local spec's SequentialMLP", path=path,
                                 hint="save with the local spec without --moe-grouped-gemm")
-    shared = sorted(k for k in keys if _SHARED in k)
+    shared = sorted(k for k in keys if _SHARED in k) or (["the args' moe_shared_expert_intermediate_size"]
+                                                         if f.get("shared_expert_size") else [])
     if shared:
         raise UnsupportedLayout(f"'{shared[0]}': shared experts (--moe-shared-expert-intermediate-size) are not read",
                                 path=path)
