@@ -209,7 +209,8 @@ def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
     q/k norms, fused ``wqkv`` unless ``case["fuse_qkv"]`` is false, ``MoE`` of ``GroupedExperts`` w1_EFD/w2_EDF/w3_EFD and a ``TokenChoiceTopKRouter``,
     load_balance_coeff None) at ``case["dims"]``, ``fully_shard`` per layer and at the root, torchtitan's
     ``OptimizersContainer`` (AdamW, experts and the rest by FQN pattern, wrong hyperparameters on purpose),
-    ``LRSchedulersContainer`` and ``CheckpointManager.load(step)`` of ``BASE/ckpt/step-<step>``. Rank 0 writes
+    ``LRSchedulersContainer`` and ``CheckpointManager.load(step)`` of ``BASE/ckpt/step-<step>`` (then, with
+    ``save_step``, its own ``save`` of ``BASE/ckpt/step-<save_step>``). Rank 0 writes
     ``OUT/titan.safetensors`` / ``.json`` (parameters, each Adam state, groups, last_epoch, train state)."""
     _titan_kernels_stub()
     import torch
@@ -252,10 +253,13 @@ def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
     opt = OptimizersContainer(ocfg, model_parts=[model])
     sched = LRSchedulersContainer(opt, lambda s: 1.0 / (s + 1))
     ts = TrainState()
-    ck = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", exclude_from_loading=["dataloader"]),
+    ck = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", exclude_from_loading=["dataloader"],
+                                                    last_save_model_only=False, keep_latest_k=0),
                            dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
                            states={"train_state": ts}, sd_adapter=None, base_folder=case["base"])
     assert ck.load(step=int(case["step"]))
+    if case.get("save_step"):  # torchtitan's own save of what it loaded: a real torchtitan MoE step folder
+        assert ck.save(curr_step=int(case["save_step"]), last_step=True)
     ck.close()
     (o,) = opt.optimizers
     loaded = {}

@@ -242,6 +242,14 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
         state.pop(o)
         flat_groups.pop(o, None)
     orphans = [o for o in orphans if o not in twins]
+    alone = [o for o in orphans if o.endswith(".wqkv.weight") and fused_qkv_twin(o, model, {
+        n: True for n in model})]
+    if alone:  # torchtitan's own fused-qkv save: its model split, its optimizer state not
+        raise UnsupportedLayout(f"the optimizer state of '{alone[0]}' is torchtitan's fused-qkv attention's (the "
+                                "model's wq/wk/wv fused per key-value group); where its rows split needs the head "
+                                "size, which the files do not hold", path=mpath,
+                                hint="build the torchtitan model with fuse_qkv=False to save split state, or "
+                                     "zckpt merge for the weights")
     if orphans and all(o.isdigit() for o in orphans):  # optimizer.state_dict(): torch's own keys, not names
         raise UnsupportedLayout(f"the optimizer state is keyed by parameter index ({', '.join(orphans[:3])}"
                                 f"{' ...' if len(orphans) > 3 else ''}), not by name: it was saved from "
