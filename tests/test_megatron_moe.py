@@ -404,6 +404,10 @@ def test_ep1_to_dcp_under_mixtral_names_read_back_by_torch(tmp_path):
         assert torch.equal(sd[f"model.{n}"], want["master"][n]), n
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sd[f"optim.state.{n}.{k}"], want[k][n]), (k, n)
+    # zckpt diff names the Megatron side the same way (Mixtral): every master and moment equal
+    res = zckpt_run("diff", MEG / EP1, out)
+    assert res.returncode == 0 and "SAME:" in res.stdout and " 0 differ, 0 only in A, 0 only in B" in res.stdout, \
+        res.stdout + res.stderr
 
 
 def test_dense_and_moe_layers_to_dcp_read_back_by_torch(tmp_path):
