@@ -151,7 +151,9 @@ def render_megatron(d: dict) -> str:
         f"checkpoint   {d['path']}",
         f"format       Megatron-Core torch_dist, {d['tag']} (iteration {d['iteration']})",
         f"world size   {d['tp_world_size']} tensor-parallel x {d['pp_world_size']} pipeline x {d['dp_world_size']} "
-        f"data-parallel ({counted(d['world_size'], 'rank')})",
+        f"data-parallel ({counted(d['world_size'], 'rank')})" if d["dp_world_size"] is not None else
+        f"world size   {d['tp_world_size']} tensor-parallel x {d['pp_world_size']} pipeline; data-parallel size not "
+        f"saved (the args hold none; {d.get('optimizer_layout') or 'this'} layout)",
         f"model        {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
         f"{m['num_query_groups']} query groups, ffn {m['ffn_hidden_size']}, vocab {m['vocab_size']}, "
         f"swiglu {m['swiglu']}, tied {m['tied']}",
