@@ -287,7 +287,7 @@ try:
     elif kind == "zckpt-ds-info":
         from zckpt.ops.info import info
         d = info(os.path.dirname(path))
-        outcome = f"info: stage {d.get('zero_stage')}, world size {d.get('world_size')}"
+        outcome = f"info: stage {d.get('zero_stage')}, world size {d.get('dp_world_size')}"
 except Exception as exc:
     outcome = f"{type(exc).__name__}: {exc}"
 secs = time.perf_counter() - t0 if secs is None else secs
