@@ -204,6 +204,19 @@ def test_an_expert_missing_from_the_metadata_is_refused_naming_it(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_a_router_missing_from_the_metadata_is_refused_naming_its_layer(tmp_path):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    folder = _copy(tmp_path, DP19)
+    md = _metadata(folder)
+    key = "decoder.layers.mlp.router.weight"
+    (chunk,) = [c for c in md.state_dict_metadata[key].chunks if c.offsets[0] == 1]
+    md.state_dict_metadata[key].chunks.remove(chunk)
+    del md.storage_data[MetadataIndex(key, chunk.offsets)]
+    with open(folder / ".metadata", "wb") as fh:
+        pickle.dump(md, fh)
+    one_line(zckpt_run("verify", folder.parent), "MoE layer 1 (decoder.layers.1.mlp): its router is missing")
+
+
 def test_an_expert_held_twice_is_refused_naming_it(tmp_path):
     """Expert 5's chunk relabelled as expert 4's (two saves put together): expert 4 held twice."""
     from torch.distributed.checkpoint.metadata import MetadataIndex

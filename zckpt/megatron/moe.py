@@ -175,6 +175,8 @@ def diagnose(data: bytes, mpath: str, sizes: dict, moe: dict | None = None) -> N
         model_key, state = (m.group(2), m.group(1)) if m else (key, None)
         if isinstance(key, str) and is_expert_key(model_key):
             _expert_chunks(key, model_key, state, entry, where, gone, folder)
+        elif isinstance(key, str) and _ROUTER_KEY.match(model_key):
+            _router_chunks(key, model_key, entry, where, gone, folder)
     for key, entry in sdm.items():
         if isinstance(key, str) and gone:
             _bucket_gone(key, entry, where, gone, moe or {}, folder)
@@ -198,6 +200,40 @@ def _bucket_gone(key, entry, where, gone, moe: dict, folder: str) -> None:
             raise IncompleteCheckpoint(f"expert-parallel buckets of rank {g} ('{key}') lie in {f}, which is not in "
                                        f"the folder{held}", path=f"{folder}/{f}",
                                        hint="copy the whole iteration folder again from where it was saved")
+
+
+_ROUTER_KEY = re.compile(r"^decoder\.layers\.(?:\d+\.)?mlp\.router\.weight$")
+
+
+def _router_chunks(key, model_key, entry, where, gone, folder: str) -> None:
+    """A router's chunks: each MoE layer's router rows there once, in a data file that is there."""
+    t = _vars(entry)
+    shape, chunks = t.get("size"), t.get("chunks")
+    if not isinstance(shape, (tuple, list)) or not isinstance(chunks, list) or not shape:
+        return
+    stacked, layer = _axes(model_key)
+    per = math.prod(shape[1:]) if stacked else math.prod(shape)
+    count: dict[int, int] = {}
+    for c in chunks:
+        cf = _vars(c)
+        offs, sz = cf.get("offsets"), cf.get("sizes")
+        if not isinstance(offs, (tuple, list)) or not isinstance(sz, (tuple, list)) or len(offs) != len(shape):
+            return
+        f = where.get((key, tuple(offs)))
+        for i in range(offs[0], offs[0] + sz[0]) if stacked else [layer]:
+            if f in gone:
+                raise IncompleteCheckpoint(f"MoE layer {i} ({LAYERS}{i}.mlp): its router ('{key}') lies in {f}, "
+                                           "which is not in the folder", path=f"{folder}/{f}",
+                                           hint="copy the whole iteration folder again from where it was saved")
+            count[i] = count.get(i, 0) + math.prod(sz[1:] if stacked else sz)
+    for i in range(shape[0]) if stacked else [layer]:
+        if count.get(i, 0) != per:
+            raise (IncompleteCheckpoint if count.get(i, 0) < per else CorruptFile)(
+                f"MoE layer {i} ({LAYERS}{i}.mlp): its router is " + ("missing" if not count.get(i) else
+                                                                      "held in part" if count[i] < per else
+                                                                      "held twice") + f": '{key}' in .metadata",
+                path=f"{folder}/.metadata", hint="the save did not finish or was put together from several saves; "
+                                                 "use a complete iteration folder")
 
 
 def _expert_chunks(key, model_key, state, entry, where, gone, folder: str) -> None:
