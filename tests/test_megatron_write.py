@@ -506,8 +506,8 @@ def test_cli_writes_it_and_names_what_does_not_apply(tmp_path):
     res = _cli("convert", src, "--to", "megatron", "--tp", "2", "-o", tmp_path / "ok", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert (doc["format"], doc["source_format"], doc["layout"], doc["tp"], doc["pp"]) == \
-        ("megatron", "megatron", "fully_reshardable", 2, 1)
+    assert (doc["format"], doc["source_format"], doc["layout"], doc["tp"], doc["pp"], doc["dp"], doc["ddp"]) == \
+        ("megatron", "megatron", "fully_reshardable", 2, 1, None, None)
     assert (tmp_path / "ok" / "latest_checkpointed_iteration.txt").read_text() == "3"
     for bad in (["--to", "dcp", "--tp", "2"], ["--to", "megatron", "--groups", "megatron-default"],
                 ["--to", "megatron", "--layout", "trainer"], ["--to", "megatron", "--world-size", "2"]):
@@ -528,7 +528,10 @@ def test_cli_writes_dp_reshardable_and_refuses_its_options_elsewhere(tmp_path):
                "--ddp-config", DDP, "-o", tmp_path / "ok", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
-    assert (doc["layout"], doc["tp"], doc["pp"]) == ("dp_reshardable", 1, 1)
+    assert (doc["layout"], doc["tp"], doc["pp"], doc["dp"]) == ("dp_reshardable", 1, 1, 2)
+    assert doc["ddp"] == {"bucket_size": None, "grad_dtype": "fp32", "pad_buckets_for_high_nccl_busbw": False,
+                          "from": dict.fromkeys(("overlap_grad_reduce", "grad_reduce_in_fp32",
+                                                 "pad_buckets_for_high_nccl_busbw"), "--ddp-config")}, doc["ddp"]
     assert any("dp_reshardable for dp 2: buckets per model-parallel rank [1]" in n for n in doc["notes"]), doc["notes"]
     for bad, word in ((["--to", "megatron", "--dp", "2"], "--dp"), (["--to", "megatron", "--ddp-config", DDP],
                                                                      "--ddp-config"),

@@ -285,8 +285,8 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     common["content_metadata"] = content
     if layout == "dp_reshardable":  # the optimizer's buckets for one TP/PP/DP (zckpt.megatron.writer_buckets)
         from zckpt.megatron import writer_buckets
-        dp_notes = writer_buckets.lay_out_common(state, common, args, True, cfg["tie_word_embeddings"], tp, pp, dp,
-                                                 ddp_config, dtype, path)
+        dp_notes, ddp = writer_buckets.lay_out_common(state, common, args, True, cfg["tie_word_embeddings"], tp, pp,
+                                                      dp, ddp_config, dtype, path)
     folder = f"iter_{int(iteration):07d}"
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes or dcplayout.CHUNK_BYTES,
@@ -326,6 +326,8 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
         made = {"flags": {f: stated[run_args.FLAGS[f][0]] for f in stated["given"]}, "iteration": int(iteration),
                 "num_steps": facts["num_steps"], "lr": facts["lr"], "weight_decay": facts["weight_decay"],
                 "consumed_train_samples": counters["global_samples"], "opt_param_scheduler": sched}
-    notes += dp_notes if layout == "dp_reshardable" else []
+    dp_reshardable = layout == "dp_reshardable"
+    notes += dp_notes if dp_reshardable else []
     return w.MegatronPlan(path, folder, ckpt.format, [(folder, part)], written, notes, layout, tp, pp,
-                          carried=carried, not_carried=left, stated=made)
+                          carried=carried, not_carried=left, stated=made, dp=ddp.dp if dp_reshardable else None,
+                          ddp=ddp.summary() if dp_reshardable else None)

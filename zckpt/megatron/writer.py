@@ -66,6 +66,8 @@ class MegatronPlan:
     to: str = "megatron"
     optimizer: str = ""  # (DCP's adam_mode: Megatron's param groups say decoupled_weight_decay themselves)
     stated: dict | None = None  # what --megatron-args made (a run Megatron did not train): --json's megatron_args
+    dp: int | None = None  # dp_reshardable: the data-parallel size the buckets are cut for
+    ddp: dict | None = None  # dp_reshardable: the DDP facts they were laid out for (writer_buckets.Ddp.summary)
 
     @property
     def total_bytes(self) -> int:
@@ -81,7 +83,8 @@ class MegatronPlan:
                 "layout": self.layout, "optimizer": self.optimizer, "tp": self.tp, "pp": self.pp,
                 "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
                 "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes,
-                "carried": self.carried, "not_carried": self.not_carried, "megatron_args": self.stated}
+                "carried": self.carried, "not_carried": self.not_carried, "megatron_args": self.stated,
+                "dp": self.dp, "ddp": self.ddp}
 
 
 def positive(name: str, value) -> int:
@@ -221,11 +224,11 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
             state[f"{OPTIM_STATE}{name}.{key}"] = TensorOut("float32", tuple(te.shape), segs)
     for key, value in extra.items():  # the local spec's [None] (the reader refuses TransformerEngine's)
         state[key] = value
-    bucket_notes = []
+    bucket_notes, ddp = [], None
     if layout == "dp_reshardable":
         if dp is None and (tp, pp) == (f.get("tp"), f.get("pp")):
             dp = args.get("data_parallel_size")  # the source's own shape
-        bucket_notes = dp_buckets(state, md, ckpt, f, args, tp, pp, dp, ddp_config, path)
+        bucket_notes, ddp = dp_buckets(state, md, ckpt, f, args, tp, pp, dp, ddp_config, path)
     folder = ckpt.location.tag
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes, file_bytes)
@@ -255,7 +258,8 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         left[f"args.{{{','.join(dropped)}}}"] = "values zckpt cannot pickle again (Megatron-LM's loader compares none)"
         notes.append(f"left out args {', '.join(dropped)}: values zckpt cannot pickle again")
     return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
-                        tp, pp, carried=carried, not_carried=left)
+                        tp, pp, carried=carried, not_carried=left, dp=dp if ddp else None,
+                        ddp=ddp.summary() if ddp else None)
 
 
 def check_dp_options(layout: str, dp, ddp_config) -> None:
@@ -269,9 +273,9 @@ def check_dp_options(layout: str, dp, ddp_config) -> None:
 
 
 def dp_buckets(state: dict, md, ckpt: Checkpoint, f: dict, args: dict, tp: int, pp: int, dp, ddp_config,
-               path: str) -> list[str]:
+               path: str) -> tuple[list[str], object]:
     """``state``'s optimizer tensors laid out as ``dp_reshardable`` buckets (:mod:`zckpt.megatron.writer_buckets`),
-    in place; its notes."""
+    in place; its notes and the DDP facts (``writer_buckets.Ddp``)."""
     from zckpt.megatron import writer_buckets as wb
     swiglu = f.get("swiglu")
     if swiglu is None and tp > 1 and any(".linear_fc1." in k for k in state):
@@ -286,7 +290,7 @@ def dp_buckets(state: dict, md, ckpt: Checkpoint, f: dict, args: dict, tp: int, 
     step = float(ckpt.extra["step"])
     groups = [{**{k: v for k, v in g.items() if k not in _GROUP_DROP}, "step": step}
               for g in ckpt.extra["param_groups"]]
-    return wb.to_dp_reshardable(state, bool(swiglu), bool(f.get("tied")), args, tp, pp, ddp, groups, path)
+    return wb.to_dp_reshardable(state, bool(swiglu), bool(f.get("tied")), args, tp, pp, ddp, groups, path), ddp
 
 
 _LEFT = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM reseeds: args.no_save_rng)",

@@ -91,6 +91,11 @@ class Ddp:
     pad_busbw: bool
     said: dict = field(default_factory=dict)  # fact -> "--ddp-config" / "args" / "the source's buckets"
 
+    def summary(self) -> dict:
+        """--json's ``ddp``: the facts the buckets were laid out for."""
+        return {"bucket_size": self.bucket_size, "grad_dtype": self.grad_dtype,
+                "pad_buckets_for_high_nccl_busbw": self.pad_busbw, "from": dict(self.said)}
+
 
 def ddp_facts(args: dict, given: dict, dp, param_dtype: str, path: str, source_keys=()) -> Ddp:
     """The DDP facts for the buckets (module docstring): ``given`` (``--ddp-config``) first, then the source's
@@ -287,10 +292,10 @@ def to_dp_reshardable(state: dict, swiglu: bool, tied: bool, args: dict, tp: int
 
 
 def lay_out_common(state: dict, common: dict, args: dict, swiglu: bool, tied: bool, tp: int, pp: int, dp, ddp_config,
-                   param_dtype: str, path: str) -> list[str]:
+                   param_dtype: str, path: str) -> tuple[list[str], Ddp]:
     """``--layout dp_reshardable`` for a save folder built in model space (:mod:`zckpt.megatron.from_hf`): the
     buckets in place of ``state``'s optimizer tensors, ``common`` (its param groups) and ``args`` saying so, in
-    place; the notes."""
+    place; the notes and the DDP facts."""
     ddp = ddp_facts(args, parse_ddp_config(ddp_config), dp, param_dtype, path)
     groups = common["optimizer"]["optimizer"]["param_groups"]
     notes = to_dp_reshardable(state, swiglu, tied, args, tp, pp, ddp, groups, path)
@@ -299,4 +304,4 @@ def lay_out_common(state: dict, common: dict, args: dict, swiglu: bool, tied: bo
                if k != "distrib_optim_fully_reshardable_mem_efficient"}
     common["content_metadata"] = {**content, "distrib_optim_sharding_type": "dp_reshardable"}
     args["dist_ckpt_optim_fully_reshardable"] = False
-    return notes
+    return notes, ddp
