@@ -32,6 +32,7 @@ from zckpt.io import storage
 SMALL_ITEM = 64 << 10  # an item up to this size (a value, a step) is read whole, in one request, and parsed in memory
 GAP = 1 << 20  # small items of one file at most this far apart are fetched in one read (on S3: one request instead
 #                of two costs about this many bytes)
+LOCAL_GAP = 64 << 10  # ... of a local file (a disk reads 64 KiB in about the time of one small read)
 SPAN = 32 << 20  # ... within reads of at most this many bytes
 _SCALAR = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
@@ -83,18 +84,21 @@ class Items:
 
     def prefetch(self, items) -> None:
         """Fetch the small items ``(file, offset, length)`` the open reads whole (steps, param-group values) in as few
-        reads as their places allow: per data file, items at most :data:`GAP` bytes apart in one read of at most
-        :data:`SPAN` bytes (a checkpoint's steps and values lie together in few files: a few reads, not one per
-        parameter). Each item's bytes are checked when parsed, as if read alone."""
+        reads as their places allow: per data file, items at most :data:`GAP` bytes apart (:data:`LOCAL_GAP` in a
+        local file) in one read of at most :data:`SPAN` bytes (a checkpoint's steps and values lie together in few
+        files: a few reads, not one per parameter; items further apart cost a read each, as before, never more
+        bytes between two of them than one read would cost). Each item's bytes are checked when parsed, as if read
+        alone."""
         by_file: dict[str, list] = {}
         for name, offset, length in items:
             if length <= SMALL_ITEM:
                 by_file.setdefault(name, []).append((offset, length))
         for name, spans in by_file.items():
             spans.sort()
+            gap = GAP if storage.is_url(self.path(name)) else LOCAL_GAP
             run = [spans[0]]
             for span in spans[1:] + [None]:
-                if span is not None and span[0] - (run[-1][0] + run[-1][1]) <= GAP \
+                if span is not None and span[0] - (run[-1][0] + run[-1][1]) <= gap \
                         and span[0] + span[1] - run[0][0] <= SPAN and span[0] >= run[-1][0]:
                     run.append(span)
                     continue
