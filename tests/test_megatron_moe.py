@@ -8,7 +8,9 @@ what Megatron-LM's own ``load_checkpoint`` gives beside it (the oracle):
   expert-parallel 2, ``fully_reshardable``;
 - ``moe19_ep2_dp4``: ``moe16_ep2_dp4``'s twin saved by megatron-core 0.19.2 (its common state inside the DCP);
 - ``moe16_ep1_dp2``: expert-parallel size 1 (the experts are ordinary parameters of the one optimizer and buffer,
-  after their layer's router), alltoall dispatcher, ``dp_reshardable``.
+  after their layer's router), alltoall dispatcher, ``dp_reshardable``;
+- ``moe16_etp2_ep2_dp4``: expert tensor parallelism 2 x ep 2, ``dp_reshardable`` (each expert's state from the
+  buckets of its two expert tp ranks).
 
 read (every expert's weight, master and moments equal to the oracle bit for bit; the buckets placed where DDP's own
 buffers had them), ``info`` / ``info --json`` (layers x experts, ep, the coverage check), ``verify --deep``; a
@@ -39,7 +41,8 @@ from zckpt.encoding.tensors import load_pieces  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
 DP, FULLY, DP19, EP1 = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh", "moe19_ep2_dp4", "moe16_ep1_dp2"
-MOE = [DP, FULLY, DP19, EP1]
+ETP = "moe16_etp2_ep2_dp4"
+MOE = [DP, FULLY, DP19, EP1, ETP]
 EXPERT = "decoder.layers.{i}.mlp.experts.experts.{e}.{p}"
 
 
@@ -123,19 +126,23 @@ def test_every_expert_router_master_and_moment_equals_megatron_lms_load(name):
     assert ckpt.extra["step"] == meta["iteration"] == 3
 
 
-@pytest.mark.parametrize("name", [DP, DP19])
+@pytest.mark.parametrize("name", [DP, DP19, ETP])
 def test_expert_buckets_placed_where_ddps_expert_buffers_had_them(name):
-    """Every expert's master and moments come from the DCP chunk of its expert-parallel rank's bucket that starts
-    where megatron-core's live expert_parallel_buffers had the expert (DDP's param_index_map, recorded by the
-    generator); rank g of the expert tp x ep x pp group holds experts 4g..4g+3 of both layers."""
+    """Every expert's master and moments come from the DCP chunks of the buckets that start where megatron-core's
+    live expert_parallel_buffers had the expert (DDP's param_index_map, recorded by the generator) on each rank of
+    the expert tp x ep group (rank g = etp_rank + etp x ep_rank: experts 4 ep_rank .. 4 ep_rank + 3 of both
+    layers; with expert tp 2, each of its two ranks holds a shard of each, and the pieces cover both)."""
     meta, _ = oracle(name)
+    etp = meta["expert_tensor_parallel_size"]
     ckpt = zckpt.open_checkpoint(str(MEG / name))
     placed, md = ckpt.extra["buckets"], ckpt.extra["metadata"]
     tag_dir = Path(ckpt.location.tag_dir)
-    for g in range(2):  # global ranks 0 and 1 are expert-parallel ranks 0 and 1 (expert-data-parallel rank 0)
+    ranks = etp * meta["expert_model_parallel_size"]  # global ranks 0..ranks-1: expert-data-parallel rank 0
+    for g in range(ranks):
         (buf,) = meta["dp_expert_buffers_per_rank"][g]
+        ep_rank = g // etp
         assert {p["name"] for p in buf["params"]} == {EXPERT.format(i=i, e=e, p=q) for i in (0, 1)
-                                                      for e in range(4 * g, 4 * g + 4)
+                                                      for e in range(4 * ep_rank, 4 * ep_rank + 4)
                                                       for q in ("linear_fc1.weight", "linear_fc2.weight")}
         for p in buf["params"]:
             lo = buf["buckets"][p["bucket"]]["start"]
@@ -146,9 +153,10 @@ def test_expert_buckets_placed_where_ddps_expert_buffers_had_them(name):
                 (chunk,) = [c for c in te.chunks if c.offsets[0] == p["start"] - lo]
                 assert chunk.sizes[0] == p["end"] - p["start"]
                 pieces = placed[p["name"]][k]
-                assert sum(x.nbytes for x in pieces) == 4 * (p["end"] - p["start"])
-                assert all(Path(x.path) == tag_dir / chunk.file and chunk.offset <= x.offset and
-                           x.offset + x.nbytes <= chunk.offset + chunk.length for x in pieces), (p["name"], kind)
+                assert sum(x.nbytes for x in pieces) == 4 * etp * (p["end"] - p["start"])
+                inside = [x for x in pieces if Path(x.path) == tag_dir / chunk.file and chunk.offset <= x.offset
+                          and x.offset + x.nbytes <= chunk.offset + chunk.length]
+                assert sum(x.nbytes for x in inside) == 4 * (p["end"] - p["start"]), (p["name"], kind, g)
 
 
 # ------------------------------------------------------------------------------------------------- damage
