@@ -363,3 +363,38 @@ def test_torchtitan_own_moe_saves_read(fsdp2_loads):
     with pytest.raises(ZckptError, match="is torchtitan.s fused-qkv attention.s") as e:
         zckpt.info(str(base / "ckpt" / "step-3"))
     assert "\n" not in str(e.value)
+
+
+def test_coverage_of_other_families_routers(tmp_path):
+    """gpt-oss names its router ``mlp.router`` (and keeps biases beside the fused experts): its DCP (a one-process
+    ``dcp.save`` of ``get_state_dict`` after an AdamW step) is read with both layers' experts and routers checked,
+    not refused for want of ``mlp.gate``; with layer 1's router deleted it is refused, its other layer having one."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    cfg = transformers.GptOssConfig(vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=8,
+                                    num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 32, (2, 5))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... assuming ... a single process"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+        for key in ("model.layers.1.mlp.router.weight", "model.layers.1.mlp.router.bias"):  # the whole router
+            del msd[key]
+            osd["state"].pop(key)
+            for g in osd["param_groups"]:
+                g["params"] = [p for p in g["params"] if p != key]
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "bad"), no_dist=True)
+    moe = zckpt.info(str(tmp_path / "ok")).to_dict()["moe"]
+    assert (moe["layers"], moe["experts"], moe["routers"], moe["whole"]) == (2, 8, 2, True)
+    with pytest.raises(IncompleteCheckpoint, match=r"MoE layer 1 \(model.layers.1.mlp\): no router "
+                                                   r"\('model.layers.1.mlp.router.\*'\)"):
+        zckpt.info(str(tmp_path / "bad"))
