@@ -10,7 +10,8 @@ what Megatron-LM's own ``load_checkpoint`` gives beside it (the oracle):
 - ``moe16_ep1_dp2``: expert-parallel size 1 (the experts are ordinary parameters of the one optimizer and buffer,
   after their layer's router), alltoall dispatcher, ``dp_reshardable``;
 - ``moe16_etp2_ep2_dp4``: expert tensor parallelism 2 x ep 2, ``dp_reshardable`` (each expert's state from the
-  buckets of its two expert tp ranks).
+  buckets of its two expert tp ranks);
+- ``moe16_ep2_dp2_expertbias``: sigmoid routing with the router's ``expert_bias`` (a persistent buffer).
 
 read (every expert's weight, master and moments equal to the oracle bit for bit; the buckets placed where DDP's own
 buffers had them), ``info`` / ``info --json`` (layers x experts, ep, the coverage check), ``verify --deep``; a
@@ -41,8 +42,8 @@ from zckpt.encoding.tensors import load_pieces  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MEG = FIXTURES / "megatron"
 DP, FULLY, DP19, EP1 = "moe16_ep2_dp4", "moe16_etp2_ep2_fullyresh", "moe19_ep2_dp4", "moe16_ep1_dp2"
-ETP = "moe16_etp2_ep2_dp4"
-MOE = [DP, FULLY, DP19, EP1, ETP]
+ETP, BIAS = "moe16_etp2_ep2_dp4", "moe16_ep2_dp2_expertbias"
+MOE = [DP, FULLY, DP19, EP1, ETP, BIAS]
 EXPERT = "decoder.layers.{i}.mlp.experts.experts.{e}.{p}"
 
 
@@ -110,6 +111,12 @@ def test_every_expert_router_master_and_moment_equals_megatron_lms_load(name):
     ckpt = zckpt.open_checkpoint(str(MEG / name))
     by_name = ckpt.by_name()
     weights = {k for k in want if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))}
+    buffers = {k for k in weights if k.endswith(".mlp.router.expert_bias")}  # TopKRouter's persistent buffer
+    assert bool(buffers) == ("--moe-router-enable-expert-bias" in meta["megatron_lm_flags"])
+    for n in buffers:
+        r = by_name[n]
+        assert r.kind == "buffer" and torch.equal(load_pieces(r.value, r.dtype, r.shape), want[n]), n
+    weights -= buffers
     assert {n for n, r in by_name.items() if r.kind == "trainable"} == weights
     experts = [EXPERT.format(i=i, e=e, p=p) for i in moe_layers(meta) for e in range(8)
                for p in ("linear_fc1.weight", "linear_fc2.weight")]
@@ -326,6 +333,19 @@ def test_merge_writes_a_mixtral_transformers_loads(tmp_path):
     assert set(sd) == set(want)
     for k, v in want.items():
         assert sd[k].dtype == v.dtype and torch.equal(sd[k], v), k
+
+
+def test_merge_with_an_expert_bias_keeps_megatrons_names_with_a_note(tmp_path):
+    """Sigmoid routing with a per-expert bias is not Mixtral's router: Megatron's names (the bias included), no
+    config.json, a note saying why."""
+    _, want = oracle(BIAS)
+    out = tmp_path / "hf"
+    res = zckpt_run("merge", MEG / BIAS, "-o", out)
+    assert res.returncode == 0, res.stderr
+    assert "expert_bias' has no Mixtral name" in res.stdout + res.stderr and not (out / "config.json").exists()
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == {k for k in want if not k.startswith(("master.", "exp_avg.", "exp_avg_sq."))}
+    assert torch.equal(got["decoder.layers.1.mlp.router.expert_bias"], want["decoder.layers.1.mlp.router.expert_bias"])
 
 
 def test_merge_of_dense_and_moe_layers_keeps_megatrons_names_with_a_note(tmp_path):

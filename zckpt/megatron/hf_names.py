@@ -151,7 +151,7 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
             continue
         mapped = _mapped(rec, f)
         if mapped is None:
-            why = f"'{rec.name}' has no Llama name"
+            why = f"'{rec.name}' has no {'Mixtral' if is_moe else 'Llama'} name"
             break
         records += mapped
     model = "Mixtral" if is_moe else "Llama"

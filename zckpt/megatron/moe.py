@@ -49,6 +49,14 @@ def is_expert_key(key: str) -> bool:
     return key.startswith(LAYERS) and MARK in key
 
 
+_BUFFER = re.compile(r"^decoder\.layers\.\d+\.mlp\.router\.(expert_bias|local_tokens_per_expert)$")
+
+
+def is_buffer(name: str) -> bool:
+    """A router's persistent buffer (TopKRouter's ``expert_bias``, aux-loss-free balancing), not a parameter."""
+    return bool(_BUFFER.match(name))
+
+
 def expert_of(name: str) -> tuple[int, int, str] | None:
     """(layer, expert, parameter) of a record name, or None."""
     m = _EXPERT.match(name)

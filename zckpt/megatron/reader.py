@@ -191,10 +191,12 @@ def facts(common: dict, md: dcpmeta.DcpMetadata, ranks: list[int]) -> dict:
     if rng:
         tp = tp or int(rng[0].group(4))
         pp = pp or int(rng[0].group(3))
-    world = _int(a.get("world_size")) or ((ranks[-1] + 1) if ranks else None)
-    dp = _int(a.get("data_parallel_size"))
+    # the sizes the args state, never counted from the .distcp files (a save by one writer is not one rank)
+    world, dp = _int(a.get("world_size")), _int(a.get("data_parallel_size"))
     if dp is None and tp and pp and world and world % (tp * pp) == 0:
         dp = world // (tp * pp)
+    if world is None and tp and pp and dp:
+        world = tp * pp * dp
     untie = a.get("untie_embeddings_and_output_weights")
     layout = content.get("distrib_optim_sharding_type") or optim.get("param_state_sharding_type") or \
         (optim.get(0) or {}).get("param_state_sharding_type")  # (a chain: per optimizer)
@@ -321,7 +323,9 @@ def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) ->
     for name, key, layer, shape, start, per in _entries(md, f, mpath):
         te = md.tensors[key]
         value = tensors.pieces(te, start, per)
-        rec = TensorRecord(name, shape, "trainable", te.dtype, value, lp_dtype=te.dtype)
+        # (a router's expert_bias, --moe-router-enable-expert-bias, is a persistent buffer: no optimizer state)
+        kind = "buffer" if moe.is_buffer(name) else "trainable"
+        rec = TensorRecord(name, shape, kind, te.dtype, value, lp_dtype=te.dtype if kind == "trainable" else None)
         state = {k: md.tensors.get(f"{OPTIM_STATE}{k}.{key}") for k in STATE_KEYS}
         if fully and any(state.values()):
             for k, s in state.items():
