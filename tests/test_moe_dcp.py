@@ -87,6 +87,11 @@ def launched(tmp_path_factory):
                       stage=DS_STAGE[arch], dtype="bf16")
         cases.append({"mode": "deepspeed", "stage": DS_STAGE[arch], "config": str(fx / "dcp"),
                       "ckpt": str(base / f"{arch}.ds"), "out": str(base / "ds" / arch)})
+    # AutoEP -> DCP (the class's names) -> DeepSpeed without AutoEP: a run leaving AutoEP for plain DeepSpeed
+    zckpt.convert(str(base / "mixtral.dcp"), to="deepspeed", out=str(base / "autoep-plain.ds"), world_size=2,
+                  stage=2, dtype="bf16")
+    cases.append({"mode": "deepspeed", "stage": 2, "config": str(AUTOEP["mixtral"]),
+                  "ckpt": str(base / "autoep-plain.ds"), "out": str(base / "ds" / "autoep-plain")})
     _torchrun({"deepspeed": True, "cases": cases})
     return base, results
 
@@ -241,6 +246,30 @@ def test_deepspeed_loads_an_fsdp2_moe_run(deepspeed_loads, arch):
     assert info["step"] == oracle["step"][0] == 2.0 and info["global_steps"] == 2
     assert [(g["lr"], g["weight_decay"]) for g in info["groups"]] == [(0.01, 0.01), (0.01, 0.0)]
     assert json.loads((deepspeed_loads / arch / "after.json").read_text())["loss"] > 0  # one step ran
+
+
+def test_deepspeed_without_autoep_loads_the_autoep_run_through_dcp(deepspeed_loads):
+    """AutoEP Mixtral (ZeRO-2, ep 4, 4 ranks) -> DCP under the class's names -> convert --to deepspeed (ZeRO-2, 2
+    ranks) -> DeepSpeed with the plain transformers class loads every master and moment equal to the AutoEP
+    engine's (gate_up_proj = w1 then w3 per expert), step 2."""
+    want = _load(AUTOEP["mixtral"] / "expected" / "oracle.safetensors")
+    got = _load(deepspeed_loads / "autoep-plain" / "deepspeed.safetensors")
+    info = json.loads((deepspeed_loads / "autoep-plain" / "deepspeed.json").read_text())
+    names = [k.split("/", 1)[1] for k in got if k.startswith("fp32/")]
+    assert len(names) == 21 and sum(n.endswith("gate_up_proj") for n in names) == 2
+    for name in names:
+        for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+            if name.endswith(".experts.gate_up_proj"):
+                mp = name[:-len(".gate_up_proj")]
+                t = torch.cat([want[f"{kind}/{mp}.w1"], want[f"{kind}/{mp}.w3"]], dim=1)
+            elif name.endswith(".experts.down_proj"):
+                t = want[f"{kind}/{name[:-len('down_proj')]}w2"]
+            elif name.endswith(".mlp.gate.weight"):
+                t = want[f"{kind}/{name[:-len('gate.weight')]}router.gate.weight"]
+            else:
+                t = want[f"{kind}/{name}"]
+            assert torch.equal(got[f"{kind}/{name}"], t), (kind, name)
+    assert info["step"] == 2.0 and info["global_steps"] == 2
 
 
 @pytest.mark.parametrize("arch", list(FSDP2))

@@ -268,7 +268,10 @@ def training_view(ckpt: Checkpoint, native_names: bool = False, layout: str = "d
             "this note"])
     records = [m for r in ckpt.records for m in mapped.get(r.name, [r])]
     renamed = {old: [r.name for r in new] for old, new in mapped.items()}
-    groups = [dataclasses.replace(g, names=[m for n in g.names for m in renamed.get(n, [n])]) for g in ckpt.groups]
+    order = {r.name: i for i, r in enumerate(records)}  # each group in the model's order, as an optimizer built
+    groups = [dataclasses.replace(g, names=sorted((m for n in g.names for m in renamed.get(n, [n])),  # from it
+                                                  key=lambda n: order.get(n, len(order))))
+              for g in ckpt.groups]  # lists them (AutoEP's groups list the routers last)
     notes = list(ckpt.notes) + [f"{CLASSES[cfg['model_type']]} names and fused experts, with the optimizer state "
                                 f"(as {path} says); --native-names keeps AutoEP's"]
     extra = {**ckpt.extra, "moe_coverage": _coverage(ckpt.extra.get("moe_coverage") or []), "merge_notes": []}
