@@ -213,6 +213,36 @@ def test_zckpt_reads_the_buckets_back_as_the_source(loaded, i):
     assert res.ok and " 0 differ, 0 only in A, 0 only in B" in res.to_dict()["summary"], res.to_dict()["summary"]
 
 
+def test_dp_reshardable_args_say_the_shape_and_ddp_as_megatron_lm_saves_them(tmp_path):
+    """A dp_reshardable output states what a Megatron-LM save at its shape holds: world_size (tp x pp x dp),
+    data_parallel_size and the DDP settings the buckets were laid out with (Megatron-LM's arg names), so info says
+    its data-parallel size and converting it again needs no --ddp-config; a fully_reshardable output states none
+    (info: not saved), whatever the source said; the reader never counts ranks from the .distcp files."""
+    import zckpt
+    from zckpt.ops.info import render_megatron
+    _write_dp(MEG / "gpt_tp2_pp2_dp1_fullyresh", tmp_path / "a", 2, 1, 2, DDP + ",bucket_size=none")
+    args = vars(torch.load(str(tmp_path / "a" / "iter_0000003" / "common.pt"), weights_only=False)["args"])
+    assert {k: args[k] for k in ("world_size", "data_parallel_size", "tensor_model_parallel_size",
+                                 "pipeline_model_parallel_size", "overlap_grad_reduce", "ddp_bucket_size",
+                                 "accumulate_allreduce_grads_in_fp32", "ddp_pad_buckets_for_high_nccl_busbw")} == \
+        {"world_size": 4, "data_parallel_size": 2, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+         "overlap_grad_reduce": False, "ddp_bucket_size": None, "accumulate_allreduce_grads_in_fp32": True,
+         "ddp_pad_buckets_for_high_nccl_busbw": False}
+    d = zckpt.info(str(tmp_path / "a")).to_dict()
+    assert (d["tp_world_size"], d["pp_world_size"], d["dp_world_size"], d["world_size"]) == (2, 1, 2, 4)
+    assert "2 tensor-parallel x 1 pipeline x 2 data-parallel (4 ranks)" in render_megatron(d)
+    assert len(list((tmp_path / "a" / "iter_0000003").glob("*.distcp"))) == 1  # one writer, four ranks stated
+    again = _convert(tmp_path / "a", tmp_path / "b", layout="dp_reshardable").plan  # its own shape, no --ddp-config
+    assert again.dp == 2 and set(again.ddp["from"].values()) == {"args"}, again.ddp
+    assert zckpt.diff(str(tmp_path / "a"), str(tmp_path / "b")).ok
+    _convert(tmp_path / "a", tmp_path / "c", tp=1)  # fully_reshardable: resumes at any DP, states none
+    args = vars(torch.load(str(tmp_path / "c" / "iter_0000003" / "common.pt"), weights_only=False)["args"])
+    assert "world_size" not in args and "data_parallel_size" not in args
+    d = zckpt.info(str(tmp_path / "c")).to_dict()
+    assert (d["dp_world_size"], d["world_size"]) == (None, None)
+    assert "data-parallel size not saved" in render_megatron(d)
+
+
 def test_dp_of_three_pads_buckets_to_lcm_3_128(tmp_path):
     """--dp 3: each bucket padded to a multiple of lcm(3, 128) = 384 and cut into 3 equal shards (every shard
     boundary a chunk boundary; per_bucket_numel says the padded size); zckpt's reader and diff read it back as the

@@ -41,7 +41,7 @@ from zckpt.state.model import Checkpoint, pieces_of
 LAYOUTS = ("fully_reshardable", "dp_reshardable")
 META_DOC = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
-_DROP_ARGS = ("world_size", "data_parallel_size")  # the loading job's own; Megatron-LM reads its own args
+_DROP_ARGS = ("world_size", "data_parallel_size")  # the source's; dp_reshardable states the output's (Ddp.args)
 _GROUP_DROP = ("params",)  # a fully_reshardable save's param groups carry no params (Megatron fills them on load)
 
 
@@ -232,7 +232,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     folder = ckpt.location.tag
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes, file_bytes)
-    common, dropped = _common(ckpt, f, tp, pp, layout)
+    common, dropped = _common(ckpt, f, tp, pp, layout, ddp)
     archive = torchzip.plan_archive(common, "common")
     part.files.append(dcplayout.DcpFile(COMMON, [(archive, 0)], archive.file_size))
     iteration = f.get("iteration")
@@ -334,14 +334,18 @@ def _pickled(value):
     return _NOT_PLAIN
 
 
-def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str) -> tuple[dict, list[str]]:
+def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str, ddp=None) -> tuple[dict, list[str]]:
     """``common.pt``: what Megatron-LM's ``generate_state_dict`` keeps out of the sharded tensors; and the names of
-    the args left out (not plain values)."""
+    the args left out (not plain values). ``ddp`` (dp_reshardable): the world and data-parallel sizes and the DDP
+    settings the buckets were cut for, stated in the args as a Megatron-LM save at that shape states them; a
+    fully_reshardable output states none (it resumes at any)."""
     source_args = {k: _pickled(v) for k, v in (ckpt.extra.get("args") or {}).items() if k not in _DROP_ARGS}
     dropped = sorted(k for k, v in source_args.items() if v is _NOT_PLAIN)
     args = {k: v for k, v in source_args.items() if k not in dropped}
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt_format="torch_dist",
                 dist_ckpt_optim_fully_reshardable=layout == "fully_reshardable", no_save_rng=True)
+    if ddp is not None:
+        args.update(ddp.args(tp, pp, source_args))
     content = dict(f.get("content_metadata") or {})
     content["distrib_optim_sharding_type"] = layout
     if layout == "fully_reshardable":

@@ -90,6 +90,19 @@ class Ddp:
     grad_dtype: str
     pad_busbw: bool
     said: dict = field(default_factory=dict)  # fact -> "--ddp-config" / "args" / "the source's buckets"
+    stated: dict = field(default_factory=dict)  # DDP_KEYS field -> the value as stated (bucket_size None: default)
+
+    def args(self, tp: int, pp: int, source_args: dict) -> dict:
+        """What a Megatron-LM save at this shape holds of it in its args (Megatron-LM's names): ``world_size``,
+        ``data_parallel_size`` and the DDP settings the buckets were laid out with, so that the output converted
+        again needs no --ddp-config; ``ddp_num_buckets`` cleared where a stated bucket size replaced it. (Megatron-LM
+        does not take these from a checkpoint it loads: a resume at another DP reads its own flags; only its rerun
+        state, which zckpt does not write, is kept for the same sizes.)"""
+        out = {"world_size": tp * pp * self.dp, "data_parallel_size": self.dp}
+        out.update({DDP_KEYS[k][0]: v for k, v in self.stated.items()})
+        if source_args.get("ddp_num_buckets") is not None:
+            out["ddp_num_buckets"] = None
+        return out
 
     def summary(self) -> dict:
         """--json's ``ddp``: the facts the buckets were laid out for."""
@@ -135,7 +148,8 @@ def ddp_facts(args: dict, given: dict, dp, param_dtype: str, path: str, source_k
                                     "size", path=path, hint="--ddp-config bucket_size=N")
         size = value.get("bucket_size") or max(40000000, 1000000 * dp)
     grad = "float32" if value["grad_reduce_in_fp32"] else param_dtype
-    return Ddp(dp, size, param_dtype, grad, bool(value["pad_buckets_for_high_nccl_busbw"]), said)
+    stated = {k: (bool(value[k]) if k != "bucket_size" else value.get("bucket_size")) for k in DDP_KEYS}
+    return Ddp(dp, size, param_dtype, grad, bool(value["pad_buckets_for_high_nccl_busbw"]), said, stated)
 
 
 @dataclass
@@ -304,4 +318,5 @@ def lay_out_common(state: dict, common: dict, args: dict, swiglu: bool, tied: bo
                if k != "distrib_optim_fully_reshardable_mem_efficient"}
     common["content_metadata"] = {**content, "distrib_optim_sharding_type": "dp_reshardable"}
     args["dist_ckpt_optim_fully_reshardable"] = False
+    args.update(ddp.args(tp, pp, args))
     return notes, ddp

@@ -97,7 +97,7 @@ def describe_megatron(ckpt: Checkpoint) -> dict:
     return {
         "format": "megatron", "backend": "torch_dist", "path": ckpt.location.input_path,
         "save_dir": ckpt.location.save_dir, "tag": ckpt.location.tag, "iteration": f["iteration"],
-        "tp_world_size": f["tp"], "pp_world_size": f["pp"], "dp_world_size": f["dp"], "world_size": ckpt.world_size,
+        "tp_world_size": f["tp"], "pp_world_size": f["pp"], "dp_world_size": f["dp"], "world_size": f["world_size"],
         "model": {k: f[k] for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                                      "kv_channels", "ffn_hidden_size", "vocab_size", "swiglu", "tied",
                                      "normalization", "position_embedding_type", "add_bias_linear", "params_dtype",
