@@ -1,4 +1,4 @@
-"""Several output files at once (zckpt.engine.lanes): the deal is round-robin over at most ``lanes`` files, each
+"""Several output files at once (zckpt.engine.lanes): the deal paces at most ``lanes`` files by their jobs, each
 file's jobs in order; the threads really write different files at the same time; the CRC-32 of every slot is the
 one of its bytes; a failing job leaves no file open and no job running; durable files are fsynced."""
 
@@ -24,12 +24,27 @@ def _targets(tmp_path, sizes, chunk=64, slot=0):
     return out
 
 
-def test_the_deal_is_round_robin_over_at_most_lanes_files():
+def test_the_deal_paces_at_most_lanes_files_by_their_jobs():
     ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((3, 1, 2, 2))]
     order = [(t.key, job[1]) for t, job in lanes._deal(ts, 2)]
-    assert order == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (2, 1), (3, 0), (3, 1)]
-    assert [(t.key, job[1]) for t, job in lanes._deal(ts, 1)] == [(k, i) for k, n in enumerate((3, 1, 2, 2))
+    # files of most jobs first (0, 2; then 3, then 1), each file's jobs in order, the one furthest behind next
+    assert order == [(0, 0), (2, 0), (0, 1), (2, 1), (3, 0), (0, 2), (1, 0), (3, 1)]
+    assert [(t.key, job[1]) for t, job in lanes._deal(ts, 1)] == [(k, i) for k, n in ((0, 3), (2, 2), (3, 2), (1, 1))
                                                                    for i in range(n)]
+
+
+def test_files_dealt_together_are_dealt_their_last_jobs_together():
+    """A file of 8 jobs among files of 6 (reshard's 2 GB model states among its 1.5 GB optimizer files): dealt
+    round-robin it was written alone at the end; paced, every file's last job is among the last four dealt."""
+    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((6, 6, 8, 6))]
+    order = [(t.key, job[1]) for t, job in lanes._deal(ts, 4)]
+    assert sorted(order) == sorted((k, i) for k, n in enumerate((6, 6, 8, 6)) for i in range(n))
+    assert sorted(order[-4:]) == [(0, 5), (1, 5), (2, 7), (3, 5)]
+    assert sorted(k for k, _ in order[:4]) == [0, 1, 2, 3]
+    # a file opened when another finishes starts level with the open ones: its jobs interleave, not in one burst
+    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((8, 2, 4))]
+    keys = [t.key for t, _ in lanes._deal(ts, 2)]
+    assert keys == [0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 1, 0, 1]
 
 
 def test_files_are_written_at_once_with_their_bytes_and_crcs(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Several output files written at once: the jobs of up to ``lanes`` files dealt round-robin to the pool's threads.
+"""Several output files written at once: the jobs of up to ``lanes`` files dealt in turn to the pool's threads.
 
 Buffered writes into one file serialize on its inode's lock (ext4, xfs): on the lent 16-core host one file takes
 about 3.5-5 GB/s whatever the number of writers, while one process whose 8 threads write 16 files at once copies
@@ -7,7 +7,8 @@ docs/benchmarks.md, "2026-12-04, second visit"). So every job list of the engine
 share under a launcher) goes through :func:`write_files`::
 
     targets   [Target(key, path, jobs)]  in plan order; jobs (slot, offset, parts, dtype) in file order
-    deal      up to ``lanes`` files open at a time, one job of each in turn; a finished file's lane takes the next
+    deal      up to ``lanes`` files open at a time (most jobs first), each dealt its jobs in proportion to their
+              number, so that files open together finish together; a finished file's lane takes the next
     run       at most ``ahead`` jobs in flight on the pool (memory and open files stay bounded), results in the
               order dealt, so each (file, slot)'s CRC-32 parts are combined in file order
     finish    a file whose last job is done: ``done(target, fd)`` (its headers), fsync when durable, closed
@@ -19,6 +20,7 @@ ranges of the jobs ahead in windows (the network, not a file's lock, is their li
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import threading
 from collections import deque
@@ -29,8 +31,8 @@ from typing import Callable, Iterator
 from zckpt.engine import executor
 from zckpt.io.hashing import crc32_combine
 
-# Files written at once by one process (at most; never more than its threads): ZCKPT_FILES_AT_ONCE.
-FILES_AT_ONCE = executor.env_int("ZCKPT_FILES_AT_ONCE", 8)
+# Files written at once by one process (at most): ZCKPT_FILES_AT_ONCE.
+FILES_AT_ONCE = executor.env_int("ZCKPT_FILES_AT_ONCE", 16)
 
 
 @dataclass
@@ -61,18 +63,24 @@ def create(path: str, size: int) -> None:
 
 
 def _deal(targets: list[Target], lanes: int) -> Iterator[tuple[Target, tuple]]:
-    """``(target, job)`` pairs: one job of each of up to ``lanes`` files in turn, each file's jobs in order."""
-    waiting = deque(t for t in targets if t.jobs)
-    active: list[list] = []
+    """``(target, job)`` pairs, each file's jobs in order, up to ``lanes`` files open at a time (the files of most
+    jobs first), paced: the next job is the open file's that is furthest behind by the share of its jobs dealt (a
+    file opened later starts level with the others), so files opened together are dealt their last jobs together.
+    Dealt round-robin, a file of 2 GB among files of 1.5 GB was written alone at the end, at one inode's rate."""
+    waiting = deque(sorted((t for t in targets if t.jobs), key=lambda t: -len(t.jobs)))
+    active: list = []  # heap of [share dealt, order opened, target, next job]
+    opened = 0
+    level = 0.0
     while waiting or active:
         while len(active) < lanes and waiting:
-            active.append([waiting.popleft(), 0])
-        for lane in list(active):
-            t, i = lane
-            yield t, t.jobs[i]
-            lane[1] = i + 1
-            if i + 1 == len(t.jobs):
-                active.remove(lane)
+            heapq.heappush(active, [level, opened, waiting.popleft(), 0])
+            opened += 1
+        lane = heapq.heappop(active)
+        share, _, t, i = lane
+        level = share
+        yield t, t.jobs[i]
+        if i + 1 < len(t.jobs):
+            heapq.heappush(active, [share + 1 / len(t.jobs), lane[1], t, i + 1])
 
 
 def _remote(targets: list[Target]) -> bool:
@@ -94,7 +102,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     written (write its headers); then it is fsynced when ``durable`` (on a side thread, while the next files are
     written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job."""
     workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
-    lanes = max(1, min(lanes or FILES_AT_ONCE, workers))
+    lanes = max(1, lanes or FILES_AT_ONCE)
     remote = _remote(targets)
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
