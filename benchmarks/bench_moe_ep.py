@@ -12,7 +12,9 @@ embedding, ``--layers`` blocks of LayerNorm + an MoE layer of ``--experts`` 2-la
 * a ``--threads``-thread copy of OUT (pread / pwrite of 64 MiB ranges dealt round robin over its files, created
   at their size first: ``bench_copybar.parallel_copy``), the same through ``copy_file_range``, and ``cp -r``;
 
-and ``zckpt verify OUT`` once (metadata, every expert present once). Sizes by default: hidden 1024, ffn 4096, 8
+and ``zckpt verify OUT`` once (metadata, every expert present once). ``--max-group-size``: DeepSpeed's helper puts
+at most this many elements in one param group (its default, 178956971, splits each rank's experts of a ~1B model
+over several groups). Sizes by default: hidden 1024, ffn 4096, 8
 experts, 14 layers, vocab 32000: 1.006B parameters, about 14 GB at 4 ranks.
 
     python benchmarks/bench_moe_ep.py --workdir /tmp/zbench --json-out moe.json
@@ -90,7 +92,8 @@ def worker(spec: dict) -> None:
     t0 = time.time()
     model = Model()
     pg = {"params": [p for p in model.parameters()], "name": "dense", "lr": 1e-3, "weight_decay": 0.01}
-    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer([pg]), lr=1e-3,
+    split = {"max_group_size": spec["max_group_size"]} if spec.get("max_group_size") else {}
+    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer([pg], **split), lr=1e-3,
                             betas=(0.9, 0.95), eps=1e-8)
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "steps_per_print": 1000000, "wall_clock_breakdown": False, "zero_allow_untested_optimizer": True,
@@ -141,16 +144,20 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--to-ep", type=int, default=4)
     ap.add_argument("--to-world-size", type=int, default=8)
+    ap.add_argument("--max-group-size", type=float, default=None,
+                    help="split_params_into_different_moe_groups_for_optimizer's max_group_size (DeepSpeed's "
+                         "default 178956971 splits an expert group of more elements into several param groups)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--trees", default=None, help="name=DIR,...: the trees whose zckpt runs, alternately (the "
                     "first one's runs get the copies; default: this one)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
-    a = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "experts", "vocab", "ep")}
+    a = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "experts", "vocab", "ep", "max_group_size")}
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    ck = work / f"moe_z2_bf16_ws{args.world_size}_ep{args.ep}_L{args.layers}_H{args.hidden}_F{args.ffn}_E{args.experts}"
+    ck = work / (f"moe_z2_bf16_ws{args.world_size}_ep{args.ep}_L{args.layers}_H{args.hidden}_F{args.ffn}_E{args.experts}"
+                 + (f"_G{args.max_group_size:.0e}" if args.max_group_size else ""))
     gen_s = generate(ck, a, args.world_size)
     ck_bytes = sum(p.stat().st_size for p in files_of(ck))
     params = count_params(a)

@@ -6,6 +6,10 @@
 #   bash benchmarks/device_copybar.sh OUTDIR cold    # each job with the page cache dropped, beside a 16-thread
 #        read of its source; then the ~1B native-MoE checkpoint (DeepSpeed, ep 2, 4 ranks) and
 #        zckpt reshard --ep 4 -w 8 beside a copy of its output, peak RSS (benchmarks/bench_moe_ep.py)
+#   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
+#        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
+# Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
+# and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles.
 # .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions). TREES (default
 # before=.bench/before,fix=.bench/fix): `git archive OLD zckpt | tar -x -C .bench/before`, and the same with the
@@ -24,13 +28,17 @@ mkdir -p "$work" "$out"
   cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || true
   sysctl vm.dirty_ratio vm.dirty_background_ratio 2>/dev/null || true
   python3 -c "import sys, torch, deepspeed, numpy; print(sys.version.split()[0], torch.__version__, deepspeed.__version__, numpy.__version__)"
-  git log --oneline -1 2>/dev/null || true; } 2>&1 | tee -a "$out/host.log"
+  git log --oneline -1 2>/dev/null || true
+  python3 -c "import numpy, os; d = os.path.join(os.path.dirname(numpy.__file__), '__pycache__'); print('numpy', numpy.__file__, 'pycache', os.path.isdir(d) and len(os.listdir(d)))"
+  for i in 1 2; do /usr/bin/time -f "python3 -c 'import numpy': %e s" python3 -c "import numpy"; done
+  python3 -X importtime -c "import numpy" 2>&1 | sort -t'|' -k2 -n | tail -2; } 2>&1 | tee -a "$out/host.log"
 dims=(${DIMS:---layers 26 --hidden 2048 --ffn 8192 --world-size 4})  # DIMS, CK, MOE_ARGS: smaller for a smoke test
 case $step in warm)
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat ${REPEAT:-3} --trees "$trees" \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} \
-    --variants "${VARIANTS:-w16:|--workers 16}" --json-out "$out/warm.json" 2>&1 | tee "$out/warm.log"
+    --variants "${VARIANTS:-w16:|--workers 16;pyc:PYTHONPYCACHEPREFIX=/tmp/pyc,PYTHONDONTWRITEBYTECODE=}" --json-out "$out/warm.json" 2>&1 | tee "$out/warm.log"
   ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
+  [ "${PROFILE:-1}" = 1 ] || trees=
   mkdir -p "$work/prof"
   for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
     for job in "merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8" \
@@ -40,6 +48,19 @@ case $step in warm)
       PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --json-out "$work/prof/$name-$k.json" \
         -- $job -o "$work/prof-out" -q || echo "profile failed: $name $job"
     done; done 2>&1 | tee "$out/profile.log"
+  rm -rf "$work/prof-out"; tar -czf "$out/prof.tgz" -C "$work" prof ;; esac
+case $step in moe)  # the MoE step alone: DeepSpeed's helper with max_group_size MAX_GROUP (one param group per
+  # expert group: zckpt refuses DeepSpeed's default split, see docs/benchmarks.md), then the bf16 merge's first
+  # casts profiled with and without numpy's bytecode
+  python3 benchmarks/bench_moe_ep.py --workdir "$work" ${MOE_ARGS:-} --repeat ${MOE_REPEAT:-3} --trees "$trees" \
+    --max-group-size ${MAX_GROUP:-1e10} --json-out "$out/moe.json" 2>&1 \
+    | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log"
+  mck=$(ls -d "$work"/moe_z2_* | head -1); fix=${trees##*=}; mkdir -p "$work/prof"
+  for v in dontwrite pycwrite pyc; do rm -rf "$work/prof-out"; sync; echo "== $v: zckpt merge $mck --dtype bf16 --max-shard-size 1GB"
+    env $([ $v != dontwrite ] && echo PYTHONPYCACHEPREFIX=/tmp/pyc) $([ $v = pycwrite ] && echo PYTHONDONTWRITEBYTECODE=) \
+      PYTHONPATH=/tmp/site:$fix python3 benchmarks/profile_lanes.py --json-out "$work/prof/moe-merge-bf16-$v.json" \
+      -- merge "$mck" --dtype bf16 --max-shard-size 1GB -o "$work/prof-out" -q | head -4
+  done 2>&1 | tee "$out/moe-profile.log"
   rm -rf "$work/prof-out"; tar -czf "$out/prof.tgz" -C "$work" prof ;; esac
 case $step in cold)
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} \
