@@ -313,6 +313,21 @@ def test_a_contradiction_with_the_source_or_megatron_is_refused(tmp_path, extra,
     assert _refused(tmp_path, TRAINER, words, megatron_args=f"{flags} {extra}")
 
 
+@pytest.mark.parametrize("length, words", [
+    ("--train-iters 3", ["--train-iters 3 is not past the source's iteration 4", "stop at once"]),
+    ("--train-iters 4", ["--train-iters 4 is not past"]),  # Megatron-LM trains while iteration < train_iters
+    ("--train-samples 19", ["--train-samples 19 (4 iterations", "16 samples (iteration 4)"]),
+])
+def test_a_run_that_ends_at_the_source_is_refused(tmp_path, length, words):
+    """--train-iters (--train-samples) not past the source's iteration (samples): Megatron-LM would stop at once,
+    so nothing is written (exit 2); one more iteration (--train-samples 20) is written."""
+    assert _refused(tmp_path, TRAINER, words, megatron_args=f"--lr 5e-3 {length} --global-batch-size 4 "
+                                                             "--weight-decay 0.01")
+    if "samples" in length:
+        _convert(TRAINER, tmp_path / "ok", megatron_args="--lr 5e-3 --train-samples 20 --global-batch-size 4 "
+                                                        "--weight-decay 0.01", dry_run=True)
+
+
 def test_a_group_layout_other_than_megatrons_is_refused(tmp_path):
     """A 1-D parameter trained with weight decay (not megatron-core's split), groups at different lrs, amsgrad."""
     import dataclasses
@@ -395,7 +410,9 @@ def test_cli_json_and_exit_status(tmp_path):
     for bad, code in ((["--to", "megatron", "--megatron-args", "--seq-length 16"], 2),
                       (["--to", "megatron"], 2),
                       (["--to", "dcp", "--megatron-args", OK], 2),
-                      (["--to", "megatron", "--megatron-args", OK + " --adam-eps 1e-6"], 2)):
+                      (["--to", "megatron", "--megatron-args", OK + " --adam-eps 1e-6"], 2),
+                      (["--to", "megatron", "--megatron-args", OK.replace("--train-iters 20", "--train-iters 3")],
+                       2)):
         res = _cli("convert", TRAINER, *bad, "-o", tmp_path / "no")
         assert res.returncode == code and len(res.stderr.strip().splitlines()) == 1, (bad, res.stderr)
         assert "Traceback" not in res.stderr and not (tmp_path / "no").exists()

@@ -23,8 +23,9 @@ is refused in one line, never ignored. From them, as Megatron-LM ``core_v0.16.1`
 What both the source and the flags say is checked: each parameter's weight decay in the source equals the one
 Megatron gives it at that step, the groups' betas / eps equal ``--adam-beta1/2`` / ``--adam-eps`` where given, one lr
 for every group (Megatron's standard groups share one schedule), decoupled weight decay (Megatron's Adam), no
-amsgrad, the source's sample count equal to step x global batch. A contradiction is refused in one line naming
-both values; nothing is picked silently.
+amsgrad, the source's sample count equal to step x global batch, a run (``--train-iters`` / ``--train-samples``)
+that goes past the source's iteration. A contradiction is refused in one line naming both values; nothing is picked
+silently.
 """
 
 from __future__ import annotations
@@ -178,6 +179,21 @@ def schedule(a: dict) -> dict:
     return s
 
 
+def check_length(a: dict, iteration: int) -> None:
+    """The run the flags state goes past the source's ``iteration``: Megatron-LM trains ``while iteration <
+    args.train_iters`` (``--train-samples``: ``train_samples // global batch`` iterations, ``update_train_iters``),
+    so a run that ends at or before it stops at once and nothing is trained: refused (exit 2), naming both."""
+    gbs, iters, samples = a["global_batch_size"], a["train_iters"], a["train_samples"]
+    if iters:
+        if iters <= iteration:
+            raise _bad(f"--train-iters {iters} is not past the source's iteration {iteration}: Megatron-LM would stop "
+                       "at once, nothing trained")
+    elif samples is not None and samples // gbs <= iteration:
+        raise _bad(f"--train-samples {samples} ({samples // gbs} iterations of --global-batch-size {gbs}) is not past "
+                   f"the source's {iteration * gbs} samples (iteration {iteration}): Megatron-LM would stop at once, "
+                   "nothing trained")
+
+
 def lr_at(s: dict, n: int) -> float:
     """``OptimizerParamScheduler.get_lr`` (megatron-core 0.16.1) at ``num_steps`` ``n`` for a group whose max/min lr
     are the scheduler's."""
@@ -246,6 +262,7 @@ def megatron_groups(ckpt, a: dict, step: int, adam_w_mode: bool | None = None) -
     decoupled its weight decay where its groups do not say (DeepSpeed's FusedAdam / CPUAdam: its config says)."""
     path = ckpt.location.input_path
     s = schedule(a)
+    check_length(a, int(step))
     n = int(step) * a["global_batch_size"]
     lr, wd = lr_at(s, n), wd_at(s, n)
     shapes = {r.name: r.shape for r in ckpt.records}
