@@ -388,8 +388,9 @@ def test_cli_reshard_moe_json(tmp_path):
     assert len([ln for ln in bad.stderr.strip().splitlines() if ln.strip()]) == 1, bad.stderr
 
 
-def test_resume_refuses_another_expert_parallel_size_in_one_line():
-    """An engine whose MoE layers have another ep_size (or none) is refused before anything is read or loaded."""
+def test_resume_refuses_other_moe_layers_in_one_line():
+    """An engine whose MoE layers are not the checkpoint's (or none) is refused before anything is read or loaded
+    (other expert-parallel sizes of the same layers are laid out again: tests/test_resume_moe_ep.py)."""
     from types import SimpleNamespace
     from fixtures import gen_parallel
     from zckpt.errors import InvalidArgument
@@ -397,11 +398,11 @@ def test_resume_refuses_another_expert_parallel_size_in_one_line():
     ckpt = zckpt.open_checkpoint(str(FIX / "moe_z2_bf16_ws2_ep2"))
     target = Target(4, 0, 2, False, "bf16")
     engine = SimpleNamespace(has_moe_layers=True, module=gen_parallel.build_moe({"ep_size": 1}))
-    # (native layers of one size at another: laid out again, tests/test_moe_reshard_ep.py); layers of ep 2 and 4:
+    # layers of ep 2 and 4 into an engine of one MoE layer:
     mixed = zckpt.open_checkpoint(str(FIX / "moe_z2_bf16_ws4_ep2_ep4_mixed"))
-    with pytest.raises(UnsupportedLayout, match="changing the expert-parallel size is not supported") as err:
+    with pytest.raises(InvalidArgument, match="MoE layers") as err:
         check_compatible(mixed, engine, Target(4, 0, 2, False, "bf16"))
-    assert "[2, 4]" in str(err.value) and "[1]" in str(err.value) and "\n" not in str(err.value)
+    assert "(moe, native)" in str(err.value) and "(moe, moe2)" in str(err.value) and "\n" not in str(err.value)
     dense = SimpleNamespace(has_moe_layers=False, module=gen_parallel.build_moe({"ep_size": 1}))
     with pytest.raises(InvalidArgument, match="without MoE layers"):
         check_compatible(ckpt, dense, target)

@@ -423,7 +423,14 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
                          sum(r.numel for _, r in by_rank[0]))
         shards[g] = new
         shapes[g] = {name: torch_size(rec.shape) for name, rec in new[0]}
-    return MoELayout({g: ep for g in layout.ep}, shards, layout.expert_files, autoep=True), shapes
+    files = {}
+    for fname, (tensors, _, owner) in layout.expert_files.items():  # the expert-parallel rank that loads it now
+        name, _, gid = tensors[0][0].rpartition(".") if tensors else ("", "", "")
+        full = records.get(name)
+        if full is not None and gid.isdigit() and full.shape:
+            owner = int(gid) // max(1, int(full.shape[0]) // ep)
+        files[fname] = (tensors, ep, owner)
+    return MoELayout({g: ep for g in layout.ep}, shards, files, autoep=True), shapes
 
 
 def autoep_layers_at(layers: list, ep: int, world_size: int) -> list:

@@ -466,9 +466,11 @@ def _zero0_optimizer(saved: list, groups: list[tuple[dict, list[tuple[int, int, 
 
 # ---- AutoEP at ZeRO-3 at another data-parallel and expert-parallel size
 
-def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, side, ep) -> ReshardPlan:
-    """AutoEP at ZeRO-3 (``zero3_partitioned``) laid out at ``world_size`` ranks and expert-parallel size ``ep``
-    (default: kept) by :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`."""
+def autoep_zero3_target(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, ep,
+                        ranks=None) -> tuple[Target, int, list[int]]:
+    """The target of an AutoEP ZeRO-3 checkpoint at ``world_size`` ranks (``ranks`` of them planned) and
+    expert-parallel size ``ep`` (default: kept): (target, the new size, the source's sizes); what DeepSpeed cannot
+    run is refused in one line."""
     check_world_size(world_size)
     tag_dir = ckpt.location.tag_dir
     if stage not in (None, 3) or bf16_optimizer:
@@ -483,8 +485,13 @@ def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt:
     if len(set(new.values())) != 1:
         raise UnsupportedLayout(f"AutoEP layers at expert-parallel sizes {sorted(set(new.values()))}: DeepSpeed's "
                                 "AutoEP requires one size for every layer", path=tag_dir, hint="pass one --ep size")
-    size = next(iter(new.values()))
-    t = target_of(ckpt, world_size, 3, "zero3")
+    return target_of(ckpt, world_size, 3, "zero3", ranks), next(iter(new.values())), src
+
+
+def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, side, ep) -> ReshardPlan:
+    """AutoEP at ZeRO-3 (``zero3_partitioned``) laid out at ``world_size`` ranks and expert-parallel size ``ep``
+    (default: kept) by :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`."""
+    t, size, src = autoep_zero3_target(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
     objects, partitions = plan_autoep_zero3(t, size)
     files = [planned(o) for o in objects] + side_planned(side, world_size)
     plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, 3, ckpt.flavour, ckpt.world_size, 3, ckpt.flavour,

@@ -41,8 +41,10 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 from zckpt.deepspeed.target import (
     PlannedFile, ReshardPlan, Target, check_world_size, flavour_of, is_elastic, planned, side_planned, target_of,
 )
-from zckpt.deepspeed.write_parallel import check_moe, moe_reshard, plan_moe, plan_pipeline, rename_expert_groups
-from zckpt.deepspeed.write_zero import plan_zero12, plan_zero3
+from zckpt.deepspeed.write_parallel import (
+    autoep_zero3_target, check_moe, moe_reshard, plan_moe, plan_pipeline, rename_expert_groups,
+)
+from zckpt.deepspeed.write_zero import plan_autoep_zero3, plan_zero12, plan_zero3
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +144,22 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`). The files
     are object trees to load (kind "object"), not laid out for writing.
     ``zero``: ``zero_optimization`` values of the target engine that shape the layout (``sub_group_size``,
-    ``parameter_alignment``), applied where they differ from the source config's. ``ep``: a native MoE source at
-    another expert-parallel size (:func:`zckpt.deepspeed.write_parallel.check_moe`)."""
-    layout, shapes = None, {}
+    ``parameter_alignment``), applied where they differ from the source config's. ``ep``: an MoE source at other
+    expert-parallel sizes, one for every MoE layer or one per layer in order (the writers ``reshard --ep`` uses:
+    :func:`zckpt.deepspeed.write_parallel.check_moe`, AutoEP at ZeRO-3
+    :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`)."""
+    layout, shapes, autoep_z3 = None, {}, None
     _check_state(ckpt)
-    if ckpt.parallel == "moe":
-        layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep)
-        stage, flavour = ckpt.stage, ckpt.flavour
+    if ckpt.parallel == "moe" and ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
+        t, autoep_z3, _ = autoep_zero3_target(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep, ranks)
+        stage, flavour = 3, ckpt.flavour
     else:
-        world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
-    t = target_of(ckpt, world_size, stage, flavour, ranks)
+        if ckpt.parallel == "moe":
+            layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep)
+            stage, flavour = ckpt.stage, ckpt.flavour
+        else:
+            world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
+        t = target_of(ckpt, world_size, stage, flavour, ranks)
     zcfg = t.cfg.setdefault("zero_optimization", {})
     defaults = {"sub_group_size": W.DEFAULT_SUB_GROUP_SIZE, "parameter_alignment": False}
     for key, value in (zero or {}).items():
@@ -159,7 +167,10 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
             zcfg[key] = value
     if shapes:
         rename_expert_groups(t, layout, shapes)
-    objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object", shapes)
+    if autoep_z3 is not None:
+        objects, partitions = plan_autoep_zero3(t, autoep_z3)
+    else:
+        objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object", shapes)
     files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]
     return ReshardPlan(ckpt.location.input_path, t.tag, "deepspeed", ckpt.stage, ckpt.flavour, ckpt.world_size,
                        stage, flavour, world_size, ckpt.precision, files, partitions=partitions)

@@ -11,8 +11,6 @@ from zckpt.errors import InvalidArgument, UnsupportedLayout
 
 log = logging.getLogger(__name__)
 
-log = logging.getLogger(__name__)
-
 
 # ---------------------------------------------------------------------------------------------- target
 
@@ -26,7 +24,9 @@ class Target:
     bf16_optimizer: bool
     precision: str
     zero: dict = field(default_factory=dict)  # layout-shaping zero_optimization values
-    ep: int | None = None  # the engine's expert-parallel size where it differs from the checkpoint's (native MoE)
+    # the engine's expert-parallel sizes where they differ from the checkpoint's: one for every MoE layer, or one
+    # per MoE layer in the checkpoint's layer order (zckpt.deepspeed.expert_groups.target_eps)
+    ep: int | tuple | None = None
 
     @property
     def flavour(self) -> str:
@@ -45,9 +45,9 @@ def engine_target(engine) -> Target:
                                 "engine.load_checkpoint")
     if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
         raise UnsupportedLayout("model-parallel engines (mp_world_size > 1) are not supported")
-    if getattr(engine, "has_moe_layers", False) and stage == 3:
-        raise UnsupportedLayout("mixture-of-experts engines at ZeRO-3 are not supported (zckpt reshards MoE "
-                                "checkpoints of ZeRO-1/2)")
+    if getattr(engine, "has_moe_layers", False) and stage == 3 and not _engine_layer_eps(engine)[1]:
+        raise UnsupportedLayout("native mixture-of-experts engines at ZeRO-3 are not supported (zckpt resumes "
+                                "native MoE at ZeRO-1/2, AutoEP at ZeRO-1/2/3)")
     if engine.load_universal_checkpoint():
         raise InvalidArgument("the engine config sets checkpoint.load_universal",
                               hint="drop it: zckpt loads DeepSpeed's native layout at any world size")
@@ -79,10 +79,14 @@ def _engine_params(engine) -> dict:
     owned = {id(q) for g in flat for q in g} if flat is not None else None
     out = {}
     for name, p in engine.module.named_parameters(remove_duplicate=False):
-        shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-        name, shape = experts.get(name, (name, shape))
+        name, shape = experts.get(name, (name, _shape(p)))
         out[name] = (shape, bool(p.requires_grad) and (owned is None or id(p) in owned))
     return out
+
+
+def _shape(p) -> tuple:
+    """A parameter's full shape (ZeRO-3 partitions it: ``ds_shape``)."""
+    return tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
 
 
 def moe_experts(engine) -> dict:
@@ -100,25 +104,28 @@ def moe_experts(engine) -> dict:
             for w in ("w1", "w2", "w3"):
                 p = getattr(mod.experts, w, None)
                 if p is not None:
-                    out[f"{prefix}experts.{w}"] = (f"{prefix}experts.{w}", (int(p.shape[0]) * int(mod.ep_size),
-                                                                          *p.shape[1:]))
+                    shape = _shape(p)
+                    out[f"{prefix}experts.{w}"] = (f"{prefix}experts.{w}", (shape[0] * int(mod.ep_size), *shape[1:]))
         elif hasattr(mod, "expert_group_name") and hasattr(mod, "num_local_experts") and hasattr(mod, "deepspeed_moe"):
             e, nlocal = groups._get_expert_parallel_rank(mod.expert_group_name), int(mod.num_local_experts)
             pat = re.compile(r"^(.*\.deepspeed_experts\.)(\d+)(\..+)$")
             for name, p in mod.named_parameters(prefix=mname, remove_duplicate=False):
                 m = pat.match(name)
                 if m:
-                    out[name] = (f"{m.group(1)}{e * nlocal + int(m.group(2))}{m.group(3)}", tuple(p.shape))
+                    out[name] = (f"{m.group(1)}{e * nlocal + int(m.group(2))}{m.group(3)}", _shape(p))
     return out
 
 
-def _engine_ep_sizes(engine) -> set[int]:
-    """The expert-parallel sizes of the engine's MoE layers (native ``ep_size``, AutoEP ``ep_size``)."""
-    sizes = set()
-    for _, mod in engine.module.named_modules():
-        if type(mod).__name__ == "AutoEPMoELayer" or (hasattr(mod, "expert_group_name") and hasattr(mod, "ep_size")):
-            sizes.add(int(mod.ep_size))
-    return sizes
+def _engine_layer_eps(engine) -> tuple[dict[str, int], bool]:
+    """The engine's MoE layers: module name -> expert-parallel size (native ``MoE.ep_size``, AutoEP's
+    ``AutoEPMoELayer.ep_size``), in model order, and whether they are AutoEP's."""
+    out, autoep = {}, False
+    for name, mod in engine.module.named_modules():
+        if type(mod).__name__ == "AutoEPMoELayer":
+            out[name], autoep = int(mod.ep_size), True
+        elif hasattr(mod, "expert_group_name") and hasattr(mod, "ep_size") and hasattr(mod, "deepspeed_moe"):
+            out[name] = int(mod.ep_size)
+    return out, autoep
 
 
 def _engine_buffers(engine) -> dict:
@@ -189,10 +196,13 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
         raise InvalidArgument(f"the checkpoint has parameters the model lacks: {', '.join(extra[:5])}"
                               + (" ..." if len(extra) > 5 else ""), path=path)
     want = [list(g.names) for g in ckpt.groups]
-    if layout is not None:  # an expert group holds this rank's experts only
-        want = [[r.name for _, r in layout.shards[g.index][layout.ep_rank(
-            ckpt.model_state, target.world_size, layout.ep[g.index], target.rank, path)[0]]]
-                if g.index in layout.ep else names for g, names in zip(ckpt.groups, want)]
+    if layout is not None:  # an expert group holds this rank's experts only (the groups at the engine's sizes)
+        dense = {g.index: names for g, names in zip(ckpt.groups, want)
+                 if g.index not in {s for ss in (layout.regroup or {}).values() for s in ss} | set(layout.ep)}
+        order = sorted(dense) + sorted(layout.regroup) if layout.regroup else [g.index for g in ckpt.groups]
+        want = [[r.name for _, r in layout.shards[g][layout.ep_rank(
+            ckpt.model_state, target.world_size, layout.ep[g], target.rank, path)[0]]]
+                if g in layout.ep else dense[g] for g in order]
     have = _engine_groups(engine, target)
     if have is not None and target.stage != 3 and have != want:
         raise InvalidArgument(f"the optimizer's param groups differ from the checkpoint's ({len(have)} groups of "
@@ -212,9 +222,12 @@ class _EngineMoE:
 
 
 def _check_moe_engine(ckpt: Checkpoint, engine, target: Target | None = None) -> _EngineMoE | None:
-    """An MoE engine takes an MoE checkpoint of its expert-parallel sizes, or a native one of one size at the
-    engine's one other size (laid out again: :func:`zckpt.deepspeed.expert_groups.at_ep`, ``target.ep`` set),
-    anything else takes a dense one; refused in one line otherwise."""
+    """An MoE engine takes an MoE checkpoint of the same layers at any expert-parallel sizes DeepSpeed runs: each
+    layer's size read from the engine's module (native ``MoE.ep_size``, AutoEP's ``AutoEPMoELayer.ep_size``); where
+    some differ from the checkpoint's, ``target.ep`` says them (one size, or one per MoE layer in the checkpoint's
+    layer order) and the layout is the one ``zckpt reshard --ep`` writes (:func:`zckpt.deepspeed.write_parallel.
+    check_moe`; AutoEP at ZeRO-3: :func:`~zckpt.deepspeed.write_parallel.autoep_zero3_target`). An engine without
+    MoE takes a dense checkpoint only; refused in one line otherwise."""
     path = ckpt.location.tag_dir
     moe_engine = bool(getattr(engine, "has_moe_layers", False))
     if ckpt.parallel == "moe" and not moe_engine:
@@ -226,20 +239,28 @@ def _check_moe_engine(ckpt: Checkpoint, engine, target: Target | None = None) ->
         raise InvalidArgument("the engine has mixture-of-experts layers, the checkpoint none", path=path,
                               hint="resume with the model the checkpoint was saved from")
     layout = ckpt.extra.get("moe")
-    if layout is None:
+    autoep_z3 = ckpt.stage == 3 and bool(ckpt.model_state.get("ds_autoep_layers"))
+    if layout is None and not autoep_z3:
         raise UnsupportedLayout(ckpt.reshard_refusal or "this mixture-of-experts checkpoint is not resharded",
                                 path=path, hint="load it with engine.load_checkpoint")
-    have, want = _engine_ep_sizes(engine), set(layout.ep.values())
-    if have != want and len(have) == 1 and len(want) == 1 and not layout.autoep and target is not None:
-        from zckpt.deepspeed.expert_groups import at_ep
-        target.ep = have.pop()
-        layout, _ = at_ep(layout, target.ep, ckpt.model_state.get("param_shapes") or [], path)
-        have = {target.ep}
-    if have != set(layout.ep.values()):
-        raise UnsupportedLayout(f"the checkpoint's expert-parallel size {sorted(want)} differs from the engine's "
-                                f"{sorted(have)}: changing the expert-parallel size is not supported (only for "
-                                "native MoE layers of one size)", path=path,
-                                hint="start the engine with the checkpoint's expert-parallel size")
+    from zckpt.deepspeed.write_parallel import autoep_zero3_target, check_moe
+    layers, autoep = _engine_layer_eps(engine)
+    cover = sorted(ckpt.extra.get("moe_coverage") or [], key=lambda x: x["index"])
+    if autoep != (autoep_z3 or bool(layout is not None and layout.autoep)) or sorted(layers) != sorted(
+            str(x["layer"]) for x in cover):
+        raise InvalidArgument(f"the engine's MoE layers ({', '.join(layers) or 'none'}, "
+                              f"{'AutoEP' if autoep else 'native'}) are not the checkpoint's ("
+                              + ", ".join(str(x["layer"]) for x in cover) + ")", path=path,
+                              hint="resume with the model the checkpoint was saved from")
+    want = tuple(layers[str(x["layer"])] for x in cover)
+    if target is not None and want != tuple(int(x.get("ep") or 1) for x in cover):
+        target.ep = want[0] if len(set(want)) == 1 else want
+    if autoep_z3:
+        if target is not None:
+            autoep_zero3_target(ckpt, target.world_size, None, None, "deepspeed", target.ep)  # DeepSpeed runs it
+        return _EngineMoE(None, set())
+    if target is not None:
+        layout, _ = check_moe(ckpt, target.world_size, None, None, "deepspeed", target.ep)
     mine = {n for n, _ in moe_experts(engine).values()}
     names = {r.name for by_rank in layout.shards.values() for recs in by_rank.values() for _, r in recs}
     names |= {key for tensors, _, _ in layout.expert_files.values() for key, _ in tensors}
