@@ -4,7 +4,8 @@ ZeRO-3 (``checkpoint_format: zero3_partitioned``, no expert files) from the per-
 rank's local expert shards are a sub-group partitioned over its expert-data-parallel group
 (:func:`build_autoep_zero3`); both put each expert-parallel rank's shard where the affine map says
 (:func:`_autoep_full`). ZeRO-3 AutoEP is merged, verified, converted and resharded offline
-(:func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`), not resumed on load (:data:`Z3_REFUSAL`).
+and on load (:func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`, through
+:func:`zckpt.deepspeed.writer.plan_ranks`), never by the ZeRO-3 writer of dense models (:data:`Z3_REFUSAL`).
 
 Both readers build on :mod:`zckpt.deepspeed.expert_groups` (the views of the files restricted to groups and ranks,
 :func:`~zckpt.deepspeed.expert_groups.expert_data_ranks`) and are reached through :func:`zckpt.deepspeed.moe.build`.
@@ -26,8 +27,8 @@ from zckpt.encoding.safeload import LazyTensor
 from zckpt.state import experts as coverage
 
 Z3_REFUSAL = ("AutoEP checkpoint of ZeRO-3: each expert parameter is partitioned over its expert-parallel rank's "
-              "expert-data-parallel group, which zckpt lays out again offline only (zckpt reshard --ep N), not on "
-              "load")
+              "expert-data-parallel group, which zckpt lays out again only as AutoEP (zckpt reshard [--ep N], "
+              "zckpt.deepspeed.load_checkpoint)")
 
 
 def build_autoep(loc: Location, model_states: list[dict], optim_states: list[dict]) -> Checkpoint:
@@ -138,7 +139,7 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
     (:func:`_autoep_full`). The router's second name (``setattr(layer, router_name, layer.router)`` in
     ``auto_ep_layer``, missed by ``shared_params``) is tied to ``{module_path}.router.*``. No file holds an expert
     weight in its training dtype: it is the checkpoint's precision, as for any ZeRO-3 parameter. Frozen expert
-    parameters are refused; so is resume on load (:data:`Z3_REFUSAL`)."""
+    parameters are refused."""
     from zckpt.deepspeed import zero3
 
     mpath = loc.model_files[0].path

@@ -12,10 +12,13 @@ Every rank of the user's own launch runs :func:`load_checkpoint` (the same call 
     load       engine.load_checkpoint(scratch, tag)  DeepSpeed's own load path, through a CheckpointEngine that
                                                      returns the in-memory objects for the names it asks for
 
-A mixture-of-experts engine (ZeRO-1/2, native MoE or AutoEP) takes a checkpoint of its own expert-parallel sizes
-at any data-parallel size: the plan holds the rank's optimizer file (dense groups over every rank, each expert
-group over the rank's expert-data-parallel group) and the expert files of the rank's expert-parallel ranks, which
-DeepSpeed asks for by name; names are compared under the checkpoint's global expert ids (:func:`zckpt.ops.resume_checks.moe_experts`).
+A mixture-of-experts engine (native MoE at ZeRO-1/2, AutoEP at ZeRO-1/2/3) takes a checkpoint of the same MoE
+layers at any data-parallel size and at the expert-parallel sizes its modules have (one per layer, read from the
+engine: ``Target.ep`` where they differ), planned by the writers ``zckpt reshard --ep`` uses: the rank's optimizer
+file (dense groups over every rank, each expert group over the rank's expert-data-parallel group) and the expert
+files of the rank's expert-parallel ranks, which DeepSpeed asks for by name (AutoEP at ZeRO-3: the rank's model-
+and optimizer-states files, with the placement records DeepSpeed checks); names are compared under the
+checkpoint's global expert ids (:func:`zckpt.ops.resume_checks.moe_experts`).
 
 The scratch folder holds only empty placeholders of this rank's model-states file names (DeepSpeed globs and
 ``os.path.exists`` them before loading; AutoEP checks its expert files too); nothing is written for the model.
