@@ -57,7 +57,7 @@ from zckpt.engine.segments import Cast, Fill, Piece, coalesce
 from zckpt.engine.torchzip import TensorOut, dumps
 from zckpt.state import checksums
 from zckpt.engine.launch import agree
-from zckpt.ops.resume_checks import Target, check_compatible, check_plan, engine_target
+from zckpt.ops.resume_checks import Target, check_compatible, check_plan, engine_target, reorder_groups
 
 log = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
         check_compatible(ckpt, engine, target)
         native = (not force_reshard and not storage.is_url(ckpt.location.tag_dir)
                   and ckpt.world_size == target.world_size and ckpt.stage == target.stage
-                  and ckpt.flavour == target.flavour and target.ep is None)
+                  and ckpt.flavour == target.flavour and target.ep is None and target.group_order is None)
         if not native and target.stage == 3 and not load_optimizer_states:
             # DeepSpeed then rebuilds the module from the fp32 files on disk (get_fp32_state_dict_from_zero_checkpoint)
             raise InvalidArgument("a ZeRO-3 engine with load_optimizer_states=False reads the source files itself",
@@ -393,6 +393,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
             from zckpt.deepspeed.writer import plan_ranks
             plan = plan_ranks(ckpt, target.world_size, [target.rank], target.stage, target.bf16_optimizer,
                               zero=target.zero, ep=target.ep)
+            reorder_groups(plan, target)
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]
             check = checksums.input_check(ckpt, max_fill=None if verify else 1 / 16)

@@ -27,6 +27,9 @@ class Target:
     # the engine's expert-parallel sizes where they differ from the checkpoint's: one for every MoE layer, or one
     # per MoE layer in the checkpoint's layer order (zckpt.deepspeed.expert_groups.target_eps)
     ep: int | tuple | None = None
+    # the engine's param groups in the planned file's order where the engine holds them in another (DeepSpeed orders
+    # a rank's expert groups by a set of names: ranks without one PYTHONHASHSEED differ): planned group of each
+    group_order: list[int] | None = None
 
     @property
     def flavour(self) -> str:
@@ -204,13 +207,40 @@ def check_compatible(ckpt: Checkpoint, engine, target: Target) -> None:
             ckpt.model_state, target.world_size, layout.ep[g], target.rank, path)[0]]]
                 if g in layout.ep else dense[g] for g in order]
     have = _engine_groups(engine, target)
-    if have is not None and target.stage != 3 and have != want:
+    if have is not None and target.stage != 3 and have != want and layout is not None:
+        target.group_order = _group_order(have, want)
+    if have is not None and target.stage != 3 and have != want and target.group_order is None:
         raise InvalidArgument(f"the optimizer's param groups differ from the checkpoint's ({len(have)} groups of "
                               f"{[len(g) for g in have]} params vs {len(want)} of {[len(g) for g in want]})",
                               path=path, hint="build the optimizer's param groups as the run that saved it did")
     if have is not None and target.stage == 3 and [n for g in have for n in g] != [n for g in want for n in g]:
         raise InvalidArgument("the optimizer's parameters (or their order) differ from the checkpoint's", path=path,
                               hint="build the optimizer's param groups as the run that saved it did")
+
+
+def _group_order(have: list[list[str]], want: list[list[str]]) -> list[int] | None:
+    """Where the engine's groups are the planned ones in another order (each group's names whole): the planned
+    group of each engine group; None otherwise."""
+    keys = [tuple(g) for g in want]
+    if len(set(keys)) != len(keys) or sorted(keys) != sorted(tuple(g) for g in have):
+        return None
+    return [keys.index(tuple(g)) for g in have]
+
+
+def reorder_groups(plan, target: Target) -> None:
+    """The planned optimizer file's param groups put in the engine's order (``target.group_order``): every
+    per-group entry and the base optimizer's param groups (each keeps its state ids, which torch's
+    ``load_state_dict`` maps by the groups' order)."""
+    if not target.group_order:
+        return
+    from zckpt.deepspeed.expert_groups import PER_GROUP_KEYS
+    osd, order = _own_optim(plan, target)["optimizer_state_dict"], target.group_order
+    for key in PER_GROUP_KEYS:
+        if isinstance(osd.get(key), list):
+            osd[key] = [osd[key][i] for i in order]
+    bos = osd.get("base_optimizer_state")
+    if isinstance(bos, dict) and isinstance(bos.get("param_groups"), list):
+        bos["param_groups"] = [bos["param_groups"][i] for i in order]
 
 
 @dataclass
