@@ -50,6 +50,17 @@ def ckpt_path(fixture_dir) -> Path:
     return checkpoint_path(fixture_dir)
 
 
+@pytest.fixture(scope="session")
+def megatron_core_loads(request, tmp_path_factory) -> dict:
+    """megatron-core's own loads of zckpt's Megatron outputs for every test file of this session that asks (its
+    ``megatron_jobs``), in one torchrun: {module name: (results, extra)} (tests/megatron_core_loads.py)."""
+    pytest.importorskip("megatron.core")
+    from tests.megatron_core_loads import load_all
+    modules = {item.module.__name__ for item in request.session.items
+               if "megatron_core_loads" in getattr(item, "fixturenames", ())}
+    return load_all(modules, tmp_path_factory.mktemp("megatron_core_loads"))
+
+
 _FIXTURES_AT_START = set(os.listdir(FIXTURES)) if FIXTURES.exists() else set()
 
 

@@ -16,6 +16,8 @@ JOBS.json: ``[{"source": NAME, "ckpt": OUT, "shape": [tp, pp, dp], "ddp": {...}}
 ``ddp``, optional: ``DistributedDataParallelConfig`` fields the job's DDP is built with instead of generate.py's;
 ``direct``, optional: also compare each rank's shards parameter by parameter, :func:`_direct`): one process
 group, each shape's model parallel groups made and destroyed in turn, so one launch checks several shapes.
+``worker``, optional: ``megatron_from_runs_worker`` runs the job with that worker's ``check`` (the job is
+tests/test_megatron_from_runs.py's), so one launch serves both test files (tests/megatron_core_loads.py).
 """
 
 from __future__ import annotations
@@ -93,16 +95,26 @@ def check(G, job: dict) -> dict | None:
     differ = sorted(k for k in want if k in tensors and not same_bits(want[k], tensors[k]))
 
     def summary(per_rank):  # per group: settings and step (all ranks agree), members (union over ranks)
+        # A data-parallel rank whose shards hold no element of a group's parameters has the group with no params,
+        # so no Adam state and no step (adam_step []): its step is not a disagreement (several buckets over dp 2:
+        # each bucket's 1-D parameters, the wd_mult 0 group, all fall in rank 0's half)
         out = {}
         for rank_groups in per_rank:
             for g in rank_groups:
                 key = (g["chained_optimizer"], g["group"])
                 settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
                             if k not in ("params", "chained_optimizer", "group")}
-                entry = out.setdefault(key, {"settings": settings, "params": set(), "agree": True})
-                entry["agree"] &= entry["settings"] == settings
+                entry = out.setdefault(key, {"settings": settings, "params": set(), "agree": True, "empty": None})
+                if entry["empty"] is not None:
+                    drop = ("adam_step",) if entry["empty"] or not g["params"] else ()
+                    entry["agree"] &= ({k: v for k, v in entry["settings"].items() if k not in drop} ==
+                                       {k: v for k, v in settings.items() if k not in drop})
+                if entry["empty"] is not False and g["params"]:
+                    entry["settings"] = settings
+                entry["empty"] = not g["params"] if entry["empty"] is None else entry["empty"] and not g["params"]
                 entry["params"] |= set(g["params"])
-        return {f"{k[0]}.{k[1]}": {**v, "params": sorted(v["params"])} for k, v in sorted(out.items())}
+        return {f"{k[0]}.{k[1]}": {**{n: x for n, x in v.items() if n != "empty"}, "params": sorted(v["params"])}
+                for k, v in sorted(out.items())}
 
     got, expect = summary(all_groups), summary(src_doc["param_groups_per_rank"])
     flat = [x for r in all_losses for step in r for x in step]
@@ -165,7 +177,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     cpu_shim.no_cuda_rng_fork()
     cpu_shim.torch_adam_load_fix()
-    results = [check(G, job) for job in json.loads(Path(a.jobs).read_text())]
+    sys.path.insert(0, str(ROOT / "tests"))
+    import megatron_from_runs_worker
+    checks = {"megatron_write_worker": check, "megatron_from_runs_worker": megatron_from_runs_worker.check}
+    results = [checks[job.get("worker", "megatron_write_worker")](G, job)
+               for job in json.loads(Path(a.jobs).read_text())]
     if dist.get_rank() == 0:
         Path(a.result).write_text(json.dumps(results, indent=1, default=str))
     dist.barrier()

@@ -4,9 +4,9 @@ a real DeepSpeed ZeRO-2 run of a Hugging Face Llama (``fixtures/trainer/checkpoi
 a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of ``get_state_dict``, 2 ranks, untied, 4 heads
 / 2 key-value heads; ``fixtures/gen_fsdp2_llama.py``).
 
-The oracle is megatron-core 0.16.1's own load (tests/megatron_from_runs_worker.py, one torchrun of 2 CPU ranks for
-every job) at two shapes per source (ZeRO-3: tp 2, which the ZeRO-2 run's one key-value head cannot split, and
-Megatron-LM's default ``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq``
+The oracle is megatron-core 0.16.1's own load (tests/megatron_from_runs_worker.py, in the one torchrun of 2 CPU
+ranks this file shares with tests/test_megatron_write.py: tests/megatron_core_loads.py) at two shapes per source
+(ZeRO-3: tp 2, which the ZeRO-2 run's one key-value head cannot split, and Megatron-LM's default ``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq``
 bit-equal to the source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` at save time, ``expected/oracle.safetensors``; torch's DCP reader for the FSDP2
 run), fused here
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +56,6 @@ JOBS = [(name, shape) for name, src in SOURCES.items() for shape in src[4]]
 DP_JOB = len(JOBS)
 JOBS.append(("deepspeed_z3", (1, 1, 2)))
 DDP = "overlap_grad_reduce=false,grad_reduce_in_fp32=true,pad_buckets_for_high_nccl_busbw=false"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _convert(src, out, **kw):
@@ -155,11 +148,9 @@ def _expected(name: str, tmp: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    """megatron-core's findings for every job (one launch of 2 CPU ranks)."""
-    pytest.importorskip("megatron.core")
-    tmp = tmp_path_factory.mktemp("megatron_from_runs")
+def megatron_jobs(tmp: Path) -> tuple[list, dict]:
+    """Every job megatron-core loads for this file (written into ``tmp``) and their plans: the conftest fixture
+    ``megatron_core_loads`` runs them in the one launch it shares with tests/test_megatron_write.py."""
     jobs, plans = [], {}
     for i, (name, (tp, pp, dp)) in enumerate(JOBS):
         src, flags, cfg, _, _ = SOURCES[name]
@@ -171,16 +162,13 @@ def loaded(tmp_path_factory):
             _expected(name, tmp)
         jobs.append({"name": name, "ckpt": str(out), "shape": [tp, pp, dp], "expected": str(expected),
                      "spec": {**cfg, "swiglu": True, "dtype": "bf16"}, "scheduler_args": _scheduler_args(flags)})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(ROOT / "tests" / "megatron_from_runs_worker.py"), "--jobs", str(tmp / "jobs.json"),
-           "--result", str(tmp / "result.json")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    return json.loads((tmp / "result.json").read_text()), plans
+    return jobs, plans
+
+
+@pytest.fixture(scope="module")
+def loaded(megatron_core_loads):
+    """megatron-core's findings for every job (the session's one launch of 2 CPU ranks) and the plans."""
+    return megatron_core_loads[__name__]
 
 
 def _members(cfg: dict) -> tuple[list[str], list[str]]:

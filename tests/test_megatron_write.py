@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +47,10 @@ DP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 2), None), ("gpt_tp1_pp1_dp2", (
 # 9 buckets over dp 2 (tied, pp1): megatron-core built with the same DDP settings loads them; each rank's shards
 # checked parameter by parameter (megatron_write_worker._direct)
 BUCKET_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1), 1500), ("gpt_tp1_pp2_dp1_tied", (1, 1, 2), 700)]
+# a dp_reshardable output resumed at another data-parallel size (megatron-core reshards these buckets in DP; the
+# args stating world_size 1 / data_parallel_size 1 and the DDP settings do not stand in the way): written at dp 1,
+# loaded at dp 2 (the buckets' padding, lcm(dp, 128), is the same at both)
+RESIZE_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 1, 1), (1, 1, 2))]
 # source (c): a DCP under Hugging Face Llama names (zckpt's own Megatron -> DCP, the q/k/v and gate/up split) with the
 # model's config.json beside it, fused back; megatron-core's load must equal the original Megatron source's oracle
 DCP_JOBS = [("gpt_tp2_pp2_dp1_fullyresh", (1, 2, 1), "dcp"), ("gpt_tp2_pp1_dp2", (1, 2, 1), "dcp"),
@@ -80,17 +83,9 @@ def _write_dp(src, out, tp, pp, dp, ddp=None):
     return _convert(src, out, tp=tp, pp=pp, layout="dp_reshardable", dp=dp, ddp_config=ddp).plan
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    """megatron-core's findings for every job (one launch of 2 CPU ranks)."""
-    pytest.importorskip("megatron.core")
-    tmp = tmp_path_factory.mktemp("megatron_write")
+def megatron_jobs(tmp: Path) -> tuple[list, None]:
+    """Every job megatron-core loads for this file (written into ``tmp``): the conftest fixture
+    ``megatron_core_loads`` runs them in the one launch it shares with tests/test_megatron_from_runs.py."""
     jobs = []
     for i, (src, (tp, pp, dp)) in enumerate(JOBS):
         out = tmp / f"{i}-{src}-tp{tp}pp{pp}"
@@ -122,16 +117,17 @@ def loaded(tmp_path_factory):
                   f",bucket_size={size}")
         jobs.append({"source": src, "ckpt": str(out), "shape": [tp, pp, dp], "direct": True,
                      "ddp": {"overlap_grad_reduce": True, "bucket_size": size}})
-    (tmp / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           str(ROOT / "tests" / "megatron_write_worker.py"), "--jobs", str(tmp / "jobs.json"),
-           "--result", str(tmp / "result.json")]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
-    return json.loads((tmp / "result.json").read_text())
+    for i, (src, (tp, pp, dp), at) in enumerate(RESIZE_JOBS):
+        out = tmp / f"resize-{i}-{src}-tp{tp}pp{pp}dp{dp}"
+        _write_dp(MEG / src, out, tp, pp, dp, DDP)
+        jobs.append({"source": src, "ckpt": str(out), "shape": list(at)})
+    return jobs, None
+
+
+@pytest.fixture(scope="module")
+def loaded(megatron_core_loads):
+    """megatron-core's findings for every job (the session's one launch of 2 CPU ranks)."""
+    return megatron_core_loads[__name__][0]
 
 
 @pytest.mark.parametrize("i", range(len(JOBS)), ids=[f"{s}-to-tp{t[0]}pp{t[1]}dp{t[2]}" for s, t in JOBS])
@@ -192,13 +188,31 @@ def test_megatron_core_loads_several_buckets(loaded, i):
     """overlap_grad_reduce with a bucket size: megatron-core, built with those DDP settings, accepts the buckets
     (per_bucket_numel_unpadded) and holds the source's master and moments in every rank's shard of every
     parameter; at dp 1 its own gather equals the oracle too (at dp 2 that gather misplaces elements of later
-    buckets by itself: megatron-core's issue #504, so the shards are compared directly), one more iteration runs."""
+    buckets by itself: megatron-core's issue #504, so the shards are compared directly), one more iteration runs.
+    Every rank's param groups agree and equal the source's (settings, step, members): at dp 2 data-parallel rank 1
+    holds no element of the 1-D (wd_mult 0) group, every norm falling in the first half of its bucket, so it has
+    that group with no params and no Adam step, which the worker does not count as a disagreement."""
     got = loaded[len(JOBS) + 1 + len(DCP_JOBS) + len(DP_JOBS) + i]
     assert got["source"] == BUCKET_JOBS[i][0] and tuple(got["shape"]) == BUCKET_JOBS[i][1]
     assert got["direct"] and all(d["checked"] > 0 and not d["bad"] for d in got["direct"]), got["direct"]
     assert got["keys_equal"] and got["scheduler_equal"] and got["losses_finite"] and got["iteration"] == 3
+    # every rank's groups agree (a rank holding no element of a group has no Adam step for it: the worker says why)
+    assert all(g["agree"] for g in got["groups"].values()) and got["groups_equal"], got["groups"]
     if BUCKET_JOBS[i][1][2] == 1:
-        assert got["tensors"] > 0 and not got["differ"] and got["groups_equal"], got["differ"]
+        assert got["tensors"] > 0 and not got["differ"], got["differ"]
+
+
+@pytest.mark.parametrize("i", range(len(RESIZE_JOBS)), ids=[f"{s}-dp{t[2]}-at-dp{a[2]}" for s, t, a in RESIZE_JOBS])
+def test_megatron_core_resumes_dp_reshardable_at_another_dp(loaded, i):
+    """The args state the output's world and data-parallel sizes (1 here); megatron-core's load at dp 2 reshards the
+    buckets in DP and equals the source's oracle bit for bit (Megatron-LM's own load reads neither size from the
+    checkpoint: only the rerun state, which zckpt does not write, depends on them)."""
+    got = loaded[len(JOBS) + 1 + len(DCP_JOBS) + len(DP_JOBS) + len(BUCKET_JOBS) + i]
+    assert got["source"] == RESIZE_JOBS[i][0] and tuple(got["shape"]) == RESIZE_JOBS[i][2]
+    c = torch.load(str(next(Path(got["ckpt"]).glob("iter_*")) / "common.pt"), weights_only=False)
+    assert (vars(c["args"])["world_size"], vars(c["args"])["data_parallel_size"]) == (1, 1)
+    assert got["keys_equal"] and got["tensors"] > 0 and not got["differ"], (got["missing"], got["differ"])
+    assert got["groups_equal"] and got["scheduler_equal"] and got["losses_finite"] and got["iteration"] == 3
 
 
 @pytest.mark.parametrize("i", [0, 2])
