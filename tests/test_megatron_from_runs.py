@@ -7,10 +7,10 @@ a real FSDP2 run of one (``fixtures/fsdp2_llama_ws2``: ``dcp.save`` of ``get_sta
 The oracle is megatron-core 0.16.1's own load (tests/megatron_from_runs_worker.py, in the one torchrun of 2 CPU
 ranks this file shares with tests/test_megatron_write.py: tests/megatron_core_loads.py) at two shapes per source
 (ZeRO-3: tp 2, which the ZeRO-2 run's one key-value head cannot split, and Megatron-LM's default
-``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` /
+``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the
+source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` at save time, ``expected/oracle.safetensors``; torch's DCP reader for the FSDP2
-run), fused here
-with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas, eps and Adam step;
+run), fused here with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas, eps and Adam step;
 the ``OptimizerParamScheduler`` Megatron-LM builds from the same flags accepts the checkpoint's (its
 ``_check_and_set`` asserts each value) and sets the lr megatron-core's own scheduler gives at that step; one more
 iteration runs. The flags' arithmetic (megatron/run_args) is checked against megatron-core's scheduler for every
