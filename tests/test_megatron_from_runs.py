@@ -10,7 +10,8 @@ ranks this file shares with tests/test_megatron_write.py: tests/megatron_core_lo
 ``dp_reshardable`` layout at dp 2): every weight, fp32 master, ``exp_avg`` and ``exp_avg_sq`` bit-equal to the
 source's as its own framework gives them (DeepSpeed's ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` at save time, ``expected/oracle.safetensors``; torch's DCP reader for the FSDP2
-run), fused here with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas, eps and Adam step;
+run), fused here with torch (q/k/v per query group, gate/up); megatron-core's two groups with the source's betas,
+eps and Adam step;
 the ``OptimizerParamScheduler`` Megatron-LM builds from the same flags accepts the checkpoint's (its
 ``_check_and_set`` asserts each value) and sets the lr megatron-core's own scheduler gives at that step; one more
 iteration runs. The flags' arithmetic (megatron/run_args) is checked against megatron-core's scheduler for every
