@@ -105,8 +105,9 @@ CASES = [  # (fixture, data-parallel size, the engine's expert-parallel size per
     ("moe_autoep_z2_bf16_ws4_ep4_l2", 4, (2, 2)),  # AutoEP ZeRO-2, Mixtral, 2 layers x 8 experts: ep 4 -> 2
     ("moe_autoep_z3_bf16_ws4_ep2_l2", 4, (4, 4)),  # AutoEP ZeRO-3, Qwen3-MoE, 2 layers x 8 experts: ep 2 -> 4
     ("moe_z2_bf16_ws4_ep2_ep4_mixed", 4, (4, 2)),  # native ZeRO-2, layers of ep 2 and 4 -> 4 and 2
+    ("moe_autoep_z3_bf16_ws2_ep2", 4, (4,)),  # AutoEP ZeRO-3, 1 layer x 4 experts: dp 2 -> 4 and ep 2 -> 4
 ]
-IDS = ["autoep-z2-ep4to2", "autoep-z3-ep2to4", "native-2+4to4+2"]
+IDS = ["autoep-z2-ep4to2", "autoep-z3-ep2to4", "native-2+4to4+2", "autoep-z3-dp2to4-ep2to4"]
 # each engine rank's PYTHONHASHSEED: DeepSpeed orders a rank's expert groups by a set of names, so ranks 1 and 3
 # hold the native case's [dense, ep_size_4, ep_size_2] where the plan (rank 0 of the source) has [dense, ep_size_2,
 # ep_size_4]: each rank's planned file is put in its engine's order

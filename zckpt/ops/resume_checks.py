@@ -41,7 +41,9 @@ def engine_target(engine) -> Target:
     import deepspeed.comm as dist
     stage = int(engine.zero_optimization_stage())
     if stage == 0 or engine.optimizer is None:
-        raise UnsupportedLayout("the engine does not use a ZeRO optimizer (stage 0); load with engine.load_checkpoint")
+        raise UnsupportedLayout("the engine does not use a ZeRO optimizer (stage 0); load with engine.load_checkpoint"
+                                + (" (at another expert-parallel size: zckpt reshard --ep N first)"
+                                   if getattr(engine, "has_moe_layers", False) else ""))
     if getattr(engine, "pipeline_parallelism", False):
         raise UnsupportedLayout("pipeline-parallel engines are not loaded by zckpt.deepspeed.load_checkpoint: run "
                                 "`zckpt reshard --world-size <data-parallel size>` (stages kept), then "
