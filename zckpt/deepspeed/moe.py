@@ -124,8 +124,11 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
 
     expert_recs: dict[str, TensorRecord] = {}
     placed: dict[int, tuple[int, dict[int, list[tuple[str, str]]]]] = {}
+    # a layer's local experts may lie in several param groups of one name (DeepSpeed's max_group_size cut, or several
+    # user param groups): counted over every expert group
+    nlocal = _num_local(name for g in experts for name in param_shapes[g])
     for g in experts:
-        recs, info, ep, by_rank = _expert_group(loc, ms0, optim_states, hyper[g], g, param_shapes[g], ws)
+        recs, info, ep, by_rank = _expert_group(loc, ms0, optim_states, hyper[g], g, param_shapes[g], ws, nlocal)
         expert_recs.update(recs)
         groups.append(info)
         placed[g] = (ep, by_rank)
@@ -262,15 +265,18 @@ def _rank_experts(loc: Location, ms0: dict, param_shapes: list, hyper: list, exp
     try:
         ws = int(counts[next(g for g in range(len(param_shapes)) if g not in experts)])
         missing = sorted(set(range(ws)) - {f.dp_rank for f in loc.optim_files})
+        nlocal = _num_local(name for g in experts for name in param_shapes[g])
         parts = []
         for r in missing:
             held = []
             for g in experts:
                 ep = ep_size_of(hyper[g], counts[g], ws, g, loc.tag_dir)
                 e = next(e for e in range(ep) if r in expert_data_ranks(ms0, ws, ep, e, loc.tag_dir))
-                for prefix, n in _num_local(param_shapes[g]).items():
-                    module = prefix.split(".deepspeed_moe.")[0]
-                    held.append(f"experts {e * n}..{(e + 1) * n - 1} of {module} ({hyper[g].get('name', g)})")
+                for prefix in dict.fromkeys(m.group(1) for m in map(EXPERT_RE.match, param_shapes[g]) if m):
+                    n, module = nlocal[prefix], prefix.split(".deepspeed_moe.")[0]
+                    what = f"experts {e * n}..{(e + 1) * n - 1} of {module} ({hyper[g].get('name', g)})"
+                    if what not in held:
+                        held.append(what)
             if held:
                 parts.append(f"rank {r} held its partition of " + ", ".join(held))
     except (ZckptError, TypeError, ValueError, IndexError, KeyError, StopIteration):
@@ -282,8 +288,9 @@ def _dense_only(d):
     return None if d is None else {k: v for k, v in d.items() if not EXPERT_RE.match(k)}
 
 
-def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws):
-    """Expert group ``g``: one zero12 build per expert-parallel rank, local expert ids renamed to global ones.
+def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws, nlocal):
+    """Expert group ``g``: one zero12 build per expert-parallel rank, local expert ids renamed to global ones
+    (``nlocal``: each MoE layer's local experts, counted over all expert groups, :func:`_num_local`).
     Returns (records by global name, the group, ep_size, per expert-parallel rank its (local, global) names in
     the order of its flat group)."""
     from zckpt.deepspeed import zero12
@@ -291,7 +298,6 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws):
     counts = optim_states[0]["optimizer_state_dict"].get("partition_count")
     count = counts[g] if isinstance(counts, (list, tuple)) and g < len(counts) else counts
     ep = ep_size_of(hyper, count, ws, g, loc.optim_files[0].path)
-    nlocal = _num_local(shapes)
     ms_g = {**ms0, "module": None, "param_shapes": [shapes], "frozen_param_shapes": None,
             "frozen_param_fragments": None, "shared_params": {}, "buffer_names": []}
     out: dict[str, TensorRecord] = {}
@@ -313,15 +319,19 @@ def _expert_group(loc, ms0, optim_states, hyper, g, shapes, ws):
     return out, info, ep, by_rank
 
 
-def _num_local(shapes) -> dict[str, int]:
-    """Experts per MoE layer (keyed by the name prefix up to ``deepspeed_experts.``) in one rank's group."""
+def _num_local(names) -> dict[str, int]:
+    """Experts per MoE layer (keyed by the name prefix up to ``deepspeed_experts.``) on one rank: ``names`` are the
+    parameter names of rank 0's expert groups, all of them (DeepSpeed's ``split_params_into_different_moe_groups_
+    for_optimizer`` cuts an expert group over ``max_group_size`` into several param groups of one name, a layer's
+    experts spread over them, a cut even within an expert)."""
     ids: dict[str, set[int]] = {}
-    for name in shapes:
+    for name in names:
         if m := EXPERT_RE.match(name):
             ids.setdefault(m.group(1), set()).add(int(m.group(2)))
     for prefix, s in ids.items():
         if s != set(range(len(s))):
-            raise CorruptFile(f"local expert ids of {prefix}* are {sorted(s)}, expected 0..{len(s) - 1}")
+            raise CorruptFile(f"the expert param groups (param_shapes) hold local expert ids {sorted(s)} of "
+                              f"{prefix}*, expected 0..{len(s) - 1}")
     return {p: len(s) for p, s in ids.items()}
 
 
