@@ -77,7 +77,8 @@ def _jobs(jobs: list[dict]) -> None:
         (Path(job["out"]) / f"resumed_rank{rank}.json").write_text(json.dumps(
             {"mode": info.mode, "source_world_size": info.source_world_size, "world_size": info.world_size,
              "crc_checked": info.crc_checked_entries, "loss": float(loss.detach().float()),
-             "global_steps": engine.global_steps, "groups": [pg.get("name") for pg in inner.param_groups]}))
+             "global_steps": engine.global_steps, "groups": [pg.get("name") for pg in inner.param_groups],
+             "ep": [info.source_ep, info.ep]}))
         del engine, made[:]
     finish(dist)
 
@@ -107,6 +108,7 @@ CASES = [  # (fixture, data-parallel size, the engine's expert-parallel size per
     ("moe_z2_bf16_ws4_ep2_ep4_mixed", 4, (4, 2)),  # native ZeRO-2, layers of ep 2 and 4 -> 4 and 2
     ("moe_autoep_z3_bf16_ws2_ep2", 4, (4,)),  # AutoEP ZeRO-3, 1 layer x 4 experts: dp 2 -> 4 and ep 2 -> 4
 ]
+SOURCE_EP = [[4, 4], [2, 2], [2, 4], [2]]  # each case's saved expert-parallel size per MoE layer
 IDS = ["autoep-z2-ep4to2", "autoep-z3-ep2to4", "native-2+4to4+2", "autoep-z3-dp2to4-ep2to4"]
 # each engine rank's PYTHONHASHSEED: DeepSpeed orders a rank's expert groups by a set of names, so ranks 1 and 3
 # hold the native case's [dense, ep_size_4, ep_size_2] where the plan (rank 0 of the source) has [dense, ep_size_2,
@@ -172,6 +174,7 @@ def test_resume_at_other_ep_sizes_equals_the_source(resumed, case):
         assert (info["mode"], info["source_world_size"], info["world_size"]) == ("reshard", _spec(name)["world_size"],
                                                                                   ws)
         assert math.isfinite(info["loss"]) and info["global_steps"] == want["global_steps"] + 1
+        assert info["ep"] == [SOURCE_EP[case], list(ep)], info["ep"]  # per MoE layer: the checkpoint's, the engine's
         orders.append(info["groups"])
     if len({tuple(o) for o in orders}) == 1:
         assert_same_files(d / "offline", d / "resaved", tag)

@@ -340,6 +340,9 @@ class ResumeInfo:
     tensor_bytes_read: int = 0  # the tensor bytes among them (each source byte at most once)
     crc_checked_entries: int = 0  # source zip entries whose CRC-32 this rank checked
     crc_unchecked_entries: int = 0  # entries this rank read only in part (others' partitions), not checked
+    # an MoE checkpoint's expert-parallel size per MoE layer (in the checkpoint's layer order) and the engine's
+    source_ep: list | None = None
+    ep: list | None = None
 
 
 def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict: bool = True,
@@ -422,6 +425,11 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
                       read.bytes, sum(max(f.size, 0) for f in ckpt.files), seconds,
                       mat.bytes_read if mat is not None else 0,
                       check.checked if check is not None else 0, check.unchecked if check is not None else 0)
+    cover = sorted(ckpt.extra.get("moe_coverage") or [], key=lambda x: x["index"])
+    if cover:
+        info.source_ep = [int(x.get("ep") or 1) for x in cover]
+        info.ep = list(info.source_ep) if target.ep is None else \
+            [target.ep] * len(cover) if isinstance(target.ep, int) else list(target.ep)
     kw = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
     t1 = time.perf_counter()
