@@ -86,7 +86,7 @@ def check(G, job: dict) -> dict | None:
             entry["agree"] &= entry["settings"] == settings
             entry["params"] |= set(g["params"])
     flat = [x for r in all_losses for step in r for x in step]
-    return {"name": job["name"], "shape": job["shape"], "tensors": len(tensors),
+    return {"name": job["name"], "ckpt": job["ckpt"], "shape": job["shape"], "tensors": len(tensors),
             "sharding": meta["distrib_optim_sharding_type"],
             "keys_equal": set(want) == set(tensors), "missing": sorted(set(want) - set(tensors))[:5],
             "extra": sorted(set(tensors) - set(want))[:5], "differ": differ[:10],

@@ -188,6 +188,13 @@ def test_megatron_core_resumes_a_genuine_run(loaded, i):
     src, flags, cfg, iteration, _ = SOURCES[name]
     assert got["name"] == name and tuple(got["shape"]) == shape
     assert got["sharding"] == ("dp_reshardable" if i == DP_JOB else "fully_reshardable")
+    args = vars(torch.load(str(next(Path(got["ckpt"]).glob("iter_*")) / "common.pt"),
+                           weights_only=False)["args"])
+    sizes = {k: args.get(k) for k in ("world_size", "data_parallel_size", "overlap_grad_reduce", "ddp_bucket_size",
+                                      "accumulate_allreduce_grads_in_fp32", "ddp_pad_buckets_for_high_nccl_busbw")}
+    assert sizes == ({"world_size": 2, "data_parallel_size": 2, "overlap_grad_reduce": False, "ddp_bucket_size": None,
+                      "accumulate_allreduce_grads_in_fp32": True, "ddp_pad_buckets_for_high_nccl_busbw": False}
+                     if i == DP_JOB else dict.fromkeys(sizes)), sizes  # as Megatron-LM's save at that shape; else none
     assert got["keys_equal"], (got["missing"], got["extra"])  # every weight, master, exp_avg, exp_avg_sq
     assert got["tensors"] > 0 and not got["differ"], got["differ"]  # bit for bit
     import zckpt
