@@ -80,7 +80,8 @@ def _native_worker(job: dict) -> None:
             buf.add_(3.0)
     pg = {"params": [p for p in model.parameters() if p.requires_grad], "name": "dense", "lr": spec["lr"] / 3,
           "weight_decay": 0.01}
-    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer([pg]), lr=spec["lr"] / 3,
+    split = {"max_group_size": spec["max_group_size"]} if spec.get("max_group_size") else {}  # the run's cut
+    opt = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer([pg], **split), lr=spec["lr"] / 3,
                             betas=(0.9, 0.95), eps=1e-8)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=P._config(G, spec))
     client_state, resumed = _load(engine, job)

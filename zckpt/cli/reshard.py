@@ -40,6 +40,10 @@ Examples:
 @click.option("--ep", "ep", callback=lambda ctx, param, v: _ep_sizes(v), default=None, metavar="N[,N...]",
               help="Expert-parallel size of the output (DeepSpeed MoE or AutoEP; default: the source's): one size "
                    "for every MoE layer, or one per MoE layer in order (2,4).")
+@click.option("--max-group-size", "max_group_size", type=click.IntRange(1, None), default=None, metavar="N",
+              help="Native MoE with --ep: the max_group_size the run passed to DeepSpeed's split_params_into_"
+                   "different_moe_groups_for_optimizer (which cuts an expert group into several param groups); "
+                   "needed only where the source's own cut does not say how the output's groups are cut.")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,
               help="Stage 1 + bf16 only: write for DeepSpeed's BF16 optimizer (config data_types.grad_accum_dtype "
                    "= fp32) or for the ZeRO-1 optimizer. Default: as the source, when the stage stays 1.")
@@ -57,8 +61,8 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def reshard(path, world_size, stage, ep, bf16_optimizer, out, fmt, tag, workers, overwrite, durable, dry_run,
-            storage_options, as_json, quiet):
+def reshard(path, world_size, stage, ep, max_group_size, bf16_optimizer, out, fmt, tag, workers, overwrite, durable,
+            dry_run, storage_options, as_json, quiet):
     """Rewrite a DeepSpeed checkpoint as DeepSpeed would have saved it at another world size / ZeRO stage.
 
     Every rank file is rebuilt with the target's partitions, paddings, sub-groups and metadata: fp32 masters,
@@ -77,7 +81,7 @@ def reshard(path, world_size, stage, ep, bf16_optimizer, out, fmt, tag, workers,
             result = run(path, out, world_size=world_size, stage=stage, fmt=fmt, tag=tag,
                          dry_run=dry_run, overwrite=overwrite, workers=workers, progress=bar,
                          bf16_optimizer=bf16_optimizer, durable=durable, storage_options=storage_options,
-                         group=None if dry_run else group, ep=ep)
+                         group=None if dry_run else group, ep=ep, max_group_size=max_group_size)
     if group is not None and group.rank != 0:
         return
     if not dry_run:

@@ -281,57 +281,118 @@ def check_group_size(name: str, numel: int, path: str, source: int = 0) -> None:
                                 "at another expert-parallel size", path=path, hint="drop --ep")
 
 
+def cut_bounds(layout: MoELayout, names: dict[int, str]) -> tuple[int, int | None, bool]:
+    """What the source's expert groups say of the ``max_group_size`` its run passed to DeepSpeed's
+    ``split_params_into_different_moe_groups_for_optimizer``, which cuts an expert group's parameters (in order)
+    into param groups of one name, a new one when the next parameter would take it over the limit: (lo, hi, cut).
+    Every group holds at most the limit (lo: the largest, on expert-parallel rank 0, whose parameters are the same
+    on every rank); each cut group plus the first parameter of the next exceeds it (hi, None where nothing was
+    cut). ``names``: group -> its name; consecutive groups of one name are one cut group."""
+    gs = sorted(layout.shards)
+    size = {g: sum(r.numel for _, r in layout.shards[g][0]) for g in gs}
+    lo = max(size.values(), default=0)
+    hi = None
+    for g, nxt in zip(gs, gs[1:]):
+        if nxt == g + 1 and names.get(g) == names.get(nxt) and layout.shards[nxt][0]:
+            over = size[g] + layout.shards[nxt][0][0][1].numel - 1
+            hi = over if hi is None else min(hi, over)
+    return lo, hi, hi is not None
+
+
+def _cuts(numels: list[int], limit: int, what: str, path: str) -> list[int]:
+    """Where DeepSpeed's helper starts a new param group (indices into ``numels``), as 0.19.8 cuts."""
+    starts, size = [0], 0
+    for i, n in enumerate(numels):
+        if n > limit:
+            raise UnsupportedLayout(f"{what}: a parameter of {n} elements is over max_group_size {limit}: DeepSpeed "
+                                    "would make an empty param group", path=path, hint="pass a larger --max-group-size")
+        if size + n > limit:
+            starts.append(i)
+            size = 0
+        size += n
+    return starts
+
+
+def check_max_group_size(layout: MoELayout, names: dict[int, str], limit: int | None, path: str):
+    """``--max-group-size`` against what the source's cut says (:func:`cut_bounds`): refused in one line where
+    DeepSpeed would have cut the source otherwise."""
+    lo, hi, cut = cut_bounds(layout, names)
+    if limit is not None and (limit < lo or (hi is not None and limit > hi)):
+        said = f"between {lo} and {hi}" if cut else f"at least {lo} (nothing was cut)"
+        raise InvalidArgument(f"{limit} would not cut the source's expert groups as they are: their "
+                              f"cut says the run's max_group_size was {said}", param="max_group_size", path=path,
+                              hint="pass the max_group_size the run gave split_params_into_different_moe_groups_"
+                              "for_optimizer")
+    return lo, hi, cut
+
+
 def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | None = None,
-          names: dict[int, str] | None = None) -> tuple[MoELayout, dict[int, dict]]:
+          names: dict[int, str] | None = None, max_group_size: int | None = None) -> tuple[MoELayout, dict[int, dict]]:
     """A native MoE layout laid out again at other expert-parallel sizes (``zckpt reshard --ep``): ``ep`` one size
     for every MoE layer, or ``{MoE layer index: size}``. Expert-parallel rank e of a layer of size N holds its global
     experts ``e * E/N .. (e+1) * E/N - 1`` under local ids ``0 .. E/N - 1``. DeepSpeed gives each size one expert
     param group (``ep_size_N``, after the dense groups) whose flat group holds, layer by layer in model order, each
-    local expert's parameters in module order (the source's order, read from its expert-parallel rank 0). Returns
-    the layout and, per expert group, the new ``param_shapes`` entry (rank 0's local experts, shapes as the source
-    saved them). Where the groups change (sizes merged, split or swapped), ``MoELayout.regroup`` says from which
-    source groups each new one comes: its order is the source rank 0's order of the same names, else the order the
-    source's groups first hold its layers. Refused in one line: a layer whose experts do not split, a layer's experts
-    in several source groups or two source groups of one name (several user param groups, or DeepSpeed's
-    ``max_group_size`` split), source expert groups before a dense one."""
+    local expert's parameters in module order (the source's order, read from its expert-parallel rank 0), which
+    ``split_params_into_different_moe_groups_for_optimizer`` cuts into several groups of that name over its
+    ``max_group_size`` (:func:`_cuts`): the limit is ``max_group_size`` where given (checked against the source's
+    cut), else read from the source's cut (:func:`cut_bounds`) where every limit that cut allows cuts the output
+    alike, else refused in one line asking for it; a source nothing was cut in is written uncut up to DeepSpeed's
+    default or its own largest group (:func:`check_group_size`). Returns the layout and, per expert group, the new
+    ``param_shapes`` entry (rank 0's local experts, shapes as the source saved them). Where the groups change
+    (sizes merged, split, swapped or cut), ``MoELayout.regroup`` says from which source groups each new one comes:
+    its order is the source rank 0's order of the same names, else the order the source's groups first hold its
+    layers. Refused in one line: a layer whose experts do not split, a layer's experts in several source groups of
+    other names or two source groups of one name apart (several user param groups), source expert groups before a
+    dense one."""
     if layout.autoep:
         sizes = set(ep.values()) if isinstance(ep, dict) else {ep}
         if len(sizes) > 1:
             raise UnsupportedLayout(f"AutoEP layers at expert-parallel sizes {sorted(sizes)}: DeepSpeed's AutoEP "
                                     "requires one size for every layer", path=path, hint="pass one --ep size")
+        if max_group_size is not None:
+            raise InvalidArgument("native MoE (deepspeed.moe.layer.MoE) only: AutoEP makes its own param groups",
+                                  param="max_group_size", path=path,
+                                  hint="drop --max-group-size")
         return _autoep_at_ep(layout, sizes.pop(), records or {}, path)
     names = names or {}
     recs: dict[str, TensorRecord] = {}
-    blocks: dict[str, tuple[int, int, list[str]]] = {}  # prefix -> (source group, experts, suffixes in order)
+    blocks: dict[str, tuple[list[int], int, list[str]]] = {}  # prefix -> (source groups, experts, suffixes)
+    ids: dict[str, set[int]] = {}
     order: list[str] = []
-    for g in sorted(layout.shards):
+    gs = sorted(layout.shards)
+    src_names = [names.get(g, f"ep_size_{layout.ep[g]}") for g in gs]
+    for i, n in enumerate(src_names):
+        if n in src_names[:i] and src_names[i - 1] != n:
+            raise UnsupportedLayout(f"expert param groups {src_names}: two of one name apart (several user param "
+                                    "groups) are not laid out at another expert-parallel size", path=path,
+                                    hint="drop --ep")
+    for g in gs:
         by_rank = layout.shards[g]
         recs.update({rec.name: rec for pairs in by_rank.values() for _, rec in pairs})
-        ids: dict[str, set[int]] = {}
         for local, _ in by_rank[0]:
             m = _LOCAL_RE.match(local)
             if m is None:
                 raise CorruptFile(f"'{local}' is in an expert group but is not a deepspeed_experts parameter",
                                   path=path)
             prefix, i, suffix = m.group(1), int(m.group(2)), m.group(3)
-            if prefix in blocks and blocks[prefix][0] != g:
-                raise UnsupportedLayout(f"MoE layer {_module(prefix)}'s experts are in expert groups "
-                                        f"{blocks[prefix][0]} and {g} (several user param groups, or DeepSpeed's "
-                                        "max_group_size split): not laid out at another expert-parallel size",
-                                        path=path, hint="drop --ep")
+            if prefix in blocks and blocks[prefix][0][-1] != g:
+                last = blocks[prefix][0][-1]
+                if names.get(last, last) != names.get(g, g) or layout.ep[last] != layout.ep[g] or \
+                        blocks[prefix][0][-1] != g - 1:
+                    raise UnsupportedLayout(f"MoE layer {_module(prefix)}'s experts are in expert groups "
+                                            f"{blocks[prefix][0][0]} and {g} (several user param groups): not laid "
+                                            "out at another expert-parallel size", path=path, hint="drop --ep")
+                blocks[prefix][0].append(g)  # one group cut by DeepSpeed's max_group_size
             if prefix not in blocks:
-                blocks[prefix] = (g, 0, [])
+                blocks[prefix] = ([g], 0, [])
                 order.append(prefix)
             ids.setdefault(prefix, set()).add(i)
             if suffix not in blocks[prefix][2]:
                 blocks[prefix][2].append(suffix)
-        for prefix, got in ids.items():
-            blocks[prefix] = (g, len(got) * layout.ep[g], blocks[prefix][2])
-    src_names = [names.get(g, f"ep_size_{layout.ep[g]}") for g in sorted(layout.shards)]
-    if len(set(src_names)) < len(src_names):
-        raise UnsupportedLayout(f"expert param groups {src_names}: two of one size (several user param groups, or "
-                                "DeepSpeed's max_group_size split) are not laid out at another expert-parallel size",
-                                path=path, hint="drop --ep")
+    for prefix in order:
+        blocks[prefix] = (blocks[prefix][0], len(ids[prefix]) * layout.ep[blocks[prefix][0][0]], blocks[prefix][2])
+    lo, hi, cut = check_max_group_size(layout, names, max_group_size, path)
+    shape_of = {k: v for g in gs for k, v in (param_shapes[g] if g < len(param_shapes) else {}).items()}
     layer_of = _layer_indices(layout, order)
     size_of = {p: (ep[layer_of[p]] if isinstance(ep, dict) else ep) for p in order}
     for p in order:
@@ -349,28 +410,48 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
     shapes: dict[int, dict] = {}
     regroup: dict[int, list[int]] = {}
     nl_of: dict[str, int] = {}
-    for k, n in enumerate(sizes):
+    eps: dict[int, int] = {}
+    k = base
+    for n in sizes:
         new: dict[int, list] = {e: [] for e in range(n)}
         mine = sorted((p for p in order if size_of[p] == n), key=lambda p: layer_of[p])
         for prefix in mine:
-            g, total, suffixes = blocks[prefix]
+            _, total, suffixes = blocks[prefix]
             nl = nl_of[prefix] = total // n
             for e in range(n):
                 new[e].extend((f"{prefix}{i}{sfx}", recs[f"{prefix}{e * nl + i}{sfx}"])
                               for i in range(nl) for sfx in suffixes)
-        src = {g for g, _, _ in (blocks[p] for p in mine)}
-        regroup[base + k] = sorted(src, key=lambda g: min(order.index(p) for p in mine if blocks[p][0] == g))
-        check_group_size(f"ep_size_{n}", sum(r.numel for _, r in new[0]), path, max(
-            sum(r.numel for _, r in by_rank[0]) for by_rank in layout.shards.values()))
-        shapes[base + k] = {local: param_shapes[blocks[_LOCAL_RE.match(local).group(1)][0]][
-            _LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)] for local, _ in new[0]}
-        shards[base + k] = new
+        src = {g for p in mine for g in blocks[p][0]}
+        first = {g: min(order.index(p) for p in mine if g in blocks[p][0]) for g in src}
+        numels = [r.numel for _, r in new[0]]
+        what = f"expert group ep_size_{n}"
+        limit = max_group_size
+        if limit is None and cut:
+            starts = _cuts(numels, lo, what, path)
+            if hi is None or _cuts(numels, hi, what, path) != starts:
+                raise UnsupportedLayout(f"{what} would hold {sum(numels)} elements on a rank, which DeepSpeed's "
+                                        "split_params_into_different_moe_groups_for_optimizer cuts as its "
+                                        f"max_group_size says, and the source's cut says only that it was between {lo} "
+                                        f"and {hi}", path=path,
+                                        hint="pass --max-group-size N, the run's max_group_size")
+        elif limit is None:
+            check_group_size(f"ep_size_{n}", sum(numels), path, lo)
+            starts = [0]
+        else:
+            starts = _cuts(numels, limit, what, path)
+        for a, b in zip(starts, starts[1:] + [len(numels)]):
+            regroup[k] = sorted(src, key=lambda g: (first[g], g))
+            shapes[k] = {local: shape_of[_LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)]
+                         for local, _ in new[0][a:b]}
+            shards[k] = {e: pairs[a:b] for e, pairs in new.items()}
+            eps[k] = n
+            k += 1
     files = {}
     for name, (tensors, _, _) in layout.expert_files.items():  # (ep, the expert-parallel rank that loads it)
         m = _LOCAL_RE.match(tensors[0][0]) if tensors else None
         p = m.group(1) if m else None
         files[name] = (tensors, size_of.get(p, 1), int(m.group(2)) // nl_of[p] if p in nl_of else 0)
-    out = MoELayout({base + k: n for k, n in enumerate(sizes)}, shards, files)
+    out = MoELayout(eps, shards, files)
     if regroup != {g: [g] for g in layout.shards}:
         out.regroup = regroup
     return out, shapes

@@ -9,7 +9,7 @@ import re
 from collections import OrderedDict
 
 from zckpt.deepspeed.expert_groups import (
-    EP_NAME_RE, at_ep, autoep_layers_at, check_group_size, expert_data_ranks, target_eps,
+    EP_NAME_RE, at_ep, autoep_layers_at, check_group_size, check_max_group_size, expert_data_ranks, target_eps,
 )
 from zckpt.deepspeed.model import scalar_value
 from zckpt.deepspeed.partition import Converter, TorchObject
@@ -85,7 +85,7 @@ def plan_pipeline(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_opt
 # expert-data-parallel ranks
 
 def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: bool | None, fmt: str,
-              ep: int | None = None):
+              ep: int | None = None, max_group_size: int | None = None):
     """The :class:`zckpt.deepspeed.moe.MoELayout` of an MoE checkpoint that can be laid out at ``world_size`` (and
     expert-parallel size ``ep``: :func:`~zckpt.deepspeed.expert_groups.at_ep`), with the new ``param_shapes``
     entries of its expert groups (empty when ``ep`` is kept); what cannot is refused in one line."""
@@ -115,13 +115,22 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
         raise UnsupportedLayout("round_robin_gradients reorders the flat groups per world size; not supported",
                                 path=tag_dir)
     shapes: dict = {}
+    names = {g.index: g.hyperparams.get("name") for g in ckpt.groups if g.index in layout.ep}
+    changed = False
     if ep is not None:
         cover = ckpt.extra.get("moe_coverage") or []
         new = target_eps(ep, cover, world_size, tag_dir)
         if any(new[int(x["index"])] != x.get("ep") for x in cover):
-            names = {g.index: g.hyperparams.get("name") for g in ckpt.groups if g.index in layout.ep}
+            changed = True
             layout, shapes = at_ep(layout, ep if isinstance(ep, int) else new,
-                                   ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name(), names)
+                                   ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name(), names,
+                                   max_group_size)
+    if max_group_size is not None and not changed:  # the expert groups are kept as cut: the limit must agree
+        if layout.autoep:
+            raise InvalidArgument("native MoE (deepspeed.moe.layer.MoE) only: AutoEP makes its own param groups",
+                                  param="max_group_size", path=tag_dir,
+                                  hint="drop --max-group-size")
+        check_max_group_size(layout, names, max_group_size, tag_dir)
     bad = sorted({n for n in layout.ep.values() if world_size % n})
     if bad:
         raise UnsupportedLayout(f"mixture-of-experts checkpoint: data-parallel size {world_size} is not a multiple "
@@ -238,10 +247,14 @@ def plan_moe(t: Target, layout, expert_files: str,
 
 
 def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optimizer: bool | None,
-                fmt: str, side=(), ep: int | None = None) -> ReshardPlan:
+                fmt: str, side=(), ep: int | None = None, max_group_size: int | None = None) -> ReshardPlan:
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
+    if max_group_size is not None and (ckpt.extra.get("moe") is None or ckpt.stage == 3):
+        raise InvalidArgument("native MoE checkpoints of ZeRO-1/2 only (the split_params_into_different_moe_groups_"
+                              "for_optimizer argument)", param="max_group_size",
+                              path=ckpt.location.tag_dir, hint="drop --max-group-size")
     if ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
         return _autoep_zero3(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
     if ckpt.extra.get("moe_zero0") and ep is not None:
@@ -256,7 +269,7 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
         if _changes_ep(ckpt, ep):
             return moe_zero0_at_ep(ckpt, world_size, ep, side)
     src_eps = sorted(set((ckpt.extra.get("moe").ep if ckpt.extra.get("moe") else {}).values()))
-    layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
+    layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, fmt, ep, max_group_size)
     t = target_of(ckpt, world_size, ckpt.stage, ckpt.flavour)
     rename_expert_groups(t, layout, shapes)
     objects, partitions = plan_moe(t, layout, "none", shapes)

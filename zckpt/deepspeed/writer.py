@@ -99,7 +99,8 @@ def _check_target(ckpt: Checkpoint, world_size, stage, bf16_optimizer) -> tuple[
 
 
 def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf16_optimizer: bool | None = None,
-                 fmt: str = "deepspeed", side=(), ep: int | None = None) -> ReshardPlan:
+                 fmt: str = "deepspeed", side=(), ep: int | None = None,
+                 max_group_size: int | None = None) -> ReshardPlan:
     """Plan the files of ``ckpt`` re-partitioned for ``world_size`` ranks at ``stage`` (default: unchanged):
     every torch file laid out once into its final bytes (:class:`PlannedFile`), then the ``side`` files
     (:func:`zckpt.deepspeed.target.side_planned`: copied, RNG states renamed for the new ranks)."""
@@ -110,7 +111,10 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
     if ckpt.parallel == "pipeline" and ckpt.extra.get("pipeline_stages"):
         return plan_pipeline(ckpt, world_size, stage, bf16_optimizer, fmt, side)
     if ckpt.parallel == "moe":
-        return moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
+        return moe_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep, max_group_size)
+    if max_group_size is not None:
+        raise InvalidArgument("mixture-of-experts checkpoints only; this one has no experts",
+                              param="max_group_size", path=ckpt.location.tag_dir, hint="drop --max-group-size")
     if ep is not None:
         raise InvalidArgument("an expert-parallel size is for mixture-of-experts checkpoints; this one has no "
                               "experts", param="ep", path=ckpt.location.tag_dir, hint="drop --ep")

@@ -65,7 +65,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
             workers: int | None = None, progress: Callable[[int, int], None] | None = None,
             bf16_optimizer: bool | None = None, durable: bool = False,
             storage_options: dict | None = None, group=None,
-            ep: int | tuple[int, ...] | None = None) -> ReshardResult:
+            ep: int | tuple[int, ...] | None = None, max_group_size: int | None = None) -> ReshardResult:
     """Re-partition the checkpoint at ``path`` for ``world_size`` ranks (and ``stage``) into the folder ``out``.
 
     ``fmt="deepspeed"``: DeepSpeed's native layout, loadable with a plain ``engine.load_checkpoint(out)`` at the
@@ -73,7 +73,10 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     ``bf16_optimizer``: target the BF16 optimizer (stage 1, bf16, ``grad_accum_dtype: fp32``); default keeps the
     source's choice when the stage stays 1. ``ep``: the expert-parallel size of a DeepSpeed MoE or AutoEP checkpoint
     (default: kept; docs/layouts.md): one size, or one per MoE layer in order (``ep=(4, 2)``: DeepSpeed builds each
-    MoE layer with its own). ``progress(done_bytes, total_bytes)`` is called as data is written;
+    MoE layer with its own). ``max_group_size``: the limit the run passed to DeepSpeed's
+    ``split_params_into_different_moe_groups_for_optimizer`` (native MoE), which cuts an expert group into several
+    param groups; needed only where the source's own cut does not say how the output's groups are cut.
+    ``progress(done_bytes, total_bytes)`` is called as data is written;
     ``durable=True`` fsyncs everything before publishing (survives a power failure, waits for the disk).
     Default ``out``: next to the checkpoint, ``outputs/checkpoint-4`` -> ``outputs/resharded-checkpoint-4-ws<M>``
     (``-z<S>``, ``-universal`` appended when given). ``overwrite`` replaces only a previous zckpt reshard output.
@@ -91,7 +94,7 @@ def reshard(path: str, out: str | None = None, world_size: int | None = None, st
     _check_out(out, overwrite, source)  # before planning or writing anything
     # a Trainer checkpoint's files, a save folder's scripts: what the source's format says is not its own
     side = (format_named(ckpt.format).side_files or (lambda c: []))(ckpt)
-    plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
+    plan = plan_reshard(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep, max_group_size)
     log.info("plan: %d file(s), %s, world size %d -> %s (planned in %.2fs)", len(plan.files),
              format_size(plan.total_bytes), world_size, out, time.perf_counter() - t0)
     for f in plan.files:

@@ -1,0 +1,171 @@
+"""DeepSpeed native-MoE saves whose expert group DeepSpeed cut into several param groups of one name (issue 47).
+
+``fixtures/moe_z2_bf16_ws4_ep2_cut`` (DeepSpeed 0.19.8, ZeRO-2 bf16, 4 ranks, two MoE layers of 8 experts, top-2,
+ep 2): the optimizer's groups come from ``split_params_into_different_moe_groups_for_optimizer(max_group_size=300)``,
+as a large run's come from its default 178956971, so the 656-element ``ep_size_2`` group of each rank is cut into 3
+groups named ``ep_size_2`` (286, 288 and 82 elements; a cut inside an expert, a layer's local experts over two
+groups). Read: every master and moment equals the live engine's (``expected/oracle.*``), every expert once; the
+reader once said "local expert ids ... are [3], expected 0..0 (the file is damaged or truncated)".
+
+Reshard: at the same expert-parallel size the cut is kept (it does not depend on the data-parallel size: DeepSpeed
+counts whole expert parameters); at another the output's groups are cut as DeepSpeed's helper cuts them, the limit
+read from the source's cut where every limit it allows cuts the output alike, else ``--max-group-size`` is asked
+for. Oracle: one DeepSpeed launch of 2 ranks (tests/test_moe_ep_more.py's worker, the engine built with the
+fixture's max_group_size) loads ws 2 at ep 2 and ws 2 at ep 1: its state equals the source's oracle bit for bit and
+its re-save equals zckpt's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zckpt
+from zckpt.deepspeed import expert_groups
+from zckpt.encoding.tensors import load_pieces
+from zckpt.errors import ZckptError
+from zckpt.ops.reshard import reshard
+from tests.conftest import FIXTURES
+from tests.test_merge import _merged
+from tests.test_reshard import _torch_load, assert_same_files, assert_same_state, assert_same_tree
+
+NAME = "moe_z2_bf16_ws4_ep2_cut"
+CUT = FIXTURES / NAME
+TAG = "global_step3"
+
+
+def _groups(path):
+    o = _torch_load(path)["optimizer_state_dict"]
+    return [pg["name"] for pg in o["base_optimizer_state"]["param_groups"]], list(o["partition_count"])
+
+
+def _shape_sizes(path):
+    import math
+    return [sum(math.prod(s) for s in g.values()) for g in _torch_load(path)["param_shapes"]]
+
+
+def test_the_fixture_is_cut():
+    names, counts = _groups(CUT / TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert names == ["dense", "ep_size_2", "ep_size_2", "ep_size_2"] and counts == [4, 2, 2, 2]
+    assert _shape_sizes(CUT / TAG / "mp_rank_00_model_states.pt")[1:] == [286, 288, 82]
+
+
+def test_read_equals_the_live_engine(tmp_path):
+    tensors = load_file(str(CUT / "expected" / "oracle.safetensors"))
+    info = json.loads((CUT / "expected" / "oracle.json").read_text())
+    ckpt = zckpt.open_checkpoint(str(CUT))
+    by = ckpt.by_name()
+    n = 0
+    for key, want in tensors.items():
+        kind, name = key.split("/", 1)
+        if kind not in ("fp32", "exp_avg", "exp_avg_sq"):
+            continue
+        rec = by[name]
+        pieces = rec.value if kind == "fp32" else getattr(rec, kind)
+        got = load_pieces(pieces, rec.dtype if kind == "fp32" else rec.state_dtype, rec.shape)
+        assert torch.equal(got, want.reshape(got.shape)), key
+        n += 1
+    assert n == 3 * len(info["trainable"]) and sum(".deepspeed_experts.15." in k for k in tensors) == 0
+    experts = {k.split("/", 1)[1].split(".up.")[0].split(".down.")[0] for k in tensors if "deepspeed_experts" in k}
+    assert len(experts) == 16  # 2 layers x 8 experts, global ids
+    report = zckpt.verify(str(CUT))
+    assert report.ok and any(c.name == "MoE experts" and "2 layers x 8 experts" in c.detail for c in report.checks)
+    zckpt.merge(str(CUT), str(tmp_path / "m"), dtype="fp32")
+    got = _merged(tmp_path / "m")
+    for name in info["trainable"]:
+        assert torch.equal(got[name], tensors[f"fp32/{name}"]), name
+    zckpt.convert(str(CUT), str(tmp_path / "dcp"), to="dcp")
+    dcp = zckpt.open_checkpoint(str(tmp_path / "dcp")).by_name()
+    for name in info["trainable"]:
+        rec = dcp[name]
+        assert torch.equal(load_pieces(rec.value, rec.dtype, rec.shape), tensors[f"fp32/{name}"]), name
+        assert torch.equal(load_pieces(rec.exp_avg_sq, rec.state_dtype, rec.shape), tensors[f"exp_avg_sq/{name}"])
+
+
+def test_cli_info_and_a_missing_rank_file(tmp_path):
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    run = [sys.executable, "-m", "zckpt"]
+    p = subprocess.run(run + ["info", str(CUT)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and "2 layers x 8 experts, ep 2: every expert once" in p.stdout, p.stderr
+    bad = tmp_path / "bad"
+    shutil.copytree(CUT, bad)
+    os.remove(bad / TAG / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")
+    p = subprocess.run(run + ["verify", str(bad)], capture_output=True, text=True, env=env)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "damaged or truncated" not in err[0], p.stderr
+    assert "rank 3 held its partition of experts 4..7 of moe (ep_size_2), experts 4..7 of moe2" in err[0], err[0]
+
+
+@pytest.mark.parametrize("ws,ep,mgs,groups", [
+    (8, None, None, ["dense"] + ["ep_size_2"] * 3),  # the cut kept
+    (4, 4, None, ["dense"] + ["ep_size_4"] * 2),  # 328 elements: 286 + 42 at any limit in [288, 320]
+    (2, 1, 300, ["dense"] + ["ep_size_1"] * 5),  # 1312 elements: 286, 288, 286, 288, 164
+])
+def test_reshard_cuts_as_deepspeed(tmp_path, ws, ep, mgs, groups):
+    res = reshard(str(CUT), str(tmp_path / "o"), world_size=ws, ep=ep, max_group_size=mgs)
+    assert _groups(tmp_path / "o" / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[0] == groups
+    assert zckpt.verify(str(tmp_path / "o")).ok, res.plan.notes
+    if ep == 4:  # 286 + 42 says only that the limit was in [286, 320]: 656 elements cut otherwise at 286 and 320
+        with pytest.raises(ZckptError, match="between 286 and 320"):
+            reshard(str(tmp_path / "o"), str(tmp_path / "back"), world_size=4, ep=2)
+    reshard(str(tmp_path / "o"), str(tmp_path / "back"), world_size=4, ep=2 if ep else None,
+            max_group_size=300 if ep else None)
+    for n in sorted(os.listdir(CUT / TAG)):  # there and back: every file of the source
+        assert_same_tree(_torch_load(CUT / TAG / n), _torch_load(tmp_path / "back" / TAG / n), n)
+
+
+def test_refusals_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(ZckptError, match=r"200 would not cut .* between 288 and 320"):
+        reshard(str(CUT), str(tmp_path / "a"), world_size=4, ep=4, max_group_size=200)
+    with pytest.raises(ZckptError, match=r"has no experts"):
+        reshard(str(FIXTURES / "z2_bf16_ws2"), str(tmp_path / "b"), world_size=2, max_group_size=300)
+    with pytest.raises(ZckptError, match=r"at least 328 \(nothing was cut\)"):
+        reshard(str(FIXTURES / "moe_z2_bf16_ws4_ep2_ep4_mixed"), str(tmp_path / "c"), world_size=4, ep=4,
+                max_group_size=100)
+    # a source whose cut allows limits that cut the output differently: the limit is asked for, nothing written
+    real = expert_groups.cut_bounds
+    monkeypatch.setattr(expert_groups, "cut_bounds", lambda *a: (real(*a)[0], 330, True))
+    with pytest.raises(ZckptError, match=r"between 288 and 330 .*pass --max-group-size N"):
+        reshard(str(CUT), str(tmp_path / "d"), world_size=2, ep=1)
+    assert not (tmp_path / "d").exists()
+    p = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(CUT), "-o", str(tmp_path / "e"), "-w", "4",
+                        "--ep", "4", "--max-group-size", "200"], capture_output=True, text=True,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    from tests.test_moe_ep_more import _launch_here
+    from tests.test_reshard_moe import _spec
+
+    root = tmp_path_factory.mktemp("cut")
+    jobs = []
+    for i, ep in enumerate((2, 1)):
+        d = root / str(i)
+        reshard(str(CUT), str(d / "out"), world_size=2, ep=ep)
+        jobs.append({"kind": "moe", "mode": "native", "spec": dict(_spec(NAME), world_size=2, ep_size=ep,
+                                                                   moe2_ep_size=ep),
+                     "ckpt": str(d / "out"), "out": str(d / "oracle"), "resave": str(d / "resaved")})
+    _launch_here({"jobs": jobs}, 2)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,ep", [(0, 2), (1, 1)], ids=["ws2-ep2", "ws2-ep1"])
+def test_deepspeed_loads_the_output(loaded, case, ep):
+    """DeepSpeed 0.19.8 (engine built with max_group_size 300) holds every master, both moments, step, router and
+    dense weight of the source after loading zckpt's output, and its re-save equals zckpt's files (the cut too)."""
+    d = loaded / str(case)
+    assert_same_state(CUT / "expected", d / "oracle" / "expected", skip=("lrs",))
+    got = json.loads((d / "oracle" / "expected" / "oracle.json").read_text())
+    assert got["loaded_dp"] == 2 and got["ep_ranks"] == [r % ep for r in range(2)]
+    assert_same_files(d / "out", d / "resaved", TAG)
+    assert len(_groups(d / "out" / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[0]) == (4 if ep == 2 else 6)
