@@ -121,6 +121,24 @@ def test_reshard_cuts_as_deepspeed(tmp_path, ws, ep, mgs, groups):
         assert_same_tree(_torch_load(CUT / TAG / n), _torch_load(tmp_path / "back" / TAG / n), n)
 
 
+def test_uncut_source_at_another_ep(tmp_path):
+    """A source nothing was cut in says only that the run's limit was at least its largest group: a larger output
+    group is written whole (DeepSpeed's default) and said so, or cut at the --max-group-size given."""
+    src = FIXTURES / "moe_z2_bf16_ws4_ep2"  # one layer of 4 experts: 164 elements per rank at ep 2
+    res = reshard(str(src), str(tmp_path / "a"), world_size=2, ep=1)
+    assert any("328 elements per rank is written whole" in n and "--max-group-size N" in n for n in res.plan.notes)
+    assert _groups(tmp_path / "a" / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[0] == ["dense", "ep_size_1"]
+    res = reshard(str(src), str(tmp_path / "b"), world_size=2, ep=1, max_group_size=200)
+    assert not any("written whole" in n for n in res.plan.notes)
+    path = tmp_path / "b" / TAG
+    assert _groups(path / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[0] == ["dense"] + ["ep_size_1"] * 2
+    assert _shape_sizes(path / "mp_rank_00_model_states.pt")[1:] == [199, 129]  # 35+5+35+7 per expert, cut at 200
+    assert zckpt.verify(str(tmp_path / "b")).ok
+    reshard(str(tmp_path / "b"), str(tmp_path / "back"), world_size=4, ep=2)
+    for n in sorted(os.listdir(src / TAG)):
+        assert_same_tree(_torch_load(src / TAG / n), _torch_load(tmp_path / "back" / TAG / n), n)
+
+
 def test_refusals_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(ZckptError, match=r"200 would not cut .* between 288 and 320"):
         reshard(str(CUT), str(tmp_path / "a"), world_size=4, ep=4, max_group_size=200)

@@ -9,7 +9,8 @@ import re
 from collections import OrderedDict
 
 from zckpt.deepspeed.expert_groups import (
-    EP_NAME_RE, at_ep, autoep_layers_at, check_group_size, check_max_group_size, expert_data_ranks, target_eps,
+    EP_NAME_RE, at_ep, autoep_layers_at, check_group_size, check_max_group_size, cut_bounds, expert_data_ranks,
+    target_eps,
 )
 from zckpt.deepspeed.model import scalar_value
 from zckpt.deepspeed.partition import Converter, TorchObject
@@ -288,6 +289,16 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     plan.notes.append(f"mixture of experts: expert-parallel size {kept}, data-parallel size "
                       f"{ckpt.world_size} -> {world_size}; each expert group over "
                       + ", ".join(str(world_size // ep) for ep in eps) + " expert-data-parallel ranks")
+    src = ckpt.extra.get("moe")
+    if shapes and max_group_size is None and src is not None and not src.autoep:
+        names = {g.index: g.hyperparams.get("name") for g in ckpt.groups if g.index in src.ep}
+        lo, _, cut = cut_bounds(src, names)
+        big = max((sum(r.numel for _, r in by_rank[0]) for by_rank in layout.shards.values()), default=0)
+        if not cut and big > lo:  # the source's groups say only that the run's limit was at least lo
+            plan.notes.append(f"an expert group of {big} elements per rank is written whole, as DeepSpeed's default "
+                              "max_group_size keeps it (the source's largest held whole: "
+                              f"{lo}); a run that passed split_params_into_different_moe_groups_for_optimizer a "
+                              "smaller one: --max-group-size N")
     if ckpt.extra.get("mixed_group_orders"):
         plan.notes.append("the source's ranks saved their param groups in different orders (no fixed "
                           "PYTHONHASHSEED); every output file has rank 0's order ("
