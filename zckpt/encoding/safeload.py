@@ -29,7 +29,6 @@ or legacy), checks its pickle and places the storages, and keeps the names calle
 
 from __future__ import annotations
 
-import bisect
 import functools
 import os
 import zlib
@@ -101,71 +100,9 @@ def _default_opener(path: str, storage_options: dict | None = None, size: int | 
     from zckpt.io import storage
     if "://" in str(path):  # fetched in a few parallel rounds (the zip directory, then what it points to)
         return storage.open_ranges(path, storage_options, size_hint=size)
-    # unbuffered: each read is one read of exactly the bytes asked for (headers, pickles), nothing ahead of it;
-    # what the zip directory points to is read ahead in a few reads (_Local.prefetch)
-    return _Local(storage.metered(open(path, "rb", buffering=0), path))
-
-
-class _Local:
-    """A local file read for its metadata: :meth:`prefetch` (called by :func:`zckpt.encoding.zipentries.read_entries`
-    with every range it will read: each entry's local header, the data descriptors, the pickle) reads them in a
-    few reads, neighbours closer than :data:`LOCAL_GAP` as one, and later reads inside a range read ahead are served
-    from it; any other read goes to the file. A torch file of many small storages (a ZeRO-3 rank's model states:
-    one entry per parameter) is then a few reads, not two per entry."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.pos = f, 0
-        self.starts: list[int] = []  # blocks read ahead: sorted, not overlapping
-        self.blocks: list[bytes] = []
-
-    def prefetch(self, ranges) -> None:
-        merged: list[list[int]] = []
-        for lo, hi in sorted(ranges):
-            if merged and lo <= merged[-1][1] + LOCAL_GAP:
-                merged[-1][1] = max(merged[-1][1], hi)
-            elif hi > lo:
-                merged.append([lo, hi])
-        self.starts, self.blocks = [], []
-        for lo, hi in merged:
-            self.f.seek(lo)
-            self.starts.append(lo)
-            self.blocks.append(self.f.read(hi - lo))
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        self.pos = pos if whence == os.SEEK_SET else self.pos + pos if whence == os.SEEK_CUR else \
-            self.f.seek(pos, whence)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n is not None and n >= 0 and self.starts:
-            i = bisect.bisect(self.starts, self.pos) - 1  # the last block starting at or before pos
-            if i >= 0:
-                start, data = self.starts[i], self.blocks[i]
-                if self.pos + n <= start + len(data):
-                    out = data[self.pos - start:self.pos - start + n]
-                    self.pos += len(out)
-                    return out
-        self.f.seek(self.pos)
-        out = self.f.read(n)
-        self.pos += len(out)
-        return out
-
-    def close(self) -> None:
-        self.starts, self.blocks = [], []
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-LOCAL_GAP = 64 << 10  # local ranges this close are read as one (reading the bytes between costs less than a call)
+    # unbuffered: each read is one read of exactly the bytes asked for (headers, pickles), nothing ahead of it: a
+    # read-ahead of the zip's headers (as remote files have) would read tensor bytes the data path reads again
+    return storage.metered(open(path, "rb", buffering=0), path)
 
 
 class _Head:
