@@ -155,3 +155,84 @@ def test_several_files_at_once_write_what_one_at_a_time_writes(tmp_path, monkeyp
     run(out)
     assert dealt[0][1] == 1 and dealt[-1][1] == 4 and dealt[-1][0] > 1  # really several files, really 4 lanes
     assert_same_output(tmp_path / "one", out)
+
+
+MOE = "moe_z2_bf16_ws2_ep2"  # ep 2 -> 4 rewrites the optimizer and model states, copies the 4 expert files
+
+
+def test_a_copied_file_is_jobs_cut_at_its_zip_entries():
+    """copy_work: jobs of at most ``chunk`` bytes, in order, covering the file; no piece crosses an entry's bounds
+    (each piece read is in one entry or between two, so its CRC-32 is part of one entry's)."""
+    from tests.test_distributed import FIX
+    from zckpt.engine.checked import zip_entries
+    from zckpt.engine.works import copy_work
+
+    path = str(next((FIX / MOE).glob("*/layer_0_expert_1_mp_rank_00_model_states.pt")))
+    size, entries = os.path.getsize(path), [e for e in zip_entries(path) if e.size]
+    assert len(entries) >= 4  # data.pkl, byteorder, version, the expert's storages...
+    for chunk in (100, 1000, 1 << 20):
+        w = copy_work("x.pt", path, size, chunk, entries)
+        pos = 0
+        for slot, off, parts, dtype in w.jobs:
+            assert slot == -1 and dtype == "uint8" and off == pos and 0 < sum(p.numel for p in parts) <= chunk
+            for p in parts:
+                assert p.path == path and p.offset == pos
+                for e in entries:  # inside the entry's data or outside it
+                    lo, hi = e.data_offset, e.data_offset + e.size
+                    assert p.offset + p.numel <= lo or p.offset >= hi or lo <= p.offset < p.offset + p.numel <= hi
+                pos += p.numel
+        assert pos == size and (chunk < size) == (len(w.jobs) > 1)
+    assert copy_work("x", path, size, 1 << 20).jobs == [(-1, 0, [executor.Piece(path, 0, size, "uint8")], "uint8")]
+
+
+def test_reshard_ep_writes_the_expert_files_through_the_lanes(tmp_path, monkeypatch):
+    """The expert files a reshard --ep keeps are written by the lanes with the new files (no copy on the main
+    thread first), each byte for byte its source, every entry's CRC checked from the bytes read (none re-read)."""
+    import filecmp
+    import shutil
+
+    import zckpt
+    from tests.test_distributed import FIX
+    from zckpt.engine import checked
+
+    dealt, reread = [], []
+    real_deal, real_read = lanes._deal, checked.InputCheck._read_crc
+    monkeypatch.setattr(lanes, "_deal", lambda ts, n: (dealt.extend(os.path.basename(t.path) for t in ts),
+                                                       real_deal(ts, n))[1])
+    monkeypatch.setattr(checked.InputCheck, "_read_crc", lambda self, path, off, n: (
+        reread.append((os.path.basename(path), n)), real_read(self, path, off, n))[1])
+    monkeypatch.setattr(shutil, "copyfile", lambda *a, **k: pytest.fail("copied outside the lanes"))
+    out = tmp_path / "out"
+    zckpt.reshard(str(FIX / MOE), str(out), world_size=4, ep=4)
+    tag = (FIX / MOE / "latest").read_text().strip()
+    experts = sorted(n for n in os.listdir(FIX / MOE / tag) if n.startswith("layer_"))
+    assert len(experts) == 4 and set(experts) <= set(dealt)
+    assert "mp_rank_00_model_states.pt" in dealt  # dealt together with the files written anew
+    for n in experts:
+        assert filecmp.cmp(FIX / MOE / tag / n, out / tag / n, shallow=False), n
+    assert not [r for r in reread if r[0].startswith("layer_")], reread
+
+
+@pytest.mark.parametrize("where", ["/data/", "/.data/serialization_id"])
+def test_a_flipped_byte_in_a_copied_expert_file_is_refused(tmp_path, where):
+    """A flipped byte in a kept expert file (an expert's weight, or an entry the reader never reads) fails the
+    entry's CRC-32 as the lanes read it: refused in one line naming the file and the entry, nothing published."""
+    import shutil
+
+    import zckpt
+    from tests.test_distributed import FIX
+    from zckpt.engine.checked import zip_entries
+    from zckpt.errors import ZckptError
+
+    ck = shutil.copytree(FIX / MOE, tmp_path / "ck")
+    path = next(ck.glob("*/layer_0_expert_2_mp_rank_00_model_states.pt"))
+    e = next(e for e in zip_entries(str(path)) if e.size > 8 and where in e.name)
+    with open(path, "r+b") as f:
+        f.seek(e.data_offset + e.size // 2)
+        b = f.read(1)
+        f.seek(e.data_offset + e.size // 2)
+        f.write(bytes([b[0] ^ 0x04]))
+    with pytest.raises(ZckptError) as err:
+        zckpt.reshard(str(ck), str(tmp_path / "o"), world_size=4, ep=4)
+    assert path.name in str(err.value) and e.name.split("/", 1)[1] in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "o").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

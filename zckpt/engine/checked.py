@@ -163,6 +163,13 @@ class InputCheck:
             if e.size:
                 self._compare(src, e, self._read_crc(dst, e.data_offset, e.size))
 
+    def directory(self, path: str) -> list[ZipEntry]:
+        """The entries of ``path``'s own zip directory (read once; [] for a file that is not a zip), which the check
+        then uses for ``path``: a file copied whole is read in pieces cut at their bounds
+        (:func:`zckpt.engine.works.copy_work`), every entry checked from the pieces as they are read."""
+        self._from_directory_once(path)
+        return self._entries_for(path)[1]
+
     def _from_directory_once(self, path: str) -> bool:
         """Replace what ``entries_of`` said of ``path`` by its own zip directory, once; False when done already."""
         if path in self._from_directory:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -31,7 +30,7 @@ from zckpt.engine import executor, lanes as _lanes, torchzip, works as works_
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import source_segments
 from zckpt.errors import InvalidArgument
-from zckpt.io import publish, storage
+from zckpt.io import publish
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
@@ -108,28 +107,23 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
 def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: torchzip.SourceMaps, step,
                 durable: bool, storage_options: dict | None = None, check: InputCheck | None = None,
                 lanes: int | None = None) -> None:
-    """Every :class:`zckpt.engine.works.FileWork` through ``pub``: the written files created at their final size
-    first (a full disk or a file-size limit is met before a byte is written; an object store's scratch files
-    instead as each is reached), then the copied ones, then the written ones several at once
-    (:func:`zckpt.engine.lanes.write_files`), each given its headers (``meta``, with its entries' CRC-32s) once its
-    jobs are written; ``step(n)``: bytes written."""
+    """Every :class:`zckpt.engine.works.FileWork` through ``pub``: the files created at their final size first (a
+    full disk or a file-size limit is met before a byte is written; an object store's scratch files instead as
+    each is reached), then written several at once (:func:`zckpt.engine.lanes.write_files`), each given its
+    headers (``meta``, with its entries' CRC-32s) once its jobs are written; ``step(n)``: bytes written. A file
+    copied whole (``src``) is jobs like the others (:func:`zckpt.engine.works.copy_work`), its pieces cut at the
+    source's zip entries when ``check`` is given, so that every entry's CRC-32 is checked from the bytes read."""
+    works = [w if w.src is None else works_.copy_work(
+        w.relpath, w.src, w.size, executor.CHUNK_BYTES, check.directory(w.src) if check is not None else ())
+        for w in works]
     targets, made = [], {}
     for fi, w in enumerate(works):
-        if w.src is None:
-            made[fi] = w.size - sum(works_.job_bytes(parts, dtype) for _, _, parts, dtype in w.jobs)
-            path = pub.path(w.relpath)
-            if not pub.remote:
-                executor.test_delay()
-                _lanes.create(path, w.size)
-            targets.append(_lanes.Target(fi, path, w.jobs, size=w.size if pub.remote else None))
-    for w in works:
-        if w.src is not None:
+        made[fi] = w.size - sum(works_.job_bytes(parts, dtype) for _, _, parts, dtype in w.jobs)
+        path = pub.path(w.relpath)
+        if not pub.remote:
             executor.test_delay()
-            dst = pub.path(w.relpath)
-            step(copy_file(w.src, dst, storage_options, check))
-            if durable:
-                torchzip.fsync_all([dst])
-            pub.done(w.relpath)
+            _lanes.create(path, w.size)
+        targets.append(_lanes.Target(fi, path, w.jobs, size=w.size if pub.remote else None))
 
     def done(t, fd):
         executor.pwrite_pieces(fd, works[t.key].meta({slot: c for slot, (c, _) in t.crcs.items()}))
@@ -142,19 +136,6 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
     with ThreadPoolExecutor(workers) as pool:
         _lanes.write_files(targets, pool, worker, maps.crc, lanes=lanes, durable=durable, progress=step, done=done,
                            closed=closed)
-
-
-def copy_file(src: str, dst: str, storage_options: dict | None = None, check: InputCheck | None = None) -> int:
-    """Copy ``src`` (local or a URL) to the local ``dst``, its bytes checked by ``check`` as they are copied."""
-    if storage.is_url(src):
-        data = storage.read_bytes(src, storage_options)
-        with open(dst, "wb") as f:
-            f.write(data)
-    else:
-        shutil.copyfile(src, dst)
-    if check is not None:
-        check.check_copy(src, dst)
-    return os.path.getsize(dst)
 
 
 def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = False,
@@ -250,10 +231,3 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
         maps.close()
     return worker.stats.to_json()
 
-
-def _copy(src: str, dst: str, storage_options: dict | None = None) -> None:
-    if storage.is_url(src):
-        with open(dst, "wb") as f:
-            f.write(storage.read_bytes(src, storage_options))
-    else:
-        shutil.copyfile(src, dst)

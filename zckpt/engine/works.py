@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.engine import executor, torchzip
-from zckpt.engine.segments import seg_numel
+from zckpt.engine.segments import Piece, seg_numel
 from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.errors import InvalidArgument
 
@@ -108,6 +108,27 @@ def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps
         return b"\0".join(out)
 
     return FileWork(relpath, size, jobs, meta, layout=layout)
+
+
+def copy_work(relpath: str, src: str, size: int, chunk: int, entries=()) -> FileWork:
+    """A file copied as it is (a side file, an expert file that does not depend on the new layout) as jobs of at
+    most ``chunk`` bytes of ``src``, written by the lanes with the rest. Pieces never cross the bounds of
+    ``entries`` (the source's zip entries): each piece read lies in one entry or between two, so the input check
+    combines every entry's CRC-32 from the pieces as they are read, without reading the file again."""
+    cuts = sorted({0, size, *(b for e in entries for b in (e.data_offset, e.data_offset + e.size) if 0 < b < size)})
+    jobs, parts, start = [], [], 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        pos = lo
+        while pos < hi:
+            n = min(hi - pos, start + chunk - pos)
+            parts.append(Piece(src, pos, n, "uint8"))
+            pos += n
+            if pos - start >= chunk:
+                jobs.append((-1, start, parts, "uint8"))
+                parts, start = [], pos
+    if parts:
+        jobs.append((-1, start, parts, "uint8"))
+    return FileWork(relpath, size, jobs)
 
 
 # ============================================================================================ the jobs' files
