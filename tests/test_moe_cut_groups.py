@@ -38,6 +38,7 @@ from tests.test_reshard import _torch_load, assert_same_files, assert_same_state
 
 NAME = "moe_z2_bf16_ws4_ep2_cut"
 CUT = FIXTURES / NAME
+AUTOEP = FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2_cut"
 TAG = "global_step3"
 
 
@@ -87,6 +88,35 @@ def test_read_equals_the_live_engine(tmp_path):
         rec = dcp[name]
         assert torch.equal(load_pieces(rec.value, rec.dtype, rec.shape), tensors[f"fp32/{name}"]), name
         assert torch.equal(load_pieces(rec.exp_avg_sq, rec.state_dtype, rec.shape), tensors[f"exp_avg_sq/{name}"])
+
+
+def test_autoep_cut_read_and_resharded_at_the_same_ep(tmp_path):
+    """AutoEP cuts too (a config optimizer's groups come from configure_moe_param_groups, the helper at its default;
+    lowered to 600 in the fixture): 3 ep_size_4 groups, read equal to the live engine; the same ep at another dp keeps
+    them; another ep is refused in one line."""
+    names, counts = _groups(AUTOEP / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert names == ["dense-params"] + ["ep_size_4"] * 3 and counts == [4, 1, 1, 1]
+    tensors = load_file(str(AUTOEP / "expected" / "oracle.safetensors"))
+    by = zckpt.open_checkpoint(str(AUTOEP)).by_name()
+    n = 0
+    for key, want in tensors.items():
+        kind, name = key.split("/", 1)
+        if kind in ("fp32", "exp_avg", "exp_avg_sq") and name in by and by[name].kind == "trainable":
+            rec = by[name]
+            pieces = rec.value if kind == "fp32" else getattr(rec, kind)
+            got = load_pieces(pieces, rec.dtype if kind == "fp32" else rec.state_dtype, rec.shape)
+            assert torch.equal(got, want.reshape(got.shape)), key
+            n += 1
+    assert n >= 3 * 16 and any(".experts.w1" in k for k in tensors)
+    reshard(str(AUTOEP), str(tmp_path / "ws8"), world_size=8)
+    assert _groups(tmp_path / "ws8" / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt") == (
+        names, [8, 2, 2, 2])
+    reshard(str(tmp_path / "ws8"), str(tmp_path / "back"), world_size=4)
+    for f in sorted(os.listdir(AUTOEP / "global_step2")):
+        assert_same_tree(_torch_load(AUTOEP / "global_step2" / f), _torch_load(tmp_path / "back" / "global_step2" / f),
+                         f)
+    with pytest.raises(ZckptError, match="3 AutoEP expert param groups"):
+        reshard(str(AUTOEP), str(tmp_path / "e2"), world_size=4, ep=2)
 
 
 def test_cli_info_and_a_missing_rank_file(tmp_path):
