@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 import zckpt
-from zckpt.deepspeed import expert_groups
+from zckpt.deepspeed import group_cuts
 from zckpt.encoding.tensors import load_pieces
 from zckpt.errors import ZckptError
 from zckpt.ops.reshard import reshard
@@ -115,8 +115,26 @@ def test_autoep_cut_read_and_resharded_at_the_same_ep(tmp_path):
     for f in sorted(os.listdir(AUTOEP / "global_step2")):
         assert_same_tree(_torch_load(AUTOEP / "global_step2" / f), _torch_load(tmp_path / "back" / "global_step2" / f),
                          f)
-    with pytest.raises(ZckptError, match="3 AutoEP expert param groups"):
-        reshard(str(AUTOEP), str(tmp_path / "e2"), world_size=4, ep=2)
+    with pytest.raises(ZckptError, match="first parameter of 1024 elements is over max_group_size 512"):
+        reshard(str(AUTOEP), str(tmp_path / "e1"), world_size=2, ep=1)  # DeepSpeed would make an empty group
+
+
+@pytest.mark.slow
+def test_deepspeed_loads_autoep_at_another_ep(tmp_path):
+    """AutoEP ep 4 -> 2 of the cut fixture: 6 ep_size_2 groups (each fused parameter of 512 elements alone, at any
+    limit in [512, 767] the source's cut allows); DeepSpeed 0.19.8 (its helper's limit 600, as the run's) loads it
+    with the source's state (tests/test_moe_ep_more.py's AutoEP worker) and re-saves the very files."""
+    from tests.test_moe_ep_more import _launch_here
+    from tests.test_reshard_moe import _check_loaded, _spec
+
+    out, oracle, again = tmp_path / "out", tmp_path / "oracle", tmp_path / "resaved"
+    reshard(str(AUTOEP), str(out), world_size=4, ep=2)
+    names, counts = _groups(out / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert names == ["dense-params"] + ["ep_size_2"] * 6 and counts == [4] + [2] * 6
+    _launch_here({"spec": dict(_spec(AUTOEP.name), ep_size=2), "ckpt": str(out), "out": str(oracle),
+                  "resave": str(again)}, 4)
+    _check_loaded(AUTOEP, oracle, 4)
+    assert_same_files(out, again, "global_step2")
 
 
 def test_cli_info_and_a_missing_rank_file(tmp_path):
@@ -178,8 +196,8 @@ def test_refusals_are_one_line(tmp_path, monkeypatch):
         reshard(str(FIXTURES / "moe_z2_bf16_ws4_ep2_ep4_mixed"), str(tmp_path / "c"), world_size=4, ep=4,
                 max_group_size=100)
     # a source whose cut allows limits that cut the output differently: the limit is asked for, nothing written
-    real = expert_groups.cut_bounds
-    monkeypatch.setattr(expert_groups, "cut_bounds", lambda *a: (real(*a)[0], 330, True))
+    real = group_cuts.cut_bounds
+    monkeypatch.setattr(group_cuts, "cut_bounds", lambda *a: (real(*a)[0], 330, True))
     with pytest.raises(ZckptError, match=r"between 288 and 330 .*pass --max-group-size N"):
         reshard(str(CUT), str(tmp_path / "d"), world_size=2, ep=1)
     assert not (tmp_path / "d").exists()

@@ -45,6 +45,9 @@ def _autoep_worker(job: dict) -> None:
                                "preset_model": spec.get("arch", "mixtral"), "use_grouped_mm": False},
            "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"] / 3, "betas": [0.9, 0.95], "eps": 1e-8,
                                                      "torch_adam": True}}}
+    if spec.get("max_group_size"):  # the run's limit, as gen_autoep.worker lowers it
+        import deepspeed.moe.utils as U
+        U.split_params_into_different_moe_groups_for_optimizer.__defaults__ = (spec["max_group_size"],)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
     path, _ = engine.load_checkpoint(job["ckpt"], load_optimizer_states=True, load_lr_scheduler_states=True)
     assert path is not None, "load_checkpoint returned None"

@@ -10,6 +10,7 @@ import math
 import re
 
 from zckpt.deepspeed.discover import Location, RankFile
+from zckpt.deepspeed.group_cuts import check_max_group_size, cut_bounds, output_cuts  # noqa: F401 (the writers')
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.errors import CorruptFile, InvalidArgument, UnsupportedLayout
 from zckpt.deepspeed.partition import torch_size
@@ -281,51 +282,6 @@ def check_group_size(name: str, numel: int, path: str, source: int = 0) -> None:
                                 "at another expert-parallel size", path=path, hint="drop --ep")
 
 
-def cut_bounds(layout: MoELayout, names: dict[int, str]) -> tuple[int, int | None, bool]:
-    """What the source's expert groups say of the ``max_group_size`` its run passed to DeepSpeed's
-    ``split_params_into_different_moe_groups_for_optimizer``, which cuts an expert group's parameters (in order)
-    into param groups of one name, a new one when the next parameter would take it over the limit: (lo, hi, cut).
-    Every group holds at most the limit (lo: the largest, on expert-parallel rank 0, whose parameters are the same
-    on every rank); each cut group plus the first parameter of the next exceeds it (hi, None where nothing was
-    cut). ``names``: group -> its name; consecutive groups of one name are one cut group."""
-    gs = sorted(layout.shards)
-    size = {g: sum(r.numel for _, r in layout.shards[g][0]) for g in gs}
-    lo = max(size.values(), default=0)
-    hi = None
-    for g, nxt in zip(gs, gs[1:]):
-        if nxt == g + 1 and names.get(g) == names.get(nxt) and layout.shards[nxt][0]:
-            over = size[g] + layout.shards[nxt][0][0][1].numel - 1
-            hi = over if hi is None else min(hi, over)
-    return lo, hi, hi is not None
-
-
-def _cuts(numels: list[int], limit: int, what: str, path: str) -> list[int]:
-    """Where DeepSpeed's helper starts a new param group (indices into ``numels``), as 0.19.8 cuts."""
-    starts, size = [0], 0
-    for i, n in enumerate(numels):
-        if n > limit:
-            raise UnsupportedLayout(f"{what}: a parameter of {n} elements is over max_group_size {limit}: DeepSpeed "
-                                    "would make an empty param group", path=path, hint="pass a larger --max-group-size")
-        if size + n > limit:
-            starts.append(i)
-            size = 0
-        size += n
-    return starts
-
-
-def check_max_group_size(layout: MoELayout, names: dict[int, str], limit: int | None, path: str):
-    """``--max-group-size`` against what the source's cut says (:func:`cut_bounds`): refused in one line where
-    DeepSpeed would have cut the source otherwise."""
-    lo, hi, cut = cut_bounds(layout, names)
-    if limit is not None and (limit < lo or (hi is not None and limit > hi)):
-        said = f"between {lo} and {hi}" if cut else f"at least {lo} (nothing was cut)"
-        raise InvalidArgument(f"{limit} would not cut the source's expert groups as they are: their "
-                              f"cut says the run's max_group_size was {said}", param="max_group_size", path=path,
-                              hint="pass the max_group_size the run gave split_params_into_different_moe_groups_"
-                              "for_optimizer")
-    return lo, hi, cut
-
-
 def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | None = None,
           names: dict[int, str] | None = None, max_group_size: int | None = None) -> tuple[MoELayout, dict[int, dict]]:
     """A native MoE layout laid out again at other expert-parallel sizes (``zckpt reshard --ep``): ``ep`` one size
@@ -349,11 +305,7 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
         if len(sizes) > 1:
             raise UnsupportedLayout(f"AutoEP layers at expert-parallel sizes {sorted(sizes)}: DeepSpeed's AutoEP "
                                     "requires one size for every layer", path=path, hint="pass one --ep size")
-        if max_group_size is not None:
-            raise InvalidArgument("native MoE (deepspeed.moe.layer.MoE) only: AutoEP makes its own param groups",
-                                  param="max_group_size", path=path,
-                                  hint="drop --max-group-size")
-        return _autoep_at_ep(layout, sizes.pop(), records or {}, path)
+        return _autoep_at_ep(layout, sizes.pop(), records or {}, path, names or {}, max_group_size)
     names = names or {}
     recs: dict[str, TensorRecord] = {}
     blocks: dict[str, tuple[list[int], int, list[str]]] = {}  # prefix -> (source groups, experts, suffixes)
@@ -424,21 +376,11 @@ def at_ep(layout: MoELayout, ep, param_shapes: list, path: str, records: dict | 
         src = {g for p in mine for g in blocks[p][0]}
         first = {g: min(order.index(p) for p in mine if g in blocks[p][0]) for g in src}
         numels = [r.numel for _, r in new[0]]
-        what = f"expert group ep_size_{n}"
-        limit = max_group_size
-        if limit is None and cut:
-            starts = _cuts(numels, lo, what, path)
-            if hi is None or _cuts(numels, hi, what, path) != starts:
-                raise UnsupportedLayout(f"{what} would hold {sum(numels)} elements on a rank, which DeepSpeed's "
-                                        "split_params_into_different_moe_groups_for_optimizer cuts as its "
-                                        f"max_group_size says, and the source's cut says only that it was between {lo} "
-                                        f"and {hi}", path=path,
-                                        hint="pass --max-group-size N, the run's max_group_size")
-        elif limit is None:
-            check_group_size(f"ep_size_{n}", sum(numels), path, lo)
+        starts = output_cuts(numels, n, (lo, hi, cut), max_group_size, path)
+        if starts is None:  # nothing was cut in the source
+            check_group_size(f"ep_size_{n}", sum(numels), path, max(
+                sum(r.numel for _, r in by_rank[0]) for by_rank in layout.shards.values()))
             starts = [0]
-        else:
-            starts = _cuts(numels, limit, what, path)
         for a, b in zip(starts, starts[1:] + [len(numels)]):
             regroup[k] = sorted(src, key=lambda g: (first[g], g))
             shapes[k] = {local: shape_of[_LOCAL_RE.sub(lambda m: f"{m.group(1)}0{m.group(3)}", local)]
@@ -474,19 +416,21 @@ def _layer_indices(layout: MoELayout, prefixes: list[str]) -> dict[str, int]:
     return out
 
 
-def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple[MoELayout, dict[int, dict]]:
+def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str, names: dict[int, str],
+                  max_group_size: int | None) -> tuple[MoELayout, dict[int, dict]]:
     """AutoEP at expert-parallel size ``ep``: expert-parallel rank e's shard of each fused expert parameter is
     experts ``e * E/ep .. (e+1) * E/ep - 1`` of the full (logical) record, masters and moments sliced alike
-    (:func:`autoep_layers_at` rewrites ``ds_autoep_layers``)."""
-    shards: dict[int, dict[int, list]] = {}
-    shapes: dict[int, dict] = {}
-    if len(layout.shards) > 1:
-        raise UnsupportedLayout(f"{len(layout.shards)} AutoEP expert param groups (several user param groups, or "
-                                "DeepSpeed's max_group_size split): not laid out at another expert-parallel size",
-                                path=path, hint="drop --ep")
-    for g, by_rank in layout.shards.items():
-        new: dict[int, list] = {}
-        for name, _ in by_rank[0]:
+    (:func:`autoep_layers_at` rewrites ``ds_autoep_layers``). An expert group DeepSpeed cut into several param groups
+    of one name (``configure_moe_param_groups`` calls the helper at its ``max_group_size``) is laid out as one
+    sequence and cut again as the helper cuts it (:func:`output_cuts`)."""
+    gs = sorted(layout.shards)
+    if any(names.get(g) != names.get(gs[0]) for g in gs) or gs != list(range(gs[0], gs[0] + len(gs))):
+        raise UnsupportedLayout(f"{len(gs)} AutoEP expert param groups of other names or apart (several user param "
+                                "groups): not laid out at another expert-parallel size", path=path, hint="drop --ep")
+    bounds = check_max_group_size(layout, names, max_group_size, path)
+    new: dict[int, list] = {}
+    for g in gs:
+        for name, _ in layout.shards[g][0]:
             full = records.get(name)
             if full is None or not full.shape or full.shape[0] % ep:
                 raise UnsupportedLayout(f"AutoEP '{name}': {full.shape[0] if full else '?'} experts do not split "
@@ -498,12 +442,18 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
                     return slice_pieces(pieces, e * nl * per, nl * per) if pieces else []
                 new.setdefault(e, []).append((name, dataclasses.replace(
                     full, shape=(nl, *full.shape[1:]), value=cut(full.value), exp_avg=cut(full.exp_avg),
-                    exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()},
-                    group=g)))
+                    exp_avg_sq=cut(full.exp_avg_sq), other_state={k: cut(v) for k, v in full.other_state.items()})))
+    starts = output_cuts([r.numel for _, r in new[0]], ep, bounds, max_group_size, path)
+    if starts is None:  # nothing was cut in the source
         check_group_size(f"ep_size_{ep}", sum(r.numel for _, r in new[0]), path,
-                         sum(r.numel for _, r in by_rank[0]))
-        shards[g] = new
-        shapes[g] = {name: torch_size(rec.shape) for name, rec in new[0]}
+                         sum(r.numel for _, r in layout.shards[gs[0]][0]))
+        starts = [0]
+    shards: dict[int, dict[int, list]] = {}
+    shapes: dict[int, dict] = {}
+    for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(new[0])])):
+        g = gs[0] + k
+        shards[g] = {e: [(n, dataclasses.replace(r, group=g)) for n, r in pairs[a:b]] for e, pairs in new.items()}
+        shapes[g] = {name: torch_size(rec.shape) for name, rec in shards[g][0]}
     files = {}
     for fname, (tensors, _, owner) in layout.expert_files.items():  # the expert-parallel rank that loads it now
         name, _, gid = tensors[0][0].rpartition(".") if tensors else ("", "", "")
@@ -511,7 +461,10 @@ def _autoep_at_ep(layout: MoELayout, ep: int, records: dict, path: str) -> tuple
         if full is not None and gid.isdigit() and full.shape:
             owner = int(gid) // max(1, int(full.shape[0]) // ep)
         files[fname] = (tensors, ep, owner)
-    return MoELayout({g: ep for g in layout.ep}, shards, files, autoep=True), shapes
+    out = MoELayout({g: ep for g in shards}, shards, files, autoep=True)
+    if len(shards) != len(gs):
+        out.regroup = {g: list(gs) for g in shards}
+    return out, shapes
 
 
 def autoep_layers_at(layers: list, ep: int, world_size: int) -> list:
