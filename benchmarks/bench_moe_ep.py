@@ -148,11 +148,12 @@ def main(argv=None) -> int:
                     help="split_params_into_different_moe_groups_for_optimizer's max_group_size (DeepSpeed's "
                          "default 178956971 splits an expert group of more elements into several param groups)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--threads", default="16", help="the parallel copies' threads; several: 2,16 (each copied)")
     ap.add_argument("--trees", default=None, help="name=DIR,...: the trees whose zckpt runs, alternately (the "
                     "first one's runs get the copies; default: this one)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    threads = [int(n) for n in str(args.threads).split(",")]  # the last one's copies are "pcopy" and "cfr"
     a = {k: getattr(args, k) for k in ("layers", "hidden", "ffn", "experts", "vocab", "ep", "max_group_size")}
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -199,9 +200,9 @@ def main(argv=None) -> int:
             r["flush_s"] = sync()
             c = {}
             if tree == first:
-                for name, fn in (("pcopy", lambda: parallel_copy(out, copy, args.threads)),
-                                 ("cfr", lambda: parallel_copy(out, copy, args.threads, kernel=True)),
-                                 ("cp", lambda: cp_r(out, copy))):
+                for name, fn in [(f"{kind}{'' if n == threads[-1] else n}",
+                                  lambda n=n, kind=kind: parallel_copy(out, copy, n, kernel=kind == "cfr"))
+                                 for n in threads for kind in ("pcopy", "cfr")] + [("cp", lambda: cp_r(out, copy))]:
                     rm(copy)
                     sync()
                     c[name] = fn()
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
                        capture_output=True, text=True)
     res["verify"] = {"rc": v.returncode, "out": (v.stdout + v.stderr)[-3000:]}
     print(f"  zckpt verify OUT: rc {v.returncode}\n{res['verify']['out'][-1500:]}", flush=True)
-    best = {k: min(r["copies"][k] for r in res["runs"] if "copies" in r) for k in ("pcopy", "cfr", "cp")}
+    best = {k: min(r["copies"][k] for r in res["runs"] if "copies" in r) for k in res["runs"][0]["copies"]}
     res["best"] = dict(best)
     for tree in trees:
         runs = [r for r in res["runs"] if r["tree"] == tree]
@@ -227,8 +228,10 @@ def main(argv=None) -> int:
         res["best"][tree] = {"zckpt_s": z, "over_pcopy": z / best["pcopy"], "rss_mib": max(r["rss_mib"] for r in runs)}
         raw = ", ".join(f"{r['zckpt_s']:.3f}" for r in runs)
         print(f"best {tree}: zckpt {z:.3f}s ({raw}), "
-              f"{args.threads}-thread pcopy {best['pcopy']:.3f}s ({z / best['pcopy']:.2f}x), cfr {best['cfr']:.3f}s, "
-              f"cp -r {best['cp']:.2f}s; peak RSS {res['best'][tree]['rss_mib']:.0f} MiB")
+              f"{threads[-1]}-thread pcopy {best['pcopy']:.3f}s ({z / best['pcopy']:.2f}x), cfr {best['cfr']:.3f}s, "
+              + "".join(f"{n}-thread pcopy {best[f'pcopy{n}']:.3f}s ({z / best[f'pcopy{n}']:.2f}x), cfr "
+                        f"{best[f'cfr{n}']:.3f}s, " for n in threads[:-1])
+              + f"cp -r {best['cp']:.2f}s; peak RSS {res['best'][tree]['rss_mib']:.0f} MiB")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=1))
     rm(out)
