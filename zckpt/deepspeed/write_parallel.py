@@ -127,10 +127,6 @@ def check_moe(ckpt: Checkpoint, world_size, stage: int | None, bf16_optimizer: b
                                    ckpt.model_state.get("param_shapes") or [], tag_dir, ckpt.by_name(), names,
                                    max_group_size)
     if max_group_size is not None and not changed:  # the expert groups are kept as cut: the limit must agree
-        if layout.autoep:
-            raise InvalidArgument("native MoE (deepspeed.moe.layer.MoE) only: AutoEP makes its own param groups",
-                                  param="max_group_size", path=tag_dir,
-                                  hint="drop --max-group-size")
         check_max_group_size(layout, names, max_group_size, tag_dir)
     bad = sorted({n for n in layout.ep.values() if world_size % n})
     if bad:
@@ -253,8 +249,8 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
     if max_group_size is not None and (ckpt.extra.get("moe") is None or ckpt.stage == 3):
-        raise InvalidArgument("native MoE checkpoints of ZeRO-1/2 only (the split_params_into_different_moe_groups_"
-                              "for_optimizer argument)", param="max_group_size",
+        raise InvalidArgument("MoE checkpoints of ZeRO-1/2 only (the split_params_into_different_moe_groups_"
+                              "for_optimizer argument; ZeRO-3 counts partitioned sizes)", param="max_group_size",
                               path=ckpt.location.tag_dir, hint="drop --max-group-size")
     if ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
         return _autoep_zero3(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
