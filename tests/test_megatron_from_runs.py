@@ -43,13 +43,13 @@ SOURCES = {
     "fsdp2": (FSDP2, "--lr=1e-3 --min-lr 1e-4 --lr-decay-style linear --lr-warmup-fraction 0.1 --train-iters 10 "
                      "--global-batch-size 4 --weight-decay 0.1 --adam-beta2 0.95",
               {"layers": 2, "hidden": 16, "heads": 4, "groups": 2, "ffn": 32, "vocab": 64, "tied": False}, 3,
-              [(2, 1, 1), (1, 2, 1)]),
+              [(2, 1, 1), (1, 2, 1), (1, 1, 2)]),
     # DeepSpeed ZeRO-3, a real Trainer run of an untied GQA Llama (so tp 2), the weight decay Megatron-LM's default
     "deepspeed_z3": (FIXTURES / "trainer_z3" / "checkpoint-4",
                      "--lr 5e-3 --min-lr 5e-4 --lr-decay-style WSD --lr-wsd-decay-style cosine --lr-wsd-decay-iters 4 "
                      "--lr-warmup-fraction 0.05 --train-iters 6 --global-batch-size 4",
                      {"layers": 2, "hidden": 16, "heads": 4, "groups": 2, "ffn": 32, "vocab": 64, "tied": False}, 4,
-                     [(2, 1, 1)]),
+                     [(2, 1, 1), (1, 2, 1)]),
 }
 JOBS = [(name, shape) for name, src in SOURCES.items() for shape in src[4]]
 # and one in Megatron-LM's default layout: the distributed optimizer's buckets for dp 2 (--layout dp_reshardable,
