@@ -142,6 +142,7 @@ def test_cli_info_and_a_missing_rank_file(tmp_path):
     run = [sys.executable, "-m", "zckpt"]
     p = subprocess.run(run + ["info", str(CUT)], capture_output=True, text=True, env=env)
     assert p.returncode == 0 and "2 layers x 8 experts, ep 2: every expert once" in p.stdout, p.stderr
+    assert "ep_size_2 is 3 param groups (DeepSpeed's split_params_into_different_moe_groups_for_optimizer" in p.stdout
     bad = tmp_path / "bad"
     shutil.copytree(CUT, bad)
     os.remove(bad / TAG / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")

@@ -138,6 +138,12 @@ def build(loc: Location, model_states: list[dict], optim_states: list[dict]) -> 
     records = _insert_experts(records, list(expert_recs.values()))
     notes = [f"mixture of experts: {len(loc.expert_files)} expert files, expert groups "
              + ", ".join(f"{g} ({hyper[g].get('name', '?')})" for g in experts)]
+    cut = {n: c for n in dict.fromkeys(hyper[g].get("name") for g in experts)
+           if (c := sum(hyper[g].get("name") == n for g in experts)) > 1}
+    if cut:
+        notes[0] += ("; " + ", ".join(f"{n} is {c} param groups" for n, c in cut.items())
+                     + " (DeepSpeed's split_params_into_different_moe_groups_for_optimizer cuts an expert group over "
+                     "its max_group_size; or several user param groups)")
     if reordered:
         notes.append(f"the optimizer files of rank{'s' if len(reordered) > 1 else ''} "
                      f"{', '.join(map(str, sorted(reordered)))} list their param groups in another order than rank "
