@@ -24,9 +24,10 @@ MIN_CHUNK_BYTES = 256
 class FileWork:
     """One output file as byte ranges x segments: ``jobs`` ``(slot, offset, parts, dtype)`` (``slot``: the zip
     entry whose CRC-32 the job's bytes are part of, or -1), and ``meta(crcs)``: the file's other bytes
-    ``[(offset, bytes)]`` once the CRC of every slot is known. ``src``: a file copied whole instead. ``layout()``:
-    what ``meta`` depends on but the CRCs, as bytes, where that is cheaper to say than ``meta({})`` (torch zips:
-    every entry's name, offsets and size, and the small entries' bytes)."""
+    ``[(offset, bytes)]`` once the CRC of every slot is known. ``src``: a file copied whole instead (one process
+    writes it as :func:`copy_work`'s jobs; under a launcher one rank copies it). ``layout()``: what ``meta``
+    depends on but the CRCs, as bytes, where that is cheaper to say than ``meta({})`` (torch zips: every entry's
+    name, offsets and size, and the small entries' bytes)."""
 
     relpath: str
     size: int
