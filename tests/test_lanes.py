@@ -236,3 +236,26 @@ def test_a_flipped_byte_in_a_copied_expert_file_is_refused(tmp_path, where):
         zckpt.reshard(str(ck), str(tmp_path / "o"), world_size=4, ep=4)
     assert path.name in str(err.value) and e.name.split("/", 1)[1] in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "o").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_a_read_across_entry_bounds_still_checks_every_entry_it_touches(tmp_path):
+    """A span that crosses a zip entry's end (headers and two tensors read as one) is not dropped: each entry it
+    touches is checked from the file itself, so a flipped byte in either is refused."""
+    import zipfile
+
+    from zckpt.engine.checked import InputCheck, zip_entries
+    from zckpt.errors import CorruptFile
+
+    path = tmp_path / "two.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("a/data/0", bytes(range(200)))
+        z.writestr("a/data/1", bytes(range(50, 250)))
+    e0, e1 = sorted(zip_entries(str(path)), key=lambda e: e.data_offset)
+    raw = bytearray(path.read_bytes())
+    raw[e1.data_offset + 7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    check = InputCheck()
+    start, end = e0.data_offset + 10, e1.data_offset + 20  # the end of entry 0, a header, the start of entry 1
+    check.add(str(path), start, bytes(raw[start:end]))
+    with pytest.raises(CorruptFile, match="data/1"):
+        check.finish()

@@ -198,6 +198,12 @@ class InputCheck:
                 per_entry.setdefault(i, []).append((off, n, crc))
             elif self._from_directory_once(path):  # entries_of did not know it: the file's own directory
                 return self._check_file(path, spans)
+            else:  # a read across entry bounds: each entry it touches is checked from the file (never skipped)
+                j = max(i, 0)
+                while j < len(entries) and entries[j].data_offset < off + n:
+                    if entries[j].data_offset + entries[j].size > off:
+                        per_entry.setdefault(j, [])
+                    j += 1
         for i in sorted(per_entry):
             e = entries[i]
             if (path, e.data_offset) in self._done:
