@@ -108,3 +108,6 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past the exit-time abort of CPU ranks (fixtures/generate.py exit_rank)
