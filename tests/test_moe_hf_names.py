@@ -25,6 +25,10 @@ from tests.conftest import FIXTURES, checkpoint_path
 from tests.test_merge import _merged
 
 L2 = [FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2", FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2"]
+DEEPSEEK = [FIXTURES / "moe_autoep_z2_bf16_ws4_ep2_dsv3", FIXTURES / "moe_autoep_z3_bf16_ws2_ep2_dsv3",
+            FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_dsv2"]
+CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 
 def _want(fx: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -36,12 +40,18 @@ def _want(fx: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
         t = fp[f"fp32/{name[:-len('down_proj')]}w2"]
     elif name.endswith(".mlp.gate.weight"):
         t = fp[f"fp32/{name[:-len('gate.weight')]}router.gate.weight"]
+    elif name.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's router buffer, on AutoEP's router
+        t = fp[f"buffer/{name[:-len('gate.e_score_correction_bias')]}router.e_score_correction_bias"]
+        assert torch.count_nonzero(t), name  # random in the fixture: the class's init (zeros) would not pass
     else:
         t = fp[f"fp32/{name}"]
     return t.to(dtype)
 
 
-@pytest.mark.parametrize("fx,dtype", [(L2[0], "fp32"), (L2[1], "bf16")], ids=["qwen3_moe-zero3", "mixtral-zero2"])
+@pytest.mark.parametrize("fx,dtype", [(L2[0], "fp32"), (L2[1], "bf16"), (DEEPSEEK[0], "bf16"), (DEEPSEEK[1], "fp32"),
+                                      (DEEPSEEK[2], "fp32")],
+                         ids=["qwen3_moe-zero3", "mixtral-zero2", "deepseek_v3-zero2", "deepseek_v3-zero3",
+                              "deepseek_v2-zero2"])
 def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -52,13 +62,15 @@ def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
     assert cfg["model_type"] == arch and cfg["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True, dtype=target)
-    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]
+    assert type(model).__name__ == CLASS[arch]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     sd = model.state_dict()
     assert set(sd) == set(_merged(tmp_path / "out"))
     assert sum(".experts.gate_up_proj" in n for n in sd) == 2  # both MoE layers
-    for name, t in sd.items():
-        assert torch.equal(t, _want(fx, name, target)), name
+    assert sum(".shared_experts." in n for n in sd) == (6 if arch.startswith("deepseek") else 0)
+    assert sum(n.endswith("e_score_correction_bias") for n in sd) == (2 if arch == "deepseek_v3" else 0)
+    for name, t in sd.items():  # (DeepSeek keeps gate.weight and the bias in fp32: a bf16 merge's values upcast)
+        assert torch.equal(t, _want(fx, name, target).to(t.dtype)), name
 
 
 def test_autoep_names_kept_where_the_class_is_not_said(tmp_path):
@@ -74,7 +86,34 @@ def test_autoep_names_kept_where_the_class_is_not_said(tmp_path):
     assert any("AutoEP names kept" in n and "no config.json" in n for n in res.notes)
     assert not (tmp_path / "noconfig" / "config.json").exists()
     cfg = json.loads((fx / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    (copy / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5_moe"}))
     res = zckpt.merge(str(copy), str(tmp_path / "other"))
     assert "model.layers.0.mlp.router.gate.weight" in _merged(tmp_path / "other")
-    assert any("model_type 'deepseek_v3'" in n for n in res.notes)
+    assert any("model_type 'qwen3_5_moe'" in n for n in res.notes)
+
+
+@pytest.mark.parametrize("fx,change,text", [
+    (DEEPSEEK[2], {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]},
+     "layer model.layers.1.mlp holds no router.e_score_correction_bias, which the model class has"),
+    (DEEPSEEK[0], {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"]},
+     "layer model.layers.1.mlp holds model.layers.1.mlp.router.e_score_correction_bias"),
+    (DEEPSEEK[0], {"first_k_dense_replace": 0},
+     "the checkpoint's MoE layers are [1, 2], {cfg} makes DeepseekV3ForCausalLM's [0, 1, 2]"),
+    (DEEPSEEK[0], {"n_routed_experts": 16},
+     "layer model.layers.1.mlp holds 8 experts of intermediate size 8, {cfg} says n_routed_experts 16"),
+], ids=["v2-save-as-v3", "v3-save-as-v2", "dense-layers", "experts"])
+def test_deepseek_names_where_the_save_and_config_json_disagree(tmp_path, fx, change, text):
+    """What the class would need and the save does not hold (V3's router bias), what the save holds and the class
+    has no place for, MoE layers or experts other than config.json's: AutoEP's names kept with a note saying which,
+    nothing invented (merge and convert --to dcp alike)."""
+    copy = tmp_path / "ck"
+    shutil.copytree(fx, copy, ignore=shutil.ignore_patterns("expected"))
+    cfg = json.loads((fx / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, **change}))
+    text = text.format(cfg=copy / "config.json")
+    res = zckpt.merge(str(copy), str(tmp_path / "m"))
+    assert "model.layers.1.mlp.router.gate.weight" in _merged(tmp_path / "m")
+    assert not (tmp_path / "m" / "config.json").exists()
+    assert any(n.startswith("AutoEP names kept") and text in n for n in res.notes), (text, res.notes)
+    conv = zckpt.convert(str(copy), out=str(tmp_path / "c"), dry_run=True)
+    assert any(n.startswith("AutoEP names kept") and text in n for n in conv.plan.notes), conv.plan.notes

@@ -15,10 +15,12 @@ names; ``merge`` writes the model's own (:func:`merge_view`, the reader's ``MERG
 
 Which class the run started from is read, never guessed: the ``config.json`` beside the checkpoint (a Trainer's
 ``checkpoint-N``, or the save folder that holds ``latest``) must have a ``model_type`` whose transformers 5 class
-fuses its experts so (``mixtral``: ``MixtralSparseMoeBlock``, ``qwen3_moe``: ``Qwen3MoeSparseMoeBlock``; read
-from transformers 5.24's modeling code) and a ``transformers_version`` of 5 or later (4.x Mixtral keeps one module
-per expert). Without it, or with anything else in a layer (a router bias, shared experts), AutoEP's names are kept
-and a note says why. The values are the same bytes either way: each name is slices of the same pieces.
+fuses its experts so (``mixtral``, ``qwen3_moe``, ``deepseek_v2``, ``deepseek_v3``: :mod:`.hf_moe_families`, which
+also says what else each MoE block holds, DeepSeek's shared experts and V3's router ``e_score_correction_bias``,
+and which layers are MoE blocks) and a ``transformers_version`` of 5 or later (4.x Mixtral keeps one module per
+expert). Without it, with anything else in a layer (a router bias), a name of the class's block missing, or MoE
+layers and experts other than the config's, AutoEP's names are kept and a note says why. The values are the same
+bytes either way: each name is slices of the same pieces.
 
 ``convert --to dcp`` writes the same names (:func:`training_view`) with the optimizer state mapped as the values
 are: ``gate_up_proj``'s fp32 master, ``exp_avg`` and ``exp_avg_sq`` are, per expert e, w1's then w3's; the param
@@ -33,12 +35,12 @@ import dataclasses
 import json
 import re
 
+from zckpt.deepspeed.hf_moe_families import CLASSES, FAMILIES, config_mismatch
 from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.engine.segments import slice_pieces
 from zckpt.errors import OptionError, UnsupportedLayout
 from zckpt.io import storage
 
-CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _DTYPE = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
           "float16": "float16"}
 
@@ -99,16 +101,19 @@ def _fused(name: str, shape: tuple, srcs: list[TensorRecord], n: int, state: boo
     return rec
 
 
-def _layer_records(layer: dict, by: dict[str, TensorRecord],
-                   state: bool = False) -> tuple[dict[str, list[TensorRecord]], str]:
+def _layer_records(layer: dict, by: dict[str, TensorRecord], state: bool = False,
+                   block: dict | None = None) -> tuple[dict[str, list[TensorRecord]], str]:
     """{AutoEP name: the model's records} for one MoE layer, or why it cannot be mapped (``state``: with the
-    moments and every other per-element state, mapped as the values are; else the values only, for merge)."""
+    moments and every other per-element state, mapped as the values are; else the values only, for merge;
+    ``block``: what the layer holds beside its experts, AutoEP's name -> the class's, hf_moe_families)."""
     mp = layer["layer"]
+    block = block or {"router.gate.weight": "gate.weight"}
     names = {n for n in by if n.startswith(mp + ".")}
     w1, w2, w3 = (by.get(f"{mp}.experts.{w}") for w in ("w1", "w2", "w3"))
     router = by.get(f"{mp}.router.gate.weight")
     alias = by.get(f"{mp}.gate.gate.weight")
-    known = {f"{mp}.experts.w1", f"{mp}.experts.w2", f"{mp}.experts.w3", f"{mp}.router.gate.weight"}
+    known = {f"{mp}.experts.w1", f"{mp}.experts.w2", f"{mp}.experts.w3"} | {f"{mp}.{k}" for k in block}
+    missing = [k for k in block if f"{mp}.{k}" not in by]
     if alias is not None:
         if alias.kind != "tied" or alias.tied_to != f"{mp}.router.gate.weight":
             return {}, f"'{mp}.gate.gate.weight' is not the router's alias"
@@ -116,6 +121,8 @@ def _layer_records(layer: dict, by: dict[str, TensorRecord],
     extra = sorted(names - known)
     if extra or None in (w1, w2, w3, router):
         return {}, f"layer {mp} holds {extra[0] if extra else 'not all of experts.w1/w2/w3, router.gate.weight'}"
+    if missing:
+        return {}, f"layer {mp} holds no {missing[0]}, which the model class has"
     n, inter, hidden = (int(d) for d in w1.shape)
     if tuple(w3.shape) != (n, inter, hidden) or tuple(w2.shape) != (n, hidden, inter) or w1.dtype != w3.dtype:
         return {}, f"layer {mp}: experts.w1 {list(w1.shape)}, w3 {list(w3.shape)}, w2 {list(w2.shape)}"
@@ -123,8 +130,10 @@ def _layer_records(layer: dict, by: dict[str, TensorRecord],
                   or set(w1.other_state) != set(w3.other_state) or bool(w1.exp_avg) != bool(w3.exp_avg)):
         return {}, f"layer {mp}: experts.w1 and experts.w3 are in different param groups or keep different state"
     gate_up = _fused(f"{mp}.experts.gate_up_proj", (n, 2 * inter, hidden), [w1, w3], n, state)
-    out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj", state)],
-           router.name: [_renamed(router, f"{mp}.gate.weight", state)]}
+    out = {w1.name: [gate_up], w3.name: [], w2.name: [_renamed(w2, f"{mp}.experts.down_proj", state)]}
+    for old, new in block.items():  # the router, and shared experts and the like where the class has them
+        rec = by[f"{mp}.{old}"]
+        out[rec.name] = [rec] if old == new else [_renamed(rec, f"{mp}.{new}", state)]
     if alias is not None:
         out[alias.name] = []
     return out, ""
@@ -144,10 +153,13 @@ def _mapped(ckpt: Checkpoint, state: bool) -> tuple[dict[str, list[TensorRecord]
     by = ckpt.by_name()
     mapped: dict[str, list[TensorRecord]] = {}
     for layer in [] if why else layers:
-        got, why = _layer_records(layer, by, state)
+        got, why = _layer_records(layer, by, state, FAMILIES[cfg["model_type"]].block)
         if why:
             break
         mapped.update(got)
+    if not why:  # the class that config.json builds has these MoE layers, of these experts
+        why = config_mismatch(cfg, path, layers, {x["layer"]: tuple(by[f"{x['layer']}.experts.w1"].shape)
+                                                  for x in layers})
     return mapped, why, cfg, path
 
 
