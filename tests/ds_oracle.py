@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -206,3 +207,6 @@ def _worker(job_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past the exit-time abort of CPU ranks (fixtures/generate.py exit_rank)

@@ -15,6 +15,7 @@ Run as a script, this file is the torchrun worker.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,9 @@ def _worker(job_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
-    sys.exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # past the exit-time abort of CPU ranks (fixtures/generate.py exit_rank)
 
 
 # ------------------------------------------------------------------------------------------------ tests
