@@ -8,9 +8,9 @@ Run as ``moe_dcp_worker.py JOB.json``; each case of the job is one of:
 ``load``: build the model from ``config`` (a folder holding config.json) with another seed, AdamW with wrong
 hyperparameters on purpose, then ``get_state_dict`` -> ``dcp.load(checkpoint_id=dcp)`` -> ``set_state_dict`` (what
 FSDP2 users resume with). Rank 0 writes ``OUT/loaded.safetensors`` (``param/<name>``, ``exp_avg/<name>``,
-``exp_avg_sq/<name>``, ``step/<name>``: the full tensors) and ``OUT/loaded.json`` (groups, the keys asked for);
-then one optimizer step on a fixed batch runs and ``OUT/after.json`` records its loss and whether every parameter
-moved.
+``exp_avg_sq/<name>``, ``step/<name>``: the full tensors; ``buffer/<name>``: the persistent buffers) and
+``OUT/loaded.json`` (groups, the keys asked for); then one optimizer step on a fixed batch runs and
+``OUT/after.json`` records its loss and whether every parameter moved.
 
 ``deepspeed`` (a job with ``"deepspeed": true``): DeepSpeed, without AutoEP, at ZeRO-``stage`` (bf16) loads the
 DeepSpeed checkpoint ``ckpt`` (:func:`deepspeed_case`); rank 0 writes ``OUT/deepspeed.safetensors`` / ``.json``.
@@ -94,6 +94,8 @@ def load_case(case: dict, mesh, rank: int, ws: int) -> None:
         loaded[f"param/{n}"] = _full(p.detach())
         for k, v in opt.state.get(p, {}).items():
             loaded[f"{k}/{n}"] = _full(v).reshape(-1) if k == "step" else _full(v)
+    persistent = set(model.state_dict())  # DeepSeek-V3's router e_score_correction_bias: a persistent buffer
+    loaded.update({f"buffer/{n}": _full(b.detach()) for n, b in model.named_buffers() if n in persistent})
     names = {id(p): n for n, p in model.named_parameters()}
     info = {"world_size": ws, "target_keys": keys,
             "groups": [{"names": [names[id(p)] for p in g["params"]],

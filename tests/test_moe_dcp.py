@@ -1,8 +1,11 @@
 """MoE state across frameworks (issue 47 item 2): DeepSpeed AutoEP <-> DCP under the names and fusion of the
 transformers class the run trains, loaded by the real frameworks bit for bit.
 
-DeepSpeed AutoEP -> DCP: ``fixtures/moe_autoep_z2_bf16_ws4_ep4_l2`` (Mixtral, ZeRO-2, ep 4) and
-``moe_autoep_z3_bf16_ws4_ep2_l2`` (Qwen3-MoE, ZeRO-3, ep 2), each 2 MoE layers x 8 experts, top-2, saved by DeepSpeed
+DeepSpeed AutoEP -> DCP: ``fixtures/moe_autoep_z2_bf16_ws4_ep4_l2`` (Mixtral, ZeRO-2, ep 4),
+``moe_autoep_z3_bf16_ws4_ep2_l2`` (Qwen3-MoE, ZeRO-3, ep 2), ``moe_autoep_z2_bf16_ws4_ep2_dsv3`` /
+``moe_autoep_z3_bf16_ws2_ep2_dsv3`` (DeepSeek-V3, ZeRO-2 / ZeRO-3, ep 2: a dense first layer, a shared expert, the
+router's ``e_score_correction_bias`` buffer, which FSDP2 must load equal to the engine's) and
+``moe_autoep_z2_bf16_ws2_ep2_dsv2`` (DeepSeek-V2), each 2 MoE layers x 8 experts, top-2, saved by DeepSpeed
 0.19.8 with the model's ``config.json``. ``zckpt convert --to dcp`` writes ``experts.gate_up_proj`` (w1 then w3 per
 expert), ``experts.down_proj`` and ``mlp.gate.weight`` with their fp32 masters, both moments and steps. The oracle is
 FSDP2 itself (tests/moe_dcp_worker.py, one torchrun of 2 gloo ranks): the transformers class built from the
@@ -36,7 +39,12 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-AUTOEP = {"mixtral": FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2", "qwen3_moe": FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"}
+AUTOEP = {"mixtral": FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2",
+          "qwen3_moe": FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2",
+          # a dense first layer, shared experts, MLA; V3's router e_score_correction_bias (a buffer)
+          "deepseek_v3-zero2": FIXTURES / "moe_autoep_z2_bf16_ws4_ep2_dsv3",
+          "deepseek_v3-zero3": FIXTURES / "moe_autoep_z3_bf16_ws2_ep2_dsv3",
+          "deepseek_v2": FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_dsv2"}
 FSDP2 = {"mixtral": FIXTURES / "fsdp2_moe_mixtral_ws2", "qwen3_moe": FIXTURES / "fsdp2_moe_qwen3_ws2"}
 DS_STAGE = {"mixtral": 2, "qwen3_moe": 1}
 
@@ -128,6 +136,11 @@ def test_fsdp2_loads_autoep_under_the_model_names(fsdp2_loads, arch):
 
     names = [k.split("/", 1)[1] for k in got if k.startswith("param/")]
     assert sum(n.endswith(".experts.gate_up_proj") for n in names) == 2 and len(names) == len(oracle["trainable"]) - 2  # (w1 + w3: one)
+    buffers = [k.split("/", 1)[1] for k in got if k.startswith("buffer/")]  # DeepSeek-V3's router bias
+    assert len(buffers) == len(oracle["buffers"]) == (2 if arch.startswith("deepseek_v3") else 0)
+    for name in buffers:
+        t = want[f"buffer/{name[:-len('gate.e_score_correction_bias')]}router.e_score_correction_bias"]
+        assert torch.count_nonzero(t) and torch.equal(got[f"buffer/{name}"], t), name  # (the class inits zeros)
     for name in names:
         assert torch.equal(got[f"param/{name}"], engine("fp32", name)), name
         for kind in ("exp_avg", "exp_avg_sq"):
@@ -138,7 +151,8 @@ def test_fsdp2_loads_autoep_under_the_model_names(fsdp2_loads, arch):
     assert "model.layers.1.mlp.gate.weight" in dense["names"]
     for g in (dense, experts):  # DeepSpeed's hyperparameters, not the wrong ones the job built the optimizer with
         assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.01, [0.9, 0.95], 1e-8, 0.01), g
-    assert "optim.state.model.layers.0.mlp.experts.gate_up_proj.exp_avg" in info["target_keys"]
+    first = 1 if arch.startswith("deepseek") else 0  # DeepSeek's first layer is dense (first_k_dense_replace)
+    assert f"optim.state.model.layers.{first}.mlp.experts.gate_up_proj.exp_avg" in info["target_keys"]
     after = json.loads((base / arch / "after.json").read_text())
     assert after["loss"] == after["loss"] and all(after["moved"].values()), after  # one step ran: finite, moved
 
