@@ -104,7 +104,8 @@ def test_info_and_verify_report_layers_experts_and_the_check(fx):
     ck = str(checkpoint_path(fx))
     d = info_of(ck)
     moe = d["moe"]
-    layers = 2 if (spec.get("moe2_ep_size") or (spec.get("autoep_model") or {}).get("layers") == 2) else 1
+    am = spec.get("autoep_model") or {}  # (DeepSeek's: its first "dense" layers are no MoE layers)
+    layers = 2 if (spec.get("moe2_ep_size") or am.get("layers", 1) - am.get("dense", 0) == 2) else 1
     experts = spec.get("num_experts") or (spec.get("autoep_model") or {}).get("experts") or 4
     assert (moe["layers"], moe["experts"], moe["checked"]) == (layers, experts, True)
     assert moe["each_expert_has"] == ["value", "exp_avg", "exp_avg_sq"] and moe["routers"] == layers
