@@ -69,6 +69,7 @@ RULES: list[Row] = [
     Row("convert", "layout", {"to": ("megatron",)}, values=("fully_reshardable", "dp_reshardable")),
     Row("convert", "groups", {"to": ("dcp", "deepspeed")}),  # a Megatron source's groups for another format
     Row("convert", "native_names", {"to": ("dcp", "deepspeed")}),
+    Row("convert", "hf_config", _TO_DEEPSPEED),  # a torchtitan save's transformers class (dcp/titan_hf.py)
     # reshard: DeepSpeed's BF16 optimizer is a ZeRO-1 optimizer (stage 1, or the source's when --stage is not given)
     Row("reshard", "bf16_optimizer", {"stage": (None, 1)}),
     # merge: an output URL's own storage options

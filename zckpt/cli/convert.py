@@ -104,6 +104,10 @@ Examples:
               help="A Megatron-Core source: keep Megatron's tensor names (default: Hugging Face Llama's, when the "
                    "files say the model is Llama-shaped). A DeepSpeed AutoEP source: keep AutoEP's expert and "
                    "router names (default: the model class's, when the config.json beside it says the class).")
+@click.option("--hf-config", "hf_config", default=None, metavar="CONFIG.json",
+              help="--to deepspeed of a torchtitan Qwen3 / Qwen3-MoE save (its step-N folder): the config.json of "
+                   "the transformers 5 class the DeepSpeed job trains (torchtitan saves none); the state is written "
+                   "under its names and fusion, the fused qkv's optimizer state split by its heads.")
 @tag_option
 @tie_options
 @click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
@@ -114,7 +118,8 @@ Examples:
 def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, dp, ddp_config,
             megatron_args,
             ntokens_seen,
-            lr_last_epoch, initial_lr, adam_mode, groups, native_names, tag, workers, overwrite, durable, dry_run,
+            lr_last_epoch, initial_lr, adam_mode, groups, native_names, hf_config, tag, workers, overwrite, durable,
+            dry_run,
             storage_options, as_json, quiet):
     """Convert a DeepSpeed checkpoint into a PyTorch DCP checkpoint, or back (or a Megatron-Core one into any of them,
     or into a Megatron-LM save folder that resumes at any TP/PP/DP), keeping the whole training state.
@@ -142,7 +147,7 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          world_size=world_size, stage=stage, ds_config=ds_config, buffers=buffers, tied=list(tied),
                          dtype=dtype, layout=layout, group=None if dry_run else group,
                          torchtitan={k: v for k, v in titan.items() if v is not None} or None,
-                         groups=list(groups) or None, native_names=native_names,
+                         groups=list(groups) or None, native_names=native_names, hf_config=hf_config,
                          **({"tp": tp, "pp": pp, "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config}
                             if to == "megatron" else {}))
     if group is not None and group.rank != 0:

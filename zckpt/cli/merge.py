@@ -43,6 +43,10 @@ Examples:
               help="Keep the source format's own tensor names: a Megatron-Core checkpoint of a Llama-shaped model "
                    "(SwiGLU, RMSNorm, RoPE, no biases) is written under Hugging Face Llama names with a "
                    "config.json unless this is given.")
+@click.option("--hf-config", "hf_config", default=None, metavar="CONFIG.json",
+              help="A torchtitan Qwen3 / Qwen3-MoE save (its step-N folder): the config.json of the transformers "
+                   "5 class to write it as (torchtitan saves none); its names, fused experts and the config are "
+                   "written, so from_pretrained loads the output.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
               help="Threads for reading, casting and writing (default: CPU count, at most 8); they write "
                    "several output files at once.")
@@ -51,7 +55,8 @@ Examples:
 @follow_links_option
 @output_storage_option
 @global_options()
-def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, native_names, workers, overwrite,
+def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied, native_names, hf_config, workers,
+          overwrite,
           durable, dry_run, storage_options, output_storage_options, as_json, quiet):
     """Consolidate a ZeRO checkpoint into weights that from_pretrained / load_state_dict can load.
 
@@ -72,7 +77,7 @@ def merge(path, fmt, dtype, out, max_shard_size, tag, exclude_frozen, keep_tied,
                          exclude_frozen=exclude_frozen, keep_tied=keep_tied, workers=workers, dry_run=dry_run,
                          overwrite=overwrite, durable=durable, progress=bar, storage_options=storage_options,
                          output_storage_options=output_storage_options, group=None if dry_run else group,
-                         native_names=native_names)
+                         native_names=native_names, hf_config=hf_config)
     if group is not None and group.rank != 0:
         return
     if not dry_run:

@@ -146,13 +146,16 @@ def matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
 
 
-def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied: dict | None = None) -> Checkpoint:
+def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied: dict | None = None,
+             fused_qkv: bool = False) -> Checkpoint:
     """Describe the DCP checkpoint in the folder ``path`` from its metadata (no tensor bytes read, but for the
     tie ``config.json`` states: see :func:`files_ties`).
 
     ``buffers``: names (fnmatch patterns) of module tensors without optimizer state that are buffers; ``tied``:
     {alias: source} for tied weights saved under both names (``{}``: none); ``None``: the ties the files state
-    (:func:`files_ties`). Others without state are read as frozen."""
+    (:func:`files_ties`). Others without state are read as frozen. ``fused_qkv``: the optimizer state of a
+    torchtitan fused-qkv attention (under ``wqkv`` alone) kept for the caller, whose stated config splits it
+    (``extra["fused_qkv"]``: {fqn: {"exp_avg", "exp_avg_sq": pieces, "shape", "dtype"}}), not refused."""
     path = str(path).rstrip("/") or "/"
     opts = storage_options
     if not storage.exists(path, opts):
@@ -165,14 +168,14 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
                                    hint="use the folder of a finished save")
     try:
         with safeload.gc_paused():  # 10**5-10**6 pieces built, no garbage: one collector pass at the end, not many
-            return _open_parts(path, opts, parts, buffers, tied)
+            return _open_parts(path, opts, parts, buffers, tied, fused_qkv)
     except (CorruptFile, UnsafePickle) as exc:
         if exc.hint == type(exc).default_hint:  # the DeepSpeed wording (tags, rank files) does not fit a DCP folder
             exc.hint = DCP_HINTS[UnsafePickle if isinstance(exc, UnsafePickle) else CorruptFile]  # subclasses too
         raise
 
 
-def _open_parts(path, opts, parts, buffers, tied) -> Checkpoint:
+def _open_parts(path, opts, parts, buffers, tied, fused_qkv=False) -> Checkpoint:
     """:func:`open_dcp`'s reads: each part's ``.metadata``, then the checkpoint built from them."""
     metas, sizes, mds = [], {}, []
     for part in parts:
@@ -189,7 +192,7 @@ def _open_parts(path, opts, parts, buffers, tied) -> Checkpoint:
         metas.append((f"{part}/{METADATA}" if part else METADATA, len(data)))
     md = _joined(mds, storage.join(path, metas[0][0]))
     with metadata_errors(storage.join(path, metas[0][0])):
-        return _build(path, opts, md, sizes, metas, buffers, tied)
+        return _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv)
 
 
 def _relative(md: dcpmeta.DcpMetadata, part: str) -> dcpmeta.DcpMetadata:
@@ -230,7 +233,7 @@ def _values(items: _Items, md: dcpmeta.DcpMetadata, keys, mpath: str) -> dict:
     return out
 
 
-def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
+def _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv=False) -> Checkpoint:
     mpath = storage.join(path, metas[0][0])
     model, state, groups_raw, flat_groups, other = _split(md)
     if not model:
@@ -244,12 +247,14 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
     orphans = [o for o in orphans if o not in twins]
     alone = [o for o in orphans if o.endswith(".wqkv.weight") and fused_qkv_twin(o, model, {
         n: True for n in model})]
-    if alone:  # torchtitan's own fused-qkv save: its model split, its optimizer state not
+    kept = {o: state.pop(o) for o in alone} if fused_qkv else {}  # split by the caller (its stated config)
+    orphans = [o for o in orphans if o not in kept]
+    if alone and not fused_qkv:  # torchtitan's own fused-qkv save: its model split, its optimizer state not
         raise UnsupportedLayout(f"the optimizer state of '{alone[0]}' is torchtitan's fused-qkv attention's (the "
                                 "model's wq/wk/wv fused per key-value group); where its rows split needs the head "
                                 "size, which the files do not hold", path=mpath,
-                                hint="build the torchtitan model with fuse_qkv=False to save split state, or "
-                                     "zckpt merge for the weights")
+                                hint="state the transformers class's config.json with --hf-config (merge, "
+                                     "convert --to deepspeed), or build the torchtitan model with fuse_qkv=False")
     if orphans and all(o.isdigit() for o in orphans):  # optimizer.state_dict(): torch's own keys, not names
         raise UnsupportedLayout(f"the optimizer state is keyed by parameter index ({', '.join(orphans[:3])}"
                                 f"{' ...' if len(orphans) > 3 else ''}), not by name: it was saved from "
@@ -304,8 +309,18 @@ def _build(path, opts, md, sizes, metas, buffers, tied) -> Checkpoint:
             records.append(rec)
         for g in grouped:
             g.step = _group_step(g, step_values, mpath)
+        fused = {}
+        for fqn, st in kept.items():  # torchtitan's fused wqkv: its state as saved, for the caller to split
+            te = md.tensors.get(st.get("exp_avg"))
+            sq = md.tensors.get(st.get("exp_avg_sq"))
+            if te is None or sq is None or sq.shape != te.shape or "step" not in st:
+                raise CorruptFile(f"'{fqn}': not all of exp_avg, exp_avg_sq and step", path=mpath)
+            ste = md.tensors[st["step"]]
+            step_tensors[fqn], step_values[fqn] = items.scalar(ste, ste.chunks[0])
+            fused[fqn] = {"exp_avg": tensor_pieces(items, te, mpath), "exp_avg_sq": tensor_pieces(items, sq, mpath),
+                          "shape": tuple(te.shape), "dtype": te.dtype}
         extra = {"metadata": md, "step_tensors": step_tensors, "stateless": stateless, "other": other,
-                 "tied": dict(tied), "tie_source": tie_source,
+                 "tied": dict(tied), "tie_source": tie_source, "fused_qkv": fused, "step_values": step_values,
                  "flat_param_groups": bool(flat_groups), "model_keys": model,
                  "flat_groups": {fqn: {k: v for k, v in zip(keys, _values(items, md, list(keys.values()),
                                                                              mpath).values())}

@@ -134,7 +134,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
             layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
             native_names: bool = False, tp: int | None = None, pp: int | None = None, megatron_args=None,
-            dp: int | None = None, ddp_config=None):
+            dp: int | None = None, ddp_config=None, hf_config=None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -167,14 +167,17 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
     :mod:`zckpt.megatron.run_args`), from which the scheduler, the groups' Megatron settings and the consumed
     samples are made; refused for a source that holds Megatron's own. ``layout="dp_reshardable"``: the
     distributed optimizer's buckets for ``dp`` data-parallel ranks and the DDP settings ``ddp_config``
-    (``"overlap_grad_reduce=false,..."``; :mod:`zckpt.megatron.writer_buckets`)."""
+    (``"overlap_grad_reduce=false,..."``; :mod:`zckpt.megatron.writer_buckets`).
+
+    ``hf_config`` (``to="deepspeed"``): the transformers class's ``config.json`` of a torchtitan Qwen3 save, whose
+    state is then written under that class's names (:mod:`zckpt.dcp.titan_hf`)."""
     t0 = time.perf_counter()
     if to not in FORMATS:
         raise InvalidArgument(f"unknown target format {to!r}", hint=f"choose one of {', '.join(FORMATS)}")
     if to not in ("dcp", "deepspeed"):
         others = {"--world-size": world_size, "--stage": stage, "--ds-config": ds_config, "--buffers": buffers,
                   "--tied": tied, "--dtype": dtype, "--adam-mode": adam_mode, "--torchtitan options": torchtitan,
-                  "--groups": groups, "--native-names": native_names}
+                  "--groups": groups, "--native-names": native_names, "--hf-config": hf_config}
         given = sorted({k.strip() for k, v in others.items() if v not in (None, False, [], (), {}, "")})
         if given:
             raise InvalidArgument(f"{', '.join(given)} do not apply to --to {to}", hint=f"drop {', '.join(given)}")
@@ -197,7 +200,11 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
                                   hint="pass the DCP folder itself")
         return to_deepspeed.to_deepspeed(path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run=dry_run,
                                          overwrite=overwrite, workers=workers, progress=progress, durable=durable,
-                                         storage_options=storage_options, groups=groups, native_names=native_names)
+                                         storage_options=storage_options, groups=groups, native_names=native_names,
+                                         hf_config=hf_config)
+    if hf_config is not None:
+        raise OptionError("--hf-config names the transformers class a torchtitan save is written as, for --to "
+                          "deepspeed and merge", path=path, hint="drop --hf-config")
     ckpt = open_checkpoint(path, tag, storage_options)
     fmt = format_named(ckpt.format)
     view = fmt.training_state  # the source's state placed for another format's writer (Megatron's groups)

@@ -35,7 +35,7 @@ from zckpt.hf.writer import (  # noqa: F401 - the writer's names, for callers of
 )
 from zckpt.state.model import Checkpoint
 from zckpt.state.open import format_named, open_checkpoint
-from zckpt.errors import InvalidArgument, require_torch
+from zckpt.errors import InvalidArgument, OptionError, require_torch
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
           max_shard_size="5GB", exclude_frozen: bool = False, keep_tied: bool = False, workers: int | None = None,
           dry_run: bool = False, overwrite: bool = False, durable: bool = False,
           progress: Callable[[int, int], None] | None = None, storage_options: dict | None = None,
-          output_storage_options: dict | None = None, group=None, native_names: bool = False) -> MergeResult:
+          output_storage_options: dict | None = None, group=None, native_names: bool = False,
+          hf_config=None) -> MergeResult:
     """Consolidate the checkpoint at ``path`` into ``out``.
 
     Default ``out``: next to the checkpoint, never inside it: ``outputs/checkpoint-4`` ->
@@ -98,17 +99,29 @@ def merge(path: str, out: str | None = None, fmt: str = "safetensors", dtype: st
     (its format's ``merge_view``: Megatron-Core's Llama-shaped models get Llama's names and a ``config.json``).
     ``group``: the ranks of a launcher's job (:func:`zckpt.engine.launch.launched`); every rank calls ``merge``
     and writes a share of the bytes, rank 0 publishes (:mod:`zckpt.engine.distributed`). ``progress`` then counts
-    this rank's share.
+    this rank's share. ``hf_config``: the ``config.json`` of the transformers class a torchtitan Qwen3 save is
+    written as (its names and fused experts, the config beside them: :mod:`zckpt.dcp.titan_hf`).
     """
     t0 = time.perf_counter()
-    ckpt = open_checkpoint(path, tag, storage_options)
+    if hf_config is not None and native_names:
+        raise OptionError("--native-names keeps the source's names; --hf-config writes the class's", path=path,
+                          hint="drop one of them")
+    cfg = None
+    if hf_config is not None:  # a torchtitan save under the stated transformers class's names
+        from zckpt.dcp import titan_hf
+        ckpt, cfg, _ = titan_hf.open_titan(path, hf_config, storage_options, tag)
+    else:
+        ckpt = open_checkpoint(path, tag, storage_options)
     source = publish.source_of(ckpt.location, picked_tag=tag is not None)
     if out is None:
         out = publish.default_output(source, "merged") + f"-{dtype}"
     notes = list(ckpt.extra.get("merge_notes") or [])
     view = format_named(ckpt.format).merge_view  # the format's records under Hugging Face names, if it has them
     extra = trainer_files(ckpt, dtype)
-    if view is not None and not native_names:
+    if cfg is not None:
+        files, notes = titan_hf.merge_files(ckpt, cfg, dtype)
+        extra.update(files)
+    elif view is not None and not native_names:
         ckpt, files, notes = view(ckpt, dtype)
         extra.update(files)
     plan = plan_merge(ckpt, fmt, dtype, max_shard_size, exclude_frozen, keep_tied)

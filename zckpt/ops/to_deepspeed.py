@@ -23,13 +23,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from zckpt.dcp import titan_hf
 from zckpt.dcp.reader import check_stateless_named, open_dcp
 from zckpt.dcp.sidestate import check_no_hidden_ties
 from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config  # noqa: F401 - load_config too
 from zckpt.deepspeed.target import ReshardPlan
 from zckpt.deepspeed.writer import plan_reshard
 from zckpt.engine import run
-from zckpt.errors import InvalidArgument
+from zckpt.errors import InvalidArgument, OptionError
 from zckpt.io import publish
 from zckpt.ops.outputs import ToDeepSpeedResult, check_out
 from zckpt.state import checksums
@@ -103,7 +104,8 @@ def parse_tied(tied) -> dict | None:
 def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_config=None, buffers=None, tied=None,
                  dtype: str | None = None, dry_run: bool = False, overwrite: bool = False, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None, durable: bool = False,
-                 storage_options: dict | None = None, groups=None, native_names: bool = False) -> ToDeepSpeedResult:
+                 storage_options: dict | None = None, groups=None, native_names: bool = False,
+                 hf_config=None) -> ToDeepSpeedResult:
     """Write the DCP checkpoint at ``path`` as DeepSpeed ZeRO-``stage`` files for ``world_size`` ranks into the
     folder ``out`` (``OUT/latest``, ``OUT/global_step<N>/...``), loadable with a plain ``engine.load_checkpoint(out)``.
 
@@ -113,7 +115,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     checkpoint has such tensors; a comma-separated string is split); ``tied``: ``{alias: source}`` (or ``"alias=source"`` strings) for weights FSDP2
     saved under both names, written as DeepSpeed's ``shared_params``. Default ``out``: next to the source,
     ``runs/step-1200`` -> ``runs/converted-step-1200-deepspeed``. The output is published like a reshard's (temp
-    folder, ``latest`` and the marker last, rename)."""
+    folder, ``latest`` and the marker last, rename). ``hf_config``: the ``config.json`` of the transformers class a
+    torchtitan Qwen3 save is written as (its names, fused experts, split qkv state: :mod:`zckpt.dcp.titan_hf`)."""
     t0 = time.perf_counter()
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}",
@@ -129,7 +132,16 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
         buffers = [b for b in buffers.split(",") if b]
     cfg, config_known = load_config(ds_config, dtype)
     side = None
-    if view is not None:
+    if hf_config is not None and (view is not None or native_names or groups):
+        raise OptionError("--hf-config names the transformers class of a torchtitan DCP save" +
+                          (f"; this is a {fmt.name} checkpoint" if view is not None else
+                           ", and --native-names / --groups are a Megatron source's"), path=path,
+                          hint="drop --hf-config" if view is not None else "drop --native-names / --groups")
+    if hf_config is not None:
+        ckpt, _, _ = titan_hf.open_titan(path, hf_config, storage_options, tied=parse_tied(tied))
+        check_stateless_named(ckpt, buffers)
+        side = titan_hf.deepspeed_side(ckpt)
+    elif view is not None:
         if tied:
             raise InvalidArgument("--tied names DCP's aliases; a Megatron checkpoint's args say what is tied",
                                   path=path)
