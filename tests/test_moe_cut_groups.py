@@ -236,3 +236,81 @@ def test_deepspeed_loads_the_output(loaded, case, ep):
     assert got["loaded_dp"] == 2 and got["ep_ranks"] == [r % ep for r in range(2)]
     assert_same_files(d / "out", d / "resaved", TAG)
     assert len(_groups(d / "out" / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")[0]) == (4 if ep == 2 else 6)
+
+
+# ------------------------------------------------------------------------------------------------ AutoEP at ZeRO-3
+
+Z3 = FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2_cut"  # Qwen3-MoE, 2 layers x 8 experts, ws 4, ep 2, cut at 1100
+Z3TAG = "global_step2"
+
+
+def _z3_groups(path):
+    osd = _torch_load(path)["optimizer_state_dict"]
+    return ([pg["name"] for pg in osd["optimizer_state_dict"]["param_groups"]],
+            [(m["partition_count"], m["group_names"]) for m in osd["ds_zero_partition_groups"]],
+            [int(t.numel()) for t in osd["fp32_flat_groups"]])
+
+
+def test_autoep_zero3_cut_read_equals_the_live_engine(tmp_path):
+    """DeepSpeed 0.19.8 cuts at ZeRO-3 too (configure_moe_param_groups at max_group_size 1100, each fused expert
+    parameter counting its local [4, ...] elements): 3 ep_size_2 param groups of 1024 elements, each its own ZeRO-3
+    sub-group over the expert-data-parallel pair. Every master and moment read equals the live engine's; info,
+    verify, merge and convert to DCP too."""
+    names, subs, flats = _z3_groups(Z3 / Z3TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert names == ["dense-params"] + ["ep_size_2"] * 3 and subs[1:] == [(2, ["ep_size_2"])] * 3
+    assert flats[1:] == [512] * 3
+    tensors = load_file(str(Z3 / "expected" / "oracle.safetensors"))
+    info = json.loads((Z3 / "expected" / "oracle.json").read_text())
+    by = zckpt.open_checkpoint(str(Z3)).by_name()
+    n = 0
+    for key, want in tensors.items():
+        kind, name = key.split("/", 1)
+        if kind in ("fp32", "exp_avg", "exp_avg_sq") and by[name].kind == "trainable":
+            rec = by[name]
+            pieces = rec.value if kind == "fp32" else getattr(rec, kind)
+            got = load_pieces(pieces, rec.dtype if kind == "fp32" else rec.state_dtype, rec.shape)
+            assert torch.equal(got, want.reshape(got.shape)), key
+            n += 1
+    assert n == 3 * len(info["trainable"]) and sum(".experts." in k and k.startswith("fp32/") for k in tensors) == 6
+    report = zckpt.verify(str(Z3), deep=True)
+    assert report.ok and any(c.name == "MoE experts" and "2 layers x 8 experts" in c.detail for c in report.checks)
+    zckpt.merge(str(Z3), str(tmp_path / "m"), dtype="fp32", native_names=True)
+    got = _merged(tmp_path / "m")
+    for name in info["trainable"]:
+        assert torch.equal(got[name], tensors[f"fp32/{name}"]), name
+    zckpt.convert(str(Z3), str(tmp_path / "dcp"), to="dcp")
+    dcp = zckpt.open_checkpoint(str(tmp_path / "dcp")).by_name()
+    for name in info["trainable"]:
+        rec = dcp[name]
+        assert torch.equal(load_pieces(rec.value, rec.dtype, rec.shape), tensors[f"fp32/{name}"]), name
+        assert torch.equal(load_pieces(rec.exp_avg, rec.state_dtype, rec.shape), tensors[f"exp_avg/{name}"])
+
+
+@pytest.mark.parametrize("ws,ep,mgs,groups,flats", [
+    (8, None, None, 3, [256] * 3),  # the cut kept (whole parameters: it does not depend on dp)
+    (2, None, None, 3, [1024] * 3),
+    (4, 4, 1100, 2, [1024, 512]),  # 6 x 256 at 1100: 1024 + 512 (the source's cut allows 1024..1535: asked for)
+    (2, 1, None, 6, [512] * 6),  # 6 x 1024: each alone at any limit in 1024..1535
+])
+def test_autoep_zero3_cut_resharded_as_deepspeed_cuts(tmp_path, ws, ep, mgs, groups, flats):
+    reshard(str(Z3), str(tmp_path / "o"), world_size=ws, ep=ep, max_group_size=mgs)
+    names, subs, got = _z3_groups(tmp_path / "o" / Z3TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    e = ep or 2
+    assert names == ["dense-params"] + [f"ep_size_{e}"] * groups and got[1:] == flats
+    assert subs == [(ws, ["replicated"])] + [(ws // e, [f"ep_size_{e}"])] * groups
+    assert zckpt.verify(str(tmp_path / "o")).ok
+    reshard(str(tmp_path / "o"), str(tmp_path / "back"), world_size=4, ep=2 if ep else None,
+            max_group_size=1100 if ep else None)  # ep 1's cut says 1024..2047: cut otherwise at those
+    for n in sorted(os.listdir(Z3 / Z3TAG)):  # there and back: every file of the source
+        assert_same_tree(_torch_load(Z3 / Z3TAG / n), _torch_load(tmp_path / "back" / Z3TAG / n), n)
+
+
+def test_autoep_zero3_cut_refusals(tmp_path):
+    with pytest.raises(ZckptError, match=r"between 1024 and 1535 .*pass --max-group-size N"):
+        reshard(str(Z3), str(tmp_path / "a"), world_size=4, ep=4)
+    with pytest.raises(ZckptError, match=r"1000 would not cut .* between 1024 and 1535"):
+        reshard(str(Z3), str(tmp_path / "b"), world_size=4, ep=4, max_group_size=1000)
+    with pytest.raises(ZckptError, match=r"at least 3072 \(nothing was cut\)"):  # the uncut run's group: 6 x 512
+        reshard(str(FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"), str(tmp_path / "c"), world_size=4, ep=4,
+                max_group_size=1100)
+    assert not any((tmp_path / x).exists() for x in "abc")

@@ -41,7 +41,7 @@ Examples:
               help="Expert-parallel size of the output (DeepSpeed MoE or AutoEP; default: the source's): one size "
                    "for every MoE layer, or one per MoE layer in order (2,4).")
 @click.option("--max-group-size", "max_group_size", type=click.IntRange(1, None), default=None, metavar="N",
-              help="DeepSpeed MoE (ZeRO-1/2) with --ep: the max_group_size the run passed to DeepSpeed's split_params_into_"
+              help="DeepSpeed MoE (ZeRO-1/2; AutoEP at ZeRO-3 too) with --ep: the max_group_size the run passed to DeepSpeed's split_params_into_"
                    "different_moe_groups_for_optimizer (which cuts an expert group into several param groups); "
                    "needed only where the source's own cut does not say how the output's groups are cut.")
 @click.option("--bf16-optimizer/--no-bf16-optimizer", "bf16_optimizer", default=None,

@@ -18,13 +18,26 @@ def cut_bounds(layout, names: dict[int, str]) -> tuple[int, int | None, bool]:
     cut; a group of one parameter may hold more than the limit, so it does not bound it from below). ``names``: group
     -> its name; consecutive groups of one name are one cut group."""
     gs = sorted(layout.shards)
-    size = {g: sum(r.numel for _, r in layout.shards[g][0]) for g in gs}
-    lo = max((size[g] for g in gs if len(layout.shards[g][0]) > 1), default=0)
-    hi = None
-    for g, nxt in zip(gs, gs[1:]):
-        if nxt == g + 1 and names.get(g) == names.get(nxt) and layout.shards[nxt][0]:
-            over = size[g] + layout.shards[nxt][0][0][1].numel - 1
-            hi = over if hi is None else min(hi, over)
+    runs: list[list[list[int]]] = []  # consecutive groups of one name: each group's parameters' numels (rank 0)
+    for i, g in enumerate(gs):
+        numels = [r.numel for _, r in layout.shards[g][0]]
+        if i and g == gs[i - 1] + 1 and names.get(g) == names.get(gs[i - 1]):
+            runs[-1].append(numels)
+        else:
+            runs.append([numels])
+    return bounds_of(runs)
+
+
+def bounds_of(runs: list[list[list[int]]]) -> tuple[int, int | None, bool]:
+    """:func:`cut_bounds` of cut groups given as numbers: each run is one expert group the helper cut, as the list
+    of its param groups, each the numels of its parameters in order (on one expert-parallel rank). The limit is at
+    least the first parameter too (under it the helper makes an empty first group, which no save holds)."""
+    lo, hi = 0, None
+    for run in runs:
+        lo = max([lo] + [sum(g) for g in run if len(g) > 1] + [run[0][0]] * bool(run and run[0]))
+        for g, nxt in zip(run, run[1:]):
+            if nxt:
+                hi = sum(g) + nxt[0] - 1 if hi is None else min(hi, sum(g) + nxt[0] - 1)
     return lo, hi, hi is not None
 
 
@@ -51,6 +64,7 @@ def output_cuts(numels: list[int], n: int, bounds: tuple, limit: int | None, pat
     (one group, which the caller checks against DeepSpeed's default: ``expert_groups.check_group_size``)."""
     lo, hi, cut = bounds
     what = f"expert group ep_size_{n}"
+    limit = limit_of(bounds, limit, path)
     if limit is not None:
         return cuts(numels, limit, what, path)
     if not cut:
@@ -67,11 +81,24 @@ def output_cuts(numels: list[int], n: int, bounds: tuple, limit: int | None, pat
 def check_max_group_size(layout, names: dict[int, str], limit: int | None, path: str):
     """``--max-group-size`` against what the source's cut says (:func:`cut_bounds`): refused in one line where
     DeepSpeed would have cut the source otherwise."""
-    lo, hi, cut = cut_bounds(layout, names)
-    if limit is not None and (limit < lo or (hi is not None and limit > hi)):
+    return check_limit(cut_bounds(layout, names), limit, path)
+
+
+def check_limit(bounds: tuple, limit: int | None, path: str):
+    """``limit`` against the source's ``bounds`` (:func:`cut_bounds`, :func:`bounds_of`), refused in one line
+    where DeepSpeed would have cut the source otherwise; the bounds back."""
+    lo, hi, cut = bounds
+    if isinstance(limit, int) and (limit < lo or (hi is not None and limit > hi)):
         said = f"between {lo} and {hi}" if cut else f"at least {lo} (nothing was cut)"
         raise InvalidArgument(f"{limit} would not cut the source's expert groups as they are: their "
                               f"cut says the run's max_group_size was {said}", param="max_group_size", path=path,
                               hint="pass the max_group_size the run gave split_params_into_different_moe_groups_"
                               "for_optimizer")
     return lo, hi, cut
+
+
+def limit_of(bounds: tuple, limit, path: str) -> int | None:
+    """The ``max_group_size`` to cut at: ``limit`` as given (a number, or None), or, for a range ``(lo, hi)`` (what
+    a live engine's own expert param groups say of the limit its helper cut them at: :mod:`zckpt.ops.resume`), its
+    least, which cuts the engine's parameters as the engine holds them whatever the source's run passed."""
+    return limit[0] if isinstance(limit, tuple) else limit

@@ -248,12 +248,13 @@ def moe_reshard(ckpt: Checkpoint, world_size: int, stage: int | None, bf16_optim
     """An MoE checkpoint (:mod:`zckpt.deepspeed.moe`) at data-parallel size ``world_size``, the expert-parallel
     size, stage and optimizer kept; the expert files ``layer_{L}_expert_{E}_mp_rank_00_model_states.pt`` do not
     depend on the data-parallel size and are copied."""
-    if max_group_size is not None and (ckpt.extra.get("moe") is None or ckpt.stage == 3):
-        raise InvalidArgument("MoE checkpoints of ZeRO-1/2 only (the split_params_into_different_moe_groups_"
-                              "for_optimizer argument; ZeRO-3 counts partitioned sizes)", param="max_group_size",
+    autoep_z3 = ckpt.stage == 3 and bool(ckpt.model_state.get("ds_autoep_layers"))
+    if max_group_size is not None and not autoep_z3 and (ckpt.extra.get("moe") is None or ckpt.stage == 3):
+        raise InvalidArgument("MoE checkpoints zckpt reshards with their expert groups only (native MoE at "
+                              "ZeRO-1/2, AutoEP at ZeRO-1/2/3)", param="max_group_size",
                               path=ckpt.location.tag_dir, hint="drop --max-group-size")
-    if ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
-        return _autoep_zero3(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep)
+    if autoep_z3:
+        return _autoep_zero3(ckpt, world_size, stage, bf16_optimizer, fmt, side, ep, max_group_size)
     if ckpt.extra.get("moe_zero0") and ep is not None:
         tag_dir = ckpt.location.tag_dir
         if stage not in (None, 0) or bf16_optimizer:
@@ -508,11 +509,13 @@ def autoep_zero3_target(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer
     return target_of(ckpt, world_size, 3, "zero3", ranks), next(iter(new.values())), src
 
 
-def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, side, ep) -> ReshardPlan:
+def _autoep_zero3(ckpt: Checkpoint, world_size: int, stage, bf16_optimizer, fmt: str, side, ep,
+                  max_group_size: int | None = None) -> ReshardPlan:
     """AutoEP at ZeRO-3 (``zero3_partitioned``) laid out at ``world_size`` ranks and expert-parallel size ``ep``
-    (default: kept) by :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`."""
+    (default: kept) by :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3` (an expert group DeepSpeed cut into
+    several param groups cut again as its helper cuts at ``max_group_size``, else at the source's cut)."""
     t, size, src = autoep_zero3_target(ckpt, world_size, stage, bf16_optimizer, fmt, ep)
-    objects, partitions = plan_autoep_zero3(t, size)
+    objects, partitions = plan_autoep_zero3(t, size, max_group_size)
     files = [planned(o) for o in objects] + side_planned(side, world_size)
     plan = ReshardPlan(ckpt.location.input_path, t.tag, fmt, 3, ckpt.flavour, ckpt.world_size, 3, ckpt.flavour,
                        world_size, ckpt.precision, files, partitions=partitions)

@@ -8,7 +8,7 @@ import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zckpt.deepspeed import partition as W
+from zckpt.deepspeed import group_cuts, partition as W
 from zckpt.deepspeed.expert_groups import autoep_layers_at, check_group_size, expert_data_ranks
 from zckpt.deepspeed.partition import TorchObject
 from zckpt.state.model import TensorRecord
@@ -206,12 +206,48 @@ def plan_zero3(t: Target) -> tuple[list[TorchObject], list[dict]]:
 # ---- AutoEP at ZeRO-3 (zero3_partitioned): dense sub-groups over every rank, each expert-parallel rank's local
 # shards over its expert-data-parallel group
 
-def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]]:
+def _autoep_cut_groups(t: Target, fused: set, ep: int, limit: int | None) -> list[Group]:
+    """The target's param groups with the AutoEP expert group at ``ep``: named ``ep_size_{ep}``, and where DeepSpeed's
+    ``configure_moe_param_groups`` cut it into several param groups of one name (its ``max_group_size``), its
+    parameters laid out as one sequence and cut again as the helper cuts them at ``ep`` (each expert parameter counts
+    its local ``[E/ep, ...]`` elements: :func:`~zckpt.deepspeed.group_cuts.output_cuts`, the limit ``limit`` or read
+    from the source's cut). Each output group is one ZeRO-3 sub-group, as DeepSpeed makes it."""
+    tag_dir = t.ckpt.location.tag_dir
+    at = [i for i, g in enumerate(t.groups) if g.records and all(r.name in fused for r in g.records)]
+    egroups = [t.groups[i] for i in at]
+    plain = [{k: v for k, v in g.hyper.items() if k != "params"} for g in egroups]
+    if not at or at != list(range(at[0], at[0] + len(at))) or any(h != plain[0] for h in plain):
+        raise UnsupportedLayout(f"{len(at)} AutoEP expert param groups apart or of other names or hyperparameters "
+                                "(several user param groups): not laid out again", path=tag_dir)
+    recs = [r for g in egroups for r in g.records]
+    bad = next((r for r in recs if not r.shape or int(r.shape[0]) % ep), None)
+    if bad is not None:
+        raise UnsupportedLayout(f"AutoEP '{bad.name}': {bad.shape[0] if bad.shape else '?'} experts do not split "
+                                f"over expert-parallel size {ep}", path=tag_dir, hint="pass an --ep dividing it")
+    src_ep = max(int(x.get("ep") or 1) for x in t.ckpt.extra.get("moe_coverage") or [{}])
+    bounds = group_cuts.check_limit(group_cuts.bounds_of([[[r.numel // src_ep for r in g.records]
+                                                            for g in egroups]]), limit, tag_dir)
+    local = [r.numel // ep for r in recs]
+    starts = group_cuts.output_cuts(local, ep, bounds, limit, tag_dir)
+    if starts is None:  # nothing was cut in the source: one group, up to DeepSpeed's default limit
+        check_group_size(f"ep_size_{ep}", sum(local), tag_dir, sum(r.numel // src_ep for r in recs))
+        starts = [0]
+    cut = []
+    for k, (a, b) in enumerate(zip(starts, starts[1:] + [len(recs)])):
+        g = egroups[min(k, len(egroups) - 1)]  # its step and saved state keys (one value for every cut group)
+        hyper = OrderedDict((key, f"ep_size_{ep}" if key == "name" else v) for key, v in g.hyper.items())
+        cut.append(dataclasses.replace(g, hyper=hyper, records=recs[a:b]))
+    groups = t.groups[:at[0]] + cut + t.groups[at[-1] + 1:]
+    return [dataclasses.replace(g, index=i) for i, g in enumerate(groups)]
+
+
+def plan_autoep_zero3(t: Target, ep: int, max_group_size: int | None = None) -> tuple[list[TorchObject], list[dict]]:
     """The ZeRO-3 files of an AutoEP model (``checkpoint_format: zero3_partitioned``) at expert-parallel size ``ep``
     and data-parallel size ``t.world_size`` (:mod:`zckpt.deepspeed.autoep`'s reader in reverse). Dense groups are
     cut into sub-groups and partitioned over every rank as :func:`plan_zero3` does; an expert group is one
-    sub-group holding, on rank R of expert-parallel rank e, R's local ``[E/ep, ...]`` shard of each fused expert
-    parameter (experts ``e * E/ep ..`` of the full record), each partitioned in ceil(n/edp) slices over e's
+    sub-group (several where DeepSpeed's ``max_group_size`` cut it into param groups of one name:
+    :func:`_autoep_cut_groups`) holding, on rank R of expert-parallel rank e, R's local ``[E/ep, ...]`` shard of
+    each fused expert parameter (experts ``e * E/ep ..`` of the full record), each partitioned in ceil(n/edp) slices over e's
     expert-data-parallel ranks (:func:`~zckpt.deepspeed.expert_groups.expert_data_ranks`). Each rank's optimizer
     file states its partitions (``ds_zero_partition_groups``: count, rank, ranks, families, group names), which
     DeepSpeed compares with its own ("parameter placement topology"); each rank's model-states file its
@@ -222,10 +258,7 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
     sgs = t.cfg.get("zero_optimization", {}).get("sub_group_size", W.DEFAULT_SUB_GROUP_SIZE)
     sgs = int(float(sgs)) if sgs is not None else None
     subs: list[tuple[bool, _SubGroup, list[TensorRecord]]] = []  # (expert, sub-group, full records)
-    egroups = [g for g in t.groups if g.records and all(r.name in fused for r in g.records)]
-    if len(egroups) != 1:
-        raise UnsupportedLayout(f"{len(egroups)} AutoEP expert param groups (several user param groups, or "
-                                "DeepSpeed's max_group_size split): not laid out again", path=tag_dir)
+    t.groups = _autoep_cut_groups(t, fused, ep, max_group_size)
     for g in t.groups:
         expert = bool(g.records) and all(r.name in fused for r in g.records)
         if not expert:
@@ -238,15 +271,9 @@ def plan_autoep_zero3(t: Target, ep: int) -> tuple[list[TorchObject], list[dict]
                              recs))
             continue
         local = [r.numel // int(r.shape[0]) * (int(r.shape[0]) // ep) for r in g.records]
-        src_ep = max(int(x.get("ep") or 1) for x in ckpt.extra.get("moe_coverage") or [{}])
-        check_group_size(f"ep_size_{ep}", sum(local), tag_dir, sum(r.numel // src_ep for r in g.records))
-        if any(int(r.shape[0]) % ep for r in g.records):
-            raise UnsupportedLayout(f"AutoEP '{g.records[0].name}': {g.records[0].shape[0]} experts do not split "
-                                    f"over expert-parallel size {ep}", path=tag_dir, hint="pass an --ep dividing it")
         if len(W.zero3_sub_groups(local, edp, sgs)) != 1:
             raise UnsupportedLayout(f"AutoEP expert group {g.hyper.get('name')!r} would be cut into several ZeRO-3 "
                                     "sub-groups (sub_group_size), which zckpt does not lay out", path=tag_dir)
-        g.hyper = OrderedDict((k, f"ep_size_{ep}" if k == "name" else v) for k, v in g.hyper.items())
         subs.append((True, _SubGroup(g, g.records, *flat_dtypes(t, g.records, f"ZeRO-3 sub-group {len(subs)}")),
                      g.records))
     meta0 = ckpt.optim_states[0]["optimizer_state_dict"].get("ds_zero_partition_groups") or []

@@ -143,7 +143,8 @@ def plan_reshard(ckpt: Checkpoint, world_size: int, stage: int | None = None, bf
 
 
 def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = None,
-               bf16_optimizer: bool | None = None, zero: dict | None = None, ep: int | None = None) -> ReshardPlan:
+               bf16_optimizer: bool | None = None, zero: dict | None = None, ep: int | None = None,
+               max_group_size: int | tuple | None = None) -> ReshardPlan:
     """Like :func:`plan_reshard` (DeepSpeed layout), but only the model- and optimizer-states files of ``ranks``
     (no side files): what one rank of a job resuming at ``world_size`` loads (:mod:`zckpt.ops.resume`). The files
     are object trees to load (kind "object"), not laid out for writing.
@@ -151,7 +152,8 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     ``parameter_alignment``), applied where they differ from the source config's. ``ep``: an MoE source at other
     expert-parallel sizes, one for every MoE layer or one per layer in order (the writers ``reshard --ep`` uses:
     :func:`zckpt.deepspeed.write_parallel.check_moe`, AutoEP at ZeRO-3
-    :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`)."""
+    :func:`zckpt.deepspeed.write_zero.plan_autoep_zero3`); ``max_group_size``: where they cut expert groups (as
+    ``reshard --max-group-size``, or the engine's range: :func:`zckpt.deepspeed.group_cuts.limit_of`)."""
     layout, shapes, autoep_z3 = None, {}, None
     _check_state(ckpt)
     if ckpt.parallel == "moe" and ckpt.stage == 3 and ckpt.model_state.get("ds_autoep_layers"):
@@ -159,7 +161,7 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
         stage, flavour = 3, ckpt.flavour
     else:
         if ckpt.parallel == "moe":
-            layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep)
+            layout, shapes = check_moe(ckpt, world_size, stage, bf16_optimizer, "deepspeed", ep, max_group_size)
             stage, flavour = ckpt.stage, ckpt.flavour
         else:
             world_size, stage, flavour = _check_target(ckpt, world_size, stage, bf16_optimizer)
@@ -172,7 +174,7 @@ def plan_ranks(ckpt: Checkpoint, world_size: int, ranks, stage: int | None = Non
     if shapes:
         rename_expert_groups(t, layout, shapes)
     if autoep_z3 is not None:
-        objects, partitions = plan_autoep_zero3(t, autoep_z3)
+        objects, partitions = plan_autoep_zero3(t, autoep_z3, max_group_size)
     else:
         objects, partitions = _plan_native(t) if layout is None else plan_moe(t, layout, "object", shapes)
     files = [PlannedFile(o.relpath, "object", 0, obj=o.obj) for o in objects]

@@ -395,7 +395,7 @@ def load_checkpoint(engine, path, tag: str | None = None, *, load_module_strict:
         if not native:
             from zckpt.deepspeed.writer import plan_ranks
             plan = plan_ranks(ckpt, target.world_size, [target.rank], target.stage, target.bf16_optimizer,
-                              zero=target.zero, ep=target.ep)
+                              zero=target.zero, ep=target.ep, max_group_size=target.max_group_size)
             reorder_groups(plan, target)
             check_plan(plan, engine, target)
             seconds["plan"] = time.perf_counter() - t0 - seconds["open"]

@@ -30,6 +30,9 @@ class Target:
     # the engine's param groups in the planned file's order where the engine holds them in another (DeepSpeed orders
     # a rank's expert groups by a set of names: ranks without one PYTHONHASHSEED differ): planned group of each
     group_order: list[int] | None = None
+    # where ``ep`` is set: what the engine's expert param groups say of the max_group_size DeepSpeed's helper cut them
+    # at, (lo, hi) (zckpt.deepspeed.group_cuts.limit_of): the planned groups are cut as the engine holds them
+    max_group_size: tuple | None = None
 
     @property
     def flavour(self) -> str:
@@ -152,6 +155,35 @@ def _engine_groups(engine, target: Target) -> list[list[str]] | None:
         return None
     names, experts = getattr(engine, "param_names", {}), moe_experts(engine)
     return [[experts.get(names.get(p, "?"), (names.get(p, "?"),))[0] for p in g] for g in groups]
+
+
+def _engine_cut(engine, target: Target) -> tuple | None:
+    """What the engine's expert param groups (``moe``, consecutive groups of one name: DeepSpeed's helper cut them at
+    its ``max_group_size``) say of that limit, (lo, hi) (:func:`zckpt.deepspeed.group_cuts.bounds_of`, each
+    parameter counted as the helper counts it); None where the optimizer does not say."""
+    from zckpt.deepspeed.group_cuts import bounds_of
+    opt = getattr(engine, "optimizer", None)
+    pgs = getattr(getattr(opt, "optimizer", None), "param_groups", None)
+    if target.stage == 3:  # per sub-group: gathered back into their param groups
+        subs, of = getattr(opt, "fp16_groups", None), getattr(opt, "sub_group_to_group_id", None)
+        if subs is None or of is None or pgs is None:
+            return None
+        held: dict = {}
+        for s, params in enumerate(subs):
+            held.setdefault(of.get(s), []).extend(params)
+        groups = [held.get(i, []) for i in range(len(pgs))]
+    else:
+        groups = getattr(opt, "bf16_groups" if target.bf16_optimizer else "bit16_groups", None)
+        if groups is None or pgs is None or len(groups) != len(pgs):
+            return None
+    runs, prev = [], None
+    for pg, params in zip(pgs, groups):
+        name = pg.get("name") if pg.get("moe") else None
+        if name is not None:
+            numels = [int(getattr(p, "ds_numel", None) or p.numel()) for p in params]
+            runs[-1].append(numels) if name == prev else runs.append([numels])
+        prev = name
+    return bounds_of(runs)[:2] if runs else None
 
 
 def _engine_partitions(engine, target: Target) -> list[int] | None:
@@ -287,12 +319,13 @@ def _check_moe_engine(ckpt: Checkpoint, engine, target: Target | None = None) ->
     want = tuple(layers[str(x["layer"])] for x in cover)
     if target is not None and want != tuple(int(x.get("ep") or 1) for x in cover):
         target.ep = want[0] if len(set(want)) == 1 else want
+        target.max_group_size = _engine_cut(engine, target)
     if autoep_z3:
         if target is not None:
             autoep_zero3_target(ckpt, target.world_size, None, None, "deepspeed", target.ep)  # DeepSpeed runs it
         return _EngineMoE(None, set())
     if target is not None:
-        layout, _ = check_moe(ckpt, target.world_size, None, None, "deepspeed", target.ep)
+        layout, _ = check_moe(ckpt, target.world_size, None, None, "deepspeed", target.ep, target.max_group_size)
     mine = {n for n, _ in moe_experts(engine).values()}
     names = {r.name for by_rank in layout.shards.values() for recs in by_rank.values() for _, r in recs}
     names |= {key for tensors, _, _ in layout.expert_files.values() for key, _ in tensors}
