@@ -52,7 +52,7 @@ def _autoep_worker(job: dict) -> None:
     path, _ = engine.load_checkpoint(job["ckpt"], load_optimizer_states=True, load_lr_scheduler_states=True)
     assert path is not None, "load_checkpoint returned None"
     G._relink_hp_optimizer_state(engine)
-    mine = A._capture(engine, model)
+    mine = A._capture(G, engine, model)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:

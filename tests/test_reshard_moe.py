@@ -138,7 +138,7 @@ def _autoep_worker(job: dict) -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)
     _, resumed = _load(engine, job)
     G._relink_hp_optimizer_state(engine)
-    mine = A._capture(engine, model)
+    mine = A._capture(G, engine, model)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
