@@ -84,17 +84,52 @@ def _edges() -> np.ndarray:
     return u[~np.isnan(u.view(np.float32))]
 
 
+@pytest.mark.parametrize("kernel", ["ml_dtypes", "numpy"])
 @pytest.mark.parametrize("dst", ["bfloat16", "float16"])
-def test_numpy_downcasts_match_torch_at_every_rounding_edge(dst, monkeypatch):
-    """The numpy kernels alone (torch not importable while they run): every exponent, subnormals, the overflow to
-    infinity and the round-half-to-even cases, bit for bit as torch; a shorter chunk after a longer one (the
-    per-thread buffers reused)."""
+def test_numpy_downcasts_match_torch_at_every_rounding_edge(dst, kernel, monkeypatch):
+    """The kernels without torch (torch not importable while they run; bf16: ml_dtypes' cast, and numpy's integer
+    passes where ml_dtypes is missing): every exponent, subnormals, the overflow to infinity and the
+    round-half-to-even cases, bit for bit as torch; a shorter chunk after a longer one (the per-thread buffers
+    reused); the same bits written into a caller's buffer."""
     import sys
+    from zckpt.encoding import casting
     raw = _edges().view(np.uint8)
     want = _torch(raw, "float32", dst)
     monkeypatch.setitem(sys.modules, "torch", None)
+    if kernel == "numpy":
+        monkeypatch.setattr(casting, "_ML_BF16", None)  # as where ml_dtypes is not installed
+    assert casting.fast_bf16() == (kernel == "ml_dtypes")
     assert np.array_equal(cast(raw, "float32", dst), want)
     assert np.array_equal(cast(raw[:4 * 10007], "float32", dst), want[:2 * 10007])
+    out = bytearray(2 * 10007)
+    got = cast(raw[:4 * 10007], "float32", dst, out=memoryview(out))
+    assert bytes(out) == want[:2 * 10007].tobytes() and np.shares_memory(got, np.frombuffer(out, np.uint8))
+
+
+@pytest.mark.parametrize("src,dst", [("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float16"),
+                                     ("float16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float16"),
+                                     ("int64", "float32"), ("float32", "float32")])
+@pytest.mark.parametrize("use_torch", [False, True])
+def test_cast_into_a_callers_buffer(src, dst, use_torch):
+    """``out=``: every path writes its result into the caller's buffer (a job's output buffer, no copy after the
+    cast), NaN chunks (torch's path) included, bit for bit what it returns without ``out``; a buffer of another
+    size is refused."""
+    from zckpt.encoding.lazytensor import DTYPE_SIZES
+    rng = np.random.default_rng(2)
+    raw = rng.integers(0, 256, 4096 * 8, dtype=np.uint8)
+    if src == "float32":
+        raw = np.concatenate([SPECIALS, rng.standard_normal(4096).astype(np.float32)]).view(np.uint8)
+    elif src == "int64":
+        raw = rng.integers(-2**40, 2**40, 4096, dtype=np.int64).view(np.uint8)
+    n = raw.size // DTYPE_SIZES[src]
+    want = cast(raw, src, dst, use_torch).copy()
+    out = bytearray(n * DTYPE_SIZES[dst])
+    cast(raw, src, dst, use_torch, out=memoryview(out))
+    assert bytes(out) == want.tobytes()
+    if src != dst:
+        assert bytes(out) == _torch(raw, src, dst).tobytes()
+    with pytest.raises(ValueError):
+        cast(raw, src, dst, use_torch, out=memoryview(bytearray(len(out) + 2)))
 
 
 def test_torch_path_reuses_its_buffer_and_stays_exact():
@@ -112,6 +147,8 @@ import sys, hashlib
 from pathlib import Path
 from zckpt.encoding import casting
 casting.TORCH_CAST_FROM = int(sys.argv[3])
+if sys.argv[5] == "no-ml":
+    casting._ML_BF16 = None  # as where ml_dtypes is not installed
 from zckpt.ops.merge import merge
 merge(sys.argv[1], sys.argv[2], dtype=sys.argv[4])
 print("torch" in sys.modules, hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(sys.argv[2]).glob("*.safetensors")))).hexdigest())
@@ -120,21 +157,35 @@ print("torch" in sys.modules, hashlib.sha256(b"".join(p.read_bytes() for p in so
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_large_downcasts_import_torch_and_write_the_same_bytes(tmp_path, dtype):
-    """A merge whose down-casts read at least ``TORCH_CAST_FROM`` bytes imports torch and casts with its kernel; a
-    smaller one never imports it (a fresh process each); both write the same bytes (the fp32 masters of a real
-    DeepSpeed save, cast to bf16 / fp16)."""
+    """A merge whose slow down-casts read at least ``TORCH_CAST_FROM`` bytes imports torch and casts with its
+    kernel; a smaller one never imports it (a fresh process each); fp32 -> bf16 is slow only without ml_dtypes
+    (numpy's passes), so with it even a threshold of 1 byte imports no torch for bf16 (fp16 still does). All write
+    the same bytes (the fp32 masters of a real DeepSpeed save, cast to bf16 / fp16)."""
     import subprocess
     import sys
     from pathlib import Path
     src = Path(__file__).resolve().parents[1] / "fixtures" / "z2_bf16_ws2"
     got = {}
-    for name, threshold in (("numpy", 1 << 62), ("torch", 1)):
-        run = subprocess.run([sys.executable, "-c", _MERGE, str(src), str(tmp_path / name), str(threshold), dtype],
-                             capture_output=True, text=True, timeout=300)
+    for name, threshold, ml in (("numpy", 1 << 62, "no-ml"), ("torch", 1, "no-ml"), ("ml_dtypes", 1, "ml")):
+        run = subprocess.run([sys.executable, "-c", _MERGE, str(src), str(tmp_path / name), str(threshold), dtype,
+                              ml], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         got[name] = run.stdout.split()
     assert got["numpy"][0] == "False" and got["torch"][0] == "True", got
-    assert got["numpy"][1] == got["torch"][1]
+    assert got["ml_dtypes"][0] == ("False" if dtype == "bf16" else "True"), got
+    assert got["numpy"][1] == got["torch"][1] == got["ml_dtypes"][1]
+
+
+def test_slow_downcast_bytes(monkeypatch):
+    """What torch_pays weighs: fp32 -> fp16 always, fp32 -> bf16 only without ml_dtypes, nothing else."""
+    from types import SimpleNamespace as T
+    from zckpt.encoding import casting
+    casts = [T(numel=10, src_dtype="float32", dtype="bfloat16"), T(numel=100, src_dtype="float32", dtype="float16"),
+             T(numel=1000, src_dtype="bfloat16", dtype="float32"), T(numel=7, src_dtype="bfloat16", dtype="float16")]
+    assert casting.fast_bf16()
+    assert casting.slow_downcast_bytes(casts) == 400
+    monkeypatch.setattr(casting, "_ML_BF16", None)
+    assert casting.slow_downcast_bytes(casts) == 440
 
 
 def test_torch_pays_only_from_its_threshold(monkeypatch):

@@ -1,9 +1,11 @@
 """dtype conversion of raw chunks, bit-identical to torch's ``Tensor.to`` on CPU.
 
 Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
-``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). numpy (imported on first use) does this without importing
-torch (a 1.5 s start-up and ~400 MiB), in per-thread scratch arrays; small bf16 -> fp32 jobs need not even numpy
-(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch, or jobs whose down-casts
+``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). fp32 -> bf16 is ml_dtypes' compiled cast (one pass, one call
+that releases the GIL; ``ml_dtypes``, a dependency, imported on first use), or numpy's integer passes where it is
+missing; fp16 is numpy's own cast. All of it without importing torch (a 1.5 s start-up and ~400 MiB), in
+per-thread scratch arrays (or straight into the caller's ``out``); small bf16 -> fp32 jobs need not even numpy
+(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch, or jobs whose slow down-casts
 are large enough that importing it pays: :func:`torch_pays`) uses torch's kernels.
 NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
 to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern and random fp32 ones.
@@ -45,12 +47,36 @@ def _scratch(slot: str, n: int, dtype) -> np.ndarray:
     return arr[:n]
 
 
-def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16, round to nearest even: ``(u + 0x7FFF + lsb) >> 16`` (no NaN here), over the whole chunk in six
-    numpy calls, all but the first in place. Few calls matter more than fewer passes: the engine's worker threads
-    cast at once, and each call takes the GIL again (cut into cache-sized blocks, 16 threads cast at half the rate,
-    docs/benchmarks.md)."""
+def _ml_bfloat16():
+    """ml_dtypes' bfloat16 numpy dtype, or None where ml_dtypes is not installed (numpy's passes then)."""
+    global _ML_BF16
+    if _ML_BF16 is False:
+        try:
+            import ml_dtypes
+            _ML_BF16 = ml_dtypes.bfloat16
+        except ImportError:
+            _ML_BF16 = None
+    return _ML_BF16
+
+
+_ML_BF16 = False  # not looked up yet
+
+
+def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """fp32 -> bf16 bits (uint16), round to nearest even (no NaN here), into ``out`` or a per-thread buffer.
+
+    ml_dtypes' cast: one pass in compiled code, one numpy call (the GIL released while it runs); ``(u + 0x7FFF +
+    lsb) >> 16`` for every non-NaN fp32, as torch (checked on all 2**32 patterns). Without it, numpy's integer
+    passes over the whole chunk, six calls: fewer calls matter more than fewer passes, since the engine's worker
+    threads cast at once and each call takes the GIL again (cut into cache-sized blocks, 16 threads cast at half
+    the rate; docs/benchmarks.md)."""
     import numpy as np
+    if out is None:
+        out = _scratch("out16", a.size, np.uint16)
+    bf16 = _ml_bfloat16()
+    if bf16 is not None:
+        np.copyto(out.view(bf16), a, casting="unsafe")
+        return out
     u = a.view(np.uint32)
     r = _scratch("u32", u.size, np.uint32)
     np.right_shift(u, 16, out=r)
@@ -58,23 +84,36 @@ def _bf16_from_f32(a: np.ndarray) -> np.ndarray:
     np.add(r, u, out=r)
     np.add(r, 0x7FFF, out=r)
     np.right_shift(r, 16, out=r)
-    out = _scratch("out16", u.size, np.uint16)
     np.copyto(out, r, casting="unsafe")  # (every value < 2**16: nothing is cut)
     return out
 
 
-#: fp32 bytes a job's down-casts (fp32 -> bf16 / fp16) must read before importing torch for its one-pass kernel
-#: pays: the import costs about 1.5 s of CPU and 400 MiB; numpy's casts take 5-6 passes (bf16) or numpy's slow
-#: fp16 loop, torch's one. Lent 16-core host, 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into
-#: 5 files took 1.03 s with numpy's cast, 0.46 s with torch's (0.13 s per GB read), so the import pays from about
-#: 11 GB; on fewer cores each GB saves more (one thread: numpy 1.85 GB/s, torch 25)
+def fast_bf16() -> bool:
+    """Whether fp32 -> bf16 casts run in one compiled pass without torch (ml_dtypes installed)."""
+    return _ml_bfloat16() is not None
+
+
+#: fp32 bytes a job's slow down-casts (fp32 -> fp16 always; fp32 -> bf16 only without ml_dtypes) must read before
+#: importing torch for its one-pass kernel pays: the import costs about 1.5 s of CPU and 400 MiB. Lent 16-core host,
+#: 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into 5 files took 1.03 s with numpy's cast,
+#: 0.46 s with torch's (0.13 s per GB read), so the import pays from about 11 GB; numpy's fp16 cast is slower still
+#: (one thread: 0.83 GB/s, torch 58). ml_dtypes' bf16 cast in 8-16 threads is as fast as torch's or faster (24.5 /
+#: 40.9 GB/s against 23.2 / 23.6; one thread 4.5 against 25), so bf16 never imports torch where it is installed
 TORCH_CAST_FROM = 8 << 30
 
 
+def slow_downcast_bytes(casts) -> int:
+    """fp32 bytes read by the down-casts among ``casts`` (objects with ``numel``, ``src_dtype`` and ``dtype``) that
+    numpy alone casts slowly: fp16 always, bf16 when ml_dtypes is missing; what :func:`torch_pays` weighs."""
+    slow = ("float16",) if fast_bf16() else ("float16", "bfloat16")
+    return sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype in slow)
+
+
 def torch_pays(downcast_bytes: int) -> bool:
-    """Whether a job whose down-casts read ``downcast_bytes`` of fp32 should cast with torch's kernel: torch imported
-    already (a trainer process), or installed and the job at least :data:`TORCH_CAST_FROM` (then it is imported
-    here, once). torch stays optional: without it numpy casts every byte, bit for bit the same."""
+    """Whether a job whose slow down-casts (:func:`slow_downcast_bytes`) read ``downcast_bytes`` of fp32 should cast
+    with torch's kernel: torch imported already (a trainer process), or installed and the job at least
+    :data:`TORCH_CAST_FROM` (then it is imported here, once). torch stays optional: without it numpy casts every
+    byte, bit for bit the same."""
     import sys
     if "torch" in sys.modules:
         return True
@@ -103,48 +142,66 @@ def _has_nan(raw: np.ndarray, dtype: str) -> bool:
     return False
 
 
-def cast(raw, src: str, dst: str, use_torch: bool = False) -> np.ndarray:
+def cast(raw, src: str, dst: str, use_torch: bool = False, out=None) -> np.ndarray:
     """Convert ``raw`` (bytes of ``src`` elements: a uint8 array or any buffer) to ``dst``; returns a uint8 array
-    (a per-thread buffer, valid until this thread's next call)."""
+    (a per-thread buffer, valid until this thread's next call). ``out``: a writable buffer of exactly the result's
+    size to write it into instead (a job's output buffer: no copy after the cast); the result is then over it."""
     import numpy as np
     if not isinstance(raw, np.ndarray):
         raw = np.frombuffer(raw, dtype=np.uint8)
+    dest = None if out is None else np.frombuffer(out, dtype=np.uint8)
+    if dest is not None and dest.size != raw.size // DTYPE_SIZES[src] * DTYPE_SIZES[dst]:
+        raise ValueError(f"cast of {raw.size} bytes of {src} into {dest.size} bytes of {dst}")
+
+    def target(slot: str, n: int, dtype) -> np.ndarray:
+        return _scratch(slot, n, dtype) if dest is None else dest.view(dtype)
+
     if src == dst:
-        return raw
+        return raw if dest is None else _filled(dest, raw)
     if not use_torch and src in _INTEGERS and dst in ("float32", "float64"):
         # integers (a step count, an index buffer) to fp32/fp64: C's conversion, round to nearest even, as torch's
         # static_cast; no NaN can arise. (Not to bf16/fp16: torch goes through float there, rounding twice.)
         ints = raw.view(np.dtype(src))
-        out = _scratch(f"int-{dst}", ints.size, np.dtype(dst))
-        np.copyto(out, ints, casting="unsafe")
-        return out.view(np.uint8)
+        res = target(f"int-{dst}", ints.size, np.dtype(dst))
+        np.copyto(res, ints, casting="unsafe")
+        return res.view(np.uint8)
     if use_torch or _has_nan(raw, src) or not ({src, dst} <= {"float32", "bfloat16", "float16"}):
         what = "a chunk holding NaN" if not use_torch and {src, dst} <= {"float32", "bfloat16", "float16"} else "it"
         torch = require_torch(f"casting {src} to {dst} ({what}: torch's own kernels decide those bits)")
         t = torch.from_numpy(raw).view(getattr(torch, src))
-        out = getattr(_tls, "torch_out", None)
         size = t.numel() * DTYPE_SIZES[dst]
-        if out is None or out.numel() < size:
-            out = _tls.torch_out = torch.empty(max(size, 1 << 20), dtype=torch.uint8)
-        out = out[:size].view(getattr(torch, dst))
-        out.copy_(t)  # torch's kernel into this thread's buffer: no fresh pages per chunk
-        return out.view(torch.uint8).numpy()
+        if dest is not None:  # torch's kernel straight into the caller's buffer
+            torch.from_numpy(dest).view(getattr(torch, dst)).copy_(t)
+            return dest
+        res = getattr(_tls, "torch_out", None)
+        if res is None or res.numel() < size:
+            res = _tls.torch_out = torch.empty(max(size, 1 << 20), dtype=torch.uint8)
+        res = res[:size].view(getattr(torch, dst))
+        res.copy_(t)  # torch's kernel into this thread's buffer: no fresh pages per chunk
+        return res.view(torch.uint8).numpy()
     if src == "bfloat16" and dst == "float32":
         x = raw.view(np.uint16)
-        out = _scratch("out32", x.size, np.uint32)
-        np.left_shift(x, 16, out=out, dtype=np.uint32)
-        return out.view(np.uint8)
+        res = target("out32", x.size, np.uint32)
+        np.left_shift(x, 16, out=res, dtype=np.uint32)
+        return res.view(np.uint8)
     if src == "float16" and dst == "float32":
         x = raw.view(np.float16)
-        out = _scratch("out32", x.size, np.uint32).view(np.float32)
-        np.copyto(out, x)
-        return out.view(np.uint8)
+        res = target("out32", x.size, np.uint32).view(np.float32)
+        np.copyto(res, x)
+        return res.view(np.uint8)
     if src == "float32" and dst == "bfloat16":
-        return _bf16_from_f32(raw.view(np.float32)).view(np.uint8)
+        f = raw.view(np.float32)
+        return _bf16_from_f32(f, None if dest is None else dest.view(np.uint16)).view(np.uint8)
     if src == "float32" and dst == "float16":  # numpy's cast (IEEE round to nearest even, as torch): one call
         x = raw.view(np.float32)
-        out = _scratch("out16", x.size, np.uint16).view(np.float16)
+        res = target("out16", x.size, np.uint16).view(np.float16)
         with np.errstate(over="ignore"):
-            np.copyto(out, x, casting="unsafe")
-        return out.view(np.uint8)
-    return cast(cast(raw, src, "float32"), "float32", dst)  # bf16 <-> fp16: exact via fp32, as torch does
+            np.copyto(res, x, casting="unsafe")
+        return res.view(np.uint8)
+    # bf16 <-> fp16: exact via fp32, as torch does (a copy: torch's path writes in the buffer it would read)
+    return cast(cast(raw, src, "float32").copy(), "float32", dst, out=out)
+
+
+def _filled(dest: np.ndarray, data: np.ndarray) -> np.ndarray:
+    dest[:] = data
+    return dest

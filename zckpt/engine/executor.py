@@ -217,17 +217,23 @@ class Worker:
             setattr(self.local, slot, buf)
         return memoryview(buf)[:nbytes]
 
-    def render_cast(self, pieces: list[Piece], src_dtype: str, dtype: str, numel: int):
-        """The bytes of ``pieces`` converted to ``dtype`` (a buffer-protocol object with ``nbytes``)."""
+    def render_cast(self, pieces: list[Piece], src_dtype: str, dtype: str, numel: int, out=None):
+        """The bytes of ``pieces`` converted to ``dtype`` (a buffer-protocol object with ``nbytes``); ``out``: the
+        place in a job's output buffer they go (numpy's and torch's casts write there, no copy after)."""
         raw = self.buffer(numel * DTYPE_SIZES[src_dtype])
         self.reader.read_pieces(pieces, raw)
         if src_dtype == dtype:
-            return raw
-        if self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
+            data = raw
+        elif self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
             from zckpt.encoding.casting import upcast_bf16_pure
-            return upcast_bf16_pure(raw)
-        from zckpt.encoding.casting import cast
-        return cast(raw, src_dtype, dtype, self.use_torch)
+            data = upcast_bf16_pure(raw)
+        else:
+            from zckpt.encoding.casting import cast
+            return cast(raw, src_dtype, dtype, self.use_torch, out=out)  # (in ``out`` when given)
+        if out is not None:
+            out[:] = memoryview(data).cast("B")
+            return out
+        return data
 
     def render(self, parts: list, dtype: str):
         """The output bytes of a job's parts, in this thread's buffers."""
@@ -249,10 +255,10 @@ class Worker:
                     raise ValueError(f"piece of {p.dtype} in a {dtype} tensor")
                 self.reader.read_into(p, view[pos:pos + p.nbytes])
                 pos += p.nbytes
-            else:  # Cast
-                data = self.render_cast(p.pieces, p.src_dtype, dtype, p.numel)
-                view[pos:pos + data.nbytes] = memoryview(data).cast("B")
-                pos += data.nbytes
+            else:  # Cast: into its place in the job's buffer
+                n = p.numel * DTYPE_SIZES[dtype]
+                self.render_cast(p.pieces, p.src_dtype, dtype, p.numel, view[pos:pos + n])
+                pos += n
         return view[:pos]
 
     def kernel_copyable(self, parts: list, dtype: str) -> bool:

@@ -81,8 +81,7 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
     worker, maps = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check), \
         torchzip.SourceMaps()
-    worker.use_torch = casting.torch_pays(sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and
-                                              t.dtype in ("bfloat16", "float16")))  # torch's one-pass kernel
+    worker.use_torch = casting.torch_pays(casting.slow_downcast_bytes(casts))  # torch's one-pass kernel
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
