@@ -13,6 +13,13 @@ read from the source's cut where every limit it allows cuts the output alike, el
 for. Oracle: one DeepSpeed launch of 2 ranks (tests/test_moe_ep_more.py's worker, the engine built with the
 fixture's max_group_size) loads ws 2 at ep 2 and ws 2 at ep 1: its state equals the source's oracle bit for bit and
 its re-save equals zckpt's files.
+
+AutoEP at ZeRO-3 (``fixtures/moe_autoep_z3_bf16_ws4_ep2_l2_cut``, DeepSpeed 0.19.8: ``configure_moe_param_groups``
+at max_group_size 1100 cuts each rank's ep_size_2 group into 3 param groups, each its own ZeRO-3 sub-group): read
+equal to the live engine, resharded at any dp and ep as the helper cuts. Resume (``zckpt.deepspeed.load_checkpoint``)
+of every cut source at dp 2 and another ep, in one 2-rank DeepSpeed launch: the engine's state equals the source's
+oracle bit for bit and its re-save equals the offline ``reshard --ep`` output; where the source's cut allows limits
+that cut the engine's ep otherwise, the engine's own groups say the limit.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +323,91 @@ def test_autoep_zero3_cut_refusals(tmp_path):
         reshard(str(FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"), str(tmp_path / "c"), world_size=4, ep=4,
                 max_group_size=1100)
     assert not any((tmp_path / x).exists() for x in "abc")
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed, 2 ranks
+
+RESUME = [  # (fixture, the source: the fixture or zckpt's output of it at (ws, ep), the engine's ep at dp 2)
+    (Z3, None, 1),  # AutoEP ZeRO-3 cut at 1100: dp 4 -> 2, ep 2 -> 1 (6 groups of one 1024-element parameter)
+    (AUTOEP, None, 2),  # AutoEP ZeRO-2 cut at 600: dp 4 -> 2, ep 4 -> 2 (6 groups)
+    (CUT, None, 1),  # native ZeRO-2 cut at 300: dp 4 -> 2, ep 2 -> 1 (5 groups)
+    # sources whose cut allows limits that cut the engine's ep otherwise: the engine's own groups say the limit
+    (Z3, (2, 1), 2),  # zckpt's ep 1 output (6 x 1024: 1024..2047) back at ep 2: 2 + 2 + 2 parameters at 1100
+    (CUT, (4, 4), 2),  # zckpt's ep 4 output (286 + 42: 286..320) back at ep 2: 286, 288, 82 at 300
+]
+RESUME_IDS = ["autoep-z3-ep2to1", "autoep-z2-ep4to2", "native-z2-ep2to1", "autoep-z3-ep1to2-engine-limit",
+              "native-z2-ep4to2-engine-limit"]
+
+
+@pytest.fixture(scope="module")
+def cut_resumed(tmp_path_factory):
+    """One DeepSpeed 0.19.8 launch of 2 CPU ranks (tests/test_resume_moe_ep.py's worker: ``engine.load_checkpoint``
+    routed through zckpt, one training step after): the offline ``reshard --ep`` output of the ZeRO-3 cut fixture
+    (same sizes as the engine: DeepSpeed's own load of zckpt's files), then each cut source resumed by zckpt at
+    dp 2 and another ep, every engine built at the run's max_group_size (the spec's)."""
+    from tests import ds_oracle
+    from tests.test_reshard_moe import _spec
+
+    G = ds_oracle.generate_module()
+    root = tmp_path_factory.mktemp("cut-resume")
+    jobs = []
+    for i, (fx, via, ep) in enumerate([(Z3, None, 1)] + RESUME):
+        d = root / str(i)
+        reshard(str(fx), str(d / "offline"), world_size=2, ep=ep)
+        src = d / "offline" if i == 0 else fx
+        if via:
+            reshard(str(fx), str(d / "source"), world_size=via[0], ep=via[1])
+            src = d / "source"
+        spec = dict(_spec(fx.name), world_size=2, ep_size=ep)
+        if spec["kind"] == "moe":
+            spec["moe2_ep_size"] = ep
+        (d / "oracle").mkdir(parents=True)
+        jobs.append({"kind": "autoep" if spec["kind"] == "autoep" else "moe", "mode": "native", "spec": spec,
+                     "ckpt": str(src), "out": str(d / "oracle"), "resave": str(d / "resaved")})
+    with tempfile.TemporaryDirectory(prefix="zckpt-cut-resume-") as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps({"jobs": jobs}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
+               str(Path(__file__).resolve().parent / "test_resume_moe_ep.py"), str(path)]
+        proc = ds_oracle.run_torchrun(cmd, G.rank_env({"TMPDIR": tmp}), 900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"DeepSpeed cut-group resume at 2 ranks failed (rc={proc.returncode}):\n"
+                               + proc.stdout.decode(errors="replace")[-6000:])
+    return root
+
+
+def _check_resumed(d: Path, src: Path, mode: str, source_ws: int):
+    assert_same_state(src / "expected", d / "oracle" / "expected", skip=("lrs",))
+    assert set(json.loads((d / "oracle" / "expected" / "oracle.json").read_text())["lrs"]) == {
+        json.loads((src / "expected" / "spec.json").read_text())["lr"]}  # the saved lr, not the engine's lr / 3
+    want = json.loads((src / "expected" / "oracle.json").read_text())
+    for rank in range(2):
+        info = json.loads((d / "oracle" / f"resumed_rank{rank}.json").read_text())
+        assert (info["mode"], info["source_world_size"], info["world_size"]) == (mode, source_ws, 2)
+        assert info["global_steps"] == want["global_steps"] + 1 and info["loss"] == info["loss"]  # one step, finite
+    tag = (src / "latest").read_text().strip()
+    assert_same_files(d / "offline", d / "resaved", tag)
+
+
+@pytest.mark.slow
+def test_deepspeed_loads_autoep_zero3_cut_at_another_ep(cut_resumed):
+    """zckpt's ZeRO-3 output at dp 2, ep 1 (6 ep_size_1 groups, each its own sub-group): DeepSpeed's own
+    load_checkpoint holds the source's every master, moment, router and dense weight, its re-save is zckpt's files."""
+    d = cut_resumed / "0"
+    names, subs, _ = _z3_groups(d / "offline" / Z3TAG / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert names == ["dense-params"] + ["ep_size_1"] * 6 and subs[1:] == [(2, ["ep_size_1"])] * 6
+    _check_resumed(d, Z3, "native", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(RESUME)), ids=RESUME_IDS)
+def test_resume_of_a_cut_source_at_another_size(cut_resumed, case):
+    """zckpt.deepspeed.load_checkpoint of the cut source into the engine at dp 2 and another ep: the engine holds the
+    source's state bit for bit, its re-save equals the offline ``reshard --ep`` output (the native source's limit
+    read from the engine's own groups, where the source's cut allows 288..320 and those cut ep 1 otherwise)."""
+    fx, via, ep = RESUME[case]
+    if via:  # without the engine's limit the source's cut alone does not say how to cut ep 2
+        with pytest.raises(ZckptError, match="pass --max-group-size N"):
+            reshard(str(cut_resumed / str(case + 1) / "source"), str(cut_resumed / "refused"), world_size=2, ep=ep)
+    _check_resumed(cut_resumed / str(case + 1), fx, "reshard", via[0] if via else 4)
