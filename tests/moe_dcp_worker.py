@@ -49,10 +49,17 @@ def _shard(model, mesh) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def _groups(model, lr=None, wd=None) -> list[dict]:
+def _groups(model, lr=None, wd=None, first: str | None = None) -> list[dict]:
+    """Two groups: everything but the experts, then the experts; or (``first``, a regex) the parameters it finds
+    in their names, then the rest."""
+    import re
     named = list(model.named_parameters())
-    dense = [p for n, p in named if ".experts." not in n]
-    experts = [p for n, p in named if ".experts." in n]
+    if first:
+        dense = [p for n, p in named if re.search(first, n)]
+        experts = [p for n, p in named if not re.search(first, n)]
+    else:
+        dense = [p for n, p in named if ".experts." not in n]
+        experts = [p for n, p in named if ".experts." in n]
     extra = {} if lr is None else {"lr": lr, "weight_decay": wd}
     return [{"params": dense, **extra}, {"params": experts, **extra}]
 
@@ -162,7 +169,7 @@ def deepspeed_case(case: dict, rank: int, ws: int) -> None:
     G = ds_oracle.generate_module()
 
     model, cfg = _model(case["config"], 777)
-    opt = torch.optim.AdamW(_groups(model, 99.0, 0.5), betas=(0.5, 0.6), eps=1e-3)
+    opt = torch.optim.AdamW(_groups(model, 99.0, 0.5, case.get("first_group")), betas=(0.5, 0.6), eps=1e-3)
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
           "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": case["stage"]},
           "bf16": {"enabled": True}}

@@ -12,10 +12,11 @@ loaded the same way, for ``exp_avg`` and ``exp_avg_sq``.
 
 - ``merge --hf-config``: ``from_pretrained`` loads the output with no missing, unexpected or mismatched key, every
   tensor equal to the oracle (MoE fused and split q/k/v, dense).
-- ``convert --to deepspeed --hf-config``: DeepSpeed 0.19.8 (the plain transformers class, no AutoEP; ZeRO-2 for the
-  fused-qkv save, ZeRO-1 for the split one; 2 gloo ranks, one launch, tests/moe_dcp_worker.py's ``deepspeed``
-  case) loads it: every fp32 master, ``exp_avg`` and ``exp_avg_sq`` equal to the oracle, the bf16 weights their
-  cast, step 2, torchtitan's group values; one step runs.
+- ``convert --to deepspeed --hf-config``: DeepSpeed 0.19.8 (the plain transformers class, no AutoEP; ZeRO-2 for
+  the fused-qkv MoE and the dense saves, ZeRO-1 for the split one; 2 gloo ranks, one launch,
+  tests/moe_dcp_worker.py's ``deepspeed`` case, its groups built as torchtitan's were) loads it: every fp32 master,
+  ``exp_avg`` and ``exp_avg_sq`` equal to the oracle, the bf16 weights their cast, step 2, torchtitan's group
+  values; one step runs.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TITAN = FIXTURES / "titan_qwen3_ws2"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-DS = {"moe": 2, "moe_split": 1}  # the case -> the ZeRO stage DeepSpeed loads it at
+DS = {"moe": 2, "moe_split": 1, "dense": 2}  # the case -> the ZeRO stage DeepSpeed loads it at
+FIRST_GROUP = {"dense": r"norm\.weight$"}  # the dense run's first group: its norms (the MoE runs': all but experts)
 
 
 def step(case: str) -> str:
@@ -91,7 +93,8 @@ def oracle(case: str, tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def deepspeed_loads(tmp_path_factory):
-    """Both MoE saves converted (ZeRO-2 / ZeRO-1 at 2 ranks, bf16) and loaded by DeepSpeed in one launch."""
+    """The MoE saves (ZeRO-2 fused qkv, ZeRO-1 split) and the dense one (ZeRO-2) converted at 2 ranks, bf16, and
+    loaded by DeepSpeed in one launch."""
     from tests.test_moe_dcp import _torchrun
     base = tmp_path_factory.mktemp("titan-ds")
     results, cases = {}, []
@@ -99,20 +102,22 @@ def deepspeed_loads(tmp_path_factory):
         results[case] = zckpt.convert(step(case), to="deepspeed", out=str(base / f"{case}.ds"), world_size=2,
                                       stage=stage, dtype="bf16", hf_config=config(case))
         cases.append({"mode": "deepspeed", "stage": stage, "config": str(TITAN / "hf" / case),
-                      "ckpt": str(base / f"{case}.ds"), "out": str(base / "ds" / case)})
+                      "ckpt": str(base / f"{case}.ds"), "out": str(base / "ds" / case),
+                      "first_group": FIRST_GROUP.get(case)})
     _torchrun({"deepspeed": True, "cases": cases})
     return base / "ds", results
 
 
 @pytest.mark.parametrize("case", list(DS))
-def test_deepspeed_loads_a_torchtitan_moe_run(deepspeed_loads, tmp_path, case):
+def test_deepspeed_loads_a_torchtitan_run(deepspeed_loads, tmp_path, case):
     from safetensors.torch import load_file
     out, results = deepspeed_loads
     want = oracle(case, tmp_path)
     got = load_file(str(out / case / "deepspeed.safetensors"))
     info = json.loads((out / case / "deepspeed.json").read_text())
     names = [k.split("/", 1)[1] for k in got if k.startswith("fp32/")]
-    assert sorted(names) == sorted(want["param"]) and sum(n.endswith("gate_up_proj") for n in names) == 2
+    assert sorted(names) == sorted(want["param"])
+    assert sum(n.endswith("gate_up_proj") for n in names) == (0 if case == "dense" else 2)
     for name in names:
         for kind, key in zip(KINDS, ("fp32", "exp_avg", "exp_avg_sq")):
             assert torch.equal(got[f"{key}/{name}"], want[kind][name]), (kind, name)

@@ -368,8 +368,9 @@ def deepspeed_side(ckpt: Checkpoint) -> dict:
     for k in counters:
         left[f"train_state.{k}"] = "DeepSpeed keeps no such counter"
     if side["lr_scheduler"]:
-        left["lr_scheduler"] = (f"torchtitan's LambdaLR state ({', '.join(f'{k} {v}' for k, v in side['lr_scheduler'].items())}): "
-                                "DeepSpeed's scheduler is the job's own (load with load_lr_scheduler_states=False)")
+        said = ", ".join(f"{k} {v}" for k, v in side["lr_scheduler"].items())
+        left["lr_scheduler"] = (f"torchtitan's LambdaLR state ({said}): DeepSpeed's scheduler is the job's own (load "
+                                "with load_lr_scheduler_states=False)")
     left.update(ckpt.extra.get("titan_not_carried") or {})
     return {"train_state": {"global_steps": step} if step is not None else {}, "lr_scheduler": None,
             "client_state": {}, "left": left}
