@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: test module -> the worker (tests/<name>.py, with ``check(G, job)``) that loads its jobs
 WORKERS = {"tests.test_megatron_write": "megatron_write_worker",
-           "tests.test_megatron_from_runs": "megatron_from_runs_worker"}
+           "tests.test_megatron_from_runs": "megatron_from_runs_worker",
+           "tests.test_megatron_write_moe": "megatron_write_moe_worker"}
 
 
 def _free_port() -> int:

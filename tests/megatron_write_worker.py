@@ -180,7 +180,9 @@ def main() -> None:
     cpu_shim.torch_adam_load_fix()
     sys.path.insert(0, str(ROOT / "tests"))
     import megatron_from_runs_worker
-    checks = {"megatron_write_worker": check, "megatron_from_runs_worker": megatron_from_runs_worker.check}
+    import megatron_write_moe_worker
+    checks = {"megatron_write_worker": check, "megatron_from_runs_worker": megatron_from_runs_worker.check,
+              "megatron_write_moe_worker": megatron_write_moe_worker.check}
     results = [checks[job.get("worker", "megatron_write_worker")](G, job)
                for job in json.loads(Path(a.jobs).read_text())]
     if dist.get_rank() == 0:

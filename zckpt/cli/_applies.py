@@ -63,6 +63,7 @@ RULES: list[Row] = [
     Row("convert", "workers", {"to": ("dcp", "deepspeed", "megatron")}),
     Row("convert", "tp", {"to": ("megatron",)}),  # the Megatron target's parallel sizes (zckpt/megatron/writer.py)
     Row("convert", "pp", {"to": ("megatron",)}),
+    Row("convert", "ep", {"to": ("megatron",)}),  # an MoE target's expert-parallel size (megatron/writer_moe.py)
     Row("convert", "megatron_args", {"to": ("megatron",)}),  # a non-Megatron run's schedule (megatron/run_args.py)
     Row("convert", "dp", {"to": ("megatron",), "layout": ("dp_reshardable",)}),  # the buckets' shape (writer_buckets)
     Row("convert", "ddp_config", {"to": ("megatron",), "layout": ("dp_reshardable",)}),  # the target's DDP settings (writer_buckets)

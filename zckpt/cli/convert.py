@@ -24,6 +24,7 @@ Examples:
   zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
   zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/
   zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 2 -o megatron-tp2pp2/   # any TP/PP/DP (fully_reshardable)
+  zckpt convert megatron-moe/ --to megatron --ep 4 -o megatron-ep4/   # an MoE run resumed at expert-parallel 4
   zckpt convert checkpoint-400 --to megatron --pp 2 -o megatron-400/ \\
       --megatron-args "--lr 5e-3 --train-iters 1000 --global-batch-size 4 --weight-decay 0.01"   # a DeepSpeed run""")
 @click.argument("path")
@@ -68,6 +69,9 @@ Examples:
               help="--to megatron: the tensor-parallel size the Megatron-LM job resumes at (default: the source's).")
 @click.option("--pp", type=click.IntRange(1), default=None,
               help="--to megatron: the pipeline-parallel size (even stages only; default: the source's).")
+@click.option("--ep", type=click.IntRange(1), default=None,
+              help="--to megatron of a mixture-of-experts save: the expert-parallel size the Megatron-LM job resumes "
+                   "at (fully_reshardable; it must divide the experts; default: the source's).")
 @click.option("--dp", type=click.IntRange(1), default=None,
               help="--layout dp_reshardable: the data-parallel size the Megatron-LM job resumes at (the buckets' "
                    "padding and each rank's shard depend on it; default: the source's, at its own TP/PP).")
@@ -115,7 +119,7 @@ Examples:
 @storage_option
 @follow_links_option
 @global_options()
-def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, dp, ddp_config,
+def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, layout, tp, pp, ep, dp, ddp_config,
             megatron_args,
             ntokens_seen,
             lr_last_epoch, initial_lr, adam_mode, groups, native_names, hf_config, tag, workers, overwrite, durable,
@@ -148,7 +152,8 @@ def convert(path, to, world_size, stage, ds_config, dtype, buffers, tied, out, l
                          dtype=dtype, layout=layout, group=None if dry_run else group,
                          torchtitan={k: v for k, v in titan.items() if v is not None} or None,
                          groups=list(groups) or None, native_names=native_names, hf_config=hf_config,
-                         **({"tp": tp, "pp": pp, "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config}
+                         **({"tp": tp, "pp": pp, "ep": ep, "megatron_args": megatron_args, "dp": dp,
+                             "ddp_config": ddp_config}
                             if to == "megatron" else {}))
     if group is not None and group.rank != 0:
         return

@@ -10,7 +10,7 @@ from zckpt.state.formats import Format
 
 class Megatron(Format):
     name = "megatron"
-    convert_options = ("tp", "pp", "layout", "megatron_args", "dp", "ddp_config")
+    convert_options = ("tp", "pp", "layout", "megatron_args", "dp", "ddp_config", "ep")
 
     def claims(self, path, storage_options=None) -> bool:
         from zckpt.megatron import reader
@@ -45,6 +45,11 @@ class Megatron(Format):
     def plan_convert(self, ckpt, out, options):
         if ckpt.format in ("dcp", "deepspeed"):  # a state under Hugging Face Llama names: fused back
             from zckpt.megatron import from_hf
+            if options.get("ep") is not None:
+                from zckpt.errors import OptionError
+                raise OptionError("--ep sets a Megatron mixture-of-experts save's expert-parallel size; zckpt writes "
+                                  f"Megatron MoE from Megatron sources only, this is {ckpt.format}",
+                                  path=ckpt.location.input_path, hint="drop --ep")
             return from_hf.plan_from_hf(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
                                         options.get("side"), megatron_args=options.get("megatron_args"),
                                         dp=options.get("dp"), ddp_config=options.get("ddp_config"))
@@ -55,7 +60,7 @@ class Megatron(Format):
                               hint="drop --megatron-args")
         from zckpt.megatron import writer
         return writer.plan_megatron(ckpt, out, options.get("tp"), options.get("pp"), options.get("layout"),
-                                    dp=options.get("dp"), ddp_config=options.get("ddp_config"))
+                                    dp=options.get("dp"), ddp_config=options.get("ddp_config"), ep=options.get("ep"))
 
 
 FORMAT = Megatron()

@@ -27,6 +27,7 @@ optimizer other than Adam, a checkpoint without optimizer state, a model the tar
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from zckpt.encoding import distcp
@@ -35,6 +36,7 @@ from zckpt.encoding.enums import NamedEnum, NamedStrEnum
 from zckpt.engine.torchzip import GlobalRef, NewObj, Reduce, TensorOut
 from zckpt.errors import InvalidArgument, OptionError, UnsupportedLayout
 from zckpt.io import storage
+from zckpt.megatron import moe, writer_moe
 from zckpt.megatron.reader import COMMON, LATEST, LAYERS, META_JSON, OPTIM_STATE
 from zckpt.state.model import Checkpoint, pieces_of
 
@@ -136,14 +138,17 @@ def check_target(f: dict, tp: int, pp: int, path: str, args: dict | None = None)
                                 "pipeline stages are not written)", path=path, hint="choose a PP that divides them")
 
 
-def _records_by_key(ckpt: Checkpoint, md) -> dict[str, list]:
-    """Model key -> the records it holds, in order (a stacked key: one per layer)."""
+def _records_by_key(ckpt: Checkpoint, md, path: str) -> dict[str, list]:
+    """Model key -> the records it holds, in order (a stacked key: one per layer; an MoE layer's experts: one per
+    layer and expert)."""
     by_name = {r.name: r for r in ckpt.records}
     out = {}
     for key, te in md.tensors.items():
-        if key.startswith(("optimizer.", "rng_state")):
+        if _not_model(key):
             continue
-        if key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
+        if moe.is_expert_key(key):
+            out[key] = writer_moe.records_by_key(key, tuple(te.shape), by_name, path)
+        elif key.startswith(LAYERS) and not key[len(LAYERS):].split(".", 1)[0].isdigit():
             out[key] = [by_name.get(f"{LAYERS}{i}.{key[len(LAYERS):]}") for i in range(te.shape[0])]
         else:
             out[key] = [by_name.get(key)]
@@ -169,12 +174,14 @@ def _adam_state(ckpt: Checkpoint, path: str) -> None:
 
 def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | None = None, pp: int | None = None,
                   layout: str | None = None, chunk_bytes: int = dcplayout.CHUNK_BYTES,
-                  file_bytes: int = dcplayout.FILE_BYTES, dp: int | None = None, ddp_config=None) -> MegatronPlan:
+                  file_bytes: int = dcplayout.FILE_BYTES, dp: int | None = None, ddp_config=None,
+                  ep: int | None = None) -> MegatronPlan:
     """The save folder of ``ckpt`` (a Megatron checkpoint, either optimizer layout) for ``tp`` / ``pp`` (default:
     the source's), as plain data; ``checkpoint_id``: the output folder (DCP's ``storage_meta``); a tensor over
     ``chunk_bytes`` is stored as blocks of rows, a ``.distcp`` file closed past ``file_bytes``. ``layout``
     ``dp_reshardable``: the buckets for ``dp`` data-parallel ranks (default: the source's, at its own TP / PP) and
-    the DDP settings ``ddp_config`` (:mod:`zckpt.megatron.writer_buckets`)."""
+    the DDP settings ``ddp_config`` (:mod:`zckpt.megatron.writer_buckets`). ``ep``: a mixture-of-experts model's
+    expert-parallel size (default: the source's; :mod:`zckpt.megatron.writer_moe`)."""
     path = ckpt.location.tag_dir
     layout = layout or "fully_reshardable"
     if layout not in LAYOUTS:
@@ -188,8 +195,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     pp = positive("pp", pp) if pp is not None else (f.get("pp") or 1)
     args = ckpt.extra.get("args") or {}
     check_target(f, tp, pp, path, args)
-    if args.get("num_experts") or any(".experts." in k for k in ckpt.extra["metadata"].tensors):
-        raise UnsupportedLayout("a mixture-of-experts model: its expert-parallel optimizer is not written", path=path)
+    ep = writer_moe.target_ep(ckpt, ep, layout, path)  # None: a dense model (--ep refused)
     if f.get("iteration") is None:
         raise UnsupportedLayout("common.pt does not say the iteration, which names the folder Megatron-LM loads",
                                 path=path)
@@ -202,14 +208,14 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     items = distcp.Items(path, ckpt.storage_options)
     try:
         for key, te in md.tensors.items():  # the weights exactly as saved (stacked layers, TE-style norm names)
-            if key.startswith(("optimizer.", "rng_state")):
+            if _not_model(key):
                 continue
             runs = distcp.tensor_runs(items, te, storage.join(path, ".metadata"))
             state[key] = TensorOut(te.dtype, tuple(te.shape), [p for t, s, n in runs for p in pieces_of(t, s, n)])
         extra = {k: items.load(v.file, v.offset, v.length) for k, v in md.values.items() if "._extra_state" in k}
     finally:
         items.close()
-    for key, recs in _records_by_key(ckpt, md).items():
+    for key, recs in _records_by_key(ckpt, md, path).items():
         if any(r is None for r in recs):
             raise UnsupportedLayout(f"'{key}': the reader holds no record for each of its layers", path=path)
         with_state = [bool(r.exp_avg) for r in recs]
@@ -232,7 +238,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     folder = ckpt.location.tag
     iter_id = (checkpoint_id.rstrip("/") + "/" + folder) if checkpoint_id else None
     part = dcplayout.plan_dcp(state, iter_id, chunk_bytes, file_bytes)
-    common, dropped = _common(ckpt, f, tp, pp, layout, ddp)
+    common, dropped = _common(ckpt, f, tp, pp, layout, ddp, ep)
     archive = torchzip.plan_archive(common, "common")
     part.files.append(dcplayout.DcpFile(COMMON, [(archive, 0)], archive.file_size))
     iteration = f.get("iteration")
@@ -246,7 +252,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         notes[0] = f"{layout}: the model keys as saved, the fp32 masters and both Adam moments in the distributed " \
                    f"optimizer's buckets for tp {tp}, pp {pp}, dp {dp} (loads at this TP/PP, any DP megatron-core " \
                    "can shard the buckets over)"
-    notes += bucket_notes
+    notes += bucket_notes + (writer_moe.notes(ckpt, ep) if ep is not None else [])
     if f["optimizer_layout"] == "dp_reshardable":
         notes.append("optimizer state read from the source's dp_reshardable buckets (placed by megatron-core's "
                      "layout rule, every master checked against its saved weight)")
@@ -297,13 +303,19 @@ _LEFT = {"rng_state": "per-rank RNG states of the source's ranks (Megatron-LM re
          "rerun_state_machine_state": "per-rank state of Megatron-LM's rerun machine (it starts afresh; Megatron-LM "
                                       "skips it when TP/PP change)"}
 _REWRITTEN = ("optimizer.", "common_state/")  # the optimizer state in model space and common.pt replace these
+_CHAINED = re.compile(r"^chained_\d+\.optimizer\.")  # an MoE model's two optimizers' dp_reshardable state
+
+
+def _not_model(key: str) -> bool:
+    """An optimizer or RNG key of the source's ``.metadata`` (not a model tensor written as saved)."""
+    return key.startswith(("optimizer.", "rng_state")) or bool(_CHAINED.match(key))
 
 
 def _left_out(md, state: dict) -> dict:
     """{what: why} for every item of the source that the output does not hold (never a silent subset)."""
     left = {}
     for key in list(md.tensors) + list(md.values):
-        if key in state or key.startswith(_REWRITTEN):
+        if key in state or key.startswith(_REWRITTEN) or _CHAINED.match(key):
             continue
         root = key.split("/", 1)[0]
         left[root] = _LEFT.get(root, "not a part of the training state zckpt writes")
@@ -334,7 +346,8 @@ def _pickled(value):
     return _NOT_PLAIN
 
 
-def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str, ddp=None) -> tuple[dict, list[str]]:
+def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str, ddp=None,
+            ep: int | None = None) -> tuple[dict, list[str]]:
     """``common.pt``: what Megatron-LM's ``generate_state_dict`` keeps out of the sharded tensors; and the names of
     the args left out (not plain values). ``ddp`` (dp_reshardable): the world and data-parallel sizes and the DDP
     settings the buckets were cut for, stated in the args as a Megatron-LM save at that shape states them; a
@@ -346,6 +359,8 @@ def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str, ddp=None) 
                 dist_ckpt_optim_fully_reshardable=layout == "fully_reshardable", no_save_rng=True)
     if ddp is not None:
         args.update(ddp.args(tp, pp, source_args))
+    if ep is not None:
+        args.update(writer_moe.args_update(ckpt, ep))
     content = dict(f.get("content_metadata") or {})
     content["distrib_optim_sharding_type"] = layout
     if layout == "fully_reshardable":
@@ -361,6 +376,9 @@ def _common(ckpt: Checkpoint, f: dict, tp: int, pp: int, layout: str, ddp=None) 
            "optimizer": {"optimizer": {"param_groups": groups}, "param_state_sharding_type": layout}}
     if layout == "dp_reshardable":  # its param groups are the DCP's per-rank optimizer objects
         out["optimizer"] = {"param_state_sharding_type": layout}
+    elif ep is not None:  # an MoE model: one optimizer at ep 1, the chain of dense and experts above
+        out["optimizer"] = writer_moe.optimizer_state(groups, (f.get("moe") or {}).get("ep") or 1, ep, layout,
+                                                      ckpt.location.tag_dir)
     if "opt_param_scheduler" in side:
         out["opt_param_scheduler"] = side["opt_param_scheduler"]
     if "num_floating_point_operations_so_far" in side:

@@ -134,7 +134,7 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             stage: int | None = None, ds_config=None, buffers=None, tied=None, dtype: str | None = None,
             layout: str = "auto", group=None, torchtitan: dict | None = None, groups=None,
             native_names: bool = False, tp: int | None = None, pp: int | None = None, megatron_args=None,
-            dp: int | None = None, ddp_config=None, hf_config=None):
+            dp: int | None = None, ddp_config=None, hf_config=None, ep: int | None = None):
     """Convert the checkpoint at ``path`` into format ``to`` in the folder ``out``.
 
     ``to="deepspeed"``: a DCP checkpoint (FSDP2 + AdamW) as native DeepSpeed ZeRO-``stage`` files for
@@ -183,12 +183,13 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
             raise InvalidArgument(f"{', '.join(given)} do not apply to --to {to}", hint=f"drop {', '.join(given)}")
         return convert_to(path, to, out, tag, dry_run, overwrite, workers, progress, durable, storage_options, group,
                           {"tp": tp, "pp": pp, "layout": None if layout == "auto" else layout,
-                           "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config})
+                           "megatron_args": megatron_args, "dp": dp, "ddp_config": ddp_config, "ep": ep})
     if megatron_args is not None:
         raise OptionError(f"--megatron-args states a Megatron target's schedule; --to {to} has none",
                           hint="drop --megatron-args")
-    if tp is not None or pp is not None or dp is not None or ddp_config is not None:
-        raise InvalidArgument(f"--tp / --pp / --dp / --ddp-config set a Megatron target's shape; --to {to} has none",
+    if tp is not None or pp is not None or ep is not None or dp is not None or ddp_config is not None:
+        raise InvalidArgument(f"--tp / --pp / --ep / --dp / --ddp-config set a Megatron target's shape; --to {to} "
+                              "has none",
                               hint="drop them")
     if to == "deepspeed":
         from zckpt.ops import to_deepspeed
