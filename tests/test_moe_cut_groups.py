@@ -270,7 +270,10 @@ def test_autoep_zero3_cut_read_equals_the_live_engine(tmp_path):
     assert flats[1:] == [512] * 3
     tensors = load_file(str(Z3 / "expected" / "oracle.safetensors"))
     info = json.loads((Z3 / "expected" / "oracle.json").read_text())
-    by = zckpt.open_checkpoint(str(Z3)).by_name()
+    ckpt = zckpt.open_checkpoint(str(Z3))
+    assert any("ep_size_2 is 3 param groups (DeepSpeed's split_params_into_different_moe_groups_for_optimizer" in x
+               for x in ckpt.notes), ckpt.notes
+    by = ckpt.by_name()
     n = 0
     for key, want in tensors.items():
         kind, name = key.split("/", 1)

@@ -219,8 +219,13 @@ def build_autoep_zero3(loc: Location, model_states: list[dict], optim_states: li
         prefix = f"{layer.get('module_path')}."
         at = max((i + 1 for i, r in enumerate(records) if r.name.startswith(prefix)), default=len(records))
         records[at:at] = mine
+    names = [pg.get("name") for pg in pgroups if {int(x) for x in pg.get("params", [])} & set(experts)]
+    cut = {n: c for n in dict.fromkeys(names) if (c := names.count(n)) > 1}
     notes = [f"AutoEP at ZeRO-3: {len(ms0['ds_autoep_layers'])} MoE layer(s), expert sub-groups "
-             + ", ".join(str(s) for s in experts)] + list(base.notes)
+             + ", ".join(str(s) for s in experts)
+             + ("; " + ", ".join(f"{n} is {c} param groups" for n, c in cut.items()) + " (DeepSpeed's "
+                "split_params_into_different_moe_groups_for_optimizer cuts an expert group over its max_group_size)"
+                if cut else "")] + list(base.notes)
     coverage.check(described, records, loc.tag_dir)
     return Checkpoint(loc, 3, "zero3", base.precision, ws, records, groups, ms0, optim_states, model_states,
                       offload=base.offload, notes=notes, parallel="moe", reshard_refusal=Z3_REFUSAL,
