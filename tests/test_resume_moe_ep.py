@@ -109,9 +109,14 @@ CASES = [  # (fixture, data-parallel size, the engine's expert-parallel size per
     ("moe_autoep_z3_bf16_ws4_ep2_l2", 4, (4, 4)),  # AutoEP ZeRO-3, Qwen3-MoE, 2 layers x 8 experts: ep 2 -> 4
     ("moe_z2_bf16_ws4_ep2_ep4_mixed", 4, (4, 2)),  # native ZeRO-2, layers of ep 2 and 4 -> 4 and 2
     ("moe_autoep_z3_bf16_ws2_ep2", 4, (4,)),  # AutoEP ZeRO-3, 1 layer x 4 experts: dp 2 -> 4 and ep 2 -> 4
+    # AutoEP ZeRO-3 whose expert group max_group_size 1100 cut into 3 param groups: ep 2 -> 4 (1024 + 512 elements)
+    ("moe_autoep_z3_bf16_ws4_ep2_l2_cut", 4, (4, 4)),
 ]
-SOURCE_EP = [[4, 4], [2, 2], [2, 4], [2]]  # each case's saved expert-parallel size per MoE layer
-IDS = ["autoep-z2-ep4to2", "autoep-z3-ep2to4", "native-2+4to4+2", "autoep-z3-dp2to4-ep2to4"]
+SOURCE_EP = [[4, 4], [2, 2], [2, 4], [2], [2, 2]]  # each case's saved expert-parallel size per MoE layer
+IDS = ["autoep-z2-ep4to2", "autoep-z3-ep2to4", "native-2+4to4+2", "autoep-z3-dp2to4-ep2to4", "autoep-z3-cut-ep2to4"]
+# the run's max_group_size where the source's cut alone does not say how ep 4 is cut (it allows 1024..1535): the
+# offline output is given it, the resumed engine's own groups say it
+MGS = {"moe_autoep_z3_bf16_ws4_ep2_l2_cut": 1100}
 # each engine rank's PYTHONHASHSEED: DeepSpeed orders a rank's expert groups by a set of names, so ranks 1 and 3
 # hold the native case's [dense, ep_size_4, ep_size_2] where the plan (rank 0 of the source) has [dense, ep_size_2,
 # ep_size_4]: each rank's planned file is put in its engine's order
@@ -131,7 +136,7 @@ def resumed(tmp_path_factory):
     jobs, cases = [], []
     for i, (name, ws, ep) in enumerate(CASES):
         d = root / str(i)
-        reshard(str(FIX / name), str(d / "offline"), world_size=ws, ep=_ep_arg(ep))
+        reshard(str(FIX / name), str(d / "offline"), world_size=ws, ep=_ep_arg(ep), max_group_size=MGS.get(name))
         spec = dict(_spec(name), world_size=ws, ep_size=ep[0])
         kind = "autoep" if spec["kind"] == "autoep" else "moe"
         if kind == "moe":
@@ -199,11 +204,11 @@ def test_in_memory_objects_equal_the_offline_files(tmp_path, case):
     from zckpt.deepspeed.writer import plan_ranks
     from zckpt.ops.resume import Materializer
     name, ws, ep = CASES[case]
-    reshard(str(FIX / name), str(tmp_path / "o"), world_size=ws, ep=_ep_arg(ep))
+    reshard(str(FIX / name), str(tmp_path / "o"), world_size=ws, ep=_ep_arg(ep), max_group_size=MGS.get(name))
     ckpt = zckpt.open_checkpoint(str(FIX / name))
     experts = set()
     for rank in range(ws):
-        plan = plan_ranks(ckpt, ws, [rank], ep=_ep_arg(ep))
+        plan = plan_ranks(ckpt, ws, [rank], ep=_ep_arg(ep), max_group_size=MGS.get(name))
         mat = Materializer()
         try:
             for f in plan.files:
