@@ -325,7 +325,10 @@ def test_autoep_zero3_cut_refusals(tmp_path):
     with pytest.raises(ZckptError, match=r"at least 3072 \(nothing was cut\)"):  # the uncut run's group: 6 x 512
         reshard(str(FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2"), str(tmp_path / "c"), world_size=4, ep=4,
                 max_group_size=1100)
-    assert not any((tmp_path / x).exists() for x in "abc")
+    p = subprocess.run([sys.executable, "-m", "zckpt", "reshard", str(Z3), "-o", str(tmp_path / "d"), "-w", "4",
+                        "--ep", "4"], capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "--max-group-size N" in p.stderr
+    assert not any((tmp_path / x).exists() for x in "abcd")
 
 
 # ------------------------------------------------------------------------------------------------ DeepSpeed, 2 ranks
