@@ -13,6 +13,7 @@ with another model type, AutoEP's names are kept and a note says why.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -27,8 +28,15 @@ from tests.test_merge import _merged
 L2 = [FIXTURES / "moe_autoep_z3_bf16_ws4_ep2_l2", FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2"]
 DEEPSEEK = [FIXTURES / "moe_autoep_z2_bf16_ws4_ep2_dsv3", FIXTURES / "moe_autoep_z3_bf16_ws2_ep2_dsv3",
             FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_dsv2"]
+QWEN35 = FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_qwen35"
 CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-         "deepseek_v2": "DeepseekV2ForCausalLM"}
+         "deepseek_v2": "DeepseekV2ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+
+
+def autoep_name(name: str) -> str:
+    """AutoEP's name of a parameter the class and AutoEP's layer name alike but for Qwen3.5's shared expert and its
+    gate (the class's ``shared_expert(_gate)``, AutoEP's layer's ``shared_experts(_gate)``)."""
+    return re.sub(r"\.shared_expert(_gate)?\.", lambda m: f".shared_experts{m.group(1) or ''}.", name)
 
 
 def _want(fx: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -43,15 +51,15 @@ def _want(fx: Path, name: str, dtype: torch.dtype) -> torch.Tensor:
     elif name.endswith(".mlp.gate.e_score_correction_bias"):  # DeepSeek-V3's router buffer, on AutoEP's router
         t = fp[f"buffer/{name[:-len('gate.e_score_correction_bias')]}router.e_score_correction_bias"]
         assert torch.count_nonzero(t), name  # random in the fixture: the class's init (zeros) would not pass
-    else:
-        t = fp[f"fp32/{name}"]
+    else:  # (Qwen3.5's shared_expert and its gate: AutoEP's layer holds them as shared_experts(_gate))
+        t = fp[f"fp32/{autoep_name(name)}"]
     return t.to(dtype)
 
 
 @pytest.mark.parametrize("fx,dtype", [(L2[0], "fp32"), (L2[1], "bf16"), (DEEPSEEK[0], "bf16"), (DEEPSEEK[1], "fp32"),
-                                      (DEEPSEEK[2], "fp32")],
+                                      (DEEPSEEK[2], "fp32"), (QWEN35, "bf16")],
                          ids=["qwen3_moe-zero3", "mixtral-zero2", "deepseek_v3-zero2", "deepseek_v3-zero3",
-                              "deepseek_v2-zero2"])
+                              "deepseek_v2-zero2", "qwen3_5_moe-zero2"])
 def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
     from transformers import AutoModelForCausalLM
 
@@ -59,7 +67,8 @@ def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
     res = zckpt.merge(str(checkpoint_path(fx)), str(tmp_path / "out"), dtype=dtype)
     assert any("names and fused experts" in n for n in res.notes)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["model_type"] == arch and cfg["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    assert cfg["model_type"] == {"qwen3_5_moe": "qwen3_5_moe_text"}.get(arch, arch)  # (Qwen3.5: its text backbone)
+    assert cfg["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     target = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True, dtype=target)
     assert type(model).__name__ == CLASS[arch]
@@ -68,6 +77,7 @@ def test_from_pretrained_loads_the_merge_exactly(tmp_path, fx, dtype):
     assert set(sd) == set(_merged(tmp_path / "out"))
     assert sum(".experts.gate_up_proj" in n for n in sd) == 2  # both MoE layers
     assert sum(".shared_experts." in n for n in sd) == (6 if arch.startswith("deepseek") else 0)
+    assert sum(".shared_expert" in n for n in sd) == (8 if arch == "qwen3_5_moe" else 6 if "deepseek" in arch else 0)
     assert sum(n.endswith("e_score_correction_bias") for n in sd) == (2 if arch == "deepseek_v3" else 0)
     for name, t in sd.items():  # (DeepSeek keeps gate.weight and the bias in fp32: a bf16 merge's values upcast)
         assert torch.equal(t, _want(fx, name, target).to(t.dtype)), name

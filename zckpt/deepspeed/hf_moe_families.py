@@ -11,6 +11,14 @@ Every family's experts are AutoEP's ``experts.w1`` / ``w3`` (gate, up) fused int
                            shared_experts.{gate,up,down}_proj.weight (as they are: AutoEP keeps the module)
     deepseek_v3            the same, and
                            router.e_score_correction_bias      gate.e_score_correction_bias
+    qwen3_5_moe_text       router.gate.weight                  gate.weight
+                           shared_experts.{gate,up,down}_proj.weight   shared_expert.{gate,up,down}_proj.weight
+                           shared_experts_gate.weight          shared_expert_gate.weight
+
+(AutoEP's layer keeps the block's shared expert as its own ``shared_experts`` / ``shared_experts_gate``, whatever
+the class calls them: Qwen3.5's ``shared_expert`` is renamed back, DeepSeek's ``shared_experts`` is the same name.)
+Qwen3.5-MoE is its text backbone, ``Qwen3_5MoeForCausalLM`` (``model_type`` ``qwen3_5_moe_text``, the only one
+DeepSpeed's ``qwen3_5_moe`` preset takes).
 
 DeepSeek-V3's ``e_score_correction_bias`` is a persistent buffer of ``DeepseekV3TopkRouter`` (zeros at init, set by
 a pretrained checkpoint); AutoEP copies it onto its router (``auto_ep_layer._copy_e_score_correction_bias``), so
@@ -29,6 +37,8 @@ from dataclasses import dataclass, field
 
 _ROUTER = {"router.gate.weight": "gate.weight"}
 _SHARED = {f"shared_experts.{w}_proj.weight": f"shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")}
+_SHARED35 = {**{f"shared_experts.{w}_proj.weight": f"shared_expert.{w}_proj.weight" for w in ("gate", "up", "down")},
+             "shared_experts_gate.weight": "shared_expert_gate.weight"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,8 @@ FAMILIES = {
                           {**_ROUTER, **_SHARED}),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", ("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
                           {**_ROUTER, "router.e_score_correction_bias": "gate.e_score_correction_bias", **_SHARED}),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", ("num_experts", "num_local_experts"), "moe_intermediate_size",
+                               {**_ROUTER, **_SHARED35}),
 }
 CLASSES = {k: f.cls for k, f in FAMILIES.items()}
 
