@@ -5,7 +5,8 @@ DeepSpeed AutoEP -> DCP: ``fixtures/moe_autoep_z2_bf16_ws4_ep4_l2`` (Mixtral, Ze
 ``moe_autoep_z3_bf16_ws4_ep2_l2`` (Qwen3-MoE, ZeRO-3, ep 2), ``moe_autoep_z2_bf16_ws4_ep2_dsv3`` /
 ``moe_autoep_z3_bf16_ws2_ep2_dsv3`` (DeepSeek-V3, ZeRO-2 / ZeRO-3, ep 2: a dense first layer, a shared expert, the
 router's ``e_score_correction_bias`` buffer, which FSDP2 must load equal to the engine's) and
-``moe_autoep_z2_bf16_ws2_ep2_dsv2`` (DeepSeek-V2), each 2 MoE layers x 8 experts, top-2, saved by DeepSpeed
+``moe_autoep_z2_bf16_ws2_ep2_dsv2`` (DeepSeek-V2), ``moe_autoep_z2_bf16_ws2_ep2_qwen35`` (Qwen3.5-MoE's text
+backbone, ``shared_expert`` and ``shared_expert_gate``), each 2 MoE layers x 8 experts, top-2, saved by DeepSpeed
 0.19.8 with the model's ``config.json``. ``zckpt convert --to dcp`` writes ``experts.gate_up_proj`` (w1 then w3 per
 expert), ``experts.down_proj`` and ``mlp.gate.weight`` with their fp32 masters, both moments and steps. The oracle is
 FSDP2 itself (tests/moe_dcp_worker.py, one torchrun of 2 gloo ranks): the transformers class built from the
@@ -33,6 +34,7 @@ import pytest
 
 import zckpt
 from tests.conftest import FIXTURES, checkpoint_path
+from tests.test_moe_hf_names import autoep_name
 from zckpt.errors import CorruptFile, IncompleteCheckpoint, InvalidArgument
 
 torch = pytest.importorskip("torch")
@@ -44,7 +46,9 @@ AUTOEP = {"mixtral": FIXTURES / "moe_autoep_z2_bf16_ws4_ep4_l2",
           # a dense first layer, shared experts, MLA; V3's router e_score_correction_bias (a buffer)
           "deepseek_v3-zero2": FIXTURES / "moe_autoep_z2_bf16_ws4_ep2_dsv3",
           "deepseek_v3-zero3": FIXTURES / "moe_autoep_z3_bf16_ws2_ep2_dsv3",
-          "deepseek_v2": FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_dsv2"}
+          "deepseek_v2": FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_dsv2",
+          # Qwen3.5-MoE's text backbone: gated delta net, a shared expert AutoEP keeps as its shared_experts
+          "qwen3_5_moe": FIXTURES / "moe_autoep_z2_bf16_ws2_ep2_qwen35"}
 FSDP2 = {"mixtral": FIXTURES / "fsdp2_moe_mixtral_ws2", "qwen3_moe": FIXTURES / "fsdp2_moe_qwen3_ws2"}
 DS_STAGE = {"mixtral": 2, "qwen3_moe": 1}
 
@@ -132,7 +136,7 @@ def test_fsdp2_loads_autoep_under_the_model_names(fsdp2_loads, arch):
             return want[f"{kind}/{name[:-len('down_proj')]}w2"]
         if name.endswith(".mlp.gate.weight"):
             return want[f"{kind}/{name[:-len('gate.weight')]}router.gate.weight"]
-        return want[f"{kind}/{name}"]
+        return want[f"{kind}/{autoep_name(name)}"]  # (Qwen3.5's shared_expert(_gate): AutoEP's shared_experts(_gate))
 
     names = [k.split("/", 1)[1] for k in got if k.startswith("param/")]
     assert sum(n.endswith(".experts.gate_up_proj") for n in names) == 2 and len(names) == len(oracle["trainable"]) - 2  # (w1 + w3: one)
