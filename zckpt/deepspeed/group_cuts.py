@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from zckpt.errors import InvalidArgument, UnsupportedLayout
 
+
 def cut_bounds(layout, names: dict[int, str]) -> tuple[int, int | None, bool]:
     """What the source's expert groups (``layout``: a :class:`~zckpt.deepspeed.expert_groups.MoELayout`) say of
     the ``max_group_size`` its run passed to DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``,
