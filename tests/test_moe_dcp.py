@@ -227,6 +227,16 @@ def test_torchtitan_layout_of_a_model_torchtitan_does_not_have(tmp_path):
     assert "--layout dcp" in str(e.value.hint) and not (tmp_path / "o").exists()
 
 
+def test_torchtitan_layout_of_a_model_zckpt_has_no_torchtitan_table_of(tmp_path):
+    """DeepSeek-V3: torchtitan 0.3.0 has the model (models/deepseek_v3), zckpt no table of its names: refused in one
+    line saying so (not that torchtitan lacks it), nothing written."""
+    from zckpt.errors import UnsupportedLayout
+    with pytest.raises(UnsupportedLayout, match="zckpt has no table of torchtitan 0.3.0's deepseek_v3 names") as e:
+        zckpt.convert(str(checkpoint_path(AUTOEP["deepseek_v3-zero2"])), out=str(tmp_path / "o"), layout="torchtitan",
+                      torchtitan={"ntokens_seen": 0, "initial_lr": 0.01, "lr_last_epoch": 2})
+    assert "\n" not in str(e.value) and not (tmp_path / "o").exists()
+
+
 def test_autoep_names_where_the_class_is_not_said(tmp_path):
     """Without config.json: DeepSpeed's names and a note (as merge); native_names keeps them without one; a
     checkpoint with no AutoEP layer refuses native_names (it would do nothing)."""

@@ -198,6 +198,7 @@ TITAN = {"qwen3_moe": (
     (r"model\.norm\.weight", "norm.weight"),
     (r"lm_head\.weight", "lm_head.weight"),
 )}
+TITAN_UNMAPPED = ("deepseek_v3", "qwen3_5_moe_text")  # models torchtitan 0.3.0 has (models/deepseek_v3, qwen3_5)
 TITAN_NOT_CARRIED = {
     "expert_bias_E": "torchtitan's load-balancing bias (a persistent buffer of its MoE when load_balance_coeff is "
                      "set) has no counterpart in the source's router: build the model with load_balance_coeff=None",
@@ -222,7 +223,9 @@ def titan_view(ckpt: Checkpoint) -> Checkpoint:
     why = why or _why_not(cfg, path)
     table = TITAN.get((cfg or {}).get("model_type"))
     if why or table is None:
-        why = why or f"torchtitan 0.3.0 has no {cfg.get('model_type')} model"
+        mt = cfg.get("model_type")  # torchtitan 0.3.0 has DeepSeek-V3 and Qwen3.5 models, zckpt no table of them
+        why = why or (f"zckpt has no table of torchtitan 0.3.0's {mt} names" if mt in TITAN_UNMAPPED
+                      else f"torchtitan 0.3.0 has no {mt} model")
         raise UnsupportedLayout(f"--layout torchtitan of an AutoEP checkpoint names the state as torchtitan's model "
                                 f"of its family: {why}",
                                 path=ckpt.location.input_path,
