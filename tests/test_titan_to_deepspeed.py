@@ -1,6 +1,6 @@
 """A torchtitan run back to transformers names (issue 47 item 2, both directions): torchtitan 0.3.0's own
 ``CheckpointManager`` saves of its Qwen3 models (``fixtures/titan_qwen3_ws2``: MoE with fused q/k/v, its default;
-MoE with split q/k/v; MoE with ``expert_bias_E``; dense; 2 CPU ranks, two AdamW steps in two groups) with the
+MoE with split q/k/v; MoE with ``expert_bias_E``; dense, untied and tied; 2 CPU ranks, two AdamW steps in two groups) with the
 transformers config the user states (``--hf-config``).
 
 The oracle of every mapping is the two frameworks' own code, not zckpt's table: what torchtitan's model and
@@ -11,9 +11,9 @@ loaded by transformers 5's own ``from_pretrained`` (which fuses the experts into
 loaded the same way, for ``exp_avg`` and ``exp_avg_sq``.
 
 - ``merge --hf-config``: ``from_pretrained`` loads the output with no missing, unexpected or mismatched key, every
-  tensor equal to the oracle (MoE fused and split q/k/v, dense).
+  tensor equal to the oracle (MoE fused and split q/k/v, dense untied and tied: lm_head is the embeddings).
 - ``convert --to deepspeed --hf-config``: DeepSpeed 0.19.8 (the plain transformers class, no AutoEP; ZeRO-2 for
-  the fused-qkv MoE and the dense saves, ZeRO-1 for the split one; 2 gloo ranks, one launch,
+  the fused-qkv MoE and the dense saves, ZeRO-1 for the split and the tied ones; 2 gloo ranks, one launch,
   tests/moe_dcp_worker.py's ``deepspeed`` case, its groups built as torchtitan's were) loads it: every fp32 master,
   ``exp_avg`` and ``exp_avg_sq`` equal to the oracle, the bf16 weights their cast, step 2, torchtitan's group
   values; one step runs.
@@ -38,8 +38,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TITAN = FIXTURES / "titan_qwen3_ws2"
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-DS = {"moe": 2, "moe_split": 1, "dense": 2}  # the case -> the ZeRO stage DeepSpeed loads it at
-FIRST_GROUP = {"dense": r"norm\.weight$"}  # the dense run's first group: its norms (the MoE runs': all but experts)
+DS = {"moe": 2, "moe_split": 1, "dense": 2, "dense_tied": 1}  # the case -> the ZeRO stage DeepSpeed loads it at
+# the dense runs' first group: their norms (the MoE runs': all but the experts)
+FIRST_GROUP = {"dense": r"norm\.weight$", "dense_tied": r"norm\.weight$"}
 
 
 def step(case: str) -> str:
@@ -71,7 +72,7 @@ def oracle(case: str, tmp: Path) -> dict:
     d = info["dims"]
     held = load_file(str(TITAN / "expected" / f"{case}.safetensors"))
     cfg = NS(layers=[NS(moe=NS(num_experts=d["experts"]) if info["moe"] else None)] * d["layers"],
-             enable_weight_tying=False)
+             enable_weight_tying=info.get("tied", False))
     hpk = d["heads"] // d["kv_heads"]
     out = {}
     for kind in KINDS:
@@ -93,8 +94,8 @@ def oracle(case: str, tmp: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def deepspeed_loads(tmp_path_factory):
-    """The MoE saves (ZeRO-2 fused qkv, ZeRO-1 split) and the dense one (ZeRO-2) converted at 2 ranks, bf16, and
-    loaded by DeepSpeed in one launch."""
+    """The saves (:data:`DS`: the case, its ZeRO stage) converted at 2 ranks, bf16, and loaded by DeepSpeed in one
+    launch."""
     from tests.test_moe_dcp import _torchrun
     base = tmp_path_factory.mktemp("titan-ds")
     results, cases = {}, []
@@ -116,8 +117,8 @@ def test_deepspeed_loads_a_torchtitan_run(deepspeed_loads, tmp_path, case):
     got = load_file(str(out / case / "deepspeed.safetensors"))
     info = json.loads((out / case / "deepspeed.json").read_text())
     names = [k.split("/", 1)[1] for k in got if k.startswith("fp32/")]
-    assert sorted(names) == sorted(want["param"])
-    assert sum(n.endswith("gate_up_proj") for n in names) == (0 if case == "dense" else 2)
+    assert sorted(names) == sorted(want["param"])  # (tied: lm_head.weight read through the embeddings' parameter)
+    assert sum(n.endswith("gate_up_proj") for n in names) == (0 if case.startswith("dense") else 2)
     for name in names:
         for kind, key in zip(KINDS, ("fp32", "exp_avg", "exp_avg_sq")):
             assert torch.equal(got[f"{key}/{name}"], want[kind][name]), (kind, name)
@@ -133,13 +134,14 @@ def test_deepspeed_loads_a_torchtitan_run(deepspeed_loads, tmp_path, case):
     assert json.loads((out / case / "after.json").read_text())["loss"] > 0  # one step ran
 
 
-@pytest.mark.parametrize("case", ["moe", "moe_split", "dense"])
+@pytest.mark.parametrize("case", ["moe", "moe_split", "dense", "dense_tied"])
 def test_merge_loads_with_from_pretrained(tmp_path, case):
     from transformers import AutoModelForCausalLM
     res = zckpt.merge(step(case), str(tmp_path / "out"), hf_config=config(case))
     assert "config.json" in res.copied
     model, li = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
-    assert type(model).__name__ == {"dense": "Qwen3ForCausalLM"}.get(case, "Qwen3MoeForCausalLM")
+    assert type(model).__name__ == ("Qwen3ForCausalLM" if case.startswith("dense") else "Qwen3MoeForCausalLM")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (case == "dense_tied")
     assert not li["missing_keys"] and not li["unexpected_keys"] and not li["mismatched_keys"], li
     want = oracle(case, tmp_path)["param"]
     sd = model.state_dict()
@@ -175,6 +177,10 @@ def test_refusals_in_one_line(tmp_path):
                                                            world_size=2, stage=2, dtype="bf16"))
     refused(UnsupportedLayout, "makes layer 0 a dense layer", lambda: zckpt.merge(step("moe"), str(tmp_path / "b"),
                                                                         hf_config=config("dense")))
+    refused(UnsupportedLayout, "is tok_embeddings.weight .enable_weight_tying", lambda: zckpt.merge(
+        step("dense_tied"), str(tmp_path / "b"), hf_config=config("dense")))
+    refused(UnsupportedLayout, "is a weight of its own", lambda: zckpt.merge(
+        step("dense"), str(tmp_path / "b"), hf_config=config("dense_tied")))
     cfg = json.loads(Path(config("moe")).read_text())
     for change, match in (({"num_key_value_heads": 1}, "q/k/v rows"), ({"model_type": "mixtral"}, "mixtral"),
                           ({"num_local_experts": 4}, "experts x moe_intermediate_size"),

@@ -6,7 +6,7 @@ torchtitan run under a transformers class's names (tests/test_titan_to_deepspeed
 Run as ``titan_save_worker.py JOB.json``; each case builds ``Qwen3Model`` at ``case["dims"]`` (``moe``: its
 ``_build_qwen3_moe_layers``, GroupedExperts w1_EFD/w2_EDF/w3_EFD and a TokenChoiceTopKRouter; else the dense
 ``_build_qwen3_layers``), fused q/k/v unless ``fuse_qkv`` is false, ``load_balance_coeff`` as stated (None: no
-``expert_bias_E``), ``fully_shard`` per layer and at the root, AdamW in two param groups by FQN pattern (everything
+``expert_bias_E``), ``enable_weight_tying`` as ``tied`` (torchtitan's default for its dense Qwen3 sizes), ``fully_shard`` per layer and at the root, AdamW in two param groups by FQN pattern (everything
 but the experts first, the experts without weight decay; the dense model: norms and the rest). No forward runs
 (torchtitan's FlexAttention has no CPU backward; torchtitan 0.3.0 refuses sdpa for its language models): each step
 sets seeded gradients on every parameter and steps torchtitan's optimizer and scheduler containers, which is what a
@@ -51,7 +51,7 @@ def build(case: dict):
         tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
                                         param_init=Q._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=Q._LINEAR_INIT),
-        layers=layers)
+        layers=layers, enable_weight_tying=case.get("tied", False))
     return cfg.build()
 
 
@@ -110,6 +110,7 @@ def save_case(case: dict, mesh, rank: int) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     info = {"keys": sorted(model.state_dict()), "dims": case["dims"], "moe": case["moe"],
             "fuse_qkv": case.get("fuse_qkv", True), "load_balance_coeff": case.get("load_balance_coeff"),
+            "tied": case.get("tied", False),
             "groups": [{"names": [names[id(p)] for p in g["params"]], "lr": g["lr"], "betas": list(g["betas"]),
                         "eps": g["eps"], "weight_decay": g["weight_decay"], "initial_lr": g["initial_lr"]}
                        for g in o.param_groups],

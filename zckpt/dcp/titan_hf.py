@@ -202,10 +202,23 @@ def _check_shapes(cfg: dict, cpath: str, by: dict, layers: list[int], fused: dic
         ffn = by.get(f"layers.{i}.feed_forward.w1.weight")
         if ffn is not None and int(ffn.shape[0]) != cfg.get("intermediate_size"):
             bad(f"layer {i}'s intermediate_size", int(ffn.shape[0]), cfg.get("intermediate_size"))
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" in by:
-        raise UnsupportedLayout("--hf-config ties the embeddings (tie_word_embeddings), and torchtitan's model has "
-                                "a separate lm_head.weight", path=cpath, hint="state tie_word_embeddings: false")
     return out
+
+
+def _tie(ckpt: Checkpoint, cfg: dict, cpath: str) -> bool:
+    """Whether ``lm_head.weight`` is the embeddings' (torchtitan's ``enable_weight_tying``: one parameter, its
+    optimizer state under ``tok_embeddings.weight``, ``lm_head.weight`` saved beside it with the same bytes), as the
+    config must say (``tie_word_embeddings``); refused where they disagree."""
+    lm = ckpt.by_name().get("lm_head.weight")
+    pair = ("lm_head.weight", "tok_embeddings.weight")
+    tied = lm is not None and (lm.kind == "tied" and lm.tied_to == pair[1] or
+                               not lm.exp_avg and pair in (ckpt.extra.get("tie_candidates") or []))
+    if bool(cfg.get("tie_word_embeddings")) != tied:
+        raise UnsupportedLayout(
+            f"--hf-config says tie_word_embeddings {bool(cfg.get('tie_word_embeddings'))}, and torchtitan's "
+            f"lm_head.weight {'is tok_embeddings.weight (enable_weight_tying)' if tied else 'is a weight of its own'}",
+            path=cpath, hint=f"state tie_word_embeddings: {'true' if tied else 'false'}")
+    return tied
 
 
 def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
@@ -216,6 +229,7 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     layers = sorted({int(m.group(1)) for n in by if (m := re.match(_L, n))})
     fused = ckpt.extra.get("fused_qkv") or {}
     qkv = _check_shapes(cfg, cpath, by, layers, fused)
+    tied = _tie(ckpt, cfg, cpath)
     steps = dict(ckpt.extra.get("step_tensors") or {})
     values = dict(ckpt.extra.get("step_values") or {})
     flat = dict(ckpt.extra.get("flat_groups") or {})
@@ -238,6 +252,10 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
                 source[records[-1].name] = r.name
             continue
         new = _renamed(r.name)
+        if tied and r.name == "lm_head.weight":  # the embeddings' alias, as the class ties it
+            records.append(TensorRecord(new, r.shape, "tied", r.dtype, tied_to="model.embed_tokens.weight"))
+            source[new] = r.name
+            continue
         if new is None:
             raise UnsupportedLayout(f"'{r.name}' has no counterpart in transformers' {CLASSES[cfg['model_type']]} "
                                     "(torchtitan 0.3.0's Qwen3 table)", path=path,
@@ -259,12 +277,13 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     group_of = {n: g.index for g in groups for n in g.names}
     for rec in records:
         rec.group = group_of.get(rec.name)
-    stateless = [r.name for r in records if r.kind != "trainable" and r.group is None]
+    stateless = [r.name for r in records if r.kind in ("frozen", "buffer") and r.group is None]
     extra = {**ckpt.extra, "step_tensors": {n: steps[s] for n, s in source.items() if s in steps},
              "flat_param_groups": False, "flat_groups": {}, "stateless": stateless, "fused_qkv": {},
              "step_values": {n: values[s] for n, s in source.items() if s in values},
              "titan_not_carried": not_carried, "merge_notes": [], "hf_class": CLASSES[cfg["model_type"]],
-             "moe_coverage": moe_names.layers(records), "tie_candidates": []}
+             "moe_coverage": moe_names.layers(records), "tie_candidates": [],
+             "tied": {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}}
     notes = [n for n in ckpt.notes if "no optimizer state" not in n and "flattened" not in n]
     notes.append(f"{CLASSES[cfg['model_type']]} names and fusion (as {cpath} says; torchtitan 0.3.0's Qwen3 table "
                  f"read backwards){', the fused wqkv optimizer state split per key-value group' if qkv else ''}")
@@ -347,7 +366,8 @@ def merge_files(ckpt: Checkpoint, cfg: dict, dtype: str) -> tuple[dict[str, byte
     cfg = dict(cfg)
     for k in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
         cfg[k] = _DTYPE.get(dtype, dtype)
-    notes = [n for n in ckpt.notes if not n.startswith("param groups:")]
+    notes = [n.replace(", the fused wqkv optimizer state split per key-value group", "")  # (merge writes none)
+             for n in ckpt.notes if not n.startswith("param groups:")]
     return {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}, notes
 
 
