@@ -29,10 +29,10 @@ FIX = ROOT / "fixtures" / "megatron"
 _SHIMMED = []
 
 
-def _source_args(name: str) -> dict:
+def _ckpt_args(it_dir: Path) -> dict:
+    """The model's shape as the output's args state it (what Megatron-LM's --use-checkpoint-args reads)."""
     import torch
-    common = torch.load(str(next((FIX / name).glob("iter_*")) / "common.pt"), weights_only=False)
-    return vars(common["args"])
+    return vars(torch.load(str(it_dir / "common.pt"), weights_only=False)["args"])
 
 
 def _build(G, spec: dict, a: dict, sched_doc: dict, seed: int):
@@ -122,15 +122,15 @@ def check(G, job: dict) -> dict | None:
         torch.cuda.stream = lambda s: contextlib.nullcontext()
         _SHIMMED.append(True)
     tp, pp, dp = job["shape"]
-    a = _source_args(job["source"])
+    src_doc = json.loads((FIX / f"{job['source']}.oracle.json").read_text())
+    ckpt = Path(job["ckpt"])
+    it_dir = ckpt / f"iter_{int((ckpt / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    a = _ckpt_args(it_dir)
     spec = {**G.BASE, "tp": tp, "pp": pp, "dp": dp, "ep": job["ep"], "etp": job.get("etp", 1),
             "vocab": a["padded_vocab_size"], "sharding": "fully_reshardable", "name": job["source"]}
     assert dist.get_world_size() == tp * pp * dp
     ps.initialize_model_parallel(tp, pp, expert_model_parallel_size=spec["ep"],
                                  expert_tensor_parallel_size=spec["etp"])
-    src_doc = json.loads((FIX / f"{job['source']}.oracle.json").read_text())
-    ckpt = Path(job["ckpt"])
-    it_dir = ckpt / f"iter_{int((ckpt / 'latest_checkpointed_iteration.txt').read_text()):07d}"
     cfg, ddp, opt, sched = _build(G, spec, a, src_doc["scheduler"], 4321)
     G._train(spec, cfg, ddp, opt, None, iterations=1)  # makes the optimizer's state exist (see generate.py)
     meta = dist_checkpointing.load_content_metadata(str(it_dir))
