@@ -340,9 +340,11 @@ RESUME = [  # (fixture, the source: the fixture or zckpt's output of it at (ws, 
     # sources whose cut allows limits that cut the engine's ep otherwise: the engine's own groups say the limit
     (Z3, (2, 1), 2),  # zckpt's ep 1 output (6 x 1024: 1024..2047) back at ep 2: 2 + 2 + 2 parameters at 1100
     (CUT, (4, 4), 2),  # zckpt's ep 4 output (286 + 42: 286..320) back at ep 2: 286, 288, 82 at 300
+    (Z3, None, 2),  # dp 4 -> 2 only: the cut kept
+    (CUT, None, 2),
 ]
 RESUME_IDS = ["autoep-z3-ep2to1", "autoep-z2-ep4to2", "native-z2-ep2to1", "autoep-z3-ep1to2-engine-limit",
-              "native-z2-ep4to2-engine-limit"]
+              "native-z2-ep4to2-engine-limit", "autoep-z3-dp4to2", "native-z2-dp4to2"]
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +352,7 @@ def cut_resumed(tmp_path_factory):
     """One DeepSpeed 0.19.8 launch of 2 CPU ranks (tests/test_resume_moe_ep.py's worker: ``engine.load_checkpoint``
     routed through zckpt, one training step after): the offline ``reshard --ep`` output of the ZeRO-3 cut fixture
     (same sizes as the engine: DeepSpeed's own load of zckpt's files), then each cut source resumed by zckpt at
-    dp 2 and another ep, every engine built at the run's max_group_size (the spec's)."""
+    dp 2 (another ep, or the same: the cut kept), every engine built at the run's max_group_size (the spec's)."""
     from tests import ds_oracle
     from tests.test_reshard_moe import _spec
 
@@ -409,7 +411,7 @@ def test_deepspeed_loads_autoep_zero3_cut_at_another_ep(cut_resumed):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(RESUME)), ids=RESUME_IDS)
 def test_resume_of_a_cut_source_at_another_size(cut_resumed, case):
-    """zckpt.deepspeed.load_checkpoint of the cut source into the engine at dp 2 and another ep: the engine holds the
+    """zckpt.deepspeed.load_checkpoint of the cut source into the engine at dp 2 (and another ep): the engine holds the
     source's state bit for bit, its re-save equals the offline ``reshard --ep`` output (the native source's limit
     read from the engine's own groups, where the source's cut allows 288..320 and those cut ep 1 otherwise)."""
     fx, via, ep = RESUME[case]
