@@ -208,3 +208,45 @@ def test_cli_exit_status(tmp_path):
     r = CliRunner().invoke(main, ["merge", step("dense"), "--hf-config", config("dense"), "-o", str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_a_model_only_save(tmp_path):
+    """torchtitan's last step is saved model only by default (checkpoint.last_save_model_only): its top-level model
+    keys, no optimizer. merge --hf-config writes it; convert --to deepspeed refuses it in one line."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    dcp_to_torch_save(step("moe"), str(tmp_path / "sd.pt"))
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    torch.save({k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}, tmp_path / "model.pt")
+    torch_save_to_dcp(str(tmp_path / "model.pt"), str(tmp_path / "step-9"))
+    with pytest.raises(UnsupportedLayout, match="holds the model only") as e:
+        zckpt.convert(str(tmp_path / "step-9"), to="deepspeed", out=str(tmp_path / "ds"), world_size=2, stage=2,
+                      dtype="bf16", hf_config=config("moe"))
+    assert "\n" not in str(e.value) and not (tmp_path / "ds").exists()
+    zckpt.merge(str(tmp_path / "step-9"), str(tmp_path / "m"), hf_config=config("moe"))
+    from safetensors.torch import load_file
+    got = load_file(str(tmp_path / "m" / "model.safetensors"))
+    want = oracle("moe", tmp_path)["param"]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("kv,hpk", [(1, 2), (2, 3), (4, 1)])
+def test_fused_qkv_state_split_at_other_head_counts(tmp_path, kv, hpk):
+    """The fused wqkv optimizer state split as torchtitan's _merge_qkv_on_load fused it (per key-value group: q's
+    rows, k's, v's), at other head counts than the fixture's, from pieces cut mid-row: = wq / wk / wv."""
+    from zckpt.dcp.titan_hf import _qkv_state
+    from zckpt.encoding.tensors import Reader, load_pieces
+    from zckpt.engine.segments import Piece
+    hd, cols = 4, 6
+    g = torch.Generator().manual_seed(kv * 10 + hpk)
+    wq, wk, wv = (torch.randn(n * hd, cols, generator=g) for n in (kv * hpk, kv, kv))
+    fused = torch.cat([wq.reshape(kv, hpk, hd, cols), wk.reshape(kv, 1, hd, cols), wv.reshape(kv, 1, hd, cols)],
+                      dim=1).reshape(-1, cols)  # torchtitan's _merge_qkv_on_load
+    path = tmp_path / "fused.bin"
+    path.write_bytes(b"\0" * 12 + fused.numpy().tobytes())
+    n = fused.numel()
+    cuts = [0, 5, n // 2 + 1, n]  # pieces that end mid-row
+    pieces = [Piece(str(path), 12 + 4 * a, b - a, "float32") for a, b in zip(cuts, cuts[1:])]
+    parts = _qkv_state(pieces, [int(wq.shape[0]), int(wk.shape[0]), int(wv.shape[0])], kv, cols)
+    with Reader(None) as reader:
+        for want, got in zip((wq, wk, wv), parts):
+            assert torch.equal(load_pieces(got, "float32", tuple(want.shape), reader), want)

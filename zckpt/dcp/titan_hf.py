@@ -377,6 +377,12 @@ def deepspeed_side(ckpt: Checkpoint) -> dict:
     left with the reason: ``ntokens_seen`` (DeepSpeed counts no tokens), the scheduler's ``last_epoch``
     (DeepSpeed's scheduler is the job's own), the data loader, :data:`NOT_CARRIED`."""
     from zckpt.dcp.sidestate import side_state
+    if not ckpt.groups:
+        raise UnsupportedLayout("the torchtitan save holds the model only (no optimizer state: checkpoint."
+                                "last_save_model_only, or a model-only export): DeepSpeed's training state is not in "
+                                "it", path=ckpt.location.input_path,
+                                hint="zckpt merge --hf-config writes the weights; convert a step saved with its "
+                                     "optimizer")
     side = side_state(ckpt)
     counters, left = dict(side["train_state"]), dict(side["left"])
     step = counters.pop("step", None)

@@ -139,8 +139,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
                           hint="drop --hf-config" if view is not None else "drop --native-names / --groups")
     if hf_config is not None:
         ckpt, _, _ = titan_hf.open_titan(path, hf_config, storage_options, tied=parse_tied(tied))
+        side = titan_hf.deepspeed_side(ckpt)  # (a model-only save refused first)
         check_stateless_named(ckpt, buffers)
-        side = titan_hf.deepspeed_side(ckpt)
     elif view is not None:
         if tied:
             raise InvalidArgument("--tied names DCP's aliases; a Megatron checkpoint's args say what is tied",
