@@ -24,7 +24,7 @@ Examples:
   zckpt convert megatron-ckpt/ --groups megatron-default --to dcp -o fsdp2/
   zckpt convert megatron-ckpt/ --groups megatron-default --to deepspeed --world-size 8 --stage 2 --dtype bf16 -o ds/
   zckpt convert megatron-ckpt/ --to megatron --tp 2 --pp 2 -o megatron-tp2pp2/   # any TP/PP/DP (fully_reshardable)
-  zckpt convert megatron-moe/ --to megatron --ep 4 -o megatron-ep4/   # an MoE run resumed at expert-parallel 4
+  zckpt convert megatron-moe-ckpt/ --to megatron --ep 4 -o megatron-ep4/   # an MoE run at expert-parallel 4
   zckpt convert checkpoint-400 --to megatron --pp 2 -o megatron-400/ \\
       --megatron-args "--lr 5e-3 --train-iters 1000 --global-batch-size 4 --weight-decay 0.01"   # a DeepSpeed run""")
 @click.argument("path")
