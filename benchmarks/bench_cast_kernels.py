@@ -1,13 +1,17 @@
 #!/usr/bin/env python
 """Candidate fp32 -> bf16 kernels side by side, in T threads casting 4 MiB chunks of distinct memory at once (as the
-engine's workers do): aggregate GB/s of fp32 read, best of ``--repeat``. Every kernel's bits are checked against
+engine's workers do): aggregate GB/s of fp32 read and CPU seconds per GB (process time: the figure that holds on a shared
+machine), best of ``--repeat``. Every kernel's bits are checked against
 the integer formula ``(u + 0x7FFF + lsb) >> 16`` first (NaN-free input, as the numpy path gets it).
 
 * ``six-calls``: the kernel before (shift, and, add, add, shift, copy to uint16; 4 MiB scratch);
 * ``six-calls-blocks``: the same over ``--block`` elements at a time (scratch stays in L1/L2; 6 calls per block);
-* ``two-calls``: zckpt's kernel now (``zckpt.encoding.casting``: the float64 sum rounded to float32, low halves);
+* ``two-calls``: a kernel tried and not kept: ``rint(u / 2**16)`` as the float32 nearest ``i + 2**39 + 2**32``
+  (``i``: the bits as int32, summed in float64 inside one buffered numpy call), whose low 16 bits are the bf16;
 * ``two-calls-blocks``: the same over blocks;
-* ``zckpt cast()``: the whole numpy path (the NaN scan included); ``fp16 astype``: numpy's fp32 -> fp16 cast;
+* ``ml_dtypes``: its compiled cast alone (``np.copyto`` into a ``ml_dtypes.bfloat16`` view), when installed;
+* ``zckpt cast()``: zckpt's whole path (the NaN scan included; ml_dtypes' cast where installed);
+  ``fp16 astype``: zckpt's fp16 path, numpy's fp32 -> fp16 cast;
 * ``torch``: ``Tensor.copy_`` into a per-thread buffer (when torch is installed).
 
     python benchmarks/bench_cast_kernels.py --threads 1,8,16 --repeat 5
@@ -53,6 +57,11 @@ def two(u, out, f) -> None:
     np.copyto(out, f, casting="unsafe")
 
 
+def ml_cast(u, out, _r) -> None:
+    import ml_dtypes
+    np.copyto(out.view(ml_dtypes.bfloat16), u.view(np.float32), casting="unsafe")
+
+
 def whole(kernel):
     def run(a):
         u = a.view(np.uint32)
@@ -85,6 +94,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     kernels = {"six-calls": whole(six), "six-calls-blocks": blocks(six, args.block), "two-calls": whole(two),
                "two-calls-blocks": blocks(two, args.block),
+               "ml_dtypes": whole(ml_cast),
                "zckpt cast()": lambda a: casting.cast(a.view(np.uint8), "float32", "bfloat16"),
                "fp16 astype": lambda a: casting.cast(a.view(np.uint8), "float32", "float16")}
     try:
@@ -93,6 +103,8 @@ def main(argv=None) -> int:
         kernels["torch fp16"] = lambda a: casting.cast(a.view(np.uint8), "float32", "float16", True)
     except ImportError:
         pass
+    if not casting.fast_bf16():
+        del kernels["ml_dtypes"]
     if args.only:
         kernels = {k: v for k, v in kernels.items() if k in args.only.split(",")}
     rng = np.random.default_rng(0)
@@ -114,16 +126,18 @@ def main(argv=None) -> int:
                 d = data[t]
                 for off in range(0, d.size, chunk):
                     kernel(d[off:off + chunk])
-            times = []
+            times, cpus = [], []
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(work, range(threads)))  # warm: scratch buffers made
                 for _ in range(args.repeat):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     list(pool.map(work, range(threads)))
                     times.append(time.perf_counter() - t0)
+                    cpus.append(time.process_time() - c0)
             gb = threads * (args.mib << 20) / 1e9
-            print(f"threads {threads:3} {name:17} {gb / min(times):7.2f} GB/s fp32 read (best {min(times):.3f} s; "
-                  f"all {' '.join(f'{t:.3f}' for t in times)})", flush=True)
+            print(f"threads {threads:3} {name:17} {gb / min(times):7.2f} GB/s fp32 read, CPU {min(cpus) / gb:.3f} s "
+                  f"per GB (best of wall {' '.join(f'{t:.3f}' for t in times)}; CPU "
+                  f"{' '.join(f'{t:.3f}' for t in cpus)})", flush=True)
     return 0
 
 
