@@ -104,6 +104,11 @@ def launched(tmp_path_factory):
                   stage=2, dtype="bf16")
     cases.append({"mode": "deepspeed", "stage": 2, "config": str(AUTOEP["mixtral"]),
                   "ckpt": str(base / "autoep-plain.ds"), "out": str(base / "ds" / "autoep-plain")})
+    # ... and DeepSeek-V3 (its router bias a buffer, which the DCP does not mark as one: named with --buffers)
+    zckpt.convert(str(base / "deepseek_v3-zero2.dcp"), to="deepspeed", out=str(base / "dsv3-plain.ds"), world_size=2,
+                  stage=2, dtype="bf16", buffers="*.e_score_correction_bias")
+    cases.append({"mode": "deepspeed", "stage": 2, "config": str(AUTOEP["deepseek_v3-zero2"]),
+                  "ckpt": str(base / "dsv3-plain.ds"), "out": str(base / "ds" / "dsv3-plain")})
     _torchrun({"deepspeed": True, "cases": cases})
     return base, results
 
@@ -276,15 +281,22 @@ def test_deepspeed_loads_an_fsdp2_moe_run(deepspeed_loads, arch):
     assert json.loads((deepspeed_loads / arch / "after.json").read_text())["loss"] > 0  # one step ran
 
 
-def test_deepspeed_without_autoep_loads_the_autoep_run_through_dcp(deepspeed_loads):
-    """AutoEP Mixtral (ZeRO-2, ep 4, 4 ranks) -> DCP under the class's names -> convert --to deepspeed (ZeRO-2, 2
-    ranks) -> DeepSpeed with the plain transformers class loads every master and moment equal to the AutoEP
-    engine's (gate_up_proj = w1 then w3 per expert), step 2."""
-    want = _load(AUTOEP["mixtral"] / "expected" / "oracle.safetensors")
-    got = _load(deepspeed_loads / "autoep-plain" / "deepspeed.safetensors")
-    info = json.loads((deepspeed_loads / "autoep-plain" / "deepspeed.json").read_text())
+@pytest.mark.parametrize("arch,case,n", [("mixtral", "autoep-plain", 21), ("deepseek_v3-zero2", "dsv3-plain", 45)])
+def test_deepspeed_without_autoep_loads_the_autoep_run_through_dcp(deepspeed_loads, arch, case, n):
+    """AutoEP Mixtral (ZeRO-2, ep 4, 4 ranks) and DeepSeek-V3 (ZeRO-2, ep 2, 4 ranks) -> DCP under the class's names
+    -> convert --to deepspeed (ZeRO-2, 2 ranks) -> DeepSpeed with the plain transformers class loads every master
+    and moment equal to the AutoEP engine's (gate_up_proj = w1 then w3 per expert), step 2; DeepSeek-V3's router
+    e_score_correction_bias is the engine's buffer."""
+    want = _load(AUTOEP[arch] / "expected" / "oracle.safetensors")
+    got = _load(deepspeed_loads / case / "deepspeed.safetensors")
+    info = json.loads((deepspeed_loads / case / "deepspeed.json").read_text())
     names = [k.split("/", 1)[1] for k in got if k.startswith("fp32/")]
-    assert len(names) == 21 and sum(n.endswith("gate_up_proj") for n in names) == 2
+    assert len(names) == n and sum(n.endswith("gate_up_proj") for n in names) == 2
+    buffers = [k.split("/", 1)[1] for k in got if k.startswith("buffer/") and "e_score" in k]
+    assert len(buffers) == (2 if arch.startswith("deepseek_v3") else 0)
+    for name in buffers:
+        t = want[f"buffer/{name[:-len('gate.e_score_correction_bias')]}router.e_score_correction_bias"]
+        assert torch.count_nonzero(t) and torch.equal(got[f"buffer/{name}"], t), name
     for name in names:
         for kind in ("fp32", "exp_avg", "exp_avg_sq"):
             if name.endswith(".experts.gate_up_proj"):
