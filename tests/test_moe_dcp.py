@@ -416,8 +416,9 @@ def test_fused_qkv_optimizer_state_at_other_head_counts(tmp_path, kv, hpk):
 def test_torchtitan_own_moe_saves_read(fsdp2_loads):
     """torchtitan's own saves of its Qwen3 MoE model (CheckpointManager.save after the load above): with split qkv
     (step-4) zckpt reads every expert, master and moment equal to what torchtitan loaded, the coverage checked; with
-    torchtitan's fused qkv (step-3) the optimizer state of wqkv alone is refused in one line (how its rows split
-    into q, k and v needs the head size, which the files do not hold)."""
+    torchtitan's fused qkv (step-3) info and verify read it as saved, and carrying its optimizer state (under wqkv
+    alone) is refused in one line (how its rows split into q, k and v needs the head size, which the files do not
+    hold)."""
     from zckpt.errors import ZckptError
     base, _ = fsdp2_loads
     split = str(base / "ckpt" / "step-4")
@@ -429,9 +430,12 @@ def test_torchtitan_own_moe_saves_read(fsdp2_loads):
     for name, t in got.items():
         assert torch.equal(t, loaded[f"param/{name}"]), name
     assert zckpt.verify(split, deep=True).ok
+    fused = str(base / "ckpt" / "step-3")  # read and checked as saved; its state not carried without a config
+    assert any("fused-qkv attention in 2 layer(s)" in n for n in zckpt.info(fused).to_dict()["notes"])
+    assert zckpt.verify(fused, deep=True).ok
     with pytest.raises(ZckptError, match="is torchtitan.s fused-qkv attention.s") as e:
-        zckpt.info(str(base / "ckpt" / "step-3"))
-    assert "\n" not in str(e.value)
+        zckpt.convert(fused, to="dcp", out=str(base / "fused-out"))
+    assert "\n" not in str(e.value) and not (base / "fused-out").exists()
 
 
 def test_coverage_of_other_families_routers(tmp_path):

@@ -164,14 +164,15 @@ def test_what_the_class_cannot_hold_is_said(tmp_path):
 
 
 def test_refusals_in_one_line(tmp_path):
-    """Without a config, torchtitan's fused-qkv save is refused as before (now pointing to --hf-config); a config of
+    """Without a config, carrying torchtitan's fused-qkv save's state is refused (pointing to --hf-config); a config of
     another shape or family, --hf-config where it does not apply: one line each, nothing written."""
     def refused(exc, match, call):
         with pytest.raises(exc, match=match) as e:
             call()
         assert "\n" not in str(e.value)
         return e.value
-    e = refused(ZckptError, "is torchtitan.s fused-qkv attention.s", lambda: zckpt.info(step("moe")))
+    e = refused(ZckptError, "is torchtitan.s fused-qkv attention.s", lambda: zckpt.convert(
+        step("moe"), to="dcp", out=str(tmp_path / "g")))
     assert "--hf-config" in e.hint
     refused(ZckptError, "fused-qkv", lambda: zckpt.convert(step("moe"), to="deepspeed", out=str(tmp_path / "a"),
                                                            world_size=2, stage=2, dtype="bf16"))
@@ -196,7 +197,7 @@ def test_refusals_in_one_line(tmp_path):
         str(FIXTURES / "z2_bf16_ws2"), str(tmp_path / "e"), hf_config=config("moe")))
     refused(InvalidArgument, "no such file", lambda: zckpt.merge(step("moe"), str(tmp_path / "f"),
                                                                  hf_config=str(tmp_path / "none.json")))
-    assert not any((tmp_path / x).exists() for x in "abcdef")
+    assert not any((tmp_path / x).exists() for x in "abcdefg")
 
 
 def test_cli_exit_status(tmp_path):
@@ -250,3 +251,33 @@ def test_fused_qkv_state_split_at_other_head_counts(tmp_path, kv, hpk):
     with Reader(None) as reader:
         for want, got in zip((wq, wk, wv), parts):
             assert torch.equal(load_pieces(got, "float32", tuple(want.shape), reader), want)
+
+
+def test_fused_qkv_save_read_as_saved_without_a_config(tmp_path):
+    """torchtitan's default (fused-qkv) save, without --hf-config: info and verify read it (the fused state checked
+    as saved: a flipped byte in it is found by verify --deep), merge writes its weights under torchtitan's names;
+    only what would carry its optimizer state is refused, in one line, nothing written."""
+    from click.testing import CliRunner
+    from zckpt.cli import main
+    notes = zckpt.info(step("moe")).to_dict()["notes"]
+    assert any("fused-qkv attention in 2 layer(s)" in n for n in notes)
+    assert not any("read as frozen" in n for n in notes)  # wq/wk/wv's state is the fused one, not none
+    report = zckpt.verify(step("moe"), deep=True)
+    assert report.ok and any(c.name == "steps agree" and "['2']" in c.detail for c in report.checks)
+    m = zckpt.merge(step("moe"), str(tmp_path / "m"))
+    assert "layers.0.attention.qkv_linear.wq.weight" in {t.name for s in m.plan.shards for t in s.tensors}
+    for to, kw in (("dcp", {}), ("megatron", {}), ("deepspeed", dict(world_size=2, stage=2, dtype="bf16"))):
+        with pytest.raises(ZckptError, match="fused-qkv") as e:
+            zckpt.convert(step("moe"), to=to, out=str(tmp_path / to), **kw)
+        assert "\n" not in str(e.value) and not (tmp_path / to).exists()
+    res = CliRunner().invoke(main, ["diff", step("moe"), step("moe_split")])
+    assert res.exit_code == 1 and "fused-qkv" in res.output  # the fused state: said not compared, not equal
+    bad = Path(shutil.copytree(step("moe"), tmp_path / "bad"))
+    ck = zckpt.open_checkpoint(str(bad))
+    piece = ck.extra["fused_qkv"]["layers.1.attention.qkv_linear.wqkv.weight"]["exp_avg_sq"][0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset)
+        byte = f.read(1)
+        f.seek(piece.offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert not zckpt.verify(str(bad), deep=True).ok

@@ -89,8 +89,10 @@ def dcp_state(ckpt: Checkpoint, adam_mode: str | None = None, config_mode=None) 
     path = ckpt.location.tag_dir
     if ckpt.state_refusal:  # the files hold optimizer state zckpt cannot place: never a DCP without it, exit 0
         raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
-                                hint="zckpt merge reads the weights exactly; for the optimizer state, save from an "
-                                     "optimizer built from model.named_parameters() (torch then saves the names)")
+                                hint="zckpt merge reads the weights exactly; " + (
+                                    "convert --to deepspeed --hf-config CONFIG.json splits the fused state"
+                                    if ckpt.extra.get("fused_qkv") else "for the optimizer state, save from an "
+                                    "optimizer built from model.named_parameters() (torch then saves the names)"))
     ckpt.check_ties()
     if ckpt.other_state_keys:  # SGD's momentum_buffer, Lion's exp_avg...: torch's AdamW cannot continue them
         raise UnsupportedLayout(f"optimizer state {', '.join(repr(k) for k in ckpt.other_state_keys)} is not "

@@ -83,7 +83,7 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     if tag is not None:
         raise InvalidArgument("`tag` picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
                               hint="drop `tag`, or pass the DCP folder of the step you want")
-    return open_dcp(path, storage_options)
+    return open_dcp(path, storage_options, fused_qkv="keep")
 
 
 def is_dcp(path: str, storage_options: dict | None = None) -> bool:
@@ -138,8 +138,12 @@ def fused_qkv_twin(fqn: str, model: dict, state: dict) -> bool:
     save of torchtitan's own) is not this: it is refused as state of no module tensor."""
     if not fqn.endswith(".wqkv.weight"):
         return False
-    split = [fqn[:-len("wqkv.weight")] + w + ".weight" for w in ("wq", "wk", "wv")]
-    return all(n in model and state.get(n) for n in split)
+    return all(n in model and state.get(n) for n in fused_qkv_split(fqn))
+
+
+def fused_qkv_split(fqn: str) -> list[str]:
+    """The module tensors torchtitan's fused-qkv attention saves ``{p}.wqkv.weight`` as: ``{p}.wq/wk/wv.weight``."""
+    return [fqn[:-len("wqkv.weight")] + w + ".weight" for w in ("wq", "wk", "wv")]
 
 
 def matches(name: str, patterns) -> bool:
@@ -155,7 +159,9 @@ def open_dcp(path: str, storage_options: dict | None = None, buffers=None, tied:
     {alias: source} for tied weights saved under both names (``{}``: none); ``None``: the ties the files state
     (:func:`files_ties`). Others without state are read as frozen. ``fused_qkv``: the optimizer state of a
     torchtitan fused-qkv attention (under ``wqkv`` alone) kept for the caller, whose stated config splits it
-    (``extra["fused_qkv"]``: {fqn: {"exp_avg", "exp_avg_sq": pieces, "shape", "dtype"}}), not refused."""
+    (``extra["fused_qkv"]``: {fqn: {"exp_avg", "exp_avg_sq": pieces, "shape", "dtype"}}), not refused; ``"keep"``
+    (the opener's: info, verify, merge, diff) kept the same way but not split, the checkpoint's ``state_refusal``
+    saying why the optimizer state cannot be carried; ``False``: refused."""
     path = str(path).rstrip("/") or "/"
     opts = storage_options
     if not storage.exists(path, opts):
@@ -249,12 +255,16 @@ def _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv=False) -> Chec
         n: True for n in model})]
     kept = {o: state.pop(o) for o in alone} if fused_qkv else {}  # split by the caller (its stated config)
     orphans = [o for o in orphans if o not in kept]
-    if alone and not fused_qkv:  # torchtitan's own fused-qkv save: its model split, its optimizer state not
-        raise UnsupportedLayout(f"the optimizer state of '{alone[0]}' is torchtitan's fused-qkv attention's (the "
-                                "model's wq/wk/wv fused per key-value group); where its rows split needs the head "
-                                "size, which the files do not hold", path=mpath,
-                                hint="state the transformers class's config.json with --hf-config (merge, "
-                                     "convert --to deepspeed), or build the torchtitan model with fuse_qkv=False")
+    fused_refusal = None
+    if alone:  # torchtitan's own fused-qkv save: its model split, its optimizer state not
+        fused_refusal = (f"the optimizer state of '{alone[0]}' is torchtitan's fused-qkv attention's (the model's "
+                         "wq/wk/wv fused per key-value group); where its rows split needs the head size, which the "
+                         "files do not hold")
+        hint = ("state the transformers class's config.json with --hf-config (merge, convert --to deepspeed), or "
+                "build the torchtitan model with fuse_qkv=False")
+        if not fused_qkv:
+            raise UnsupportedLayout(fused_refusal, path=mpath, hint=hint)
+        fused_refusal = fused_refusal if fused_qkv == "keep" else None
     if orphans and all(o.isdigit() for o in orphans):  # optimizer.state_dict(): torch's own keys, not names
         raise UnsupportedLayout(f"the optimizer state is keyed by parameter index ({', '.join(orphans[:3])}"
                                 f"{' ...' if len(orphans) > 3 else ''}), not by name: it was saved from "
@@ -336,6 +346,12 @@ def _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv=False) -> Chec
     trainer = path if any(storage.isfile(storage.join(path, m), opts) for m in TRAINER_MARKERS) else None
     loc = Location(path, path, storage.basename(path), path, trainer, data_files=data_files, storage_options=opts)
     notes = []
+    fused_split = {n for fqn in extra["fused_qkv"] for n in fused_qkv_split(fqn)}
+    if fused_split:  # (their optimizer state is the fused wqkv's)
+        stateless = [n for n in stateless if n not in fused_split]
+        notes.append(f"torchtitan's fused-qkv attention in {len(extra['fused_qkv'])} layer(s): the optimizer state of "
+                     "wq/wk/wv is saved fused under wqkv (read and checked as saved; carried by merge and "
+                     "convert --to deepspeed with --hf-config, which splits it)")
     if stateless:
         notes.append(f"{len(stateless)} module tensor(s) have no optimizer state ({', '.join(stateless[:3])}"
                      f"{'...' if len(stateless) > 3 else ''}): read as frozen weights unless named as buffers")
@@ -350,7 +366,8 @@ def _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv=False) -> Chec
     ckpt = Checkpoint(loc, 0, "dcp", _PRECISION.get(masters[0], masters[0]), (ranks[-1] + 1) if ranks else len(md.files),
                       records, grouped, {}, [], [], notes=notes, format="dcp", extra=extra,
                       reshard_refusal="a DCP checkpoint becomes DeepSpeed files through "
-                                      "`zckpt convert SRC --to deepspeed --world-size N --stage S`")
+                                      "`zckpt convert SRC --to deepspeed --world-size N --stage S`",
+                      state_refusal=fused_refusal)
     moe = moe_names.layers(records)  # MoE layers under the model's names: every expert once, its state, router
     if moe:
         experts.check(moe, records, mpath)

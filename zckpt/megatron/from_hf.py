@@ -211,6 +211,9 @@ def plan_from_hf(ckpt: Checkpoint, checkpoint_id: str | None, tp: int | None, pp
     if layout not in w.LAYOUTS:
         raise UnsupportedLayout(f"unknown Megatron layout {layout!r}", path=path, hint=f"one of {', '.join(w.LAYOUTS)}")
     w.check_dp_options(layout, dp, ddp_config)
+    if ckpt.state_refusal:  # optimizer state the reader holds but cannot place: never a Megatron save without it
+        raise UnsupportedLayout(f"the optimizer state cannot be carried: {ckpt.state_refusal}", path=path,
+                                hint="zckpt merge reads the weights exactly")
     cfg = read_config(ckpt)
     tp, pp = w.positive("tp", tp) if tp is not None else 1, w.positive("pp", pp) if pp is not None else 1
     facts = {"vocab_size": cfg["vocab_size"], "num_attention_heads": cfg["num_attention_heads"],

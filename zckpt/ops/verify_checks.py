@@ -132,10 +132,16 @@ def check_dcp_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
     report.add("shapes agree", not bad, "; ".join(bad[:5]) or _entries(ckpt))
     groups = {n for g in ckpt.groups for n in g.names}
     moments = [r for r in ckpt.of_kind("trainable") if r.name in groups and (not r.exp_avg or not r.exp_avg_sq)]
+    held = sum(1 for r in ckpt.records if r.exp_avg) + len(ckpt.extra.get("fused_qkv") or {})
     report.add("optimizer state", not moments or len(moments) == len(groups),
-               "Adam moments present" if not moments else f"no moments for {len(moments)} params")
-    steps = {g.step for g in ckpt.groups}
-    report.add("steps agree", len(steps) <= 1, f"step {sorted(map(str, steps))}")
+               f"no moments for {len(moments)} params" if moments else
+               f"Adam moments of {counted(held, 'parameter')}" if held else "none saved (weights only)")
+    if ckpt.groups:
+        steps, whose = {g.step for g in ckpt.groups}, "param groups'"
+    else:  # flattened optimizer state (torchtitan's): each parameter's own step
+        steps, whose = set((ckpt.extra.get("step_values") or {}).values()), "each parameter's (no param groups saved)"
+    report.add("steps agree", len(steps) <= 1, f"{whose} step {sorted(map(str, steps))}" if steps else
+               "no optimizer step saved")
 
 
 def check_megatron_metadata(ckpt: Checkpoint, report: VerifyReport) -> None:
