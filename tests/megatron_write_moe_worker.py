@@ -76,9 +76,11 @@ def _build(G, spec: dict, a: dict, sched_doc: dict, seed: int):
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=True, check_for_nan_in_grad=False)
     ddp = DistributedDataParallel(cfg, ddp_cfg, model)
-    ocfg = OptimizerConfig(optimizer="adam", lr=0.5, min_lr=0.25, weight_decay=0.5, adam_beta1=0.5,
-                           adam_beta2=0.5, adam_eps=0.5, bf16=True, params_dtype=dt, clip_grad=1.0,
-                           use_distributed_optimizer=True)  # wrong on purpose: the load sets every value
+    # the run's lr bounds (megatron-core 0.19 matches saved groups by max_lr / min_lr too); the rest wrong on
+    # purpose: the load sets every value
+    ocfg = OptimizerConfig(optimizer="adam", lr=sched_doc["max_lr"], min_lr=sched_doc["min_lr"], weight_decay=0.5,
+                           adam_beta1=0.5, adam_beta2=0.5, adam_eps=0.5, bf16=True, params_dtype=dt, clip_grad=1.0,
+                           use_distributed_optimizer=True)
     opt = get_megatron_optimizer(ocfg, [ddp])
     # the run's schedule as its flags state it (Megatron-LM's scheduler asserts each value against the checkpoint's;
     # it sets the groups' weight decay from its own start_wd at the load's step)
