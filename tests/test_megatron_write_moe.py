@@ -120,7 +120,18 @@ def test_ep_megatron_core_cannot_run_is_refused(tmp_path):
         _convert(MEG / "moe16_ep2_dp4", tmp_path / "b", ep=1, layout="dp_reshardable", dp=2)
     with pytest.raises(OptionError, match="this model has no experts"):
         _convert(MEG / "gpt_tp1_pp1_dp1", tmp_path / "c", ep=2)
+    # --moe-layer-freq [0,1,1] at pp 3: stage 0 holds no MoE layer, so one optimizer there and two elsewhere at ep 2
+    # (get_megatron_optimizer adds the experts' only where there are expert parameters); at ep 1 one everywhere
+    with pytest.raises(UnsupportedLayout, match="stage 0 holds no MoE layer"):
+        _convert(MEG / "moe16_etp2_ep2_fullyresh", tmp_path / "d", ep=2, pp=3)
     assert not any(tmp_path.iterdir())
+    assert _convert(MEG / "moe16_etp2_ep2_fullyresh", tmp_path / "e", ep=1, pp=3, dry_run=True).plan.pp == 3
+
+
+def test_moe_layers_from_the_args():
+    from zckpt.megatron.writer_moe import moe_layers
+    assert moe_layers(1, 3) == [0, 1, 2] and moe_layers(2, 4) == [0, 2] and moe_layers([0, 1, 1], 3) == [1, 2]
+    assert moe_layers("([0]*1+[1]*2)", 3) is None and moe_layers([0, 1], 3) is None
 
 
 def test_groups_that_cannot_merge_at_ep_1_are_refused():

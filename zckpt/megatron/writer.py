@@ -195,7 +195,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
     pp = positive("pp", pp) if pp is not None else (f.get("pp") or 1)
     args = ckpt.extra.get("args") or {}
     check_target(f, tp, pp, path, args)
-    ep = writer_moe.target_ep(ckpt, ep, layout, path)  # None: a dense model (--ep refused)
+    ep = writer_moe.target_ep(ckpt, ep, layout, path, pp)  # None: a dense model (--ep refused)
     if f.get("iteration") is None:
         raise UnsupportedLayout("common.pt does not say the iteration, which names the folder Megatron-LM loads",
                                 path=path)

@@ -38,7 +38,17 @@ def is_moe(ckpt) -> bool:
     return bool(args.get("num_experts")) or any(moe.is_expert_key(k) for k in ckpt.extra["metadata"].tensors)
 
 
-def target_ep(ckpt, ep, layout: str, path: str) -> int | None:
+def moe_layers(freq, num_layers: int) -> list[int] | None:
+    """The MoE layers ``--moe-layer-freq`` names (an int k: every k-th from 0; a list: 1 per MoE layer), None when
+    the args do not say it in either form."""
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq > 0:
+        return [i for i in range(num_layers) if i % freq == 0]
+    if isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
+        return [i for i, v in enumerate(freq) if v == 1]
+    return None
+
+
+def target_ep(ckpt, ep, layout: str, path: str, pp: int = 1) -> int | None:
     """The expert-parallel size to write for (None: a dense model), checked as megatron-core checks it."""
     if not is_moe(ckpt):
         if ep is not None:
@@ -65,6 +75,19 @@ def target_ep(ckpt, ep, layout: str, path: str) -> int | None:
         raise UnsupportedLayout(f"{n} experts do not divide into --ep {ep} (megatron-core asserts num_moe_experts "
                                 "% expert_model_parallel_size == 0)", path=path,
                                 hint=f"choose an --ep that divides {n}")
+    num_layers = (ckpt.extra.get("megatron") or {}).get("num_layers")
+    if ep > 1 and pp > 1 and num_layers:
+        layers = moe_layers(f.get("layer_freq"), num_layers)
+        per = num_layers // pp
+        if layers is None:
+            raise UnsupportedLayout(f"the args' moe_layer_freq ({f.get('layer_freq')!r}) does not say which layers "
+                                    f"are MoE, which --pp {pp} at --ep {ep} depends on", path=path)
+        empty = [s for s in range(pp) if not any(s * per <= i < (s + 1) * per for i in layers)]
+        if empty:  # one optimizer there, two elsewhere: common.pt holds one structure for every rank
+            raise UnsupportedLayout(f"at --pp {pp} pipeline stage {empty[0]} holds no MoE layer: megatron-core builds "
+                                    f"one optimizer there and two (dense, experts) on the other stages at --ep {ep}, "
+                                    "and a save's common state has one of the two forms", path=path,
+                                    hint="choose a --pp whose every stage holds an MoE layer, or --ep 1")
     return ep
 
 
