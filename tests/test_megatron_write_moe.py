@@ -92,6 +92,7 @@ def test_common_state_is_written_for_the_target_ep(tmp_path):
         r = zckpt.diff(str(tmp_path / "ep4"), str(tmp_path / f"ep{n}"))
         assert r.tensors and all(t.status == "equal" for t in r.tensors) and not (r.only_in_a or r.only_in_b)
     assert any("--ep 1 (source 2)" in n for n in one.plan.notes) and four.plan.tp == 1
+    assert (one.to_dict()["ep"], four.to_dict()["ep"]) == (1, 4)  # --json says the ep written for
     # read back by zckpt: every expert, master and moment as the source's
     back, orig = zckpt.open_checkpoint(str(tmp_path / "ep1")), zckpt.open_checkpoint(str(src))
     assert back.extra["moe_coverage"] and len(back.records) == len(orig.records)

@@ -70,6 +70,7 @@ class MegatronPlan:
     stated: dict | None = None  # what --megatron-args made (a run Megatron did not train): --json's megatron_args
     dp: int | None = None  # dp_reshardable: the data-parallel size the buckets are cut for
     ddp: dict | None = None  # dp_reshardable: the DDP facts they were laid out for (writer_buckets.Ddp.summary)
+    ep: int | None = None  # a mixture-of-experts model: the expert-parallel size common.pt's optimizer is for
 
     @property
     def total_bytes(self) -> int:
@@ -86,7 +87,7 @@ class MegatronPlan:
                 "keys": sum(len(p.items) for _, p in self.parts), "total_bytes": self.total_bytes,
                 "payload_bytes": sum(p.payload_bytes for _, p in self.parts), "files": files, "notes": self.notes,
                 "carried": self.carried, "not_carried": self.not_carried, "megatron_args": self.stated,
-                "dp": self.dp, "ddp": self.ddp}
+                "dp": self.dp, "ddp": self.ddp, "ep": self.ep}
 
 
 def positive(name: str, value) -> int:
@@ -265,7 +266,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         notes.append(f"left out args {', '.join(dropped)}: values zckpt cannot pickle again")
     return MegatronPlan(ckpt.location.input_path, folder, ckpt.format, [(folder, part)], written, notes, layout,
                         tp, pp, carried=carried, not_carried=left, dp=dp if ddp else None,
-                        ddp=ddp.summary() if ddp else None)
+                        ddp=ddp.summary() if ddp else None, ep=ep)
 
 
 def check_dp_options(layout: str, dp, ddp_config) -> None:
