@@ -305,8 +305,13 @@ def merge_view(ckpt: Checkpoint, dtype: str) -> tuple[Checkpoint, dict[str, byte
         return ckpt, {}, notes + [f"AutoEP names kept (experts.w1/w2/w3, router.gate.weight): {why}; "
                                   "--native-names keeps them without this note"]
     records = [m for r in ckpt.records for m in mapped.get(r.name, [r])]
-    view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": []})
+    fam = FAMILIES[cfg["model_type"]]
+    keep = {r.name: "float32" for r in records if fam.kept_fp32(r.name)} if dtype in ("bf16", "fp16") else {}
+    view = dataclasses.replace(ckpt, records=records, extra={**ckpt.extra, "merge_notes": [], "keep_dtype": keep})
     cfg = {**cfg, **{k: _DTYPE.get(dtype, dtype) for k in ("dtype", "torch_dtype") if k in cfg or k == "dtype"}}
     notes.append(f"{CLASSES[cfg['model_type']]} names and fused experts (as {path} says); --native-names keeps "
                  "AutoEP's")
+    if keep:  # what from_pretrained would upcast from the rounded values: written as the class holds them
+        notes.append(f"{len(keep)} tensor(s) kept in fp32 ({', '.join(fam.keep_fp32)}), as {fam.cls} holds them at "
+                     f"{dtype} (its _keep_in_fp32_modules_strict)")
     return view, {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}, notes

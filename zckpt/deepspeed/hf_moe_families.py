@@ -47,6 +47,12 @@ class Family:
     experts: tuple  # config.json's keys of the number of routed experts (transformers writes one of them)
     inter: str  # ... of each expert's intermediate size
     block: dict = field(default_factory=dict)  # AutoEP's name under the MoE block -> the class's
+    # the class's _keep_in_fp32_modules_strict (transformers 5.25): held in fp32 when the model loads in bf16 / fp16
+    keep_fp32: tuple = ()
+
+    def kept_fp32(self, name: str) -> bool:
+        """Whether the class keeps tensor ``name`` in fp32 at any dtype (as transformers matches the names)."""
+        return any(name == p or name.endswith("." + p) for p in self.keep_fp32)
 
     def moe_layers(self, cfg: dict) -> list[int] | None:
         """The decoder layers the class builds an MoE block for, from ``cfg`` (None: it does not say)."""
@@ -67,9 +73,10 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", ("num_local_experts", "num_experts"), "moe_intermediate_size",
                         dict(_ROUTER)),
     "deepseek_v2": Family("DeepseekV2ForCausalLM", ("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
-                          {**_ROUTER, **_SHARED}),
+                          {**_ROUTER, **_SHARED}, keep_fp32=("gate.weight",)),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", ("n_routed_experts", "num_local_experts"), "moe_intermediate_size",
-                          {**_ROUTER, "router.e_score_correction_bias": "gate.e_score_correction_bias", **_SHARED}),
+                          {**_ROUTER, "router.e_score_correction_bias": "gate.e_score_correction_bias", **_SHARED},
+                          keep_fp32=("e_score_correction_bias", "gate.weight")),
     "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", ("num_experts", "num_local_experts"), "moe_intermediate_size",
                                {**_ROUTER, **_SHARED35}),
 }

@@ -113,9 +113,11 @@ class MergePlan:
 
 def output_tensors(ckpt: Checkpoint, dtype: str, exclude_frozen: bool = False,
                    keep_tied: bool = False) -> tuple[list[OutTensor], dict]:
-    """The tensors of the consolidated state dict, in model order: floating ones cast to ``dtype``."""
+    """The tensors of the consolidated state dict, in model order: floating ones cast to ``dtype`` (but those the
+    view keeps in another, ``extra["keep_dtype"]``: {name: dtype}, as the model class holds them)."""
     ckpt.check_ties()  # a value that depends on an undeclared tie is never guessed
     target = out_dtype_name(dtype)
+    keep = ckpt.extra.get("keep_dtype") or {}
     byname = ckpt.by_name()
     out, tied = [], {}
     for rec in ckpt.records:
@@ -129,7 +131,7 @@ def output_tensors(ckpt: Checkpoint, dtype: str, exclude_frozen: bool = False,
             if not keep_tied:
                 tied[rec.name] = rec.tied_to
                 continue
-        dt = target if src.dtype in FLOATING else src.dtype
+        dt = keep.get(rec.name, target) if src.dtype in FLOATING else src.dtype
         out.append(OutTensor(rec.name, dt, tuple(src.shape), src.dtype, src.value))
     return out, tied
 
