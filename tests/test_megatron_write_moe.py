@@ -161,3 +161,25 @@ def test_cli_ep_refused_where_it_does_not_apply(tmp_path):
     assert r.returncode == 1 and "do not divide into --ep 3" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+def test_round_trip_through_ep_1_gives_megatrons_own_optimizer_state_back(tmp_path):
+    """A real fully_reshardable MoE save (ep 2, its common.pt from Megatron-LM) -> ep 1 -> ep 2: the dense
+    optimizer's state in common.pt is again exactly what Megatron-LM saved; the experts' groups hold Megatron's
+    expert group and, since an ep 1 checkpoint does not say which dense groups held experts, an expert copy of
+    every dense group (megatron-core's loader takes the groups of its own experts' multipliers, ignoring the
+    others: moe16_ep1_dp2 -> ep 2 is loaded so above); the content metadata the same, every tensor equal."""
+    import zckpt
+    src = MEG / "moe16_etp2_ep2_fullyresh"
+    _convert(src, tmp_path / "ep1", ep=1)
+    _convert(tmp_path / "ep1", tmp_path / "back", ep=2)
+    want, got = _common(src), _common(tmp_path / "back")
+    assert sorted(got["optimizer"]) == [0, 1] and got["optimizer"][0] == want["optimizer"][0]
+    dense = want["optimizer"][0]["optimizer"]["param_groups"]
+    experts = got["optimizer"][1]["optimizer"]["param_groups"]
+    assert experts == [{**g, "is_expert_parallel": True} for g in dense]
+    assert all(g in experts for g in want["optimizer"][1]["optimizer"]["param_groups"])
+    assert got["content_metadata"] == want["content_metadata"]
+    assert (got["iteration"], got["opt_param_scheduler"]) == (want["iteration"], want["opt_param_scheduler"])
+    r = zckpt.diff(str(src), str(tmp_path / "back"))
+    assert r.tensors and all(t.status == "equal" for t in r.tensors) and not (r.only_in_a or r.only_in_b), r.counts
