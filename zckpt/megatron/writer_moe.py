@@ -138,8 +138,12 @@ def notes(ckpt, ep: int) -> list[str]:
     f = moe.facts(ckpt.extra.get("args") or {})
     source = f.get("ep") or 1
     chain = "two optimizers (dense, experts)" if ep > 1 else "one optimizer (the experts in the dense groups)"
-    return [f"MoE: {f.get('num_experts')} experts per layer in model space (every expert under its global index: "
-            f"loads at any expert-parallel size); common.pt's optimizer written for --ep {ep} (source {source}): "
-            f"{chain}, as megatron-core's ChainedOptimizer loads it",
-            f"args state expert_model_parallel_size {ep}; expert_tensor_parallel_size as the source's "
-            f"({f.get('etp')}; fully_reshardable loads at any, the run's flag decides)"]
+    more = [f"the experts' param groups: an expert copy of each of the {len(ckpt.extra.get('param_groups') or [])} "
+            "dense groups (an ep 1 checkpoint does not say which held experts; megatron-core takes those of its "
+            "experts' multipliers)"] if source == 1 and ep > 1 else []
+    return more + [
+        f"MoE: {f.get('num_experts')} experts per layer in model space (every expert under its global index: loads "
+        f"at any expert-parallel size); common.pt's optimizer written for --ep {ep} (source {source}): {chain}, as "
+        "megatron-core's ChainedOptimizer loads it",
+        f"args state expert_model_parallel_size {ep}; expert_tensor_parallel_size as the source's ({f.get('etp')}; "
+        "fully_reshardable loads at any, the run's flag decides)"]
