@@ -29,6 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def build(case: dict):
     from moe_dcp_worker import _titan_kernels_stub
     _titan_kernels_stub()
+    if case.get("family") == "deepseek_v3":  # (fixtures/gen_titan_dsv3.py)
+        from titan_dsv3_build import dsv3_config
+        return dsv3_config(case["dims"], case.get("load_balance_coeff", 1e-3)).build()
+    if case.get("family") == "llama3":
+        return build_llama3(case)
     from torchtitan.models import qwen3 as Q
     from torchtitan.models.common.embedding import Embedding
     from torchtitan.models.common.linear import Linear
@@ -52,6 +57,28 @@ def build(case: dict):
                                         param_init=Q._EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=Q._LINEAR_INIT),
         layers=layers, enable_weight_tying=case.get("tied", False))
+    return cfg.build()
+
+
+def build_llama3(case: dict):
+    """torchtitan 0.3.0's own Llama 3 (``Llama3Model``, ``_build_llama3_layers``: head size dim / heads, its
+    ComplexRoPE with Llama scaling as its named sizes have) at ``case["dims"]`` (fixtures/gen_titan_llama3.py)."""
+    from torchtitan.models import llama3 as L
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3.model import Llama3Model
+
+    d = case["dims"]
+    rope = ComplexRoPE.Config(dim=d["dim"] // d["heads"], max_seq_len=64, theta=500000, scaling="llama")
+    cfg = Llama3Model.Config(
+        dim=d["dim"], vocab_size=d["vocab"], enable_weight_tying=case.get("tied", False),
+        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
+                                        param_init=L._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=d["dim"], param_init=L._NORM_INIT),
+        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"],
+                              param_init=L._output_linear_init(d["dim"])),
+        layers=L._build_llama3_layers(n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"],
+                                      n_kv_heads=d["kv_heads"], hidden_dim=d["hidden"], rope=rope,
+                                      fuse_qkv=case.get("fuse_qkv", True), attn_backend="flex"))
     return cfg.build()
 
 
@@ -110,7 +137,7 @@ def save_case(case: dict, mesh, rank: int) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     info = {"keys": sorted(model.state_dict()), "dims": case["dims"], "moe": case["moe"],
             "fuse_qkv": case.get("fuse_qkv", True), "load_balance_coeff": case.get("load_balance_coeff"),
-            "tied": case.get("tied", False),
+            "tied": case.get("tied", False), "family": case.get("family", "qwen3"),
             "groups": [{"names": [names[id(p)] for p in g["params"]], "lr": g["lr"], "betas": list(g["betas"]),
                         "eps": g["eps"], "weight_decay": g["weight_decay"], "initial_lr": g["initial_lr"]}
                        for g in o.param_groups],
