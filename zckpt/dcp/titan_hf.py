@@ -37,13 +37,14 @@ import json
 import re
 
 from zckpt.dcp import reader as dcp_reader
+from zckpt.dcp import titan_llama
 from zckpt.engine.segments import slice_pieces
 from zckpt.errors import InvalidArgument, OptionError, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.state import moe_names
 from zckpt.state.model import Checkpoint, GroupInfo, TensorRecord
 
-CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", **titan_llama.CLASSES}
 _L = r"layers\.(\d+)\."
 _M = "model.layers.{}."
 # torchtitan 0.3.0's Qwen3StateDictAdapter.from_hf_map, read backwards (the experts' w1/w3: fused, below)
@@ -104,7 +105,7 @@ def read_config(hf_config, path: str) -> tuple[dict, str]:
     if mtype not in CLASSES:
         raise UnsupportedLayout(f"--hf-config says model_type {mtype!r}; torchtitan's names are mapped onto "
                                 f"{', '.join(CLASSES[k] for k in sorted(CLASSES))} only", path=cpath,
-                                hint="state the config.json of a Qwen3 or Qwen3-MoE model")
+                                hint="state the config.json of a Qwen3, Qwen3-MoE or Llama model")
     version = str(cfg.get("transformers_version") or "")
     if mtype == "qwen3_moe" and (not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5):
         raise UnsupportedLayout(f"--hf-config was written by transformers {version or '(version not said)'}; only "
@@ -126,6 +127,10 @@ def open_titan(path: str, hf_config, storage_options: dict | None = None, tag: s
     cfg, cpath = read_config(hf_config, path)
     ckpt = dcp_reader.open_dcp(path, storage_options, tied=tied, fused_qkv=True)
     return hf_view(ckpt, cfg, cpath), cfg, cpath
+
+
+def _table(cfg: dict) -> str:
+    return "Llama 3 (q/k rows permuted as its to_hf does)" if cfg["model_type"] in titan_llama.CLASSES else "Qwen3"
 
 
 def _renamed(name: str) -> str | None:
@@ -229,6 +234,7 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     layers = sorted({int(m.group(1)) for n in by if (m := re.match(_L, n))})
     fused = ckpt.extra.get("fused_qkv") or {}
     qkv = _check_shapes(cfg, cpath, by, layers, fused)
+    titan_llama.check_family(cfg, by, layers, cpath)
     tied = _tie(ckpt, cfg, cpath)
     steps = dict(ckpt.extra.get("step_tensors") or {})
     values = dict(ckpt.extra.get("step_values") or {})
@@ -252,14 +258,16 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
                 source[records[-1].name] = r.name
             continue
         new = _renamed(r.name)
+        if new is not None and cfg["model_type"] in titan_llama.CLASSES and titan_llama.NOT_LLAMA.fullmatch(r.name):
+            new = None  # (Qwen3's q_norm / k_norm, MoE: none in torchtitan's Llama 3 table)
         if tied and r.name == "lm_head.weight":  # the embeddings' alias, as the class ties it
             records.append(TensorRecord(new, r.shape, "tied", r.dtype, tied_to="model.embed_tokens.weight"))
             source[new] = r.name
             continue
         if new is None:
             raise UnsupportedLayout(f"'{r.name}' has no counterpart in transformers' {CLASSES[cfg['model_type']]} "
-                                    "(torchtitan 0.3.0's Qwen3 table)", path=path,
-                                    hint="zckpt maps torchtitan's Qwen3 and Qwen3-MoE models only")
+                                    f"(torchtitan 0.3.0's {_table(cfg)} table)", path=path,
+                                    hint="zckpt maps torchtitan's Qwen3, Qwen3-MoE and Llama 3 models only")
         rec = dataclasses.replace(r, name=new)
         wqkv = re.sub(r"\.w[qkv]\.weight$", ".wqkv.weight", r.name)
         if wqkv in qkv:  # the state torchtitan's optimizer keeps under the fused wqkv, split as it fuses it
@@ -271,6 +279,8 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
             source[new] = wqkv
         else:
             source[new] = r.name
+        if cfg["model_type"] in titan_llama.CLASSES:  # q/k rows (and their state) permuted as its to_hf does
+            rec = titan_llama.to_hf_record(rec, cfg, path)
         records.append(rec)
     records.sort(key=lambda r: _hf_order(r.name))
     groups = _groups(records, source, flat, values, path)
@@ -285,8 +295,9 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
              "moe_coverage": moe_names.layers(records), "tie_candidates": [],
              "tied": {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}}
     notes = [n for n in ckpt.notes if "no optimizer state" not in n and "flattened" not in n]
-    notes.append(f"{CLASSES[cfg['model_type']]} names and fusion (as {cpath} says; torchtitan 0.3.0's Qwen3 table "
-                 f"read backwards){', the fused wqkv optimizer state split per key-value group' if qkv else ''}")
+    notes.append(f"{CLASSES[cfg['model_type']]} names and fusion (as {cpath} says; torchtitan 0.3.0's "
+                 f"{_table(cfg)} table read backwards)"
+                 f"{', the fused wqkv optimizer state split per key-value group' if qkv else ''}")
     notes.append(f"param groups: torchtitan saves each parameter's group values, not the groups; parameters with "
                  f"equal values are one group, in torchtitan's order ({', '.join(str(len(g.names)) for g in groups)}"
                  " parameters): build the DeepSpeed job's groups so")
