@@ -19,6 +19,9 @@ stated in the args, so that Megatron-LM knows whether its RNG states apply (none
 Layout ``dp_reshardable`` (Megatron-LM's default): the same model keys, the optimizer state as the distributed
 optimizer's flat DDP buckets for one TP / PP and a data-parallel size (:mod:`zckpt.megatron.writer_buckets`).
 
+A mixture-of-experts model (SequentialMLP experts) is written ``fully_reshardable`` for the expert-parallel size
+``ep`` (:mod:`zckpt.megatron.writer_moe`: the experts in model space, ``common.pt``'s optimizer for that size).
+
 Sources: a Megatron checkpoint read by :mod:`zckpt.megatron.reader`, either layout (``dp_reshardable`` state placed
 by :mod:`zckpt.megatron.buckets`, checked against the saved weights). Refused in one line, nothing written: an
 optimizer other than Adam, a checkpoint without optimizer state, a model the target TP / PP cannot split evenly.
