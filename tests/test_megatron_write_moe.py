@@ -185,3 +185,16 @@ def test_round_trip_through_ep_1_gives_megatrons_own_optimizer_state_back(tmp_pa
     assert (got["iteration"], got["opt_param_scheduler"]) == (want["iteration"], want["opt_param_scheduler"])
     r = zckpt.diff(str(src), str(tmp_path / "back"))
     assert r.tensors and all(t.status == "equal" for t in r.tensors) and not (r.only_in_a or r.only_in_b), r.counts
+
+
+def test_verify_deep_and_info_of_the_output(tmp_path):
+    """zckpt's own checks of an output: every item's CRC, every expert once with its master and moments, the ep the
+    args now state (info --json's moe)."""
+    from click.testing import CliRunner
+    from zckpt.cli import main
+    _convert(MEG / "moe16_etp2_ep2_fullyresh", tmp_path / "o", ep=1)
+    r = CliRunner().invoke(main, ["verify", "--deep", str(tmp_path / "o")])
+    assert r.exit_code == 0 and "complete and consistent" in r.output, r.output
+    r = CliRunner().invoke(main, ["info", "--json", str(tmp_path / "o")])
+    moe = json.loads(r.output)["moe"]
+    assert r.exit_code == 0 and (moe["layers"], moe["experts"], moe["ep"]) == (2, 8, 1), moe
