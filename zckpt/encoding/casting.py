@@ -105,8 +105,9 @@ TORCH_CAST_FROM = 8 << 30
 def slow_downcast_bytes(casts) -> int:
     """fp32 bytes read by the down-casts among ``casts`` (objects with ``numel``, ``src_dtype`` and ``dtype``) that
     numpy alone casts slowly: fp16 always, bf16 when ml_dtypes is missing; what :func:`torch_pays` weighs."""
-    slow = ("float16",) if fast_bf16() else ("float16", "bfloat16")
-    return sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype in slow)
+    fp16 = sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype == "float16")
+    bf16 = sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype == "bfloat16")
+    return fp16 + (bf16 if bf16 and not fast_bf16() else 0)  # (ml_dtypes, and numpy with it, only looked up for bf16)
 
 
 def torch_pays(downcast_bytes: int) -> bool:
