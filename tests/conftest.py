@@ -61,6 +61,24 @@ def megatron_core_loads(request, tmp_path_factory) -> dict:
     return load_all(modules, tmp_path_factory.mktemp("megatron_core_loads"))
 
 
+@pytest.fixture(scope="session")
+def titan_deepspeed_loads(request, tmp_path_factory) -> dict:
+    """DeepSpeed 0.19.8's own loads of the torchtitan saves converted by every test file of this session that asks
+    (its ``deepspeed_jobs(tmp)``: (cases for tests/moe_dcp_worker.py's ``deepspeed`` mode, what it keeps)), in one
+    launch of 2 gloo ranks: {module name: what its ``deepspeed_jobs`` kept}."""
+    import importlib
+    from tests.test_moe_dcp import _torchrun
+    modules = sorted({item.module.__name__ for item in request.session.items
+                      if "titan_deepspeed_loads" in getattr(item, "fixturenames", ())})
+    kept, cases = {}, []
+    for name in modules:
+        mine, kept[name] = importlib.import_module(name).deepspeed_jobs(tmp_path_factory.mktemp(name.split(".")[-1]))
+        cases += mine
+    if cases:
+        _torchrun({"deepspeed": True, "cases": cases})
+    return kept
+
+
 _FIXTURES_AT_START = set(os.listdir(FIXTURES)) if FIXTURES.exists() else set()
 
 

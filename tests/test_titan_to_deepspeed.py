@@ -92,12 +92,9 @@ def oracle(case: str, tmp: Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def deepspeed_loads(tmp_path_factory):
-    """The saves (:data:`DS`: the case, its ZeRO stage) converted at 2 ranks, bf16, and loaded by DeepSpeed in one
-    launch."""
-    from tests.test_moe_dcp import _torchrun
-    base = tmp_path_factory.mktemp("titan-ds")
+def deepspeed_jobs(base: Path):
+    """The saves (:data:`DS`: the case, its ZeRO stage) converted at 2 ranks, bf16, for DeepSpeed to load (in the
+    session's one launch: tests/conftest.py's ``titan_deepspeed_loads``)."""
     results, cases = {}, []
     for case, stage in DS.items():
         results[case] = zckpt.convert(step(case), to="deepspeed", out=str(base / f"{case}.ds"), world_size=2,
@@ -105,8 +102,12 @@ def deepspeed_loads(tmp_path_factory):
         cases.append({"mode": "deepspeed", "stage": stage, "config": str(TITAN / "hf" / case),
                       "ckpt": str(base / f"{case}.ds"), "out": str(base / "ds" / case),
                       "first_group": FIRST_GROUP.get(case)})
-    _torchrun({"deepspeed": True, "cases": cases})
-    return base / "ds", results
+    return cases, (base / "ds", results)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_loads(titan_deepspeed_loads):
+    return titan_deepspeed_loads[__name__]
 
 
 @pytest.mark.parametrize("case", list(DS))
