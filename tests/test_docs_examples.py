@@ -6,7 +6,8 @@ Names the docs use stand for fixtures: ``checkpoint-400`` is the Trainer checkpo
 ``Qwen3-8B/`` a Qwen3-8B config, ``fsdp2-step-1200/`` a DCP checkpoint (``dcp.save`` of ``get_state_dict`` of a
 small model and its AdamW), ``megatron-ckpt/`` a Megatron-Core save folder (``fully_reshardable``), ``megatron-moe-ckpt/`` a Megatron-LM MoE save, ``qwen3-moe-ckpt/`` an AutoEP save of
 Qwen3-MoE, ``fsdp2-moe-step-2/`` an FSDP2 DCP of Qwen3-MoE, ``titan-outputs/`` torchtitan's own Qwen3-MoE save
-(``qwen3-moe-config/`` its transformers config), ``moe-ckpt/`` a native DeepSpeed MoE save and
+(``qwen3-moe-config/`` its transformers config), ``titan-llama/`` torchtitan's own Llama 3 save (``llama-config/``
+its LlamaForCausalLM config), ``moe-ckpt/`` a native DeepSpeed MoE save and
 ``ds_config.json`` a DeepSpeed config. Examples that cannot run here are skipped with the reason: S3 and Hub URLs
 (tests/test_push.py covers them against a real local S3 server), ``--every`` (runs until Ctrl-C), and synopsis lines
 with placeholders (``--params P``).
@@ -87,6 +88,8 @@ def workspace(tmp_path, monkeypatch):
     copy(FIXTURES / "fsdp2_moe_qwen3_ws2" / "dcp", "fsdp2-moe-step-2")  # FSDP2 dcp.save of Qwen3-MoE, config.json
     copy(FIXTURES / "titan_qwen3_ws2" / "moe", "titan-outputs")  # torchtitan's own Qwen3-MoE save: checkpoint/step-2
     copy(FIXTURES / "titan_qwen3_ws2" / "hf" / "moe", "qwen3-moe-config")  # its transformers config.json
+    copy(FIXTURES / "titan_llama3_ws2" / "llama", "titan-llama")  # torchtitan's own Llama 3 save: checkpoint/step-2
+    copy(FIXTURES / "titan_llama3_ws2" / "hf" / "llama", "llama-config")  # its LlamaForCausalLM config.json
     for where in ("config.json", "Qwen3-8B/config.json"):
         (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / where).write_text(json.dumps(QWEN3_8B))
