@@ -213,6 +213,29 @@ def _titan_kernels_stub() -> None:
     sys.modules[name] = mod
 
 
+def _qwen3_config(case: dict, d: dict):
+    """torchtitan's Qwen3 MoE config at ``d`` (load_balance_coeff None: no expert_bias_E, the source's router has
+    none)."""
+    from torchtitan.models import qwen3 as Q
+    from torchtitan.models.common.embedding import Embedding
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.qwen3.model import Qwen3Model
+    cfg = Qwen3Model.Config(
+        vocab_size=d["vocab"], dim=d["dim"], norm=Q._qwen3_norm(d["dim"]),
+        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
+                                        param_init=Q._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=Q._LINEAR_INIT),
+        layers=Q._build_qwen3_moe_layers(
+            n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"], n_kv_heads=d["kv_heads"],
+            head_dim=d["head_dim"], moe_hidden_dim=d["moe_hidden"], num_experts=d["experts"], top_k=d["top_k"],
+            attn_backend="flex", moe_comm_backend="standard", fuse_qkv=case.get("fuse_qkv", True),
+            rope=CosSinRoPE.Config(dim=d["head_dim"], max_seq_len=64, theta=1000000.0)))
+    for layer in cfg.layers:
+        layer.moe.load_balance_coeff = None  # no expert_bias_E: the source's router has none
+    return cfg
+
+
 def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
     """torchtitan 0.3.0's own Qwen3 MoE model (``Qwen3Model`` from its ``_build_qwen3_moe_layers``: attention with
     q/k norms, fused ``wqkv`` unless ``case["fuse_qkv"]`` is false, ``MoE`` of ``GroupedExperts`` w1_EFD/w2_EDF/w3_EFD and a ``TokenChoiceTopKRouter``,
@@ -227,26 +250,14 @@ def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.models import qwen3 as Q
-    from torchtitan.models.common.embedding import Embedding
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.rope import CosSinRoPE
-    from torchtitan.models.qwen3.model import Qwen3Model
     from titan_worker import TrainState
 
     d = case["dims"]
-    cfg = Qwen3Model.Config(
-        vocab_size=d["vocab"], dim=d["dim"], norm=Q._qwen3_norm(d["dim"]),
-        tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
-                                        param_init=Q._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=Q._LINEAR_INIT),
-        layers=Q._build_qwen3_moe_layers(
-            n_layers=d["layers"], dim=d["dim"], n_heads=d["heads"], n_kv_heads=d["kv_heads"],
-            head_dim=d["head_dim"], moe_hidden_dim=d["moe_hidden"], num_experts=d["experts"], top_k=d["top_k"],
-            attn_backend="flex", moe_comm_backend="standard", fuse_qkv=case.get("fuse_qkv", True),
-            rope=CosSinRoPE.Config(dim=d["head_dim"], max_seq_len=64, theta=1000000.0)))
-    for layer in cfg.layers:
-        layer.moe.load_balance_coeff = None  # no expert_bias_E: the source's router has none
+    if case.get("family") == "deepseek_v3":  # torchtitan's DeepSeek-V3 (tests/titan_dsv3_build.py), expert_bias_E kept
+        from titan_dsv3_build import dsv3_config
+        cfg = dsv3_config(d, case.get("load_balance_coeff", 1e-3))
+    else:
+        cfg = _qwen3_config(case, d)
     torch.manual_seed(777)
     model = cfg.build()
     with torch.no_grad():
@@ -276,6 +287,9 @@ def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
         loaded[f"param/{n}"] = _full(p.detach())
         for k, v in o.state.get(p, {}).items():
             loaded[f"{k}/{n}"] = _full(v).reshape(-1) if k == "step" else _full(v)
+    for n, b in model.named_buffers():
+        if n.endswith("expert_bias_E"):
+            loaded[f"buffer/{n}"] = _full(b)
     names = {id(p): n for n, p in model.named_parameters()}
     info = {"world_size": ws, "keys": sorted(model.state_dict()),
             "groups": [{"names": [names[id(p)] for p in g["params"]], "lr": g["lr"], "betas": list(g["betas"]),

@@ -233,11 +233,11 @@ def test_torchtitan_layout_of_a_model_torchtitan_does_not_have(tmp_path):
 
 
 def test_torchtitan_layout_of_a_model_zckpt_has_no_torchtitan_table_of(tmp_path):
-    """DeepSeek-V3: torchtitan 0.3.0 has the model (models/deepseek_v3), zckpt no table of its names: refused in one
-    line saying so (not that torchtitan lacks it), nothing written."""
+    """Qwen3.5-MoE: torchtitan 0.3.0 has the model (models/qwen3_5), zckpt no table of its names: refused in one
+    line saying so (not that torchtitan lacks it), nothing written. (DeepSeek-V3's: tests/test_titan_dsv3.py.)"""
     from zckpt.errors import UnsupportedLayout
-    with pytest.raises(UnsupportedLayout, match="zckpt has no table of torchtitan 0.3.0's deepseek_v3 names") as e:
-        zckpt.convert(str(checkpoint_path(AUTOEP["deepseek_v3-zero2"])), out=str(tmp_path / "o"), layout="torchtitan",
+    with pytest.raises(UnsupportedLayout, match="no table of torchtitan 0.3.0's qwen3_5_moe_text names") as e:
+        zckpt.convert(str(checkpoint_path(AUTOEP["qwen3_5_moe"])), out=str(tmp_path / "o"), layout="torchtitan",
                       torchtitan={"ntokens_seen": 0, "initial_lr": 0.01, "lr_last_epoch": 2})
     assert "\n" not in str(e.value) and not (tmp_path / "o").exists()
 

@@ -38,5 +38,6 @@ def dsv3_config(d: dict, load_balance_coeff: float | None = 1e-3):
         tok_embeddings=Embedding.Config(num_embeddings=d["vocab"], embedding_dim=d["dim"],
                                         param_init=D._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=d["dim"], param_init=D._NORM_INIT),
-        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"], param_init=D._output_linear_init(d["dim"])),
+        lm_head=Linear.Config(in_features=d["dim"], out_features=d["vocab"],
+                              param_init=D._output_linear_init(d["dim"])),
         layers=layers, mtp_layers=[])

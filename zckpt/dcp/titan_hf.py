@@ -41,10 +41,11 @@ from zckpt.dcp import titan_llama
 from zckpt.engine.segments import slice_pieces
 from zckpt.errors import InvalidArgument, OptionError, UnsupportedLayout
 from zckpt.io import storage
-from zckpt.state import moe_names
+from zckpt.state import moe_names, titan_dsv3
 from zckpt.state.model import Checkpoint, GroupInfo, TensorRecord
 
-CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", **titan_llama.CLASSES}
+CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM", **titan_llama.CLASSES,
+           **titan_dsv3.CLASSES}
 _L = r"layers\.(\d+)\."
 _M = "model.layers.{}."
 # torchtitan 0.3.0's Qwen3StateDictAdapter.from_hf_map, read backwards (the experts' w1/w3: fused, below)
@@ -105,9 +106,10 @@ def read_config(hf_config, path: str) -> tuple[dict, str]:
     if mtype not in CLASSES:
         raise UnsupportedLayout(f"--hf-config says model_type {mtype!r}; torchtitan's names are mapped onto "
                                 f"{', '.join(CLASSES[k] for k in sorted(CLASSES))} only", path=cpath,
-                                hint="state the config.json of a Qwen3, Qwen3-MoE or Llama model")
+                                hint="state the config.json of a Qwen3, Qwen3-MoE, Llama or DeepSeek-V3 model")
     version = str(cfg.get("transformers_version") or "")
-    if mtype == "qwen3_moe" and (not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5):
+    if mtype in ("qwen3_moe", *titan_dsv3.CLASSES) and (not version.split(".")[0].isdigit()
+                                                        or int(version.split(".")[0]) < 5):
         raise UnsupportedLayout(f"--hf-config was written by transformers {version or '(version not said)'}; only "
                                 "transformers 5's fused experts (gate_up_proj, down_proj) are written", path=cpath,
                                 hint="save the config with transformers 5 (config.save_pretrained)")
@@ -130,6 +132,8 @@ def open_titan(path: str, hf_config, storage_options: dict | None = None, tag: s
 
 
 def _table(cfg: dict) -> str:
+    if cfg["model_type"] in titan_dsv3.CLASSES:
+        return "DeepSeek-V3"
     return "Llama 3 (q/k rows permuted as its to_hf does)" if cfg["model_type"] in titan_llama.CLASSES else "Qwen3"
 
 
@@ -233,8 +237,15 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     by = ckpt.by_name()
     layers = sorted({int(m.group(1)) for n in by if (m := re.match(_L, n))})
     fused = ckpt.extra.get("fused_qkv") or {}
-    qkv = _check_shapes(cfg, cpath, by, layers, fused)
-    titan_llama.check_family(cfg, by, layers, cpath)
+    dsv3 = cfg["model_type"] in titan_dsv3.CLASSES  # (MLA, shared experts, expert_bias_E: zckpt.state.titan_dsv3)
+    if dsv3:
+        why, qkv = titan_dsv3.check_shapes(cfg, by, layers), {}
+        if why:
+            raise UnsupportedLayout(f"--hf-config's {CLASSES[cfg['model_type']]}: {why}", path=cpath,
+                                    hint="state the config.json of the class this torchtitan model is")
+    else:
+        qkv = _check_shapes(cfg, cpath, by, layers, fused)
+        titan_llama.check_family(cfg, by, layers, cpath)
     tied = _tie(ckpt, cfg, cpath)
     steps = dict(ckpt.extra.get("step_tensors") or {})
     values = dict(ckpt.extra.get("step_values") or {})
@@ -247,7 +258,7 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     records: list[TensorRecord] = []
     not_carried: dict[str, str] = {}
     for r in ckpt.records:
-        why = next((w for p, w in NOT_CARRIED.items() if re.fullmatch(p, r.name)), None)
+        why = None if dsv3 else next((w for p, w in NOT_CARRIED.items() if re.fullmatch(p, r.name)), None)
         if why is not None:
             not_carried[r.name] = why
             continue
@@ -257,7 +268,7 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
                 records.append(_gate_up(by, m.group(1), path))
                 source[records[-1].name] = r.name
             continue
-        new = _renamed(r.name)
+        new = titan_dsv3.to_hf(r.name) if dsv3 else _renamed(r.name)
         if new is not None and cfg["model_type"] in titan_llama.CLASSES and titan_llama.NOT_LLAMA.fullmatch(r.name):
             new = None  # (Qwen3's q_norm / k_norm, MoE: none in torchtitan's Llama 3 table)
         if tied and r.name == "lm_head.weight":  # the embeddings' alias, as the class ties it
@@ -268,7 +279,7 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
             raise UnsupportedLayout(f"'{r.name}' has no counterpart in transformers' {CLASSES[cfg['model_type']]} "
                                     f"(torchtitan 0.3.0's {_table(cfg)} table)", path=path,
                                     hint="zckpt maps torchtitan's Qwen3, Qwen3-MoE and Llama 3 models only")
-        rec = dataclasses.replace(r, name=new)
+        rec = dataclasses.replace(r, name=new, kind="buffer" if dsv3 and titan_dsv3.is_buffer(r.name) else r.kind)
         wqkv = re.sub(r"\.w[qkv]\.weight$", ".wqkv.weight", r.name)
         if wqkv in qkv:  # the state torchtitan's optimizer keeps under the fused wqkv, split as it fuses it
             rows, kv = qkv[wqkv]
@@ -282,14 +293,16 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
         if cfg["model_type"] in titan_llama.CLASSES:  # q/k rows (and their state) permuted as its to_hf does
             rec = titan_llama.to_hf_record(rec, cfg, path)
         records.append(rec)
-    records.sort(key=lambda r: _hf_order(r.name))
+    records.sort(key=lambda r: (titan_dsv3.hf_order if dsv3 else _hf_order)(r.name))
     groups = _groups(records, source, flat, values, path)
     group_of = {n: g.index for g in groups for n in g.names}
     for rec in records:
         rec.group = group_of.get(rec.name)
-    stateless = [r.name for r in records if r.kind in ("frozen", "buffer") and r.group is None]
+    known = [r.name for r in records if dsv3 and r.kind == "buffer"]  # (the table's buffers: no --buffers needed)
+    stateless = [r.name for r in records if r.kind in ("frozen", "buffer") and r.group is None and r.name not in known]
     extra = {**ckpt.extra, "step_tensors": {n: steps[s] for n, s in source.items() if s in steps},
              "flat_param_groups": False, "flat_groups": {}, "stateless": stateless, "fused_qkv": {},
+             "titan_buffers": known,
              "step_values": {n: values[s] for n, s in source.items() if s in values},
              "titan_not_carried": not_carried, "merge_notes": [], "hf_class": CLASSES[cfg["model_type"]],
              "moe_coverage": moe_names.layers(records), "tie_candidates": [],

@@ -40,6 +40,7 @@ from zckpt.deepspeed.model import Checkpoint, TensorRecord
 from zckpt.engine.segments import slice_pieces
 from zckpt.errors import OptionError, UnsupportedLayout
 from zckpt.io import storage
+from zckpt.state import titan_dsv3
 
 _DTYPE = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
           "float16": "float16"}
@@ -197,8 +198,8 @@ TITAN = {"qwen3_moe": (
     (_L + r"mlp\.router\.gate\.weight", "layers.{}.moe.router.gate.weight"),
     (r"model\.norm\.weight", "norm.weight"),
     (r"lm_head\.weight", "lm_head.weight"),
-)}
-TITAN_UNMAPPED = ("deepseek_v3", "qwen3_5_moe_text")  # models torchtitan 0.3.0 has (models/deepseek_v3, qwen3_5)
+), "deepseek_v3": titan_dsv3.autoep_table()}  # (torchtitan's DeepSeekV3StateDictAdapter: zckpt.state.titan_dsv3)
+TITAN_UNMAPPED = ("qwen3_5_moe_text",)  # models torchtitan 0.3.0 has (models/qwen3_5)
 TITAN_NOT_CARRIED = {
     "expert_bias_E": "torchtitan's load-balancing bias (a persistent buffer of its MoE when load_balance_coeff is "
                      "set) has no counterpart in the source's router: build the model with load_balance_coeff=None",
@@ -248,15 +249,19 @@ def titan_view(ckpt: Checkpoint) -> Checkpoint:
                "router": renamed[f"{x['layer']}.router.gate.weight"][:-len("gate.weight")],
                "fused": [renamed[n] for n in x["fused"]]} if x.get("fused") is not None else x
               for x in ckpt.extra.get("moe_coverage") or []]
+    dsv3 = cfg["model_type"] in titan_dsv3.CLASSES  # (its router's e_score_correction_bias is expert_bias_E)
     notes = list(ckpt.notes) + [f"torchtitan {cfg['model_type']} names (as {path} says; torchtitan 0.3.0's "
-                                "state_dict_adapter table), experts stacked [E, ...] as AutoEP keeps them, "
-                                "attention's optimizer state under wq/wk/wv and the fused wqkv (fuse_qkv either "
-                                "way); expert_bias_E not carried: build the model with load_balance_coeff=None"]
+                                "state_dict_adapter table), experts stacked [E, ...] as AutoEP keeps them, " + (
+                                    "the router's e_score_correction_bias as expert_bias_E: build the model with "
+                                    "load_balance_coeff set" if dsv3 else
+                                    "attention's optimizer state under wq/wk/wv and the fused wqkv (fuse_qkv either "
+                                    "way); expert_bias_E not carried: build the model with load_balance_coeff=None")]
     kv = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     qkv = [(n[:-len("wq.weight")], int(kv)) for n in (r.name for r in records)
            if n.endswith(".attention.qkv_linear.wq.weight") and isinstance(kv, int)]
     extra = {**ckpt.extra, "moe_coverage": layers, "merge_notes": [], "titan_names": cfg["model_type"],
-             "titan_not_carried": dict(TITAN_NOT_CARRIED), "titan_qkv": qkv}
+             "titan_not_carried": {k: v for k, v in TITAN_NOT_CARRIED.items() if not (dsv3 and k == "expert_bias_E")},
+             "titan_qkv": qkv}
     return dataclasses.replace(ckpt, records=records, groups=groups, notes=notes, extra=extra)
 
 

@@ -141,6 +141,7 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
         ckpt, _, _ = titan_hf.open_titan(path, hf_config, storage_options, tied=parse_tied(tied))
         side = titan_hf.deepspeed_side(ckpt)  # (a model-only save refused first)
         check_stateless_named(ckpt, buffers)
+        buffers = list(buffers or []) + ckpt.extra["titan_buffers"]  # (the buffers its table names: DeepSeek-V3's)
     elif view is not None:
         if tied:
             raise InvalidArgument("--tied names DCP's aliases; a Megatron checkpoint's args say what is tied",
