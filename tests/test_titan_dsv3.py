@@ -250,3 +250,22 @@ def test_a_config_of_another_shape_is_refused(tmp_path):
                                   "--dtype", "bf16", "--hf-config", config("dsv3_q"), "-o", str(tmp_path / "c")])
     assert r.exit_code == 1 and "wq.weight" in r.output and "Traceback" not in r.output, r.output
     assert not (tmp_path / "c").exists()
+
+
+def test_merge_bf16_keeps_what_the_class_keeps_in_fp32(tmp_path):
+    """merge --dtype bf16: the router's gate.weight and e_score_correction_bias, which DeepseekV3ForCausalLM keeps in
+    fp32 at any dtype (_keep_in_fp32_modules_strict), are written in fp32 (torchtitan's values exactly), the rest
+    rounded to bf16; from_pretrained in bf16 holds what the files hold."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    res = zckpt.merge(step("dsv3"), str(tmp_path / "m"), dtype="bf16", hf_config=config("dsv3"))
+    assert any("4 tensor(s) kept in fp32" in n for n in res.notes)
+    got = load_file(str(tmp_path / "m" / "model.safetensors"))
+    want = oracle("dsv3", tmp_path)["param"]
+    kept = sorted(k for k, v in got.items() if v.dtype == torch.float32)
+    assert kept == sorted(f"model.layers.{i}.mlp.gate.{w}" for i in (1, 2) for w in ("weight", "e_score_correction_bias"))
+    for k, v in got.items():
+        assert torch.equal(v, want[k] if k in kept else want[k].to(torch.bfloat16)), k
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], got[k]) for k in got)

@@ -302,7 +302,8 @@ def hf_view(ckpt: Checkpoint, cfg: dict, cpath: str) -> Checkpoint:
     stateless = [r.name for r in records if r.kind in ("frozen", "buffer") and r.group is None and r.name not in known]
     extra = {**ckpt.extra, "step_tensors": {n: steps[s] for n, s in source.items() if s in steps},
              "flat_param_groups": False, "flat_groups": {}, "stateless": stateless, "fused_qkv": {},
-             "titan_buffers": known,
+             "titan_buffers": known, "keep_dtype": {r.name: "float32" for r in records if dsv3 and
+                                                    titan_dsv3.kept_fp32(r.name)},
              "step_values": {n: values[s] for n, s in source.items() if s in values},
              "titan_not_carried": not_carried, "merge_notes": [], "hf_class": CLASSES[cfg["model_type"]],
              "moe_coverage": moe_names.layers(records), "tie_candidates": [],
@@ -392,6 +393,10 @@ def merge_files(ckpt: Checkpoint, cfg: dict, dtype: str) -> tuple[dict[str, byte
         cfg[k] = _DTYPE.get(dtype, dtype)
     notes = [n.replace(", the fused wqkv optimizer state split per key-value group", "")  # (merge writes none)
              for n in ckpt.notes if not n.startswith("param groups:")]
+    keep = ckpt.extra.get("keep_dtype") or {}
+    if keep and dtype in ("bf16", "fp16"):  # what from_pretrained would upcast from rounded values
+        notes.append(f"{len(keep)} tensor(s) kept in fp32 ({', '.join(titan_dsv3.KEEP_FP32)}), as "
+                     f"{CLASSES[cfg['model_type']]} holds them at {dtype} (its _keep_in_fp32_modules_strict)")
     return {"config.json": (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()}, notes
 
 

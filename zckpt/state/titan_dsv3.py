@@ -61,6 +61,8 @@ LAYER = (
 TOP = (("model.embed_tokens.weight", "tok_embeddings.weight"), ("model.norm.weight", "norm.weight"),
        ("lm_head.weight", "lm_head.weight"))
 BUFFERS = ("moe.expert_bias_E",)  # torchtitan's buffers (each the class's buffer too)
+# the class's _keep_in_fp32_modules_strict (transformers 5.25): held in fp32 when it loads in bf16 / fp16
+KEEP_FP32 = ("e_score_correction_bias", "gate.weight")
 # AutoEP's names under a DeepSeek-V3 MoE block where they are not the class's
 _AUTOEP = {"mlp.gate.weight": "mlp.router.gate.weight",
            "mlp.gate.e_score_correction_bias": "mlp.router.e_score_correction_bias"}
@@ -89,6 +91,11 @@ def hf_order(name: str) -> tuple:
     if m:
         return (1, int(m.group(1)), _ORDER.index(m.group(2)))
     return ({"model.embed_tokens.weight": 0, "model.norm.weight": 2}.get(name, 3), 0, 0)
+
+
+def kept_fp32(name: str) -> bool:
+    """Whether the class keeps its tensor ``name`` in fp32 at any dtype (as transformers matches the names)."""
+    return any(name == p or name.endswith("." + p) for p in KEEP_FP32)
 
 
 def autoep_table() -> tuple:
