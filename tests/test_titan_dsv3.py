@@ -269,3 +269,26 @@ def test_merge_bf16_keeps_what_the_class_keeps_in_fp32(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.bfloat16)
     sd = model.state_dict()
     assert all(torch.equal(sd[k], got[k]) for k in got)
+
+
+def test_a_save_without_expert_bias_is_refused(tmp_path):
+    """torchtitan built with load_balance_coeff None saves no expert_bias_E; the class's router has its
+    e_score_correction_bias buffer: refused in one line (not written with that buffer missing), nothing written."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    dcp_to_torch_save(step("dsv3_q"), str(tmp_path / "sd.pt"))
+    sd = torch.load(tmp_path / "sd.pt", weights_only=False)
+    sd = {k: v for k, v in sd.items() if not k.endswith("expert_bias_E")}
+    torch.save(sd, tmp_path / "nobias.pt")
+    torch_save_to_dcp(str(tmp_path / "nobias.pt"), str(tmp_path / "step-2"))
+    for call in (lambda: zckpt.merge(str(tmp_path / "step-2"), str(tmp_path / "m"), hf_config=config("dsv3_q")),
+                 lambda: zckpt.convert(str(tmp_path / "step-2"), to="deepspeed", out=str(tmp_path / "d"),
+                                       world_size=2, stage=2, dtype="bf16", hf_config=config("dsv3_q"))):
+        with pytest.raises(UnsupportedLayout, match="holds no moe.expert_bias_E") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "m").exists() and not (tmp_path / "d").exists()
+    # torchtitan's multi-token-prediction layers: the class builds none (refused, not dropped)
+    torch.save({**sd, "mtp_layers.0.enorm.weight": torch.ones(16)}, tmp_path / "mtp.pt")
+    torch_save_to_dcp(str(tmp_path / "mtp.pt"), str(tmp_path / "step-3"))
+    with pytest.raises(UnsupportedLayout, match="mtp_layers.0.enorm.weight' is torchtitan's multi-token-prediction"):
+        zckpt.merge(str(tmp_path / "step-3"), str(tmp_path / "m"), hf_config=config("dsv3_q"))

@@ -113,7 +113,8 @@ def autoep_table() -> tuple:
 def check_shapes(cfg: dict, by: dict, layers: list[int]) -> str:
     """Why the class ``cfg`` builds would not hold torchtitan's tensors ``by`` (name -> record with ``shape``), or
     '': the attention's low-rank sizes and heads, which layers are MoE (from ``first_k_dense_replace`` on), the
-    experts, the shared experts, the dense layers' size, no multi-token-prediction layer."""
+    experts, the shared experts, the router's bias (``expert_bias_E``: the class's ``e_score_correction_bias`` is a
+    buffer of every MoE layer), the dense layers' size, no multi-token-prediction layer."""
     emb = by.get("tok_embeddings.weight")
     if emb is None or [int(d) for d in emb.shape] != [cfg.get("vocab_size"), cfg.get("hidden_size")]:
         return (f"vocab_size x hidden_size {[cfg.get('vocab_size'), cfg.get('hidden_size')]}, the checkpoint's "
@@ -155,6 +156,9 @@ def check_shapes(cfg: dict, by: dict, layers: list[int]) -> str:
         for name, s in want.items():
             if shape(name) != s:
                 return f"layer {i} holds {name} {shape(name) or '(none)'}, the config makes it {s}"
+        if i >= first and shape(f"layers.{i}.moe.expert_bias_E") != [n]:
+            return (f"layer {i} holds no moe.expert_bias_E [{n}] (torchtitan's load_balance_coeff None), and the "
+                    "class's router adds its e_score_correction_bias buffer, which zckpt does not make up")
         known = set(want) | {f"layers.{i}.attention_norm.weight", f"layers.{i}.ffn_norm.weight"}
         known |= {f"layers.{i}.moe.shared_experts.{w}.weight" for w in ("w2", "w3") if shared} | \
             {f"layers.{i}.moe.expert_bias_E"} if i >= first else \
