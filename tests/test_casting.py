@@ -202,3 +202,28 @@ def test_torch_pays_only_from_its_threshold(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
                         if name == "torch" else real(name, *a, **k))
     assert not casting.torch_pays(casting.TORCH_CAST_FROM)
+
+
+def test_fp16_kernel_blocks_edges_and_input_kept(monkeypatch):
+    """zckpt's fp32 -> fp16 kernel (numpy passes over blocks of F16_BLOCK elements, no torch) at block bounds
+    (blocks made small here: lengths one under, at and over a block and several blocks with a tail), on fp16's
+    own edges (each subnormal step's halfway points, the lowest binade's bound 2**-13, the largest finite and the
+    overflow at 65520, values past 65536, both signs and zeros) as torch; the input left as it was."""
+    import sys
+    from zckpt.encoding import casting
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    h = h[(h & 0x7C00) != 0x7C00]  # every finite fp16 ...
+    mids = torch.from_numpy(h.view(np.float16)).float().numpy()
+    step = np.abs(mids) * 2.0 ** -11 + 2.0 ** -25  # ... at its value, half an fp16 step above and just around that
+    vals = np.concatenate([mids, mids + np.sign(mids) * step, np.nextafter(mids + np.sign(mids) * step, np.inf),
+                           np.nextafter(mids + np.sign(mids) * step, -np.inf), 2.0 ** -13 * np.array([1, -1]),
+                           np.array([65504, 65519.996, 65520, 65536, 1e30, 3.4028235e38, -65520, -1e30, 0, -0.0]),
+                           ]).astype(np.float32)
+    raw = vals.view(np.uint8)
+    want = _torch(raw, "float32", "float16")
+    keep = raw.copy()
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(casting, "F16_BLOCK", 4096)
+    for n in (1, 4095, 4096, 4097, 3 * 4096 + 17, vals.size):
+        assert np.array_equal(cast(raw[:4 * n], "float32", "float16"), want[:2 * n]), n
+    assert np.array_equal(raw, keep)

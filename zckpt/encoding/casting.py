@@ -3,10 +3,11 @@
 Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
 ``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). fp32 -> bf16 is ml_dtypes' compiled cast (one pass, one call
 that releases the GIL; ``ml_dtypes``, a dependency, imported on first use), or numpy's integer passes where it is
-missing; fp16 is numpy's own cast. All of it without importing torch (a 1.5 s start-up and ~400 MiB), in
-per-thread scratch arrays (or straight into the caller's ``out``); small bf16 -> fp32 jobs need not even numpy
-(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported torch, or jobs whose slow down-casts
-are large enough that importing it pays: :func:`torch_pays`) uses torch's kernels.
+missing; fp32 -> fp16 is numpy passes over cache-sized blocks (:func:`_fp16_from_f32`). All of it without importing
+torch (a 1.5 s start-up and ~400 MiB), in per-thread scratch arrays (or straight into the caller's ``out``); small
+bf16 -> fp32 jobs need not even numpy (:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported
+torch, or jobs whose slow down-casts are large enough that importing it pays: :func:`torch_pays`) uses torch's
+kernels.
 NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
 to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern and random fp32 ones.
 """
@@ -85,6 +86,54 @@ def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     np.add(r, 0x7FFF, out=r)
     np.right_shift(r, 16, out=r)
     np.copyto(out, r, casting="unsafe")  # (every value < 2**16: nothing is cut)
+    return out
+
+
+#: elements per block of :func:`_fp16_from_f32`: its scratch (13 bytes an element) stays in a core's cache; blocks of
+#: 2**14 pay numpy's per-call cost, the whole 8 MiB chunk misses the cache (docs/benchmarks.md: 0.37 against 0.59 and
+#: 0.54 CPU s per GB on the 2-core box)
+F16_BLOCK = 1 << 18
+
+
+def _fp16_from_f32(f: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """fp32 -> fp16 bits (uint16), IEEE round to nearest even (no NaN here), into ``out`` or a per-thread buffer:
+    fifteen numpy passes per block of :data:`F16_BLOCK` elements, about half the CPU of numpy's own cast (its scalar
+    C loop: numpy's baseline build does not use this CPU's F16C), bit-equal to torch's on all 2**32 non-NaN patterns
+    (``benchmarks/check_fp16_all_patterns.py``; docs/benchmarks.md).
+
+    Clipped to +-65536 (inf included: it rounds to fp16's inf as 65536 does); ``|c| << 3`` plus ``0x40000000`` is
+    fp16's exponent and mantissa placed where a bf16 rounding would cut (bit 16: ``(|c| - 0x38000000) << 3`` mod
+    2**32, the sign shifted out), rounded there to nearest even (``+ 0x7FFF + lsb``). fp16's subnormals and its
+    lowest binade (``|c| < 2**-13``, one step of 2**-24 there) are ``|c| + 0.5`` in fp32, whose one rounding is at
+    2**-24 too: its low 16 bits are the fp16 bits, put in the high half in their place. The sign is then or-ed in and
+    the high half kept."""
+    import numpy as np
+    n = f.size
+    if out is None:
+        out = _scratch("out16", n, np.uint16)
+    b = min(n, F16_BLOCK)
+    cs, xs, rs = _scratch("f16c", b, np.float32), _scratch("f16x", b, np.uint32), _scratch("f16r", b, np.uint32)
+    smalls = _scratch("f16small", b, np.bool_)
+    for lo in range(0, n, F16_BLOCK):
+        fb, ob = f[lo:lo + F16_BLOCK], out[lo:lo + F16_BLOCK]
+        k = fb.size
+        c, x, r, small = cs[:k], xs[:k], rs[:k], smalls[:k]
+        np.clip(fb, -65536.0, 65536.0, out=c)
+        cb = c.view(np.uint32)
+        np.left_shift(cb, 3, out=x)
+        np.right_shift(cb, 13, out=r)
+        np.bitwise_and(r, 1, out=r)  # the kept lsb: bit 13 of the input, bit 16 of x
+        np.add(x, r, out=x)
+        np.add(x, 0x40007FFF, out=x)  # fp16's exponent bias, and half an ulp less the lsb: round to nearest even
+        np.bitwise_and(cb, 0x7FFFFFFF, out=cb)  # |c|
+        np.less(c, 2.0 ** -13, out=small)
+        np.add(c, 0.5, out=c)  # (below 2**-13: 0.5 + k * 2**-24 after its one rounding)
+        np.left_shift(cb, 16, out=cb)  # k << 16
+        np.copyto(x, cb, where=small)
+        np.bitwise_and(fb.view(np.uint32), 0x80000000, out=r)
+        np.bitwise_or(x, r, out=x)
+        np.right_shift(x, 16, out=x)
+        np.copyto(ob, x, casting="unsafe")  # (every value < 2**16: nothing is cut)
     return out
 
 
@@ -193,12 +242,9 @@ def cast(raw, src: str, dst: str, use_torch: bool = False, out=None) -> np.ndarr
     if src == "float32" and dst == "bfloat16":
         f = raw.view(np.float32)
         return _bf16_from_f32(f, None if dest is None else dest.view(np.uint16)).view(np.uint8)
-    if src == "float32" and dst == "float16":  # numpy's cast (IEEE round to nearest even, as torch): one call
-        x = raw.view(np.float32)
-        res = target("out16", x.size, np.uint16).view(np.float16)
-        with np.errstate(over="ignore"):
-            np.copyto(res, x, casting="unsafe")
-        return res.view(np.uint8)
+    if src == "float32" and dst == "float16":
+        f = raw.view(np.float32)
+        return _fp16_from_f32(f, None if dest is None else dest.view(np.uint16)).view(np.uint8)
     # bf16 <-> fp16: exact via fp32, as torch does (a copy: torch's path writes in the buffer it would read)
     return cast(cast(raw, src, "float32").copy(), "float32", dst, out=out)
 
