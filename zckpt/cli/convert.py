@@ -109,8 +109,8 @@ Examples:
                    "files say the model is Llama-shaped). A DeepSpeed AutoEP source: keep AutoEP's expert and "
                    "router names (default: the model class's, when the config.json beside it says the class).")
 @click.option("--hf-config", "hf_config", default=None, metavar="CONFIG.json",
-              help="--to deepspeed of a torchtitan Qwen3 / Qwen3-MoE / Llama 3 save (its step-N folder): the "
-                   "config.json of the transformers class the DeepSpeed job trains (torchtitan saves none); the "
+              help="--to deepspeed of a torchtitan Qwen3 / Qwen3-MoE / Llama 3 / DeepSeek-V3 save (its step-N folder): "
+                   "the config.json of the transformers class the DeepSpeed job trains (torchtitan saves none); the "
                    "state is written under its names and fusion, the fused qkv's optimizer state split by its heads.")
 @tag_option
 @tie_options

@@ -44,8 +44,8 @@ Examples:
                    "(SwiGLU, RMSNorm, RoPE, no biases) is written under Hugging Face Llama names with a "
                    "config.json unless this is given.")
 @click.option("--hf-config", "hf_config", default=None, metavar="CONFIG.json",
-              help="A torchtitan Qwen3 / Qwen3-MoE / Llama 3 save (its step-N folder): the config.json of the "
-                   "transformers class to write it as (torchtitan saves none); its names, fused experts and the "
+              help="A torchtitan Qwen3 / Qwen3-MoE / Llama 3 / DeepSeek-V3 save (its step-N folder): the config.json "
+                   "of the transformers class to write it as (torchtitan saves none); its names, fused experts and the "
                    "config are written, so from_pretrained loads the output.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
               help="Threads for reading, casting and writing (default: CPU count, at most 8); they write "
