@@ -243,7 +243,9 @@ def titan_case(case: dict, mesh, rank: int, ws: int) -> None:
     ``OptimizersContainer`` (AdamW, experts and the rest by FQN pattern, wrong hyperparameters on purpose),
     ``LRSchedulersContainer`` and ``CheckpointManager.load(step)`` of ``BASE/ckpt/step-<step>`` (then, with
     ``save_step``, its own ``save`` of ``BASE/ckpt/step-<save_step>``). Rank 0 writes
-    ``OUT/titan.safetensors`` / ``.json`` (parameters, each Adam state, groups, last_epoch, train state)."""
+    ``OUT/titan.safetensors`` / ``.json`` (parameters, each Adam state, groups, last_epoch, train state).
+    ``case["family"] == "deepseek_v3"``: torchtitan's DeepSeekV3Model instead (tests/titan_dsv3_build.py,
+    load_balance_coeff set: its ``expert_bias_E`` buffers, written out as ``buffer/<name>``)."""
     _titan_kernels_stub()
     import torch
     from torch.distributed.fsdp import fully_shard

@@ -5,7 +5,8 @@ torchtitan run under a transformers class's names (tests/test_titan_to_deepspeed
 
 Run as ``titan_save_worker.py JOB.json``; each case builds ``Qwen3Model`` at ``case["dims"]`` (``moe``: its
 ``_build_qwen3_moe_layers``, GroupedExperts w1_EFD/w2_EDF/w3_EFD and a TokenChoiceTopKRouter; else the dense
-``_build_qwen3_layers``), fused q/k/v unless ``fuse_qkv`` is false, ``load_balance_coeff`` as stated (None: no
+``_build_qwen3_layers``; ``family`` ``deepseek_v3``: ``DeepSeekV3Model`` from tests/titan_dsv3_build.py,
+fixtures/gen_titan_dsv3.py), fused q/k/v unless ``fuse_qkv`` is false, ``load_balance_coeff`` as stated (None: no
 ``expert_bias_E``), ``enable_weight_tying`` as ``tied`` (torchtitan's default for its dense Qwen3 sizes), ``fully_shard`` per layer and at the root, AdamW in two param groups by FQN pattern (everything
 but the experts first, the experts without weight decay; the dense model: norms and the rest). No forward runs
 (torchtitan's FlexAttention has no CPU backward; torchtitan 0.3.0 refuses sdpa for its language models): each step

@@ -217,7 +217,8 @@ def _titan_name(name: str, table) -> str | None:
 
 def titan_view(ckpt: Checkpoint) -> Checkpoint:
     """``ckpt`` (AutoEP) under the names of torchtitan's model of the family its ``config.json`` says (Qwen3-MoE:
-    torchtitan's own Hugging Face table), experts stacked ``[E, ...]`` as AutoEP keeps them, every master, moment,
+    torchtitan's own Hugging Face table; DeepSeek-V3: :mod:`zckpt.state.titan_dsv3`'s, the router's
+    ``e_score_correction_bias`` as torchtitan's ``expert_bias_E`` buffer), experts stacked ``[E, ...]`` as AutoEP keeps them, every master, moment,
     group and step as it is; refused in one line where the class is not said or has no torchtitan model, or a
     parameter has no torchtitan name."""
     cfg, path, why = _config(ckpt)
