@@ -125,12 +125,13 @@ def test_values_the_source_does_not_hold_are_refused_until_stated(tmp_path):
 
 
 def test_trainer_checkpoint_schedule_from_scheduler_pt(tmp_path):
-    """A Trainer checkpoint-N: last_epoch is its scheduler.pt's (LambdaLR), initial_lr its groups' own."""
+    """A Trainer checkpoint-N: last_epoch is its scheduler.pt's (LambdaLR), initial_lr its groups' own; its Llama under
+    torchtitan's Llama 3 names (its config.json says llama: tests/test_titan_llama.py loads them in torchtitan)."""
     from zckpt.ops.convert import convert
     res = convert(str(FIXTURES / "trainer" / "checkpoint-4"), out=str(tmp_path / "step-4"), layout="torchtitan",
                   torchtitan={"ntokens_seen": 0}, dry_run=True)
     saved = torch.load(FIXTURES / "trainer" / "checkpoint-4" / "scheduler.pt", weights_only=True)
     assert f"lr_scheduler.last_epoch = {saved['last_epoch']}" in res.plan.carried
     keys = set(res.plan.parts[0][1].keys())
-    assert "optimizer.param_groups.model.norm.weight.initial_lr" in keys and "lr_scheduler.last_epoch" in keys
-    assert "model.embed_tokens.weight" in keys and "train_state.ntokens_seen" in keys
+    assert "optimizer.param_groups.norm.weight.initial_lr" in keys and "lr_scheduler.last_epoch" in keys
+    assert "tok_embeddings.weight" in keys and "train_state.ntokens_seen" in keys

@@ -174,7 +174,7 @@ def test_deepspeed_loads_a_torchtitan_llama(deepspeed_loads, tmp_path, case):
 def test_permute_rows_is_torchtitans_permute(tmp_path):
     """Pieces cut at arbitrary elements (mid-row, across files) permuted = torchtitan's own ``_permute``."""
     import numpy as np
-    from zckpt.dcp.titan_llama import permute_rows
+    from zckpt.state.titan_llama import permute_rows
     from zckpt.engine.segments import Piece
     _adapter({"dims": {"heads": 1, "kv_heads": 1, "dim": 2, "layers": 1}, "tied": False})
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -193,6 +193,11 @@ def test_permute_rows_is_torchtitans_permute(tmp_path):
                               for p in permute_rows(pieces, heads, rows, cols)])
         want = Llama3StateDictAdapter._permute(None, torch.arange(n, dtype=torch.float32).reshape(rows, cols), heads)
         assert np.array_equal(got, want.reshape(-1).numpy()), (heads, head, cols)
+        back = np.concatenate([np.fromfile(p.path, np.float32, p.numel, offset=p.offset)
+                               for p in permute_rows(pieces, heads, rows, cols, reverse=True)])
+        want = Llama3StateDictAdapter._reverse_permute(None, torch.arange(n, dtype=torch.float32).reshape(rows, cols),
+                                                       heads)
+        assert np.array_equal(back, want.reshape(-1).numpy()), (heads, head, cols)
 
 
 def test_refusals_in_one_line(tmp_path):
@@ -222,3 +227,100 @@ def test_refusals_in_one_line(tmp_path):
         bad.write_text(json.dumps({**cfg, **change}))
         refused(match, lambda: zckpt.merge(step("llama"), str(tmp_path / "c"), hf_config=str(bad)))
     assert not any((tmp_path / x).exists() for x in "abc")
+
+
+# the other way: DeepSpeed checkpoints of transformers' LlamaForCausalLM (HF Trainer runs, config.json beside) ->
+# --layout torchtitan -> torchtitan's own Llama3Model + CheckpointManager.load. (source, fuse_qkv of the model loading)
+TO_TITAN = {"trainer_fused": ("trainer", True), "z3_fused": ("trainer_z3", True), "z3_split": ("trainer_z3", False)}
+
+
+@pytest.fixture(scope="module")
+def titan_loads(tmp_path_factory):
+    """Each source converted with ``--layout torchtitan`` (ntokens_seen stated), loaded by torchtitan at 2 ranks in
+    one launch (tests/titan_llama_load_worker.py)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import ds_oracle
+    G = ds_oracle.generate_module()
+    base = tmp_path_factory.mktemp("to-titan")
+    results, cases = {}, []
+    for case, (src, fuse) in TO_TITAN.items():
+        if src not in results:  # (both models of one source load the same files)
+            results[src] = zckpt.convert(str(FIXTURES / src / "checkpoint-4"), to="dcp", layout="torchtitan",
+                                         out=str(base / src / "checkpoint" / "step-4"), torchtitan={"ntokens_seen": 96})
+        cases.append({"config": str(FIXTURES / src / "checkpoint-4" / "config.json"), "base": str(base / src),
+                      "step": 4, "out": str(base / f"{case}-loaded"), "fuse_qkv": fuse})
+    job = base / "job.json"
+    job.write_text(json.dumps({"cases": cases}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
+           str(ROOT / "tests" / "titan_llama_load_worker.py"), str(job)]
+    proc = ds_oracle.run_torchrun(cmd, G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(base)}), 600)
+    assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
+    return base, results
+
+
+def titan_oracle(src: str, fuse: bool) -> dict:
+    """{kind: {torchtitan name: tensor}}: DeepSpeed's own view of the source at its save (``expected/oracle``:
+    safe_get_full_fp32_param / _optimizer_state) through torchtitan's own ``Llama3StateDictAdapter.from_hf`` (the
+    reverse permutation), fused by its own ``_merge_qkv_on_load`` where the model fuses q/k/v."""
+    from types import SimpleNamespace as NS
+    from safetensors.torch import load_file
+    hf = json.loads((FIXTURES / src / "checkpoint-4" / "config.json").read_text())
+    kv = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    hd = hf["hidden_size"] // hf["num_attention_heads"]
+    _adapter({"dims": {"heads": 1, "kv_heads": 1, "dim": 2, "layers": 1}, "tied": False})  # (torchtitan importable)
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+    attn = NS(n_heads=hf["num_attention_heads"], n_kv_heads=kv, head_dim=None,
+              rope=ComplexRoPE.Config(dim=hd, max_seq_len=64))
+    cfg = NS(layers=[NS(attention=attn)] * hf["num_hidden_layers"], dim=hf["hidden_size"],
+             enable_weight_tying=bool(hf.get("tie_word_embeddings")))
+    saved = load_file(str(FIXTURES / src / "expected" / "oracle.safetensors"))
+    out = {}
+    for kind, key in zip(KINDS, ("fp32", "exp_avg", "exp_avg_sq")):
+        sd = Llama3StateDictAdapter(cfg, None).from_hf({k.split("/", 1)[1]: v for k, v in saved.items()
+                                                        if k.startswith(key + "/")})
+        if fuse:
+            for i in range(hf["num_hidden_layers"]):
+                FusedQKVLinear._merge_qkv_on_load(NS(head_dim=hd, heads_per_kv=hf["num_attention_heads"] // kv), sd,
+                                                  f"layers.{i}.attention.qkv_linear.")
+        out[kind] = sd
+    return out
+
+
+@pytest.mark.parametrize("case", list(TO_TITAN))
+def test_torchtitan_loads_a_deepspeed_llama(titan_loads, case):
+    from safetensors.torch import load_file
+    base, results = titan_loads
+    src, fuse = TO_TITAN[case]
+    want = titan_oracle(src, fuse)
+    got = load_file(str(base / f"{case}-loaded.safetensors"))
+    info = json.loads((base / f"{case}-loaded.json").read_text())
+    hf = json.loads((FIXTURES / src / "checkpoint-4" / "config.json").read_text())
+    names = [k.split("/", 1)[1] for k in got if k.startswith("param/")]
+    assert sum(n.endswith(".wqkv.weight") for n in names) == (hf["num_hidden_layers"] if fuse else 0)
+    for name in names:
+        for kind in KINDS:
+            assert torch.equal(got[f"{kind}/{name}"], want[kind][name]), (kind, name)
+        assert got[f"step/{name}"].tolist() == [4.0], name
+    if not fuse:  # the permutation is not the identity: the class's rows as they are would be wrong
+        from safetensors.torch import load_file as lf
+        fp32 = lf(str(FIXTURES / src / "expected" / "oracle.safetensors"))
+        assert not torch.equal(got["param/layers.0.attention.qkv_linear.wq.weight"],
+                               fp32["fp32/model.layers.0.self_attn.q_proj.weight"])
+    assert info["tied"] == bool(hf.get("tie_word_embeddings"))
+    source = json.loads((FIXTURES / src / "expected" / "oracle.json").read_text())["param_groups"] \
+        if (FIXTURES / src / "expected" / "oracle.json").exists() else None
+    norms = [g for g in info["groups"] if all("norm" in n for n in g["names"])]
+    rest = [g for g in info["groups"] if g not in norms]
+    assert len(norms) == len(rest) == 1 and norms[0]["betas"] != [0.5, 0.6] != rest[0]["betas"]
+    if source is not None:  # the source's group values, not the worker's wrong ones
+        assert (norms[0]["weight_decay"], rest[0]["weight_decay"]) == (source[1]["weight_decay"],
+                                                                      source[0]["weight_decay"])
+    assert norms[0]["weight_decay"] != 0.5 and rest[0]["weight_decay"] != 0.7 and norms[0]["lr"] != 99.0
+    sched = torch.load(FIXTURES / src / "checkpoint-4" / "scheduler.pt", weights_only=True)
+    assert info["last_epoch"] == sched["last_epoch"]
+    assert info["train_state"] == {"step": 4, "ntokens_seen": 96}
+    plan = results[src].plan
+    assert plan.carried[0] == "model (top-level keys, torchtitan Llama 3's names)"

@@ -23,58 +23,25 @@ other.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import re
 
-from zckpt.engine.segments import Piece, slice_pieces
 from zckpt.errors import UnsupportedLayout
 from zckpt.state.model import TensorRecord
+from zckpt.state.titan_llama import MODEL_TYPE, permute_rows, qk_heads
 
-CLASSES = {"llama": "LlamaForCausalLM"}
+CLASSES = {MODEL_TYPE: "LlamaForCausalLM"}
 # torchtitan names of its Qwen3 table that torchtitan's Llama 3 has no counterpart of
 NOT_LLAMA = re.compile(r"layers\.\d+\.(attention\.[qk]_norm\.weight|moe\..*)")
-_QK = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.weight")
-
-
-def permute_rows(pieces: list[Piece], heads: int, rows: int, cols: int) -> list[Piece]:
-    """torchtitan's ``Llama3StateDictAdapter._permute(w, heads, rows, cols)`` of the [rows, cols] tensor whose
-    elements ``pieces`` hold, as pieces (each output row a slice of one source row)."""
-    head = rows // heads
-    starts, pos = [], 0
-    for p in pieces:
-        starts.append(pos)
-        pos += p.numel
-    if pos != rows * cols or head % 2 or rows % heads:
-        raise ValueError(f"{pos} elements, {rows} rows of {cols} in {heads} heads: not a q/k weight to permute")
-
-    def row(r: int) -> list[Piece]:
-        k = bisect.bisect_right(starts, r * cols) - 1  # the piece holding the row's first element
-        return slice_pieces(pieces[k:], r * cols - starts[k], cols)
-
-    out: list[Piece] = []
-    for h in range(heads):
-        for j in (0, 1):
-            for i in range(head // 2):
-                for p in row(h * head + 2 * i + j):
-                    last = out[-1] if out else None
-                    if last is not None and last.path == p.path and last.dtype == p.dtype and \
-                            last.offset + last.nbytes == p.offset:
-                        out[-1] = Piece(p.path, last.offset, last.numel + p.numel, p.dtype)
-                    else:
-                        out.append(p)
-    return out
 
 
 def to_hf_record(rec: TensorRecord, cfg: dict, path: str) -> TensorRecord:
     """``rec`` (already under the class's name, q/k's state split from ``wqkv``) as the class holds it: q_proj and
     k_proj's value and every elementwise state permuted as torchtitan's ``to_hf`` permutes the weight; the rest as
     it is."""
-    m = _QK.fullmatch(rec.name)
-    if m is None or rec.kind == "tied":
+    heads = qk_heads(rec.name, cfg)
+    if heads is None or rec.kind == "tied":
         return rec
-    heads = cfg["num_attention_heads"] if m.group(1) == "q" else \
-        (cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     rows, cols = (int(x) for x in rec.shape)
     if rows % heads or (rows // heads) % 2:
         raise UnsupportedLayout(f"{rec.name}: {rows} rows in {heads} heads of an odd size; torchtitan's RoPE "

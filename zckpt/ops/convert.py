@@ -24,7 +24,7 @@ from zckpt.dcp import writer as dcpw
 from zckpt.dcp.fsdp2_state import torch_group as _torch_group
 from zckpt.dcp.plan import ConvertPlan, plan_dcp
 from zckpt.deepspeed.from_state import config_adam_w_mode
-from zckpt.deepspeed import hf_moe
+from zckpt.deepspeed import hf_moe, titan_dense
 from zckpt.engine import run
 from zckpt.engine.checked import InputCheck
 from zckpt.errors import InvalidArgument, OptionError
@@ -213,6 +213,8 @@ def convert(path: str, to: str = "dcp", out: str | None = None, tag: str | None 
         ckpt = view(ckpt, groups, native_names)
     elif ckpt.format == "deepspeed" and not groups:  # AutoEP: the model class's names, unless native_names
         ckpt = hf_moe.training_view(ckpt, native_names, layout)
+        if layout == "torchtitan" and not ckpt.extra.get("titan_names"):  # a Llama: torchtitan's Llama 3 names
+            ckpt = titan_dense.titan_view(ckpt)
     elif groups or native_names:  # a Megatron source's options: never ignored for another
         raise OptionError(f"--{'groups' if groups else 'native-names'} applies to a Megatron-Core source; this "
                           f"{ckpt.format} checkpoint records its own groups and names", path=path,
