@@ -292,3 +292,19 @@ def test_a_save_without_expert_bias_is_refused(tmp_path):
     torch_save_to_dcp(str(tmp_path / "mtp.pt"), str(tmp_path / "step-3"))
     with pytest.raises(UnsupportedLayout, match="mtp_layers.0.enorm.weight' is torchtitan's multi-token-prediction"):
         zckpt.merge(str(tmp_path / "step-3"), str(tmp_path / "m"), hf_config=config("dsv3_q"))
+
+
+def test_cli_layout_torchtitan_of_autoep_deepseek_v3(tmp_path):
+    """The CLI writes it (exit 0; was refused, exit 1), and zckpt reads its own output back under torchtitan's
+    names: every expert once, the router bias among the model's tensors."""
+    from click.testing import CliRunner
+    from zckpt.cli import main
+    out = tmp_path / "step-2"
+    r = CliRunner().invoke(main, ["convert", str(checkpoint_path(AUTOEP["zero2"])), "--to", "dcp", "--layout",
+                                  "torchtitan", "--ntokens-seen", "0", "--lr-last-epoch", "2", "--initial-lr", "0.01",
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    names = {rec.name for rec in zckpt.open_checkpoint(str(out)).records}
+    assert {"layers.1.moe.expert_bias_E", "layers.2.moe.shared_experts.w2.weight", "layers.0.attention.wq_a.weight",
+            "layers.0.feed_forward.w1.weight"} <= names
+    assert zckpt.info(str(out)).to_dict()["moe"]["layers"] == 2
