@@ -6,9 +6,10 @@ bits are checked against torch's ``.to(torch.float16)`` first (random fp32 patte
 left out as zckpt hands NaN chunks to torch).
 
 * ``astype``: numpy's own cast (``np.copyto`` into a float16 array; zckpt's kernel before);
-* ``int passes``: zckpt's kernel now (``casting._fp16_from_f32``: fifteen numpy calls, integer rounding);
-* ``int passes, blocks N``: the same over blocks of N elements (scratch in L2);
-* ``ml_dtypes round``: the same but rounded by ml_dtypes' compiled bf16 cast of the placed bits (eleven calls);
+* ``int passes, blocks N``: zckpt's kernel now (``casting._fp16_from_f32``: fifteen numpy calls, integer rounding)
+  over blocks of N elements (``casting.F16_BLOCK``, 262144; ``whole chunk``: one block);
+* ``ml_dtypes round``: the same but rounded by ml_dtypes' compiled bf16 cast of the placed bits (eleven calls),
+  over the whole chunk or over blocks of ``F16_BLOCK``;
 * ``zckpt cast()``: zckpt's whole path (the NaN scan included);
 * ``torch``: ``Tensor.copy_`` into a per-thread buffer (when torch is installed).
 
@@ -49,25 +50,30 @@ def astype(f: np.ndarray) -> np.ndarray:
     return out
 
 
-def int_passes(f: np.ndarray) -> np.ndarray:
-    return casting._fp16_from_f32(f, _buf("out", f.size, np.uint16))
-
-
-def blocks(block: int):
+def int_passes(block: int):
+    """zckpt's kernel with ``casting.F16_BLOCK`` = ``block`` (1 << 30: the whole chunk at once)."""
     def run(f: np.ndarray) -> np.ndarray:
-        out = _buf("out", f.size, np.uint16)
+        casting.F16_BLOCK = block
+        return casting._fp16_from_f32(f, _buf("out", f.size, np.uint16))
+    return run
+
+
+def ml_blocks(block: int):
+    def run(f: np.ndarray) -> np.ndarray:
+        out = _buf("out16", f.size, np.uint16)
         for lo in range(0, f.size, block):
-            casting._fp16_from_f32(f[lo:lo + block], out[lo:lo + block])
+            ml_round(f[lo:lo + block], out[lo:lo + block])
         return out
     return run
 
 
-def ml_round(f: np.ndarray) -> np.ndarray:
+def ml_round(f: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
     """The placed bits (as zckpt's kernel) rounded by ml_dtypes' compiled fp32 -> bf16 cast (its rounding at bit 16
     is the one wanted; no NaN pattern reaches it): four integer calls fewer, one compiled pass more."""
     import ml_dtypes
     n = f.size
-    out, c, x, r, small = (_buf("out", n, np.uint16), _buf("c", n, np.float32), _buf("x", n, np.uint32),
+    out = _buf("out", n, np.uint16) if into is None else into
+    c, x, r, small = (_buf("c", n, np.float32), _buf("x", n, np.uint32),
                            _buf("r", n, np.uint32), _buf("s", n, np.bool_))
     np.clip(f, -65536.0, 65536.0, out=c)
     cb = c.view(np.uint32)
@@ -92,9 +98,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--only", default=None, help="comma-separated kernel names")
     args = ap.parse_args(argv)
-    kernels = {"astype": astype, "int passes": int_passes, "int passes, blocks 65536": blocks(1 << 16),
-               "int passes, blocks 262144": blocks(1 << 18), "ml_dtypes round": ml_round,
-               "zckpt cast()": lambda f: casting.cast(f.view(np.uint8), "float32", "float16")}
+    block = casting.F16_BLOCK
+    kernels = {"astype": astype, "int passes, whole chunk": int_passes(1 << 30),
+               "int passes, blocks 16384": int_passes(1 << 14), "int passes, blocks 65536": int_passes(1 << 16),
+               "int passes, blocks 262144": int_passes(1 << 18), "int passes, blocks 1048576": int_passes(1 << 20),
+               "ml_dtypes round, whole": ml_round, "ml_dtypes round, blocks": ml_blocks(block),
+               "zckpt cast()": lambda f: (setattr(casting, "F16_BLOCK", block),
+                                          casting.cast(f.view(np.uint8), "float32", "float16"))[1]}
     import torch
     kernels["torch"] = lambda f: casting.cast(f.view(np.uint8), "float32", "float16", True)
     if args.only:

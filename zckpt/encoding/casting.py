@@ -147,7 +147,11 @@ def fast_bf16() -> bool:
 #: 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into 5 files took 1.03 s with numpy's cast,
 #: 0.46 s with torch's (0.13 s per GB read), so the import pays from about 11 GB; numpy's fp16 cast is slower still
 #: (one thread: 0.83 GB/s, torch 58). ml_dtypes' bf16 cast in 8-16 threads is as fast as torch's or faster (24.5 /
-#: 40.9 GB/s against 23.2 / 23.6; one thread 4.5 against 25), so bf16 never imports torch where it is installed
+#: 40.9 GB/s against 23.2 / 23.6; one thread 4.5 against 25), so bf16 never imports torch where it is installed.
+#: fp16 (numpy passes, 2-core box): 0.35 CPU s per GB against torch's 0.04; a 1.06 GB merge to fp16 took 1.14 CPU s,
+#: 2.25 with torch imported for it (the import about 1.46 s, +186 MiB RSS), so in CPU torch pays from about 4.4 GB;
+#: in wall time on 2 threads from about 9 GB (estimated: 1.5 s against 0.16 s saved per GB), later on more cores
+#: (torch's cast stayed at 24-27 GB/s in 8-16 threads; this kernel not measured there); 8 GiB kept (docs/benchmarks.md)
 TORCH_CAST_FROM = 8 << 30
 
 
