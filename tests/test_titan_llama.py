@@ -16,7 +16,15 @@ weights and, each loaded the same way, for ``exp_avg`` and ``exp_avg_sq``.
   ZeRO-1 for the tied and split ones; 2 gloo ranks, in the session's one torchtitan launch: tests/conftest.py's
   ``titan_deepspeed_loads``) loads it: every fp32 master, ``exp_avg`` and ``exp_avg_sq`` equal to the oracle, the
   bf16 weights their cast, step 2, torchtitan's group values; one step runs.
-- ``permute_rows`` on pieces cut anywhere = torchtitan's ``_permute`` (1-4 heads, head sizes 2-8).
+- ``permute_rows`` on pieces cut anywhere = torchtitan's ``_permute`` and ``_reverse_permute`` (1-4 heads, head
+  sizes 2-8).
+- The other way, ``convert --to dcp --layout torchtitan`` of a DeepSpeed checkpoint of transformers'
+  ``LlamaForCausalLM`` (the HF Trainer fixtures ``trainer``: ZeRO-2, tied, 2 heads in 1 key-value group, head size
+  8; ``trainer_z3``: ZeRO-3, untied, 4 heads in 2 groups; their ``config.json`` says ``llama``): torchtitan's own
+  ``Llama3Model`` (fused and split q/k/v) loads it with its ``CheckpointManager`` at 2 ranks
+  (tests/titan_llama_load_worker.py, one launch), every weight, ``exp_avg``, ``exp_avg_sq`` equal to torchtitan's
+  own ``from_hf`` (and ``_merge_qkv_on_load``) of DeepSpeed's own view at the save (``expected/oracle``), step 4,
+  the source's group values, ``last_epoch`` = its ``scheduler.pt``'s, ``train_state`` as stated.
 """
 
 from __future__ import annotations
@@ -324,3 +332,21 @@ def test_torchtitan_loads_a_deepspeed_llama(titan_loads, case):
     assert info["train_state"] == {"step": 4, "ntokens_seen": 96}
     plan = results[src].plan
     assert plan.carried[0] == "model (top-level keys, torchtitan Llama 3's names)"
+
+
+def test_to_titan_refusals_in_one_line(tmp_path):
+    """A Llama whose config's heads do not make q/k's rows, or whose head size is not hidden / heads (torchtitan's
+    Llama 3 has no other): one line, nothing written."""
+    from zckpt.errors import UnsupportedLayout
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "trainer_z3" / "checkpoint-4", src)
+    cfg = json.loads((src / "config.json").read_text())
+    for change, match in (({"num_key_value_heads": 1}, "rows do not make 1 heads"),
+                          ({"num_attention_heads": 8, "head_dim": 2}, "k_proj.weight: 8 rows do not make 2 heads of 2"),
+                          ({"head_dim": 8}, "torchtitan's Llama 3 has heads of hidden_size / heads")):
+        (src / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(UnsupportedLayout, match=match) as e:
+            zckpt.convert(str(src), to="dcp", layout="torchtitan", out=str(tmp_path / "out"),
+                          torchtitan={"ntokens_seen": 0})
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists()

@@ -44,6 +44,12 @@ def titan_view(ckpt: Checkpoint) -> Checkpoint:
     if cfg is None or cfg.get("model_type") != MODEL_TYPE:
         return ckpt
     path = ckpt.location.input_path
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    if not all(isinstance(x, int) and x > 0 for x in (heads, hidden)) or hidden % heads or \
+            cfg.get("head_dim") not in (None, hidden // heads):
+        raise UnsupportedLayout(f"{cpath} says hidden_size {hidden}, {heads} heads, head_dim {cfg.get('head_dim')}: "
+                                "torchtitan's Llama 3 has heads of hidden_size / heads", path=cpath,
+                                hint="--layout dcp keeps the model class's names")
     renamed = {}
     for r in ckpt.records:
         new = titan_name(r.name)
@@ -56,13 +62,15 @@ def titan_view(ckpt: Checkpoint) -> Checkpoint:
     for r in ckpt.records:
         rec = dataclasses.replace(r, name=renamed[r.name],
                                   tied_to=renamed.get(r.tied_to, r.tied_to) if r.tied_to else None)
-        heads = qk_heads(r.name, cfg)
-        if heads is not None and r.kind != "tied":
+        n_heads = qk_heads(r.name, cfg)
+        if n_heads is not None and r.kind != "tied":
             rows, cols = (int(x) for x in r.shape)
-            if not isinstance(heads, int) or heads <= 0 or rows % heads or (rows // heads) % 2:
-                raise UnsupportedLayout(f"{r.name}: {rows} rows do not make {heads} heads of an even size "
-                                        "(torchtitan's RoPE permutation pairs a head's rows)", path=cpath)
-            perm = (lambda ps, h=heads, n=rows, c=cols: permute_rows(ps, h, n, c, reverse=True) if ps else ps)
+            if not isinstance(n_heads, int) or n_heads <= 0 or rows != n_heads * (hidden // heads) or \
+                    (hidden // heads) % 2:
+                raise UnsupportedLayout(f"{r.name}: {rows} rows do not make {n_heads} heads of {hidden // heads} "
+                                        "(an even size: torchtitan's RoPE permutation pairs a head's rows)",
+                                        path=cpath, hint="state the config.json of the model this checkpoint is")
+            perm = (lambda ps, h=n_heads, n=rows, c=cols: permute_rows(ps, h, n, c, reverse=True) if ps else ps)
             rec = dataclasses.replace(rec, value=perm(rec.value), exp_avg=perm(rec.exp_avg),
                                       exp_avg_sq=perm(rec.exp_avg_sq),
                                       other_state={k: perm(v) for k, v in rec.other_state.items()})
