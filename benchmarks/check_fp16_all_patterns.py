@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """zckpt's fp32 -> fp16 kernel (``casting._fp16_from_f32``, numpy passes, no torch) against torch's
 ``Tensor.to(torch.float16)`` on all 2**32 fp32 bit patterns but NaN (chunks holding NaN go to torch itself), 2**24
-at a time; prints the mismatches (0 expected) and the first few. About 3-5 minutes on one core.
+at a time; prints the mismatches (0 expected) and the first few. About 1-2 minutes on one core.
 
     python benchmarks/check_fp16_all_patterns.py
 """

@@ -89,9 +89,9 @@ def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-#: elements per block of :func:`_fp16_from_f32`: its scratch (13 bytes an element) stays in a core's cache; blocks of
-#: 2**14 pay numpy's per-call cost, the whole 8 MiB chunk misses the cache (docs/benchmarks.md: 0.37 against 0.59 and
-#: 0.54 CPU s per GB on the 2-core box)
+#: elements per block of :func:`_fp16_from_f32`: a block's arrays (19 bytes an element, 4.75 MiB) stay in the cache
+#: where a whole 8 MiB chunk's (38 MiB) do not, and blocks of 2**14 pay numpy's per-call cost 15 times each
+#: (docs/benchmarks.md, 2-core box: 0.345 CPU s per GB against 0.479 whole and 0.519 in blocks of 2**14)
 F16_BLOCK = 1 << 18
 
 
@@ -149,7 +149,7 @@ def fast_bf16() -> bool:
 #: (one thread: 0.83 GB/s, torch 58). ml_dtypes' bf16 cast in 8-16 threads is as fast as torch's or faster (24.5 /
 #: 40.9 GB/s against 23.2 / 23.6; one thread 4.5 against 25), so bf16 never imports torch where it is installed.
 #: fp16 (numpy passes, 2-core box): 0.35 CPU s per GB against torch's 0.04; a 1.06 GB merge to fp16 took 1.14 CPU s,
-#: 2.25 with torch imported for it (the import about 1.46 s, +186 MiB RSS), so in CPU torch pays from about 4.4 GB;
+#: 2.25 with torch imported for it (the import about 1.46 s, +186 MiB RSS), so in CPU torch pays from about 4.3 GB;
 #: in wall time on 2 threads from about 9 GB (estimated: 1.5 s against 0.16 s saved per GB), later on more cores
 #: (torch's cast stayed at 24-27 GB/s in 8-16 threads; this kernel not measured there); 8 GiB kept (docs/benchmarks.md)
 TORCH_CAST_FROM = 8 << 30
