@@ -349,9 +349,10 @@ def _build(path, opts, md, sizes, metas, buffers, tied, fused_qkv=False) -> Chec
     fused_split = {n for fqn in extra["fused_qkv"] for n in fused_qkv_split(fqn)}
     if fused_split:  # (their optimizer state is the fused wqkv's)
         stateless = [n for n in stateless if n not in fused_split]
+    if fused_split and fused_refusal:  # (a caller that splits it says what it did)
         notes.append(f"torchtitan's fused-qkv attention in {len(extra['fused_qkv'])} layer(s): the optimizer state of "
-                     "wq/wk/wv is saved fused under wqkv (read and checked as saved; carried by merge and "
-                     "convert --to deepspeed with --hf-config, which splits it)")
+                     "wq/wk/wv is saved fused under wqkv (read and checked as saved; convert --to deepspeed "
+                     "--hf-config CONFIG.json splits and carries it)")
     if stateless:
         notes.append(f"{len(stateless)} module tensor(s) have no optimizer state ({', '.join(stateless[:3])}"
                      f"{'...' if len(stateless) > 3 else ''}): read as frozen weights unless named as buffers")
