@@ -187,9 +187,7 @@ def _open_parts(path, opts, parts, buffers, tied, fused_qkv=False) -> Checkpoint
     for part in parts:
         folder = storage.join(path, part) if part else path
         mpath = storage.join(folder, METADATA)
-        names = storage.listdir(folder, opts)
-        own = {n: storage.size(storage.join(folder, n), opts) for n in names
-               if n != METADATA and storage.isfile(storage.join(folder, n), opts)}
+        own = {n: s for n, s in storage.file_sizes(folder, opts).items() if n != METADATA}  # one listing
         links.check([mpath], path)  # .metadata and every .distcp it names: inside the folder, links resolved
         data = storage.read_bytes(mpath, opts)
         mds.append(_relative(dcpmeta.read_metadata(data, mpath, own), part))

@@ -109,6 +109,18 @@ class S3Object:
             raise FileNotFoundError(2, "No such file or directory", self.url)
         return sorted(n for n in names if "/" not in n)
 
+    def file_sizes(self) -> dict[str, int]:
+        """``{name: size}`` of the objects directly under this prefix, from the listing alone (no HEAD per object)."""
+        out: dict[str, int] = {}
+        for prefix, page in self.pages():
+            for o in page.get("Contents", ()):
+                name = o["Key"][len(prefix):]
+                if name and "/" not in name:
+                    out[name] = int(o.get("Size") or 0)
+        if not out and not self.exists():
+            raise FileNotFoundError(2, "No such file or directory", self.url)
+        return out
+
     def get(self, offset: int | None = None, length: int | None = None, suffix: int | None = None) -> tuple:
         """``(data, object size)``: the object, ``length`` bytes from ``offset``, or its last ``suffix`` bytes."""
         kwargs: dict[str, Any] = {}

@@ -36,7 +36,8 @@ they live in modules of one concept each::
     filesystems  parse_storage_options, get_fs (the fsspec filesystem and options of a URL), backend errors
     meters       read_meter, count_read, metered (bytes read under a folder)
     s3           the boto3 client: HEAD / LIST / GET / upload on s3://
-    reading      open_input, listdir, list_files, exists, isdir, isfile, size, read_bytes, read_range, ...
+    reading      open_input, listdir, list_files, file_sizes, exists, isdir, isfile, size, read_bytes,
+                 read_range, ...
     ranges       open_ranges, RangeFile (a remote torch file's metadata in a few parallel rounds; its
                  TAIL_BYTES / HEAD_BYTES / WHOLE_BYTES are read there)
     fetched      keep_fetched (what RangeFiles fetched, answering read_range while a checkpoint opens)
@@ -50,16 +51,16 @@ from zckpt.io.filesystems import get_fs, parse_storage_options
 from zckpt.io.meters import ReadMeter, count_read, metered, read_meter
 from zckpt.io.paths import basename, is_url, join, local_path, parent, protocol
 from zckpt.io.ranges import RangeFile, open_ranges
-from zckpt.io.reading import (REMOTE_BLOCK_SIZE, exists, isdir, isfile, list_files, listdir, listings_kept, metadata,
-                              open_input, read_bytes, read_range, read_text, size)
+from zckpt.io.reading import (REMOTE_BLOCK_SIZE, exists, file_sizes, isdir, isfile, list_files, listdir, listings_kept,
+                              metadata, open_input, read_bytes, read_range, read_text, size)
 from zckpt.io.writing import fsync_dir, makedirs, put_file, remove, umask, write_bytes_atomic
 
 __all__ = [
     "protocol", "is_url", "local_path", "join", "basename", "parent",
     "parse_storage_options", "get_fs",
     "ReadMeter", "read_meter", "count_read", "metered",
-    "open_input", "listdir", "listings_kept", "list_files", "exists", "isdir", "isfile", "size", "read_bytes",
-    "read_range", "read_text", "metadata", "REMOTE_BLOCK_SIZE",
+    "open_input", "listdir", "listings_kept", "list_files", "file_sizes", "exists", "isdir", "isfile", "size",
+    "read_bytes", "read_range", "read_text", "metadata", "REMOTE_BLOCK_SIZE",
     "RangeFile", "open_ranges",
     "keep_fetched",
     "makedirs", "fsync_dir", "umask", "put_file", "write_bytes_atomic", "remove",

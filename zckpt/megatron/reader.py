@@ -405,8 +405,7 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
     if not _isfile(mpath, opts):
         raise IncompleteCheckpoint(f"{mpath}: missing: DCP's .metadata (written last by the save: it did not "
                                    "finish)", path=mpath, hint="use the folder of a finished save")
-    names = storage.listdir(folder, opts)
-    sizes = {n: storage.size(storage.join(folder, n), opts) for n in names if _isfile(storage.join(folder, n), opts)}
+    sizes = storage.file_sizes(folder, opts)  # one listing (on S3 one LIST, not two HEADs per file)
     links.check([mpath] + ([common_path] if COMMON in sizes else []), folder)
     data = storage.read_bytes(mpath, opts)
     try:
@@ -479,6 +478,10 @@ def _build(path, save_dir, folder, has_latest, opts, md, common, sizes) -> Check
     items = distcp.Items(folder, opts)
     placed, bucket_error, layers = None, None, None
     try:
+        # the objects the open reads whole (each module's extra state, the dp_reshardable optimizer objects) in
+        # a few reads per data file, not one per object (DCP writes a file's objects together, before its tensors)
+        items.prefetch([(v.file, v.offset, v.length) for k, v in md.values.items()
+                        if "._extra_state" in k or _DP_OPTIM_RE.match(k)])
         n_extra = _extra_states(items, md, mpath)
         tensors = _Tensors(items, mpath)
         records = _records(tensors, md, f, mpath)
