@@ -21,6 +21,10 @@ Cases (files generated in a temporary folder; ``--keep DIR`` keeps them there):
               elements). zckpt: ``open_checkpoint`` of the folder (discover, every file's zip directory and pickle,
               the ZeRO-3 checks). plain: the sum over files of ``pickle.load`` of its ``data.pkl`` (torch's classes,
               storages answered by empty storages of the stated size, as ``torch.load`` would build them).
+``megatron-info-N`` a Megatron-Core ``torch_dist`` save of about N chunks and objects (``gen_megatron``: a dense GPT,
+              stacked layers, tensor x pipeline parallel ranks, fully_reshardable optimizer state, every item a real
+              torch zip; common.pt and metadata.json a real Megatron-LM save's with its sizes set). zckpt:
+              ``zckpt.ops.info.info`` of the iteration folder. plain: ``pickle.load`` of its ``.metadata``.
 ``hostile-*`` crafted ``.metadata``: 10**7 references to one chunk; a list of 10**7 distinct chunk objects sharing
               one state; planner data holding a 1000**3-path shared container; ``list(big)`` called 10**5 times
               on one memo'd 10**4-element list. zckpt only (a plain ``pickle.load`` of some of them does not end).
@@ -33,6 +37,7 @@ after minus before). Prints a table; ``--json-out`` keeps the numbers.
     python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks 100000  # info, real items
     python benchmarks/bench_metadata.py --chunks 100000 --zckpt-root /tmp/old   # another tree's zckpt (before)
     python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes 64,512 --ds-info  # ZeRO-3 open and info
+    python benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --megatron-chunks 100000,1000000  # Megatron
 """
 
 from __future__ import annotations
@@ -228,6 +233,128 @@ def gen_ds_z3(out: Path, world: int, nparams: int, nsub: int) -> Path:
 
 # ------------------------------------------------------------------------------------------ measuring
 
+MEGATRON_TEMPLATE = ROOT / "fixtures" / "megatron" / "lm16_tp1_pp2_dp2_fullyresh"  # a real Megatron-LM 0.16 save
+
+
+def gen_megatron(out: Path, chunks: int, tp: int, pp: int, hidden: int = 16) -> Path:
+    """A Megatron-Core ``torch_dist`` iteration folder as Megatron-LM saves a dense GPT with the
+    ``fully_reshardable`` distributed optimizer at tensor-parallel ``tp`` and pipeline-parallel ``pp`` (one
+    ``__<rank>_0.distcp`` per rank), every item a real ``torch.save`` zip in its file: the stacked layer keys
+    (``decoder.layers.<...>`` with a leading layer axis) cut per layer and over the tensor-parallel ranks, as
+    megatron-core chunks them; their fp32 masters and both moments (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``)
+    chunked alike; one ``_extra_state`` object per layer and linear module (the local spec's ``[None]``), one
+    ``rng_state`` object per rank (the template's bytes). ``common.pt`` and ``metadata.json`` are the template's
+    (:data:`MEGATRON_TEMPLATE`, a real Megatron-LM save) with the args' sizes set to this model's; the layers are
+    as many as ``chunks`` asks (16 tp + 8 chunks and 4 objects per layer: at tp 8, 140); ``hidden`` sets the sizes
+    (8 heads, ffn 2 hidden, vocab 256). A row-parallel weight's chunk (``linear_proj``, ``linear_fc2``: cut on its
+    last dim) is one contiguous run per row of the tensor: zckpt keeps a piece per run, so ``hidden`` sets how many
+    pieces a layer has. Items of one dtype and size repeat one ``torch.save`` zip (the open reads one per layout)."""
+    import glob
+    import io
+    import pickle
+    import shutil
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    it = out / "iter_0000001"
+    if (it / ".metadata").exists():  # made by an earlier run (--keep): the same folder
+        return it / ".metadata"
+    it.mkdir(parents=True, exist_ok=True)
+    tmpl = Path(glob.glob(str(MEGATRON_TEMPLATE / "iter_*"))[0])
+    heads, ffn, vocab = 8, 2 * hidden, 256
+    kv = hidden // heads
+    per_layer = 16 * tp + 8 + 4
+    layers = max(pp, (chunks // per_layer) // pp * pp)
+    files = [open(it / f"__{r}_0.distcp", "wb") for r in range(tp * pp)]
+    sdm, sd, zips = {}, {}, {}
+
+    def item(rank: int, data: bytes) -> _StorageInfo:
+        at = files[rank].tell()
+        files[rank].write(data)
+        return _StorageInfo(f"__{rank}_0.distcp", at, len(data))
+
+    def zip_of(dtype, sizes) -> bytes:
+        z = zips.get((dtype, sizes))
+        if z is None:
+            buf = io.BytesIO()
+            torch.save(torch.ones(sizes, dtype=dtype), buf)
+            z = zips[(dtype, sizes)] = buf.getvalue()
+        return z
+
+    def tensor(key, dtype, shape, cut):  # cut: [(offsets, sizes, rank)]
+        cl = []
+        for offs, sizes, rank in cut:
+            offs, sizes = torch.Size(offs), torch.Size(sizes)
+            cl.append(ChunkStorageMetadata(offsets=offs, sizes=sizes))
+            sd[MetadataIndex(key, offs)] = item(rank, zip_of(dtype, tuple(sizes)))
+        sdm[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), cl)
+
+    stage = lambda l: l * pp // layers  # noqa: E731  (the pipeline stage of layer l)
+    # (key, shape of one layer, the dim cut over tensor-parallel ranks or None)
+    layer_keys = [("self_attention.linear_qkv.layer_norm_weight", (hidden,), None),
+                  ("self_attention.linear_qkv.weight", ((heads + 2 * heads) * kv, hidden), 0),
+                  ("self_attention.linear_proj.weight", (hidden, heads * kv), 1),
+                  ("mlp.linear_fc1.layer_norm_weight", (hidden,), None),
+                  ("mlp.linear_fc1.weight", (2 * ffn, hidden), 0),
+                  ("mlp.linear_fc2.weight", (hidden, ffn), 1)]
+    for prefix, dtype in (("", torch.bfloat16), ("optimizer.state.param.", torch.float32),
+                          ("optimizer.state.exp_avg.", torch.float32), ("optimizer.state.exp_avg_sq.", torch.float32)):
+        for rest, shape, dim in layer_keys:
+            cut = []
+            for l in range(layers):
+                for r in range(tp if dim is not None else 1):
+                    offs, sizes = [l] + [0] * len(shape), [1] + list(shape)
+                    if dim is not None:
+                        sizes[dim + 1] = shape[dim] // tp
+                        offs[dim + 1] = r * sizes[dim + 1]
+                    cut.append((offs, sizes, stage(l) * tp + r))
+            tensor(f"{prefix}decoder.layers.{rest}", dtype, (layers,) + shape, cut)
+        for key, shape, cut_dim, st in (("embedding.word_embeddings.weight", (vocab, hidden), 0, 0),
+                                        ("decoder.final_layernorm.weight", (hidden,), None, pp - 1),
+                                        ("output_layer.weight", (vocab, hidden), 0, pp - 1)):
+            n = tp if cut_dim is not None else 1
+            cut = [([r * shape[0] // n] + [0] * (len(shape) - 1), [shape[0] // n] + list(shape[1:]), st * tp + r)
+                   for r in range(n)]
+            tensor(prefix + key, dtype, shape, cut)
+    buf = io.BytesIO()
+    torch.save([None], buf)  # the local spec's extra state, as megatron-core wraps it in a ShardedObject
+    extra = buf.getvalue()
+    for l in range(layers):
+        for mod in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"):
+            key = f"decoder.layers.{mod}._extra_state/shard_{l}_{layers}"
+            sdm[key] = BytesStorageMetadata()
+            sd[MetadataIndex(key)] = item(stage(l) * tp, extra)
+    tmd = pickle.load(open(tmpl / ".metadata", "rb"))
+    rng_key = next(k for k in tmd.storage_data if k.fqn.startswith("rng_state/"))
+    si = tmd.storage_data[rng_key]
+    with open(tmpl / si.relative_path, "rb") as f:
+        f.seek(si.offset)
+        rng = f.read(si.length)
+    for p in range(pp):
+        for r in range(tp):
+            key = f"rng_state/shard_{p}.{r}_{pp}.{tp}"
+            sdm[key] = BytesStorageMetadata()
+            sd[MetadataIndex(key)] = item(p * tp + r, rng)
+    for f in files:
+        f.close()
+    common = torch.load(tmpl / "common.pt", weights_only=False)  # the template's own objects (megatron-core's enums)
+    a = common["args"]
+    for k, v in dict(num_layers=layers, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                     world_size=tp * pp, data_parallel_size=1, hidden_size=hidden, ffn_hidden_size=ffn,
+                     num_attention_heads=heads, num_query_groups=heads, group_query_attention=False, kv_channels=kv,
+                     padded_vocab_size=vocab, swiglu=True, untie_embeddings_and_output_weights=True).items():
+        setattr(a, k, v)
+    common["iteration"] = 1
+    torch.save(common, it / "common.pt")
+    shutil.copy(tmpl / "metadata.json", it / "metadata.json")
+    (out / "latest_checkpointed_iteration.txt").write_text("1")
+    with open(it / ".metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata=sdm, storage_data=sd), f)  # FileSystemWriter.finish
+    return it / ".metadata"
+
+
 CHILD = r'''
 import json, os, resource, sys, time
 kind, path = sys.argv[1], sys.argv[2]
@@ -322,6 +449,11 @@ def main(argv=None) -> int:
     ap.add_argument("--info-chunks", default="", help="dcp-info-N cases: a DCP folder of N chunks, every item a real "
                     "torch zip in its .distcp file; zckpt info of the folder against pickle.load of its .metadata")
     ap.add_argument("--info-files", type=int, default=64, help="the dcp-info cases' .distcp files (one per rank)")
+    ap.add_argument("--megatron-chunks", default="", help="megatron-info-N cases: a Megatron-Core torch_dist save of "
+                    "about N chunks (gen_megatron); zckpt info of it against pickle.load of its .metadata")
+    ap.add_argument("--megatron-tp", type=int, default=8)
+    ap.add_argument("--megatron-pp", type=int, default=4)
+    ap.add_argument("--megatron-hidden", type=int, default=16, help="hidden size (a row-parallel chunk's rows)")
     ap.add_argument("--ds-world-sizes", default="512")
     ap.add_argument("--ds-params", type=int, default=720, help="parameters of the ZeRO-3 model (80 layers x 9)")
     ap.add_argument("--ds-subgroups", type=int, default=8)
@@ -345,6 +477,14 @@ def main(argv=None) -> int:
         plain = measure("plain-dcp", f, args.zckpt_root, args.timeout)
         z = measure("zckpt-info", f, args.zckpt_root, args.timeout)
         rows.append({"case": f"dcp-info-{n}", "bytes": f.stat().st_size, "plain": plain, "zckpt": z})
+        _print(rows[-1])
+    for n in [int(x) for x in args.megatron_chunks.split(",") if x]:
+        f = gen_megatron(work / f"megatron_{n}_tp{args.megatron_tp}_pp{args.megatron_pp}_h{args.megatron_hidden}", n,
+                         args.megatron_tp, args.megatron_pp, args.megatron_hidden)
+        plain = measure("plain-dcp", f, args.zckpt_root, args.timeout)
+        z = measure("zckpt-info", f, args.zckpt_root, args.timeout)
+        rows.append({"case": f"megatron-info-{n}", "bytes": f.stat().st_size, "plain": plain, "zckpt": z,
+                     "chunks": _chunks(f), "files": len(list(f.parent.glob("*.distcp")))})
         _print(rows[-1])
     for w in [int(x) for x in args.ds_world_sizes.split(",") if x]:
         tag = gen_ds_z3(work / f"ds_z3_{w}", w, args.ds_params, args.ds_subgroups)
@@ -371,6 +511,13 @@ def main(argv=None) -> int:
 
 
 _HEADER = False
+
+
+def _chunks(metadata: Path) -> int:
+    """Tensor chunks and objects a .metadata lists (torch's classes; this process only)."""
+    import pickle
+    with open(metadata, "rb") as f:
+        return len(pickle.load(f).storage_data)
 
 
 def _print(row: dict) -> None:

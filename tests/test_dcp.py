@@ -221,6 +221,59 @@ def test_small_dcp_reads_and_chunks_on_inner_dims(small_dcp, tmp_path):
     assert sum(n for *_, n in runs) == 24
 
 
+def _grid_chunks(shape, cuts):
+    """The chunks of a grid over ``shape`` cut at ``cuts`` (per dim, the inner cut points)."""
+    import itertools
+    from zckpt.encoding import dcpmeta
+    edges = [[0] + sorted(c) + [n] for c, n in zip(cuts, shape)]
+    out = []
+    for cell in itertools.product(*[range(len(e) - 1) for e in edges]):
+        offs = tuple(edges[d][i] for d, i in enumerate(cell))
+        sizes = tuple(edges[d][i + 1] - edges[d][i] for d, i in enumerate(cell))
+        out.append(dcpmeta.Chunk(offs, sizes, f"__{len(out) % 3}_0.distcp", len(out), 1))
+    return out
+
+
+def test_grid_runs_equal_the_row_runs():
+    """Chunks forming a grid cut on an inner dim (tensor parallelism, stacked layers) are cut into runs per range
+    asked for (dcpmeta.Grid), not all kept: for random grids and ranges those runs are exactly chunk_runs' ones."""
+    import random
+    from zckpt.encoding import dcpmeta
+    rng = random.Random(49)
+    for _ in range(300):
+        ndim = rng.randint(2, 4)
+        shape = tuple(rng.randint(1, 7) for _ in range(ndim))
+        cuts = [rng.sample(range(1, n), rng.randint(0, min(3, n - 1))) if n > 1 else [] for n in shape]
+        chunks = _grid_chunks(shape, cuts)
+        rng.shuffle(chunks)
+        te = dcpmeta.TensorEntry("x", "float32", shape, chunks)
+        want = dcpmeta.chunk_runs(te)
+        dcpmeta.cut(te)
+        inner = any(cuts[d] for d in range(1, ndim))
+        assert (te.grid is not None) == inner and (te.runs is None) == inner, (shape, cuts)
+        numel = te.numel
+        assert dcpmeta.runs_in(te, 0, numel) == want
+        for _ in range(5):
+            a = rng.randint(0, numel - 1)
+            b = rng.randint(a + 1, numel)
+            assert dcpmeta.runs_in(te, a, b) == [r for r in want if r[0] < b and r[0] + r[3] > a], (shape, cuts, a, b)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda cs: cs[:-1], "cover"),  # a cell missing
+    (lambda cs: cs + [cs[-1].__class__(cs[-1].offsets, cs[-1].sizes, "__9_0.distcp", 0, 1)], "overlap"),
+    (lambda cs: [c if c.offsets != (0, 0) else c.__class__((0, 0), (c.sizes[0], c.sizes[1] + 1), c.file, 0, 1)
+                 for c in cs], "overlap"),  # a chunk one column into its neighbour's cell
+])
+def test_not_a_grid_is_still_refused(change, words):
+    """Chunks that are not an exact grid fall back to chunk_runs, which names the overlap or the uncovered part."""
+    from zckpt.encoding import dcpmeta
+    from zckpt.errors import CorruptFile
+    te = dcpmeta.TensorEntry("x", "float32", (4, 6), change(_grid_chunks((4, 6), [[2], [3]])))
+    with pytest.raises(CorruptFile, match=words):
+        dcpmeta.cut(te)
+
+
 def test_missing_metadata_is_an_incomplete_checkpoint(small_dcp, tmp_path):
     from zckpt.dcp.reader import open_dcp
     shutil.copytree(small_dcp, tmp_path / "x")

@@ -657,3 +657,34 @@ def test_megatron_opens_in_requests_per_file_not_per_item(s3_server, tmp_path):
     # them) and two HEADs per file (46 and 102)
     assert counts[16] - counts[2] <= 2, counts
     assert counts[2] <= 30, counts
+
+
+def test_row_parallel_weights_of_a_70b_model_at_tp8_open():
+    """A 70B model's row-parallel weights saved by Megatron-Core at tensor-parallel 8 (stacked [80, 8192, 8192], each
+    layer's chunk cut on its last dim) are 80 x 8192 x 8 runs of their flat form: past MAX_RUNS, so they were refused
+    at open. Their chunks are a grid: the open keeps the grid, and a layer's runs (8192 rows x 8) are made when
+    that layer is taken, equal to cutting the whole tensor into runs and keeping that layer's."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    layers, h, tp = 80, 8192, 8
+    chunks, sd = [], {}
+    for layer in range(layers):
+        for r in range(tp):
+            offs = torch.Size([layer, 0, r * h // tp])
+            chunks.append(ChunkStorageMetadata(offsets=offs, sizes=torch.Size([1, h, h // tp])))
+            sd[MetadataIndex("decoder.layers.self_attention.linear_proj.weight", offs)] = \
+                _StorageInfo(f"__{r}_0.distcp", layer * 2 ** 25, 2 ** 25)
+    key = "decoder.layers.self_attention.linear_proj.weight"
+    md = Metadata(state_dict_metadata={key: TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                                  torch.Size([layers, h, h]), chunks)},
+                  storage_data=sd)
+    te = dcpmeta.read_metadata(pickle.dumps(md), "/x/.metadata").tensors[key]
+    assert te.runs is None and te.grid is not None and layers * h * tp > dcpmeta.MAX_RUNS
+    runs = dcpmeta.runs_in(te, 5 * h * h, 6 * h * h)  # layer 5
+    assert len(runs) == h * tp and sum(n for *_, n in runs) == h * h
+    assert [(f, c.offsets, local, n) for f, c, local, n in runs[:tp + 1]] == \
+        [(5 * h * h + r * h // tp, (5, 0, r * h // tp), 0, h // tp) for r in range(tp)] + \
+        [(5 * h * h + h, (5, 0, 0), h // tp, h // tp)]
+    assert all(a[0] + a[3] == b[0] for a, b in zip(runs, runs[1:]))  # in order, back to back

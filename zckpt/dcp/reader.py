@@ -19,7 +19,8 @@ A module tensor with Adam state is ``trainable``: its value is the sharded param
 when FSDP2 trains in fp32 with a mixed-precision policy), its moments the state's. A module tensor without state
 is a frozen weight, a buffer or a tied alias: DCP does not say which; it is read as ``frozen`` unless ``buffers``
 or ``tied`` say otherwise (names in ``Checkpoint.extra["stateless"]``). A chunk cut on dim 0 is one piece of the
-flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.encoding.dcpmeta.chunk_runs`).
+flat tensor; chunks cut on inner dims become one piece per row (:func:`zckpt.encoding.dcpmeta.runs_in`: a grid
+of such chunks is cut per range asked for, :class:`~zckpt.encoding.dcpmeta.Grid`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
 from zckpt.state import experts, moe_names
 from zckpt.state.model import (
-    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors, pieces_of,
+    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors,
 )
 
 METADATA = ".metadata"
@@ -98,7 +99,7 @@ def tensor_pieces(items: distcp.Items, te: dcpmeta.TensorEntry, path: str) -> li
     """The pieces of ``te``'s row-major flat tensor, from its chunks (their layouts place them)."""
     runs = distcp.flat_runs(items, te, path)
     if runs is None:  # a chunk saved with strides of its own: element runs
-        return [p for t, local, n in distcp.tensor_runs(items, te, path) for p in pieces_of(t, local, n)]
+        return distcp.tensor_pieces(items, te, path)
     return [Piece(f, off, n, te.dtype) for f, off, n in runs]
 
 
@@ -205,7 +206,7 @@ def _relative(md: dcpmeta.DcpMetadata, part: str) -> dcpmeta.DcpMetadata:
         return md
     for te in md.tensors.values():
         te.chunks = [dataclasses.replace(c, file=f"{part}/{c.file}") for c in te.chunks]
-        te.runs = None  # (cut from the chunks as they were named before)
+        te.runs, te.grid = None, None  # (cut from the chunks as they were named before)
     md.values = {k: dataclasses.replace(v, file=f"{part}/{v.file}") for k, v in md.values.items()}
     md.files = [f"{part}/{f}" for f in md.files]
     return md

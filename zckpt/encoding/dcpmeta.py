@@ -15,13 +15,15 @@ A DCP checkpoint written by ``FileSystemWriter`` (torch 2.x, ``torch/distributed
 :func:`read_metadata` unpickles ``.metadata`` through :func:`zckpt.encoding.safeload.load_plain`: DCP's dataclasses,
 ``torch.Size``, the dtypes and ``torch.strided`` map to inert stand-ins; any other global is refused. It then checks
 everything a reader relies on, refusing in one line: a dtype zckpt does not know, a size over :data:`MAX_NUMEL`,
-a chunk outside its tensor, chunks that overlap or leave part of the tensor uncovered (:func:`chunk_runs`), a
-storage entry missing, in a file outside the folder, past the end of its file, or stored through a transform
+a chunk outside its tensor, chunks that overlap or leave part of the tensor uncovered (:func:`cut`: chunks that
+are the cells of a grid, as tensor parallelism cuts them, tile it by construction; any others are cut into runs
+and checked by :func:`chunk_runs`, at most :data:`MAX_RUNS` of them), a storage entry missing, in a file outside the folder, past the end of its file, or stored through a transform
 (compression, encryption) zckpt cannot read as raw bytes.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import operator
 import re
@@ -93,6 +95,11 @@ class TensorEntry:
     # checked against each item's own zip directory when its bytes are read
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
     runs: list | None = field(default=None, compare=False, repr=False)  # chunk_runs(self), kept by parse
+    # (runs, their flat starts): what distcp.tensor_runs bisects (a stacked tensor is cut in many ranges)
+    starts: tuple | None = field(default=None, compare=False, repr=False)
+    # chunks cut on an inner dim that form a grid (tensor parallelism): the runs are made per range asked for
+    # (:func:`runs_in`), not kept, since they are one per row (a 70B model's row-parallel weight at TP 8: 5*10**6)
+    grid: "Grid | None" = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -238,7 +245,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
                 _inside(where, file_sizes, path)
             chunks.append(Chunk(offs, sizes, *where))
         te = TensorEntry(key, _dtype(t.get("properties"), key, path), shape, chunks)
-        te.runs = chunk_runs(te, path)  # the chunks cover the tensor exactly once (kept: readers cut by them)
+        cut(te, path)  # the chunks cover the tensor exactly once (kept: readers cut by them)
         tensors[key] = te
     planner = md.get("planner_data")
     paths = {}
@@ -313,6 +320,102 @@ def chunk_runs(te: TensorEntry, path: str | None = None) -> list[tuple[int, Chun
 
 
 _first = operator.itemgetter(0)
+
+
+class Grid:
+    """Chunks that are exactly the cells of a grid (every dim cut at the same points for all of them: tensor and
+    pipeline parallelism, stacked layers), cut on an inner dim ``k``: the tensor's row-major elements are ``rows``
+    rows (the dims before ``k``), each one run per cell along ``k``. Its runs are made for the range asked for."""
+
+    __slots__ = ("k", "points", "cells", "strides", "row", "cstrides")
+
+    def __init__(self, k, points, cells, strides):
+        self.k, self.points, self.cells, self.strides = k, points, cells, strides
+        self.row = strides[k - 1]  # elements per row (dims k.. whole)
+        self.cstrides = {c: [math.prod(c.sizes[d + 1:]) for d in range(k)] for c in cells.values()}
+
+    def runs(self, shape, start: int, end: int):
+        """(flat start, chunk, start inside the chunk, length) of the runs meeting ``[start, end)``, in order."""
+        k, points, cells, strides, row = self.k, self.points, self.cells, self.strides, self.row
+        along = points[k]
+        ends = along[1:] + [shape[k]]
+        step = strides[k]
+        tail = (0,) * (len(shape) - k - 1)  # the dims after k: whole in every chunk
+        out = []
+        for r in range(start // row, (end - 1) // row + 1 if end > start else start // row):
+            idx, rem = [], r
+            for d in range(k - 1, -1, -1):
+                rem, i = divmod(rem, shape[d])
+                idx.append(i)
+            idx.reverse()
+            cell = tuple(bisect.bisect_right(points[d], i) - 1 for d, i in enumerate(idx))
+            base = r * row
+            for j, lo in enumerate(along):
+                flat, n = base + lo * step, (ends[j] - lo) * step
+                if flat + n <= start:
+                    continue
+                if flat >= end:
+                    break
+                c = cells[cell + (j,) + tail]
+                cs = self.cstrides[c]
+                local = sum((idx[d] - c.offsets[d]) * cs[d] for d in range(k))
+                out.append((flat, c, local, n))
+        return out
+
+
+def _grid(te: TensorEntry) -> Grid | None:
+    """``te``'s chunks as a :class:`Grid` cut on an inner dim, or None (cut on dim 0 only, a scalar, an empty
+    chunk, or not a grid: then :func:`chunk_runs` cuts and checks them)."""
+    shape, chunks = te.shape, te.chunks
+    if len(shape) < 2 or not chunks or any(c.numel == 0 for c in chunks):
+        return None
+    points = [sorted({c.offsets[d] for c in chunks}) for d in range(len(shape))]
+    k = max((d for d in range(len(shape)) if len(points[d]) > 1), default=0)
+    if k == 0 or math.prod(len(p) for p in points) != len(chunks):
+        return None
+    cells, index = {}, [{p: i for i, p in enumerate(pts)} for pts in points]
+    for c in chunks:
+        cell = []
+        for d, pts in enumerate(points):
+            i = index[d][c.offsets[d]]
+            if c.offsets[d] + c.sizes[d] != (pts[i + 1] if i + 1 < len(pts) else shape[d]):
+                return None  # a chunk spanning more than its cell: not a grid (chunk_runs decides)
+            cell.append(i)
+        cells[tuple(cell)] = c
+    if any(p[0] != 0 for p in points) or len(cells) != len(chunks):
+        return None  # (chunk_runs names what is uncovered or doubled)
+    # the cells' sizes sum to each dim's size and no two chunks share a cell: they tile the tensor exactly
+    return Grid(k, points, cells, [math.prod(shape[d + 1:]) for d in range(len(shape))])
+
+
+def cut(te: TensorEntry, path: str | None = None) -> None:
+    """Check that ``te``'s chunks tile it exactly once and keep how readers cut it: a :class:`Grid` cut on an inner
+    dim (runs made per range), else the runs of :func:`chunk_runs`."""
+    te.grid = _grid(te)
+    te.runs = None if te.grid is not None else chunk_runs(te, path)
+
+
+def runs_in(te: TensorEntry, start: int, end: int, path: str | None = None) -> list[tuple[int, Chunk, int, int]]:
+    """(flat start, chunk, start inside the chunk's row-major elements, length) of the runs of ``te`` meeting the
+    flat range ``[start, end)``, in order (each run whole: the caller clips)."""
+    if te.runs is None and te.grid is None:
+        cut(te, path)
+    if te.grid is not None:
+        return te.grid.runs(te.shape, start, end)
+    runs = te.runs
+    first = 0
+    if start:  # the runs tile the tensor in order: bisect (a stacked tensor taken a layer at a time)
+        if te.starts is None or te.starts[0] is not runs:
+            te.starts = (runs, [r[0] for r in runs])
+        first = max(0, bisect.bisect_right(te.starts[1], start) - 1)
+    out = []
+    for i in range(first, len(runs)):
+        r = runs[i]
+        if r[0] >= end:
+            break
+        if r[0] + r[3] > start:
+            out.append(r)
+    return out
 
 
 def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:

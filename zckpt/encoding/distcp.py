@@ -10,8 +10,9 @@
   per data file, not one per item. When their bytes are read, each item's own zip directory is read for its
   CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused;
 - :func:`tensor_runs`: the elements ``[start, start + length)`` of a tensor's row-major flat form as
-  (chunk tensor, start inside it, length) runs, from :func:`zckpt.encoding.dcpmeta.chunk_runs` (a format's reader
-  turns each run into pieces);
+  (chunk tensor, start inside it, length) runs, from :func:`zckpt.encoding.dcpmeta.runs_in` (bisected, or made
+  for the range by a :class:`~zckpt.encoding.dcpmeta.Grid`: a stacked tensor taken a layer at a time costs its
+  layer's runs, not the tensor's); :func:`tensor_pieces`: the same as pieces;
 - :func:`items_by_file` / :func:`item_entries`: every item of a checkpoint by data file, and the zip entries (with
   their CRC-32s) of items, for the input check and ``verify --deep``.
 """
@@ -148,8 +149,16 @@ class Items:
             return io.BytesIO(self._bytes(name, offset, length))
         return Window(self._file(name, self.path(name)), offset, length)
 
-    def load(self, name: str, offset: int, length: int):
+    def load(self, name: str, offset: int, length: int, memo: dict | None = None):
+        """The item's object through the allow-list. ``memo`` (bytes -> object): a small item whose bytes equal
+        one already parsed is that object (a save's many identical objects, e.g. Megatron's extra states, parsed
+        once; the caller must not change it)."""
         path = self.path(name)
+        if memo is not None and length <= SMALL_ITEM:
+            data = self._bytes(name, offset, length)
+            if data not in memo:
+                memo[data] = safeload.load(path, opener=lambda _p: io.BytesIO(data))
+            return memo[data]
         window = self._window(name, offset, length)
         return safeload.load(path, opener=lambda _p: window)
 
@@ -251,13 +260,32 @@ def tensor_runs(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0
     end = te.numel if length is None else start + length
     chunks = {} if cache is None else cache
     out = []
-    for flat, c, local, n in te.runs if te.runs is not None else dcpmeta.chunk_runs(te, path):
+    for flat, c, local, n in dcpmeta.runs_in(te, start, end, path):
         lo, hi = max(flat, start), min(flat + n, end)
         if lo >= hi:
             continue
-        if c not in chunks:
-            chunks[c] = items.tensor(te, c)
-        out.append((chunks[c], local + lo - flat, hi - lo))
+        t = chunks.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
+        if t is None:
+            t = chunks[id(c)] = items.tensor(te, c)
+        out.append((t, local + lo - flat, hi - lo))
+    return out
+
+
+def tensor_pieces(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0, length: int | None = None,
+                  cache: dict | None = None) -> list:
+    """:func:`tensor_runs` as :class:`~zckpt.engine.segments.Piece` s (a contiguous chunk's run is one piece,
+    placed without a LazyTensor call per run: a row-parallel weight has a run per row and chunk)."""
+    from zckpt.state.model import Piece, pieces_of
+    out = []
+    placed: dict = {}
+    for t, local, n in tensor_runs(items, te, path, start, length, cache):
+        where = placed.get(id(t))
+        if where is None:
+            where = placed[id(t)] = (t.storage.path, t.byte_offset, t.itemsize, t.numel) if t.is_contiguous() else ()
+        if where and 0 <= local and local + n <= where[3]:
+            out.append(Piece(where[0], where[1] + local * where[2], n, te.dtype))
+        else:
+            out += pieces_of(t, local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
     return out
 
 
@@ -279,7 +307,7 @@ def flat_runs(items: Items, te: dcpmeta.TensorEntry, path: str) -> list[tuple[st
     elements are not one byte range (then :func:`tensor_runs`)."""
     size = DTYPE_SIZES[te.dtype]
     out = []
-    for _flat, c, local, n in te.runs if te.runs is not None else dcpmeta.chunk_runs(te, path):
+    for _flat, c, local, n in dcpmeta.runs_in(te, 0, te.numel, path):
         lay = items.layout(te, c)
         if not lay.contiguous:
             return None

@@ -39,7 +39,7 @@ from zckpt.errors import (
 )
 from zckpt.io import links, storage
 from zckpt.megatron import buckets, moe
-from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors, pieces_of
+from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors
 
 FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
 
@@ -257,12 +257,12 @@ def check_extra_state(key: str, value, path: str | None = None) -> None:
 
 
 def _extra_states(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> int:
-    n = 0
+    n, memo = 0, {}
     for key, v in md.values.items():
         if "._extra_state" not in key:
             continue
         try:
-            value = items.load(v.file, v.offset, v.length)
+            value = items.load(v.file, v.offset, v.length, memo)  # (identical objects parsed once)
         except UnsafePickle:
             value = "TE"
         check_extra_state(key, value, mpath)
@@ -279,8 +279,7 @@ class _Tensors:
         self.items, self.mpath, self.cache = items, mpath, {}
 
     def pieces(self, te: dcpmeta.TensorEntry, start: int = 0, length: int | None = None) -> list:
-        runs = distcp.tensor_runs(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
-        return [p for t, local, n in runs for p in pieces_of(t, local, n)]
+        return distcp.tensor_pieces(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
 
 
 _CHAINED_RE = re.compile(r"^chained_\d+\.optimizer\.")  # a mixture-of-experts model's two optimizers' keys
