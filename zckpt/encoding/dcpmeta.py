@@ -327,39 +327,45 @@ class Grid:
     pipeline parallelism, stacked layers), cut on an inner dim ``k``: the tensor's row-major elements are ``rows``
     rows (the dims before ``k``), each one run per cell along ``k``. Its runs are made for the range asked for."""
 
-    __slots__ = ("k", "points", "cells", "strides", "row", "cstrides")
+    __slots__ = ("k", "points", "cells", "row", "along", "widths", "tail", "_rows")
 
-    def __init__(self, k, points, cells, strides):
-        self.k, self.points, self.cells, self.strides = k, points, cells, strides
-        self.row = strides[k - 1]  # elements per row (dims k.. whole)
-        self.cstrides = {c: [math.prod(c.sizes[d + 1:]) for d in range(k)] for c in cells.values()}
+    def __init__(self, k, points, cells, shape):
+        self.k, self.points, self.cells = k, points, cells
+        step = math.prod(shape[k + 1:])  # elements per index of dim k
+        self.row = shape[k] * step  # elements per row (dims k.. whole)
+        self.along = [p * step for p in points[k]]  # each cell's flat start inside a row
+        self.widths = [(e - p) * step for p, e in zip(points[k], points[k][1:] + [shape[k]])]
+        self.tail = (0,) * (len(shape) - k - 1)  # the dims after k: whole in every chunk
+        self._rows: dict = {}  # cell prefix (dims before k) -> the chunks along k
 
     def runs(self, shape, start: int, end: int):
-        """(flat start, chunk, start inside the chunk, length) of the runs meeting ``[start, end)``, in order."""
-        k, points, cells, strides, row = self.k, self.points, self.cells, self.strides, self.row
-        along = points[k]
-        ends = along[1:] + [shape[k]]
-        step = strides[k]
-        tail = (0,) * (len(shape) - k - 1)  # the dims after k: whole in every chunk
+        """(flat start, chunk, start inside the chunk, length) of the runs meeting ``[start, end)``, in order. A row's
+        runs lie at the same row of their chunks (a grid: the same cells before ``k``), so each run starts at that
+        row times its own length."""
+        k, points, row, along, widths = self.k, self.points, self.row, self.along, self.widths
         out = []
-        for r in range(start // row, (end - 1) // row + 1 if end > start else start // row):
-            idx, rem = [], r
+        if end <= start:
+            return out
+        for r in range(start // row, (end - 1) // row + 1):
+            idx, rem = [0] * k, r
             for d in range(k - 1, -1, -1):
-                rem, i = divmod(rem, shape[d])
-                idx.append(i)
-            idx.reverse()
-            cell = tuple(bisect.bisect_right(points[d], i) - 1 for d, i in enumerate(idx))
+                rem, idx[d] = divmod(rem, shape[d])
+            prefix = tuple(bisect.bisect_right(points[d], idx[d]) - 1 for d in range(k))
+            chunks = self._rows.get(prefix)
+            if chunks is None:
+                chunks = self._rows[prefix] = [self.cells[prefix + (j,) + self.tail] for j in range(len(along))]
+            first = chunks[0]
+            pos = 0  # the row inside the chunks (row-major over their dims before k)
+            for d in range(k):
+                pos = pos * first.sizes[d] + idx[d] - first.offsets[d]
             base = r * row
-            for j, lo in enumerate(along):
-                flat, n = base + lo * step, (ends[j] - lo) * step
+            for j, c in enumerate(chunks):
+                flat, n = base + along[j], widths[j]
                 if flat + n <= start:
                     continue
                 if flat >= end:
                     break
-                c = cells[cell + (j,) + tail]
-                cs = self.cstrides[c]
-                local = sum((idx[d] - c.offsets[d]) * cs[d] for d in range(k))
-                out.append((flat, c, local, n))
+                out.append((flat, c, pos * n, n))
         return out
 
 
@@ -385,7 +391,7 @@ def _grid(te: TensorEntry) -> Grid | None:
     if any(p[0] != 0 for p in points) or len(cells) != len(chunks):
         return None  # (chunk_runs names what is uncovered or doubled)
     # the cells' sizes sum to each dim's size and no two chunks share a cell: they tile the tensor exactly
-    return Grid(k, points, cells, [math.prod(shape[d + 1:]) for d in range(len(shape))])
+    return Grid(k, points, cells, shape)
 
 
 def cut(te: TensorEntry, path: str | None = None) -> None:

@@ -273,19 +273,31 @@ def tensor_runs(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0
 
 def tensor_pieces(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0, length: int | None = None,
                   cache: dict | None = None) -> list:
-    """:func:`tensor_runs` as :class:`~zckpt.engine.segments.Piece` s (a contiguous chunk's run is one piece,
-    placed without a LazyTensor call per run: a row-parallel weight has a run per row and chunk)."""
+    """The elements ``[start, start + length)`` of ``te``'s row-major flat tensor (default: all of it) as
+    :class:`~zckpt.engine.segments.Piece` s, in order: a run of a contiguous chunk is one piece, placed from the
+    chunk's layout without a LazyTensor call per run (a row-parallel weight has a run per row and chunk). ``cache``:
+    kept across calls, so a chunk's zip is placed once when a tensor is taken in several ranges."""
     from zckpt.state.model import Piece, pieces_of
-    out = []
-    placed: dict = {}
-    for t, local, n in tensor_runs(items, te, path, start, length, cache):
-        where = placed.get(id(t))
-        if where is None:
-            where = placed[id(t)] = (t.storage.path, t.byte_offset, t.itemsize, t.numel) if t.is_contiguous() else ()
-        if where and 0 <= local and local + n <= where[3]:
-            out.append(Piece(where[0], where[1] + local * where[2], n, te.dtype))
+    end = te.numel if length is None else start + length
+    placed = {} if cache is None else cache
+    dtype, size, out = te.dtype, DTYPE_SIZES[te.dtype], []
+    for flat, c, local, n in dcpmeta.runs_in(te, start, end, path):
+        lo, hi = max(flat, start), min(flat + n, end)
+        if lo >= hi:
+            continue
+        w = placed.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
+        if w is None:
+            lay = items.layout(te, c)
+            if lay.contiguous:  # (as flat_runs places it: the chunk's bytes from its layout)
+                w = (None, items.path(c.file), c.offset + lay.data_offset + lay.storage_offset * size, size, c.numel)
+            else:
+                w = (items.tensor(te, c), None, 0, 0, 0)
+            placed[id(c)] = w
+        local, n = local + lo - flat, hi - lo
+        if w[1] is not None and local + n <= w[4]:
+            out.append(Piece(w[1], w[2] + local * w[3], n, dtype))
         else:
-            out += pieces_of(t, local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
+            out += pieces_of(w[0], local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
     return out
 
 

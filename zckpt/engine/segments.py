@@ -26,9 +26,11 @@ class Shaped:
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True, slots=True)
 class Piece:
-    """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``."""
+    """``numel`` contiguous elements of ``dtype`` at byte ``offset`` of ``path``. Never changed once made (hashed by
+    its fields; not ``frozen``: a frozen dataclass is built 3.5x slower, and a tensor-parallel checkpoint has a
+    piece per row and chunk, 10**7 for a 70B model)."""
 
     path: str
     offset: int
