@@ -423,7 +423,7 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
                                    path=common_path, hint="use the folder of a finished save")
     if not isinstance(common, dict):
         raise CorruptFile(f"{COMMON if COMMON in sizes else COMMON_ITEM} does not hold a dict", path=common_path)
-    with metadata_errors(mpath):
+    with metadata_errors(mpath), safeload.gc_paused():  # 10**5-10**7 pieces built, no garbage: no collector pass
         return _build(path, save_dir, folder, has_latest, opts, md, common, sizes)
 
 
