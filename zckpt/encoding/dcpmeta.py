@@ -17,8 +17,9 @@ A DCP checkpoint written by ``FileSystemWriter`` (torch 2.x, ``torch/distributed
 everything a reader relies on, refusing in one line: a dtype zckpt does not know, a size over :data:`MAX_NUMEL`,
 a chunk outside its tensor, chunks that overlap or leave part of the tensor uncovered (:func:`cut`: chunks that
 are the cells of a grid, as tensor parallelism cuts them, tile it by construction; any others are cut into runs
-and checked by :func:`chunk_runs`, at most :data:`MAX_RUNS` of them), a storage entry missing, in a file outside the folder, past the end of its file, or stored through a transform
-(compression, encryption) zckpt cannot read as raw bytes.
+and checked by :func:`chunk_runs`, at most :data:`MAX_RUNS` of them), a storage entry missing, in a file outside
+the folder, past the end of its file, or stored through a transform (compression, encryption) zckpt cannot read as
+raw bytes.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class TensorEntry:
     # checked against each item's own zip directory when its bytes are read
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
     runs: list | None = field(default=None, compare=False, repr=False)  # chunk_runs(self), kept by parse
-    # (runs, their flat starts): what distcp.tensor_runs bisects (a stacked tensor is cut in many ranges)
+    # (runs, their flat starts): what runs_in bisects (a stacked tensor is taken in many ranges)
     starts: tuple | None = field(default=None, compare=False, repr=False)
     # chunks cut on an inner dim that form a grid (tensor parallelism): the runs are made per range asked for
     # (:func:`runs_in`), not kept, since they are one per row (a 70B model's row-parallel weight at TP 8: 5*10**6)

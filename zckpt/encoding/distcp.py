@@ -9,10 +9,10 @@
   first such item read whole; the rest are not read at open, so a checkpoint opens in a bounded number of reads
   per data file, not one per item. When their bytes are read, each item's own zip directory is read for its
   CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused;
-- :func:`tensor_runs`: the elements ``[start, start + length)`` of a tensor's row-major flat form as
-  (chunk tensor, start inside it, length) runs, from :func:`zckpt.encoding.dcpmeta.runs_in` (bisected, or made
-  for the range by a :class:`~zckpt.encoding.dcpmeta.Grid`: a stacked tensor taken a layer at a time costs its
-  layer's runs, not the tensor's); :func:`tensor_pieces`: the same as pieces;
+- :func:`tensor_pieces`: the elements ``[start, start + length)`` of a tensor's row-major flat form as pieces, from
+  the runs of :func:`zckpt.encoding.dcpmeta.runs_in` (bisected, or made for the range by a
+  :class:`~zckpt.encoding.dcpmeta.Grid`: a stacked tensor taken a layer at a time costs its layer's runs, not the
+  tensor's);
 - :func:`items_by_file` / :func:`item_entries`: every item of a checkpoint by data file, and the zip entries (with
   their CRC-32s) of items, for the input check and ``verify --deep``.
 """
@@ -28,6 +28,7 @@ from zckpt.encoding import dcpmeta, safeload
 from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor, StorageRef
 from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
 from zckpt.errors import CorruptFile
+from zckpt.state.model import Piece, pieces_of
 from zckpt.io import storage
 
 SMALL_ITEM = 64 << 10  # an item up to this size (a value, a step) is read whole, in one request, and parsed in memory
@@ -252,32 +253,12 @@ class Items:
             f.close()
 
 
-def tensor_runs(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0,
-                length: int | None = None, cache: dict | None = None) -> list[tuple[LazyTensor, int, int]]:
-    """Elements ``[start, start + length)`` of ``te``'s row-major flat tensor (default: all of it) as
-    ``(chunk tensor, start inside the chunk, length)`` runs, in order. ``cache``: chunk -> LazyTensor, kept across
-    calls so a chunk's zip is read once when a tensor is taken in several ranges."""
-    end = te.numel if length is None else start + length
-    chunks = {} if cache is None else cache
-    out = []
-    for flat, c, local, n in dcpmeta.runs_in(te, start, end, path):
-        lo, hi = max(flat, start), min(flat + n, end)
-        if lo >= hi:
-            continue
-        t = chunks.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
-        if t is None:
-            t = chunks[id(c)] = items.tensor(te, c)
-        out.append((t, local + lo - flat, hi - lo))
-    return out
-
-
 def tensor_pieces(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0, length: int | None = None,
                   cache: dict | None = None) -> list:
     """The elements ``[start, start + length)`` of ``te``'s row-major flat tensor (default: all of it) as
     :class:`~zckpt.engine.segments.Piece` s, in order: a run of a contiguous chunk is one piece, placed from the
     chunk's layout without a LazyTensor call per run (a row-parallel weight has a run per row and chunk). ``cache``:
     kept across calls, so a chunk's zip is placed once when a tensor is taken in several ranges."""
-    from zckpt.state.model import Piece, pieces_of
     end = te.numel if length is None else start + length
     placed = {} if cache is None else cache
     dtype, size, out = te.dtype, DTYPE_SIZES[te.dtype], []
@@ -316,7 +297,7 @@ def _joiner(folder: str):
 def flat_runs(items: Items, te: dcpmeta.TensorEntry, path: str) -> list[tuple[str, int, int]] | None:
     """``te``'s row-major flat elements as ``(data file path, byte offset, elements)`` runs, in order, straight from
     its chunks' layouts (no LazyTensor per chunk: what a reader of whole tensors needs); None when a chunk's
-    elements are not one byte range (then :func:`tensor_runs`)."""
+    elements are not one byte range (then :func:`tensor_pieces`)."""
     size = DTYPE_SIZES[te.dtype]
     out = []
     for _flat, c, local, n in dcpmeta.runs_in(te, 0, te.numel, path):
