@@ -39,7 +39,7 @@ from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
 from zckpt.state import experts, moe_names
 from zckpt.state.model import (
-    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, metadata_errors,
+    Checkpoint, GroupInfo, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors,
 )
 
 METADATA = ".metadata"
@@ -99,7 +99,7 @@ def tensor_pieces(items: distcp.Items, te: dcpmeta.TensorEntry, path: str) -> li
     """The pieces of ``te``'s row-major flat tensor, from its chunks (their layouts place them)."""
     runs = distcp.flat_runs(items, te, path)
     if runs is None:  # a chunk saved with strides of its own: element runs
-        return distcp.tensor_pieces(items, te, path)
+        return dcp_pieces(items, te, path)
     return [Piece(f, off, n, te.dtype) for f, off, n in runs]
 
 

@@ -9,10 +9,8 @@
   first such item read whole; the rest are not read at open, so a checkpoint opens in a bounded number of reads
   per data file, not one per item. When their bytes are read, each item's own zip directory is read for its
   CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused;
-- :func:`tensor_pieces`: the elements ``[start, start + length)`` of a tensor's row-major flat form as pieces, from
-  the runs of :func:`zckpt.encoding.dcpmeta.runs_in` (bisected, or made for the range by a
-  :class:`~zckpt.encoding.dcpmeta.Grid`: a stacked tensor taken a layer at a time costs its layer's runs, not the
-  tensor's);
+- :func:`flat_runs`: a whole tensor's row-major flat form as byte runs (``zckpt.state.model.dcp_pieces``: any
+  range of it as pieces, from the runs of :func:`zckpt.encoding.dcpmeta.runs_in`);
 - :func:`items_by_file` / :func:`item_entries`: every item of a checkpoint by data file, and the zip entries (with
   their CRC-32s) of items, for the input check and ``verify --deep``.
 """
@@ -28,7 +26,6 @@ from zckpt.encoding import dcpmeta, safeload
 from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor, StorageRef
 from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
 from zckpt.errors import CorruptFile
-from zckpt.state.model import Piece, pieces_of
 from zckpt.io import storage
 
 SMALL_ITEM = 64 << 10  # an item up to this size (a value, a step) is read whole, in one request, and parsed in memory
@@ -253,35 +250,6 @@ class Items:
             f.close()
 
 
-def tensor_pieces(items: Items, te: dcpmeta.TensorEntry, path: str, start: int = 0, length: int | None = None,
-                  cache: dict | None = None) -> list:
-    """The elements ``[start, start + length)`` of ``te``'s row-major flat tensor (default: all of it) as
-    :class:`~zckpt.engine.segments.Piece` s, in order: a run of a contiguous chunk is one piece, placed from the
-    chunk's layout without a LazyTensor call per run (a row-parallel weight has a run per row and chunk). ``cache``:
-    kept across calls, so a chunk's zip is placed once when a tensor is taken in several ranges."""
-    end = te.numel if length is None else start + length
-    placed = {} if cache is None else cache
-    dtype, size, out = te.dtype, DTYPE_SIZES[te.dtype], []
-    for flat, c, local, n in dcpmeta.runs_in(te, start, end, path):
-        lo, hi = max(flat, start), min(flat + n, end)
-        if lo >= hi:
-            continue
-        w = placed.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
-        if w is None:
-            lay = items.layout(te, c)
-            if lay.contiguous:  # (as flat_runs places it: the chunk's bytes from its layout)
-                w = (None, items.path(c.file), c.offset + lay.data_offset + lay.storage_offset * size, size, c.numel)
-            else:
-                w = (items.tensor(te, c), None, 0, 0, 0)
-            placed[id(c)] = w
-        local, n = local + lo - flat, hi - lo
-        if w[1] is not None and local + n <= w[4]:
-            out.append(Piece(w[1], w[2] + local * w[3], n, dtype))
-        else:
-            out += pieces_of(w[0], local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
-    return out
-
-
 def _joiner(folder: str):
     """``join(name)``: ``storage.join(folder, name)``, once per name."""
     paths: dict[str, str] = {}
@@ -297,7 +265,7 @@ def _joiner(folder: str):
 def flat_runs(items: Items, te: dcpmeta.TensorEntry, path: str) -> list[tuple[str, int, int]] | None:
     """``te``'s row-major flat elements as ``(data file path, byte offset, elements)`` runs, in order, straight from
     its chunks' layouts (no LazyTensor per chunk: what a reader of whole tensors needs); None when a chunk's
-    elements are not one byte range (then :func:`tensor_pieces`)."""
+    elements are not one byte range (then ``zckpt.state.model.dcp_pieces``)."""
     size = DTYPE_SIZES[te.dtype]
     out = []
     for _flat, c, local, n in dcpmeta.runs_in(te, 0, te.numel, path):

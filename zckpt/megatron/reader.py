@@ -39,7 +39,7 @@ from zckpt.errors import (
 )
 from zckpt.io import links, storage
 from zckpt.megatron import buckets, moe
-from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, metadata_errors
+from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors
 
 FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
 
@@ -279,7 +279,7 @@ class _Tensors:
         self.items, self.mpath, self.cache = items, mpath, {}
 
     def pieces(self, te: dcpmeta.TensorEntry, start: int = 0, length: int | None = None) -> list:
-        return distcp.tensor_pieces(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
+        return dcp_pieces(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
 
 
 _CHAINED_RE = re.compile(r"^chained_\d+\.optimizer\.")  # a mixture-of-experts model's two optimizers' keys

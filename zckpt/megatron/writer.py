@@ -41,7 +41,7 @@ from zckpt.errors import InvalidArgument, OptionError, UnsupportedLayout
 from zckpt.io import storage
 from zckpt.megatron import moe, writer_moe
 from zckpt.megatron.reader import COMMON, LATEST, LAYERS, META_JSON, OPTIM_STATE
-from zckpt.state.model import Checkpoint
+from zckpt.state.model import Checkpoint, dcp_pieces
 
 LAYOUTS = ("fully_reshardable", "dp_reshardable")
 META_DOC = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
@@ -214,7 +214,7 @@ def plan_megatron(ckpt: Checkpoint, checkpoint_id: str | None = None, tp: int | 
         for key, te in md.tensors.items():  # the weights exactly as saved (stacked layers, TE-style norm names)
             if _not_model(key):
                 continue
-            pieces = distcp.tensor_pieces(items, te, storage.join(path, ".metadata"))
+            pieces = dcp_pieces(items, te, storage.join(path, ".metadata"))
             state[key] = TensorOut(te.dtype, tuple(te.shape), pieces)
         extra = {k: items.load(v.file, v.offset, v.length) for k, v in md.values.items() if "._extra_state" in k}
     finally:

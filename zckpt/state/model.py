@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zckpt.encoding import safeload
+from zckpt.encoding.dcpmeta import runs_in
 from zckpt.io import storage
 from zckpt.engine.segments import Piece
 from zckpt.errors import CorruptFile, UnsupportedLayout, ZckptError
@@ -322,6 +323,35 @@ def pieces_of(t: LazyTensor, start: int = 0, length: int | None = None) -> list[
             out[-1] = Piece(last.path, last.offset, last.numel + 1, last.dtype)
         else:
             out.append(Piece(t.storage.path, off, 1, t.dtype))
+    return out
+
+
+def dcp_pieces(items, te, path: str, start: int = 0, length: int | None = None, cache: dict | None = None) -> list:
+    """The elements ``[start, start + length)`` of a DCP tensor's row-major flat form (default: all of it; ``te``: a
+    :class:`~zckpt.encoding.dcpmeta.TensorEntry`, its items read by ``items``, a :class:`zckpt.encoding.distcp.Items`)
+    as :class:`~zckpt.engine.segments.Piece` s, in order: a run of a contiguous chunk is one piece, placed from the
+    chunk's layout without a LazyTensor call per run (a row-parallel weight has a run per row and chunk). ``cache``:
+    kept across calls, so a chunk's zip is placed once when a tensor is taken in several ranges."""
+    end = te.numel if length is None else start + length
+    placed = {} if cache is None else cache
+    dtype, size, out = te.dtype, safeload.DTYPE_SIZES[te.dtype], []
+    for flat, c, local, n in runs_in(te, start, end, path):
+        lo, hi = max(flat, start), min(flat + n, end)
+        if lo >= hi:
+            continue
+        w = placed.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
+        if w is None:
+            lay = items.layout(te, c)
+            if lay.contiguous:  # (as flat_runs places it: the chunk's bytes from its layout)
+                w = (None, items.path(c.file), c.offset + lay.data_offset + lay.storage_offset * size, size, c.numel)
+            else:
+                w = (items.tensor(te, c), None, 0, 0, 0)
+            placed[id(c)] = w
+        local, n = local + lo - flat, hi - lo
+        if w[1] is not None and local + n <= w[4]:
+            out.append(Piece(w[1], w[2] + local * w[3], n, dtype))
+        else:
+            out += pieces_of(w[0], local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
     return out
 
 
