@@ -348,10 +348,13 @@ def dcp_pieces(items, te, path: str, start: int = 0, length: int | None = None, 
                 w = (items.tensor(te, c), None, 0, 0, 0)
             placed[id(c)] = w
         local, n = local + lo - flat, hi - lo
-        if w[1] is not None and local + n <= w[4]:
-            out.append(Piece(w[1], w[2] + local * w[3], n, dtype))
+        if w[1] is None:
+            out += pieces_of(w[0], local, n)  # (a chunk saved with strides of its own: element runs)
+        elif local + n > w[4]:  # (runs come from checked chunk geometry: a damaged layout, never a real save)
+            raise CorruptFile(f"slice [{local}, {local + n}) outside a DCP chunk of {w[4]} elements of "
+                              f"'{te.key}'", path=w[1])
         else:
-            out += pieces_of(w[0], local, n)  # (strided, or out of the chunk: pieces_of refuses in one line)
+            out.append(Piece(w[1], w[2] + local * w[3], n, dtype))
     return out
 
 
