@@ -9,7 +9,8 @@
 #   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
-# and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles.
+# and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles. PYC=1: every run with the
+# bytecode cache (/tmp/pyc). MOE=0: the cold step without the MoE checkpoint.
 # .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions). TREES (default
 # before=.bench/before,fix=.bench/fix): `git archive OLD zckpt | tar -x -C .bench/before`, and the same with the
@@ -21,6 +22,9 @@ if ! python3 -c "import deepspeed, isal" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if [ "${PYC:-0}" = 1 ]; then  # bytecode kept in /tmp/pyc for every run (a pip-installed numpy has its own; the
+  export PYTHONPYCACHEPREFIX=/tmp/pyc; unset PYTHONDONTWRITEBYTECODE  # image's has none), written once here
+  python3 -c "import numpy, ml_dtypes, isal, safetensors, zckpt.cli" 2>/dev/null || true; fi
 work=${WORK:-/tmp/zbench}
 trees=${TREES:-before=.bench/before,fix=.bench/fix}
 mkdir -p "$work" "$out"
@@ -68,5 +72,7 @@ case $step in cold)
     | tee "$out/cold.log"
   rm -rf "$work"/*-dcp "$work/cb-out" "$work/cb-copy"
   df -h /tmp | tail -1 | tee -a "$out/host.log"
+  [ "${MOE:-1}" = 1 ] || exit 0  # DeepSpeed's default max_group_size unless MAX_GROUP
   python3 benchmarks/bench_moe_ep.py --workdir "$work" ${MOE_ARGS:-} --repeat ${MOE_REPEAT:-3} --trees "$trees" \
-    --json-out "$out/moe.json" 2>&1 | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log" ;; esac
+    ${MAX_GROUP:+--max-group-size $MAX_GROUP} --json-out "$out/moe.json" 2>&1 \
+    | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log" ;; esac
