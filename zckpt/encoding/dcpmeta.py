@@ -348,17 +348,7 @@ class Grid:
         if end <= start:
             return out
         for r in range(start // row, (end - 1) // row + 1):
-            idx, rem = [0] * k, r
-            for d in range(k - 1, -1, -1):
-                rem, idx[d] = divmod(rem, shape[d])
-            prefix = tuple(bisect.bisect_right(points[d], idx[d]) - 1 for d in range(k))
-            chunks = self._rows.get(prefix)
-            if chunks is None:
-                chunks = self._rows[prefix] = [self.cells[prefix + (j,) + self.tail] for j in range(len(along))]
-            first = chunks[0]
-            pos = 0  # the row inside the chunks (row-major over their dims before k)
-            for d in range(k):
-                pos = pos * first.sizes[d] + idx[d] - first.offsets[d]
+            idx, prefix, chunks, pos = self._row(shape, r)
             base = r * row
             for j, c in enumerate(chunks):
                 flat, n = base + along[j], widths[j]
@@ -368,6 +358,36 @@ class Grid:
                     break
                 out.append((flat, c, pos * n, n))
         return out
+
+    def _row(self, shape, r: int):
+        """Row ``r``'s index over the dims before ``k``, its cell prefix, the chunks along ``k`` and the row inside
+        them (row-major over their dims before ``k``)."""
+        k, points = self.k, self.points
+        idx, rem = [0] * k, r
+        for d in range(k - 1, -1, -1):
+            rem, idx[d] = divmod(rem, shape[d])
+        prefix = tuple(bisect.bisect_right(points[d], idx[d]) - 1 for d in range(k))
+        chunks = self._rows.get(prefix)
+        if chunks is None:
+            chunks = self._rows[prefix] = [self.cells[prefix + (j,) + self.tail] for j in range(len(self.along))]
+        first, pos = chunks[0], 0
+        for d in range(k):
+            pos = pos * first.sizes[d] + idx[d] - first.offsets[d]
+        return idx, prefix, chunks, pos
+
+    def blocks(self, shape, r0: int, r1: int):
+        """(first row, rows, chunks along ``k``, the first row inside them) of the whole rows ``[r0, r1)``, a block
+        per run of rows in the same cells: inside a block the rows are consecutive rows of the same chunks, so
+        row ``r0 + i`` of a block is the chunks' row ``pos + i`` (every run ``pos + i`` times its own length)."""
+        k, points = self.k, self.points
+        r = r0
+        while r < r1:
+            idx, prefix, chunks, pos = self._row(shape, r)
+            cell = prefix[k - 1]  # the rows left in this cell of dim k - 1 (the dims before it stay)
+            edge = points[k - 1][cell + 1] if cell + 1 < len(points[k - 1]) else shape[k - 1]
+            count = min(edge - idx[k - 1], r1 - r)
+            yield r, count, chunks, pos
+            r += count
 
 
 def _grid(te: TensorEntry) -> Grid | None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
 
 from zckpt.encoding import safeload
-from zckpt.encoding.dcpmeta import runs_in
+from zckpt.encoding.dcpmeta import cut, runs_in
 from zckpt.io import storage
 from zckpt.engine.segments import Piece
 from zckpt.errors import CorruptFile, UnsupportedLayout, ZckptError
@@ -330,23 +331,63 @@ def dcp_pieces(items, te, path: str, start: int = 0, length: int | None = None, 
     """The elements ``[start, start + length)`` of a DCP tensor's row-major flat form (default: all of it; ``te``: a
     :class:`~zckpt.encoding.dcpmeta.TensorEntry`, its items read by ``items``, a :class:`zckpt.encoding.distcp.Items`)
     as :class:`~zckpt.engine.segments.Piece` s, in order: a run of a contiguous chunk is one piece, placed from the
-    chunk's layout without a LazyTensor call per run (a row-parallel weight has a run per row and chunk). ``cache``:
-    kept across calls, so a chunk's zip is placed once when a tensor is taken in several ranges."""
+    chunk's layout without a LazyTensor call per run. A row-parallel weight has a run per row and chunk: its whole
+    rows are placed a block of rows at a time (:meth:`~zckpt.encoding.dcpmeta.Grid.blocks`), each chunk's pieces
+    made in one pass. ``cache``: kept across calls, so a chunk's zip is placed once when a tensor is taken in
+    several ranges."""
     end = te.numel if length is None else start + length
     placed = {} if cache is None else cache
-    dtype, size, out = te.dtype, safeload.DTYPE_SIZES[te.dtype], []
+    if te.runs is None and te.grid is None:
+        cut(te, path)
+    g = te.grid
+    if g is None or end - start < 2 * g.row:
+        return _run_pieces(items, te, path, start, end, placed)
+    a, b = -(-start // g.row) * g.row, end // g.row * g.row  # the whole rows of the range: [a, b)
+    dtype, out = te.dtype, _run_pieces(items, te, path, start, a, placed)
+    for r, count, chunks, pos in g.blocks(te.shape, a // g.row, b // g.row):
+        cols = [_placed(items, te, c, placed) for c in chunks]
+        if any(w[1] is None for w in cols):  # a chunk saved with strides of its own: element runs
+            out += _run_pieces(items, te, path, r * g.row, (r + count) * g.row, placed)
+            continue
+        block, step = [None] * (count * len(cols)), len(cols)
+        for j, (w, n) in enumerate(zip(cols, g.widths)):
+            if (pos + count) * n > w[4]:  # (grid cells are checked against the shape: a damaged layout)
+                raise CorruptFile(f"slice [{pos * n}, {(pos + count) * n}) outside a DCP chunk of {w[4]} elements "
+                                  f"of '{te.key}'", path=w[1])
+            nb = n * w[3]
+            first = w[2] + pos * nb
+            block[j::step] = map(Piece, repeat(w[1], count), range(first, first + count * nb, nb), repeat(n, count),
+                                 repeat(dtype, count))
+        out += block
+    out += _run_pieces(items, te, path, b, end, placed)
+    return out
+
+
+def _placed(items, te, c, placed: dict) -> tuple:
+    """How chunk ``c``'s elements are placed: (None, its file, the byte offset of its first element, the element
+    size, its elements) when its zip holds them contiguously, else (its LazyTensor, None, 0, 0, 0)."""
+    w = placed.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
+    if w is None:
+        lay = items.layout(te, c)
+        size = safeload.DTYPE_SIZES[te.dtype]
+        if lay.contiguous:  # (as flat_runs places it: the chunk's bytes from its layout)
+            w = (None, items.path(c.file), c.offset + lay.data_offset + lay.storage_offset * size, size, c.numel)
+        else:
+            w = (items.tensor(te, c), None, 0, 0, 0)
+        placed[id(c)] = w
+    return w
+
+
+def _run_pieces(items, te, path: str, start: int, end: int, placed: dict) -> list:
+    """:func:`dcp_pieces` a run at a time (any chunking; a range inside a row of a grid)."""
+    dtype, out = te.dtype, []
+    if end <= start:
+        return out
     for flat, c, local, n in runs_in(te, start, end, path):
         lo, hi = max(flat, start), min(flat + n, end)
         if lo >= hi:
             continue
-        w = placed.get(id(c))  # (by identity: a chunk lives as long as its entry; hashing its fields costs more)
-        if w is None:
-            lay = items.layout(te, c)
-            if lay.contiguous:  # (as flat_runs places it: the chunk's bytes from its layout)
-                w = (None, items.path(c.file), c.offset + lay.data_offset + lay.storage_offset * size, size, c.numel)
-            else:
-                w = (items.tensor(te, c), None, 0, 0, 0)
-            placed[id(c)] = w
+        w = _placed(items, te, c, placed)
         local, n = local + lo - flat, hi - lo
         if w[1] is None:
             out += pieces_of(w[0], local, n)  # (a chunk saved with strides of its own: element runs)
