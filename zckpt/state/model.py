@@ -345,7 +345,9 @@ def dcp_pieces(items, te, path: str, start: int = 0, length: int | None = None, 
     a, b = -(-start // g.row) * g.row, end // g.row * g.row  # the whole rows of the range: [a, b)
     dtype, out = te.dtype, _run_pieces(items, te, path, start, a, placed)
     for r, count, chunks, pos in g.blocks(te.shape, a // g.row, b // g.row):
-        cols = [_placed(items, te, c, placed) for c in chunks]
+        cols = placed.get(id(chunks))  # (the grid keeps one list of chunks per cell prefix)
+        if cols is None:
+            cols = placed[id(chunks)] = [_placed(items, te, c, placed) for c in chunks]
         if any(w[1] is None for w in cols):  # a chunk saved with strides of its own: element runs
             out += _run_pieces(items, te, path, r * g.row, (r + count) * g.row, placed)
             continue
