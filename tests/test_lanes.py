@@ -259,3 +259,15 @@ def test_a_read_across_entry_bounds_still_checks_every_entry_it_touches(tmp_path
     check.add(str(path), start, bytes(raw[start:end]))
     with pytest.raises(CorruptFile, match="data/1"):
         check.finish()
+
+
+def test_write_workers_are_three_quarters_of_the_cpus_8_to_16(monkeypatch):
+    """The writing threads' default (measured on a 16-core host, docs/benchmarks.md): 3/4 of the CPUs, at least 8
+    and at most 16, never more than the CPUs; under a launcher, the same for each process's share of them."""
+    from zckpt.engine import works
+    assert [works.write_workers(n) for n in (1, 2, 8, 12, 16, 20, 32, 128)] == [1, 2, 8, 9, 12, 15, 16, 16]
+    monkeypatch.setattr(works.os, "cpu_count", lambda: 32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert works.default_workers() == 12
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert works.default_workers() == 2

@@ -114,7 +114,7 @@ Examples:
                    "state is written under its names and fusion, the fused qkv's optimizer state split by its heads.")
 @tag_option
 @tie_options
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: 3/4 of the CPUs, 8 to 16, at most the CPUs).")
 @output_options("convert", "files, keys, sizes")
 @storage_option
 @follow_links_option

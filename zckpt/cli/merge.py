@@ -48,7 +48,7 @@ Examples:
                    "of the transformers class to write it as (torchtitan saves none); its names, fused experts and the "
                    "config are written, so from_pretrained loads the output.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
-              help="Threads for reading, casting and writing (default: CPU count, at most 8); they write "
+              help="Threads for reading, casting and writing (default: 3/4 of the CPUs, 8 to 16, at most the CPUs); they write "
                    "several output files at once.")
 @output_options("merge", "files, tensors, sizes")
 @storage_option

@@ -56,7 +56,7 @@ Examples:
                    "universal: DeepSpeed's universal layout (load with checkpoint.load_universal=true).")
 @tag_option
 @tie_options
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: CPU count, <= 8).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: 3/4 of the CPUs, 8 to 16, at most the CPUs).")
 @output_options("reshard", "files, partitions, sizes")
 @storage_option
 @follow_links_option

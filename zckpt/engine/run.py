@@ -74,7 +74,7 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     (:func:`zckpt.state.checksums.input_check`); its entries' CRC-32s are checked before anything is published."""
     out_opts = storage_options if output_storage_options is None else output_storage_options
     publish.check_output(out, "merge", source, overwrite, out_opts)
-    workers = workers or min(8, os.cpu_count() or 2)
+    workers = workers or works_.write_workers()
 
     casts = [t for sh in plan.shards for t in sh.tensors if t.dtype != t.src_dtype]
     cast_bytes = sum(t.nbytes for t in casts)
@@ -156,7 +156,7 @@ def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = Fa
         raise InvalidArgument("this plan's files are objects to load (plan_ranks), not files to write",
                               hint="plan with plan_reshard")
     publish.check_output(out, kind, source, overwrite)
-    workers = workers or min(8, os.cpu_count() or 2)
+    workers = workers or works_.write_workers()
     step = stepper(plan.total_bytes, progress)
 
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()
@@ -207,7 +207,7 @@ def run_convert(plan, out: str, workers: int | None = None, overwrite: bool = Fa
     data files, ``.metadata`` (DCP's commit), zckpt's marker, then one rename (:class:`zckpt.io.publish.Publisher`).
     ``check``: the input check every byte read is reported to, checked before the rename."""
     publish.check_output(out, "convert", source, overwrite)
-    workers = workers or min(8, os.cpu_count() or 2)
+    workers = workers or works_.write_workers()
     step = stepper(plan.total_bytes, progress)
 
     worker, maps = executor.Worker(storage_options=storage_options, check=check), torchzip.SourceMaps()

@@ -52,15 +52,25 @@ def job_bytes(parts: list, dtype: str) -> int:
                for p in parts)
 
 
+def write_workers(cpus: int | None = None) -> int:
+    """Writing threads of one process on ``cpus`` CPUs (default: this machine's): three quarters of them, at least
+    8 and at most 16, never more than the CPUs. Measured on a 16-core host (docs/benchmarks.md, issue 49 item 3):
+    8 threads left reshard and convert at 8-11 GB/s against a 16-thread copy's 14-18; 12 and 14 brought both
+    within 1.0-1.2x of it and the merges no slower; 16 writers beside the main thread made the casting jobs
+    slower again (bf16 merge +10%, DCP -> DeepSpeed +24%)."""
+    n = cpus or os.cpu_count() or 2
+    return min(n, max(8, min(16, n * 3 // 4)))
+
+
 def default_workers() -> int:
-    """Threads per process: the single-process default (CPU count, at most 8) shared by the processes of this
-    node (torchrun's LOCAL_WORLD_SIZE, srun's SLURM_NTASKS_PER_NODE), at least 2."""
+    """Threads per process: the single-process default (:func:`write_workers`) of this node's CPUs shared by its
+    processes (torchrun's LOCAL_WORLD_SIZE, srun's SLURM_NTASKS_PER_NODE), at least 2."""
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
     try:
         local_n = max(1, int(local))
     except ValueError:
         local_n = 1
-    return max(2, min(8, (os.cpu_count() or 2) // local_n))
+    return max(2, write_workers(max(1, (os.cpu_count() or 2) // local_n)))
 
 
 def chunk_size(total: int, world: int) -> int:
