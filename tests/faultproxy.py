@@ -9,6 +9,8 @@
     proxy.reset_puts(2, after=1 << 20)  # the next 2 PUTs bigger than 1 MiB: connection reset (RST) after 1 MiB
     proxy.stall_puts(1)                 # the next PUT: once its headers passed, nothing moves (the client must
                                         # time out)
+    proxy.stall_after_object("name")    # every PUT stalls once one object whose key holds "name" was sent whole
+                                        # (a PUT's body, or the POST completing its upload): caught mid-upload
     proxy.puts                          # {"/bucket/key": PUT bodies forwarded whole}, the wire's own count
     proxy.down(); proxy.up()            # an outage: connections refused (open ones reset) until up()
     proxy.stop()
@@ -60,6 +62,8 @@ class FaultProxy:
         self._resets = 0
         self._reset_after = 0
         self._stalls = 0
+        self._stall_marker: str | None = None  # stall_after_object's key part
+        self._stall_all = False  # every PUT stalls (set once the object stall_after_object waits for was sent)
         self._down = False  # down(): refuse connections until up()
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
@@ -82,6 +86,13 @@ class FaultProxy:
         with self.lock:
             self._stalls = n
 
+    def stall_after_object(self, marker: str) -> None:
+        """Stall every later PUT once one object whose key holds ``marker`` was sent whole: a PUT whose body was
+        forwarded, or the POST completing a multipart upload (``uploadId``). Set in the request path itself, as
+        the body's last byte goes out, so no PUT the client sends after it gets through."""
+        with self.lock:
+            self._stall_marker, self._stall_all = marker, False
+
     def down(self) -> None:
         """Refuse connections from now on, as a server that is not running would (its port closed; connections
         open through the proxy are reset), until :meth:`up`. The server behind it keeps running."""
@@ -99,6 +110,7 @@ class FaultProxy:
     def clear(self) -> None:
         with self.lock:
             self._slowdown = self._resets = self._stalls = 0
+            self._stall_marker, self._stall_all = None, False
 
     @property
     def pending(self) -> dict[str, int]:
@@ -237,9 +249,13 @@ class FaultProxy:
             elif method == "PUT" and self._stalls:
                 self._stalls -= 1
                 action = "stall"
+            elif method == "PUT" and self._stall_all:
+                action = "stall"
             elif method == "PUT" and self._resets and self._body_size(headers) > self._reset_after:
                 self._resets -= 1  # (only bodies the reset can cut in the middle)
                 action = "reset"
+            if method == "POST" and "uploadId=" in target and self._stall_marker and self._stall_marker in path:
+                self._stall_all = True
             self.requests.append((method, target, action))
             self.ranges.append((method, target, headers.get("range", "")))
         if action == "slowdown":
@@ -259,6 +275,8 @@ class FaultProxy:
         if method == "PUT" and whole:
             with self.lock:
                 self.puts[path] += 1
+                if self._stall_marker and self._stall_marker in path and "uploadId=" not in target:
+                    self._stall_all = True
 
     @staticmethod
     def _body_size(headers: dict) -> int:

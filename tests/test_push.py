@@ -292,12 +292,18 @@ def _push_cli(src, dest, *extra, env=None, **popen):
 
 
 def test_sigkill_mid_upload_leaves_no_manifest_and_resumes(s3, tmp_path):
-    """Kill -9 the CLI once the first big shard has arrived; the rerun completes without resending it."""
+    """Kill -9 the CLI once the first big shard has arrived; the rerun completes without resending it. A proxy in
+    front of the server holds every PUT from that shard's completion on, so the push is caught mid-upload however
+    fast it runs (polling the server alone raced it on a loaded machine: the push had finished)."""
+    from tests.faultproxy import FaultProxy
     src = tmp_path / "out"
     ckpt = write_trainer_checkpoint(src, 8, ws=8, payload=3 * 512 * 1024)  # 8 x 6 MB shards
     dest = s3.url(s3.prefix)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = _push_cli(src, dest, "--workers", "1", "--part-size", "5MiB", "--json", env=env)
+    proxy = FaultProxy(("127.0.0.1", s3.s3_port)).start()
+    proxy.stall_after_object("optim_states")
+    proc = _push_cli(src, dest, "--workers", "1", "--part-size", "5MiB", "--json",
+                     env={**env, "AWS_ENDPOINT_URL": proxy.endpoint})
     shards = {f"{s3.prefix}/checkpoint-8/global_step8/{n}" for n in os.listdir(ckpt / "global_step8")
               if "optim" in n}
     deadline = time.monotonic() + 60
@@ -310,7 +316,11 @@ def test_sigkill_mid_upload_leaves_no_manifest_and_resumes(s3, tmp_path):
         proc.kill()  # SIGKILL
     finally:
         proc.wait(30)
+        proxy.stop()
     assert proc.returncode == -signal.SIGKILL
+    assert any(action == "stall" for *_, action in proxy.requests), "the push was not held mid-upload"
+    assert not [t for m, t, _ in proxy.requests if MANIFEST in t and m in ("PUT", "POST")], \
+        "the manifest was sent before every file"
     present = s3.keys(f"{s3.prefix}/")
     assert f"{s3.prefix}/checkpoint-8/{MANIFEST}" not in present
     finished = {k: v for k, v in present.items() if k in shards}
