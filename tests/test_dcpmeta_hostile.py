@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from zckpt.encoding import dcpmeta, safeload
-from zckpt.errors import CorruptFile, UnsafePickle
+from zckpt.errors import CorruptFile, UnsafePickle, ZckptError
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH = "/ckpt/.metadata"
@@ -127,3 +127,86 @@ def test_cli_refuses_a_payload_in_one_line(tmp_path, marker):
     assert run.returncode == 1 and "posix.system" in line and str(tmp_path / ".metadata") in line, run.stderr
     assert "Traceback" not in run.stderr and not marker.exists()
     assert safeload.MAX_PICKLE_BYTES == 1 << 30
+
+
+# ------------------------------------------------- values spliced into a genuine .metadata, where the reader reads
+
+DEEP = b"]" * 10**6 + b"a" * (10**6 - 1)  # 10**6 nested lists (EMPTY_LIST ... APPEND): 2 MB
+# a tuple of two references to the one below it, 80 levels: 2**80 paths (its repr or a walk of it never ends)
+SHARED = b"]q\x00" + b"".join(b"h%ch%c\x86q%c" % (i, i, i + 1) for i in range(80))
+
+
+def _genuine(planner: dict | None = None) -> bytes:
+    """A real Metadata (torch's own classes) pickled at protocol 2 (no frames: a value can be swapped in)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([2 * r, 0]), sizes=torch.Size([2, 3])) for r in range(2)]
+    md = Metadata(state_dict_metadata={"model.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16),
+                                                                        torch.Size([4, 3]), chunks)},
+                  storage_data={MetadataIndex("model.w", c.offsets): _StorageInfo(f"__{r}_0.distcp", 0, 900)
+                                for r, c in enumerate(chunks)}, planner_data=planner)
+    return pickle.dumps(md, protocol=2)
+
+
+def _swap(data: bytes, old: bytes, new: bytes) -> bytes:
+    """The first pickled text ``old`` (BINUNICODE) replaced by the opcodes ``new``."""
+    op = b"X" + struct.pack("<I", len(old)) + old
+    assert op in data
+    return data.replace(op, new, 1)
+
+
+SIZES = {"__0_0.distcp": 900, "__1_0.distcp": 900}
+
+
+@pytest.mark.parametrize("where", ["fqn", "file", "dtype"])
+@pytest.mark.parametrize("what", ["deep", "shared"])
+def test_values_nested_or_shared_without_end_are_refused_in_one_line(where, what):
+    """Read without walking the whole object (check_nesting: 5 s of a 10**6-chunk save), every value kept is checked
+    where it is read, and no message prints an unchecked value: 10**6 nested lists, or a tuple with 2**80 paths, in
+    place of a key's name, a file name or a dtype, are refused in one line at once."""
+    import time
+    new = DEEP if what == "deep" else SHARED
+    data = _genuine()
+    data = {"fqn": lambda: _swap(data, b"model.w", new),  # the first is the state_dict_metadata key
+            "file": lambda: _swap(data, b"__0_0.distcp", new),
+            "dtype": lambda: data.replace(b"ctorch\nbfloat16\n", new, 1)}[where]()  # (GLOBAL torch.bfloat16)
+    t0 = time.perf_counter()
+    with pytest.raises(ZckptError) as exc:  # (a list for a dtype: one zckpt does not read)
+        dcpmeta.read_metadata(data, PATH, SIZES)
+    msg = str(exc.value)
+    assert PATH in msg and "\n" not in msg and len(msg) < 600 and "RecursionError" not in msg, msg
+    assert time.perf_counter() - t0 < 10
+
+
+def test_a_path_shared_by_every_key_is_not_walked_per_key():
+    """planner_data: 2*10**4 keys naming one tuple of 10**5 names (a memo reference each): 2*10**9 names if each
+    key's path were checked in full; read at once, the paths not taken."""
+    import time
+    data = _genuine({"ZKEYSENTINEL": "ZPATHSENTINEL"})
+    names = b"(" + b"X\x01\x00\x00\x00a" * 10**5 + b"t" + b"r" + struct.pack("<I", 900000)  # MARK..TUPLE, memo'd
+    keys = b"".join(b"X\x06\x00\x00\x00k%05dj" % i + struct.pack("<I", 900000) for i in range(2 * 10**4))
+    key = b"X\x0c\x00\x00\x00ZKEYSENTINEL"
+    value = b"X\x0d\x00\x00\x00ZPATHSENTINEL"
+    at = data.index(value) + len(value)
+    assert data[at] == ord("q") and data[at + 2] == ord("s")  # BINPUT, SETITEM
+    # {"model.w": NAMES, "k00000": NAMES, ..., "ZKEYSENTINEL": "ZPATHSENTINEL"}: SETITEMS after one MARK
+    data = data[:at + 2] + b"u" + data[at + 3:]
+    data = data.replace(key, b"(X\x07\x00\x00\x00model.w" + names + keys + key, 1)
+    t0 = time.perf_counter()
+    got = dcpmeta.read_metadata(data, PATH, SIZES)
+    assert time.perf_counter() - t0 < 10
+    assert got.tensors["model.w"].shape == (4, 3) and got.path_of("model.w") == ("model.w",)
+
+
+def test_a_state_key_that_is_not_a_name_is_refused():
+    """A stand-in's state dict keyed by anything but a name (here the int 5) is refused, never turned into text
+    (a crafted key's text may never end)."""
+    import time
+    data = _swap(_genuine(), b"relative_path", b"K\x05")
+    t0 = time.perf_counter()
+    with pytest.raises(CorruptFile) as exc:
+        dcpmeta.read_metadata(data, PATH, SIZES)
+    assert "not a name" in str(exc.value) and PATH in str(exc.value), str(exc.value)
+    assert time.perf_counter() - t0 < 10

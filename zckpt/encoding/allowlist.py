@@ -136,7 +136,9 @@ class Inert:
             state = {**(state[0] or {}), **(state[1] or {})}  # (dict, slots) form
         if isinstance(state, dict):
             _charge(len(state))
-            self.__dict__.update({str(k): v for k, v in state.items()})
+            if not all(isinstance(k, str) for k in state):  # (never str() of a key: a crafted one's text is huge)
+                raise CorruptFile(f"crafted pickle: the state of a {self._qualname} has a key that is not a name")
+            self.__dict__.update(state)
         else:
             self.__dict__["_state"] = state
 

@@ -53,7 +53,7 @@ def _stand_in(qual: str) -> type:
 
 def _layout(name):
     if name != "torch.strided":
-        raise UnsupportedLayout(f"tensor layout {str(name)[:40]} (only torch.strided is read)")
+        raise UnsupportedLayout(f"tensor layout {_show(name, 40)} (only torch.strided is read)")
     return "strided"
 
 
@@ -129,6 +129,18 @@ class DcpMetadata:
 
 # ---------------------------------------------------------------------------------------------- reading
 
+def _show(value, width: int = 60) -> str:
+    """``value`` for a message, never walked: read without :func:`~zckpt.encoding.pickles.check_nesting`, an
+    unchecked object may nest 10**6 levels or share one list 10**6 times (its ``repr`` would never end)."""
+    if type(value) in (str, bytes):
+        return repr(value[:width])
+    if type(value) in (int, float, bool, type(None)):
+        return repr(value)[:width]
+    if type(value) in (tuple, list) and len(value) <= MAX_DIMS and all(type(v) in (int, str) for v in value):
+        return repr(value)[:width]
+    return f"a {type(value).__name__}"
+
+
 def _fields(obj, cls: str, path: str) -> dict:
     """The state of ``obj``, a stand-in of DCP's class ``cls`` (its class checked, not a name it claims)."""
     if type(obj) is not _CLASSES.get(cls):
@@ -142,7 +154,7 @@ def _ints(value, what: str, path: str) -> tuple:
         return value  # the common case, checked in C
     if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or \
             not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise CorruptFile(f"DCP metadata: {what} is not a list of non-negative integers: {str(value)[:60]}", path=path)
+        raise CorruptFile(f"DCP metadata: {what} is not a list of non-negative integers: {_show(value)}", path=path)
     return tuple(value)
 
 
@@ -153,7 +165,7 @@ def _dtype(props, key: str, path: str) -> str:
     state = props.__dict__.get("_state") if isinstance(props, safeload.Inert) else None
     dtype = state[0] if isinstance(state, tuple) and state else _fields(props, "TensorProperties", path).get("dtype")
     if not isinstance(dtype, safeload.TorchDtype) or str(dtype) not in safeload.DTYPE_SIZES:
-        raise UnsupportedLayout(f"DCP metadata: '{key}' has dtype {str(dtype)[:40]}, which zckpt does not read",
+        raise UnsupportedLayout(f"DCP metadata: '{key}' has dtype {_show(dtype, 40)}, which zckpt does not read",
                                 path=path)
     return str(dtype)
 
@@ -169,21 +181,22 @@ def _storage_index(storage_data, path: str) -> dict:
             _fields(idx, "MetadataIndex", path), _fields(info, "_StorageInfo", path)
         i, s = idx.__dict__, info.__dict__
         fqn, offs = i.get("fqn"), i.get("offset")
+        name, off, length = s.get("relative_path"), s.get("offset"), s.get("length")
+        # (the types first: nothing unchecked is hashed or printed)
+        if type(fqn) is not str or type(name) is not str or (name not in names and (not _DATA_NAME.match(name)
+                                                                                  or name in (".", ".."))):
+            raise CorruptFile(f"DCP metadata: storage entry of {_show(fqn)} names the file {_show(name)}, "
+                              "not a file of the checkpoint folder", path=path)
         if offs is not None and not (type(offs) is tuple and len(offs) <= MAX_DIMS and set(map(type, offs)) <= _INT
                                      and (not offs or min(offs) >= 0)):
             offs = _ints(offs, f"the storage offset of '{fqn}'", path)
-        name, off, length = s.get("relative_path"), s.get("offset"), s.get("length")
-        if not isinstance(fqn, str) or (name not in names and (not isinstance(name, str) or not _DATA_NAME.match(name)
-                                                           or name in (".", ".."))):
-            raise CorruptFile(f"DCP metadata: storage entry of '{str(fqn)[:60]}' names the file {str(name)[:60]!r}, "
-                              "not a file of the checkpoint folder", path=path)
         if type(off) is not int or type(length) is not int or off < 0 or length < 0:
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, length)):
-                raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {off!r}, length {length!r}",
-                                  path=path)
+                raise CorruptFile(f"DCP metadata: storage entry of '{fqn}' has offset {_show(off)}, length "
+                                  f"{_show(length)}", path=path)
         names.add(name)
         if s.get("transform_descriptors"):
-            raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {list(s['transform_descriptors'])}"
+            raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {_show(s['transform_descriptors'])}"
                                     " (compression or another extension); zckpt reads raw torch.save items only",
                                     path=path)
         out[(fqn, offs)] = (name, off, length)
@@ -203,7 +216,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
     chunk_cls = _CLASSES["ChunkStorageMetadata"]
     for key, entry in sdm.items():
         if not isinstance(key, str):
-            raise CorruptFile(f"DCP metadata: key {str(key)[:60]!r} is not a string", path=path)
+            raise CorruptFile(f"DCP metadata: key {_show(key)} is not a string", path=path)
         if type(entry) is _CLASSES["BytesStorageMetadata"]:
             where = index.get((key, None))
             if where is None:
@@ -251,10 +264,11 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
     planner = md.get("planner_data")
     paths = {}
     if isinstance(planner, dict):
-        for k, v in planner.items():
-            if type(k) is str and type(v) is tuple and set(map(type, v)) <= _STR:  # the common case, checked in C
-                paths[k] = v
-            elif isinstance(k, str) and isinstance(v, tuple) and all(isinstance(p, (str, int)) for p in v):
+        for k, v in planner.items():  # (a path is a few names long: one tuple shared by 10**6 keys is not walked)
+            if type(k) is str and type(v) is tuple and len(v) <= MAX_DIMS and set(map(type, v)) <= _STR:
+                paths[k] = v  # the common case, checked in C
+            elif isinstance(k, str) and isinstance(v, tuple) and len(v) <= MAX_DIMS and \
+                    all(isinstance(p, (str, int)) for p in v):
                 paths[k] = tuple(str(p) for p in v)
     version = md.get("version") if isinstance(md.get("version"), str) else None
     files = sorted({c.file for te in tensors.values() for c in te.chunks} | {v.file for v in values.values()})
@@ -448,7 +462,8 @@ def runs_in(te: TensorEntry, start: int, end: int, path: str | None = None) -> l
 def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:
     """``.metadata``'s bytes -> a checked :class:`DcpMetadata` (see :func:`parse`); no code from the pickle runs."""
     with safeload.gc_paused():  # millions of live objects, no garbage
-        obj = safeload.load_plain(data, path, EXTRA_GLOBALS)
+        # no check_nesting walk (5 s of 10**6 chunks): parse reads a fixed shape and keeps only what it checked
+        obj = safeload.load_plain(data, path, EXTRA_GLOBALS, nesting=False)
         try:
             md = parse(obj, path, file_sizes)
             del obj  # freed here, with the collector still paused: its next pass sees only what parse kept
@@ -456,5 +471,6 @@ def read_metadata(data: bytes, path: str, file_sizes: dict[str, int] | None = No
         except (CorruptFile, UnsupportedLayout):
             raise
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as exc:
-            raise CorruptFile(f"DCP metadata of an unexpected shape ({type(exc).__name__}: {exc})"[:240],
+            detail = "" if isinstance(exc, KeyError) else f": {exc}"  # (a KeyError's text is its key's repr)
+            raise CorruptFile(f"DCP metadata of an unexpected shape ({type(exc).__name__}{detail})"[:240],
                               path=path) from None

@@ -249,16 +249,22 @@ class _PlainUnpickler(SafeUnpickler):
         raise CorruptFile("a plain pickle refers to a tensor storage (persistent id)", path=self.archive.path)
 
 
-def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None) -> Any:
+def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None, nesting: bool = True) -> Any:
     """Unpickle ``data`` (a whole pickle, not a torch zip) with the allow-list of :func:`load` plus ``extra``
-    (qualified name -> stand-in), after the same opcode checks; nothing outside both is ever constructed."""
+    (qualified name -> stand-in), after the same opcode checks; nothing outside both is ever constructed.
+
+    ``nesting=False`` skips :func:`~zckpt.encoding.pickles.check_nesting` (a walk of every object: 5 s of a
+    10**6-chunk ``.metadata``) for a caller that walks the result in a fixed shape itself, keeps only values it
+    checked (strings, tuples of ints) and never recurses into, hashes or prints an unchecked object
+    (:func:`zckpt.encoding.dcpmeta.parse`)."""
     if len(data) > MAX_PICKLE_BYTES:
         raise CorruptFile(f"pickle of {len(data)} bytes, over the {MAX_PICKLE_BYTES} limit", path=path)
     _check_opcodes(data, path)
     try:
         unpickler = _PlainUnpickler(data, path, extra or {})
         obj = unpickler.load()
-        check_nesting(obj, path, budget=2 * len(data) + 10**6)
+        if nesting or unpickler.placeholders:  # (unwrap walks the whole object)
+            check_nesting(obj, path, budget=2 * len(data) + 10**6)
         return allowlist.unwrap(obj) if unpickler.placeholders else obj
     except ZckptError as exc:
         if exc.path is None:
