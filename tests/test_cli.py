@@ -34,6 +34,20 @@ def test_help_is_fast_and_imports_no_torch():
     assert time.perf_counter() - t0 < 5  # typically ~0.3 s; generous for a loaded CI box
 
 
+def test_the_program_gives_openblas_one_thread_unless_told():
+    """zckpt never asks numpy for matrix work: the program starts numpy's OpenBLAS with one thread (its default, a
+    spinning thread per CPU, cost convert 7-9% of its CPU); a user's own OPENBLAS_NUM_THREADS is kept."""
+    code = ("import os, sys; sys.argv = ['zckpt', '--version']; import zckpt.__main__ as m\n"
+            "try:\n    m.run()\nexcept SystemExit:\n    pass\n"
+            "import numpy; print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')), file=sys.stderr)")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, check=True)
+    assert out.stderr.split() == ["1", "1"], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**env, "OPENBLAS_NUM_THREADS": "3"})
+    assert out.stderr.split()[0] == "3", out.stderr
+
+
 def test_every_command_has_help_with_examples():
     for name in COMMANDS:
         res = run(name, "--help")

@@ -15,6 +15,9 @@ def _interrupted_while_starting(signum, frame):
 
 
 def run() -> None:
+    # numpy's OpenBLAS starts a thread per CPU that spins waiting for matrix work zckpt never gives it (7-9% of
+    # convert --to deepspeed's CPU on 2 cores, more threads on more); a setting of the user's own is kept
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     for signum in (signal.SIGINT, signal.SIGTERM):  # kill = Ctrl-C
         if signal.getsignal(signum) in (signal.default_int_handler, signal.SIG_DFL):  # else zckpt's own (--json)
             signal.signal(signum, _interrupted_while_starting)
