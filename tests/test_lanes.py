@@ -271,3 +271,68 @@ def test_write_workers_are_three_quarters_of_the_cpus_8_to_16(monkeypatch):
     assert works.default_workers() == 12
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert works.default_workers() == 2
+
+
+def test_an_entry_read_twice_in_other_cuts_is_checked_without_reading_it_again(tmp_path):
+    """An entry's bytes read twice in different cuts (convert --to deepspeed reads each master for the optimizer
+    file and again, cut elsewhere, for the cast weights): its CRC-32 is chained through the reads, nothing read
+    again; spans that leave gaps or overlap partly read only what no chain covers; a flipped byte is still found.
+    Random cuts against the entry's own CRC."""
+    import random
+    import zipfile
+    from zlib import crc32
+
+    from zckpt.engine import checked
+    from zckpt.engine.checked import InputCheck, zip_entries
+    from zckpt.errors import CorruptFile
+
+    rng = random.Random(7)
+    body = rng.randbytes(1 << 16)
+    path = tmp_path / "one.zip"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("a/data/0", body)
+    (e,) = zip_entries(str(path))
+    raw = path.read_bytes()
+
+    def cuts(k):  # a tiling of the entry into k random pieces
+        at = sorted(rng.sample(range(1, len(body)), k - 1))
+        return list(zip([0] + at, at + [len(body)]))
+
+    reread = []
+    real = checked.InputCheck._read_crc
+
+    def counted(self, p, off, n):
+        reread.append(n)
+        return real(self, p, off, n)
+
+    checked.InputCheck._read_crc = counted
+    try:
+        for trial in range(60):
+            spans = cuts(rng.randint(1, 9)) + cuts(rng.randint(1, 9))  # two whole reads, cut differently
+            kind = trial % 3
+            if kind == 1:  # a few pieces of each read missing: gaps only one of them may fill
+                spans = [s for s in spans if rng.random() < 0.8]
+            if kind == 2:  # plus random spans overlapping anything
+                spans += [(a, min(len(body), a + rng.randint(1, 5000))) for a in rng.sample(range(len(body)), 4)]
+            check = InputCheck()
+            for a, b in spans:
+                check.add(str(path), e.data_offset + a, raw[e.data_offset + a:e.data_offset + b])
+            reread.clear()
+            check.finish()  # the CRC agrees
+            covered = bytearray(len(body))
+            for a, b in spans:
+                covered[a:b] = b"\x01" * (b - a)
+            if kind == 0:
+                assert reread == [], (trial, reread)
+            assert sum(reread) <= len(body) and sum(reread) >= covered.count(0), (trial, reread)
+    finally:
+        checked.InputCheck._read_crc = real
+    flipped = bytearray(raw)
+    flipped[e.data_offset + 100] ^= 1
+    path.write_bytes(bytes(flipped))
+    check = InputCheck()
+    for a, b in cuts(3) + cuts(4):  # the spans' CRCs of the good bytes: the file's entry must agree with them
+        check.add(str(path), e.data_offset + a, flipped[e.data_offset + a:e.data_offset + b])
+    with pytest.raises(CorruptFile, match="data/0"):
+        check.finish()
+    assert crc32(body) == e.crc

@@ -223,20 +223,38 @@ class InputCheck:
         if self.max_fill is not None and e.size - covered > self.max_fill * e.size:
             self.unchecked += 1
             return None
-        crc, pos = 0, e.data_offset
-        for off, n, c in spans:
-            stop = off + n
-            if stop <= pos:  # read twice (a tied tensor, an overlap): counted once
+        # the cheapest way through the entry (a shortest path over the spans' ends, right to left): span CRCs
+        # chained where one ends where the next begins, only bytes no chain covers read again. Bytes read twice
+        # in other cuts (convert --to deepspeed reads each master for the optimizer file and again for the cast
+        # weights) then chain through one of the reads, not re-read where the cuts overlap (17% of the source)
+        start = e.data_offset
+        points = sorted({start, end}.union(*((off, off + n) for off, n, _ in spans)))
+        at = {p: i for i, p in enumerate(points)}
+        from_start: dict[int, list] = {}
+        for sp in spans:
+            from_start.setdefault(sp[0], []).append(sp)
+        best = [0] * len(points)  # bytes read again from this point to the end
+        take: list = [None] * len(points)  # the span taken at this point (None: read to the next point)
+        for i in range(len(points) - 2, -1, -1):
+            p = points[i]
+            best[i] = best[i + 1] + points[i + 1] - p
+            for sp in from_start.get(p, ()):
+                j = at[p + sp[1]]
+                if best[j] <= best[i]:
+                    best[i], take[i] = best[j], sp
+        crc, i, last = 0, 0, len(points) - 1
+        while i < last:
+            sp = take[i]
+            if sp is not None:
+                crc = crc32_combine(crc, sp[2], sp[1])
+                i = at[points[i] + sp[1]]
                 continue
-            if off < pos:  # overlaps what is covered already: the rest of it read again
-                off, n = pos, stop - pos
-                c = self._read_crc(path, off, n)
-            elif off > pos:  # bytes no span read (partition padding)
-                crc = crc32_combine(crc, self._read_crc(path, pos, off - pos), off - pos)
-            crc = crc32_combine(crc, c, n)
-            pos = stop
-        if pos < end:
-            crc = crc32_combine(crc, self._read_crc(path, pos, end - pos), end - pos)
+            j = i + 1  # bytes no chosen span covers (partition padding, a cut across): one read
+            while j < last and take[j] is None:
+                j += 1
+            n = points[j] - points[i]
+            crc = crc32_combine(crc, self._read_crc(path, points[i], n), n)
+            i = j
         return crc
 
     def _compare(self, path: str, e: ZipEntry, got: int) -> None:
