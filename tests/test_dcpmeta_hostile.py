@@ -6,6 +6,7 @@ no allocation it asks for is made. Hand-assembled opcodes: no pickler would writ
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -210,3 +211,48 @@ def test_a_state_key_that_is_not_a_name_is_refused():
         dcpmeta.read_metadata(data, PATH, SIZES)
     assert "not a name" in str(exc.value) and PATH in str(exc.value), str(exc.value)
     assert time.perf_counter() - t0 < 10
+
+
+def test_chunks_checked_at_once_equal_the_chunk_by_chunk_read(monkeypatch):
+    """Every committed ``.metadata`` (FSDP2, torchtitan, Megatron-Core saves): the chunks checked a tensor at a time
+    (``_fast_chunks``) equal the chunk-by-chunk loop's; a chunk that fails any check sends the tensor to the loop,
+    which names it (here: one past its tensor's size, one missing its storage entry, two at one offset)."""
+    import dataclasses
+    import os
+
+    metas = sorted((ROOT / "fixtures").rglob(".metadata"))
+    assert len(metas) >= 20
+    for meta in metas:
+        folder = meta.parent
+        sizes = {n: os.path.getsize(folder / n) for n in os.listdir(folder) if n.endswith(".distcp")}
+        fast = dcpmeta.read_metadata(meta.read_bytes(), str(meta), sizes)
+        with monkeypatch.context() as m:
+            m.setattr(dcpmeta, "_fast_chunks", lambda *a: None)
+            slow = dcpmeta.read_metadata(meta.read_bytes(), str(meta), sizes)
+        assert fast.tensors.keys() == slow.tensors.keys() and fast.values == slow.values, meta
+        for k, te in fast.tensors.items():
+            assert (te.dtype, te.shape, te.chunks) == (slow.tensors[k].dtype, slow.tensors[k].shape,
+                                                       slow.tensors[k].chunks), (meta, k)
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def md(offsets, stored):
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size([2, 3])) for o in offsets]
+        return pickle.dumps(Metadata(
+            state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]),
+                                                            chunks)},
+            storage_data={MetadataIndex("w", torch.Size(o)): _StorageInfo("__0_0.distcp", 100 * i, 100)
+                          for i, o in enumerate(stored)}))
+
+    good = dcpmeta.read_metadata(md([[0, 0], [2, 0]], [[0, 0], [2, 0]]), PATH, {"__0_0.distcp": 200})
+    assert [dataclasses.astuple(c) for c in good.tensors["w"].chunks] == \
+        [((0, 0), (2, 3), "__0_0.distcp", 0, 100), ((2, 0), (2, 3), "__0_0.distcp", 100, 100)]
+    for offsets, stored, words in (([[0, 0], [3, 0]], [[0, 0], [3, 0]], "lies outside its size"),
+                                   ([[0, 0], [2, 0]], [[0, 0]], "no storage entry for the chunk of 'w' at [2, 0]"),
+                                   ([[0, 0], [0, 0]], [[0, 0]], "overlap")):
+        with pytest.raises(CorruptFile, match=re.escape(words)):
+            dcpmeta.read_metadata(md(offsets, stored), PATH, {"__0_0.distcp": 200})
+    with pytest.raises(CorruptFile, match="past its end"):
+        dcpmeta.read_metadata(md([[0, 0], [2, 0]], [[0, 0], [2, 0]]), PATH, {"__0_0.distcp": 150})

@@ -29,6 +29,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from itertools import chain, cycle
 
 from zckpt.errors import CorruptFile, UnsupportedLayout
 from zckpt.encoding import safeload
@@ -171,7 +172,8 @@ def _dtype(props, key: str, path: str) -> str:
 
 
 def _storage_index(storage_data, path: str) -> dict:
-    """(fqn, offsets or None) -> (file, offset, length), every entry checked."""
+    """fqn -> {offsets or None: (file, offset, length)}, every entry checked (by name first: a tensor's 10**5
+    chunks are then looked up by their offsets alone, no (name, offsets) tuple made and hashed per chunk)."""
     if not isinstance(storage_data, dict):
         raise CorruptFile("DCP metadata: storage_data is not a dict (not written by FileSystemWriter)", path=path)
     out, names = {}, set()  # names: the file names checked already (a few, named by every entry)
@@ -199,8 +201,53 @@ def _storage_index(storage_data, path: str) -> dict:
             raise UnsupportedLayout(f"DCP item '{fqn}' is stored through transforms {_show(s['transform_descriptors'])}"
                                     " (compression or another extension); zckpt reads raw torch.save items only",
                                     path=path)
-        out[(fqn, offs)] = (name, off, length)
+        sub = out.get(fqn)
+        if sub is None:
+            sub = out[fqn] = {}
+        sub[offs] = (name, off, length)
     return out
+
+
+_STATE = operator.attrgetter("__dict__")
+_GETS = {k: operator.methodcaller("get", k) for k in ("offsets", "sizes")}
+
+
+def _fast_chunks(key: str, raw: list, shape: tuple, index: dict, file_sizes: dict | None, seen: set) -> list | None:
+    """The chunks of one tensor checked at once (each check one C loop over all of them: 10**6 chunks), or None
+    when any check fails: the chunk-by-chunk loop of :func:`parse` then finds and names the first bad one. The same
+    checks: each a chunk object of its own (in no other list), offsets and sizes of the tensor's rank, non-negative
+    integers, inside its size, no two at one offset, each with its storage entry inside its file."""
+    n, ndim = len(raw), len(shape)
+    if not n:
+        return []
+    if set(map(type, raw)) != {_CLASSES["ChunkStorageMetadata"]}:
+        return None
+    ids = set(map(id, raw))
+    if len(ids) != n or not ids.isdisjoint(seen):
+        return None
+    states = list(map(_STATE, raw))
+    offs, sizes = list(map(_GETS["offsets"], states)), list(map(_GETS["sizes"], states))
+    if set(map(type, offs)) != {tuple} or set(map(type, sizes)) != {tuple} or set(map(len, offs)) != {ndim} or \
+            set(map(len, sizes)) != {ndim}:
+        return None
+    if ndim:
+        flat_offs, flat_sizes = list(chain.from_iterable(offs)), list(chain.from_iterable(sizes))
+        if not (set(map(type, flat_offs)) <= _INT and set(map(type, flat_sizes)) <= _INT) or \
+                min(flat_offs) < 0 or min(flat_sizes) < 0 or \
+                not all(map(operator.le, map(operator.add, flat_offs, flat_sizes), cycle(shape))):
+            return None
+    if len(set(offs)) != n:
+        return None
+    wheres = list(map(index.get(key, {}).get, offs))
+    if None in wheres:
+        return None
+    files, at, length = zip(*wheres)
+    if file_sizes is not None:
+        ends = list(map(file_sizes.get, files))
+        if None in ends or not all(map(operator.le, map(operator.add, at, length), ends)):
+            return None
+    seen |= ids
+    return list(map(Chunk, offs, sizes, files, at, length))
 
 
 def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetadata:
@@ -218,7 +265,7 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         if not isinstance(key, str):
             raise CorruptFile(f"DCP metadata: key {_show(key)} is not a string", path=path)
         if type(entry) is _CLASSES["BytesStorageMetadata"]:
-            where = index.get((key, None))
+            where = index.get(key, {}).get(None)
             if where is None:
                 raise CorruptFile(f"DCP metadata: no storage entry for the value '{key}'", path=path)
             if file_sizes is not None:
@@ -233,31 +280,35 @@ def parse(obj, path: str, file_sizes: dict[str, int] | None = None) -> DcpMetada
         raw = t.get("chunks")
         if not isinstance(raw, list):
             raise CorruptFile(f"DCP metadata: the chunks of '{key}' are not a list", path=path)
-        chunks, starts, ndim = [], set(), len(shape)
-        for c in raw:
-            if id(c) in seen:  # one object listed twice (a crafted list of memo references): overlapping chunks
-                raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (one chunk object listed twice)",
-                                  path=path)
-            seen.add(id(c))
-            cf = c.__dict__ if type(c) is chunk_cls else _fields(c, "ChunkStorageMetadata", path)
-            offs, sizes = cf.get("offsets"), cf.get("sizes")
-            if not (type(offs) is tuple and type(sizes) is tuple and len(offs) == ndim and len(sizes) == ndim
-                    and set(map(type, offs + sizes)) <= _INT and (not ndim or min(offs + sizes) >= 0)):
-                offs = _ints(offs, f"a chunk offset of '{key}'", path)  # (the common case checked above, in C)
-                sizes = _ints(sizes, f"a chunk size of '{key}'", path)
-            if len(offs) != ndim or len(sizes) != ndim or \
-                    (ndim and not all(map(operator.le, map(operator.add, offs, sizes), shape))):
-                raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
-                                  f"lies outside its size {list(shape)}", path=path)
-            if offs in starts:  # two chunks at one offset: refused here, before 10**7 of them are cut into runs
-                raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (two start at {list(offs)})", path=path)
-            starts.add(offs)
-            where = index.get((key, offs))
-            if where is None:
-                raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}", path=path)
-            if file_sizes is not None:
-                _inside(where, file_sizes, path)
-            chunks.append(Chunk(offs, sizes, *where))
+        chunks = _fast_chunks(key, raw, shape, index, file_sizes, seen)
+        if chunks is None:  # (a check failed: found and named chunk by chunk)
+            chunks, starts, ndim = [], set(), len(shape)
+            for c in raw:
+                if id(c) in seen:  # one object listed twice (a crafted list of memo references): overlapping chunks
+                    raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (one chunk object listed twice)",
+                                      path=path)
+                seen.add(id(c))
+                cf = c.__dict__ if type(c) is chunk_cls else _fields(c, "ChunkStorageMetadata", path)
+                offs, sizes = cf.get("offsets"), cf.get("sizes")
+                if not (type(offs) is tuple and type(sizes) is tuple and len(offs) == ndim and len(sizes) == ndim
+                        and set(map(type, offs + sizes)) <= _INT and (not ndim or min(offs + sizes) >= 0)):
+                    offs = _ints(offs, f"a chunk offset of '{key}'", path)  # (the common case checked above, in C)
+                    sizes = _ints(sizes, f"a chunk size of '{key}'", path)
+                if len(offs) != ndim or len(sizes) != ndim or \
+                        (ndim and not all(map(operator.le, map(operator.add, offs, sizes), shape))):
+                    raise CorruptFile(f"DCP metadata: a chunk of '{key}' (offsets {list(offs)}, sizes {list(sizes)}) "
+                                      f"lies outside its size {list(shape)}", path=path)
+                if offs in starts:  # two chunks at one offset: refused here, before 10**7 of them are cut into runs
+                    raise CorruptFile(f"DCP metadata: the chunks of '{key}' overlap (two start at {list(offs)})",
+                                      path=path)
+                starts.add(offs)
+                where = index.get(key, {}).get(offs)
+                if where is None:
+                    raise CorruptFile(f"DCP metadata: no storage entry for the chunk of '{key}' at {list(offs)}",
+                                      path=path)
+                if file_sizes is not None:
+                    _inside(where, file_sizes, path)
+                chunks.append(Chunk(offs, sizes, *where))
         te = TensorEntry(key, _dtype(t.get("properties"), key, path), shape, chunks)
         cut(te, path)  # the chunks cover the tensor exactly once (kept: readers cut by them)
         tensors[key] = te
