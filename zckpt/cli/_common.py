@@ -153,6 +153,8 @@ def _remember(field: str):
 
 
 #: the parameters that name local paths or URLs, in every command that has them
+WORKERS_DEFAULT = "3/4 of the CPUs, 8 to 16, at most the CPUs"  # engine.works.write_workers, in --workers' help
+
 PATH_PARAMS = ("path", "out", "src", "dest", "ds_config", "config_path")
 
 

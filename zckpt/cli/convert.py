@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    follow_links_option,
+    WORKERS_DEFAULT, follow_links_option,
     Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
@@ -114,7 +114,8 @@ Examples:
                    "state is written under its names and fusion, the fused qkv's optimizer state split by its heads.")
 @tag_option
 @tie_options
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: 3/4 of the CPUs, 8 to 16, at most the CPUs).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None,
+              help=f"Copy threads (default: {WORKERS_DEFAULT}).")
 @output_options("convert", "files, keys, sizes")
 @storage_option
 @follow_links_option

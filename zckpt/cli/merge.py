@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    follow_links_option,
+    WORKERS_DEFAULT, follow_links_option,
     Progress, emit_json, global_options, output_options, output_storage_option, published, settings, storage_option,
     tag_option, tie_options,
 )
@@ -48,7 +48,7 @@ Examples:
                    "of the transformers class to write it as (torchtitan saves none); its names, fused experts and the "
                    "config are written, so from_pretrained loads the output.")
 @click.option("--workers", type=click.IntRange(1, 256), default=None,
-              help="Threads for reading, casting and writing (default: 3/4 of the CPUs, 8 to 16, at most the CPUs); they write "
+              help=f"Threads for reading, casting and writing (default: {WORKERS_DEFAULT}); they write "
                    "several output files at once.")
 @output_options("merge", "files, tensors, sizes")
 @storage_option

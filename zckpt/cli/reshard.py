@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from zckpt.cli._common import (
-    follow_links_option,
+    WORKERS_DEFAULT, follow_links_option,
     Progress, emit_json, global_options, output_options, published, settings, storage_option, tag_option, tie_options,
 )
 
@@ -56,7 +56,8 @@ Examples:
                    "universal: DeepSpeed's universal layout (load with checkpoint.load_universal=true).")
 @tag_option
 @tie_options
-@click.option("--workers", type=click.IntRange(1, 256), default=None, help="Copy threads (default: 3/4 of the CPUs, 8 to 16, at most the CPUs).")
+@click.option("--workers", type=click.IntRange(1, 256), default=None,
+              help=f"Copy threads (default: {WORKERS_DEFAULT}).")
 @output_options("reshard", "files, partitions, sizes")
 @storage_option
 @follow_links_option

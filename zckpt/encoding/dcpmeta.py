@@ -209,7 +209,7 @@ def _storage_index(storage_data, path: str) -> dict:
 
 
 _STATE = operator.attrgetter("__dict__")
-_GETS = {k: operator.methodcaller("get", k) for k in ("offsets", "sizes")}
+_GET_OFFSETS, _GET_SIZES = operator.methodcaller("get", "offsets"), operator.methodcaller("get", "sizes")
 
 
 def _fast_chunks(key: str, raw: list, shape: tuple, index: dict, file_sizes: dict | None, seen: set) -> list | None:
@@ -226,7 +226,7 @@ def _fast_chunks(key: str, raw: list, shape: tuple, index: dict, file_sizes: dic
     if len(ids) != n or not ids.isdisjoint(seen):
         return None
     states = list(map(_STATE, raw))
-    offs, sizes = list(map(_GETS["offsets"], states)), list(map(_GETS["sizes"], states))
+    offs, sizes = list(map(_GET_OFFSETS, states)), list(map(_GET_SIZES, states))
     if set(map(type, offs)) != {tuple} or set(map(type, sizes)) != {tuple} or set(map(len, offs)) != {ndim} or \
             set(map(len, sizes)) != {ndim}:
         return None
