@@ -90,10 +90,10 @@ class _Archive:
         return StorageRef(self.path, key, dtype, entry.data_offset, entry.size, entry.crc)
 
 
-def _check_opcodes(data: bytes, path: str) -> None:
+def _check_opcodes(data: bytes, path: str, what: str = "data.pkl") -> None:
     """Refuse pickles that would make the C unpickler allocate far more than their size (a memo index past the
     pickle's length: ``LONG_BINPUT 678654301`` is 5 bytes and gigabytes of memo table), or that are damaged."""
-    scan(data, 0, path, "data.pkl", limit=len(data))
+    scan(data, 0, path, what, limit=len(data))
 
 
 def _default_opener(path: str, storage_options: dict | None = None, size: int | None = None) -> BinaryIO:
@@ -259,7 +259,7 @@ def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None, nest
     (:func:`zckpt.encoding.dcpmeta.parse`)."""
     if len(data) > MAX_PICKLE_BYTES:
         raise CorruptFile(f"pickle of {len(data)} bytes, over the {MAX_PICKLE_BYTES} limit", path=path)
-    _check_opcodes(data, path)
+    _check_opcodes(data, path, str(path).rsplit("/", 1)[-1])  # (a whole file: .metadata, not a zip's data.pkl)
     try:
         unpickler = _PlainUnpickler(data, path, extra or {})
         obj = unpickler.load()
