@@ -208,6 +208,23 @@ def test_plain_fp32_merge_imports_neither_numpy_nor_torch(tmp_path):
     assert out.strip() == "[]"
 
 
+def test_casts_import_numpy_before_the_writing_threads_start(tmp_path):
+    """A down-casting job imports what its casts need before any job runs (``Worker.prepare``): the writing threads'
+    first casts do not all wait on one import. Every job sees numpy (and, for bf16, ml_dtypes) already there."""
+    from tests.conftest import FIXTURES
+    ckpt = checkpoint_path(FIXTURES / "z2_bf16_ws2")
+    for dtype, module in (("fp16", "numpy"), ("bf16", "ml_dtypes")):
+        code = ("import sys; from zckpt.engine import executor; seen = []; write = executor.Worker.write\n"
+                "def spy(self, *a, **k):\n"
+                f"    seen.append({module!r} in sys.modules); return write(self, *a, **k)\n"
+                "executor.Worker.write = spy\n"
+                "from zckpt.ops.merge import merge\n"
+                f"merge({str(ckpt)!r}, {str(tmp_path / dtype)!r}, dtype={dtype!r}); print(len(seen), all(seen))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        jobs, before = out.split()
+        assert int(jobs) > 1 and before == "True", (dtype, out)
+
+
 # ------------------------------------------------------------------------------ one vocabulary: flags and errors
 
 def invoke(*args, env=None):

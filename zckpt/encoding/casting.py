@@ -142,6 +142,19 @@ def fast_bf16() -> bool:
     return _ml_bfloat16() is not None
 
 
+def prepare(pairs) -> None:
+    """Import now, on the calling thread, what the casts ``pairs`` ((src, dst) dtype names) will need: numpy, and
+    ml_dtypes for fp32 -> bf16. Called before the writing threads start: otherwise every thread whose first job is
+    a cast waits on the one import, and the copies beside them share the GIL with it (the first 0.2 s of a convert
+    --to deepspeed on the lent 16-core host wrote at a tenth of its rate)."""
+    pairs = set(pairs)
+    if not pairs:
+        return
+    import numpy  # noqa: F401 - every cast below runs in numpy (or torch, imported by then)
+    if ("float32", "bfloat16") in pairs:
+        _ml_bfloat16()
+
+
 #: fp32 bytes a job's slow down-casts (fp32 -> fp16 always; fp32 -> bf16 only without ml_dtypes) must read before
 #: importing torch for its one-pass kernel pays: the import costs about 1.5 s of CPU and 400 MiB. Lent 16-core host,
 #: 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into 5 files took 1.03 s with numpy's cast,

@@ -261,6 +261,15 @@ class Worker:
                 pos += n
         return view[:pos]
 
+    def prepare(self, jobs: Iterable[tuple[list, str]]) -> None:
+        """Before the threads start: import what the casts among ``jobs`` ((parts, dtype) pairs) need
+        (:func:`zckpt.encoding.casting.prepare`); nothing when there are none, or only the small pure upcasts."""
+        pairs = {(p.src_dtype, dtype) for parts, dtype in jobs for p in parts if isinstance(p, Cast)}
+        if self.use_torch or (self.pure_upcast and pairs <= {("bfloat16", "float32")}):
+            return
+        from zckpt.encoding import casting
+        casting.prepare(pairs)
+
     def kernel_copyable(self, parts: list, dtype: str) -> bool:
         return self.use_cfr and all(
             isinstance(p, Fill) or (isinstance(p, Piece) and p.dtype == dtype and not storage.is_url(p.path))

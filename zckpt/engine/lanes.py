@@ -107,6 +107,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
     syncing: list = []
+    worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports, now
     for t in targets:
         t.left, t.crcs, t.users = len(t.jobs), {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
