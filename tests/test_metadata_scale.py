@@ -548,6 +548,87 @@ def test_a_chunk_laid_out_unlike_its_layout_is_refused_when_read(tmp_path):
     assert not report.ok and "model.b" in report.checks[-1].detail and "data.pkl differs" in report.checks[-1].detail
 
 
+def _twin_setup(tmp_path, writer: str = "torch"):
+    """A DCP data file with many items of one layout and what the input check asks of it: (path, spans, layouts)
+    for ``distcp.item_entries``, and the first two items of its most common layout. ``writer``: torch's dcp.save
+    (24 module tensors of one shape; data descriptors after each entry) or zckpt's (convert --to dcp of a DeepSpeed
+    fixture; CRC-32s in the local headers)."""
+    from collections import Counter
+    from zckpt.encoding import distcp
+    from zckpt.state.open import open_checkpoint
+    if writer == "torch":
+        src = _dcp_save(tmp_path / "twins", 24, threads=1)
+    else:
+        from tests.conftest import FIXTURES
+        from zckpt.ops.convert import convert
+        src = tmp_path / "twins"
+        convert(str(FIXTURES / "z2_bf16_ws2"), "dcp", str(src))
+    ckpt = open_checkpoint(str(src))
+    md, folder = ckpt.extra["metadata"], ckpt.location.tag_dir
+    path = sorted(distcp.items_by_file(md, folder))[0]
+    spans = [(o, n) for o, n, _ in distcp.items_by_file(md, folder)[path]]
+    laid = distcp.layouts_by_file(md, folder)[path]
+    (common, _), = Counter(id(lay) for lay, _ in laid.values()).most_common(1)
+    pair = [span for span in spans if span[0] in laid and id(laid[span[0]][0]) == common][:2]
+    return path, spans, laid, pair
+
+
+def _entries_or_refusal(path, spans, laid, twins: bool):
+    from zckpt.encoding import distcp
+    of = distcp._Twin.of
+    if not twins:
+        distcp._Twin.of = classmethod(lambda cls, *a: None)
+    try:
+        return distcp.item_entries(path, spans, None, laid)
+    except CorruptFile as e:
+        return ("refused", str(e))
+    finally:
+        distcp._Twin.of = of
+
+
+@pytest.mark.parametrize("writer", ["torch", "zckpt"])
+def test_items_of_one_layout_are_read_as_twins_of_the_first(tmp_path, monkeypatch, writer):
+    """The input check's zip directories of a DCP file: the first item of a layout read as any zip, the others as
+    its twins (two reads each, their bytes but the CRC-32 fields and the per-item id compared with it). The
+    entries are those of reading every item as any zip, and most items were read as twins."""
+    from zckpt.encoding import distcp
+    path, spans, laid, _ = _twin_setup(tmp_path, writer)
+    hits = []
+    real = distcp._Twin.entries
+    monkeypatch.setattr(distcp._Twin, "entries", lambda self, f, off: hits.append(off) or real(self, f, off))
+    fast = _entries_or_refusal(path, spans, laid, twins=True)
+    assert len(hits) >= (20 if writer == "torch" else 8) and all(off in laid for off in hits)
+    assert fast == _entries_or_refusal(path, spans, laid, twins=False)
+    assert len({e.crc for e in fast if e.name.endswith("/data/0")}) >= len(hits)  # (each item's own CRC-32)
+
+
+@pytest.mark.parametrize("writer", ["torch", "zckpt"])
+def test_a_twin_damaged_anywhere_outside_its_tensor_reads_as_any_zip_would(tmp_path, writer):
+    """Every byte of a twin item outside its tensor's bytes flipped in turn: the entries, or the one-line refusal,
+    are the same as when every item is read as any zip (a flipped CRC-32 field, header or record, is refused)."""
+    from zckpt.encoding.zipentries import read_entries, Window
+    path, _, laid, (first, twin) = _twin_setup(tmp_path, writer)
+    with open(path, "rb") as f:
+        entries = read_entries(Window(f, twin[0], twin[1]), twin[1], path)
+    data = next(e for e in entries.values() if e.name.endswith("/data/0"))
+    refused = 0
+    positions = [p for p in range(twin[1]) if not data.data_offset <= p < data.data_offset + data.size]
+    with open(path, "r+b") as f:
+        for pos in positions:
+            f.seek(twin[0] + pos)
+            byte = f.read(1)[0]
+            f.seek(twin[0] + pos)
+            f.write(bytes([byte ^ 0x10]))
+            f.flush()
+            got = _entries_or_refusal(path, [first, twin], laid, twins=True)
+            assert got == _entries_or_refusal(path, [first, twin], laid, twins=False), pos
+            refused += isinstance(got, tuple)
+            f.seek(twin[0] + pos)
+            f.write(bytes([byte]))
+            f.flush()
+    assert len(positions) > 700 and refused > len(positions) // 4  # (names, offsets, CRC-32 fields: refused)
+
+
 def test_deepspeed_opens_in_requests_per_rank_file(s3_server, tmp_path):
     """The same for DeepSpeed: opening a ZeRO-3 checkpoint on S3 (requests counted at a proxy in front of the local
     server) costs a few requests per rank file, whatever the world size: the committed real saves at 2 and 4 ranks

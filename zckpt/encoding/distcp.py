@@ -8,7 +8,8 @@
   bytes lie in the item's zip: the same for every item of one dtype, chunk size and item length), learned from the
   first such item read whole; the rest are not read at open, so a checkpoint opens in a bounded number of reads
   per data file, not one per item. When their bytes are read, each item's own zip directory is read for its
-  CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused;
+  CRC-32s (:func:`crc_entries_of`) and must match the layout it was placed by, or the read is refused (the
+  first item of a layout in a file as any zip, the others as its twins: two reads each, :class:`_Twin`);
 - :func:`flat_runs`: a whole tensor's row-major flat form as byte runs (``zckpt.state.model.dcp_pieces``: any
   range of it as pieces, from the runs of :func:`zckpt.encoding.dcpmeta.runs_in`);
 - :func:`items_by_file` / :func:`item_entries`: every item of a checkpoint by data file, and the zip entries (with
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from zckpt.encoding import dcpmeta, safeload
 from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor, StorageRef
-from zckpt.encoding.zipentries import Window, ZipEntry, read_entries
+from zckpt.encoding.zipentries import CENTRAL, END, LOCAL_HEADER, Window, ZipEntry, _FFFFFFFF, read_entries
 from zckpt.errors import CorruptFile
 from zckpt.io import storage
 
@@ -292,24 +293,133 @@ def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict 
                  layouts: dict | None = None) -> list[ZipEntry]:
     """The entries of the torch zips at ``(offset, length)`` ``spans`` of a DCP data file, at their offsets in it.
     ``layouts``: {item offset: (:class:`Layout`, key)} of the items read through a layout at open: each such item's
-    zip must be laid out as that layout says, or :class:`CorruptFile` names the file and the item."""
+    zip must be laid out as that layout says, or :class:`CorruptFile` names the file and the item.
+
+    The first item of each layout in the file is read as any zip (:func:`read_entries`: every record and local
+    header, a dozen small reads); the others in two reads, the bytes before and after their tensor's, which must
+    be those of the first byte for byte but for the CRC-32 fields and the per-save id (:class:`_Twin`); anything
+    else is read as any zip, so the result and the refusals are the same either way."""
     out = []
+    twins: dict[int, _Twin | None] = {}
     opener = storage.open_ranges if storage.is_url(path) else storage.open_input
     with opener(path, storage_options) as f:
         for offset, length in spans:
-            found = read_entries(Window(f, offset, length), length, path)
             laid = (layouts or {}).get(offset)
-            why = laid[0].mismatch(found) if laid is not None else None
-            if why is not None:
-                lay, key = laid
-                raise CorruptFile(f"DCP item of '{key}' at byte {offset}: {why}, unlike the item of its dtype, "
-                                  f"chunk size and length it was read by at open ({lay.sample}): refused, its bytes "
-                                  "would be taken from the wrong place", path=path,
-                                  hint="the file was rewritten by another writer or is damaged; copy it again from "
-                                       "where it was saved")
-            for e in found.values():
-                out.append(ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc))
+            twin = twins.get(id(laid[0])) if laid is not None else None
+            found = twin.entries(f, offset) if twin is not None else None
+            if found is None:
+                found = read_entries(Window(f, offset, length), length, path)
+                why = laid[0].mismatch(found) if laid is not None else None
+                if why is not None:
+                    lay, key = laid
+                    raise CorruptFile(f"DCP item of '{key}' at byte {offset}: {why}, unlike the item of its dtype, "
+                                      f"chunk size and length it was read by at open ({lay.sample}): refused, its "
+                                      "bytes would be taken from the wrong place", path=path,
+                                      hint="the file was rewritten by another writer or is damaged; copy it again "
+                                           "from where it was saved")
+                if laid is not None and id(laid[0]) not in twins:
+                    twins[id(laid[0])] = _Twin.of(f, offset, length, laid[0], found)
+            out += [ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc)
+                    for e in found.values()]
     return out
+
+
+class _Twin:
+    """The bytes around the tensor of an item checked by :func:`read_entries` (``head``: before its first byte,
+    ``tail``: after its last), and the ranges in them that may differ between items of one layout: the CRC-32
+    fields of the tensor's entry and of the ``.data/serialization_id`` entry (its directory record's, and its
+    local header's or, torch's, its data descriptor's), and that id's payload (one per item). An item whose bytes
+    equal these elsewhere has the same zip, entry for entry; the two CRC-32s are read from its own fields, which
+    must agree as :func:`read_entries` requires."""
+
+    _ID = "/.data/serialization_id"
+
+    def __init__(self, head: bytes, gap: int, tail: bytes, crc_at: list, same: list, entries: dict[str, ZipEntry]):
+        self.head, self.gap, self.tail, self.crc_at, self.same, self._entries = head, gap, tail, crc_at, same, entries
+
+    @classmethod
+    def of(cls, f, offset: int, length: int, lay: Layout, found: dict[str, ZipEntry]) -> _Twin | None:
+        """From an item whose zip ``found`` was checked; None where its zip is not of the plain shape this reads
+        (data descriptors, zip64 records, a comment, a record inside the tensor's bytes): its twins are then read
+        as any zip."""
+        lo, hi = lay.data_offset, lay.data_offset + lay.nbytes
+        f.seek(offset)
+        head = f.read(lo)
+        f.seek(offset + hi)
+        tail = f.read(length - hi)
+        if len(head) != lo or len(tail) != length - hi or len(tail) < END.size:
+            return None
+
+        def unpack(st: struct.Struct, pos: int):  # a record of the item outside the tensor's bytes, or None
+            if pos + st.size <= lo:
+                return st.unpack_from(head, pos)
+            return st.unpack_from(tail, pos - hi) if pos >= hi and pos + st.size <= length else None
+
+        end = unpack(END, length - END.size)
+        if end is None or end[0] != b"PK\x05\x06" or end[7] != 0 or end[4] != len(found) or end[6] == _FFFFFFFF:
+            return None
+        records, pos = {}, end[6]
+        for _ in range(end[4]):
+            rec = unpack(CENTRAL, pos)
+            if rec is None or rec[0] != b"PK\x01\x02" or pos < hi:
+                return None
+            records[tail[pos - hi + 46:pos - hi + 46 + rec[10]].decode("utf-8", "replace")] = pos
+            pos += 46 + rec[10] + rec[11] + rec[12]
+        crc_at, varies = [], []
+        ordered = sorted(found.values(), key=lambda e: e.header_offset)
+        for i, e in enumerate(ordered):
+            local = unpack(LOCAL_HEADER, e.header_offset)
+            if e.name not in records or local is None:
+                return None
+            if e.data_offset != lo and not e.name.endswith(cls._ID):
+                continue  # (its bytes, CRC-32 fields included, must equal this item's)
+            if local[2] & 0x08:  # its CRC-32 in the data descriptor after its bytes (torch), with or without PK78
+                gap = (ordered[i + 1].header_offset if i + 1 < len(ordered) else end[6]) - e.data_offset - e.size
+                first = e.data_offset + e.size + (4 if gap in (16, 24) else 0)
+            else:  # in its local header (zckpt's writer)
+                first = e.header_offset + 14
+            crc_at.append((e.name, _at(first, lo, hi), _at(records[e.name] + 16, lo, hi)))
+            varies += [(first, 4), (records[e.name] + 16, 4)]
+            if e.data_offset != lo:  # the per-item id's bytes
+                varies.append((e.data_offset, e.size))
+        if any(a < hi and a + n > lo for a, n in varies):
+            return None
+        cut, pos = [], 0  # the ranges compared, as (0: head or 1: tail, start, end) in that buffer
+        for a, n in sorted(varies) + [(length, 0)]:
+            if a > pos:
+                if pos < lo:
+                    cut.append((0, pos, min(a, lo)))
+                if a > hi:
+                    cut.append((1, max(pos, hi) - hi, a - hi))
+            pos = max(pos, a + n)
+        return cls(head, hi - lo, tail, crc_at, cut, found)
+
+    def entries(self, f, offset: int) -> dict[str, ZipEntry] | None:
+        """The zip entries of the item at ``offset`` (offsets from its start), or None where it is not this one's
+        twin (then read as any zip: the same result, or the refusal that names what differs)."""
+        f.seek(offset)
+        head = f.read(len(self.head))
+        f.seek(offset + len(self.head) + self.gap)
+        tail = f.read(len(self.tail))
+        if len(head) != len(self.head) or len(tail) != len(self.tail):
+            return None
+        bufs, mine = (head, tail), (self.head, self.tail)
+        for which, a, b in self.same:
+            if bufs[which][a:b] != mine[which][a:b]:
+                return None
+        out = dict(self._entries)  # the same entries, in the same order; the varying ones' CRC-32s are the item's
+        for name, (lw, la), (cw, ca) in self.crc_at:
+            crc = bufs[cw][ca:ca + 4]
+            if bufs[lw][la:la + 4] != crc:
+                return None
+            e = self._entries[name]
+            out[name] = ZipEntry(name, e.header_offset, e.data_offset, e.size, int.from_bytes(crc, "little"))
+        return out
+
+
+def _at(pos: int, lo: int, hi: int) -> tuple[int, int]:
+    """A position of an item outside its tensor's bytes ``[lo, hi)`` as (0: head, 1: tail, offset in it)."""
+    return (0, pos) if pos < lo else (1, pos - hi)
 
 
 def layouts_by_file(md: dcpmeta.DcpMetadata, folder: str) -> dict[str, dict[int, tuple[Layout, str]]]:
