@@ -300,12 +300,13 @@ def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict 
     be those of the first byte for byte but for the CRC-32 fields and the per-save id (:class:`_Twin`); anything
     else is read as any zip, so the result and the refusals are the same either way."""
     out = []
-    twins: dict[int, _Twin | None] = {}
+    twins: dict = {}  # id(layout), or an item length where no layout placed it -> its twin (None: none)
     opener = storage.open_ranges if storage.is_url(path) else storage.open_input
     with opener(path, storage_options) as f:
         for offset, length in spans:
             laid = (layouts or {}).get(offset)
-            twin = twins.get(id(laid[0])) if laid is not None else None
+            kin = id(laid[0]) if laid is not None else length
+            twin = twins.get(kin)
             found = twin.entries(f, offset) if twin is not None else None
             if found is None:
                 found = read_entries(Window(f, offset, length), length, path)
@@ -317,8 +318,8 @@ def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict 
                                       "bytes would be taken from the wrong place", path=path,
                                       hint="the file was rewritten by another writer or is damaged; copy it again "
                                            "from where it was saved")
-                if laid is not None and id(laid[0]) not in twins:
-                    twins[id(laid[0])] = _Twin.of(f, offset, length, laid[0], found)
+                if kin not in twins:
+                    twins[kin] = _Twin.of(f, offset, length, laid[0] if laid is not None else None, found)
             out += [ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc)
                     for e in found.values()]
     return out
@@ -338,11 +339,18 @@ class _Twin:
         self.head, self.gap, self.tail, self.crc_at, self.same, self._entries = head, gap, tail, crc_at, same, entries
 
     @classmethod
-    def of(cls, f, offset: int, length: int, lay: Layout, found: dict[str, ZipEntry]) -> _Twin | None:
-        """From an item whose zip ``found`` was checked; None where its zip is not of the plain shape this reads
-        (data descriptors, zip64 records, a comment, a record inside the tensor's bytes): its twins are then read
-        as any zip."""
-        lo, hi = lay.data_offset, lay.data_offset + lay.nbytes
+    def of(cls, f, offset: int, length: int, lay: Layout | None, found: dict[str, ZipEntry]) -> _Twin | None:
+        """From an item whose zip ``found`` was checked, placed by ``lay`` (None: an item read whole at open, a
+        step or a value: its one storage entry's bytes may differ, or none); None where its zip is not of the
+        plain shape this reads (zip64 records, a comment, a record inside the tensor's bytes, several storages):
+        its twins are then read as any zip."""
+        if lay is not None:
+            lo, hi = lay.data_offset, lay.data_offset + lay.nbytes
+        else:
+            data = [e for e in found.values() if "/data/" in e.name]
+            if len(data) > 1:
+                return None
+            lo, hi = (data[0].data_offset, data[0].data_offset + data[0].size) if data else (0, 0)
         f.seek(offset)
         head = f.read(lo)
         f.seek(offset + hi)
