@@ -351,6 +351,8 @@ class _Twin:
             if len(data) > 1:
                 return None
             lo, hi = (data[0].data_offset, data[0].data_offset + data[0].size) if data else (0, 0)
+        if lo + length - hi > SMALL_ITEM:  # (zip records of torch's size: never megabytes read per item)
+            return None
         f.seek(offset)
         head = f.read(lo)
         f.seek(offset + hi)
