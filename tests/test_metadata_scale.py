@@ -603,9 +603,14 @@ def test_items_of_one_layout_are_read_as_twins_of_the_first(tmp_path, monkeypatc
     assert sum(off in laid for off in hits) >= (20 if writer == "torch" else 8)
     assert any(off not in laid for off in hits)  # (items read whole at open: steps, values)
     assert fast == _entries_or_refusal(path, spans, laid, twins=False)
+    every = len(hits)
     hits.clear()  # zip records past SMALL_ITEM around a tensor (a crafted entry of megabytes): read as any zip
     monkeypatch.setattr(distcp, "SMALL_ITEM", 256)
     assert _entries_or_refusal(path, spans, laid, twins=True) == fast and not hits
+    monkeypatch.setattr(distcp, "SMALL_ITEM", 64 << 10)
+    monkeypatch.setattr(distcp, "TWIN_BYTES", 2000)  # the twins' memory spent (as by many distinct item lengths):
+    assert _entries_or_refusal(path, spans, laid, twins=True) == fast  # the later kinds read as any zip
+    assert len(hits) < every
 
 
 @pytest.mark.parametrize("kind", ["laid", "whole"])

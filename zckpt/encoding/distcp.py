@@ -34,6 +34,7 @@ GAP = 1 << 20  # small items of one file at most this far apart are fetched in o
 #                of two costs about this many bytes)
 LOCAL_GAP = 64 << 10  # ... of a local file (a disk reads 64 KiB in about the time of one small read)
 SPAN = 32 << 20  # ... within reads of at most this many bytes
+TWIN_BYTES = 8 << 20  # the bytes kept per data file by the input check's twins (distinct layouts, item lengths)
 _SCALAR = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 
@@ -301,6 +302,7 @@ def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict 
     else is read as any zip, so the result and the refusals are the same either way."""
     out = []
     twins: dict = {}  # id(layout), or an item length where no layout placed it -> its twin (None: none)
+    kept = 0  # bytes the twins hold (at most about TWIN_BYTES: then the other kinds are read as any zip)
     opener = storage.open_ranges if storage.is_url(path) else storage.open_input
     with opener(path, storage_options) as f:
         for offset, length in spans:
@@ -319,7 +321,10 @@ def item_entries(path: str, spans: list[tuple[int, int]], storage_options: dict 
                                       hint="the file was rewritten by another writer or is damaged; copy it again "
                                            "from where it was saved")
                 if kin not in twins:
-                    twins[kin] = _Twin.of(f, offset, length, laid[0] if laid is not None else None, found)
+                    twin = _Twin.of(f, offset, length, laid[0] if laid is not None else None, found) \
+                        if kept < TWIN_BYTES else None
+                    kept += len(twin.head) + len(twin.tail) if twin is not None else 0
+                    twins[kin] = twin
             out += [ZipEntry(e.name, offset + e.header_offset, offset + e.data_offset, e.size, e.crc)
                     for e in found.values()]
     return out
