@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from zckpt.encoding import dcpmeta, safeload
 from zckpt.encoding.safeload import DTYPE_SIZES, LazyTensor, StorageRef
-from zckpt.encoding.zipentries import CENTRAL, END, LOCAL_HEADER, Window, ZipEntry, _FFFFFFFF, read_entries
+from zckpt.encoding.zipentries import (CENTRAL, END, IN_ZIP64_16, IN_ZIP64_32, LOCAL_HEADER, Window, ZipEntry,
+                                      read_entries)
 from zckpt.errors import CorruptFile
 from zckpt.io import storage
 
@@ -371,7 +372,8 @@ class _Twin:
             return st.unpack_from(tail, pos - hi) if pos >= hi and pos + st.size <= length else None
 
         end = unpack(END, length - END.size)
-        if end is None or end[0] != b"PK\x05\x06" or end[7] != 0 or end[4] != len(found) or end[6] == _FFFFFFFF:
+        if end is None or end[0] != b"PK\x05\x06" or end[7] != 0 or end[4] != len(found) \
+                or IN_ZIP64_16 in end[1:5] or IN_ZIP64_32 in end[5:7]:  # (zip64: read as any zip)
             return None
         records, pos = {}, end[6]
         for _ in range(end[4]):

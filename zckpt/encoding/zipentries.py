@@ -47,7 +47,7 @@ ZIP64_END = struct.Struct("<4sQHHIIQQQQ")  # sig, size, versions, disks, entries
 _DATA_DESCRIPTOR = 0x08  # flag bit 3: sizes and CRC follow the data, the local header holds zeros
 _DESCRIPTOR_GAPS = (12, 16, 20, 24)  # crc + 32- or 64-bit sizes, with or without the PK\x07\x08 signature
 _UTF8 = 0x800
-_FFFF, _FFFFFFFF = 0xFFFF, 0xFFFFFFFF
+IN_ZIP64_16, IN_ZIP64_32 = 0xFFFF, 0xFFFFFFFF  # a field of this value is in the zip64 record
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ def _central_directory(f: BinaryIO, file_size: int, damaged) -> tuple[int, bytes
     end_at = file_size - tail_len + pos
     _sig, disk, cd_disk, _n_here, n, cd_size, cd_offset, _clen = END.unpack_from(tail, pos)
     dir_end = end_at
-    if _FFFF in (n, disk, cd_disk) or _FFFFFFFF in (cd_size, cd_offset):
+    if IN_ZIP64_16 in (n, disk, cd_disk) or IN_ZIP64_32 in (cd_size, cd_offset):
         loc_at = end_at - ZIP64_LOCATOR.size
         if loc_at < 0:
             raise damaged("zip64 end record missing")
@@ -223,7 +223,7 @@ def _central_records(cd: bytes, damaged) -> list[tuple]:
         if start + nlen + elen + clen > len(cd):
             raise damaged("damaged zip directory (a record runs past its end)")
         name = cd[start:start + nlen]
-        if _FFFFFFFF in (csize, usize, offset):
+        if IN_ZIP64_32 in (csize, usize, offset):
             usize, csize, offset = _zip64_fields(cd[start + nlen:start + nlen + elen], (usize, csize, offset),
                                                  name, damaged)
         out.append((name, flags, method, crc, csize, usize, offset))
@@ -239,7 +239,7 @@ def _zip64_fields(extra: bytes, values: tuple, name: bytes, damaged) -> tuple:
         if tag == 1:
             data, k, out = extra[pos + 4:pos + 4 + size], 0, []
             for v in values:
-                if v == _FFFFFFFF:
+                if v == IN_ZIP64_32:
                     if k + 8 > len(data):
                         raise damaged(f"zip entry {_short(name.decode('utf-8', 'replace'))}: short zip64 record")
                     v = struct.unpack_from("<Q", data, k)[0]
@@ -274,7 +274,7 @@ def _check_local(f: BinaryIO, name: str, raw_name: bytes, crc: int, size: int,
         raise damaged(f"zip entry {_short(name)}: local header says compression method {method}, the directory 0")
     data_offset = header_offset + n + elen
     if not flags & _DATA_DESCRIPTOR:  # the local header carries sizes and CRC: they must agree
-        if _FFFFFFFF in (lcsize, lusize):
+        if IN_ZIP64_32 in (lcsize, lusize):
             f.seek(header_offset + n)
             extra = f.read(elen)
             lusize, lcsize = _zip64_fields(extra, (lusize, lcsize), raw_name, damaged)
