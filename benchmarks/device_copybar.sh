@@ -6,6 +6,10 @@
 #   bash benchmarks/device_copybar.sh OUTDIR cold    # each job with the page cache dropped, beside a 16-thread
 #        read of its source; then the ~1B native-MoE checkpoint (DeepSpeed, ep 2, 4 ranks) and
 #        zckpt reshard --ep 4 -w 8 beside a copy of its output, peak RSS (benchmarks/bench_moe_ep.py)
+#   bash benchmarks/device_copybar.sh OUTDIR meta    # issue 49 item 1: zckpt info of a DCP folder and of a
+#        Megatron-Core save of META_CHUNKS chunks (default 100000,1000000) against pickle.load of each .metadata
+#        (benchmarks/bench_metadata.py; the Megatron cases only where megatron-core imports: carry its cp312 wheel
+#        in .whl/, `pip download megatron-core --no-deps --only-binary=:all: --python-version 3.12 -d .whl`)
 #   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
@@ -66,6 +70,12 @@ case $step in moe)  # the MoE step alone: DeepSpeed's helper with max_group_size
       -- merge "$mck" --dtype bf16 --max-shard-size 1GB -o "$work/prof-out" -q | head -4
   done 2>&1 | tee "$out/moe-profile.log"
   rm -rf "$work/prof-out"; tar -czf "$out/prof.tgz" -C "$work" prof ;; esac
+case $step in meta)
+  chunks=${META_CHUNKS:-100000,1000000}
+  mcore=; python3 -c "import megatron.core" 2>/dev/null && mcore="--megatron-chunks $chunks" \
+    || echo "megatron-core does not import here: the Megatron cases are left out" | tee -a "$out/host.log"
+  python3 benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks "$chunks" --info-files 64 \
+    $mcore --json-out "$out/meta.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$out/meta.log" ;; esac
 case $step in cold)
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --json-out "$out/cold.json" 2>&1 \
