@@ -96,8 +96,11 @@ def test_numpy_downcasts_match_torch_at_every_rounding_edge(dst, kernel, monkeyp
     raw = _edges().view(np.uint8)
     want = _torch(raw, "float32", dst)
     monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setattr(casting, "_USE_ML", None)
     if kernel == "numpy":
         monkeypatch.setattr(casting, "_ML_BF16", None)  # as where ml_dtypes is not installed
+    else:
+        monkeypatch.setattr(casting, "ML_SLOW_FROM", 0)  # its import paying whatever its version
     assert casting.fast_bf16() == (kernel == "ml_dtypes")
     assert np.array_equal(cast(raw, "float32", dst), want)
     assert np.array_equal(cast(raw[:4 * 10007], "float32", dst), want[:2 * 10007])
@@ -149,9 +152,14 @@ from zckpt.encoding import casting
 casting.TORCH_CAST_FROM = int(sys.argv[3])
 if sys.argv[5] == "no-ml":
     casting._ML_BF16 = None  # as where ml_dtypes is not installed
+elif sys.argv[5] == "ml":
+    casting.ML_SLOW_FROM = 0  # its import pays for any casts, whatever its version
+else:  # "slow-ml": an ml_dtypes whose import is slow, the default threshold
+    casting._ml_version = lambda: casting.ML_SLOW_IMPORT
 from zckpt.ops.merge import merge
 merge(sys.argv[1], sys.argv[2], dtype=sys.argv[4])
-print("torch" in sys.modules, hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(sys.argv[2]).glob("*.safetensors")))).hexdigest())
+print("torch" in sys.modules, "ml_dtypes" in sys.modules,
+      hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(sys.argv[2]).glob("*.safetensors")))).hexdigest())
 '''
 
 
@@ -159,35 +167,99 @@ print("torch" in sys.modules, hashlib.sha256(b"".join(p.read_bytes() for p in so
 def test_large_downcasts_import_torch_and_write_the_same_bytes(tmp_path, dtype):
     """A merge whose slow down-casts read at least ``TORCH_CAST_FROM`` bytes imports torch and casts with its
     kernel; a smaller one never imports it (a fresh process each); fp32 -> bf16 is slow only without ml_dtypes
-    (numpy's passes), so with it even a threshold of 1 byte imports no torch for bf16. All write the same bytes
-    (the fp32 masters of a real DeepSpeed save, cast to bf16 / fp16)."""
+    (numpy's passes), so with it even a threshold of 1 byte imports no torch for bf16. An ml_dtypes whose import is
+    slow (0.7) is not imported for casts below ``ML_SLOW_FROM``: numpy's passes, and with a threshold of 1 byte
+    torch. All write the same bytes (the fp32 masters of a real DeepSpeed save, cast to bf16 / fp16)."""
     import subprocess
     import sys
     from pathlib import Path
     src = Path(__file__).resolve().parents[1] / "fixtures" / "z2_bf16_ws2"
     got = {}
-    runs = [("numpy", 1 << 62, "no-ml"), ("torch", 1, "no-ml")] + ([("ml_dtypes", 1, "ml")] if dtype == "bf16" else [])
+    runs = [("numpy", 1 << 62, "no-ml"), ("torch", 1, "no-ml")]
+    if dtype == "bf16":
+        runs += [("ml_dtypes", 1, "ml"), ("slow-ml", 1 << 62, "slow-ml"), ("slow-ml-torch", 1, "slow-ml")]
     for name, threshold, ml in runs:
         run = subprocess.run([sys.executable, "-c", _MERGE, str(src), str(tmp_path / name), str(threshold), dtype,
                               ml], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         got[name] = run.stdout.split()
-    assert got["numpy"][0] == "False" and got["torch"][0] == "True", got
-    assert got["numpy"][1] == got["torch"][1]
+    assert got["numpy"][:2] == ["False", "False"] and got["torch"][0] == "True", got
+    assert got["numpy"][2] == got["torch"][2]
     if dtype == "bf16":  # (fp16's kernels do not depend on ml_dtypes)
-        assert got["ml_dtypes"] == ["False", got["numpy"][1]], got
+        assert got["ml_dtypes"] == ["False", "True", got["numpy"][2]], got
+        assert got["slow-ml"] == ["False", "False", got["numpy"][2]], got
+        assert got["slow-ml-torch"] == ["True", "False", got["numpy"][2]], got
 
 
 def test_slow_downcast_bytes(monkeypatch):
-    """What torch_pays weighs: fp32 -> fp16 always, fp32 -> bf16 only without ml_dtypes, nothing else."""
+    """What torch_pays weighs: fp32 -> fp16 always, fp32 -> bf16 only where ml_dtypes does not cast it (missing,
+    or slow to import for this many bytes), nothing else."""
+    import sys
     from types import SimpleNamespace as T
     from zckpt.encoding import casting
     casts = [T(numel=10, src_dtype="float32", dtype="bfloat16"), T(numel=100, src_dtype="float32", dtype="float16"),
              T(numel=1000, src_dtype="bfloat16", dtype="float32"), T(numel=7, src_dtype="bfloat16", dtype="float16")]
-    assert casting.fast_bf16()
-    assert casting.slow_downcast_bytes(casts) == 400
+    monkeypatch.setattr(casting, "_USE_ML", None)
+    monkeypatch.delitem(sys.modules, "ml_dtypes", raising=False)
+    monkeypatch.setattr(casting, "_ml_version", lambda: (0, 6))  # quick to import
+    assert casting.slow_downcast_bytes(casts) == 400 and casting.fast_bf16()
+    monkeypatch.delitem(sys.modules, "ml_dtypes", raising=False)
+    monkeypatch.setattr(casting, "_ml_version", lambda: casting.ML_SLOW_IMPORT)
+    assert casting.slow_downcast_bytes(casts) == 440 and "ml_dtypes" not in sys.modules
+    monkeypatch.setattr(casting, "ML_SLOW_FROM", 40)
+    assert casting.slow_downcast_bytes(casts) == 400 and casting._USE_ML
     monkeypatch.setattr(casting, "_ML_BF16", None)
     assert casting.slow_downcast_bytes(casts) == 440
+
+
+def test_ml_dtypes_imported_only_where_it_pays(monkeypatch, tmp_path):
+    """ml_dtypes imported already: used, at no cost; not installed: never; installed: used where its version
+    imports quickly (before ``ML_SLOW_IMPORT``), else only for casts of ``ML_SLOW_FROM`` bytes or more. Its version
+    is read from its ``__init__.py`` without importing it (the installed one's is ml_dtypes' own); a version that
+    cannot be read is weighed as slow."""
+    import importlib.util
+    import sys
+    from types import SimpleNamespace
+    import ml_dtypes
+    from zckpt.encoding import casting
+    assert casting._ml_version() == tuple(int(x) for x in ml_dtypes.__version__.split(".")[:2])
+    assert casting.ml_pays(0)  # (imported in this process)
+    monkeypatch.delitem(sys.modules, "ml_dtypes")
+    for version, small, large in (((0, 5), True, True), ((0, 6), True, True), ((0, 7), False, True),
+                                  ((1, 2), False, True), (None, False, False)):
+        monkeypatch.setattr(casting, "_ml_version", lambda v=version: v)
+        assert casting.ml_pays(casting.ML_SLOW_FROM - 1) == small, version
+        assert casting.ml_pays(casting.ML_SLOW_FROM) == large, version
+    monkeypatch.undo()
+    monkeypatch.delitem(sys.modules, "ml_dtypes")
+    init = tmp_path / "__init__.py"
+    for text, want in (("x = 1\n__version__ = '0.6.1'\n", (0, 6)), ("__version__ = \"0.10.0rc1\"", (0, 10)),
+                       ("from ._v import __version__\n", casting.ML_SLOW_IMPORT)):
+        init.write_text(text)
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, o=str(init): SimpleNamespace(origin=o))
+        assert casting._ml_version() == want, text
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert casting._ml_version() is None and not casting.ml_pays(1 << 62)
+
+
+def test_prepare_weighs_the_jobs_bf16_bytes(monkeypatch):
+    """``Worker.prepare`` hands the fp32 bytes of the jobs' fp32 -> bf16 casts to the decision, not the other
+    casts' (every job of a reshard or convert, not only a merge's, decides by its own volume)."""
+    from zckpt.encoding import casting
+    from zckpt.engine.executor import Worker
+    from zckpt.engine.segments import Cast, Piece
+    seen = []
+    monkeypatch.setattr(casting, "choose_bf16", lambda n: seen.append(n) or False)
+    jobs = [([Cast([Piece("a", 0, 10, "float32"), Piece("a", 40, 5, "float32")], "float32"), b"x"], "bfloat16"),
+            ([Cast([Piece("a", 0, 7, "float32")], "float32")], "float16"),
+            ([Cast([Piece("b", 0, 3, "bfloat16")], "bfloat16"), Piece("b", 6, 2, "float32")], "float32"),
+            ([Cast([Piece("a", 100, 8, "float32")], "float32")], "bfloat16")]
+    worker = Worker()
+    worker.use_torch = False
+    worker.prepare(jobs)
+    assert seen == [(10 + 5 + 8) * 4]
+    worker.prepare(jobs[1:3])
+    assert seen == [(10 + 5 + 8) * 4]  # no bf16 down-cast among them: nothing to decide
 
 
 def test_torch_pays_only_from_its_threshold(monkeypatch):

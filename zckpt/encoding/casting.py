@@ -2,10 +2,11 @@
 
 Up-casts (bf16/fp16 -> fp32) are exact bit operations; down-casts round to nearest even (bf16:
 ``(u + 0x7FFF + lsb) >> 16``; fp16: IEEE rounding). fp32 -> bf16 is ml_dtypes' compiled cast (one pass, one call
-that releases the GIL; ``ml_dtypes``, a dependency, imported on first use), or numpy's integer passes where it is
-missing; fp32 -> fp16 is numpy passes over cache-sized blocks (:func:`_fp16_from_f32`). All of it without importing
-torch (a 1.5 s start-up and ~400 MiB), in per-thread scratch arrays (or straight into the caller's ``out``); small
-bf16 -> fp32 jobs need not even numpy (:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported
+that releases the GIL; ``ml_dtypes``, a dependency, imported where it pays: :func:`choose_bf16`), or numpy's
+integer passes where it is missing or its import would cost more than it saves; fp32 -> fp16 is numpy passes over
+cache-sized blocks (:func:`_fp16_from_f32`). All of it without importing torch (a 1.5 s start-up and ~400 MiB), in
+per-thread scratch arrays (or straight into the caller's ``out``); small bf16 -> fp32 jobs need not even numpy
+(:func:`upcast_bf16_pure`). ``use_torch=True`` (callers that already imported
 torch, or jobs whose slow down-casts are large enough that importing it pays: :func:`torch_pays`) uses torch's
 kernels.
 NaN payloads are the one thing torch's kernels treat in their own ways, so a chunk holding any NaN is handed
@@ -14,6 +15,9 @@ to torch itself. ``tests/test_casting.py`` checks every fp16/bf16 bit pattern an
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -62,6 +66,67 @@ def _ml_bfloat16():
 
 _ML_BF16 = False  # not looked up yet
 
+#: the first ml_dtypes version whose import is slow: 0.7.0 adds its many new dtypes' loops to numpy's ufuncs one by
+#: one, each added after a scan of those before it (``PyUFunc_AddLoop``), 0.8-1.1 s of CPU on the 2-core box with
+#: numpy 2.3.5 or 2.4.6, against about 10 ms for 0.5.4 and 0.6.0 (docs/benchmarks.md, issue 49)
+ML_SLOW_IMPORT = (0, 7)
+
+#: fp32 bytes of fp32 -> bf16 down-casts from which importing an ml_dtypes of :data:`ML_SLOW_IMPORT` or later pays:
+#: its compiled cast saves about 0.045 CPU s per GB against numpy's passes (0.106 against 0.151 on the 2-core box),
+#: so its ~1 s import pays from about 22 GB of CPU, earlier in wall time on many threads (16-core host, 8 threads:
+#: 24.5 GB/s against numpy's 13, so from about 28 GB there); below it numpy's passes, the same bits
+ML_SLOW_FROM = 16 << 30
+
+_VERSION = re.compile(r"""^__version__\s*=\s*["'](\d+)\.(\d+)""", re.M)
+
+
+def _ml_version() -> tuple[int, int] | None:
+    """The installed ml_dtypes' (major, minor), read from its ``__init__.py`` without importing it; None where it is
+    not installed; :data:`ML_SLOW_IMPORT` where its version cannot be read (its import then weighed as slow)."""
+    try:
+        spec = importlib.util.find_spec("ml_dtypes")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8", errors="replace") as f:
+            found = _VERSION.search(f.read(1 << 16))
+    except (OSError, TypeError):
+        found = None
+    return (int(found[1]), int(found[2])) if found else ML_SLOW_IMPORT
+
+
+def ml_pays(downcast_bytes: int) -> bool:
+    """Whether fp32 -> bf16 down-casts reading ``downcast_bytes`` of fp32 should use ml_dtypes' one-pass cast:
+    imported already (free), or installed and quick to import (before :data:`ML_SLOW_IMPORT`), or the casts at
+    least :data:`ML_SLOW_FROM`. Otherwise numpy's passes, bit for bit the same."""
+    mod = sys.modules.get("ml_dtypes", False)
+    if mod is not False:
+        return mod is not None and _ml_bfloat16() is not None
+    version = _ml_version()
+    return version is not None and (version < ML_SLOW_IMPORT or downcast_bytes >= ML_SLOW_FROM)
+
+
+def choose_bf16(downcast_bytes: int) -> bool:
+    """Decide, for the casts about to run in this process, whether fp32 -> bf16 uses ml_dtypes' compiled cast
+    (:func:`ml_pays`) or numpy's passes; returns it (True: ml_dtypes, imported now). Until a caller decides, a cast
+    uses ml_dtypes where it is imported already or quick to import."""
+    global _USE_ML
+    _USE_ML = ml_pays(downcast_bytes) and _ml_bfloat16() is not None
+    return _USE_ML
+
+
+_USE_ML: bool | None = None  # not decided: ml_pays(0)
+
+
+def _ml_for_casts():
+    """ml_dtypes' bfloat16 where the casts use it (:func:`choose_bf16`), else None."""
+    use = _USE_ML
+    if use is None:
+        use = choose_bf16(0)
+    return _ml_bfloat16() if use else None
+
 
 def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """fp32 -> bf16 bits (uint16), round to nearest even (no NaN here), into ``out`` or a per-thread buffer.
@@ -74,7 +139,7 @@ def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     import numpy as np
     if out is None:
         out = _scratch("out16", a.size, np.uint16)
-    bf16 = _ml_bfloat16()
+    bf16 = _ml_for_casts()
     if bf16 is not None:
         np.copyto(out.view(bf16), a, casting="unsafe")
         return out
@@ -137,22 +202,24 @@ def _fp16_from_f32(f: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def fast_bf16() -> bool:
-    """Whether fp32 -> bf16 casts run in one compiled pass without torch (ml_dtypes installed)."""
-    return _ml_bfloat16() is not None
+def fast_bf16(downcast_bytes: int = 0) -> bool:
+    """Whether fp32 -> bf16 casts reading ``downcast_bytes`` of fp32 run in one compiled pass without torch
+    (ml_dtypes installed, and its import paying for them: :func:`choose_bf16`, decided here)."""
+    return choose_bf16(downcast_bytes)
 
 
-def prepare(pairs) -> None:
+def prepare(pairs, bf16_bytes: int = 0) -> None:
     """Import now, on the calling thread, what the casts ``pairs`` ((src, dst) dtype names) will need: numpy, and
-    ml_dtypes for fp32 -> bf16. Called before the writing threads start: otherwise every thread whose first job is
-    a cast waits on the one import, and the copies beside them share the GIL with it (the first 0.2 s of a convert
-    --to deepspeed on the lent 16-core host wrote at a tenth of its rate)."""
+    for fp32 -> bf16 casts reading ``bf16_bytes`` of fp32 ml_dtypes where it pays (:func:`choose_bf16`, decided
+    here). Called before the writing threads start: otherwise every thread whose first job is a cast waits on the
+    one import, and the copies beside them share the GIL with it (the first 0.2 s of a convert --to deepspeed on
+    the lent 16-core host wrote at a tenth of its rate)."""
     pairs = set(pairs)
     if not pairs:
         return
     import numpy  # noqa: F401 - every cast below runs in numpy (or torch, imported by then)
     if ("float32", "bfloat16") in pairs:
-        _ml_bfloat16()
+        choose_bf16(bf16_bytes)
 
 
 #: fp32 bytes a job's slow down-casts (fp32 -> fp16 always; fp32 -> bf16 only without ml_dtypes) must read before
@@ -170,10 +237,11 @@ TORCH_CAST_FROM = 8 << 30
 
 def slow_downcast_bytes(casts) -> int:
     """fp32 bytes read by the down-casts among ``casts`` (objects with ``numel``, ``src_dtype`` and ``dtype``) that
-    numpy alone casts slowly: fp16 always, bf16 when ml_dtypes is missing; what :func:`torch_pays` weighs."""
+    numpy alone casts slowly: fp16 always, bf16 where ml_dtypes does not cast them (missing, or slow to import for
+    this many bytes: decided here, :func:`choose_bf16`); what :func:`torch_pays` weighs."""
     fp16 = sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype == "float16")
     bf16 = sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype == "bfloat16")
-    return fp16 + (bf16 if bf16 and not fast_bf16() else 0)  # (ml_dtypes, and numpy with it, only looked up for bf16)
+    return fp16 + (bf16 if bf16 and not fast_bf16(bf16) else 0)  # (ml_dtypes only looked up for bf16)
 
 
 def torch_pays(downcast_bytes: int) -> bool:
@@ -181,7 +249,6 @@ def torch_pays(downcast_bytes: int) -> bool:
     with torch's kernel: torch imported already (a trainer process), or installed and the job at least
     :data:`TORCH_CAST_FROM` (then it is imported here, once). torch stays optional: without it numpy casts every
     byte, bit for bit the same."""
-    import sys
     if "torch" in sys.modules:
         return True
     if downcast_bytes < TORCH_CAST_FROM:

@@ -262,13 +262,20 @@ class Worker:
         return view[:pos]
 
     def prepare(self, jobs: Iterable[tuple[list, str]]) -> None:
-        """Before the threads start: import what the casts among ``jobs`` ((parts, dtype) pairs) need
-        (:func:`zckpt.encoding.casting.prepare`); nothing when there are none, or only the small pure upcasts."""
-        pairs = {(p.src_dtype, dtype) for parts, dtype in jobs for p in parts if isinstance(p, Cast)}
+        """Before the threads start: import what the casts among ``jobs`` ((parts, dtype) pairs) need, and decide
+        whether their fp32 -> bf16 down-casts use ml_dtypes by their bytes (:func:`zckpt.encoding.casting.prepare`);
+        nothing when there are none, or only the small pure upcasts."""
+        pairs, bf16 = set(), 0
+        for parts, dtype in jobs:
+            for p in parts:
+                if isinstance(p, Cast):
+                    pairs.add((p.src_dtype, dtype))
+                    if (p.src_dtype, dtype) == ("float32", "bfloat16"):
+                        bf16 += p.numel * 4
         if self.use_torch or (self.pure_upcast and pairs <= {("bfloat16", "float32")}):
             return
         from zckpt.encoding import casting
-        casting.prepare(pairs)
+        casting.prepare(pairs, bf16)
 
     def kernel_copyable(self, parts: list, dtype: str) -> bool:
         return self.use_cfr and all(
