@@ -115,6 +115,7 @@ SAMPLES = _samples()
 def walk(request, monkeypatch):
     """Both walks: the regular expression (forced for small data too) and the one-opcode loop of small data."""
     monkeypatch.setattr(pickles, "REGEX_FROM", 0 if request.param == "expression" else 1 << 40)
+    monkeypatch.setattr(pickles, "COMPILE_AFTER", 0)
     return request.param
 
 
@@ -783,3 +784,33 @@ def test_row_parallel_weights_of_a_70b_model_at_tp8_open():
         [(5 * h * h + r * h // tp, (5, 0, r * h // tp), 0, h // tp) for r in range(tp)] + \
         [(5 * h * h + h, (5, 0, 0), h // tp, h // tp)]
     assert all(a[0] + a[3] == b[0] for a, b in zip(runs, runs[1:]))  # in order, back to back
+
+
+def test_the_expression_compiled_once_walking_without_it_would_cost_more(monkeypatch):
+    """A pickle of 16-64 KiB is walked one opcode at a time until the bytes so walked (per expression) reach
+    ``COMPILE_AFTER``, then the expression is compiled and kept; a pickle of that size compiles it at once. Every
+    walk ends where pickletools ends, either way."""
+    import pickle
+    compiled = []
+    real = pickles._run_pattern
+
+    def spy(bits):
+        compiled.append(bits)
+        return real(bits)
+    monkeypatch.setattr(pickles, "_run_pattern", spy)
+    monkeypatch.setattr(pickles, "_walked", {})
+    monkeypatch.setattr(pickles, "_compiled", set())
+    small = pickle.dumps([("k%d" % i, i, 2.5 * i) for i in range(600)], protocol=2)
+    assert pickles.REGEX_FROM <= len(small) < pickles.COMPILE_AFTER // 2 and pickles._bits_below(len(small)) == 14
+    walks = -(-pickles.COMPILE_AFTER // len(small)) - 1  # the last walk before the bytes reach COMPILE_AFTER
+    assert [pickles.scan(small) for _ in range(walks)] == [len(small)] * walks and compiled == []
+    assert [pickles.scan(small) for _ in range(2)] == [len(small)] * 2 and compiled == [14, 14]
+    before = len(compiled)
+    big = pickle.dumps([("k%d" % i, i) for i in range(12000)], protocol=2)
+    bits = pickles._bits_below(len(big))
+    assert len(big) >= pickles.COMPILE_AFTER and bits != 14
+    assert pickles.scan(big) == len(big) and compiled[before:] == [bits]
+    last = None
+    for _, _, pos in pickletools.genops(big):
+        last = pos
+    assert last + 1 == len(big)
