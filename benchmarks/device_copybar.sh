@@ -16,7 +16,8 @@
 # and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles. PYC=1: every run with the
 # bytecode cache (/tmp/pyc). MOE=0: the cold step without the MoE checkpoint.
 # .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
-# pydantic-core, annotated-types, typing-inspection, typing-extensions). TREES (default
+# pydantic-core, annotated-types, typing-inspection, typing-extensions); ml_dtypes as pip serves it (0.7.0 on
+# 2026-12-05: the runs use it, not the image's; host.log gives both versions and their import times). TREES (default
 # before=.bench/before,fix=.bench/fix): `git archive OLD zckpt | tar -x -C .bench/before`, and the same with the
 # change. Raw logs under OUTDIR, tarred by the caller.
 set -euo pipefail
@@ -39,6 +40,10 @@ mkdir -p "$work" "$out"
   git log --oneline -1 2>/dev/null || true
   python3 -c "import numpy, os; d = os.path.join(os.path.dirname(numpy.__file__), '__pycache__'); print('numpy', numpy.__file__, 'pycache', os.path.isdir(d) and len(os.listdir(d)))"
   for i in 1 2; do /usr/bin/time -f "python3 -c 'import numpy': %e s" python3 -c "import numpy"; done
+  python3 -c "import ml_dtypes; print('ml_dtypes (the runs):', ml_dtypes.__version__, ml_dtypes.__file__)" || true
+  for i in 1 2; do /usr/bin/time -f "import numpy, ml_dtypes: %e s" python3 -c "import numpy, ml_dtypes"; done || true
+  PYTHONPATH= python3 -c "import ml_dtypes; print('the image ml_dtypes:', ml_dtypes.__version__)" || true
+  PYTHONPATH= /usr/bin/time -f "the image: import numpy, ml_dtypes: %e s" python3 -c "import numpy, ml_dtypes" || true
   python3 -X importtime -c "import numpy" 2>&1 | sort -t'|' -k2 -n | tail -2; } 2>&1 | tee -a "$out/host.log"
 dims=(${DIMS:---layers 26 --hidden 2048 --ffn 8192 --world-size 4})  # DIMS, CK, MOE_ARGS: smaller for a smoke test
 case $step in warm)
