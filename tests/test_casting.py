@@ -154,8 +154,8 @@ if sys.argv[5] == "no-ml":
     casting._ML_BF16 = None  # as where ml_dtypes is not installed
 elif sys.argv[5] == "ml":
     casting.ML_SLOW_FROM = 0  # its import pays for any casts, whatever its version
-else:  # "slow-ml": an ml_dtypes whose import is slow, the default threshold
-    casting._ml_version = lambda: casting.ML_SLOW_IMPORT
+else:  # "slow-ml": an ml_dtypes whose import is slow (0.7 under numpy 2.4), the default threshold
+    casting._slow_import = lambda version: True
 from zckpt.ops.merge import merge
 merge(sys.argv[1], sys.argv[2], dtype=sys.argv[4])
 print("torch" in sys.modules, "ml_dtypes" in sys.modules,
@@ -204,7 +204,7 @@ def test_slow_downcast_bytes(monkeypatch):
     monkeypatch.setattr(casting, "_ml_version", lambda: (0, 6))  # quick to import
     assert casting.slow_downcast_bytes(casts) == 400 and casting.fast_bf16()
     monkeypatch.delitem(sys.modules, "ml_dtypes", raising=False)
-    monkeypatch.setattr(casting, "_ml_version", lambda: casting.ML_SLOW_IMPORT)
+    monkeypatch.setattr(casting, "_slow_import", lambda version: True)  # (0.7 under numpy 2.4, say)
     assert casting.slow_downcast_bytes(casts) == 440 and "ml_dtypes" not in sys.modules
     monkeypatch.setattr(casting, "ML_SLOW_FROM", 40)
     assert casting.slow_downcast_bytes(casts) == 400 and casting._USE_ML
@@ -213,10 +213,10 @@ def test_slow_downcast_bytes(monkeypatch):
 
 
 def test_ml_dtypes_imported_only_where_it_pays(monkeypatch, tmp_path):
-    """ml_dtypes imported already: used, at no cost; not installed: never; installed: used where its version
-    imports quickly (before ``ML_SLOW_IMPORT``), else only for casts of ``ML_SLOW_FROM`` bytes or more. Its version
-    is read from its ``__init__.py`` without importing it (the installed one's is ml_dtypes' own); a version that
-    cannot be read is weighed as slow."""
+    """ml_dtypes imported already: used, at no cost; not installed: never; installed: used where it imports
+    quickly (before ``ML_SLOW_IMPORT``, or under numpy ``NUMPY_QUICK`` or later), else only for casts of
+    ``ML_SLOW_FROM`` bytes or more. Its version is read from its ``__init__.py`` without importing it (the
+    installed one's is ml_dtypes' own); a version that cannot be read is weighed as slow."""
     import importlib.util
     import sys
     from types import SimpleNamespace
@@ -225,11 +225,14 @@ def test_ml_dtypes_imported_only_where_it_pays(monkeypatch, tmp_path):
     assert casting._ml_version() == tuple(int(x) for x in ml_dtypes.__version__.split(".")[:2])
     assert casting.ml_pays(0)  # (imported in this process)
     monkeypatch.delitem(sys.modules, "ml_dtypes")
-    for version, small, large in (((0, 5), True, True), ((0, 6), True, True), ((0, 7), False, True),
-                                  ((1, 2), False, True), (None, False, False)):
-        monkeypatch.setattr(casting, "_ml_version", lambda v=version: v)
-        assert casting.ml_pays(casting.ML_SLOW_FROM - 1) == small, version
-        assert casting.ml_pays(casting.ML_SLOW_FROM) == large, version
+    for numpy_version, slow in (("2.4.6", True), ("2.3.5", True), ("1.26.4", True), ("2.5.2", False),
+                                ("2.6.0rc1", False), ("3.0.0", False)):
+        monkeypatch.setattr(np, "__version__", numpy_version)
+        for version, small, large in (((0, 5), True, True), ((0, 6), True, True), ((0, 7), not slow, True),
+                                      ((1, 2), not slow, True), (None, False, False)):
+            monkeypatch.setattr(casting, "_ml_version", lambda v=version: v)
+            assert casting.ml_pays(casting.ML_SLOW_FROM - 1) == small, (numpy_version, version)
+            assert casting.ml_pays(casting.ML_SLOW_FROM) == large, (numpy_version, version)
     monkeypatch.undo()
     monkeypatch.delitem(sys.modules, "ml_dtypes")
     init = tmp_path / "__init__.py"

@@ -66,18 +66,36 @@ def _ml_bfloat16():
 
 _ML_BF16 = False  # not looked up yet
 
-#: the first ml_dtypes version whose import is slow: 0.7.0 adds its many new dtypes' loops to numpy's ufuncs one by
-#: one, each added after a scan of those before it (``PyUFunc_AddLoop``), 0.8-1.1 s of CPU on the 2-core box with
-#: numpy 2.3.5 or 2.4.6, against about 10 ms for 0.5.4 and 0.6.0 (docs/benchmarks.md, issue 49)
+#: the first ml_dtypes version whose import is slow under a numpy before :data:`NUMPY_QUICK`: 0.7.0 adds loops for its
+#: many new dtypes to numpy's ufuncs one by one, each added after a scan of those before it (``PyUFunc_AddLoop``):
+#: 0.8-1.3 s of CPU on the 2-core box with numpy 2.3.5 or 2.4.6 (Python 3.11 and 3.12), against about 10 ms for
+#: 0.5.4 and 0.6.0, and for 0.7.0 under numpy 2.5.2 (docs/benchmarks.md, issue 49). numpy 2.5 needs Python 3.12+,
+#: so 3.10 and 3.11 installs of today get the slow pair.
 ML_SLOW_IMPORT = (0, 7)
+#: the numpy from which ml_dtypes' import is quick again
+NUMPY_QUICK = (2, 5)
 
-#: fp32 bytes of fp32 -> bf16 down-casts from which importing an ml_dtypes of :data:`ML_SLOW_IMPORT` or later pays:
-#: its compiled cast saves about 0.045 CPU s per GB against numpy's passes (0.106 against 0.151 on the 2-core box),
-#: so its ~1 s import pays from about 22 GB of CPU, earlier in wall time on many threads (16-core host, 8 threads:
-#: 24.5 GB/s against numpy's 13, so from about 28 GB there); below it numpy's passes, the same bits
+#: fp32 bytes of fp32 -> bf16 down-casts from which importing a slow-to-import ml_dtypes pays: its compiled cast
+#: saves about 0.045 CPU s per GB against numpy's passes (0.106 against 0.151 on the 2-core box), so its ~1 s import
+#: pays from about 22 GB of CPU, earlier in wall time on many threads (16-core host, 8 threads: 24.5 GB/s against
+#: numpy's 13, so from about 28 GB there); below it numpy's passes, the same bits
 ML_SLOW_FROM = 16 << 30
 
 _VERSION = re.compile(r"""^__version__\s*=\s*["'](\d+)\.(\d+)""", re.M)
+
+
+def _major_minor(text: str) -> tuple[int, int] | None:
+    found = _VERSION.search(f'__version__ = "{text}"')
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def _slow_import(version: tuple[int, int]) -> bool:
+    """Whether importing ml_dtypes of ``version`` is slow here (:data:`ML_SLOW_IMPORT`, numpy before
+    :data:`NUMPY_QUICK`: numpy, needed by every cast, is imported to tell)."""
+    if version < ML_SLOW_IMPORT:
+        return False
+    import numpy
+    return (_major_minor(numpy.__version__) or (0, 0)) < NUMPY_QUICK
 
 
 def _ml_version() -> tuple[int, int] | None:
@@ -99,13 +117,13 @@ def _ml_version() -> tuple[int, int] | None:
 
 def ml_pays(downcast_bytes: int) -> bool:
     """Whether fp32 -> bf16 down-casts reading ``downcast_bytes`` of fp32 should use ml_dtypes' one-pass cast:
-    imported already (free), or installed and quick to import (before :data:`ML_SLOW_IMPORT`), or the casts at
-    least :data:`ML_SLOW_FROM`. Otherwise numpy's passes, bit for bit the same."""
+    imported already (free), or installed and quick to import here (:func:`_slow_import`), or the casts at least
+    :data:`ML_SLOW_FROM`. Otherwise numpy's passes, bit for bit the same."""
     mod = sys.modules.get("ml_dtypes", False)
     if mod is not False:
         return mod is not None and _ml_bfloat16() is not None
     version = _ml_version()
-    return version is not None and (version < ML_SLOW_IMPORT or downcast_bytes >= ML_SLOW_FROM)
+    return version is not None and (downcast_bytes >= ML_SLOW_FROM or not _slow_import(version))
 
 
 def choose_bf16(downcast_bytes: int) -> bool:
