@@ -2,7 +2,7 @@
 """Where a single-process job's time goes: a timeline of its writing threads and files, and cProfile of its main
 thread.
 
-Runs one zckpt command (the zckpt that ``PYTHONPATH`` names) in this process (``python benchmarks/profile_lanes.py [--json-out F] -- merge CK -o OUT``)
+Runs one zckpt command (the zckpt that ``PYTHONPATH`` names) in this process (``python benchmarks/profile_lanes.py [--json-out F] [--phases] -- merge CK -o OUT``)
 with two hooks, no change to zckpt: every ``executor.Worker.write`` (one job: read, CRC, cast, pwrite) is timed
 on its thread, with the file it writes and its bytes; every output file's close (``lanes._close``) is timed. From
 them:
@@ -11,7 +11,10 @@ them:
 * busy threads over time (10 ms buckets) and GB/s written per 100 ms;
 * the tail: from the moment fewer than half the threads are busy for good, to the last job's end: its seconds,
   bytes and the files still being written then;
-* the main thread's cProfile, top 25 by cumulative time (the plan; the writing shows as waits).
+* the main thread's cProfile, top 25 by cumulative time (the plan; the writing shows as waits);
+* or, with ``--phases``, no cProfile (every thread at its own speed) and the writing threads' seconds per phase
+  summed over the threads: reads (``read_raw``, ``read_into``), ``crc32``, casts, ``render``, ``pwrite``, the input
+  check's bookkeeping.
 """
 
 from __future__ import annotations
@@ -29,12 +32,29 @@ from pathlib import Path
 
 def main() -> int:
     argv = sys.argv[1:]
-    json_out = None
-    if argv[:1] == ["--json-out"]:
-        json_out, argv = argv[1], argv[2:]
+    json_out, phases = None, False
+    while argv[:1] in (["--json-out"], ["--phases"]):
+        if argv[0] == "--phases":
+            phases, argv = True, argv[1:]
+        else:
+            json_out, argv = argv[1], argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     from zckpt.engine import executor, lanes
+    spent: dict = {}  # --phases: seconds and calls per phase, summed over the threads
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                d = time.perf_counter() - t
+                with lock:
+                    row = spent.setdefault(name, [0.0, 0])
+                    row[0] += d
+                    row[1] += 1
+        return wrapper
 
     events: list = []  # (thread, start, end, bytes, path)
     closes: dict = {}
@@ -67,11 +87,21 @@ def main() -> int:
 
     executor.Worker.write = write
     lanes._close = close
+    if phases:  # where the writing threads' time goes (no cProfile: the main thread runs at its own speed)
+        from zckpt.encoding import casting, tensors
+        executor.pwrite_all = timed("pwrite", executor.pwrite_all)
+        executor.crc32 = timed("crc32", executor.crc32)
+        tensors.Reader.read_raw = timed("read_raw", tensors.Reader.read_raw)
+        tensors.Reader.read_into = timed("read_into", tensors.Reader.read_into)
+        casting.cast = timed("cast", casting.cast)
+        executor.Worker.render = timed("render", executor.Worker.render)
+        executor.InputCheck.add_crc = timed("check.add_crc", executor.InputCheck.add_crc)
     from zckpt.cli import main as cli
 
     prof = cProfile.Profile()
     t_start = time.perf_counter()
-    prof.enable()
+    if not phases:
+        prof.enable()
     try:
         cli.main(args=argv, prog_name="zckpt", standalone_mode=False)
     except SystemExit as e:
@@ -115,7 +145,14 @@ def main() -> int:
         per100.append(round(sum(n * max(0.0, min(b, hi) - max(a, lo)) / max(b - a, 1e-9)
                                 for _, a, b, n, _ in events) / 0.1 / 1e9, 2))
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
+    if phases:
+        jobs_s = sum(b - a for _, a, b, _, _ in events)
+        s.write(f"phases (thread seconds; jobs {jobs_s:.3f} s in all, {len(threads)} threads x writing "
+                f"{t1 - t0:.3f} s = {len(threads) * (t1 - t0):.3f}):\n")
+        for name, (sec, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
+            s.write(f"  {name:14s} {sec:8.3f} s  {calls:7d} calls  {sec / max(jobs_s, 1e-9) * 100:5.1f}% of the jobs\n")
+    else:
+        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(25)
     doc = {"argv": argv, "command_s": t_end - t_start, "before_first_job_s": t0 - t_start,
            "writing_s": t1 - t0, "after_last_job_s": t_end - t1, "threads": len(threads), "bytes": total,
            "gb_per_s": total / (t1 - t0) / 1e9, "busy_mean": sum(busy) / nb,
