@@ -10,6 +10,8 @@
 #        Megatron-Core save of META_CHUNKS chunks (default 100000,1000000) against pickle.load of each .metadata
 #        (benchmarks/bench_metadata.py; the Megatron cases only where megatron-core imports: carry its cp312 wheel
 #        in .whl/, `pip download megatron-core --no-deps --only-binary=:all: --python-version 3.12 -d .whl`)
+#   bash benchmarks/device_copybar.sh OUTDIR phases  # each job's writing threads by phase (profile_lanes.py
+#        --phases: reads, crc32, casts, pwrite; no cProfile), PHASE_RUNS (2) times, first tree of TREES
 #   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
@@ -62,6 +64,22 @@ case $step in warm)
         -- $job -o "$work/prof-out" -q || echo "profile failed: $name $job"
     done; done 2>&1 | tee "$out/profile.log"
   rm -rf "$work/prof-out"; tar -czf "$out/prof.tgz" -C "$work" prof ;; esac
+case $step in phases)  # where each job's writing threads spend their time (profile_lanes.py --phases, no cProfile),
+  # PHASE_RUNS times each, on the checkpoint and its DCP (made here if missing: one warm run of each job first)
+  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 1 --trees "${trees%%,*}" \
+    --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --variants ";" \
+    --json-out "$out/warm1.json" 2>&1 | tee "$out/warm1.log"
+  ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}; mkdir -p "$work/prof"
+  for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
+    for job in "merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8" \
+               "convert $ck --to dcp" \
+               "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx"; do
+      k=$((k + 1))
+      for r in $(seq ${PHASE_RUNS:-2}); do rm -rf "$work/prof-out"; sync; echo "== $name run $r: zckpt $job"
+        PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --phases \
+          --json-out "$work/prof/phases-$name-$k-$r.json" -- $job -o "$work/prof-out" -q || echo "failed: $job"
+      done; done; done 2>&1 | tee "$out/phases.log"
+  rm -rf "$work/prof-out"; tar -czf "$out/phases.tgz" -C "$work" prof ;; esac
 case $step in moe)  # the MoE step alone: DeepSpeed's helper with max_group_size MAX_GROUP (one param group per
   # expert group: zckpt refuses DeepSpeed's default split, see docs/benchmarks.md), then the bf16 merge's first
   # casts profiled with and without numpy's bytecode
