@@ -302,3 +302,25 @@ def test_fp16_kernel_blocks_edges_and_input_kept(monkeypatch):
     for n in (1, 4095, 4096, 4097, 3 * 4096 + 17, vals.size):
         assert np.array_equal(cast(raw[:4 * n], "float32", "float16"), want[:2 * n]), n
     assert np.array_equal(raw, keep)
+
+
+def test_numpy_passes_hand_over_to_ml_dtypes_once_they_cast_its_import(monkeypatch):
+    """Casts no caller decided on (a loader's tensors one at a time) and jobs decided for numpy's passes count the
+    bytes those passes cast; once they reach ``ML_SLOW_FROM`` the next casts import ml_dtypes and use it. The bits
+    are the same before and after."""
+    from zckpt.encoding import casting
+    monkeypatch.setattr(casting, "_USE_ML", None)
+    monkeypatch.setattr(casting, "_numpy_bf16", 0)
+    monkeypatch.setattr(casting, "_switched", False)
+    monkeypatch.setattr(casting, "_slow_import", lambda version: True)
+    monkeypatch.setattr(casting, "ML_SLOW_FROM", 3 * 4 * 4096)
+    monkeypatch.setattr(casting, "ml_pays", lambda n, real=casting.ml_pays: False if n < casting.ML_SLOW_FROM
+                        else real(n))
+    raw = _edges()[:4096].view(np.uint8)
+    want = _torch(raw, "float32", "bfloat16")
+    used = []
+    for _ in range(5):
+        assert np.array_equal(cast(raw, "float32", "bfloat16"), want)
+        used.append(casting._USE_ML)
+    assert used == [False, False, True, True, True], used
+    assert casting._numpy_bf16 == 3 * 4 * 4096

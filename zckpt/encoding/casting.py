@@ -129,20 +129,31 @@ def ml_pays(downcast_bytes: int) -> bool:
 def choose_bf16(downcast_bytes: int) -> bool:
     """Decide, for the casts about to run in this process, whether fp32 -> bf16 uses ml_dtypes' compiled cast
     (:func:`ml_pays`) or numpy's passes; returns it (True: ml_dtypes, imported now). Until a caller decides, a cast
-    uses ml_dtypes where it is imported already or quick to import."""
+    uses ml_dtypes where it is imported already or quick to import. Either way, once numpy's passes have cast
+    :data:`ML_SLOW_FROM` bytes in this process (a loader's tensors one at a time, many small jobs), ml_dtypes is
+    imported for the casts after them (paying at most about twice the better choice)."""
     global _USE_ML
     _USE_ML = ml_pays(downcast_bytes) and _ml_bfloat16() is not None
     return _USE_ML
 
 
 _USE_ML: bool | None = None  # not decided: ml_pays(0)
+_numpy_bf16 = 0  # fp32 bytes numpy's passes have cast to bf16 in this process
+_switched = False  # ml_dtypes looked up once those reached ML_SLOW_FROM
 
 
-def _ml_for_casts():
-    """ml_dtypes' bfloat16 where the casts use it (:func:`choose_bf16`), else None."""
+def _ml_for_casts(nbytes: int = 0):
+    """ml_dtypes' bfloat16 where the casts use it (:func:`choose_bf16`), else None (``nbytes`` of fp32 about to go
+    through numpy's passes, counted). Threads may race on the count: a switch one cast sooner or later."""
+    global _numpy_bf16, _switched
     use = _USE_ML
     if use is None:
         use = choose_bf16(0)
+    if not use:
+        _numpy_bf16 += nbytes
+        if _numpy_bf16 >= ML_SLOW_FROM and not _switched:
+            _switched = True
+            use = choose_bf16(_numpy_bf16)
     return _ml_bfloat16() if use else None
 
 
@@ -157,7 +168,7 @@ def _bf16_from_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     import numpy as np
     if out is None:
         out = _scratch("out16", a.size, np.uint16)
-    bf16 = _ml_for_casts()
+    bf16 = _ml_for_casts(a.size * 4)
     if bf16 is not None:
         np.copyto(out.view(bf16), a, casting="unsafe")
         return out
