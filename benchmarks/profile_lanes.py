@@ -93,6 +93,8 @@ def main() -> int:
         executor.crc32 = timed("crc32", executor.crc32)
         tensors.Reader.read_raw = timed("read_raw", tensors.Reader.read_raw)
         tensors.Reader.read_into = timed("read_into", tensors.Reader.read_into)
+        if hasattr(tensors.Reader, "read_crc"):  # (reads with their CRC-32s, block by block)
+            tensors.Reader.read_crc = timed("read_crc", tensors.Reader.read_crc)
         casting.cast = timed("cast", casting.cast)
         executor.Worker.render = timed("render", executor.Worker.render)
         executor.InputCheck.add_crc = timed("check.add_crc", executor.InputCheck.add_crc)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from zckpt.engine.executor import chunks, pwrite_pieces
 from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
 
@@ -65,3 +67,25 @@ def test_pwrite_pieces_writes_runs_and_leaves_gaps(tmp_path):
     for off, data in pieces:
         want[2 + off:2 + off + len(data)] = data
     assert path.read_bytes() == bytes(want)
+
+
+def test_read_crc_reads_in_blocks_and_gives_the_whole_pieces_crc(tmp_path, monkeypatch):
+    """``Reader.read_crc``: the bytes and the CRC-32 of a piece read block by block (``CRC_BLOCK``), for pieces shorter
+    than a block, a whole number of blocks and a part block over; a file cut short is refused with its name."""
+    import os
+    import zlib
+    from zckpt.encoding import tensors
+    from zckpt.engine.segments import Piece
+    from zckpt.errors import CorruptFile
+    monkeypatch.setattr(tensors, "CRC_BLOCK", 4096)
+    data = os.urandom(5 * 4096 + 123)
+    path = tmp_path / "src.bin"
+    path.write_bytes(data)
+    reader = tensors.Reader()
+    for offset, n in ((0, 100), (7, 4096), (3, 3 * 4096), (11, 4 * 4096 + 77), (0, len(data))):
+        buf = bytearray(n + 8)
+        crc = reader.read_crc(Piece(str(path), offset, n, "uint8"), memoryview(buf))
+        assert bytes(buf[:n]) == data[offset:offset + n] and crc == zlib.crc32(data[offset:offset + n])
+    with pytest.raises(CorruptFile, match="short read") as err:
+        reader.read_crc(Piece(str(path), len(data) - 10, 4096 + 20, "uint8"), memoryview(bytearray(5000)))
+    assert str(path) in str(err.value) or err.value.path == str(path)

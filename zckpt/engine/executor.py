@@ -333,8 +333,7 @@ class Worker:
                 view[pos:pos + n] = bytes(n) if n > len(_ZEROS) else memoryview(_ZEROS)[:n]
                 c = zeros_crc(n) if want_crc else 0
             else:
-                self.reader.read_raw(p, view[pos:pos + n])
-                c = crc32(view[pos:pos + n])
+                c = self.reader.read_crc(p, view[pos:pos + n])
                 self.check.add_crc(p.path, p.offset, n, c)
             crc = crc32_combine(crc, c, n) if want_crc else 0
             pos += n
