@@ -85,7 +85,7 @@ _VERSION = re.compile(r"""^__version__\s*=\s*["'](\d+)\.(\d+)""", re.M)
 
 
 def _major_minor(text: str) -> tuple[int, int] | None:
-    found = _VERSION.search(f'__version__ = "{text}"')
+    found = re.match(r"(\d+)\.(\d+)", text)
     return (int(found[1]), int(found[2])) if found else None
 
 

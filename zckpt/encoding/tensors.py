@@ -18,7 +18,6 @@ from zckpt.errors import CorruptFile
 CRC_BLOCK = 512 << 10
 
 
-
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name)
