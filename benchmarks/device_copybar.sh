@@ -11,7 +11,7 @@
 #        (benchmarks/bench_metadata.py; the Megatron cases only where megatron-core imports: carry its cp312 wheel
 #        in .whl/, `pip download megatron-core --no-deps --only-binary=:all: --python-version 3.12 -d .whl`)
 #   bash benchmarks/device_copybar.sh OUTDIR phases  # each job's writing threads by phase (profile_lanes.py
-#        --phases: reads, crc32, casts, pwrite; no cProfile), PHASE_RUNS (2) times, first tree of TREES
+#        --phases: reads, crc32, casts, pwrite; no cProfile), PHASE_RUNS (2) times, each tree of TREES
 #   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
@@ -48,17 +48,17 @@ mkdir -p "$work" "$out"
   PYTHONPATH= /usr/bin/time -f "the image: import numpy, ml_dtypes: %e s" python3 -c "import numpy, ml_dtypes" || true
   python3 -X importtime -c "import numpy" 2>&1 | sort -t'|' -k2 -n | tail -2; } 2>&1 | tee -a "$out/host.log"
 dims=(${DIMS:---layers 26 --hidden 2048 --ffn 8192 --world-size 4})  # DIMS, CK, MOE_ARGS: smaller for a smoke test
+ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
+profiled=("merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8"
+          "convert $ck --to dcp" "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx")
 case $step in warm)
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat ${REPEAT:-3} --trees "$trees" \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} \
     --variants "${VARIANTS:-w16:|--workers 16;pyc:PYTHONPYCACHEPREFIX=/tmp/pyc,PYTHONDONTWRITEBYTECODE=}" --json-out "$out/warm.json" 2>&1 | tee "$out/warm.log"
-  ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
   [ "${PROFILE:-1}" = 1 ] || trees=
   mkdir -p "$work/prof"
   for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
-    for job in "merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8" \
-               "convert $ck --to dcp" \
-               "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx"; do
+    for job in "${profiled[@]}"; do
       rm -rf "$work/prof-out"; sync; k=$((k + 1)); echo "== $name: zckpt $job"
       PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --json-out "$work/prof/$name-$k.json" \
         -- $job -o "$work/prof-out" -q || echo "profile failed: $name $job"
@@ -69,11 +69,9 @@ case $step in phases)  # where each job's writing threads spend their time (prof
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 1 --trees "${trees%%,*}" \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --variants ";" \
     --json-out "$out/warm1.json" 2>&1 | tee "$out/warm1.log"
-  ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}; mkdir -p "$work/prof"
+  mkdir -p "$work/prof"
   for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
-    for job in "merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8" \
-               "convert $ck --to dcp" \
-               "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx"; do
+    for job in "${profiled[@]}"; do
       k=$((k + 1))
       for r in $(seq ${PHASE_RUNS:-2}); do rm -rf "$work/prof-out"; sync; echo "== $name run $r: zckpt $job"
         PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --phases \

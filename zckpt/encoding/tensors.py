@@ -65,16 +65,7 @@ class Reader:
         if storage.is_url(piece.path):
             self.read_raw(piece, buf)
             return crc32(buf[:n])
-        fd = self.fd(piece.path)
-        done, crc = 0, 0
-        while done < n:
-            got = os.preadv(fd, [buf[done:min(n, done + CRC_BLOCK)]], piece.offset + done)
-            if got <= 0:
-                raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
-            crc = crc32(buf[done:done + got], crc)
-            done += got
-        storage.count_read(piece.path, n)
-        return crc
+        return self._pread(piece, buf, CRC_BLOCK, with_crc=True)
 
     def read_raw(self, piece, buf: memoryview) -> None:
         """:meth:`read_into` without reporting to ``check`` (the caller does, with the CRC it computes)."""
@@ -87,14 +78,23 @@ class Reader:
                     raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
                 buf[:n] = data
             return
+        self._pread(piece, buf, n, with_crc=False)
+
+    def _pread(self, piece, buf: memoryview, block: int, with_crc: bool) -> int:
+        """A local piece into ``buf`` in reads of at most ``block`` bytes; the CRC-32 of its bytes, each block's
+        summed right after its read (0 without ``with_crc``). A file cut short is refused with its name."""
+        n = piece.nbytes
         fd = self.fd(piece.path)
-        done = 0
+        done, crc = 0, 0
         while done < n:
-            got = os.preadv(fd, [buf[done:n]], piece.offset + done)
+            got = os.preadv(fd, [buf[done:min(n, done + block)]], piece.offset + done)
             if got <= 0:
                 raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
+            if with_crc:
+                crc = crc32(buf[done:done + got], crc)
             done += got
         storage.count_read(piece.path, n)
+        return crc
 
     def read_pieces(self, pieces, buf: memoryview) -> int:
         pos = 0
