@@ -138,6 +138,13 @@ def choose_bf16(downcast_bytes: int) -> bool:
 
 
 _USE_ML: bool | None = None  # not decided: ml_pays(0)
+
+
+def decided() -> bool:
+    """Whether this process has chosen how its fp32 -> bf16 casts run (:func:`choose_bf16`)."""
+    return _USE_ML is not None
+
+
 _numpy_bf16 = 0  # fp32 bytes numpy's passes have cast to bf16 in this process
 _switched = False  # ml_dtypes looked up once those reached ML_SLOW_FROM
 

@@ -13,9 +13,6 @@ from zckpt.io import storage
 from zckpt.io.hashing import crc32
 from zckpt.errors import CorruptFile
 
-#: bytes per read where the CRC-32 is computed as a piece is read (:meth:`Reader.read_crc`): within a core's L2
-#: (512 KiB on the 2-core box's EPYC, 1-2 MiB on the lent host's Xeon)
-CRC_BLOCK = 512 << 10
 
 
 def torch_dtype(name: str):
@@ -57,15 +54,12 @@ class Reader:
             self.check.add_crc(piece.path, piece.offset, piece.nbytes, self.read_crc(piece, buf))
 
     def read_crc(self, piece, buf: memoryview) -> int:
-        """:meth:`read_raw`, returning the CRC-32 of the bytes read. A local file is read in blocks of
-        :data:`CRC_BLOCK`, each one's CRC computed right after its read, while it is still in this core's cache (one
-        CRC pass over a whole 4 MiB job reads it back from memory where a dozen threads share the last-level cache:
-        15% of reshard's thread time on the lent 16-core host; docs/benchmarks.md, issue 49)."""
-        n = piece.nbytes
-        if storage.is_url(piece.path):
-            self.read_raw(piece, buf)
-            return crc32(buf[:n])
-        return self._pread(piece, buf, CRC_BLOCK, with_crc=True)
+        """:meth:`read_raw`, returning the CRC-32 of the bytes read: one read, then one CRC pass over them. (Read in
+        512 KiB blocks, each block's CRC right after its read while in the core's cache, every job of reshard,
+        convert and merge took 10-50% longer on the lent 16-core host: eight times the calls, each taking the GIL
+        again among a dozen threads; docs/benchmarks.md, issue 49.)"""
+        self.read_raw(piece, buf)
+        return crc32(buf[:piece.nbytes])
 
     def read_raw(self, piece, buf: memoryview) -> None:
         """:meth:`read_into` without reporting to ``check`` (the caller does, with the CRC it computes)."""
@@ -78,23 +72,14 @@ class Reader:
                     raise CorruptFile(f"short read at byte {piece.offset} (file truncated?)", path=piece.path)
                 buf[:n] = data
             return
-        self._pread(piece, buf, n, with_crc=False)
-
-    def _pread(self, piece, buf: memoryview, block: int, with_crc: bool) -> int:
-        """A local piece into ``buf`` in reads of at most ``block`` bytes; the CRC-32 of its bytes, each block's
-        summed right after its read (0 without ``with_crc``). A file cut short is refused with its name."""
-        n = piece.nbytes
         fd = self.fd(piece.path)
-        done, crc = 0, 0
+        done = 0
         while done < n:
-            got = os.preadv(fd, [buf[done:min(n, done + block)]], piece.offset + done)
+            got = os.preadv(fd, [buf[done:n]], piece.offset + done)
             if got <= 0:
                 raise CorruptFile(f"short read at byte {piece.offset + done} (file truncated?)", path=piece.path)
-            if with_crc:
-                crc = crc32(buf[done:done + got], crc)
             done += got
         storage.count_read(piece.path, n)
-        return crc
 
     def read_pieces(self, pieces, buf: memoryview) -> int:
         pos = 0

@@ -181,6 +181,46 @@ def test_delay() -> None:
         time.sleep(float(delay))
 
 
+# The casts' imports (numpy, and ml_dtypes where it pays: 0.1-0.2 s on the lent 16-core host, before a job of
+# convert --to deepspeed could start) run on a side thread while the files that need no cast are written
+# (zckpt.engine.lanes), with the interpreter's switch interval lowered to IMPORT_SWITCH_US meanwhile: the import
+# holds the GIL between its file reads, and a copying thread back from a read or a write waits for it at most that
+# long (the default 5 ms is longer than a 4 MiB job). ZCKPT_IMPORT_AHEAD=0: imports first, as before.
+IMPORT_SWITCH_US = env_int("ZCKPT_IMPORT_SWITCH_US", 500)
+IMPORT_AHEAD = os.environ.get("ZCKPT_IMPORT_AHEAD", "1") != "0"
+
+
+class CastImports:
+    """:func:`zckpt.encoding.casting.prepare` of ``pairs`` on a side thread; ``ready()``, and ``wait()`` (raises
+    what the import raised)."""
+
+    def __init__(self, pairs: set, bf16: int):
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(pairs, bf16), name="zckpt-imports", daemon=True)
+        self._thread.start()
+
+    def _run(self, pairs: set, bf16: int) -> None:
+        old = sys.getswitchinterval()
+        try:
+            sys.setswitchinterval(min(old, IMPORT_SWITCH_US / 1e6))
+            from zckpt.encoding import casting
+            casting.prepare(pairs, bf16)
+        except BaseException as e:  # handed to the thread that waits
+            self._error = e
+        finally:
+            sys.setswitchinterval(old)
+            self._done.set()
+
+    def ready(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
 class _NoKernelCopy(Exception):
     """copy_file_range cannot do this chunk (unsupported here, or EOF of a truncated input): render it instead."""
 
@@ -261,10 +301,10 @@ class Worker:
                 pos += n
         return view[:pos]
 
-    def prepare(self, jobs: Iterable[tuple[list, str]]) -> None:
-        """Before the threads start: import what the casts among ``jobs`` ((parts, dtype) pairs) need, and decide
-        whether their fp32 -> bf16 down-casts use ml_dtypes by their bytes (:func:`zckpt.encoding.casting.prepare`);
-        nothing when there are none, or only the small pure upcasts."""
+    def cast_needs(self, jobs: Iterable[tuple[list, str]]) -> tuple[set, int]:
+        """The imports the casts among ``jobs`` ((parts, dtype) pairs) need: their (src, dst) dtype pairs and the
+        fp32 bytes of their fp32 -> bf16 down-casts; nothing when there are none, or only the small pure upcasts, or
+        torch casts (imported already)."""
         pairs, bf16 = set(), 0
         for parts, dtype in jobs:
             for p in parts:
@@ -273,9 +313,17 @@ class Worker:
                     if (p.src_dtype, dtype) == ("float32", "bfloat16"):
                         bf16 += p.numel * 4
         if self.use_torch or (self.pure_upcast and pairs <= {("bfloat16", "float32")}):
-            return
-        from zckpt.encoding import casting
-        casting.prepare(pairs, bf16)
+            return set(), 0
+        return pairs, bf16
+
+    def prepare(self, jobs: Iterable[tuple[list, str]]) -> None:
+        """Before the threads start: import what the casts among ``jobs`` ((parts, dtype) pairs) need, and decide
+        whether their fp32 -> bf16 down-casts use ml_dtypes by their bytes (:func:`zckpt.encoding.casting.prepare`);
+        nothing when there are none, or only the small pure upcasts."""
+        pairs, bf16 = self.cast_needs(jobs)
+        if pairs:
+            from zckpt.encoding import casting
+            casting.prepare(pairs, bf16)
 
     def kernel_copyable(self, parts: list, dtype: str) -> bool:
         return self.use_cfr and all(
