@@ -93,7 +93,7 @@ def main() -> int:
         executor.crc32 = timed("crc32", executor.crc32)
         tensors.Reader.read_raw = timed("read_raw", tensors.Reader.read_raw)
         tensors.Reader.read_into = timed("read_into", tensors.Reader.read_into)
-        if hasattr(tensors.Reader, "read_crc"):  # (reads with their CRC-32s, block by block)
+        if hasattr(tensors.Reader, "read_crc"):  # (reads with their CRC-32s)
             tensors.Reader.read_crc = timed("read_crc", tensors.Reader.read_crc)
         casting.cast = timed("cast", casting.cast)
         executor.Worker.render = timed("render", executor.Worker.render)

@@ -227,9 +227,10 @@ def test_casts_import_numpy_before_the_writing_threads_start(tmp_path):
 
 
 def test_copies_are_written_while_the_casts_import(tmp_path):
-    """convert --to deepspeed at bf16 in a fresh process: its optimizer files (copies) may be written while numpy and
-    ml_dtypes import on a side thread (``executor.CastImports``), its model states (casts) only after: every cast
-    job sees them imported. The output holds what it holds with the imports first (ZCKPT_IMPORT_AHEAD=0)."""
+    """convert --to deepspeed at bf16 in a fresh process with ZCKPT_IMPORT_AHEAD=1: its optimizer files (copies) may
+    be written while numpy and ml_dtypes import on a side thread (``executor.CastImports``), its model states (casts)
+    only after: every cast job sees them imported. The output holds what it holds with the imports first (the
+    default, ZCKPT_IMPORT_AHEAD=0: no side thread)."""
     import zckpt
     from tests.conftest import FIXTURES
     from tests.test_distributed import assert_same_output

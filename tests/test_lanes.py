@@ -96,8 +96,8 @@ def test_an_import_that_fails_stops_the_deal_with_its_error():
 
 
 def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
-    """A cast file among copied ones, its imports on a side thread (as in a fresh process, where numpy is not
-    imported yet): the copies are written while it runs, the cast file after it, every byte as one at a time."""
+    """ZCKPT_IMPORT_AHEAD=1: a cast file among copied ones, its imports on a side thread (as in a fresh process,
+    where numpy is not imported yet): the copies are written while it runs, the cast file after it, every byte as one at a time."""
     import numpy as np
     from zckpt.engine.segments import Cast, Piece
 
@@ -125,6 +125,7 @@ def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
             super()._run(pairs, bf16)
 
     monkeypatch.setattr(lanes, "casting_ready", lambda pairs: False)
+    monkeypatch.setattr(executor, "IMPORT_AHEAD", True)  # (ZCKPT_IMPORT_AHEAD=1)
     monkeypatch.setattr(executor, "CastImports", SlowImports)
     w = executor.Worker()
     w.use_torch = False  # (torch imported by other tests: its casts would need no import)

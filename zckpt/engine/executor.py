@@ -181,13 +181,15 @@ def test_delay() -> None:
         time.sleep(float(delay))
 
 
-# The casts' imports (numpy, and ml_dtypes where it pays: 0.1-0.2 s on the lent 16-core host, before a job of
-# convert --to deepspeed could start) run on a side thread while the files that need no cast are written
-# (zckpt.engine.lanes), with the interpreter's switch interval lowered to IMPORT_SWITCH_US meanwhile: the import
-# holds the GIL between its file reads, and a copying thread back from a read or a write waits for it at most that
-# long (the default 5 ms is longer than a 4 MiB job). ZCKPT_IMPORT_AHEAD=0: imports first, as before.
+# ZCKPT_IMPORT_AHEAD=1: the casts' imports (numpy, and ml_dtypes where it pays: 0.1-0.2 s on the lent 16-core host
+# before a job of convert --to deepspeed can start) run on a side thread while the files that need no cast are
+# written (zckpt.engine.lanes), with the interpreter's switch interval lowered to IMPORT_SWITCH_US meanwhile (the
+# import holds the GIL between its file reads; a copying thread back from a read or a write waits for it at most
+# that long, where the default 5 ms is longer than a 4 MiB job). Off by default: on the lent host, convert --to
+# deepspeed ran 0.95-1.59 s with it (median 1.36) against 1.11-1.33 s without (median 1.21), five runs each
+# alternated (docs/benchmarks.md, issue 49, fourth session): its best run the best yet, its median worse.
 IMPORT_SWITCH_US = env_int("ZCKPT_IMPORT_SWITCH_US", 500)
-IMPORT_AHEAD = os.environ.get("ZCKPT_IMPORT_AHEAD", "1") != "0"
+IMPORT_AHEAD = os.environ.get("ZCKPT_IMPORT_AHEAD", "0") == "1"
 
 
 class CastImports:
