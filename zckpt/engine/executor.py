@@ -231,8 +231,8 @@ class Worker:
     """Writes jobs with one reusable buffer per thread; casts via :mod:`zckpt.encoding.casting` (no torch needed).
 
     Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
-    weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms) on first use. (An
-    import on a side thread does not overlap with copies: it holds the GIL they need between calls.)"""
+    weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms), before the threads start
+    (:meth:`prepare`), or with ZCKPT_IMPORT_AHEAD=1 beside the copies (:class:`CastImports`)."""
 
     def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None,
                  check: InputCheck | None = None):
