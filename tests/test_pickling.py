@@ -74,6 +74,22 @@ def test_fast_pickle_is_the_slow_pickle(monkeypatch):
     assert got["stage"] == 2 and got["scaler"].cur_scale == 65536.0 and tuple(got["size"]) == (2, 3)
 
 
+def test_a_plain_pickle_is_the_slow_pickle_and_refuses_tensors():
+    """``dumps(obj, plain=True)`` (a DCP ``.metadata``: no persistent ids asked): the same bytes as the Python
+    pickler's for an object without tensors, and a tensor in it is refused, not written as a zckpt class."""
+    obj = _obj()
+    for key in ("module", "optimizer"):
+        obj.pop(key)
+    slow, _ = _slow(obj)
+    fast, ft = dumps(obj, plain=True)
+    assert fast == slow and ft == []
+    import pickle  # no persistent_id of zckpt's for the C pickler to call on each object
+    assert not [c for c in torchzip._FastPlain.__mro__ if c is not pickle.Pickler and "persistent_id" in vars(c)]
+    assert "persistent_id" in vars(torchzip._FastPickler)
+    with pytest.raises(ValueError, match="tensor"):
+        dumps(_obj(), plain=True)
+
+
 def test_nothing_left_behind_and_module_name_restored():
     dumps(_obj())
     placeholders = sys.modules["zckpt.engine._pickle_globals"]

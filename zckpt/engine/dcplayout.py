@@ -279,7 +279,10 @@ class _Refs:
         self.cache: dict = {}
 
     def ref(self, module: str, name: str) -> GlobalRef:
-        return self.cache.setdefault((module, name), GlobalRef(module, name))
+        got = self.cache.get((module, name))
+        if got is None:  # (made once: ten thousand calls for a checkpoint of 651 items)
+            got = self.cache[module, name] = GlobalRef(module, name)
+        return got
 
     def obj(self, module: str, name: str, state):
         """``plain_object`` with its class reference shared."""
@@ -325,6 +328,6 @@ def metadata_object(items: list[Item], checkpoint_id: str | None = None):
 
 
 def metadata_bytes(items: list[Item], checkpoint_id: str | None = None) -> bytes:
-    data, tensors = torchzip.dumps(metadata_object(items, checkpoint_id))
+    data, tensors = torchzip.dumps(metadata_object(items, checkpoint_id), plain=True)
     assert not tensors
     return data

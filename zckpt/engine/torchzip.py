@@ -176,7 +176,11 @@ _PLACEHOLDER_TEXT = f"c{_PLACEHOLDERS.__name__}\n".encode()
 _PLACEHOLDER_GLOBAL = re.compile(re.escape(_PLACEHOLDER_TEXT) + rb"(g[0-9]+)\n")
 
 
-class _FastPickler(pickle.Pickler):
+class _FastPlain(pickle.Pickler):
+    """The C pickler with zckpt's vocabulary, for objects that hold no tensor (a DCP ``.metadata``): no
+    ``persistent_id``, which the C pickler would ask of every object it writes (47,000 calls for the ``.metadata``
+    of 651 items)."""
+
     def __init__(self, file, tensors: list):
         super().__init__(file, protocol=2)
         self.tensors = tensors
@@ -185,7 +189,6 @@ class _FastPickler(pickle.Pickler):
         self.named: dict[int, tuple[bytes, GlobalRef]] = {}  # id -> (placeholder name, the GlobalRef, kept alive)
 
     ref = _Pickler.ref
-    persistent_id = _Pickler.persistent_id
 
     def reducer_override(self, obj):
         cls = type(obj)
@@ -200,15 +203,24 @@ class _FastPickler(pickle.Pickler):
             return obj.__reduce__()
         if cls is NewObj:  # NEWOBJ of a class it cannot import: the pure-Python pickler writes the whole object
             raise pickle.PicklingError("NewObj")
+        if type(self) is _FastPlain and isinstance(obj, TensorOut):
+            raise ValueError("a tensor in an object pickled as holding none")
         return _Pickler.reducer_override(self, obj)
 
 
-def dumps(obj) -> tuple[bytes, list[TensorOut]]:
+class _FastPickler(_FastPlain):
+    """:class:`_FastPlain` that writes tensors: their storages as persistent ids."""
+
+    persistent_id = _Pickler.persistent_id
+
+
+def dumps(obj, plain: bool = False) -> tuple[bytes, list[TensorOut]]:
     """The protocol-2 pickle of ``obj`` (GlobalRef as GLOBALs, TensorOut as torch's rebuilt tensors with
-    persistent storage ids) and the tensors in storage-key order."""
+    persistent storage ids) and the tensors in storage-key order. ``plain``: ``obj`` holds no tensor (a tensor
+    met raises ValueError), and is pickled without asking each object for a persistent id."""
     tensors: list[TensorOut] = []
     buf = io.BytesIO()
-    fast = _FastPickler(buf, tensors)
+    fast = (_FastPlain if plain else _FastPickler)(buf, tensors)
     try:
         with _PLACEHOLDER_LOCK:  # one pickle at a time owns the placeholder names and GlobalRef.__module__
             try:
