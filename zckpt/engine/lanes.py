@@ -109,7 +109,7 @@ def _deal(targets: list[Target], lanes: int, held: list[Target] | None = None,
         yield t, t.jobs[i]
         lane[0] += 1 / len(t.jobs)
         lane[3] = i + 1
-        if any(lane is b for b in behind):
+        if behind and any(lane is b for b in behind):
             if lane[3] == len(t.jobs) or not active or lane[0] >= active[0][0]:
                 behind.remove(lane)  # done, or level with the open files: paced with them from now
                 if lane[3] < len(t.jobs):
