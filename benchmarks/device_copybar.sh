@@ -83,7 +83,7 @@ case $step in moe)  # the MoE step alone: DeepSpeed's helper with max_group_size
   # casts profiled with and without numpy's bytecode
   python3 benchmarks/bench_moe_ep.py --workdir "$work" ${MOE_ARGS:-} --repeat ${MOE_REPEAT:-3} --trees "$trees" \
     --max-group-size ${MAX_GROUP:-1e10} --json-out "$out/moe.json" 2>&1 \
-    | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log"
+    | grep --line-buffered -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log"
   mck=$(ls -d "$work"/moe_z2_* | head -1); fix=${trees##*=}; mkdir -p "$work/prof"
   for v in dontwrite pycwrite pyc; do rm -rf "$work/prof-out"; sync; echo "== $v: zckpt merge $mck --dtype bf16 --max-shard-size 1GB"
     env $([ $v != dontwrite ] && echo PYTHONPYCACHEPREFIX=/tmp/pyc) $([ $v = pycwrite ] && echo PYTHONDONTWRITEBYTECODE=) \
@@ -96,7 +96,7 @@ case $step in meta)
   mcore=; python3 -c "import megatron.core" 2>/dev/null && mcore="--megatron-chunks $chunks" \
     || echo "megatron-core does not import here: the Megatron cases are left out" | tee -a "$out/host.log"
   python3 benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks "$chunks" --info-files 64 \
-    $mcore --json-out "$out/meta.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$out/meta.log" ;; esac
+    $mcore --json-out "$out/meta.json" 2>&1 | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$out/meta.log" ;; esac
 case $step in cold)
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --json-out "$out/cold.json" 2>&1 \
@@ -106,4 +106,4 @@ case $step in cold)
   [ "${MOE:-1}" = 1 ] || exit 0  # DeepSpeed's default max_group_size unless MAX_GROUP
   python3 benchmarks/bench_moe_ep.py --workdir "$work" ${MOE_ARGS:-} --repeat ${MOE_REPEAT:-3} --trees "$trees" \
     ${MAX_GROUP:+--max-group-size $MAX_GROUP} --json-out "$out/moe.json" 2>&1 \
-    | grep -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log" ;; esac
+    | grep --line-buffered -v -E "^\[rank[0-9]\]:(\[W|  warnings|/)|UserWarning" | tee "$out/moe.log" ;; esac
