@@ -355,6 +355,67 @@ def test_containers_nested_a_million_deep_are_refused(tmp_path):
             assert "RecursionError" not in err and "internal error" not in err
 
 
+def _bomb(kind: str, depth: int = 40):
+    """A value whose containers each hold the one before twice: ``depth`` objects, 2**depth paths."""
+    v = {"tuple": (), "list": [], "dict": {}}[kind]
+    for _ in range(depth):
+        v = {"tuple": lambda: (v, v), "list": lambda: [v, v], "dict": lambda: {"a": v, "b": v}}[kind]()
+    return v
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict"])
+def test_shared_containers_that_multiply_without_end_are_refused(tmp_path, kind):
+    """A "billion laughs" pickle: 40 containers, each holding the one before twice, in a rank file's or
+    Megatron-Core's common.pt (a few hundred bytes more, 2**40 paths). Any walk that does not remember what it saw
+    (repr, json, a converter) would never end: refused on reading, in one line naming the file, nothing written."""
+    import torch
+    ds = tmp_path / "ds"
+    shutil.copytree(SAVE, ds)
+    tag = ds / (ds / "latest").read_text().strip()
+    cases = []
+    for name in ("mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        one = tmp_path / f"ds-{name}"
+        shutil.copytree(ds, one)
+        target = one / tag.name / name
+        sd = torch.load(target, weights_only=False)
+        sd["extra"] = _bomb(kind)
+        torch.save(sd, target)
+        cases.append((one, target, ["reshard", one, "-w", "1", "-o", tmp_path / "out"]))
+    meg = tmp_path / "megatron"
+    shutil.copytree(MEGATRON, meg)
+    common = next(meg.glob("iter_*/common.pt"))
+    sd = torch.load(common, weights_only=False)
+    sd["extra"] = _bomb(kind)
+    torch.save(sd, common)
+    cases.append((meg, common, ["convert", meg, "--to", "dcp", "--groups", "megatron-default", "-o", tmp_path / "out"]))
+    for folder, bad, write in cases:
+        for command in (["info", folder], ["verify", folder], write):
+            code, out, err = run(*command)
+            (line,) = err.splitlines()
+            assert code == 1 and str(bad) in line and "(a pickle bomb)" in line, (command, err)
+            assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict"])
+def test_values_shared_in_a_pickle_stay_shared_when_written(kind):
+    """What a pickle shares, the writers' converters (DeepSpeed's objects, DCP's plain values) convert once and
+    keep shared: 2**40 paths through 40 objects take 40 steps; a list that holds itself is converted, not walked
+    without end."""
+    from zckpt.deepspeed.partition import Converter
+    from zckpt.engine.dcplayout import plain_value
+    for convert in (Converter(), lambda v: plain_value(v, "extra")):
+        out = convert(_bomb(kind))
+        for _ in range(40):
+            a, b = (out["a"], out["b"]) if kind == "dict" else out
+            assert a is b
+            out = a
+        assert out in ((), [], {})
+        loop = []
+        loop.append(loop)
+        got = convert({"x": loop, "y": (loop, 1)})
+        assert got["x"][0] is got["x"] and got["y"][0] is got["x"]
+
+
 def test_source_and_stage_options_that_do_not_apply(tmp_path):
     """--groups / --native-names state a Megatron-Core source's groups and names: for another source they are
     refused, never ignored; --bf16-optimizer is a ZeRO-1 optimizer: not with --stage 2."""

@@ -14,6 +14,7 @@ import pickle
 import pickletools
 import re
 import sys
+from collections import Counter
 
 from zckpt.errors import CorruptFile, UnsafePickle
 
@@ -211,7 +212,7 @@ _LEAF_TYPES = frozenset({str, int, float, bool, type(None), bytes, complex, type
 
 
 def check_nesting(obj, path: str | None = None, what: str = "pickle", limit: int = MAX_NESTING,
-                  budget: int | None = None) -> None:
+                  budget: int | None = None, paths: int | None = None) -> None:
     """Refuse (:class:`~zckpt.errors.CorruptFile`) an unpickled object whose containers nest deeper than ``limit``
     levels (or hold themselves: a cycle never ends): whatever walks it recursively (``repr``, a reader, ``json``)
     would fail with a RecursionError. Unpickling builds any depth without recursion: ``]]]...aaa`` is 10**6 nested
@@ -220,9 +221,15 @@ def check_nesting(obj, path: str | None = None, what: str = "pickle", limit: int
     Walked level by level, each level the distinct objects reached by a path of that length (``gc.get_referents``:
     the items, keys, values and stand-ins' state, in C): as many levels as the longest path, each object once per
     level. ``budget`` (default: ``limit`` times the objects of the first levels, at least 10**6) bounds the visits a
-    crafted sharing of deep chains could multiply; past it the pickle is refused too."""
+    crafted sharing of deep chains could multiply; past it the pickle is refused too.
+
+    ``paths``: the most containers a walk that does not remember what it has seen (``repr``, ``json``, a
+    converter) may reach, every path counted: 40 tuples that each hold the one before twice are a pickle of a few
+    hundred bytes and 2**40 paths (a "billion laughs"), refused. The paths are counted only from a level where some
+    object is reached twice (in C until then)."""
     get, leaves = gc.get_referents, _LEAF_TYPES
-    level, depth, visits = [obj], 0, 0
+    level, depth, visits, reached = [obj], 0, 0, 0
+    heavy: dict = {}  # id -> paths reaching it, for the objects of this level reached by more than one
     while level:
         depth += 1
         if depth > limit:
@@ -234,7 +241,29 @@ def check_nesting(obj, path: str | None = None, what: str = "pickle", limit: int
         if budget is not None and visits > budget:
             raise CorruptFile(f"{what} reaches its containers by too many paths ({visits} visits): not a "
                               "checkpoint's metadata", path=path)
-        level = list({id(x): x for x in get(*level) if type(x) not in leaves}.values())
+        reached += len(level) + sum(heavy.values()) - len(heavy)
+        if paths is not None and reached > paths:
+            raise CorruptFile(f"{what} shares its containers so that a walk of it would reach more than {paths} of "
+                              "them (a pickle bomb): not a checkpoint's metadata", path=path)
+        if not heavy:  # one path to each: the next level's counts are how often each child is referred to
+            refs = [x for x in get(*level) if type(x) not in leaves]
+            nxt = {id(x): x for x in refs}
+            if paths is not None and len(nxt) < len(refs):
+                heavy = {k: v for k, v in Counter(map(id, refs)).items() if v > 1}
+            level = list(nxt.values())
+            continue
+        ones = [x for x in level if id(x) not in heavy]
+        refs = [x for x in get(*ones) if type(x) not in leaves]
+        counts = Counter(map(id, refs))
+        nxt = {id(x): x for x in refs}
+        for x in [x for x in level if id(x) in heavy]:  # (each reached by several paths: its children by as many)
+            c = heavy[id(x)]
+            for y in get(x):
+                if type(y) not in leaves:
+                    counts[id(y)] += c
+                    nxt[id(y)] = y
+        heavy = {k: v for k, v in counts.items() if v > 1}
+        level = list(nxt.values())
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -250,7 +279,7 @@ def plain_loads(data: bytes, path: str | None = None, what: str = "pickle"):
     no global is resolved and no persistent id answered."""
     try:
         obj = _PlainUnpickler(io.BytesIO(data), encoding="utf-8").load()
-        check_nesting(obj, path, what, budget=2 * len(data) + 10**6)
+        check_nesting(obj, path, what, budget=2 * len(data) + 10**6, paths=64 * len(data) + 10**7)
         return obj
     except (CorruptFile, UnsafePickle) as exc:
         if exc.path is None:

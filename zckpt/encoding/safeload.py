@@ -178,7 +178,7 @@ def _unpickle(unpickler: SafeUnpickler, path: str, what: str = "data.pkl", size:
     pickle's bytes, which bound the visits a real one needs)."""
     try:
         obj = unpickler.load()
-        check_nesting(obj, path, what, budget=2 * size + 10**6)
+        check_nesting(obj, path, what, budget=2 * size + 10**6, paths=64 * size + 10**7)
         return obj
     except ZckptError as exc:  # raised by a stand-in deep in the pickle: name the file
         if exc.path is None:
@@ -264,7 +264,7 @@ def load_plain(data: bytes, path: str, extra: dict[str, Any] | None = None, nest
         unpickler = _PlainUnpickler(data, path, extra or {})
         obj = unpickler.load()
         if nesting or unpickler.placeholders:  # (unwrap walks the whole object)
-            check_nesting(obj, path, budget=2 * len(data) + 10**6)
+            check_nesting(obj, path, budget=2 * len(data) + 10**6, paths=64 * len(data) + 10**7)
         return allowlist.unwrap(obj) if unpickler.placeholders else obj
     except ZckptError as exc:
         if exc.path is None:

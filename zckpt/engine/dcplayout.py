@@ -171,21 +171,37 @@ def key_of(path: tuple) -> str:
 _PLAIN = (bool, int, float, str, bytes, type(None))
 
 
-def plain_value(value, key: str):
+def plain_value(value, key: str, _done: dict | None = None):
     """``value`` as DCP pickles it: plain data (exact builtin types) as it is, a torch dtype or device read through
     the allow-list as ``torch.<dtype>`` / ``torch.device`` (what ``torch.load(weights_only=True)`` accepts); anything
-    else (an enum or object stand-in: its class is zckpt's, not the framework's) is refused."""
+    else (an enum or object stand-in: its class is zckpt's, not the framework's) is refused. Each container is
+    converted once (by identity): a value the pickle shares stays shared, so tuples that each hold the one before
+    twice (a few hundred bytes, 2**40 paths) take 40 steps, and a list that holds itself ends."""
     if type(value) in _PLAIN:
         return value
     if isinstance(value, TorchDtype):
         return GlobalRef("torch", str(value))
     if isinstance(value, TorchDevice):
         return Reduce(GlobalRef("torch", "device"), (str(value),))
-    if type(value) in (list, tuple):
-        return type(value)(plain_value(v, key) for v in value)
-    if type(value) in (dict, OrderedDict):
-        return type(value)((plain_value(k, key), plain_value(v, key)) for k, v in value.items())
-    raise UnsupportedLayout(f"'{key}' holds a {type(value).__name__}, not plain data; DCP would need its class")
+    kind = type(value)
+    if kind not in (list, tuple, dict, OrderedDict):
+        raise UnsupportedLayout(f"'{key}' holds a {kind.__name__}, not plain data; DCP would need its class")
+    done = {} if _done is None else _done
+    got = done.get(id(value))
+    if got is not None:
+        return got[0]
+    if kind is tuple:  # made whole (a tuple that holds itself does so through a list or dict, memoized first)
+        out = tuple(plain_value(v, key, done) for v in value)
+        done[id(value)] = (out, value)
+        return out
+    out = kind()
+    done[id(value)] = (out, value)  # (the source kept alive while its id is a key)
+    if kind is list:
+        out.extend(plain_value(v, key, done) for v in value)
+    else:
+        for k, v in value.items():
+            out[plain_value(k, key, done)] = plain_value(v, key, done)
+    return out
 
 
 def check_plain(value, key: str) -> None:
