@@ -463,3 +463,35 @@ def test_deepspeed_side_changed_by_torch_save(tmp_path):
         (d,) = zckpt.diff(str(Z2), str(copy)).differences
         assert (d.name, d.state, d.stats.first, d.stats.differing) == \
             (name, "value" if what == "master" else "exp_avg", j, 1), d.line()
+
+
+def test_client_state_is_compared(outs, tmp_path):
+    """DeepSpeed's client state (the top-level keys of the model states that are not DeepSpeed's own: what
+    load_checkpoint returns; a DCP checkpoint's client_state, as convert carries it) is part of the state: a value
+    changed is named, a key one side holds alone is a difference, a value that is not plain data is said to be left
+    out. A layout without the place (torchtitan's) is said, not a difference."""
+    import torch
+    copy = tmp_path / "ce"
+    shutil.copytree(Z2, copy, ignore=shutil.ignore_patterns("expected"))
+    ms = copy / "global_step3" / "mp_rank_00_model_states.pt"
+    sd = torch.load(str(ms), weights_only=False, map_location="cpu")
+    epoch = sd["my_epoch"]
+    sd["my_epoch"] = epoch + 1
+    sd["data_position"] = {"shard": 3, "offsets": [1, 2]}
+    sd["rng"] = torch.zeros(2)
+    torch.save(sd, str(ms))
+    for other in (Z2, outs / "dcp"):  # (the DCP conversion carries my_epoch as client_state.my_epoch)
+        r = zckpt.diff(str(copy), str(other))
+        assert not r.ok and [(d.name, d.a, d.b) for d in r.differences] == [("client_state.my_epoch", epoch + 1,
+                                                                            epoch)]
+        assert r.only_in_a == ["client_state.data_position.shard", "client_state.data_position.offsets"]
+        assert any("client state of A that is not plain data: client_state.rng (a LazyTensor)" in n
+                   for n in r.not_compared), r.not_compared
+    code = CliRunner().invoke(main, ["diff", str(copy), str(Z2)])
+    assert code.exit_code == 1 and "client_state.my_epoch" in code.output
+    tt = tmp_path / "tt"
+    zckpt.convert(str(Z2), to="dcp", out=str(tt), layout="torchtitan",
+                  torchtitan={"ntokens_seen": 0, "initial_lr": [0.001, 0.001]})
+    r = zckpt.diff(str(copy), str(tt))
+    assert not [d for d in r.differences if d.name.startswith("client_state")] and not r.only_in_a
+    assert any("client state of A: the other side holds none" in n for n in r.not_compared), r.not_compared

@@ -21,7 +21,8 @@ Check a conversion or reshard: zckpt help check-conversion.""")
 @click.option("--only", "only", default=None, metavar="PARTS",
               help="Compare only these parts, comma-separated: weights (every tensor's value: the fp32 masters where "
                    "both sides hold them), masters, optimizer (every per-element optimizer state), groups (members, "
-                   "lr, betas, eps, weight decay, step), counters (global steps, samples, scheduler). Default: all.")
+                   "lr, betas, eps, weight decay, step), counters (global steps, samples, scheduler, DeepSpeed's "
+                   "client state). Default: all.")
 @click.option("--include", "include", multiple=True, metavar="GLOB",
               help="Compare only tensors whose name (Hugging Face names where the model is Llama-shaped) matches "
                    "GLOB (fnmatch, repeatable).")

@@ -71,6 +71,10 @@ class Side:
     groups: list[dict] | None  # None: the checkpoint holds no param groups
     counters: dict  # name -> plain value
     notes: list[str] = field(default_factory=list)
+    # DeepSpeed's client state (what load_checkpoint returns; a DCP checkpoint's ``client_state``, as convert
+    # carries it) flattened: "client_state.<key>" -> plain value; None where the format has no such place
+    client: dict | None = None
+    client_skipped: list[str] = field(default_factory=list)  # keys whose values are not plain data
 
     @property
     def tag(self) -> str | None:
@@ -130,7 +134,8 @@ def read_side(path: str, ckpt: Checkpoint, state_wanted: bool) -> Side:
                          [name]) for name, hyper in ckpt.extra["flat_groups"].items()]
     if counters is None:
         counters = _side_counters(ckpt)
-    return Side(str(path), ckpt, records, groups, counters, notes)
+    client, skipped = _client_state(ckpt)
+    return Side(str(path), ckpt, records, groups, counters, notes, client, skipped)
 
 
 def _group(index: int, hyper: dict, step, names: list[str] | None) -> dict:
@@ -194,6 +199,48 @@ def _side_counters(ckpt: Checkpoint) -> dict:
         if k in ms:
             _flat(k, ms[k], out)
     return out
+
+
+def _client_state(ckpt: Checkpoint) -> tuple[dict | None, list[str]]:
+    """The client state (:attr:`Side.client`) and the keys left out as not plain data; (None, []) for a format
+    without one (Hugging Face weights, Megatron-Core, whose scheduler and FLOP count are counters) and a DCP
+    checkpoint that holds none."""
+    if ckpt.format == "deepspeed":
+        items = ckpt.client_state.items()
+    elif ckpt.format == "dcp":  # (none: a layout without the place, torchtitan's or a Trainer's, or none kept)
+        from zckpt.dcp import sidestate
+        try:
+            items = sidestate.side_state(ckpt)["client_state"].items()
+        except ZckptError:
+            return None, []
+        if not items:
+            return None, []
+    else:
+        return None, []
+    out: dict = {}
+    skipped: list[str] = []
+    for k, v in items:
+        if str(k).split(".")[0] not in CLIENT_COUNTERS:  # (compared as counters)
+            _flat_all(f"client_state.{k}", v, out, skipped)
+    return out, skipped
+
+
+def _flat_all(prefix: str, value, out: dict, skipped: list[str]) -> None:
+    """``value`` flattened into ``prefix.key`` plain values as DCP flattens a state (dicts and lists of containers
+    by key and index, a list of scalars whole); ``skipped``: where a value is not plain data (a tensor, an
+    object)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flat_all(f"{prefix}.{k}", v, out, skipped)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        for i, v in enumerate(value):
+            _flat_all(f"{prefix}.{i}", v, out, skipped)
+    elif isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        out[prefix] = plain(value)
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        out[prefix] = plain(value)
+    else:
+        skipped.append(f"{prefix} (a {type(value).__name__})")
 
 
 def _megatron(ckpt: Checkpoint, state_wanted: bool, notes: list[str]):
@@ -589,3 +636,25 @@ def _compare_counters(sa: Side, sb: Side, result: DiffResult) -> None:
         if alone:
             result.not_compared.append(f"counters of {side} the other side does not hold: "
                                        f"{', '.join(alone[:6])}{' ...' if len(alone) > 6 else ''}")
+
+    _compare_client(sa, sb, result)
+
+
+def _compare_client(sa: Side, sb: Side, result: DiffResult) -> None:
+    """Client state: each key both sides hold compared as a value; a key one side holds and the other not is a
+    difference (what DeepSpeed's load_checkpoint returns would differ); a side without such a place is said."""
+    for side, s in (("A", sa), ("B", sb)):
+        if s.client_skipped:
+            result.not_compared.append(f"client state of {side} that is not plain data: "
+                                       f"{', '.join(s.client_skipped[:6])}{' ...' if len(s.client_skipped) > 6 else ''}")
+    if sa.client is None or sb.client is None:
+        for side, s, o in (("A", sa, sb), ("B", sb, sa)):
+            if s.client and o.client is None:
+                result.not_compared.append(f"client state of {side}: the other side holds none (its format or "
+                                           f"layout, {o.ckpt.format}, may have no place for it)")
+        return
+    for key in [k for k in sa.client if k in sb.client]:
+        x, y = sa.client[key], sb.client[key]
+        result.values.append(ValueDiff(key, "counters", "equal" if _equal_values(x, y) else "differ", x, y))
+    result.only_in_a.extend(k for k in sa.client if k not in sb.client)
+    result.only_in_b.extend(k for k in sb.client if k not in sa.client)
