@@ -161,15 +161,21 @@ def plain(value):
         return str(value)
 
 
-def _flat(prefix: str, value, out: dict) -> None:
-    """``value`` flattened into ``prefix.key`` scalars (a scheduler's state dict)."""
+def _flat(prefix: str, value, out: dict, skipped: list[str] | None = None) -> None:
+    """``value`` flattened into ``prefix.key`` plain values as DCP flattens a state (dicts and lists of containers
+    by key and index, a list of scalars whole: a scheduler's state dict, a client state); ``skipped``: where a value
+    is not plain data (a tensor, an object)."""
     if isinstance(value, dict):
         for k, v in value.items():
-            _flat(f"{prefix}.{k}", v, out)
-    elif isinstance(value, (list, tuple)) and all(not isinstance(v, (dict, list, tuple)) for v in value):
+            _flat(f"{prefix}.{k}", v, out, skipped)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        for i, v in enumerate(value):
+            _flat(f"{prefix}.{i}", v, out, skipped)
+    elif value is None or isinstance(value, (bool, int, float, str)) or (
+            isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)):
         out[prefix] = plain(value)
-    elif value is None or isinstance(value, (bool, int, float, str)):
-        out[prefix] = plain(value)
+    elif skipped is not None:
+        skipped.append(f"{prefix} (a {type(value).__name__})")
 
 
 def _side_counters(ckpt: Checkpoint) -> dict:
@@ -221,26 +227,8 @@ def _client_state(ckpt: Checkpoint) -> tuple[dict | None, list[str]]:
     skipped: list[str] = []
     for k, v in items:
         if str(k).split(".")[0] not in CLIENT_COUNTERS:  # (compared as counters)
-            _flat_all(f"client_state.{k}", v, out, skipped)
+            _flat(f"client_state.{k}", v, out, skipped)
     return out, skipped
-
-
-def _flat_all(prefix: str, value, out: dict, skipped: list[str]) -> None:
-    """``value`` flattened into ``prefix.key`` plain values as DCP flattens a state (dicts and lists of containers
-    by key and index, a list of scalars whole); ``skipped``: where a value is not plain data (a tensor, an
-    object)."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flat_all(f"{prefix}.{k}", v, out, skipped)
-    elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
-        for i, v in enumerate(value):
-            _flat_all(f"{prefix}.{i}", v, out, skipped)
-    elif isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
-        out[prefix] = plain(value)
-    elif value is None or isinstance(value, (bool, int, float, str)):
-        out[prefix] = plain(value)
-    else:
-        skipped.append(f"{prefix} (a {type(value).__name__})")
 
 
 def _megatron(ckpt: Checkpoint, state_wanted: bool, notes: list[str]):
