@@ -228,7 +228,7 @@ def test_casts_import_numpy_before_the_writing_threads_start(tmp_path):
 
 def test_copies_are_written_while_the_casts_import(tmp_path):
     """convert --to deepspeed at bf16 in a fresh process with ZCKPT_IMPORT_AHEAD=1: its optimizer files (copies) may
-    be written while numpy and ml_dtypes import on a side thread (``executor.CastImports``), its model states (casts)
+    be written while numpy and ml_dtypes import on a side thread (``castimports.CastImports``), its model states (casts)
     only after: every cast job sees them imported. The output holds what it holds with the imports first (the
     default, ZCKPT_IMPORT_AHEAD=0: no side thread)."""
     import zckpt
@@ -238,13 +238,14 @@ def test_copies_are_written_while_the_casts_import(tmp_path):
     zckpt.convert(str(FIXTURES / "z2_bf16_ws2"), to="dcp", out=str(dcp))
     code = ("import sys; from zckpt.engine import executor; from zckpt.engine.segments import Cast\n"
             "from zckpt.encoding import casting; casting.ML_SLOW_FROM = 0  # ml_dtypes' import paying\n"
-            "seen, made = [], []; write = executor.Worker.write; init = executor.CastImports.__init__\n"
+            "from zckpt.engine import castimports\n"
+            "seen, made = [], []; write = executor.Worker.write; init = castimports.CastImports.__init__\n"
             "def spy(self, fd, off, parts, dtype, **k):\n"
             "    if any(isinstance(p, Cast) for p in parts):\n"
             "        seen.append('numpy' in sys.modules and 'ml_dtypes' in sys.modules)\n"
             "    return write(self, fd, off, parts, dtype, **k)\n"
             "executor.Worker.write = spy\n"
-            "executor.CastImports.__init__ = lambda self, *a: (made.append(1), init(self, *a))[1]\n"
+            "castimports.CastImports.__init__ = lambda self, *a: (made.append(1), init(self, *a))[1]\n"
             "from zckpt.ops.convert import convert\n"
             "convert(sys.argv[1], to='deepspeed', out=sys.argv[2], world_size=2, stage=2, dtype='bf16', "
             "buffers='scale,idx', workers=4); print(len(seen), all(seen), len(made))")

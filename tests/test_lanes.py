@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zckpt.engine import executor, lanes
+from zckpt.engine import castimports, executor, lanes
 
 
 def _targets(tmp_path, sizes, chunk=64, slot=0):
@@ -97,7 +97,8 @@ def test_an_import_that_fails_stops_the_deal_with_its_error():
 
 def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
     """ZCKPT_IMPORT_AHEAD=1: a cast file among copied ones, its imports on a side thread (as in a fresh process,
-    where numpy is not imported yet): the copies are written while it runs, the cast file after it, every byte as one at a time."""
+    where numpy is not imported yet): the copies are written while it runs, the cast file after it, every byte as
+    one at a time."""
     import numpy as np
     from zckpt.engine.segments import Cast, Piece
 
@@ -116,7 +117,7 @@ def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
                         lambda self, fd, off, parts, dtype, **k: (written.append((dtype, gate.is_set())),
                                                                   real_write(self, fd, off, parts, dtype, **k))[1])
 
-    class SlowImports(executor.CastImports):
+    class SlowImports(castimports.CastImports):
         def _run(self, pairs, bf16):
             while len(written) < 20:  # the copies go on meanwhile
                 time.sleep(0.001)
@@ -124,9 +125,9 @@ def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
             gate.set()
             super()._run(pairs, bf16)
 
-    monkeypatch.setattr(lanes, "casting_ready", lambda pairs: False)
-    monkeypatch.setattr(executor, "IMPORT_AHEAD", True)  # (ZCKPT_IMPORT_AHEAD=1)
-    monkeypatch.setattr(executor, "CastImports", SlowImports)
+    monkeypatch.setattr(castimports, "ready", lambda pairs: False)
+    monkeypatch.setattr(castimports, "IMPORT_AHEAD", True)  # (ZCKPT_IMPORT_AHEAD=1)
+    monkeypatch.setattr(castimports, "CastImports", SlowImports)
     w = executor.Worker()
     w.use_torch = False  # (torch imported by other tests: its casts would need no import)
     try:

@@ -178,7 +178,8 @@ def test_formats_declare_through_the_registry():
 # operations go down only: none imports another, except the helpers named here (and convert's target halves)
 OPS_HELPERS = {"zckpt.ops.outputs", "zckpt.ops.verify_checks", "zckpt.ops.verify_report", "zckpt.ops.resume_checks",
                "zckpt.ops.model_size"}
-OPS_PARTS = {"zckpt.ops.convert": {"zckpt.ops.to_deepspeed"}}  # convert --to deepspeed: the DCP-source route
+OPS_PARTS = {"zckpt.ops.convert": {"zckpt.ops.to_deepspeed"},  # convert --to deepspeed: the DCP-source route
+             "zckpt.ops.diff": {"zckpt.ops.diff_values"}}  # diff: the plain values it compares
 
 
 def test_operations_call_no_other_operation():

@@ -22,14 +22,13 @@ from __future__ import annotations
 import contextlib
 import heapq
 import os
-import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import executor
+from zckpt.engine import castimports, executor
 from zckpt.io.hashing import crc32_combine
 
 # Files written at once by one process (at most): ZCKPT_FILES_AT_ONCE.
@@ -64,7 +63,7 @@ def create(path: str, size: int) -> None:
 
 
 def _deal(targets: list[Target], lanes: int, held: list[Target] | None = None,
-          imports: executor.CastImports | None = None) -> Iterator[tuple[Target, tuple]]:
+          imports: castimports.CastImports | None = None) -> Iterator[tuple[Target, tuple]]:
     """``(target, job)`` pairs, each file's jobs in order, up to ``lanes`` files open at a time (the files of most
     jobs first), paced: the next job is the open file's that is furthest behind by the share of its jobs dealt (a
     file opened later starts level with the others), so files opened together are dealt their last jobs together.
@@ -118,14 +117,6 @@ def _deal(targets: list[Target], lanes: int, held: list[Target] | None = None,
             heapq.heappush(active, lane)
 
 
-def casting_ready(pairs: set) -> bool:
-    """Whether the imports of casts ``pairs`` are done already (numpy, and for fp32 -> bf16 the choice made)."""
-    if "numpy" not in sys.modules:
-        return False
-    from zckpt.encoding import casting
-    return ("float32", "bfloat16") not in pairs or casting.decided()
-
-
 def _remote(targets: list[Target]) -> bool:
     """Whether the sources are behind URLs (the first piece of each file's first job says: one plan reads one
     checkpoint). Only the schedule depends on it: a remote piece on the local path is still read, unprefetched."""
@@ -153,10 +144,10 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     # the casts' imports: now, or on a side thread while the files that need no cast are written first
     pairs, bf16 = worker.cast_needs((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)
     held, imports = [], None
-    if pairs and executor.IMPORT_AHEAD and pool is not None and not remote and not casting_ready(pairs):
+    if pairs and castimports.IMPORT_AHEAD and pool is not None and not remote and not castimports.ready(pairs):
         held = [t for t in targets if worker.cast_needs((parts, dtype) for _, _, parts, dtype in t.jobs)[0]]
         if 0 < len(held) < sum(1 for t in targets if t.jobs):
-            imports = executor.CastImports(pairs, bf16)
+            imports = castimports.CastImports(pairs, bf16)
         else:  # every file casts (or none): nothing to write meanwhile
             held = []
     if pairs and imports is None:

@@ -45,6 +45,9 @@ from zckpt.engine.compare import (  # noqa: F401 - the result's names, for calle
 )
 from zckpt.engine.checked import InputCheck
 from zckpt.errors import CheckpointNotFound, InvalidArgument, ZckptError
+from zckpt.ops.diff_values import (
+    CLIENT_COUNTERS, client_state, compare_counters, equal_values, flat, plain, side_counters,
+)
 from zckpt.state.model import Checkpoint, TensorRecord
 from zckpt.state.open import open_checkpoint
 from zckpt.state import checksums
@@ -56,10 +59,6 @@ PARTS = ("weights", "masters", "optimizer", "groups", "counters")
 
 #: the hyperparameters compared per param group
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
-#: counters a training state keeps as client state (Megatron-Core's scheduler and FLOP count, as convert carries them)
-CLIENT_COUNTERS = ("opt_param_scheduler", "num_floating_point_operations_so_far")
-
-
 @dataclass
 class Side:
     """One side of the diff: its records under the common names, its param groups (hyperparameters, step and
@@ -133,8 +132,8 @@ def read_side(path: str, ckpt: Checkpoint, state_wanted: bool) -> Side:
         groups = [_group(-1, hyper, scalar_value(steps[name], ckpt.storage_options) if name in steps else None,
                          [name]) for name, hyper in ckpt.extra["flat_groups"].items()]
     if counters is None:
-        counters = _side_counters(ckpt)
-    client, skipped = _client_state(ckpt)
+        counters = side_counters(ckpt)
+    client, skipped = client_state(ckpt)
     return Side(str(path), ckpt, records, groups, counters, notes, client, skipped)
 
 
@@ -143,92 +142,6 @@ def _group(index: int, hyper: dict, step, names: list[str] | None) -> dict:
     for k in GROUP_KEYS:
         out[k] = plain(hyper.get(k))
     return out
-
-
-def plain(value):
-    """A metadata value as JSON holds it (tuples as lists, numbers as numbers, the rest as text)."""
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _flat(prefix: str, value, out: dict, skipped: list[str] | None = None) -> None:
-    """``value`` flattened into ``prefix.key`` plain values as DCP flattens a state (dicts and lists of containers
-    by key and index, a list of scalars whole: a scheduler's state dict, a client state); ``skipped``: where a value
-    is not plain data (a tensor, an object)."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _flat(f"{prefix}.{k}", v, out, skipped)
-    elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
-        for i, v in enumerate(value):
-            _flat(f"{prefix}.{i}", v, out, skipped)
-    elif value is None or isinstance(value, (bool, int, float, str)) or (
-            isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)):
-        out[prefix] = plain(value)
-    elif skipped is not None:
-        skipped.append(f"{prefix} (a {type(value).__name__})")
-
-
-def _side_counters(ckpt: Checkpoint) -> dict:
-    out: dict = {}
-    if ckpt.format == "dcp":
-        from zckpt.dcp import sidestate
-        try:
-            side = sidestate.side_state(ckpt)
-        except ZckptError:
-            return out
-        out.update({k: v for k, v in side["train_state"].items()})
-        if side.get("lr_scheduler"):
-            for k, v in side["lr_scheduler"].items():
-                _flat(f"lr_scheduler.{k}", v, out)
-        for k, v in (side.get("client_state") or {}).items():  # (a Megatron source's scheduler, as convert kept it)
-            if k.split(".")[0] in CLIENT_COUNTERS:
-                _flat(k, v, out)
-        return out
-    ms = ckpt.model_state or {}
-    for k in ("global_steps", "global_samples", "skipped_steps"):
-        if isinstance(ms.get(k), (int, float)) and not isinstance(ms.get(k), bool):
-            out[k] = ms[k]
-    sched = ms.get("lr_scheduler")
-    if isinstance(sched, dict):
-        _flat("lr_scheduler", sched, out)
-    for k in CLIENT_COUNTERS:
-        if k in ms:
-            _flat(k, ms[k], out)
-    return out
-
-
-def _client_state(ckpt: Checkpoint) -> tuple[dict | None, list[str]]:
-    """The client state (:attr:`Side.client`) and the keys left out as not plain data; (None, []) for a format
-    without one (Hugging Face weights, Megatron-Core, whose scheduler and FLOP count are counters) and a DCP
-    checkpoint that holds none."""
-    if ckpt.format == "deepspeed":
-        items = ckpt.client_state.items()
-    elif ckpt.format == "dcp":  # (none: a layout without the place, torchtitan's or a Trainer's, or none kept)
-        from zckpt.dcp import sidestate
-        try:
-            items = sidestate.side_state(ckpt)["client_state"].items()
-        except ZckptError:
-            return None, []
-        if not items:
-            return None, []
-    else:
-        return None, []
-    out: dict = {}
-    skipped: list[str] = []
-    for k, v in items:
-        if str(k).split(".")[0] not in CLIENT_COUNTERS:  # (compared as counters)
-            _flat(f"client_state.{k}", v, out, skipped)
-    return out, skipped
 
 
 def _megatron(ckpt: Checkpoint, state_wanted: bool, notes: list[str]):
@@ -259,7 +172,7 @@ def _megatron(ckpt: Checkpoint, state_wanted: bool, notes: list[str]):
     common = ckpt.extra.get("common") or {}
     for k in CLIENT_COUNTERS:
         if k in common:
-            _flat(k, common[k], counters)
+            flat(k, common[k], counters)
     return ckpt, groups or None, counters
 
 
@@ -328,7 +241,7 @@ def diff(a: str, b: str, only=None, include=None, exclude=None, atol: float | No
     if "groups" in parts:
         _compare_groups(sa, sb, result)
     if "counters" in parts:
-        _compare_counters(sa, sb, result)
+        compare_counters(sa, sb, result)
     names = set(sa.records) | set(sb.records)
     if include and not any(wanted(n) for n in names):  # a typo in a glob is no verdict
         raise InvalidArgument(f"{' '.join(include)}: no tensor of either side matches", param="include",
@@ -548,15 +461,6 @@ def _check(side: Side) -> InputCheck:
     return checksums.input_check(side.ckpt)
 
 
-def _equal_values(x, y) -> bool:
-    if isinstance(x, list) and isinstance(y, list):
-        return len(x) == len(y) and all(_equal_values(p, q) for p, q in zip(x, y))
-    if isinstance(x, (int, float)) and isinstance(y, (int, float)) and not isinstance(x, bool) \
-            and not isinstance(y, bool):
-        return float(x) == float(y)
-    return x == y
-
-
 def _per_parameter(side: Side) -> dict | None:
     """{parameter: its group's values}, where the members are known."""
     if side.groups is None or any(g["members"] is None for g in side.groups):
@@ -574,7 +478,7 @@ def _compare_groups(sa: Side, sb: Side, result: DiffResult) -> None:
     pa, pb = _per_parameter(sa), _per_parameter(sb)
     if flat and pa is not None and pb is not None:  # torchtitan's per-parameter values: compared per parameter
         for key in ("step",) + GROUP_KEYS:
-            bad = [(n, pa[n][key], pb[n][key]) for n in pa if n in pb and not _equal_values(pa[n][key], pb[n][key])]
+            bad = [(n, pa[n][key], pb[n][key]) for n in pa if n in pb and not equal_values(pa[n][key], pb[n][key])]
             result.values += [ValueDiff(f"{n} {key}", "groups", "differ", x, y) for n, x, y in bad] or \
                 [ValueDiff(f"{key} of every parameter", "groups", "equal", len(pa), len(pb))]
         if set(pa) != set(pb):
@@ -599,7 +503,7 @@ def _compare_groups(sa: Side, sb: Side, result: DiffResult) -> None:
             continue
         i = i if order[i] == i else f"{i} (B's {order[i]})"
         for key in ("step",) + GROUP_KEYS:
-            same = _equal_values(ga[key], gb[key])
+            same = equal_values(ga[key], gb[key])
             result.values.append(ValueDiff(f"group {i} {key}", "groups", "equal" if same else "differ",
                                            ga[key], gb[key]))
         if ga["members"] is None or gb["members"] is None:
@@ -613,36 +517,3 @@ def _compare_groups(sa: Side, sb: Side, result: DiffResult) -> None:
         else:
             result.values.append(ValueDiff(f"group {i} members", "groups", "differ",
                                            sorted(ma - mb)[:8] or len(ma), sorted(mb - ma)[:8] or len(mb)))
-
-
-def _compare_counters(sa: Side, sb: Side, result: DiffResult) -> None:
-    for key in [k for k in sa.counters if k in sb.counters]:
-        x, y = sa.counters[key], sb.counters[key]
-        result.values.append(ValueDiff(key, "counters", "equal" if _equal_values(x, y) else "differ", x, y))
-    for side, s, o in (("A", sa, sb), ("B", sb, sa)):
-        alone = [k for k in s.counters if k not in o.counters]
-        if alone:
-            result.not_compared.append(f"counters of {side} the other side does not hold: "
-                                       f"{', '.join(alone[:6])}{' ...' if len(alone) > 6 else ''}")
-
-    _compare_client(sa, sb, result)
-
-
-def _compare_client(sa: Side, sb: Side, result: DiffResult) -> None:
-    """Client state: each key both sides hold compared as a value; a key one side holds and the other not is a
-    difference (what DeepSpeed's load_checkpoint returns would differ); a side without such a place is said."""
-    for side, s in (("A", sa), ("B", sb)):
-        if s.client_skipped:
-            result.not_compared.append(f"client state of {side} that is not plain data: "
-                                       f"{', '.join(s.client_skipped[:6])}{' ...' if len(s.client_skipped) > 6 else ''}")
-    if sa.client is None or sb.client is None:
-        for side, s, o in (("A", sa, sb), ("B", sb, sa)):
-            if s.client and o.client is None:
-                result.not_compared.append(f"client state of {side}: the other side holds none (its format or "
-                                           f"layout, {o.ckpt.format}, may have no place for it)")
-        return
-    for key in [k for k in sa.client if k in sb.client]:
-        x, y = sa.client[key], sb.client[key]
-        result.values.append(ValueDiff(key, "counters", "equal" if _equal_values(x, y) else "differ", x, y))
-    result.only_in_a.extend(k for k in sa.client if k not in sb.client)
-    result.only_in_b.extend(k for k in sb.client if k not in sa.client)
