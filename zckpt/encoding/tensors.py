@@ -14,7 +14,6 @@ from zckpt.io.hashing import crc32
 from zckpt.errors import CorruptFile
 
 
-
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name)

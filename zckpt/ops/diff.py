@@ -59,6 +59,8 @@ PARTS = ("weights", "masters", "optimizer", "groups", "counters")
 
 #: the hyperparameters compared per param group
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
 @dataclass
 class Side:
     """One side of the diff: its records under the common names, its param groups (hyperparameters, step and

@@ -32,6 +32,10 @@ def plain(value):
         return str(value)
 
 
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def flat(prefix: str, value, out: dict, skipped: list[str] | None = None) -> None:
     """``value`` flattened into ``prefix.key`` plain values as DCP flattens a state (dicts and lists of containers
     by key and index, a list of scalars whole: a scheduler's state dict, a client state); ``skipped``: where a value
@@ -42,8 +46,7 @@ def flat(prefix: str, value, out: dict, skipped: list[str] | None = None) -> Non
     elif isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
         for i, v in enumerate(value):
             flat(f"{prefix}.{i}", v, out, skipped)
-    elif value is None or isinstance(value, (bool, int, float, str)) or (
-            isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)):
+    elif _scalar(value) or (isinstance(value, (list, tuple)) and all(_scalar(v) for v in value)):
         out[prefix] = plain(value)
     elif skipped is not None:
         skipped.append(f"{prefix} (a {type(value).__name__})")
@@ -120,7 +123,6 @@ def compare_counters(sa, sb, result: DiffResult) -> None:
         if alone:
             result.not_compared.append(f"counters of {side} the other side does not hold: "
                                        f"{', '.join(alone[:6])}{' ...' if len(alone) > 6 else ''}")
-
     compare_client(sa, sb, result)
 
 
@@ -129,8 +131,9 @@ def compare_client(sa, sb, result: DiffResult) -> None:
     difference (what DeepSpeed's load_checkpoint returns would differ); a side without such a place is said."""
     for side, s in (("A", sa), ("B", sb)):
         if s.client_skipped:
+            more = " ..." if len(s.client_skipped) > 6 else ""
             result.not_compared.append(f"client state of {side} that is not plain data: "
-                                       f"{', '.join(s.client_skipped[:6])}{' ...' if len(s.client_skipped) > 6 else ''}")
+                                       f"{', '.join(s.client_skipped[:6])}{more}")
     if sa.client is None or sb.client is None:
         for side, s, o in (("A", sa, sb), ("B", sb, sa)):
             if s.client and o.client is None:
