@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import castimports, executor
+from zckpt.engine import castimports, executor, tees
 from zckpt.io.hashing import crc32_combine
 
 # Files written at once by one process (at most): ZCKPT_FILES_AT_ONCE.
@@ -49,8 +49,10 @@ class Target:
     fd: int | None = field(default=None, repr=False)
     left: int = field(default=0, repr=False)
     slots: threading.Semaphore | None = field(default=None, repr=False)
-    crcs: dict = field(default_factory=dict, repr=False)  # slot -> (crc, length) of the bytes written so far
+    crcs: dict = field(default_factory=dict, repr=False)  # slot -> (crc, length) of its bytes, once finished
     users: int = field(default=0, repr=False)  # jobs writing into ``fd`` now
+    tee_in: int = 0  # other files' cast jobs that also write into this one (zckpt.engine.tees)
+    parts: dict = field(default_factory=dict, repr=False)  # slot -> [(offset, crc, length)] written so far
 
 
 def create(path: str, size: int) -> None:
@@ -153,7 +155,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     if pairs and imports is None:
         worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)
     for t in targets:
-        t.left, t.crcs, t.users = len(t.jobs), {}, 0
+        t.left, t.crcs, t.parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
 
     def fd_of(t: Target) -> int:  # (holding ``opening``)
@@ -171,23 +173,37 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
                 t.fd = os.open(t.path, os.O_WRONLY)
         return t.fd
 
-    def run(item):
-        t, (slot, off, parts, dtype) = item
+    def use(t: Target) -> int:
         with opening:
             if aborted[0]:  # a job that started after a failure: it writes nothing
                 raise InterruptedError("writing stopped")
             fd = fd_of(t)
             t.users += 1
+        return fd
+
+    def release(t: Target) -> None:
+        with opening:
+            t.users -= 1
+            if aborted[0] and not t.users and t.fd is not None:  # the last writer of a failed run closes it
+                os.close(t.fd)
+                t.fd = None
+
+    def run(item):
+        t, (slot, off, parts, dtype) = item
+        fd = use(t)
         try:
-            return worker.write(fd, off, parts, dtype, crc_of=crc_of, want_crc=slot >= 0, slots=t.slots)
+            if len(parts) == 1 and isinstance(parts[0], tees.SharedCast):
+                return tees.write_shared(worker, fd, off, parts[0], dtype, slot >= 0, t.slots, use, release)
+            return worker.write(fd, off, parts, dtype, crc_of=crc_of, want_crc=slot >= 0, slots=t.slots), ()
         finally:
-            with opening:
-                t.users -= 1
-                if aborted[0] and not t.users and t.fd is not None:  # the last writer of a failed run closes it
-                    os.close(t.fd)
-                    t.fd = None
+            release(t)
 
     def finish(t: Target) -> None:  # every job of ``t`` has been taken: no writer left
+        for slot, got in t.parts.items():  # each slot's CRC-32 parts in file order
+            crc, length = 0, 0
+            for _, c, n in sorted(got, key=lambda g: g[0]):
+                crc, length = (crc32_combine(crc, c, n) if length else c), length + n
+            t.crcs[slot] = (crc, length)
         with opening:
             fd = fd_of(t)
             t.fd = None
@@ -204,22 +220,26 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
 
     def took(item, result) -> None:
         t, job = item
-        crc, n = result
+        (crc, n), teed = result
         if job[0] >= 0:
-            c, length = t.crcs.get(job[0], (0, 0))
-            t.crcs[job[0]] = (crc32_combine(c, crc, n) if length else crc, length + n)
+            t.parts.setdefault(job[0], []).append((job[1], crc, n))
+        for tee, c in teed:
+            if tee.slot >= 0:
+                tee.target.parts.setdefault(tee.slot, []).append((tee.offset, c, tee.nbytes))
+            n += tee.nbytes
         if progress:
             progress(n)
         if after_job:
             after_job()
-        t.left -= 1
-        if t.left == 0:
-            finish(t)
+        for u in (t, *(tee.target for tee, _ in teed)):
+            u.left -= 1
+            if u.left == 0:
+                finish(u)
 
     syncer = ThreadPoolExecutor(1, thread_name_prefix="zckpt-fsync") if durable else None
     try:
         for t in targets:  # files without a job of this process's: created (or opened) and finished first
-            if not t.jobs:
+            if not t.left:
                 finish(t)
         if pool is not None and not remote:
             _run_ordered(pool, run, _deal(targets, lanes, held, imports), took, ahead=4 * workers)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from zckpt.encoding import casting
-from zckpt.engine import executor, lanes as _lanes, torchzip, works as works_
+from zckpt.engine import executor, lanes as _lanes, tees, torchzip, works as works_
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import source_segments
 from zckpt.errors import InvalidArgument
@@ -122,7 +122,11 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
         if not pub.remote:
             executor.test_delay()
             _lanes.create(path, w.size)
-        targets.append(_lanes.Target(fi, path, w.jobs, size=w.size if pub.remote else None))
+        targets.append(_lanes.Target(fi, path, list(w.jobs), size=w.size if pub.remote else None))
+    if not pub.remote:  # a cast job also writes the source bytes a copy would read again (engine/tees)
+        shared = tees.share_reads(targets)
+        if shared:
+            log.debug("  %s read once for a cast and a copy", format_size(shared))
 
     def done(t, fd):
         executor.pwrite_pieces(fd, works[t.key].meta({slot: c for slot, (c, _) in t.crcs.items()}))
