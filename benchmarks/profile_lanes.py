@@ -3,7 +3,8 @@
 thread.
 
 Runs one zckpt command (the zckpt that ``PYTHONPATH`` names) in this process (``python benchmarks/profile_lanes.py [--json-out F] [--phases] -- merge CK -o OUT``)
-with two hooks, no change to zckpt: every ``executor.Worker.write`` (one job: read, CRC, cast, pwrite) is timed
+with two hooks, no change to zckpt: every ``executor.Worker.write`` (one job: read, CRC, cast, pwrite; or
+``tees.write_shared``, a cast job that also writes its source bytes elsewhere) is timed
 on its thread, with the file it writes and its bytes; every output file's close (``lanes._close``) is timed. From
 them:
 
@@ -80,17 +81,37 @@ def main() -> int:
             events.append((threading.get_ident(), t0, t1, r[1], path_of(fd)))
         return r
 
+    try:
+        from zckpt.engine import tees
+        orig_shared = tees.write_shared
+    except ImportError:  # a tree without it: every job goes through Worker.write
+        tees = orig_shared = None
+
+    def write_shared(worker, fd, *a, **k):  # a cast job that also writes its source bytes into other files
+        t0 = time.perf_counter()
+        r = orig_shared(worker, fd, *a, **k)
+        t1 = time.perf_counter()
+        with lock:
+            events.append((threading.get_ident(), t0, t1, r[0][1], path_of(fd)))
+            for tee, _ in r[1]:  # each file its bytes (at the job's end: the thread's time counted once)
+                events.append((threading.get_ident(), t1, t1, tee.nbytes, tee.target.path))
+        return r
+
     def close(fd, sync, t, closed):
         paths.pop(fd, None)
         orig_close(fd, sync, t, closed)
         closes[t.path] = time.perf_counter()
 
     executor.Worker.write = write
+    if orig_shared is not None:
+        tees.write_shared = write_shared
     lanes._close = close
     if phases:  # where the writing threads' time goes (no cProfile: the main thread runs at its own speed)
         from zckpt.encoding import casting, tensors
         executor.pwrite_all = timed("pwrite", executor.pwrite_all)
         executor.crc32 = timed("crc32", executor.crc32)
+        if orig_shared is not None:
+            tees.pwrite_all, tees.crc32 = executor.pwrite_all, executor.crc32
         tensors.Reader.read_raw = timed("read_raw", tensors.Reader.read_raw)
         tensors.Reader.read_into = timed("read_into", tensors.Reader.read_into)
         if hasattr(tensors.Reader, "read_crc"):  # (reads with their CRC-32s)

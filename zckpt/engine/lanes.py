@@ -9,9 +9,12 @@ share under a launcher) goes through :func:`write_files`::
     targets   [Target(key, path, jobs)]  in plan order; jobs (slot, offset, parts, dtype) in file order
     deal      up to ``lanes`` files open at a time (most jobs first), each dealt its jobs in proportion to their
               number, so that files open together finish together; a finished file's lane takes the next
-    run       at most ``ahead`` jobs in flight on the pool (memory and open files stay bounded), results in the
-              order dealt, so each (file, slot)'s CRC-32 parts are combined in file order
-    finish    a file whose last job is done: ``done(target, fd)`` (its headers), fsync when durable, closed
+    run       at most ``ahead`` jobs in flight on the pool (memory and open files stay bounded), results taken
+              in the order dealt; each (file, slot)'s CRC-32 parts combined in file order when the file is finished
+    tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads): each
+              tee counts as one of that file's jobs, its CRC part one of that file's
+    finish    a file whose last job (and tee) is done: ``done(target, fd)`` (its headers), fsync when durable,
+              closed
 
 Remote sources keep one file at a time through :func:`zckpt.engine.executor.run_jobs`, which fetches the byte
 ranges of the jobs ahead in windows (the network, not a file's lock, is their limit). No torch, no numpy.
