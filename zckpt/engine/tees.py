@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 from zckpt.encoding.safeload import DTYPE_SIZES
@@ -35,38 +34,39 @@ from zckpt.io import storage
 from zckpt.io.hashing import crc32, crc32_combine
 
 
-@dataclass
 class Tee:
     """Bytes ``start``..``start + nbytes`` of a cast job's source (its pieces ``first``..``first + count``),
-    written at ``offset`` of ``target`` (a :class:`zckpt.engine.lanes.Target`) into CRC ``slot`` (< 0: none)."""
+    written at ``offset`` of ``target`` (a :class:`zckpt.engine.lanes.Target`) into CRC ``slot`` (< 0: none).
+    (Plain classes here, not dataclasses: every command imports this module, and each dataclass costs its import
+    half a millisecond or more.)"""
 
-    target: object
-    slot: int
-    offset: int
-    first: int
-    count: int
-    start: int
-    nbytes: int
+    __slots__ = ("target", "slot", "offset", "first", "count", "start", "nbytes")
+
+    def __init__(self, target, slot: int, offset: int, first: int, count: int, start: int, nbytes: int):
+        self.target, self.slot, self.offset = target, slot, offset
+        self.first, self.count, self.start, self.nbytes = first, count, start, nbytes
+
+    def __repr__(self) -> str:
+        return f"Tee({getattr(self.target, 'path', self.target)!r}, slot {self.slot}, at {self.offset}, " \
+               f"{self.nbytes} bytes)"
 
 
-@dataclass
 class SharedCast(Cast):
     """A :class:`Cast` whose source bytes are also written, as they are, by its ``tees``."""
 
-    tees: list = field(default_factory=list)
+    def __init__(self, pieces: list, src_dtype: str, tees: list):
+        super().__init__(pieces, src_dtype)
+        self.tees = tees
 
 
-@dataclass
 class _Copy:
-    """A plain copy's piece: its source bytes [lo, hi) of ``path`` land at ``out`` of job ``j`` of ``target``."""
+    """A plain copy's piece: its source bytes [lo, hi) of ``path`` land at ``out`` of job ``j`` of ``target``;
+    ``taken``: the source ranges [lo, hi) a tee writes."""
 
-    lo: int
-    hi: int
-    target: object
-    j: int
-    out: int
-    dtype: str
-    taken: list = field(default_factory=list)  # source ranges [lo, hi) a tee writes
+    __slots__ = ("lo", "hi", "target", "j", "out", "dtype", "taken")
+
+    def __init__(self, lo: int, hi: int, target, j: int, out: int, dtype: str):
+        self.lo, self.hi, self.target, self.j, self.out, self.dtype, self.taken = lo, hi, target, j, out, dtype, []
 
 
 def _copies(targets: list) -> dict[str, tuple[list[int], list[_Copy], list[int]]]:
