@@ -13,8 +13,8 @@ class Megatron(Format):
     convert_options = ("tp", "pp", "layout", "megatron_args", "dp", "ddp_config", "ep")
 
     def claims(self, path, storage_options=None) -> bool:
-        from zckpt.megatron import reader
-        return reader.claims(path, storage_options)
+        from zckpt.megatron import claims  # (not the reader: asked of every checkpoint opened)
+        return claims.claims(path, storage_options)
 
     def preload(self) -> None:
         from zckpt.megatron import reader  # noqa: F401

@@ -39,15 +39,14 @@ from zckpt.errors import (
 )
 from zckpt.io import links, storage
 from zckpt.megatron import buckets, moe
+from zckpt.megatron.claims import (  # noqa: F401 - claims: reader.claims, as before
+    ITER_RE, LATEST, META_JSON, claims, isfile as _isfile, iterations as _iterations)
 from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors
 
 FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
 
-LATEST = "latest_checkpointed_iteration.txt"
-META_JSON = "metadata.json"
 COMMON = "common.pt"
 METADATA = ".metadata"
-ITER_RE = re.compile(r"^iter_\d{7}$")
 _DATA_RE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _RNG_RE = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")  # shard_{pp}.{tp}_{PP}.{TP}
 LAYERS = "decoder.layers."
@@ -64,39 +63,6 @@ _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 # ------------------------------------------------------------------------------------------------ finding it
-
-def _isfile(path: str, opts) -> bool:
-    try:
-        return storage.isfile(path, opts)
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return False
-
-
-def claims(path: str, storage_options: dict | None = None) -> bool:
-    """A Megatron save folder (``latest_checkpointed_iteration.txt``), or an ``iter_NNNNNNN`` folder with
-    Megatron's ``metadata.json`` or legacy ``mp_rank_XX`` folders: claimed before DCP (torch_dist has ``.metadata``
-    too), so that a layout zckpt does not read is refused as Megatron's."""
-    path = str(path).rstrip("/") or "/"
-    if _isfile(storage.join(path, LATEST), storage_options):
-        return True
-    if not ITER_RE.match(storage.basename(path)):
-        return bool(_iterations(path, storage_options))  # a save folder whose latest file is missing
-    if _isfile(storage.join(path, META_JSON), storage_options):
-        return True
-    try:
-        return any(n.startswith("mp_rank_") for n in storage.listdir(path, storage_options))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return False
-
-
-def _iterations(path: str, opts) -> list[str]:
-    """The ``iter_NNNNNNN`` folders of ``path`` that hold Megatron's ``metadata.json``, oldest first."""
-    try:
-        names = storage.listdir(path, opts)
-    except (FileNotFoundError, NotADirectoryError, ValueError, OSError):
-        return []
-    return sorted(n for n in names if ITER_RE.match(n) and _isfile(storage.join(path, n, META_JSON), opts))
-
 
 def locate(path: str, tag: str | None, opts) -> tuple[str, str, bool]:
     """(save folder, iteration folder, whether the save folder's latest file was read)."""
