@@ -163,3 +163,29 @@ def test_convert_to_deepspeed_reads_each_master_once_and_writes_what_it_wrote(tm
                   for p in r.value)
     assert got == [masters] and masters > 0  # every master read once, for its copy and its cast
     assert_same_output(tmp_path / "apart", out)
+
+
+def test_a_file_written_by_tees_alone_is_finished_once_with_its_crc(tmp_path):
+    """Every byte of a copied file is also cast elsewhere: it has no job of its own left, and is still written,
+    given its headers once (with the CRC-32 of its bytes) and closed, after the last tee into it."""
+    vals = (np.arange(4096) % 256).astype(np.float32).tobytes()  # exact in bf16: the upper half of their bits
+    (tmp_path / "src").write_bytes(vals)
+    p = str(tmp_path / "src")
+    copy = lanes.Target(0, str(tmp_path / "copy"), [(0, off, [Piece(p, off, 256, "float32")], "float32")
+                                                    for off in range(0, len(vals), 1024)])
+    cast = lanes.Target(1, str(tmp_path / "cast"), [(0, 2 * a, [Cast([Piece(p, 4 * a, b - a, "float32")], "float32")],
+                                                     "bfloat16") for a, b in ((0, 1000), (1000, 3000), (3000, 4096))])
+    for t, size in ((copy, len(vals)), (cast, len(vals) // 2)):
+        lanes.create(t.path, size)
+    assert tees.share_reads([copy, cast]) == len(vals) and copy.jobs == [] and copy.tee_in == 3
+    done = []
+    w = executor.Worker()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            got = lanes.write_files([copy, cast], pool, w, done=lambda t, fd: done.append((t.key, dict(t.crcs))))
+    finally:
+        w.close()
+    assert (tmp_path / "copy").read_bytes() == vals
+    assert sorted(k for k, _ in done) == [0, 1]
+    assert dict(done)[0] == {0: (zlib.crc32(vals), len(vals))} and got[(0, 0)] == (zlib.crc32(vals), len(vals))
+    assert (tmp_path / "cast").read_bytes() == (np.frombuffer(vals, np.uint32) >> 16).astype(np.uint16).tobytes()
