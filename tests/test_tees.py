@@ -156,12 +156,13 @@ def test_convert_to_deepspeed_reads_each_master_once_and_writes_what_it_wrote(tm
     monkeypatch.setattr(tees, "share_reads", lambda targets: got.append(real(targets)) or got[-1])
     out = tmp_path / "out"
     args = dict(to="deepspeed", world_size=3, stage=2, dtype="bf16", buffers=[])
-    zckpt.convert(str(dcp), str(out), **args)
+    res = zckpt.convert(str(dcp), str(out), **args)
     monkeypatch.setattr(tees, "share_reads", lambda targets: 0)
     zckpt.convert(str(dcp), str(tmp_path / "apart"), **args)
     masters = sum(p.nbytes for r in zckpt.open_checkpoint(str(dcp)).records if r.kind == "trainable"
                   for p in r.value)
     assert got == [masters] and masters > 0  # every master read once, for its copy and its cast
+    assert res.to_json()["stats"]["read_once_bytes"] == masters
     assert_same_output(tmp_path / "apart", out)
 
 

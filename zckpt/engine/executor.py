@@ -427,17 +427,18 @@ class Worker:
 # ---------------------------------------------------------------------------------------------- remote reads
 
 class FetchStats:
-    """What a worker read from remote sources: bytes, ranged GETs and the seconds spent waiting for them."""
+    """A worker's remote reads (bytes, ranged GETs, seconds waited), and input bytes read once for two outputs."""
 
     def __init__(self):
         self.bytes = 0
         self.requests = 0
         self.wait_seconds = 0.0
+        self.read_once = 0
         self.lock = threading.Lock()
 
     def to_json(self) -> dict:
         return {"remote_bytes": self.bytes, "remote_requests": self.requests,
-                "remote_wait_seconds": round(self.wait_seconds, 3)}
+                "remote_wait_seconds": round(self.wait_seconds, 3), "read_once_bytes": self.read_once}
 
 
 class RangeCache:

@@ -125,6 +125,7 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
         targets.append(_lanes.Target(fi, path, list(w.jobs), size=w.size if pub.remote else None))
     if not pub.remote:  # a cast job also writes the source bytes a copy would read again (engine/tees)
         shared = tees.share_reads(targets)
+        worker.stats.read_once += shared
         if shared:
             log.debug("  %s read once for a cast and a copy", format_size(shared))
 
