@@ -55,7 +55,7 @@ class Target:
     crcs: dict = field(default_factory=dict, repr=False)  # slot -> (crc, length) of its bytes, once finished
     users: int = field(default=0, repr=False)  # jobs writing into ``fd`` now
     tee_in: int = 0  # other files' cast jobs that also write into this one (zckpt.engine.tees)
-    parts: dict = field(default_factory=dict, repr=False)  # slot -> [(offset, crc, length)] written so far
+    crc_parts: dict = field(default_factory=dict, repr=False)  # slot -> [(offset, crc, length)] written so far
 
 
 def create(path: str, size: int) -> None:
@@ -158,7 +158,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     if pairs and imports is None:
         worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)
     for t in targets:
-        t.left, t.crcs, t.parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
+        t.left, t.crcs, t.crc_parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
 
     def fd_of(t: Target) -> int:  # (holding ``opening``)
@@ -202,7 +202,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
             release(t)
 
     def finish(t: Target) -> None:  # every job of ``t`` has been taken: no writer left
-        for slot, got in t.parts.items():  # each slot's CRC-32 parts in file order
+        for slot, got in t.crc_parts.items():  # each slot's CRC-32 parts in file order
             crc, length = 0, 0
             for _, c, n in sorted(got, key=lambda g: g[0]):
                 crc, length = (crc32_combine(crc, c, n) if length else c), length + n
@@ -225,10 +225,10 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
         t, job = item
         (crc, n), teed = result
         if job[0] >= 0:
-            t.parts.setdefault(job[0], []).append((job[1], crc, n))
+            t.crc_parts.setdefault(job[0], []).append((job[1], crc, n))
         for tee, c in teed:
             if tee.slot >= 0:
-                tee.target.parts.setdefault(tee.slot, []).append((tee.offset, c, tee.nbytes))
+                tee.target.crc_parts.setdefault(tee.slot, []).append((tee.offset, c, tee.nbytes))
             n += tee.nbytes
         if progress:
             progress(n)
