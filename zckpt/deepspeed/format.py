@@ -22,11 +22,9 @@ class DeepSpeed(Format):
         return reader.read(path, tag, storage_options)
 
     def merge_view(self, ckpt, dtype):  # AutoEP layers under the Hugging Face model class's names (issue 47)
+        if not any(x.get("fused") is not None for x in ckpt.extra.get("moe_coverage") or []):
+            return ckpt, {}, list(ckpt.extra.get("merge_notes") or [])  # (hf_moe.is_autoep: nothing to rename)
         from zckpt.deepspeed import hf_moe
-        return hf_moe.merge_view(ckpt, dtype)
-
-    def merge_view(self, ckpt, dtype):
-        from zckpt.deepspeed import hf_moe  # AutoEP layers under the model class's names (any other: unchanged)
         return hf_moe.merge_view(ckpt, dtype)
 
     def side_state(self, ckpt) -> dict:
