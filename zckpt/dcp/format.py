@@ -11,8 +11,8 @@ class Dcp(Format):
     name = "dcp"
 
     def claims(self, path, storage_options=None) -> bool:
-        from zckpt.dcp import reader
-        return reader.claims(path, storage_options)
+        from zckpt.dcp import claims  # (not the reader: asked of every checkpoint opened)
+        return claims.claims(path, storage_options)
 
     def preload(self) -> None:
         from zckpt.dcp import reader  # noqa: F401

@@ -34,6 +34,8 @@ from zckpt.errors import (
     CheckpointNotFound, CorruptFile, IncompleteCheckpoint, InvalidArgument, UnsafePickle, UnsupportedLayout,
     ZckptError,
 )
+from zckpt.dcp.claims import (  # noqa: F401 - claims, is_dcp: reader.claims and reader.is_dcp, as before
+    METADATA, TRAINER_PARTS, claims, dcp_parts, is_dcp)
 from zckpt.encoding import dcpmeta, distcp, safeload
 from zckpt.engine.segments import Piece
 from zckpt.io import links, storage
@@ -42,8 +44,6 @@ from zckpt.state.model import (
     Checkpoint, GroupInfo, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors,
 )
 
-METADATA = ".metadata"
-TRAINER_PARTS = ("pytorch_model_fsdp_0", "optimizer_0")  # accelerate's FSDP_MODEL_NAME_0 / OPTIMIZER_NAME_0 folders
 TRAINER_MARKERS = ("trainer_state.json", "training_args.bin")
 OPTIM_ROOTS = ("optim", "optimizer")
 NOT_MODEL_ROOTS = OPTIM_ROOTS + ("lr_scheduler", "lr_schedulers", "train_state", "dataloader", "extra")
@@ -56,27 +56,7 @@ DCP_HINTS = {
 _PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def dcp_parts(path: str, storage_options: dict | None = None) -> list[str]:
-    """The DCP folders ``path`` stands for, relative to it: ``[""]`` for a DCP folder; a Trainer / Accelerate FSDP
-    checkpoint (``SHARDED_STATE_DICT``) holds two, ``pytorch_model_fsdp_0`` ({"model": ...}) and ``optimizer_0``
-    ({"optimizer": ...}), read as one checkpoint. ``[]``: not DCP."""
-    try:
-        if storage.isfile(storage.join(str(path), METADATA), storage_options):
-            return [""]
-        if storage.isfile(storage.join(str(path), TRAINER_PARTS[0], METADATA), storage_options):
-            return [p for p in TRAINER_PARTS if p == TRAINER_PARTS[0]
-                    or storage.isfile(storage.join(str(path), p, METADATA), storage_options)]
-    except (FileNotFoundError, NotADirectoryError, ValueError):  # not there: discovery names what is missing
-        pass  # a refused or failed request (PermissionError, a lost connection) is the caller's error, said once
-    return []
-
-
 FORMAT = "dcp"
-
-
-def claims(path: str, storage_options: dict | None = None) -> bool:
-    """The opener's question (:mod:`zckpt.state.open`): a DCP folder, or a Trainer FSDP checkpoint of them."""
-    return is_dcp(path, storage_options)
 
 
 def read(path: str, tag: str | None = None, storage_options: dict | None = None) -> Checkpoint:
@@ -85,11 +65,6 @@ def read(path: str, tag: str | None = None, storage_options: dict | None = None)
         raise InvalidArgument("`tag` picks a DeepSpeed tag; a DCP folder holds one checkpoint", path=path,
                               hint="drop `tag`, or pass the DCP folder of the step you want")
     return open_dcp(path, storage_options, fused_qkv="keep")
-
-
-def is_dcp(path: str, storage_options: dict | None = None) -> bool:
-    """A folder with DCP's ``.metadata`` (its commit marker), or a Trainer FSDP checkpoint of DCP folders."""
-    return bool(dcp_parts(path, storage_options))
 
 
 _Items = distcp.Items  # DCP items through the allow-list (zckpt.encoding.distcp, shared with Megatron's torch_dist)
