@@ -22,8 +22,8 @@ class DeepSpeed(Format):
         return reader.read(path, tag, storage_options)
 
     def merge_view(self, ckpt, dtype):  # AutoEP layers under the Hugging Face model class's names (issue 47)
-        if not any(x.get("fused") is not None for x in ckpt.extra.get("moe_coverage") or []):
-            return ckpt, {}, list(ckpt.extra.get("merge_notes") or [])  # (hf_moe.is_autoep: nothing to rename)
+        if not ckpt.extra.get("moe_coverage"):  # no MoE layer, so none of AutoEP's: nothing to rename
+            return ckpt, {}, list(ckpt.extra.get("merge_notes") or [])
         from zckpt.deepspeed import hf_moe
         return hf_moe.merge_view(ckpt, dtype)
 
