@@ -14,11 +14,9 @@ and carried out the same way::
         same-dtype local pieces and zero fill: copy_file_range, in the kernel (no bytes through Python)
         anything else (casts, URLs, no copy_file_range): read into the thread's buffer, convert, pwrite
 
-Memory is bounded by construction: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes
-into one file take one of its ``WRITE_STREAMS`` slots (one file takes only so many writers at a time), and the
-jobs of several files are dealt to the threads in turn (:mod:`zckpt.engine.lanes`); reads and casts stay
-parallel. No torch or numpy import here: casts import numpy on first use
-(:mod:`zckpt.encoding.casting`), and a bf16 -> fp32 upcast of small work needs neither.
+Memory is bounded: a few CHUNK_BYTES buffers per worker thread, whatever the model size. Writes into one file take
+one of its ``WRITE_STREAMS`` slots, the jobs of several files dealt in turn (:mod:`zckpt.engine.lanes`); reads and
+casts stay parallel. No torch or numpy import here (casts import numpy on first use: :mod:`zckpt.encoding.casting`).
 """
 
 from __future__ import annotations
@@ -222,14 +220,17 @@ class Worker:
         place in a job's output buffer they go (numpy's and torch's casts write there, no copy after)."""
         raw = self.buffer(numel * DTYPE_SIZES[src_dtype])
         self.reader.read_pieces(pieces, raw)
+        return self.cast_raw(raw, src_dtype, dtype, out)
+
+    def cast_raw(self, raw, src_dtype: str, dtype: str, out=None):
+        """:meth:`render_cast` of bytes already read (``raw``, this thread's buffer; left as it is)."""
+        from zckpt.encoding import casting  # (imports no numpy itself: a cast does, on first use)
         if src_dtype == dtype:
             data = raw
         elif self.pure_upcast and src_dtype == "bfloat16" and dtype == "float32":
-            from zckpt.encoding.casting import upcast_bf16_pure
-            data = upcast_bf16_pure(raw)
+            data = casting.upcast_bf16_pure(raw)
         else:
-            from zckpt.encoding.casting import cast
-            return cast(raw, src_dtype, dtype, self.use_torch, out=out)  # (in ``out`` when given)
+            return casting.cast(raw, src_dtype, dtype, self.use_torch, out=out)  # (in ``out`` when given)
         if out is not None:
             out[:] = memoryview(data).cast("B")
             return out

@@ -232,12 +232,7 @@ def write_shared(worker, fd: int, offset: int, part: SharedCast, dtype: str, wan
             check.add_crc(p.path, p.offset, n, c)
         crcs.append(c)
         pos += n
-    if worker.pure_upcast and (part.src_dtype, dtype) == ("bfloat16", "float32"):
-        from zckpt.encoding.casting import upcast_bf16_pure
-        data = memoryview(upcast_bf16_pure(raw)).cast("B")
-    else:
-        from zckpt.encoding.casting import cast
-        data = memoryview(cast(raw, part.src_dtype, dtype, worker.use_torch)).cast("B")
+    data = memoryview(worker.cast_raw(raw, part.src_dtype, dtype)).cast("B")  # (raw left as it is, for the tees)
     with slots:
         pwrite_all(fd, data, offset)
     main = (crc32(data) if want_crc else 0, data.nbytes)
