@@ -152,6 +152,7 @@ def test_convert_to_deepspeed_reads_each_master_once_and_writes_what_it_wrote(tm
 
     dcp = tmp_path / "dcp"
     zckpt.convert(str(FIX / "z2_bf16_ws2"), str(dcp), to="dcp")
+    monkeypatch.setattr(tees, "SHARE_READS", True)  # (opt-in: ZCKPT_SHARE_READS=1)
     got, real = [], tees.share_reads
     monkeypatch.setattr(tees, "share_reads", lambda targets: got.append(real(targets)) or got[-1])
     out = tmp_path / "out"

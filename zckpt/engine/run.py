@@ -123,7 +123,7 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
             executor.test_delay()
             _lanes.create(path, w.size)
         targets.append(_lanes.Target(fi, path, list(w.jobs), size=w.size if pub.remote else None))
-    if not pub.remote:  # a cast job also writes the source bytes a copy would read again (engine/tees)
+    if not pub.remote and tees.SHARE_READS:  # a cast job also writes the bytes a copy would read (engine/tees)
         shared = tees.share_reads(targets)
         worker.stats.read_once += shared
         if shared:

@@ -17,6 +17,12 @@ and reused as the copy's CRC: the bytes are the same), cast and written, then ev
 buffer under its file's write slots. :mod:`zckpt.engine.lanes` counts a target's tees among its jobs (a file is
 finished when both are done) and combines each slot's CRC-32 parts in file order, wherever they were written.
 
+Off by default (``ZCKPT_SHARE_READS=1`` turns it on). On the lent 16-core host it made convert --to deepspeed 37%
+slower (0.85 -> 1.16 s, best of 3; docs/benchmarks.md, issue 49, sixth session): the pwrites' thread time doubled.
+Each tee goes to the optimizer file of the rank whose masters the cast jobs are at, so the threads of every cast in
+flight pile onto one file's inode lock beside that file's own copies. The bytes it saves reading were not the
+limit there; the writes into one file at a time are.
+
 Only one process's targets share (a launcher's ranks split each file by byte ranges and combine their CRCs so);
 pieces behind URLs never do (their bytes are fetched ahead in windows). Output bytes are the same either way.
 """
@@ -24,6 +30,7 @@ pieces behind URLs never do (their bytes are fetched ahead in windows). Output b
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from typing import Callable
 
@@ -32,6 +39,8 @@ from zckpt.engine.executor import pwrite_all
 from zckpt.engine.segments import Cast, Fill, Piece
 from zckpt.io import storage
 from zckpt.io.hashing import crc32, crc32_combine
+
+SHARE_READS = os.environ.get("ZCKPT_SHARE_READS", "0") == "1"
 
 
 class Tee:
