@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import castimports, executor, tees
+from zckpt.engine import castimports, executor, mapped, tees
 from zckpt.io.hashing import crc32_combine
 
 # Files written at once by one process (at most): ZCKPT_FILES_AT_ONCE.
@@ -56,6 +56,7 @@ class Target:
     users: int = field(default=0, repr=False)  # jobs writing into ``fd`` now
     tee_in: int = 0  # other files' cast jobs that also write into this one (zckpt.engine.tees)
     crc_parts: dict = field(default_factory=dict, repr=False)  # slot -> [(offset, crc, length)] written so far
+    map: memoryview | None = field(default=None, repr=False)  # the file mapped for writing (zckpt.engine.mapped)
 
 
 def create(path: str, size: int) -> None:
@@ -161,11 +162,13 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
         t.left, t.crcs, t.crc_parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
 
+    mode = os.O_RDWR if mapped.MAP_WRITES else os.O_WRONLY  # (a writable shared map needs the file readable)
+
     def fd_of(t: Target) -> int:  # (holding ``opening``)
         if t.fd is None:
             if t.size is not None:
                 executor.test_delay()
-                fd = os.open(t.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
+                fd = os.open(t.path, mode | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
                 try:
                     executor.allocate(fd, t.size)
                 except BaseException:
@@ -173,7 +176,9 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
                     raise
                 t.fd = fd
             else:
-                t.fd = os.open(t.path, os.O_WRONLY)
+                t.fd = os.open(t.path, mode)
+            if t.jobs:
+                t.map = mapped.open_map(t.fd)
         return t.fd
 
     def use(t: Target) -> int:
@@ -190,6 +195,8 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
             if aborted[0] and not t.users and t.fd is not None:  # the last writer of a failed run closes it
                 os.close(t.fd)
                 t.fd = None
+                view, t.map = t.map, None
+                mapped.close_map(view)
 
     def run(item):
         t, (slot, off, parts, dtype) = item
@@ -197,6 +204,10 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
         try:
             if len(parts) == 1 and isinstance(parts[0], tees.SharedCast):
                 return tees.write_shared(worker, fd, off, parts[0], dtype, slot >= 0, t.slots, use, release)
+            if t.map is not None:
+                got = mapped.write(worker, t.map, off, parts, dtype, slot >= 0)
+                if got is not None:
+                    return got, ()
             return worker.write(fd, off, parts, dtype, crc_of=crc_of, want_crc=slot >= 0, slots=t.slots), ()
         finally:
             release(t)
@@ -210,6 +221,8 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
         with opening:
             fd = fd_of(t)
             t.fd = None
+            view, t.map = t.map, None
+        mapped.close_map(view)  # (its pages are the file's: the headers below and fsync see them)
         try:
             if done is not None:
                 done(t, fd)
@@ -266,6 +279,9 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
                     with contextlib.suppress(OSError):
                         os.close(t.fd)
                     t.fd = None
+                if not t.users:
+                    view, t.map = t.map, None
+                    mapped.close_map(view)
     return {(t.key, slot): v for t in targets for slot, v in t.crcs.items()}
 
 
