@@ -246,6 +246,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cold-tree", default=None, help="the tree run cold (default: the last of --trees)")
     ap.add_argument("--cold-jobs", default=None, help="the jobs run cold (default: --jobs)")
     ap.add_argument("--no-copies", action="store_true", help="zckpt only (no pcopy / cfr / cp -r)")
+    ap.add_argument("--copies", default="pcopy,cfr,cp", help="which copies run beside zckpt (pcopy, cfr, cp)")
     ap.add_argument("--variants", default="")
     ap.add_argument("--before", default=None)
     ap.add_argument("--trees", default=None, help="name=DIR,...: the trees whose zckpt runs (default: this one)")
@@ -303,6 +304,8 @@ def main(argv=None) -> int:
                     for name, fn in (("pcopy", lambda: parallel_copy(out, copy, args.threads)),
                                      ("cfr", lambda: parallel_copy(out, copy, args.threads, kernel=True)),
                                      ("cp", lambda: cp_r(out, copy))):
+                        if name not in args.copies.split(","):
+                            continue
                         rm(copy)
                         sync()
                         c[name] = fn()
@@ -368,8 +371,9 @@ def main(argv=None) -> int:
             cs = [r["copies"] for r in rec["runs"][first] if "copies" in r]
             if cs:
                 best = {k: min(c[k] for c in cs) for k in cs[0]}
-                row += f" {best['pcopy']:.3f} | {best['cfr']:.3f} | {best['cp']:.2f} | {min(z) / best['pcopy']:.2f} | " \
-                       f"{min(z) / min(best['pcopy'], best['cfr']):.2f} |"
+                nan = float("nan")
+                row += f" {best['pcopy']:.3f} | {best.get('cfr', nan):.3f} | {best.get('cp', nan):.2f} | " \
+                       f"{min(z) / best['pcopy']:.2f} | {min(z) / min(best['pcopy'], best.get('cfr', nan)):.2f} |"
                 if "rwcopy" in best:
                     row += f" rwcopy {best['rwcopy']:.3f} ({min(z) / best['rwcopy']:.2f}x)"
             print(row)

@@ -52,7 +52,7 @@ ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
 profiled=("merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8"
           "convert $ck --to dcp" "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx")
 case $step in warm)
-  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat ${REPEAT:-3} --trees "$trees" \
+  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat ${REPEAT:-3} --trees "$trees" --copies ${COPIES:-pcopy,cfr,cp} \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} \
     --variants "${VARIANTS:-w16:|--workers 16;pyc:PYTHONPYCACHEPREFIX=/tmp/pyc,PYTHONDONTWRITEBYTECODE=}" --json-out "$out/warm.json" 2>&1 | tee "$out/warm.log"
   [ "${PROFILE:-1}" = 1 ] || trees=
