@@ -9,8 +9,9 @@ files so took 0.32 s against 0.48 for pread + pwrite, and into one file 0.39 aga
 (``benchmarks/probe_mapwrite.py``; docs/benchmarks.md, issue 49, sixth session).
 
 Only files whose blocks are all allocated are mapped (``fallocate`` succeeded: :func:`zckpt.engine.executor.allocate`):
-a page of a sparse file that finds the disk full would end the process with SIGBUS, not an error. tmpfs,
-filesystems without fallocate and ``ZCKPT_FALLOCATE=0`` write with ``pwrite`` as before. ``ZCKPT_MAP_DROP=1``:
+a page of a sparse file that finds the disk full would end the process with SIGBUS, not an error. And only on the
+local filesystems whose maps of such files are measured or well known (ext4, xfs, btrfs): tmpfs, network and
+cluster filesystems, and ``ZCKPT_FALLOCATE=0`` write with ``pwrite`` as before. ``ZCKPT_MAP_DROP=1``:
 each job's pages are unmapped after it (the process's RSS stays at its buffers; the written pages stay in the page
 cache, dirty, as after a ``pwrite``).
 
@@ -30,6 +31,17 @@ from zckpt.io.hashing import crc32, crc32_combine
 
 MAP_WRITES = os.environ.get("ZCKPT_MAP_WRITES", "0") == "1"
 MAP_DROP = os.environ.get("ZCKPT_MAP_DROP", "0") == "1"
+_MAP_FS = {0xEF53, 0x58465342, 0x9123683E}  # statfs f_type: ext4 (and ext2/3), xfs, btrfs
+
+
+def _local_fs(fd: int) -> bool:
+    from zckpt.engine import executor
+    lib = executor._fallocate_fn()
+    if not lib:
+        return False
+    ctypes, _, fstatfs = lib
+    buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field (a long)
+    return fstatfs(fd, buf) == 0 and ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in _MAP_FS
 
 
 def open_map(fd: int) -> memoryview | None:
@@ -38,7 +50,7 @@ def open_map(fd: int) -> memoryview | None:
     if not MAP_WRITES:
         return None
     st = os.fstat(fd)
-    if st.st_size <= 0 or st.st_blocks * 512 < st.st_size:
+    if st.st_size <= 0 or st.st_blocks * 512 < st.st_size or not _local_fs(fd):
         return None
     try:
         mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
