@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zckpt.engine import castimports, executor, lanes
+from zckpt.engine import castimports, executor, lanes, mapped
 
 
 def _targets(tmp_path, sizes, chunk=64, slot=0):
@@ -116,6 +116,16 @@ def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
     monkeypatch.setattr(executor.Worker, "write",
                         lambda self, fd, off, parts, dtype, **k: (written.append((dtype, gate.is_set())),
                                                                   real_write(self, fd, off, parts, dtype, **k))[1])
+    real_mapped = mapped.write
+
+    def spy_mapped(worker, view, off, parts, dtype, want_crc):  # (ZCKPT_MAP_WRITES=1: the jobs a map takes)
+        ready = gate.is_set()
+        got = real_mapped(worker, view, off, parts, dtype, want_crc)
+        if got is not None:
+            written.append((dtype, ready))
+        return got
+
+    monkeypatch.setattr(mapped, "write", spy_mapped)
 
     class SlowImports(castimports.CastImports):
         def _run(self, pairs, bf16):
