@@ -16,7 +16,8 @@
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
 # and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles. PYC=1: every run with the
-# bytecode cache (/tmp/pyc). MOE=0: the cold step without the MoE checkpoint.
+# bytecode cache (/tmp/pyc). MOE=0: the cold step without the MoE checkpoint. COPIES (pcopy,cfr,cp): which copies the
+# warm step runs beside zckpt (COPIES=pcopy saves a third of a visit's time).
 # .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions); ml_dtypes as pip serves it (0.7.0 on
 # 2026-12-05: the runs use it, not the image's; host.log gives both versions and their import times). TREES (default
