@@ -15,12 +15,17 @@ from zckpt.engine import executor, lanes, mapped
 from tests.test_tees import _plan
 
 
-def _write(tmp_path, plan, name, workers=3):
+def _targets(tmp_path, plan, name):
     targets = []
     for k, (fname, jobs, size) in enumerate(plan):
         path = tmp_path / f"{name}-{fname}"
         lanes.create(str(path), size)
         targets.append(lanes.Target(k, str(path), list(jobs)))
+    return targets
+
+
+def _write(tmp_path, plan, name, workers=3):
+    targets = _targets(tmp_path, plan, name)
     w = executor.Worker()
     try:
         with ThreadPoolExecutor(workers) as pool:
@@ -102,11 +107,7 @@ def test_a_failure_in_a_mapped_job_leaves_no_map_and_no_file_open(tmp_path, monk
 
     monkeypatch.setattr(tensors.Reader, "read_raw", flaky)
     before = set(os.listdir("/proc/self/fd"))
-    targets = []
-    for k, (fname, jobs, size) in enumerate(plan):
-        path = tmp_path / f"x-{fname}"
-        lanes.create(str(path), size)
-        targets.append(lanes.Target(k, str(path), list(jobs)))
+    targets = _targets(tmp_path, plan, "x")
     w = executor.Worker()
     try:
         with ThreadPoolExecutor(3) as pool:
