@@ -11,8 +11,10 @@ share under a launcher) goes through :func:`write_files`::
               number, so that files open together finish together; a finished file's lane takes the next
     run       at most ``ahead`` jobs in flight on the pool (memory and open files stay bounded), results taken
               in the order dealt; each (file, slot)'s CRC-32 parts combined in file order when the file is finished
-    tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads): each
-              tee counts as one of that file's jobs, its CRC part one of that file's
+    tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads, opt-in):
+              each tee counts as one of that file's jobs, its CRC part one of that file's
+    maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
+              (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
     finish    a file whose last job (and tee) is done: ``done(target, fd)`` (its headers), fsync when durable,
               closed
 

@@ -45,8 +45,8 @@ def _local_fs(fd: int) -> bool:
 
 
 def open_map(fd: int) -> memoryview | None:
-    """A writable shared map of the whole file ``fd`` (opened read-write), or None: not on, an empty file, or one
-    whose blocks are not all allocated."""
+    """A writable shared map of the whole file ``fd`` (opened read-write), or None: not on, an empty file, one
+    whose blocks are not all allocated, or one on another filesystem than ext4, xfs and btrfs."""
     if not MAP_WRITES:
         return None
     st = os.fstat(fd)
