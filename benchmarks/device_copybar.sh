@@ -10,8 +10,8 @@
 #        Megatron-Core save of META_CHUNKS chunks (default 100000,1000000) against pickle.load of each .metadata
 #        (benchmarks/bench_metadata.py; the Megatron cases only where megatron-core imports: carry its cp312 wheel
 #        in .whl/, `pip download megatron-core --no-deps --only-binary=:all: --python-version 3.12 -d .whl`)
-#   bash benchmarks/device_copybar.sh OUTDIR phases  # each job's writing threads by phase (profile_lanes.py
-#        --phases: reads, crc32, casts, pwrite; no cProfile), PHASE_RUNS (2) times, each tree of TREES
+#   bash benchmarks/device_copybar.sh OUTDIR phases  # each job of JOBS, its writing threads by phase (profile_lanes.py
+#        --phases: reads, crc32, casts, pwrite; no cProfile), PHASE_RUNS (2) times, the trees of TREES alternated
 #   bash benchmarks/device_copybar.sh OUTDIR moe     # the MoE part alone (MAX_GROUP: DeepSpeed's max_group_size),
 #        then merge --dtype bf16 of it profiled with and without bytecode for numpy (PYTHONPYCACHEPREFIX)
 # Variants of the warm step: w16 (--workers 16), pyc (bytecode cached in /tmp/pyc: the image's numpy may have none,
@@ -43,6 +43,9 @@ mkdir -p "$work" "$out"
   git log --oneline -1 2>/dev/null || true
   python3 -c "import numpy, os; d = os.path.join(os.path.dirname(numpy.__file__), '__pycache__'); print('numpy', numpy.__file__, 'pycache', os.path.isdir(d) and len(os.listdir(d)))"
   for i in 1 2; do /usr/bin/time -f "python3 -c 'import numpy': %e s" python3 -c "import numpy"; done
+  for i in 1 2 3; do for v in unset 1; do env $([ $v = 1 ] && echo OPENBLAS_NUM_THREADS=1) python3 -c "import time
+t = time.perf_counter(); import numpy; print('import numpy, OPENBLAS_NUM_THREADS=$v: %.4f s' % (time.perf_counter() - t))"
+  done; done
   python3 -c "import ml_dtypes; print('ml_dtypes (the runs):', ml_dtypes.__version__, ml_dtypes.__file__)" || true
   for i in 1 2; do /usr/bin/time -f "import numpy, ml_dtypes: %e s" python3 -c "import numpy, ml_dtypes"; done || true
   PYTHONPATH= python3 -c "import ml_dtypes; print('the image ml_dtypes:', ml_dtypes.__version__)" || true
@@ -50,6 +53,7 @@ mkdir -p "$work" "$out"
   python3 -X importtime -c "import numpy" 2>&1 | sort -t'|' -k2 -n | tail -2; } 2>&1 | tee -a "$out/host.log"
 dims=(${DIMS:---layers 26 --hidden 2048 --ffn 8192 --world-size 4})  # DIMS, CK, MOE_ARGS: smaller for a smoke test
 ck=${CK:-$work/z2_bf16_ws4_L26_H2048_V32000_F8192}
+names=(merge-fp32-1GB merge-bf16 reshard-ws8 convert-dcp convert-ds)  # bench_copybar's names of profiled's jobs
 profiled=("merge $ck --dtype fp32 --max-shard-size 1GB" "merge $ck --dtype bf16" "reshard $ck -w 8"
           "convert $ck --to dcp" "convert $ck-dcp --to deepspeed -w 4 --stage 2 --dtype bf16 --buffers scale,idx")
 case $step in warm)
@@ -70,11 +74,12 @@ case $step in phases)  # where each job's writing threads spend their time (prof
   python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 1 --trees "${trees%%,*}" \
     --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --variants ";" \
     --json-out "$out/warm1.json" 2>&1 | tee "$out/warm1.log"
-  mkdir -p "$work/prof"
-  for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}; k=0
-    for job in "${profiled[@]}"; do
-      k=$((k + 1))
-      for r in $(seq ${PHASE_RUNS:-2}); do rm -rf "$work/prof-out"; sync; echo "== $name run $r: zckpt $job"
+  mkdir -p "$work/prof"; k=0
+  for job in "${profiled[@]}"; do k=$((k + 1))  # the jobs of JOBS only; the trees alternated run by run
+    [[ ",${JOBS:-${names[*]// /,}}," == *",${names[$((k - 1))]},"* ]] || continue
+    for r in $(seq ${PHASE_RUNS:-2}); do
+      for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}
+        rm -rf "$work/prof-out"; sync; echo "== $name run $r: zckpt $job"
         PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --phases \
           --json-out "$work/prof/phases-$name-$k-$r.json" -- $job -o "$work/prof-out" -q || echo "failed: $job"
       done; done; done 2>&1 | tee "$out/phases.log"

@@ -106,6 +106,18 @@ def main() -> int:
     if orig_shared is not None:
         tees.write_shared = write_shared
     lanes._close = close
+    imports: list = []  # (start, end) of each casting.prepare: the casts' imports (first, or on a side thread)
+    from zckpt.encoding import casting as _casting
+    orig_prepare = _casting.prepare
+
+    def prepare(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig_prepare(*a, **k)
+        finally:
+            imports.append((t, time.perf_counter()))
+
+    _casting.prepare = prepare
     if phases:  # where the writing threads' time goes (no cProfile: the main thread runs at its own speed)
         from zckpt.encoding import casting, tensors
         executor.pwrite_all = timed("pwrite", executor.pwrite_all)
@@ -189,6 +201,10 @@ def main() -> int:
           f" + writing {doc['writing_s']:.3f} ({doc['gb_per_s']:.2f} GB/s, {len(threads)} threads, mean busy "
           f"{doc['busy_mean']:.1f}) + after {doc['after_last_job_s']:.3f}; tail (< {half:g} busy) {doc['tail_s']:.3f}s "
           f"{tail_bytes / 1e9:.2f} GB in {len(tail_files)} files {tail_files[:6]}")
+    for a, b in imports:
+        print(f"  the casts' imports (casting.prepare): {a - t0:+.3f} -> {b - t0:+.3f} s from the first job "
+              f"({b - a:.3f} s)")
+    doc["imports_s"] = [(round(a - t0, 4), round(b - t0, 4)) for a, b in imports]
     for k, v in doc["files"].items():
         print(f"    {k}: {v['bytes'] / 1e9:.3f} GB, {v['jobs']} jobs, {v['first_s']:.3f} -> {v['last_s']:.3f} s")
     print("  GB/s per 100 ms:", doc["gb_per_s_100ms"])
