@@ -6,7 +6,9 @@ on the lent 16-core host whatever the number of threads, and a read-then-write m
 their place (``preadv`` into the map: one copy, no inode lock), its CRC-32 taken over them there, and a cast
 writes its result there (numpy's kernels, with their ``out``). On the lent host a 16-thread copy of two 2.8 GB
 files so took 0.32 s against 0.48 for pread + pwrite, and into one file 0.39 against 0.89
-(``benchmarks/probe_mapwrite.py``; docs/benchmarks.md, issue 49, sixth session).
+(``benchmarks/probe_mapwrite.py``; docs/benchmarks.md, issue 49, sixth session). Whole jobs there were slower
+through maps (reshard, both converts and merge fp32: 25-87% with the maps held, 2-38% with them dropped; merge bf16
+swung both ways), which is why it stays off by default (seventh session).
 
 Only files whose blocks are all allocated are mapped (``fallocate`` succeeded: :func:`zckpt.engine.executor.allocate`):
 a page of a sparse file that finds the disk full would end the process with SIGBUS, not an error. And only on the
