@@ -41,6 +41,7 @@ def main() -> int:
             json_out, argv = argv[1], argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the zckpt program does (zckpt/__main__.py)
     from zckpt.engine import executor, lanes
     spent: dict = {}  # --phases: seconds and calls per phase, summed over the threads
 
