@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from zckpt.engine import executor
+from zckpt.io import allocation
 from zckpt.engine.segments import Piece
 from zckpt.errors import InvalidArgument
 from zckpt.io import publish, storage
@@ -404,29 +405,29 @@ def test_allocate_gives_the_final_size_and_reports_a_full_disk(tmp_path, monkeyp
     path = tmp_path / "f.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        executor.allocate(fd, 3 << 20)
+        allocation.allocate(fd, 3 << 20)
         assert os.fstat(fd).st_size == 3 << 20
     finally:
         os.close(fd)
     assert path.read_bytes() == bytes(3 << 20)
     fd = os.open(tmp_path / "empty.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        executor.allocate(fd, 0)  # an empty file: nothing to allocate, no error
+        allocation.allocate(fd, 0)  # an empty file: nothing to allocate, no error
         assert os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
-    if executor._fallocate_fn():  # Linux: a filesystem's "no space" is an error, not a sparse file
-        ctypes, _, fstatfs = executor._fallocate_fn()
+    if allocation._fallocate_fn():  # Linux: a filesystem's "no space" is an error, not a sparse file
+        ctypes, _, fstatfs = allocation._fallocate_fn()
 
         def full(fd, mode, off, size):
             ctypes.set_errno(28)  # ENOSPC
             return -1
-        monkeypatch.setattr(executor, "_libc", (ctypes, full, fstatfs))
-        monkeypatch.setattr(executor, "_NO_FALLOCATE_FS", set())
+        monkeypatch.setattr(allocation, "_libc", (ctypes, full, fstatfs))
+        monkeypatch.setattr(allocation, "NO_FALLOCATE_FS", set())
         fd = os.open(tmp_path / "g.bin", os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             with pytest.raises(OSError) as e:
-                executor.allocate(fd, 1 << 20)
+                allocation.allocate(fd, 1 << 20)
             assert e.value.errno == 28
         finally:
             os.close(fd)

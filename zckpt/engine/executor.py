@@ -22,7 +22,6 @@ casts stay parallel. No torch or numpy import here (casts import numpy on first 
 from __future__ import annotations
 
 import bisect
-import errno
 import os
 import sys
 import threading
@@ -128,48 +127,6 @@ def pwrite_pieces(fd: int, pieces: Iterable[tuple[int, bytes]], base: int = 0) -
         end += len(data)
     if run:
         pwrite_all(fd, b"".join(run), base + start)
-
-
-# Output files are allocated at their final size before a byte is written (fallocate): on the lent 16-core host's
-# ext4, 4 GB written by 8 threads into a file allocated so took 0.82 s, into one only truncated to size 1.04 s
-# (benchmarks/probe_io.py, docs/benchmarks.md); a full disk is also found before anything is written. Filesystems
-# without fallocate, and tmpfs (where it would fill the pages with zeros first), get ftruncate.
-_NO_FALLOCATE_FS = {0x01021994, 0x858458F6}  # tmpfs, ramfs (statfs f_type)
-_libc = None
-
-
-def _fallocate_fn():
-    global _libc
-    if _libc is None:
-        _libc = False
-        if sys.platform.startswith("linux") and os.environ.get("ZCKPT_FALLOCATE", "1") != "0":
-            try:
-                import ctypes
-                lib = ctypes.CDLL(None, use_errno=True)
-                fn, fstatfs = lib.fallocate, lib.fstatfs
-                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-                fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
-                _libc = (ctypes, fn, fstatfs)
-            except (OSError, AttributeError):
-                _libc = False
-    return _libc
-
-
-def allocate(fd: int, size: int) -> None:
-    """Give the new file ``fd`` its final ``size``: its blocks allocated (fallocate) where the filesystem can, else
-    ftruncate (a sparse file). Raises OSError(ENOSPC) when the disk cannot hold it."""
-    lib = _fallocate_fn() if size > 0 else False
-    if lib:
-        ctypes, fn, fstatfs = lib
-        buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field (a long)
-        if fstatfs(fd, buf) == 0 and ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF not in _NO_FALLOCATE_FS:
-            if fn(fd, 0, 0, size) == 0:
-                return
-            err = ctypes.get_errno()
-            if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise OSError(err, os.strerror(err))
-            # EOPNOTSUPP, ENOSYS, EINVAL...: this filesystem cannot; a plain truncate below
-    os.ftruncate(fd, size)
 
 
 def test_delay() -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from zckpt.engine import castimports, executor, mapped, tees
+from zckpt.io import allocation
 from zckpt.io.hashing import crc32_combine
 
 # Files written at once by one process (at most): ZCKPT_FILES_AT_ONCE.
@@ -62,10 +63,10 @@ class Target:
 
 
 def create(path: str, size: int) -> None:
-    """A new file ``path`` at its final ``size`` (allocated where the filesystem can: :func:`executor.allocate`)."""
+    """A new file ``path`` at its final ``size`` (allocated where the filesystem can: :func:`zckpt.io.allocation.allocate`)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
-        executor.allocate(fd, size)
+        allocation.allocate(fd, size)
     finally:
         os.close(fd)
 
@@ -172,7 +173,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
                 executor.test_delay()
                 fd = os.open(t.path, mode | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
                 try:
-                    executor.allocate(fd, t.size)
+                    allocation.allocate(fd, t.size)
                 except BaseException:
                     os.close(fd)
                     raise

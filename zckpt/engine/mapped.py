@@ -10,7 +10,7 @@ files so took 0.32 s against 0.48 for pread + pwrite, and into one file 0.39 aga
 through maps (reshard, both converts and merge fp32: 25-87% with the maps held, 2-38% with them dropped; merge bf16
 swung both ways), which is why it stays off by default (seventh session).
 
-Only files whose blocks are all allocated are mapped (``fallocate`` succeeded: :func:`zckpt.engine.executor.allocate`):
+Only files whose blocks are all allocated are mapped (``fallocate`` succeeded: :func:`zckpt.io.allocation.allocate`):
 a page of a sparse file that finds the disk full would end the process with SIGBUS, not an error. And only on the
 local filesystems whose maps of such files are measured or well known (ext4, xfs, btrfs): tmpfs, network and
 cluster filesystems, and ``ZCKPT_FALLOCATE=0`` write with ``pwrite`` as before. ``ZCKPT_MAP_DROP=1``:
@@ -28,7 +28,7 @@ import os
 
 from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.engine.segments import Cast, Fill, Piece
-from zckpt.io import storage
+from zckpt.io import allocation, storage
 from zckpt.io.hashing import crc32, crc32_combine
 
 MAP_WRITES = os.environ.get("ZCKPT_MAP_WRITES", "0") == "1"
@@ -37,13 +37,7 @@ _MAP_FS = {0xEF53, 0x58465342, 0x9123683E}  # statfs f_type: ext4 (and ext2/3), 
 
 
 def _local_fs(fd: int) -> bool:
-    from zckpt.engine import executor
-    lib = executor._fallocate_fn()
-    if not lib:
-        return False
-    ctypes, _, fstatfs = lib
-    buf = ctypes.create_string_buffer(512)  # struct statfs: f_type is its first field (a long)
-    return fstatfs(fd, buf) == 0 and ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in _MAP_FS
+    return allocation.fs_type(fd) in _MAP_FS
 
 
 def open_map(fd: int) -> memoryview | None:

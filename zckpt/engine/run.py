@@ -30,7 +30,7 @@ from zckpt.engine import executor, lanes as _lanes, tees, torchzip, works as wor
 from zckpt.engine.checked import InputCheck
 from zckpt.engine.segments import source_segments
 from zckpt.errors import InvalidArgument
-from zckpt.io import publish
+from zckpt.io import allocation, publish
 from zckpt.units import format_size
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def write_dcp_part(plan, pub, pool=None, worker=None, maps=None, progress=None, 
         dst = pub.path(rel)
         fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            executor.allocate(fd, f.size)
+            allocation.allocate(fd, f.size)
             torchzip.write_archives(f.placed, fd, pool, progress, worker, maps)
             if fsync:
                 os.fsync(fd)

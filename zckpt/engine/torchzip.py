@@ -27,8 +27,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from zckpt.engine.checked import MappedCrc
-from zckpt.engine.executor import CHUNK_BYTES, Worker, allocate, chunks, pwrite_pieces, run_jobs, zeros_crc
+from zckpt.engine.executor import CHUNK_BYTES, Worker, chunks, pwrite_pieces, run_jobs, zeros_crc
 from zckpt.engine.segments import Fill, Piece, Shaped, coalesce, seg_numel, source_segments
+from zckpt.io.allocation import allocate
 from zckpt.io.hashing import crc32, crc32_combine
 
 ALIGN = 64
