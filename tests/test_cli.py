@@ -231,55 +231,6 @@ def test_casts_import_numpy_before_the_writing_threads_start(tmp_path):
         assert int(jobs) > 1 and before == "True", (dtype, out)
 
 
-def test_copies_are_written_while_the_casts_import(tmp_path):
-    """convert --to deepspeed at bf16 in a fresh process with ZCKPT_IMPORT_AHEAD=1: its optimizer files (copies) may
-    be written while numpy and ml_dtypes import on a side thread (``castimports.CastImports``), its model states (casts)
-    only after: every cast job sees them imported. The output holds what it holds with the imports first (the
-    default, ZCKPT_IMPORT_AHEAD=0: no side thread)."""
-    import zckpt
-    from tests.conftest import FIXTURES
-    from tests.test_distributed import assert_same_output
-    dcp = tmp_path / "dcp"
-    zckpt.convert(str(FIXTURES / "z2_bf16_ws2"), to="dcp", out=str(dcp))
-    code = ("import sys; from zckpt.engine import executor; from zckpt.engine.segments import Cast\n"
-            "from zckpt.encoding import casting; casting.ML_SLOW_FROM = 0  # ml_dtypes' import paying\n"
-            "from zckpt.engine import castimports\n"
-            "seen, made = [], []; write = executor.Worker.write; init = castimports.CastImports.__init__\n"
-            "def spy(self, fd, off, parts, dtype, **k):\n"
-            "    if any(isinstance(p, Cast) for p in parts):\n"
-            "        seen.append('numpy' in sys.modules and 'ml_dtypes' in sys.modules)\n"
-            "    return write(self, fd, off, parts, dtype, **k)\n"
-            "executor.Worker.write = spy\n"
-            "from zckpt.engine import tees; shared = tees.write_shared  # (cast jobs that also write the masters)\n"
-            "def spy_shared(worker, *a, **k):\n"
-            "    seen.append('numpy' in sys.modules and 'ml_dtypes' in sys.modules)\n"
-            "    return shared(worker, *a, **k)\n"
-            "tees.write_shared = spy_shared\n"
-            "from zckpt.engine import mapped; mapped_write = mapped.write  # (the jobs a map takes)\n"
-            "def spy_mapped(worker, view, off, parts, dtype, want_crc):\n"
-            "    ready = 'numpy' in sys.modules and 'ml_dtypes' in sys.modules\n"
-            "    got = mapped_write(worker, view, off, parts, dtype, want_crc)\n"
-            "    if got is not None and any(isinstance(p, Cast) for p in parts):\n"
-            "        seen.append(ready)\n"
-            "    return got\n"
-            "mapped.write = spy_mapped\n"
-            "castimports.CastImports.__init__ = lambda self, *a: (made.append(1), init(self, *a))[1]\n"
-            "from zckpt.ops.convert import convert\n"
-            "convert(sys.argv[1], to='deepspeed', out=sys.argv[2], world_size=2, stage=2, dtype='bf16', "
-            "buffers='scale,idx', workers=4); print(len(seen), all(seen), len(made))")
-    outs = {}
-    for ahead in ("1", "0"):
-        outs[ahead] = tmp_path / "out"  # one path for both: the marker records it
-        env = {**os.environ, "ZCKPT_IMPORT_AHEAD": ahead}
-        out = subprocess.run([sys.executable, "-c", code, str(dcp), str(outs[ahead])], capture_output=True,
-                             text=True, check=True, env=env).stdout
-        casts, before, made = out.split()
-        assert int(casts) > 0 and before == "True" and int(made) == (ahead == "1"), (ahead, out)
-        if ahead == "1":
-            (tmp_path / "out").rename(tmp_path / "ahead")
-    assert_same_output(tmp_path / "ahead", tmp_path / "out")
-
-
 # ------------------------------------------------------------------------------ one vocabulary: flags and errors
 
 def invoke(*args, env=None):

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zckpt.engine import castimports, executor, lanes, mapped
+from zckpt.engine import executor, lanes, mapped
 
 
 def _targets(tmp_path, sizes, chunk=64, slot=0):
@@ -45,113 +45,8 @@ def test_files_dealt_together_are_dealt_their_last_jobs_together():
     ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((8, 2, 4))]
     keys = [t.key for t, _ in lanes._deal(ts, 2)]
     assert keys == [0, 2, 0, 0, 2, 0, 0, 2, 0, 0, 2, 1, 0, 1]
-
-
-class _Imports:
-    """The casts' imports as the deal sees them: done after ``after`` looks."""
-
-    def __init__(self, after: int, error: BaseException | None = None):
-        self.looks, self.after, self.error = 0, after, error
-
-    def ready(self) -> bool:
-        self.looks += 1
-        return self.looks > self.after
-
-    def wait(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-@pytest.mark.parametrize("after", [0, 3, 6, 100])
-def test_files_that_cast_are_held_while_their_imports_run_then_catch_up(after):
-    """The files whose jobs cast wait for the imports (dealt nothing before); the others are dealt meanwhile; a held
-    file opened late is dealt every other job until level with the open ones, then paced with them; every job
-    once, each file's in order."""
-    sizes = (8, 8, 6)
-    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate(sizes)]
-    imports = _Imports(after)
-    order = [(t.key, job[1]) for t, job in lanes._deal(ts, 16, [ts[2]], imports)]
-    assert sorted(order) == sorted((k, i) for k, n in enumerate(sizes) for i in range(n))
-    for k in range(3):
-        assert [i for kk, i in order if kk == k] == list(range(sizes[k]))
-    keys = "".join(str(k) for k, _ in order)
-    first = keys.index("2")
-    assert first >= min(after, 16)  # nothing of the held file before the imports are done
-    assert set(keys[:first]) <= {"0", "1"}
-    if 0 < after < 16:  # caught up beside the others: every other job, then paced; not alone at the end
-        assert keys[first:first + 4] in ("2021", "2120", "2020", "2121")
-        assert keys[-3:].count("2") <= 1
-    if after >= 16:  # nothing else was left: the held file alone
-        assert keys == "01" * 8 + "2" * 6
+    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(n)]) for k, n in enumerate((8, 8, 6))]
     assert "".join(str(t.key) for t, _ in lanes._deal(ts, 16)) == "012012012010120120120" + "1"
-
-
-def test_an_import_that_fails_stops_the_deal_with_its_error():
-    ts = [lanes.Target(k, f"f{k}", [(0, i, [], "uint8") for i in range(4)]) for k in range(2)]
-    deal = lanes._deal(ts, 4, [ts[1]], _Imports(2, ImportError("no numpy")))
-    got = [next(deal) for _ in range(2)]
-    assert [t.key for t, _ in got] == [0, 0]
-    with pytest.raises(ImportError, match="no numpy"):
-        list(deal)
-
-
-def test_the_casts_imports_run_beside_the_copies(tmp_path, monkeypatch):
-    """ZCKPT_IMPORT_AHEAD=1: a cast file among copied ones, its imports on a side thread (as in a fresh process,
-    where numpy is not imported yet): the copies are written while it runs, the cast file after it, every byte as
-    one at a time."""
-    import numpy as np
-    from zckpt.engine.segments import Cast, Piece
-
-    src = tmp_path / "src.bin"
-    values = (np.arange(1, 4097, dtype=np.uint32) << 16).view(np.float32)  # low halves zero: exact in bf16
-    src.write_bytes(values.tobytes())
-    expect_bf16 = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-    copies = _targets(tmp_path, [4096, 3000])
-    cast_jobs = [(0, off * 2, [Cast([Piece(str(src), off * 4, 512, "float32")], "float32")], "bfloat16")
-                 for off in range(0, 4096, 512)]
-    cast_t = lanes.Target(9, str(tmp_path / "cast"), cast_jobs, size=8192)
-    gate, done_when = threading.Event(), []
-    written = []
-    real_write = executor.Worker.write
-    monkeypatch.setattr(executor.Worker, "write",
-                        lambda self, fd, off, parts, dtype, **k: (written.append((dtype, gate.is_set())),
-                                                                  real_write(self, fd, off, parts, dtype, **k))[1])
-    real_mapped = mapped.write
-
-    def spy_mapped(worker, view, off, parts, dtype, want_crc):  # (ZCKPT_MAP_WRITES=1: the jobs a map takes)
-        ready = gate.is_set()
-        got = real_mapped(worker, view, off, parts, dtype, want_crc)
-        if got is not None:
-            written.append((dtype, ready))
-        return got
-
-    monkeypatch.setattr(mapped, "write", spy_mapped)
-
-    class SlowImports(castimports.CastImports):
-        def _run(self, pairs, bf16):
-            while len(written) < 20:  # the copies go on meanwhile
-                time.sleep(0.001)
-            done_when.append(len(written))
-            gate.set()
-            super()._run(pairs, bf16)
-
-    monkeypatch.setattr(castimports, "ready", lambda pairs: False)
-    monkeypatch.setattr(castimports, "IMPORT_AHEAD", True)  # (ZCKPT_IMPORT_AHEAD=1)
-    monkeypatch.setattr(castimports, "CastImports", SlowImports)
-    w = executor.Worker()
-    w.use_torch = False  # (torch imported by other tests: its casts would need no import)
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            crcs = lanes.write_files([t for t, _ in copies] + [cast_t], pool, w)
-    finally:
-        w.close()
-    assert done_when and done_when[0] >= 20
-    assert all(dtype == "uint8" for dtype, after in written if not after)  # no cast before its imports
-    assert sum(1 for dtype, _ in written if dtype == "bfloat16") == len(cast_jobs)
-    assert (tmp_path / "cast").read_bytes() == expect_bf16
-    for t, data in copies:
-        assert (tmp_path / f"f{t.key}").read_bytes() == data
-        assert crcs[(t.key, 0)] == (zlib.crc32(data), len(data))
 
 
 def test_files_are_written_at_once_with_their_bytes_and_crcs(tmp_path, monkeypatch):

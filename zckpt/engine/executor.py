@@ -145,7 +145,7 @@ class Worker:
 
     Plain copies need neither numpy nor torch, and neither do small bf16 -> fp32 casts (``pure_upcast``: frozen
     weights and buffers of a bf16 run merged to fp32); other casts import numpy (50-150 ms), before the threads start
-    (:meth:`prepare`), or with ZCKPT_IMPORT_AHEAD=1 beside the copies (:mod:`zckpt.engine.castimports`)."""
+    (:meth:`prepare`)."""
 
     def __init__(self, pure_upcast: bool = False, reader=None, storage_options: dict | None = None,
                  check: InputCheck | None = None):

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import castimports, executor, mapped, tees
+from zckpt.engine import executor, mapped, tees
 from zckpt.io import allocation
 from zckpt.io.hashing import crc32_combine
 
@@ -71,58 +71,26 @@ def create(path: str, size: int) -> None:
         os.close(fd)
 
 
-def _deal(targets: list[Target], lanes: int, held: list[Target] | None = None,
-          imports: castimports.CastImports | None = None) -> Iterator[tuple[Target, tuple]]:
+def _deal(targets: list[Target], lanes: int) -> Iterator[tuple[Target, tuple]]:
     """``(target, job)`` pairs, each file's jobs in order, up to ``lanes`` files open at a time (the files of most
     jobs first), paced: the next job is the open file's that is furthest behind by the share of its jobs dealt (a
     file opened later starts level with the others), so files opened together are dealt their last jobs together.
-    Dealt round-robin, a file of 2 GB among files of 1.5 GB was written alone at the end, at one inode's rate.
-
-    ``held``: files whose jobs cast, held back while ``imports`` (the casts' imports, on a side thread) run; the
-    other files are dealt meanwhile. Once the imports are done (or nothing else is left), the held files open ahead
-    of those waiting, and while one is behind the open files it is dealt every other job until it is level: caught
-    up beside them, rather than alone at one inode's rate at the end, or alone now."""
-    held_ids = {id(t) for t in held or ()}
-    order = sorted((t for t in targets if t.jobs), key=lambda t: -len(t.jobs))
-    waiting = deque(t for t in order if id(t) not in held_ids)
-    holding = [t for t in order if id(t) in held_ids]
-    late: set = set()  # ids of the held files released after others had opened
+    Dealt round-robin, a file of 2 GB among files of 1.5 GB was written alone at the end, at one inode's rate."""
+    waiting = deque(sorted((t for t in targets if t.jobs), key=lambda t: -len(t.jobs)))
     active: list = []  # heap of [share dealt, order opened, target, next job]
-    behind: list = []  # lanes of late files still behind the open ones
     opened = 0
     level = 0.0
-    turn = False
-    while waiting or active or holding or behind:
-        if holding and (imports is None or imports.ready() or not (waiting or active or behind)):
-            if imports is not None:
-                imports.wait()  # (raises what the imports raised)
-            if opened:
-                late.update(id(t) for t in holding)
-            waiting.extendleft(reversed(holding))
-            holding = []
-        while len(active) + len(behind) < lanes and waiting:
-            t = waiting.popleft()
-            if id(t) in late and active:
-                behind.append([0.0, opened, t, 0])
-            else:
-                heapq.heappush(active, [level, opened, t, 0])
+    while waiting or active:
+        while len(active) < lanes and waiting:
+            heapq.heappush(active, [level, opened, waiting.popleft(), 0])
             opened += 1
-        turn = not turn
-        if behind and (turn or not active):
-            lane = min(behind)
-        else:
-            lane = heapq.heappop(active)
-            level = lane[0]
+        lane = heapq.heappop(active)
+        level = lane[0]
         t, i = lane[2], lane[3]
         yield t, t.jobs[i]
         lane[0] += 1 / len(t.jobs)
         lane[3] = i + 1
-        if behind and any(lane is b for b in behind):
-            if lane[3] == len(t.jobs) or not active or lane[0] >= active[0][0]:
-                behind.remove(lane)  # done, or level with the open files: paced with them from now
-                if lane[3] < len(t.jobs):
-                    heapq.heappush(active, lane)
-        elif lane[3] < len(t.jobs):
+        if lane[3] < len(t.jobs):
             heapq.heappush(active, lane)
 
 
@@ -150,17 +118,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
     syncing: list = []
-    # the casts' imports: now, or on a side thread while the files that need no cast are written first
-    pairs, bf16 = worker.cast_needs((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)
-    held, imports = [], None
-    if pairs and castimports.IMPORT_AHEAD and pool is not None and not remote and not castimports.ready(pairs):
-        held = [t for t in targets if worker.cast_needs((parts, dtype) for _, _, parts, dtype in t.jobs)[0]]
-        if 0 < len(held) < sum(1 for t in targets if t.jobs):
-            imports = castimports.CastImports(pairs, bf16)
-        else:  # every file casts (or none): nothing to write meanwhile
-            held = []
-    if pairs and imports is None:
-        worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)
+    worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports, first
     for t in targets:
         t.left, t.crcs, t.crc_parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
@@ -261,7 +219,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
             if not t.left:
                 finish(t)
         if pool is not None and not remote:
-            _run_ordered(pool, run, _deal(targets, lanes, held, imports), took, ahead=4 * workers)
+            _run_ordered(pool, run, _deal(targets, lanes), took, ahead=4 * workers)
         else:  # one file at a time; remote ranges fetched ahead (run_jobs' windows)
             for t in targets:
                 if t.jobs:
