@@ -63,7 +63,8 @@ class Target:
 
 
 def create(path: str, size: int) -> None:
-    """A new file ``path`` at its final ``size`` (allocated where the filesystem can: :func:`zckpt.io.allocation.allocate`)."""
+    """A new file ``path`` at its final ``size`` (allocated where the filesystem can:
+    :func:`zckpt.io.allocation.allocate`)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() gives
     try:
         allocation.allocate(fd, size)
