@@ -107,7 +107,7 @@ def main() -> int:
     if orig_shared is not None:
         tees.write_shared = write_shared
     lanes._close = close
-    imports: list = []  # (start, end) of each casting.prepare: the casts' imports (first, or on a side thread)
+    imports: list = []  # (start, end) of each casting.prepare: the casts' imports, before the first job
     from zckpt.encoding import casting as _casting
     orig_prepare = _casting.prepare
 
