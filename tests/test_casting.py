@@ -324,3 +324,44 @@ def test_numpy_passes_hand_over_to_ml_dtypes_once_they_cast_its_import(monkeypat
         used.append(casting._USE_ML)
     assert used == [False, False, True, True, True], used
     assert casting._numpy_bf16 == 3 * 4 * 4096
+
+
+def test_ml_dtypes_cast_finds_every_nan_in_its_result(monkeypatch):
+    """The ml_dtypes path casts first and looks for NaN in the bf16 result (half the bytes of the fp32 input): every
+    one of the 2**24 - 2 fp32 NaN patterns becomes a bf16 NaN there and no other value does, so a chunk holding any
+    NaN, of either sign, anywhere, goes to torch and gets torch's bits; numpy's warning of a NaN cast stays quiet."""
+    import warnings
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from zckpt.encoding import casting
+    monkeypatch.setattr(casting, "_USE_ML", True)
+    monkeypatch.setattr(casting, "_ML_BF16", ml_dtypes.bfloat16)
+    mant = np.arange(1, 1 << 23, dtype=np.uint32)
+    for sign in (0, 1 << 31):
+        nans = (mant | np.uint32(0x7F800000 | sign)).view(np.float32)
+        got = np.empty(nans.size, np.uint16)
+        with np.errstate(invalid="ignore"):
+            np.copyto(got.view(ml_dtypes.bfloat16), nans, casting="unsafe")
+        assert casting._bf16_nan(got) and ((got & 0x7FFF) > 0x7F80).all()
+    rng = np.random.default_rng(5)
+    finite = rng.integers(0, 2**32, size=1 << 16, dtype=np.uint64).astype(np.uint32)
+    finite = finite[~np.isnan(finite.view(np.float32))]
+    finite = np.concatenate([finite, np.array([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF], np.uint32)])
+    got = np.empty(finite.size, np.uint16)
+    np.copyto(got.view(ml_dtypes.bfloat16), finite.view(np.float32), casting="unsafe")
+    assert not casting._bf16_nan(got)  # no finite or infinite value rounds to a NaN (the largest round to inf)
+    assert not casting._bf16_nan(np.empty(0, np.uint16))
+    calls = []
+    monkeypatch.setattr(casting, "_has_nan", lambda *a: calls.append(a) or False)  # the input is not scanned
+    base = rng.standard_normal(4099).astype(np.float32).view(np.uint32)
+    for where, pattern in [(0, 0x7FC00000), (2049, 0xFF800001), (4098, 0x7F800001), (17, 0xFFFFFFFF), (None, 0)]:
+        bits = base.copy()
+        if where is not None:
+            bits[where] = pattern
+        raw = bits.view(np.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert np.array_equal(cast(raw, "float32", "bfloat16"), _torch(raw, "float32", "bfloat16")), where
+            out = bytearray(bits.size * 2)
+            cast(raw, "float32", "bfloat16", out=memoryview(out))
+        assert bytes(out) == _torch(raw, "float32", "bfloat16").tobytes(), where
+    assert not calls

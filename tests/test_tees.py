@@ -191,3 +191,37 @@ def test_a_file_written_by_tees_alone_is_finished_once_with_its_crc(tmp_path):
     assert sorted(k for k, _ in done) == [0, 1]
     assert dict(done)[0] == {0: (zlib.crc32(vals), len(vals))} and got[(0, 0)] == (zlib.crc32(vals), len(vals))
     assert (tmp_path / "cast").read_bytes() == (np.frombuffer(vals, np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def test_cast_jobs_are_dealt_in_turn_by_the_file_their_tees_write(tmp_path):
+    """In plan order the casts in flight would all tee into one rank's optimizer file (the masters of one rank lie
+    together); after sharing, the cast target's jobs alternate between the files their tees write into, in
+    proportion to their numbers, each file's jobs in their order; the bytes written are those of plan order."""
+    vals = np.random.default_rng(3).standard_normal(6000).astype(np.float32)
+    (tmp_path / "src").write_bytes(vals.tobytes())
+    p = str(tmp_path / "src")
+    split = 4000  # file A copies the first 4000 values, B the last 2000: casts of 500 values, 8 into A, 4 into B
+    copies = [lanes.Target(k, str(tmp_path / name), [(0, off, [Piece(p, 4 * (lo + off // 4), 250, "float32")],
+                                                      "float32") for off in range(0, 4 * (hi - lo), 1000)])
+              for k, (name, lo, hi) in enumerate((("A", 0, split), ("B", split, 6000)))]
+    cast = lanes.Target(2, str(tmp_path / "cast"), [(0, 2 * a, [Cast([Piece(p, 4 * a, 500, "float32")], "float32")],
+                                                     "bfloat16") for a in range(0, 6000, 500)])
+    planned = list(cast.jobs)
+    assert tees.share_reads([*copies, cast]) == 4 * 6000
+    into = ["AB"[copies.index(job[2][0].tees[0].target)] for job in cast.jobs]
+    assert "".join(into) == "ABAABAABAABA"  # (in plan order: AAAAAAAABBBB)
+    offsets = [job[1] for job in cast.jobs]
+    assert sorted(offsets) == [job[1] for job in planned]
+    assert [o for o, f in zip(offsets, into) if f == "A"] == sorted(o for o, f in zip(offsets, into) if f == "A")
+    for t, size in ((copies[0], 4 * split), (copies[1], 4 * (6000 - split)), (cast, 2 * 6000)):
+        lanes.create(t.path, size)
+    w = executor.Worker()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            lanes.write_files([*copies, cast], pool, w)
+    finally:
+        w.close()
+    assert (tmp_path / "A").read_bytes() == vals[:split].tobytes()
+    assert (tmp_path / "B").read_bytes() == vals[split:].tobytes()
+    want = (vals.view(np.uint32).astype(np.uint64) + 0x7FFF + ((vals.view(np.uint32) >> 16) & 1)) >> 16
+    assert (tmp_path / "cast").read_bytes() == want.astype(np.uint16).tobytes()

@@ -17,11 +17,14 @@ and reused as the copy's CRC: the bytes are the same), cast and written, then ev
 buffer under its file's write slots. :mod:`zckpt.engine.lanes` counts a target's tees among its jobs (a file is
 finished when both are done) and combines each slot's CRC-32 parts in file order, wherever they were written.
 
-Off by default (``ZCKPT_SHARE_READS=1`` turns it on). On the lent 16-core host it made convert --to deepspeed 37%
-slower (0.85 -> 1.16 s, best of 3; docs/benchmarks.md, issue 49, sixth session): the pwrites' thread time doubled.
-Each tee goes to the optimizer file of the rank whose masters the cast jobs are at, so the threads of every cast in
-flight pile onto one file's inode lock beside that file's own copies. The bytes it saves reading were not the
-limit there; the writes into one file at a time are.
+Off by default (``ZCKPT_SHARE_READS=1`` turns it on). On the lent 16-core host it first made convert --to deepspeed
+37% slower (0.85 -> 1.16 s, best of 3; docs/benchmarks.md, issue 49, sixth session): the pwrites' thread time
+doubled. In plan order each tee goes to the optimizer file of the rank whose masters the cast jobs are at, so the
+threads of every cast in flight piled onto one file's inode lock beside that file's own copies. Since then a cast
+target's jobs are dealt in turn by the file their tees write into (:func:`_interleaved`), and the tees no longer
+lose (eighth session): the writing took 0.876-0.886 s against 0.924-0.964 s in three profiled runs each, the
+threads' time 10.3 s against 10.8-11.2; whole jobs, best of 5, 0.887 s against 0.871 (medians 0.927 and 0.921).
+That is within the host's spread, so sharing stays opt-in.
 
 Only one process's targets share (a launcher's ranks split each file by byte ranges and combine their CRCs so);
 pieces behind URLs never do (their bytes are fetched ahead in windows). Output bytes are the same either way.
@@ -30,6 +33,7 @@ pieces behind URLs never do (their bytes are fetched ahead in windows). Output b
 from __future__ import annotations
 
 import bisect
+import heapq
 import os
 import threading
 from typing import Callable
@@ -170,7 +174,30 @@ def share_reads(targets: list) -> int:
                 tee.target.tee_in += 1
     if shared:
         _cut_copies(index)
+        for t in {id(t): t for t, _ in casts}.values():
+            t.jobs = _interleaved(t.jobs)
     return shared
+
+
+def _interleaved(jobs: list) -> list:
+    """A cast target's jobs dealt in turn by the file their first tee writes into (each file's in their order):
+    in plan order the casts in flight would all tee into the optimizer file of one rank, queueing on its inode
+    lock. (The order of one target's jobs is free: lanes combines each slot's CRC-32 parts by offset.)"""
+    groups: dict = {}
+    for job in jobs:
+        parts = job[2]
+        key = id(parts[0].tees[0].target) if len(parts) == 1 and isinstance(parts[0], SharedCast) else None
+        groups.setdefault(key, []).append(job)
+    if len(groups) < 2:
+        return jobs
+    heap = [(0.0, k, q, 0) for k, q in enumerate(groups.values())]  # (share taken, order, jobs, next)
+    out = []
+    while heap:
+        share, k, q, i = heapq.heappop(heap)
+        out.append(q[i])
+        if i + 1 < len(q):
+            heapq.heappush(heap, ((i + 1) / len(q), k, q, i + 1))
+    return out
 
 
 def _cut_copies(index) -> None:
