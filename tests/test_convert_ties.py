@@ -158,6 +158,9 @@ def test_dcp_to_deepspeed_carries_the_counters(outputs, tmp_path):
     assert {"train_state.global_steps", "train_state.global_samples", "train_state.skipped_steps"} <= \
         set(doc["carried"])
     assert doc["stats"]["ranks"] == 1 and "loss_scaler" in doc["not_carried"]
+    stats = doc["stats"]  # where the command's seconds went: planning, the casts' imports, the writing
+    assert 0 < stats["write_seconds"] and 0 <= stats["imports_seconds"]
+    assert stats["plan_seconds"] + stats["imports_seconds"] + stats["write_seconds"] <= doc["seconds"]
     ds = open_checkpoint(str(tmp_path / "ds"))
     src = open_checkpoint(str(TRAINER))
     for k in ("global_steps", "global_samples", "skipped_steps"):

@@ -385,18 +385,23 @@ class Worker:
 # ---------------------------------------------------------------------------------------------- remote reads
 
 class FetchStats:
-    """A worker's remote reads (bytes, ranged GETs, seconds waited), and input bytes read once for two outputs."""
+    """A worker's remote reads (bytes, ranged GETs, seconds waited), input bytes read once for two outputs, and the
+    seconds of its casts' imports and of its writing (what a command's ``seconds`` spend beside planning and
+    publishing)."""
 
     def __init__(self):
         self.bytes = 0
         self.requests = 0
         self.wait_seconds = 0.0
         self.read_once = 0
+        self.imports_seconds = 0.0  # the casts' imports (numpy, ml_dtypes), before the writing threads start
+        self.write_seconds = 0.0  # from the first job dealt to the last file finished (zckpt.engine.lanes)
         self.lock = threading.Lock()
 
     def to_json(self) -> dict:
         return {"remote_bytes": self.bytes, "remote_requests": self.requests,
-                "remote_wait_seconds": round(self.wait_seconds, 3), "read_once_bytes": self.read_once}
+                "remote_wait_seconds": round(self.wait_seconds, 3), "read_once_bytes": self.read_once,
+                "imports_seconds": round(self.imports_seconds, 3), "write_seconds": round(self.write_seconds, 3)}
 
 
 class RangeCache:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
@@ -81,7 +82,9 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     pure = cast_bytes <= PURE_CAST_BYTES and all((t.src_dtype, t.dtype) == ("bfloat16", "float32") for t in casts)
     worker, maps = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check), \
         torchzip.SourceMaps()
+    began = time.perf_counter()
     worker.use_torch = casting.torch_pays(casting.slow_downcast_bytes(casts))  # torch's one-pass kernel
+    worker.stats.imports_seconds += time.perf_counter() - began  # (ml_dtypes and numpy imported here for bf16)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
