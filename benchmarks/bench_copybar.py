@@ -26,8 +26,8 @@ ranges of the source's optimizer files: what the fp32 masters are) and write the
 each 128 MiB read written as the 64 MiB range): a copy that reads what the job reads and writes what it writes.
 
 **Cold** (``--cold``: after ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``, refused and said so when that is
-not allowed; then the interpreter, zckpt and numpy imported once, so that they are read back): the job once (its
-bytes read from the disk: ``ru_inblock`` x 512), then, caches dropped again, a
+not allowed; then the interpreter, zckpt and what its jobs import (numpy, ml_dtypes, isal) imported once, so that
+they are read back): the job once (its bytes read from the disk: ``ru_inblock`` x 512), then, caches dropped again, a
 ``--threads``-thread ``pread`` of every source file (64 MiB ranges, round robin): the disk's read rate for these
 files. The time to read what the job reads = its disk bytes / that rate (for reshard and both converts the job
 reads every source file, so this is the whole read's own time).
@@ -344,8 +344,12 @@ def main(argv=None) -> int:
                 res["cold"]["refused"] = "writing /proc/sys/vm/drop_caches was refused"
                 print("  drop_caches refused: no cold figures", flush=True)
                 break
-            # the interpreter, zckpt and numpy read back into the cache: the job's disk reads are the checkpoint's
-            subprocess.run([sys.executable, "-c", "import zckpt.cli, zckpt.ops.merge, numpy"],
+            # the interpreter, zckpt and what its jobs import (numpy, ml_dtypes for the bf16 casts, isal) read back
+            # into the cache: the job's disk reads are the checkpoint's (before 2026-12-06, eighth session, ml_dtypes
+            # was left out: a cold merge --dtype bf16 read it from the disk too)
+            subprocess.run([sys.executable, "-c", "import zckpt.cli, zckpt.ops.merge, zckpt.ops.convert, "
+                            "zckpt.ops.to_deepspeed, zckpt.ops.reshard, numpy, isal.isal_zlib\n"
+                            "try:\n    import ml_dtypes\nexcept ImportError:\n    pass"],
                            env=env_for(trees[cold_tree]), check=True)
             r = run_job(cmd, env_for(trees[cold_tree]))
             r["tree"] = cold_tree
