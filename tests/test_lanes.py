@@ -338,3 +338,14 @@ def test_an_entry_read_twice_in_other_cuts_is_checked_without_reading_it_again(t
     with pytest.raises(CorruptFile, match="data/0"):
         check.finish()
     assert crc32(body) == e.crc
+
+
+def test_dealt_in_turn_mixes_long_runs_in_proportion_keeping_each_groups_order():
+    items = [("a", i) for i in range(6)] + [("b", i) for i in range(3)] + [(None, 0)]
+    got = executor.dealt_in_turn(items, lambda it: it[0])
+    assert "".join(k or "-" for k, _ in got) == "ab-aabaaba"
+    for k in ("a", "b"):
+        assert [i for kk, i in got if kk == k] == sorted(i for kk, i in got if kk == k)
+    same = [("a", 1), ("a", 2)]
+    assert executor.dealt_in_turn(same, lambda it: it[0]) is same
+

@@ -22,6 +22,7 @@ casts stay parallel. No torch or numpy import here (casts import numpy on first 
 from __future__ import annotations
 
 import bisect
+import heapq
 import os
 import sys
 import threading
@@ -63,6 +64,24 @@ MAX_REQUEST_BYTES = 16 << 20
 MIN_REQUEST_BYTES = 1 << 20
 REQUEST_GAP_BYTES = 256 << 10  # ranges of one file closer than this are read in one request (the gap is read too)
 REQUESTS_IN_FLIGHT = 16
+
+
+def dealt_in_turn(items: list, key: Callable) -> list:
+    """``items`` grouped by ``key(item)`` and dealt from the groups in turn, in proportion to their sizes, each
+    group's items in their order (``items`` itself when all share one key): long runs of one key come out mixed."""
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    if len(groups) < 2:
+        return items
+    heap = [(0.0, k, q, 0) for k, q in enumerate(groups.values())]  # (share dealt, order, items, next)
+    out = []
+    while heap:
+        _, k, q, i = heapq.heappop(heap)
+        out.append(q[i])
+        if i + 1 < len(q):
+            heapq.heappush(heap, ((i + 1) / len(q), k, q, i + 1))
+    return out
 
 
 def zeros_crc(n: int, crc: int = 0) -> int:

@@ -33,13 +33,12 @@ pieces behind URLs never do (their bytes are fetched ahead in windows). Output b
 from __future__ import annotations
 
 import bisect
-import heapq
 import os
 import threading
 from typing import Callable
 
 from zckpt.encoding.safeload import DTYPE_SIZES
-from zckpt.engine.executor import pwrite_all
+from zckpt.engine.executor import dealt_in_turn, pwrite_all
 from zckpt.engine.segments import Cast, Fill, Piece
 from zckpt.io import storage
 from zckpt.io.hashing import crc32, crc32_combine
@@ -183,21 +182,10 @@ def _interleaved(jobs: list) -> list:
     """A cast target's jobs dealt in turn by the file their first tee writes into (each file's in their order):
     in plan order the casts in flight would all tee into the optimizer file of one rank, queueing on its inode
     lock. (The order of one target's jobs is free: lanes combines each slot's CRC-32 parts by offset.)"""
-    groups: dict = {}
-    for job in jobs:
+    def tee_file(job):
         parts = job[2]
-        key = id(parts[0].tees[0].target) if len(parts) == 1 and isinstance(parts[0], SharedCast) else None
-        groups.setdefault(key, []).append(job)
-    if len(groups) < 2:
-        return jobs
-    heap = [(0.0, k, q, 0) for k, q in enumerate(groups.values())]  # (share taken, order, jobs, next)
-    out = []
-    while heap:
-        share, k, q, i = heapq.heappop(heap)
-        out.append(q[i])
-        if i + 1 < len(q):
-            heapq.heappush(heap, ((i + 1) / len(q), k, q, i + 1))
-    return out
+        return id(parts[0].tees[0].target) if len(parts) == 1 and isinstance(parts[0], SharedCast) else None
+    return dealt_in_turn(jobs, tee_file)
 
 
 def _cut_copies(index) -> None:
