@@ -22,9 +22,10 @@ Off by default (``ZCKPT_SHARE_READS=1`` turns it on). On the lent 16-core host i
 doubled. In plan order each tee goes to the optimizer file of the rank whose masters the cast jobs are at, so the
 threads of every cast in flight piled onto one file's inode lock beside that file's own copies. Since then a cast
 target's jobs are dealt in turn by the file their tees write into (:func:`_interleaved`), and the tees no longer
-lose (eighth session): the writing took 0.876-0.886 s against 0.924-0.964 s in three profiled runs each, the
-threads' time 10.3 s against 10.8-11.2; whole jobs, best of 5, 0.887 s against 0.871 (medians 0.927 and 0.921).
-That is within the host's spread, so sharing stays opt-in.
+lose (eighth session): the writing took 0.876-0.886 s against 0.924-0.964 s in three profiled runs each (run second
+in each round, a place that lent merge bf16 about 4% in an A/A control), the threads' time 10.3 s against 10.8-11.2;
+whole jobs, best of 5, 0.887 s against 0.871 (medians 0.927 and 0.921). That is within the host's spread, so
+sharing stays opt-in.
 
 Only one process's targets share (a launcher's ranks split each file by byte ranges and combine their CRCs so);
 pieces behind URLs never do (their bytes are fetched ahead in windows). Output bytes are the same either way.
