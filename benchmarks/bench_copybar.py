@@ -34,7 +34,8 @@ reads every source file, so this is the whole read's own time).
 
 ``--variants 'name:ENV=V,ENV2=V|--extra args;...'``: the job again with other settings (warm, zckpt only, the
 last tree of ``--trees``).
-``--before DIR``: another tree's zckpt (``git archive OLD zckpt | tar -x -C DIR``), run alternately with this one.
+``--before DIR``: another tree's zckpt (``git archive OLD zckpt | tar -x -C DIR``), run alternately with this one
+(each round starting one tree further on, so that no tree always runs in the same place).
 
     python benchmarks/bench_copybar.py --layers 26 --hidden 2048 --ffn 8192 --repeat 3 --cold --json-out r.json
     python benchmarks/bench_copybar.py --layers 2 --hidden 256 --ffn 512 --repeat 1 --threads 4   # a smoke test
@@ -289,7 +290,10 @@ def main(argv=None) -> int:
                     pass
         rec: dict = {"cmd": "zckpt " + " ".join(cmd), "runs": {}}
         for rep in range(args.repeat):
-            for tree, root in trees.items():
+            # each round starts one tree further on: an A/A control (one tree twice) ran merge bf16 ~4% faster in
+            # the second place of every round (docs/benchmarks.md, issue 49, eighth session)
+            order = list(trees.items())
+            for tree, root in order[rep % len(order):] + order[:rep % len(order)]:
                 rm(out)
                 sync()
                 r = run_job(cmd, env_for(root))

@@ -77,8 +77,9 @@ case $step in phases)  # where each job's writing threads spend their time (prof
   mkdir -p "$work/prof"; k=0
   for job in "${profiled[@]}"; do k=$((k + 1))  # the jobs of JOBS only; the trees alternated run by run
     [[ ",${JOBS:-${names[*]// /,}}," == *",${names[$((k - 1))]},"* ]] || continue
-    for r in $(seq ${PHASE_RUNS:-2}); do
-      for t in ${trees//,/ }; do name=${t%%=*}; dir=${t#*=}
+    tl=(${trees//,/ })
+    for r in $(seq ${PHASE_RUNS:-2}); do  # each run starts one tree further on (no tree always in one place)
+      for t in "${tl[@]:$(( (r - 1) % ${#tl[@]} ))}" "${tl[@]:0:$(( (r - 1) % ${#tl[@]} ))}"; do name=${t%%=*}; dir=${t#*=}
         rm -rf "$work/prof-out"; sync; echo "== $name run $r: zckpt $job"
         PYTHONPATH=/tmp/site:$dir python3 benchmarks/profile_lanes.py --phases \
           --json-out "$work/prof/phases-$name-$k-$r.json" -- $job -o "$work/prof-out" -q || echo "failed: $job"
