@@ -349,3 +349,50 @@ def test_dealt_in_turn_mixes_long_runs_in_proportion_keeping_each_groups_order()
     same = [("a", 1), ("a", 2)]
     assert executor.dealt_in_turn(same, lambda it: it[0]) is same
 
+
+
+def test_start_threads_starts_every_thread_of_the_pool_before_the_first_job():
+    """The writing pool's threads all exist (idle) before a job is dealt, not one per submitted job; a pool of one
+    thread, a stand-in pool and ZCKPT_START_THREADS=0 are left as they are."""
+    from concurrent.futures import ThreadPoolExecutor
+    from zckpt.engine import executor
+    with ThreadPoolExecutor(6) as pool:
+        executor.start_threads(pool)
+        assert len(pool._threads) == 6
+        assert sum(pool.map(lambda x: x + 1, range(50))) == sum(range(1, 51))
+        assert len(pool._threads) == 6
+    with ThreadPoolExecutor(1) as pool:
+        executor.start_threads(pool)
+        assert len(pool._threads) == 0
+    executor.start_threads(object())  # not a ThreadPoolExecutor: nothing
+    old = executor.START_THREADS
+    executor.START_THREADS = False
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            executor.start_threads(pool)
+            assert len(pool._threads) == 0
+    finally:
+        executor.START_THREADS = old
+
+
+def test_start_threads_interrupted_lets_the_waiting_threads_go(monkeypatch):
+    """The main thread interrupted while the threads gather (Ctrl-C): the barrier is broken, every started thread
+    returns at once (the pool shuts down without waiting for the 10 s timeout)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from zckpt.engine import executor
+
+    class Interrupted(threading.Barrier):
+        def wait(self, timeout=None):
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(0.05)  # the pool's threads are waiting now
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+
+    monkeypatch.setattr(executor.threading, "Barrier", Interrupted)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ThreadPoolExecutor(4) as pool:
+            executor.start_threads(pool)
+    assert time.monotonic() - started < 5
