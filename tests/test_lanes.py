@@ -396,3 +396,47 @@ def test_start_threads_interrupted_lets_the_waiting_threads_go(monkeypatch):
         with ThreadPoolExecutor(4) as pool:
             executor.start_threads(pool)
     assert time.monotonic() - started < 5
+
+
+def test_new_files_are_made_at_their_size_on_the_pool_while_the_imports_run(tmp_path, monkeypatch):
+    """``new_files`` are made (fallocate, at their final size) by the pool's threads while the main thread runs
+    ``Worker.prepare`` (the casts' imports), all before the first job; a file that cannot be made raises before
+    any job, the first in order."""
+    main = threading.main_thread()
+    made_on, sizes_at_first_job, jobs_run = [], [], []
+    real_create = lanes.create
+
+    def create(path, size):
+        made_on.append(threading.current_thread() is main)
+        time.sleep(0.05)  # still being made while the imports run
+        real_create(path, size)
+
+    class Prepared(executor.Worker):
+        def prepare(self, jobs):
+            list(jobs)
+            self.prepared_while_making = not all(os.path.exists(p) and os.path.getsize(p) == n for p, n in files)
+
+        def write(self, fd, offset, parts, dtype, **kw):
+            jobs_run.append(offset)
+            if not sizes_at_first_job:
+                sizes_at_first_job.extend(os.path.getsize(p) for p, _ in files)
+            return super().write(fd, offset, parts, dtype, **kw)
+
+    monkeypatch.setattr(lanes, "create", create)
+    pairs = _targets(tmp_path, [4096, 3000, 64])
+    targets = [lanes.Target(t.key, t.path, t.jobs) for t, _ in pairs]  # (size None: made here, not by the lanes)
+    files = [(t.path, len(data)) for t, data in pairs]
+    worker = Prepared()
+    with ThreadPoolExecutor(4) as pool:
+        lanes.write_files(targets, pool, worker, new_files=files)
+    assert made_on == [False] * 3 and worker.prepared_while_making
+    assert sizes_at_first_job == [n for _, n in files]
+    for t, data in pairs:
+        assert open(t.path, "rb").read() == data
+
+    bad = [(str(tmp_path / "f9"), 10), (str(tmp_path / "no" / "such" / "dir"), 10), (str(tmp_path / "f8"), 10)]
+    worker, jobs_run[:] = Prepared(), []
+    with ThreadPoolExecutor(4) as pool, pytest.raises(FileNotFoundError):
+        lanes.write_files([lanes.Target(0, bad[0][0], [(0, 0, [b"x" * 10], "uint8")])], pool, worker, new_files=bad)
+    assert not jobs_run  # no job ran
+    assert os.path.getsize(tmp_path / "f8") == 10  # the others were made all the same (the scratch folder goes)
