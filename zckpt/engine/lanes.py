@@ -108,16 +108,12 @@ def _remote(targets: list[Target]) -> bool:
 def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=None, *, lanes: int | None = None,
                 durable: bool = False, progress: Callable[[int], None] | None = None,
                 done: Callable[[Target, int], None] | None = None, closed: Callable[[Target], None] | None = None,
-                after_job: Callable[[], None] | None = None,
-                new_files: list[tuple[str, int]] = ()) -> dict[tuple[int, int], tuple[int, int]]:
+                after_job: Callable[[], None] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
     """Write every target's jobs with ``worker`` on ``pool``; returns ``{(key, slot): (crc, length)}`` of the
     bytes written (each slot's parts combined in file order; also ``target.crcs``). ``crc_of``: the sources' CRCs
     for kernel copies (:meth:`zckpt.engine.torchzip.SourceMaps.crc`). ``done(target, fd)``: a file's jobs are all
     written (write its headers); then it is fsynced when ``durable`` (on a side thread, while the next files are
-    written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job.
-    ``new_files``: ``(path, size)`` of new files to make first at their final size (:func:`create`), made by the
-    pool's threads while this one imports what the casts need (fallocate lets go of the GIL); every one is made,
-    or the first that failed (in this order) raises, before any job starts."""
+    written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job."""
     workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
     lanes = max(1, lanes or FILES_AT_ONCE)
     remote = _remote(targets)
@@ -126,22 +122,9 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     syncing: list = []
     if pool is not None:
         executor.start_threads(pool)  # all at once now, not one per job under the running jobs' GIL traffic
-    making = []
-    for path, size in new_files:
-        executor.test_delay()
-        if pool is None:
-            create(path, size)
-        else:
-            making.append(pool.submit(create, path, size))
     importing = time.perf_counter()
-    try:
-        worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports
-        imported = time.perf_counter()
-    finally:
-        wait(making)
+    worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports, first
     began = time.perf_counter()
-    for fut in making:
-        fut.result()  # (the first failed file, in order)
     for t in targets:
         t.left, t.crcs, t.crc_parts, t.users = len(t.jobs) + t.tee_in, {}, {}, 0
         t.slots = threading.BoundedSemaphore(max(1, executor.WRITE_STREAMS // max(1, t.writers)))
@@ -255,7 +238,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
             fut.result()
         stats = getattr(worker, "stats", None)  # (a test's stand-in worker may keep none)
         if stats is not None:
-            stats.imports_seconds += imported - importing
+            stats.imports_seconds += began - importing
             stats.write_seconds += time.perf_counter() - began
     finally:
         if syncer is not None:

@@ -118,12 +118,13 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
     works = [w if w.src is None else works_.copy_work(
         w.relpath, w.src, w.size, executor.CHUNK_BYTES, check.directory(w.src) if check is not None else ())
         for w in works]
-    targets, made, new_files = [], {}, []
+    targets, made = [], {}
     for fi, w in enumerate(works):
         made[fi] = w.size - sum(works_.job_bytes(parts, dtype) for _, _, parts, dtype in w.jobs)
         path = pub.path(w.relpath)
-        if not pub.remote:  # made at their final size before any job, beside the casts' imports
-            new_files.append((path, w.size))
+        if not pub.remote:
+            executor.test_delay()
+            _lanes.create(path, w.size)
         targets.append(_lanes.Target(fi, path, list(w.jobs), size=w.size if pub.remote else None))
     if not pub.remote and tees.SHARE_READS:  # a cast job also writes the bytes a copy would read (engine/tees)
         shared = tees.share_reads(targets)
@@ -141,7 +142,7 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
 
     with ThreadPoolExecutor(workers) as pool:
         _lanes.write_files(targets, pool, worker, maps.crc, lanes=lanes, durable=durable, progress=step, done=done,
-                           closed=closed, new_files=new_files)
+                           closed=closed)
 
 
 def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = False,
