@@ -45,42 +45,6 @@ def env_int(name: str, default: int) -> int:
         return default
 
 
-# ZCKPT_START_THREADS=0: a writing pool's threads started one per submitted job, as ThreadPoolExecutor does (the
-# default starts them all before the first job: :func:`start_threads`)
-START_THREADS = os.environ.get("ZCKPT_START_THREADS", "1") != "0"
-
-
-def start_threads(pool) -> None:
-    """Start every thread of ``pool`` (a fresh ``ThreadPoolExecutor``) now, before any job: they then wait idle.
-
-    ThreadPoolExecutor starts a thread per submitted job while none is idle, and ``Thread.start`` waits for the new
-    thread to run, which needs the GIL that the jobs already running take back after every read and write. On the
-    lent 16-core host its 12 threads were all busy only 50-70 ms after the first job (profile_lanes' ``busy_10ms``:
-    2-4 of 12 in the first 10 ms), a fifth of an fp32 merge's writing. Here each thread is started with nothing else
-    running and waits at a barrier until all have arrived (a thread that arrives idle would be reused by the next
-    submit, not a new one started); about a millisecond in all. A barrier broken (the main thread interrupted, or a
-    thread not started within 10 s) releases the others: the jobs then start what is missing, as before."""
-    n = getattr(pool, "_max_workers", 1)
-    if not START_THREADS or not isinstance(pool, ThreadPoolExecutor) or n < 2:
-        return
-    gate = threading.Barrier(n + 1)
-
-    def arrive() -> None:
-        try:
-            gate.wait(timeout=10)
-        except threading.BrokenBarrierError:
-            pass
-
-    try:
-        for _ in range(n):
-            pool.submit(arrive)
-        gate.wait(timeout=10)
-    except threading.BrokenBarrierError:
-        pass
-    finally:
-        gate.abort()  # (after all arrived: nothing; interrupted: the waiting threads are let go)
-
-
 CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) take one of WRITE_STREAMS slots: the
 # most threads, of all processes together, writing into one file at a time. On the lent 16-core host's ext4 (Linux

@@ -120,8 +120,6 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
     syncing: list = []
-    if pool is not None:
-        executor.start_threads(pool)  # all at once now, not one per job under the running jobs' GIL traffic
     importing = time.perf_counter()
     worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports, first
     began = time.perf_counter()
