@@ -114,6 +114,68 @@ def test_dp_reshardable_reads_weights_as_saved_and_places_the_buckets_apart(name
     assert set(ckpt.extra["buckets"]) == {r.name for r in ckpt.of_kind("trainable")} | tied
 
 
+def test_open_and_info_build_no_pieces_and_a_read_builds_each_record_once():
+    """Opening (info, verify's metadata) learns every chunk layout but places no record's pieces: a save of 10**6
+    chunks has 10**7 of them, which only a command reading values needs (docs/benchmarks.md, item 1). The first read
+    of a record builds its lists once, checked, and gives what Megatron's load holds (the masters test above)."""
+    from zckpt.ops.info import describe
+    from zckpt.state.model import DeferredRecord
+    _, want = oracle("gpt_tp2_pp2_dp1_fullyresh")
+    ckpt = zckpt.open_checkpoint(str(MEG / "gpt_tp2_pp2_dp1_fullyresh"))
+    records = [r for r in ckpt.records if r.kind != "tied"]
+    assert records and all(isinstance(r, DeferredRecord) and r.pending for r in records)
+    d = describe(ckpt)
+    assert d["master_dtype"] == "float32" and d["optimizer_state_dtype"] == "float32"
+    assert d["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq"]
+    assert all(r.pending for r in records), "describing the checkpoint built pieces"
+    rec = next(r for r in records if "linear_proj" in r.name)  # row-parallel: a piece per row and chunk
+    value = rec.value
+    assert not rec.pending and rec.value is value and len(value) > 1
+    assert torch.equal(load_pieces(rec.exp_avg_sq, "float32", rec.shape), want["exp_avg_sq." + rec.name])
+    assert rec.state_dtype == "float32" and sum(r.pending for r in records) == len(records) - 1
+    import dataclasses
+    other = next(r for r in records if r.pending)
+    copy = dataclasses.replace(other, name="x")  # what renames and views do: the built lists, no build of its own
+    assert not other.pending and not copy.pending and copy.value == other.value and copy.exp_avg == other.exp_avg
+
+
+def test_a_deferred_build_is_checked_as_an_eager_one():
+    from zckpt.engine.segments import Piece
+    from zckpt.errors import CorruptFile
+    from zckpt.state.model import DeferredRecord
+    short = DeferredRecord("w", (2, 3), "trainable", "float32", state_dtype="float32", path="/x/.metadata",
+                           build=lambda: ([Piece("/x/a", 0, 5, "float32")], [Piece("/x/a", 0, 6, "float32")],
+                                          [Piece("/x/a", 0, 6, "float32")]))
+    assert "not built" in repr(short)
+    with pytest.raises(CorruptFile, match="'w': value covers 5 elements, its shape \\[2, 3\\] has 6"):
+        short.value
+    relabelled = DeferredRecord("w", (6,), "trainable", "float32", state_dtype="float32", path="/x/.metadata",
+                                build=lambda: ([Piece("/x/a", 0, 6, "float32")], [Piece("/x/a", 0, 6, "bfloat16")],
+                                               [Piece("/x/a", 0, 6, "bfloat16")]))
+    assert relabelled.state_dtype == "float32"
+    with pytest.raises(CorruptFile, match="exp_avg is stored as bfloat16, its metadata says float32"):
+        relabelled.exp_avg
+
+
+def test_a_chunk_layout_is_learned_and_checked_at_open(tmp_path):
+    """A damaged item of a weight's chunks is refused by ``info`` in one line: every kind of chunk is read once at
+    open, though no record's pieces are built."""
+    from zckpt.encoding import dcpmeta
+    bad = tmp_path / "ck"
+    shutil.copytree(MEG / "gpt_tp2_pp1_dp1", bad)
+    folder = bad / "iter_0000003"
+    md = dcpmeta.read_metadata((folder / ".metadata").read_bytes(), str(folder / ".metadata"), None)
+    key = next(k for k in md.tensors if k.endswith("linear_proj.weight"))
+    for c in md.tensors[key].chunks:  # every item of the weight (whichever one the open reads): its zip's header
+        with open(folder / c.file, "r+b") as f:
+            f.seek(c.offset)
+            f.write(b"\0" * 30)
+    res = zckpt_run("info", bad, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert ".distcp" in lines[0], lines
+
+
 def test_tied_only_where_the_files_say_so():
     tied = zckpt.open_checkpoint(str(MEG / "gpt_tp1_pp2_dp1_tied"))
     assert [(r.name, r.tied_to) for r in tied.of_kind("tied")] == [reader.TIED]

@@ -249,8 +249,10 @@ class Items:
                            t.shape, t.stride, t.dtype), int(value) if float(value).is_integer() else value)
 
     def close(self):
+        """Close the open data files (a later read opens its file again)."""
         for f in self.files.values():
             f.close()
+        self.files.clear()
 
 
 def _joiner(folder: str):

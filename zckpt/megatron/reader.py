@@ -30,7 +30,9 @@ carries; its param groups and step are the ranks' ``optimizer.distributed.dp_gro
 from __future__ import annotations
 
 import json
+import operator
 import re
+from functools import partial
 
 from zckpt.encoding import dcpmeta, distcp, safeload
 from zckpt.encoding.safeload import Inert
@@ -41,7 +43,10 @@ from zckpt.io import links, storage
 from zckpt.megatron import buckets, moe
 from zckpt.megatron.claims import (  # noqa: F401 - claims: reader.claims, as before
     ITER_RE, LATEST, META_JSON, claims, isfile as _isfile, iterations as _iterations)
-from zckpt.state.model import Checkpoint, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors
+from zckpt.encoding.dcpmeta import cut
+from zckpt.state.model import (
+    Checkpoint, DeferredRecord, Location, RankFile, TensorRecord, dcp_pieces, metadata_errors,
+)
 
 FORMAT = "megatron"  # what the package declares to the registry: zckpt.megatron.format
 
@@ -238,14 +243,36 @@ def _extra_states(items: distcp.Items, md: dcpmeta.DcpMetadata, mpath: str) -> i
 
 # ------------------------------------------------------------------------------------------------ records
 
+_SIZES, _LENGTH = operator.attrgetter("sizes"), operator.attrgetter("length")
+
+
 class _Tensors:
     """Pieces of ranges of a DCP tensor (each chunk's zip read once)."""
 
     def __init__(self, items: distcp.Items, mpath: str):
-        self.items, self.mpath, self.cache = items, mpath, {}
+        self.items, self.mpath, self.cache, self.learned = items, mpath, {}, set()
 
     def pieces(self, te: dcpmeta.TensorEntry, start: int = 0, length: int | None = None) -> list:
         return dcp_pieces(self.items, te, self.mpath, start, length, self.cache.setdefault(te.key, {}))
+
+    def learn(self, te: dcpmeta.TensorEntry) -> None:
+        """Learn the layout of each kind of chunk ``te`` has (one item read per dtype, chunk size and item length:
+        a damaged one is refused at open; the others are checked against it when their bytes are read)."""
+        if te.key in self.learned:
+            return
+        self.learned.add(te.key)
+        if te.runs is None and te.grid is None:
+            cut(te, self.mpath)
+        chunks = te.chunks  # (a chunk of each (size, item length), found in C loops: 10**5 chunks per tensor)
+        for c in dict(zip(zip(map(_SIZES, chunks), map(_LENGTH, chunks)), chunks)).values():
+            self.items.layout(te, c)
+
+
+def _pieces_of(tensors: _Tensors, entries: list, start: int, per: int) -> tuple[list, ...]:
+    """A :class:`DeferredRecord`'s build: the pieces of ``[start, start + per)`` of each of ``entries`` (its value;
+    or its master and both moments)."""
+    lists = [tensors.pieces(te, start, per) for te in entries]
+    return (lists[0], lists[1], lists[2]) if len(lists) == 3 else (lists[0], [], [])
 
 
 _CHAINED_RE = re.compile(r"^chained_\d+\.optimizer\.")  # a mixture-of-experts model's two optimizers' keys
@@ -283,14 +310,15 @@ def _entries(md: dcpmeta.DcpMetadata, f: dict, mpath: str) -> list[tuple]:
 
 
 def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) -> list[TensorRecord]:
+    """The model's records, their pieces built when first read (:class:`DeferredRecord`: ``info`` of 10**6 chunks
+    places none); every chunk layout they use is learned here, at open (:meth:`_Tensors.learn`)."""
     fully = f["optimizer_layout"] == "fully_reshardable"
     records = []
     for name, key, layer, shape, start, per in _entries(md, f, mpath):
         te = md.tensors[key]
-        value = tensors.pieces(te, start, per)
+        tensors.learn(te)
         # (a router's expert_bias, --moe-router-enable-expert-bias, is a persistent buffer: no optimizer state)
         kind = "buffer" if moe.is_buffer(name) else "trainable"
-        rec = TensorRecord(name, shape, kind, te.dtype, value, lp_dtype=te.dtype if kind == "trainable" else None)
         state = {k: md.tensors.get(f"{OPTIM_STATE}{k}.{key}") for k in STATE_KEYS}
         if fully and any(state.values()):
             for k, s in state.items():
@@ -298,10 +326,14 @@ def _records(tensors: _Tensors, md: dcpmeta.DcpMetadata, f: dict, mpath: str) ->
                     raise CorruptFile(f"'{key}': optimizer.state.{k} is " + (
                         "missing" if s is None else f"of size {list(s.shape)}, the weight {list(te.shape)}"),
                         path=mpath)
-            master = tensors.pieces(state["param"], start, per)
-            rec.value, rec.dtype = master, state["param"].dtype
-            rec.exp_avg = tensors.pieces(state["exp_avg"], start, per)
-            rec.exp_avg_sq = tensors.pieces(state["exp_avg_sq"], start, per)
+                tensors.learn(s)
+            entries = [state["param"], state["exp_avg"], state["exp_avg_sq"]]
+            dtype, state_dtype = state["param"].dtype, state["exp_avg"].dtype
+        else:
+            entries, dtype, state_dtype = [te], te.dtype, None
+        rec = DeferredRecord(name, shape, kind, dtype, lp_dtype=te.dtype if kind == "trainable" else None,
+                             build=partial(_pieces_of, tensors, entries, start, per), state_dtype=state_dtype,
+                             path=mpath)
         records.append(rec)
     names = {r.name for r in records}
     if f["tied"] and TIED[0] not in names and TIED[1] in names:

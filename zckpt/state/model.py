@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
+import threading
 from itertools import repeat
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,79 @@ class TensorRecord:
         return self.exp_avg[0].dtype if self.exp_avg else None
 
 
+_PIECE_LISTS = ("value", "exp_avg", "exp_avg_sq")
+_BUILDING = threading.RLock()  # one build at a time (a record read from two threads is built once)
+
+
+def _deferred(name: str) -> property:
+    key = "_" + name
+
+    def get(self):
+        if self._build is not None:
+            self.build()
+        return self.__dict__[key]
+
+    def put(self, pieces):
+        if getattr(self, "_build", None) is not None:  # the others keep what the build gives them
+            self.build()
+        self.__dict__[key] = pieces
+    return property(get, put)
+
+
+class DeferredRecord(TensorRecord):
+    """A :class:`TensorRecord` whose piece lists (``value``, ``exp_avg``, ``exp_avg_sq``) are built when first read,
+    by ``build()`` -> the three lists (an empty list: none), and checked then (:func:`check_records`): a checkpoint of
+    10**6 chunks opens (info, plain verify's metadata) without placing the 10**7 pieces of its row-parallel weights
+    that only a command reading values needs. Everything else is known at open: ``state_dtype`` (the moments'
+    dtype, None: none) without a build, so what describes the checkpoint builds nothing. ``dataclasses.replace``,
+    ``==`` and ``copy`` see the built lists."""
+
+    value = _deferred("value")
+    exp_avg = _deferred("exp_avg")
+    exp_avg_sq = _deferred("exp_avg_sq")
+
+    def __init__(self, *args, build=None, state_dtype=None, path: str | None = None, **kwargs):
+        self._build = None
+        super().__init__(*args, **kwargs)
+        self._state_dtype, self._path = state_dtype, path
+        self._build = build  # (after the init: its defaults are not what the build gives)
+
+    def build(self) -> None:
+        """Build the piece lists now (once) and check them; a damaged layout raises here, naming the file."""
+        with _BUILDING:
+            build = self._build
+            if build is None:
+                return
+            lists = build()
+            d = self.__dict__
+            for name, pieces in zip(_PIECE_LISTS, lists):
+                d["_" + name] = pieces
+            self._build = None
+            check_records([self], self._path)
+            got = self.exp_avg[0].dtype if self.exp_avg else None
+            if got != self._state_dtype:
+                raise CorruptFile(f"'{self.name}': exp_avg is stored as {got}, its metadata says {self._state_dtype}",
+                                  path=self._path)
+
+    @property
+    def pending(self) -> bool:
+        """True until the piece lists are built."""
+        return self._build is not None
+
+    @property
+    def state_dtype(self) -> str | None:
+        return self._state_dtype if self._build is not None else TensorRecord.state_dtype.fget(self)
+
+    def __getstate__(self):  # (a copy or pickle holds the built lists, never the build)
+        self.build()
+        return self.__dict__
+
+    def __repr__(self) -> str:
+        if self._build is not None:
+            return f"<TensorRecord {self.name!r} {self.kind} {list(self.shape)} {self.dtype}, pieces not built>"
+        return super().__repr__()
+
+
 # dtypes a master weight or an optimizer moment may be stored in; anything else is refused, never guessed
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -135,7 +209,7 @@ def check_records(records: list[TensorRecord], path: str | None = None) -> None:
     count; ``record.dtype`` is the dtype of its value pieces. A reader that labels bytes with a dtype they are
     not stored in, or that mis-counts a partition, fails here instead of producing reinterpreted values."""
     for rec in records:
-        if rec.kind == "tied":
+        if rec.kind == "tied" or getattr(rec, "pending", False):  # (a DeferredRecord checks itself when built)
             continue
         lists = [("value", rec.value)]
         if rec.exp_avg or rec.exp_avg_sq:
