@@ -21,6 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+try:
+    from tests import ranks
+except ImportError:  # (imported as ``ds_oracle`` with tests/ on the path)
+    import ranks
+
 
 def generate_module():
     spec = importlib.util.spec_from_file_location("zckpt_fixtures_generate", ROOT / "fixtures" / "generate.py")
@@ -55,12 +60,10 @@ def run_torchrun(cmd: list, env: dict, timeout: float) -> subprocess.CompletedPr
     """Run a torchrun job of CPU ranks. Under load, a DeepSpeed / gloo job here has died in C++ teardown
     (``std::terminate``, SIGABRT) with no Python error on any rank (seen in CI runs; test_resume.run_job does the
     same): that abort, and only that, is retried once, visibly; any other failure is returned as it is."""
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                          cwd=str(ROOT))
+    proc = ranks.run(cmd, env=env, timeout=timeout, cwd=str(ROOT))  # (the ranks without torchrun's agent)
     if proc.returncode != 0 and ABORT in proc.stdout and b"Traceback" not in proc.stdout.split(ABORT)[0]:
         print("run_torchrun: a rank aborted in C++ with no Python error; running the job once more")
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                              cwd=str(ROOT))
+        proc = ranks.run(cmd, env=env, timeout=timeout, cwd=str(ROOT))
     return proc
 
 

@@ -34,13 +34,16 @@ def _fsdp2(out: Path, world_size: int, dtype: str):
     import torch
     cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--master-port", str(_port()),
            str(ROOT / "tests" / "fsdp2_job.py"), str(out), "2", "2", dtype]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    from tests import ranks  # (the ranks without torchrun's agent)
+    proc = ranks.run(cmd, env=_env(), timeout=600, cwd=ROOT)
+    out = proc.stdout.decode(errors="replace")
     abort = "terminate called without an active exception"  # torch's own job (no zckpt) died in C++ teardown
-    if proc.returncode != 0 and abort in proc.stderr + proc.stdout and "Traceback" not in proc.stderr.split(abort)[0]:
+    if proc.returncode != 0 and abort in out and "Traceback" not in out.split(abort)[0]:
         print(f"_fsdp2: a rank aborted in C++ ({abort}) with no Python error; running the job once more")
         cmd[cmd.index("--master-port") + 1] = str(_port())
-        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        proc = ranks.run(cmd, env=_env(), timeout=600, cwd=ROOT)
+        out = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, out[-6000:]
     return out / "dcp", torch.load(out / "full.pt", weights_only=False)
 
 

@@ -66,7 +66,7 @@ def _torchrun(script: Path, cwd: Path, dump: Path, nproc: int = 3) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()), str(script)]
     env = G.rank_env({"DUMP": str(dump), "PYTHONPATH": str(ROOT), "TMPDIR": str(cwd)})
-    proc = subprocess.run(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    proc = ds_oracle.ranks.run(cmd, env=env, cwd=str(cwd), timeout=900)
     assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
 
 
@@ -215,8 +215,8 @@ def _save_then_load(tmp_path, save_mode: str, ckpt, load_ckpt):
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
                str(ROOT / "tests" / "fsdp2_api_worker.py"), mode, str(where), str(tmp_path / ("load" if mode == "load"
                                                                                             else "save"))]
-        proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900, cwd=str(tmp_path))
+        proc = ds_oracle.ranks.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}),
+                                   timeout=900, cwd=str(tmp_path))
         assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
     from safetensors.torch import load_file
     saved, got = load_file(str(tmp_path / "save.safetensors")), load_file(str(tmp_path / "load.safetensors"))
@@ -255,8 +255,8 @@ def test_torchtitan_shaped_checkpoint_saved_at_2_loads_at_3(tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(n),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
                str(ROOT / "tests" / "fsdp2_api_worker.py"), mode, str(ckpt), str(tmp_path / mode)]
-        proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900, cwd=str(tmp_path))
+        proc = ds_oracle.ranks.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}),
+                                   timeout=900, cwd=str(tmp_path))
         assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
     saved, got = load_file(str(tmp_path / "save.safetensors")), load_file(str(tmp_path / "load.safetensors"))
     assert sorted(saved) == sorted(got) and any(k.startswith("exp_avg_sq/") for k in saved)

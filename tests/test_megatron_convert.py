@@ -89,8 +89,8 @@ def torchrun(tmp: Path, nproc: int, *args) -> dict:
            "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()),
            str(ROOT / "tests" / "megatron_convert_worker.py"), args[0], str(args[1]), str(args[2]), str(dump),
            *map(str, args[3:])]
-    proc = subprocess.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}), cwd=str(tmp),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=900)
+    proc = ds_oracle.ranks.run(cmd, env=G.rank_env({"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}),
+                               cwd=str(tmp), timeout=900)
     assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-6000:]
     return {"tensors": load_file(str(dump) + ".safetensors"), **json.loads(Path(str(dump) + ".json").read_text())}
 

@@ -289,8 +289,9 @@ def test_repeated_copies_refused():
 
 
 def test_one_state_dict_for_many_objects_refused():
-    """Distinct chunk objects BUILT from one memo'd state dict (7 bytes each: 10**7 of them in 70 MB): refused at
-    the second object, while unpickling (the old reader copied the dict into each, then found the overlap)."""
+    """Distinct chunk objects BUILT from one memo'd state dict (7 bytes each: 10**7 of them in 70 MB): refused by
+    the load that builds them (its end checks every adopted state at once: taking a dict copies nothing), before
+    anything reads them (the old reader copied the dict into each, then found the overlap)."""
     shared = {"offsets": torch.Size([0, 0]), "sizes": torch.Size([4, 3])}
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 

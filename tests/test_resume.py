@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -59,15 +58,11 @@ def _run_job_once(job: dict, world_size: int, timeout: float) -> subprocess.Comp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size),
                "--master-addr", "127.0.0.1", "--master-port", str(G._free_port()), str(WORKER), str(path)]
         env = G.rank_env({"TMPDIR": tmp})  # TORCH_EXTENSIONS_DIR as the caller's (DeepSpeed JIT-builds its ops)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"the job hung (> {timeout}s):\n" + out.decode(errors="replace")[-4000:])
-        return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
+        try:  # (the ranks without torchrun's agent: tests/ranks.py)
+            proc = ds_oracle.ranks.run(cmd, env=env, timeout=timeout, cwd=str(ROOT))
+        except subprocess.TimeoutExpired as e:  # (the ranks killed)
+            pytest.fail(f"the job hung (> {timeout}s):\n" + (e.output or b"").decode(errors="replace")[-4000:])
+        return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout.decode(errors="replace"))
 
 
 def _torch_load(path):

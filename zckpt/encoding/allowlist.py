@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import pickle
 import threading
+from itertools import chain
 from typing import Any, Callable
 
 from zckpt.errors import CorruptFile, UnsafePickle, UnsupportedLayout
@@ -47,7 +48,24 @@ class _Budget:
 
     def __init__(self, size: int):
         self.left, self.size = COPY_FACTOR * size + COPY_BASE, size
-        self.adopted: set[int] = set()  # ids of the state dicts stand-ins took as their own (alive while loading)
+        self.adopted: list[dict] = []  # the state dicts stand-ins took as their own, checked by settle()
+
+    def settle(self) -> None:
+        """At the end of a load: each state dict a stand-in took as its own (:meth:`Inert.__setstate__`) taken by
+        one object only (a memo reference BUILDs many from one), keyed by names only, and charged. Checked here at
+        once, each check one C loop over all of them (3 x 10**5 objects in a 10**5-chunk DCP ``.metadata``), not per
+        object: taking a dict copies nothing, so nothing grows meanwhile, and nothing the load built is returned
+        before these checks pass."""
+        states = self.adopted
+        if len(set(map(id, states))) != len(states):
+            raise CorruptFile("crafted pickle: two objects built from one state (a memo reference)")
+        try:
+            "".join(chain.from_iterable(states))  # every key a str (a key's text is never made: a crafted one's is huge)
+        except TypeError:
+            raise CorruptFile("crafted pickle: the state of an object has a key that is not a name") from None
+        self.left -= sum(map(len, states))
+        if self.left < 0:
+            _charge(0)
 
 
 _ACTIVE = threading.local()  # the budget of the pickle this thread is loading (None outside a load)
@@ -92,10 +110,11 @@ PROMOTE_FROM = 100_000  # objects built under a pause from which they are moved 
 def _loading(size: int):
     """Around one C unpickler run: the copy budget for a ``size``-byte pickle, the garbage collector paused."""
     prev = getattr(_ACTIVE, "budget", None)
-    _ACTIVE.budget = _Budget(size)
+    _ACTIVE.budget = budget = _Budget(size)
     try:
         with gc_paused():
             yield
+            budget.settle()
     finally:
         _ACTIVE.budget = prev
 
@@ -128,13 +147,10 @@ class Inert:
     def __setstate__(self, state):
         if type(state) is dict and not self.__dict__:  # BUILD after NEWOBJ (every dataclass): the state dict
             budget = getattr(_ACTIVE, "budget", None)  # itself becomes the object's (never copied)
-            if budget is not None:
-                if id(state) in budget.adopted:  # a pickler writes a fresh state per object; a memo GET of one
-                    raise CorruptFile("crafted pickle: two objects built from one state (a memo reference)")
-                budget.adopted.add(id(state))
-                budget.left -= len(state)
-                if budget.left < 0:
-                    _charge(0)
+            if budget is not None:  # (a pickler writes a fresh state per object, names as keys: the load's end
+                budget.adopted.append(state)  # checks all of them at once, _Budget.settle)
+                self.__dict__ = state
+                return
             try:
                 "".join(state)  # every key a str
             except TypeError:
