@@ -76,7 +76,7 @@ def run(cmd: list, env: dict | None = None, timeout: float | None = None, cwd=No
                 renv = dict(base, RANK=str(r), LOCAL_RANK=str(r), ROLE_RANK=str(r))
                 procs.append(subprocess.Popen(argv, env=renv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                               start_new_session=True))
-            codes = _wait(procs, deadline)
+            codes, first = _wait(procs, deadline)
         except BaseException:
             _stop(procs)
             raise
@@ -90,23 +90,27 @@ def run(cmd: list, env: dict | None = None, timeout: float | None = None, cwd=No
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read())
         failed = [(r, c) for r, c in enumerate(codes) if c != 0]
         if failed:
-            out.write(("\nranks.run: rank(s) " + ", ".join(f"{r} exited {c}" for r, c in failed) + "\n").encode())
+            r = first if first is not None else failed[0][0]
+            out.write((f"\nranks.run: rank {r} exited {codes[r]}" + (", the other ranks stopped" if first is not None
+                                                                    and len(procs) > 1 else "") + "\n").encode())
         out.seek(0)
         return subprocess.CompletedProcess(cmd, 1 if failed else 0, out.read(), None)
 
 
-def _wait(procs: list, deadline: float | None) -> list | None:
-    """Every rank's exit code, the others stopped once one fails (as torchrun); None at the deadline."""
+def _wait(procs: list, deadline: float | None) -> tuple[list | None, int | None]:
+    """(every rank's exit code, the rank that failed while others ran: they were stopped, as torchrun does), or
+    (None, None) at the deadline."""
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return codes
-        if any(c not in (None, 0) for c in codes):
+            return codes, None
+        bad = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if bad is not None:
             _stop(procs)
-            return [p.wait() for p in procs]
+            return [p.wait() for p in procs], bad
         if deadline is not None and time.monotonic() > deadline:
             _stop(procs)
-            return None
+            return None, None
         time.sleep(0.02)
 
 
