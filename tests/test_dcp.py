@@ -36,14 +36,14 @@ def _fsdp2(out: Path, world_size: int, dtype: str):
            str(ROOT / "tests" / "fsdp2_job.py"), str(out), "2", "2", dtype]
     from tests import ranks  # (the ranks without torchrun's agent)
     proc = ranks.run(cmd, env=_env(), timeout=600, cwd=ROOT)
-    out = proc.stdout.decode(errors="replace")
+    log = proc.stdout.decode(errors="replace")
     abort = "terminate called without an active exception"  # torch's own job (no zckpt) died in C++ teardown
-    if proc.returncode != 0 and abort in out and "Traceback" not in out.split(abort)[0]:
+    if proc.returncode != 0 and abort in log and "Traceback" not in log.split(abort)[0]:
         print(f"_fsdp2: a rank aborted in C++ ({abort}) with no Python error; running the job once more")
         cmd[cmd.index("--master-port") + 1] = str(_port())
         proc = ranks.run(cmd, env=_env(), timeout=600, cwd=ROOT)
-        out = proc.stdout.decode(errors="replace")
-    assert proc.returncode == 0, out[-6000:]
+        log = proc.stdout.decode(errors="replace")
+    assert proc.returncode == 0, log[-6000:]
     return out / "dcp", torch.load(out / "full.pt", weights_only=False)
 
 

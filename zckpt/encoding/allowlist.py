@@ -205,6 +205,8 @@ def _enum_class(qualname: str) -> Callable:
 def _size(*args):
     if not args:
         return ()
+    if type(args[0]) is tuple:  # (torch pickles a Size as its tuple: kept as it is, nothing copied or charged)
+        return args[0]
     budget = getattr(_ACTIVE, "budget", None)  # _charge, inline: three of these per DCP chunk
     if budget is not None:
         budget.left -= len(args[0])
