@@ -147,8 +147,10 @@ def test_a_deferred_build_is_checked_as_an_eager_one():
                            build=lambda: ([Piece("/x/a", 0, 5, "float32")], [Piece("/x/a", 0, 6, "float32")],
                                           [Piece("/x/a", 0, 6, "float32")]))
     assert "not built" in repr(short)
-    with pytest.raises(CorruptFile, match="'w': value covers 5 elements, its shape \\[2, 3\\] has 6"):
-        short.value
+    for _ in range(2):  # (and again: a damaged record is never taken as built)
+        with pytest.raises(CorruptFile, match="'w': value covers 5 elements, its shape \\[2, 3\\] has 6"):
+            short.value
+    assert short.pending
     relabelled = DeferredRecord("w", (6,), "trainable", "float32", state_dtype="float32", path="/x/.metadata",
                                 build=lambda: ([Piece("/x/a", 0, 6, "float32")], [Piece("/x/a", 0, 6, "bfloat16")],
                                                [Piece("/x/a", 0, 6, "bfloat16")]))

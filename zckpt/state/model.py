@@ -158,11 +158,15 @@ class DeferredRecord(TensorRecord):
             for name, pieces in zip(_PIECE_LISTS, lists):
                 d["_" + name] = pieces
             self._build = None
-            check_records([self], self._path)
-            got = self.exp_avg[0].dtype if self.exp_avg else None
-            if got != self._state_dtype:
-                raise CorruptFile(f"'{self.name}': exp_avg is stored as {got}, its metadata says {self._state_dtype}",
-                                  path=self._path)
+            try:
+                check_records([self], self._path)
+                got = self.exp_avg[0].dtype if self.exp_avg else None
+                if got != self._state_dtype:
+                    raise CorruptFile(f"'{self.name}': exp_avg is stored as {got}, its metadata says "
+                                      f"{self._state_dtype}", path=self._path)
+            except BaseException:
+                self._build = build  # (not built: every read of a damaged record raises, none gets its lists)
+                raise
 
     @property
     def pending(self) -> bool:
