@@ -54,8 +54,8 @@ def parse(cmd: list) -> tuple[int, str, int, list] | None:
 
 def run(cmd: list, env: dict | None = None, timeout: float | None = None, cwd=None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, stdout=PIPE, stderr=STDOUT)`` of a torchrun command, its ranks started here (see the
-    module's docstring); return code 0 when every rank exits 0, else 1 as torchrun's (the ranks' codes are in the
-    output's last line). ``subprocess.TimeoutExpired`` after ``timeout`` s, the ranks killed."""
+    module's docstring); return code 0 when every rank exits 0, else 1 as torchrun's (the output's last line names
+    the rank that failed first). ``subprocess.TimeoutExpired`` after ``timeout`` s, the ranks killed."""
     parsed = None if os.environ.get("ZCKPT_TEST_TORCHRUN") else parse(cmd)  # (=1: torchrun itself, to compare)
     if parsed is None:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
@@ -77,14 +77,9 @@ def run(cmd: list, env: dict | None = None, timeout: float | None = None, cwd=No
                 procs.append(subprocess.Popen(argv, env=renv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                                               start_new_session=True))
             codes, first = _wait(procs, deadline)
-        except BaseException:
+        except BaseException:  # (Ctrl-C, a rank that could not start: none is left running)
             _stop(procs)
             raise
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    _stop(procs)
-                    break
         if codes is None:
             out.seek(0)
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read())

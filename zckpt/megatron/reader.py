@@ -272,7 +272,7 @@ def _pieces_of(tensors: _Tensors, entries: list, start: int, per: int) -> tuple[
     """A :class:`DeferredRecord`'s build: the pieces of ``[start, start + per)`` of each of ``entries`` (its value;
     or its master and both moments)."""
     lists = [tensors.pieces(te, start, per) for te in entries]
-    return (lists[0], lists[1], lists[2]) if len(lists) == 3 else (lists[0], [], [])
+    return tuple(lists + [[], []][:3 - len(lists)])
 
 
 _CHAINED_RE = re.compile(r"^chained_\d+\.optimizer\.")  # a mixture-of-experts model's two optimizers' keys
