@@ -15,6 +15,8 @@ share under a launcher) goes through :func:`write_files`::
               each tee counts as one of that file's jobs, its CRC part one of that file's
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
+    fork      where some files need numpy for their casts and it is not imported yet, the files that are only
+              copied are written by a forked child meanwhile (zckpt.engine.forked), the rest here after the import
     finish    a file whose last job (and tee) is done: ``done(target, fd)`` (its headers), fsync when durable,
               closed
 
@@ -34,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import executor, mapped, tees
+from zckpt.engine import executor, forked, mapped, tees
 from zckpt.io import allocation
 from zckpt.io.hashing import crc32_combine
 
@@ -113,10 +115,26 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     bytes written (each slot's parts combined in file order; also ``target.crcs``). ``crc_of``: the sources' CRCs
     for kernel copies (:meth:`zckpt.engine.torchzip.SourceMaps.crc`). ``done(target, fd)``: a file's jobs are all
     written (write its headers); then it is fsynced when ``durable`` (on a side thread, while the next files are
-    written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job."""
+    written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job.
+
+    Where some files need numpy for their casts and numpy is not imported yet, the files that are only copied are
+    written by a forked child meanwhile (:mod:`zckpt.engine.forked`): the same jobs, headers and checks."""
+    remote = _remote(targets)
+    apart = forked.split(targets, worker, remote) if pool is not None else None
+    if apart is not None:  # the files it only copies written by a forked child while this one imports numpy
+
+        def write(part, part_pool, step, part_closed, part_after_job):
+            return _write_files(part, part_pool, worker, crc_of, lanes, durable, step, done, part_closed,
+                                part_after_job, remote)
+        return forked.write_apart(*apart, write, pool, getattr(pool, "_max_workers", 1), worker,
+                                  getattr(worker, "check", None), progress, closed, after_job)
+    return _write_files(targets, pool, worker, crc_of, lanes, durable, progress, done, closed, after_job, remote)
+
+
+def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None, durable: bool, progress, done,
+                 closed, after_job, remote: bool) -> dict[tuple[int, int], tuple[int, int]]:
     workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
     lanes = max(1, lanes or FILES_AT_ONCE)
-    remote = _remote(targets)
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
     syncing: list = []

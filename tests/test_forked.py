@@ -1,0 +1,128 @@
+"""The files a job only copies, written by a forked process while the zckpt program imports numpy for its casts
+(zckpt.engine.forked): ``zckpt convert --to deepspeed`` of a DCP (optimizer files copied, bf16 weights cast) writes
+what one process writes; a damaged byte only the child read is refused; the child's failure, its death and a Ctrl-C
+each end in one line, the error table's exit status, nothing published, no scratch folder and no process left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zckpt
+from tests.test_distributed import FIX, _scratch, assert_same_output
+from zckpt.engine import forked, lanes
+from zckpt.engine.segments import Cast, Piece
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork is Linux-only")
+ARGS = ["--to", "deepspeed", "-w", "3", "--stage", "2", "--dtype", "bf16", "--buffers", ""]
+
+
+@pytest.fixture(scope="module")
+def dcp(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("forked") / "dcp"
+    zckpt.convert(str(FIX / "z2_bf16_ws2"), str(out), to="dcp")
+    return out
+
+
+def _convert(src: Path, out: Path, fork: str = "1", hook: str | None = None, extra=(), **popen):
+    env = dict(os.environ, ZCKPT_FORK_COPIES=fork)
+    env.pop("ZCKPT_TEST_FORKED", None)
+    if hook:
+        env["ZCKPT_TEST_FORKED"] = hook
+    cmd = [sys.executable, "-m", "zckpt", "convert", str(src), *ARGS, "-o", str(out), *extra]
+    if popen:
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, text=True, **popen)
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_copies_are_forked_and_the_output_is_one_process_s(dcp, tmp_path):
+    one = _convert(dcp, tmp_path / "one", fork="0", extra=["-vv"])
+    two = _convert(dcp, tmp_path / "two", extra=["-vv"])
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "written by a forked process" not in one.stderr
+    assert "3 file(s) only copied written by a forked process" in two.stderr  # the 3 ranks' optimizer files
+    assert_same_output(tmp_path / "one", tmp_path / "two")
+    assert zckpt.verify(str(tmp_path / "two"), deep=True).ok
+
+
+def test_a_damaged_byte_only_the_forked_copy_read_is_refused(dcp, tmp_path):
+    """A byte of a moment (only copied, never cast): the child's spans are checked here before publishing."""
+    src = tmp_path / "dcp"
+    subprocess.run(["cp", "-r", str(dcp), str(src)], check=True)
+    record = next(r for r in zckpt.open_checkpoint(str(src)).records if r.kind == "trainable")
+    piece = record.exp_avg[0]
+    with open(piece.path, "r+b") as f:
+        f.seek(piece.offset + 5)
+        b = f.read(1)
+        f.seek(piece.offset + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = _convert(src, tmp_path / "out", extra=["-vv"])
+    assert "written by a forked process" in got.stderr
+    assert got.returncode == 1
+    last = got.stderr.strip().splitlines()[-1]
+    assert "do not match the CRC-32" in last and os.path.basename(piece.path) in last
+    assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []
+
+
+@pytest.mark.parametrize("hook, says", [("raise", "injected failure in the forked copy"),
+                                        ("exit", "ended without a result (exit status 17)")])
+def test_a_failed_or_dead_forked_copy_is_one_line_and_publishes_nothing(dcp, tmp_path, hook, says):
+    got = _convert(dcp, tmp_path / "out", hook=hook)
+    assert got.returncode == 1
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in got.stderr, got.stderr
+    assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_ctrl_c_stops_the_forked_copy_and_removes_everything(dcp, tmp_path):
+    p = _convert(dcp, tmp_path / "out", hook="hang", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline, kids = time.monotonic() + 60, []
+    while not kids and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+        kids = _children(p.pid)
+    assert kids, "no forked copy started"
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and len(err.strip().splitlines()) == 1, err
+    for kid in kids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(kid, 0)
+    assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []
+
+
+def test_no_fork_where_numpy_is_loaded_a_file_has_no_copy_or_threads_run(tmp_path, monkeypatch):
+    class W:
+        def cast_needs(self, jobs):
+            pairs = {(p.src_dtype, d) for parts, d in jobs for p in parts if isinstance(p, Cast)}
+            return pairs, 0
+
+    src = str(tmp_path / "src")
+    Path(src).write_bytes(bytes(64))
+    copy = lanes.Target(0, "a", [(0, 0, [Piece(src, 0, 8, "float32")], "float32")])
+    cast = lanes.Target(1, "b", [(0, 0, [Cast([Piece(src, 0, 8, "float32")], "float32")], "bfloat16")])
+    import numpy  # noqa: F401 - loaded: nothing to hide
+    assert forked.split([copy, cast], W(), False) is None
+    monkeypatch.delitem(sys.modules, "numpy")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 1)
+    assert forked.split([copy, cast], W(), False) == ([copy], [cast])
+    assert forked.split([cast], W(), False) is None  # nothing only copied: nothing to do meanwhile
+    assert forked.split([copy], W(), False) is None  # no cast: no import to hide
+    assert forked.split([copy, cast], W(), True) is None  # remote sources
+    monkeypatch.setattr(forked.threading, "active_count", lambda: 2)
+    assert forked.split([copy, cast], W(), False) is None  # a running thread: no fork

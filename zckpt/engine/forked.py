@@ -1,0 +1,260 @@
+"""The files a job only copies, written by a forked process while this one imports numpy for the files it casts.
+
+A job that casts (``convert --to deepspeed``: the bf16 weights cast from the fp32 masters) imports numpy and
+ml_dtypes before its threads start: about 0.05 s of the lent 16-core host's time, and 0.1 s of the 2-core box's,
+during which nothing is written. Beside the copying threads the import is no better: both need the GIL, and the
+import took 2.1-2.7x as long while the copies ran at a third of their rate (docs/benchmarks.md, issue 49). So the
+output files are split in two:
+
+    copies   the files none of whose jobs needs numpy (a DeepSpeed optimizer file: masters and moments as they are)
+             -> written by a child forked now, with its own threads: it starts writing at once (no import, no new
+                interpreter: the plan is already in its memory), its headers written by the same ``done``
+    casts    the files with a cast -> written here, after the import, while the child copies
+
+and joined: the child sends its progress, then its files' CRC-32s, the input spans it read (checked here with the
+rest before anything is published, :class:`zckpt.engine.checked.InputCheck`) and its counters; an error in it is
+raised here as it was raised there (one line, the same exit status); a child that dies is an error naming its
+signal. Ctrl-C reaches both (one process group); the child ignores it, and this process, unwinding, kills it and
+waits for it before the scratch folder is removed. Without ``os.fork`` (not Linux), with a thread already running
+(a fork then may deadlock), numpy or torch already imported (nothing to hide), remote sources, tees, maps, a read
+meter or a launcher's share: one process, as before. ``ZCKPT_FORK_COPIES=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from zckpt.errors import StorageError, ZckptError
+
+log = logging.getLogger(__name__)
+
+FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
+_PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
+_HEAD = struct.Struct("<Q")
+
+
+def split(targets: list, worker, remote: bool) -> tuple[list, list] | None:
+    """``(copies, casts)``: the targets to write in a forked child and here, or None to write them all here."""
+    from zckpt.engine import mapped, tees
+    from zckpt.io import meters
+    if not FORK_COPIES or remote or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return None
+    if "numpy" in sys.modules or "torch" in sys.modules or threading.active_count() != 1:
+        return None
+    if not hasattr(worker, "cast_needs"):  # (a test's stand-in worker)
+        return None
+    if tees.SHARE_READS or mapped.MAP_WRITES or meters._METERS:
+        return None
+    copies, casts = [], []
+    for t in targets:
+        if t.tee_in or t.writers != 1:
+            return None
+        needs = worker.cast_needs((parts, dtype) for _, _, parts, dtype in t.jobs)[0] if t.jobs else None
+        (casts if needs else copies).append(t)
+    if not casts or not any(t.jobs for t in copies):
+        return None
+    return copies, casts
+
+
+def write_apart(copies: list, casts: list, write: Callable, pool, workers: int, worker, check,
+                progress: Callable[[int], None] | None, closed: Callable | None,
+                after_job: Callable[[], None] | None) -> dict:
+    """``copies`` written by a forked child, ``casts`` here, each by ``write(targets, pool, progress, closed,
+    after_job)`` (:func:`zckpt.engine.lanes.write_files` on one process's targets); returns both's CRC-32s."""
+    for stream in (sys.stdout, sys.stderr):  # (buffered text is not written twice)
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(r)
+        _child(w, parent, copies, write, workers, worker, check)
+    os.close(w)
+    log.debug("  %d file(s) only copied written by a forked process (pid %d) while %d with casts are written here",
+              len(copies), pid, len(casts))
+    box = _Box()
+    reader = threading.Thread(target=_read, args=(r, box), name="zckpt-forked", daemon=True)
+    reader.start()
+
+    def drain() -> None:
+        with box.lock:
+            n, box.progress = box.progress, 0
+        if n and progress:
+            progress(n)
+
+    def mine() -> None:  # after each of this process's jobs: the child's progress; its error stops this side too
+        drain()
+        if box.error is not None:
+            raise box.error
+        if after_job is not None:
+            after_job()
+
+    reaped = False
+    try:
+        crcs = write(casts, pool, progress, closed, mine)
+        while reader.is_alive():
+            reader.join(0.05)
+            drain()
+        drain()
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+    finally:
+        if not reaped:  # this side failed or was interrupted: the child stops before the scratch folder goes
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+            reader.join()
+    if box.error is not None:
+        raise box.error
+    if box.result is None:
+        raise StorageError(f"the process writing {_names(copies)} ended without a result ({_status(status)})",
+                           hint="run again; if it recurs, set ZCKPT_FORK_COPIES=0 and report it")
+    got, spans, counters = box.result
+    if check is not None:
+        check.absorb(spans)
+    stats = getattr(worker, "stats", None)
+    if stats is not None:
+        for name, value in counters.items():
+            setattr(stats, name, getattr(stats, name) + value)
+    for t in copies:
+        t.crcs = {slot: v for (key, slot), v in got.items() if key == t.key}
+        if closed is not None:
+            closed(t)
+    return {**got, **crcs}
+
+
+class _Box:
+    """What the reader thread took from the child: progress not yet reported, its result or its error."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.progress = 0
+        self.result = None
+        self.error: BaseException | None = None
+
+
+def _read(fd: int, box: _Box) -> None:
+    with os.fdopen(fd, "rb") as f:
+        while True:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                return
+            body = f.read(_HEAD.unpack(head)[0])
+            try:
+                kind, value = pickle.loads(body)  # (this process's own child: not a file from anyone)
+            except Exception:  # noqa: BLE001 - a message cut short (the child was killed mid-write)
+                return
+            if kind == "p":
+                with box.lock:
+                    box.progress += value
+            elif kind == "ok":
+                box.result = value
+            else:
+                box.error = _rebuilt(value)
+
+
+def _child(fd: int, parent: int, targets: list, write: Callable, workers: int, worker, check) -> None:
+    code = 1
+
+    def send(kind: str, value) -> None:
+        body = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
+        data = memoryview(_HEAD.pack(len(body)) + body)
+        while data:
+            data = data[os.write(fd, data):]
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops this process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if check is not None:
+            check.export()  # (the spans read before the fork are the parent's to check)
+        from zckpt.engine.executor import FetchStats
+        if getattr(worker, "stats", None) is not None:
+            worker.stats = FetchStats()
+        pending, last = [0], [time.monotonic()]
+        hook = os.environ.get("ZCKPT_TEST_FORKED")  # the tests' faults: raise, exit, hang
+
+        def step(n: int) -> None:
+            pending[0] += n
+            if time.monotonic() - last[0] >= _PROGRESS_EVERY:
+                send("p", pending[0])
+                pending[0], last[0] = 0, time.monotonic()
+
+        def after_job() -> None:
+            if os.getppid() != parent:  # the parent is gone (killed): nothing will publish this
+                raise StorageError("the zckpt process that started this one has ended")
+            if hook == "raise":
+                raise StorageError("injected failure in the forked copy", hint="a test asked for it")
+            if hook == "exit":
+                os._exit(17)
+            if hook == "hang":
+                time.sleep(3600)
+
+        with ThreadPoolExecutor(workers) as pool:
+            crcs = write(targets, pool, step, None, after_job)
+        send("p", pending[0])
+        stats = getattr(worker, "stats", None)
+        counters = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float))} if stats else {}
+        send("ok", (crcs, check.export() if check is not None else [], counters))
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent, which reports it
+        for value in (_portable(exc), ("other", type(exc).__name__, None, " ".join(str(exc).split())[:500])):
+            try:
+                send("error", value)
+                break
+            except BaseException:  # noqa: BLE001 - not picklable (the plain form then), or the parent is gone
+                continue
+    finally:
+        os._exit(code)
+
+
+def _portable(exc: BaseException) -> tuple:
+    """``exc`` as plain values (a ZckptError's path and hint survive; pickling it would keep only its message)."""
+    if isinstance(exc, ZckptError):
+        return "zckpt", type(exc), dict(vars(exc)), exc.message
+    if isinstance(exc, OSError):
+        return "os", type(exc), (exc.errno, exc.strerror, exc.filename), str(exc)
+    return "other", type(exc).__name__, None, " ".join(str(exc).split())[:500]
+
+
+def _rebuilt(value: tuple) -> BaseException:
+    kind, cls, data, message = value
+    if kind == "zckpt":
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, message)
+        vars(exc).update(data)
+        return exc
+    if kind == "os":
+        errno, strerror, filename = data
+        return cls(errno, strerror, filename) if errno is not None else cls(message)
+    if cls == "KeyboardInterrupt":
+        return KeyboardInterrupt()
+    return StorageError(f"the forked copy failed: {cls}: {message}", hint="run again with ZCKPT_FORK_COPIES=0")
+
+
+def _names(targets: list) -> str:
+    names = [os.path.basename(t.path) for t in targets]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exit status {os.WEXITSTATUS(status)}"
