@@ -126,3 +126,36 @@ def test_no_fork_where_numpy_is_loaded_a_file_has_no_copy_or_threads_run(tmp_pat
     assert forked.split([copy, cast], W(), True) is None  # remote sources
     monkeypatch.setattr(forked.threading, "active_count", lambda: 2)
     assert forked.split([copy, cast], W(), False) is None  # a running thread: no fork
+
+
+def test_the_api_reports_every_byte_of_both_processes_to_progress(dcp, tmp_path):
+    """From Python (a fresh interpreter, as a script runs it): the child's bytes, its files' headers included, reach
+    the caller's ``progress`` in this process, up to the plan's total."""
+    script = f"""
+import logging, sys, zckpt
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+calls = []
+res = zckpt.convert({str(dcp)!r}, {str(tmp_path / "out")!r}, to="deepspeed", world_size=3, stage=2, dtype="bf16",
+                    buffers=[], progress=lambda done, total: calls.append((done, total)))
+print(calls[-1][0], calls[-1][1], res.to_json()["total_bytes"], max(d for d, _ in calls))
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "ZCKPT_FORK_COPIES"})
+    assert got.returncode == 0, got.stderr
+    assert "written by a forked process" in got.stderr
+    done, total, planned, most = map(int, got.stdout.split())
+    assert done == total == planned == most
+
+
+@pytest.mark.slow
+def test_deepspeed_loads_what_the_forked_copy_wrote(dcp, tmp_path):
+    """The forked conversion, loaded by DeepSpeed at 3 ranks: every master, both moments, the weights and the step
+    as the fixture's own save holds them (DCP carries no DeepSpeed scheduler: the engine is built without one)."""
+    from tests import ds_oracle
+    from tests.test_reshard import _spec, assert_same_state
+    got = _convert(dcp, tmp_path / "out", extra=["-vv"])
+    assert got.returncode == 0 and "written by a forked process" in got.stderr, got.stderr
+    src = FIX / "z2_bf16_ws2"
+    spec = dict(ds_oracle.target_spec(_spec(src), 3, 2), scheduler=False)
+    ds_oracle.load_with_deepspeed(spec, str(tmp_path / "out"), str(tmp_path / "oracle"))
+    assert_same_state(src / "expected", tmp_path / "oracle", skip=("lr_scheduler", "loss_scaler"))

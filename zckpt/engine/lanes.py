@@ -114,7 +114,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     """Write every target's jobs with ``worker`` on ``pool``; returns ``{(key, slot): (crc, length)}`` of the
     bytes written (each slot's parts combined in file order; also ``target.crcs``). ``crc_of``: the sources' CRCs
     for kernel copies (:meth:`zckpt.engine.torchzip.SourceMaps.crc`). ``done(target, fd)``: a file's jobs are all
-    written (write its headers); then it is fsynced when ``durable`` (on a side thread, while the next files are
+    written (write its headers; the bytes it returns are reported to ``progress``); then it is fsynced when ``durable`` (on a side thread, while the next files are
     written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job.
 
     Where some files need numpy for their casts and numpy is not imported yet, the files that are only copied are
@@ -126,7 +126,7 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
         def write(part, part_pool, step, part_closed, part_after_job):
             return _write_files(part, part_pool, worker, crc_of, lanes, durable, step, done, part_closed,
                                 part_after_job, remote)
-        return forked.write_apart(*apart, write, pool, getattr(pool, "_max_workers", 1), worker,
+        return forked.write_apart(*apart, write, getattr(pool, "_max_workers", 1), worker,
                                   getattr(worker, "check", None), progress, closed, after_job)
     return _write_files(targets, pool, worker, crc_of, lanes, durable, progress, done, closed, after_job, remote)
 
@@ -207,8 +207,9 @@ def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None,
             view, t.map = t.map, None
         mapped.close_map(view)  # (its pages are the file's: the headers below and fsync see them)
         try:
-            if done is not None:
-                done(t, fd)
+            wrote = done(t, fd) if done is not None else None
+            if wrote and progress:
+                progress(wrote)
         except BaseException:
             os.close(fd)
             raise

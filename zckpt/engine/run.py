@@ -132,9 +132,9 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
         if shared:
             log.debug("  %s read once for a cast and a copy", format_size(shared))
 
-    def done(t, fd):
+    def done(t, fd):  # (its bytes reported by write_files: in a forked child's files, to this process's bar)
         executor.pwrite_pieces(fd, works[t.key].meta({slot: c for slot, (c, _) in t.crcs.items()}))
-        step(made[t.key])
+        return made[t.key]
 
     def closed(t):
         pub.done(works[t.key].relpath)  # URL outputs: uploaded now
