@@ -142,6 +142,12 @@ class InputCheck:
         for path in sorted(byfile):
             self._check_file(path, byfile[path])
 
+    def prepare(self, paths) -> None:
+        """Learn the entries of the files ``paths`` now (what :meth:`finish` would read first), where this process
+        would otherwise wait: :mod:`zckpt.engine.forked` while its child copies."""
+        for path in paths:
+            self._entries_for(path)
+
     def ensure(self, path: str, offset: int, n: int) -> None:
         """Check, before they are used, the entries holding bytes [offset, offset+n) of ``path``, each read whole
         (once per entry: :func:`zckpt.api.iter_tensors` yields a tensor only after its entry is checked)."""

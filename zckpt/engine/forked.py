@@ -114,6 +114,8 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     try:
         with ThreadPoolExecutor(cast_workers(workers)) as own:  # (the pool's own threads never start)
             crcs = write(casts, own, progress, closed, mine)
+        if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
+            check.prepare(_sources(copies + casts))
         while reader.is_alive():
             reader.join(0.05)
             drain()
@@ -254,6 +256,20 @@ def _rebuilt(value: tuple) -> BaseException:
     if cls == "KeyboardInterrupt":
         return KeyboardInterrupt()
     return StorageError(f"the forked copy failed: {cls}: {message}", hint="run again with ZCKPT_FORK_COPIES=0")
+
+
+def _sources(targets: list) -> list[str]:
+    """The local files the jobs of ``targets`` read."""
+    from zckpt.engine.segments import Cast, Piece
+    paths: dict[str, None] = {}
+    for t in targets:
+        for _, _, parts, _ in t.jobs:
+            for p in parts:
+                if isinstance(p, Piece):
+                    paths[p.path] = None
+                elif isinstance(p, Cast):
+                    paths.update(dict.fromkeys(q.path for q in p.pieces))
+    return list(paths)
 
 
 def _wait(pid: int) -> int:
