@@ -151,6 +151,26 @@ def test_cli_on_every_declared_python(version, venvs, checkpoints, reference, tm
                 assert ours["ok"] is True, (version, name, ours)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_forked_convert_on_every_declared_python(version, venvs, checkpoints, tmp_path):
+    """convert --to deepspeed with bf16 weights (numpy imported for them while a forked child writes the optimizer
+    files: zckpt.engine.forked) on each Python: the fork happens, and the files are the suite's Python's."""
+    from tests.test_distributed import assert_same_output
+    bindir = venvs[version]
+    if isinstance(bindir, str):
+        pytest.skip(f"NOT TESTED: Python {version}: {bindir}")
+    args = ("convert", str(checkpoints["dcp800"]), "--to", "deepspeed", "--world-size", "2", "--stage", "2",
+            "--dtype", "bf16", "-vv")
+    ref = _suite(*args, "-o", "ref", cwd=tmp_path)
+    assert ref.returncode == 0, ref.stderr
+    res = subprocess.run([str(bindir / "zckpt"), *args, "-o", "ours"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**_env(), "PYTHONWARNINGS": "always::DeprecationWarning"}, timeout=300)
+    # (3.12+ warns when a process with threads forks: this one forks before any thread starts)
+    assert res.returncode == 0 and "Traceback" not in res.stderr and "multi-threaded" not in res.stderr, res.stderr
+    assert "2 file(s) only copied written by a forked process" in res.stderr, res.stderr
+    assert_same_output(tmp_path / "ref", tmp_path / "ours")
+
+
 @pytest.mark.parametrize("run", [b"{0,8192}", b"{0,3}"])
 def test_bounded_run_walks_as_the_possessive_one(run, monkeypatch):
     """The expression Python 3.10 gets (a greedy run of at most N opcodes, then the walk resumes) ends every pickle
