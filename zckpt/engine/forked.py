@@ -213,8 +213,8 @@ def _child(fd: int, parent: int, targets: list, write: Callable, workers: int, w
                 raise StorageError("injected failure in the forked copy", hint="a test asked for it")
             if hook == "exit":
                 os._exit(17)
-            if hook == "hang":
-                time.sleep(3600)
+            while hook == "hang" and os.getppid() == parent:  # (until the parent kills it, or is gone)
+                time.sleep(0.1)
 
         with ThreadPoolExecutor(workers) as pool:
             crcs = write(targets, pool, step, None, after_job)
