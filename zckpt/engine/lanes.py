@@ -114,8 +114,9 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     """Write every target's jobs with ``worker`` on ``pool``; returns ``{(key, slot): (crc, length)}`` of the
     bytes written (each slot's parts combined in file order; also ``target.crcs``). ``crc_of``: the sources' CRCs
     for kernel copies (:meth:`zckpt.engine.torchzip.SourceMaps.crc`). ``done(target, fd)``: a file's jobs are all
-    written (write its headers; the bytes it returns are reported to ``progress``); then it is fsynced when ``durable`` (on a side thread, while the next files are
-    written) and closed, and ``closed(target)`` is called. ``progress(n)``, ``after_job()``: after each job.
+    written (write its headers; the bytes it returns are reported to ``progress``); then it is fsynced when
+    ``durable`` (on a side thread, while the next files are written) and closed, and ``closed(target)`` is called.
+    ``progress(n)``, ``after_job()``: after each job.
 
     Where some files need numpy for their casts and numpy is not imported yet, the files that are only copied are
     written by a forked child meanwhile (:mod:`zckpt.engine.forked`): the same jobs, headers and checks."""
