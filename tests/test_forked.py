@@ -159,3 +159,7 @@ def test_deepspeed_loads_what_the_forked_copy_wrote(dcp, tmp_path):
     spec = dict(ds_oracle.target_spec(_spec(src), 3, 2), scheduler=False)
     ds_oracle.load_with_deepspeed(spec, str(tmp_path / "out"), str(tmp_path / "oracle"))
     assert_same_state(src / "expected", tmp_path / "oracle", skip=("lr_scheduler", "loss_scaler"))
+
+
+def test_this_process_casts_with_a_third_of_the_threads():
+    assert [forked.cast_workers(n) for n in (1, 2, 3, 8, 12, 16)] == [1, 2, 2, 2, 4, 5]

@@ -66,11 +66,11 @@ def split(targets: list, worker, remote: bool) -> tuple[list, list] | None:
 
 
 def cast_workers(workers: int) -> int:
-    """This process's threads while the child copies with ``workers``: a third of them, at least 2. The files it
-    casts are few (a DeepSpeed model-states file: one), each written at one inode's rate whatever the threads; on
-    the lent host 4 threads beside the child's 12 gave convert --to deepspeed 0.99-1.09 s against 1.01-1.17 s with
-    12 (docs/benchmarks.md)."""
-    return max(2, workers // 3)
+    """This process's threads while the child copies with ``workers``: a third of them, at least 2 (1 where the
+    user asked for 1). The files it casts are few (a DeepSpeed model-states file: one), each written at one inode's
+    rate whatever the threads; on the lent host 4 threads beside the child's 12 gave convert --to deepspeed
+    0.99-1.09 s against 1.01-1.17 s with 12 (docs/benchmarks.md)."""
+    return min(workers, max(2, workers // 3))
 
 
 def write_apart(copies: list, casts: list, write: Callable, workers: int, worker, check,
