@@ -6,6 +6,7 @@ each end in one line, the error table's exit status, nothing published, no scrat
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import zckpt
+from tests.test_checksums import flip
 from tests.test_distributed import FIX, _scratch, assert_same_output
 from zckpt.engine import forked, lanes
 from zckpt.engine.segments import Cast, Piece
@@ -55,14 +57,10 @@ def test_the_copies_are_forked_and_the_output_is_one_process_s(dcp, tmp_path):
 def test_a_damaged_byte_only_the_forked_copy_read_is_refused(dcp, tmp_path):
     """A byte of a moment (only copied, never cast): the child's spans are checked here before publishing."""
     src = tmp_path / "dcp"
-    subprocess.run(["cp", "-r", str(dcp), str(src)], check=True)
+    shutil.copytree(dcp, src)
     record = next(r for r in zckpt.open_checkpoint(str(src)).records if r.kind == "trainable")
     piece = record.exp_avg[0]
-    with open(piece.path, "r+b") as f:
-        f.seek(piece.offset + 5)
-        b = f.read(1)
-        f.seek(piece.offset + 5)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip(piece.path, piece.offset + 5)
     got = _convert(src, tmp_path / "out", extra=["-vv"])
     assert "written by a forked process" in got.stderr
     assert got.returncode == 1
