@@ -366,6 +366,21 @@ def test_to_deepspeed_refuses_what_dcp_cannot_say(fsdp2, tmp_path):
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
+def test_to_deepspeed_of_a_folder_without_a_checkpoint_says_so(tmp_path):
+    """A DCP folder that lost its ``.metadata`` is no checkpoint at all, not "a DeepSpeed one" (DeepSpeed's reader
+    claims what no other does); a real DeepSpeed checkpoint is pointed at reshard."""
+    from zckpt.errors import CheckpointNotFound, InvalidArgument
+    from zckpt.ops.to_deepspeed import to_deepspeed
+    broken = tmp_path / "broken"
+    shutil.copytree(ROOT / "fixtures" / "fsdp2_llama_ws2", broken)
+    (broken / ".metadata").unlink()
+    with pytest.raises(CheckpointNotFound, match="no checkpoint here"):
+        to_deepspeed(str(broken), str(tmp_path / "a"), 2, 2, dtype="bf16")
+    with pytest.raises(InvalidArgument, match="use zckpt reshard"):
+        to_deepspeed(str(ROOT / "fixtures" / "z2_bf16_ws2"), str(tmp_path / "b"), 2, 2, dtype="bf16")
+    assert not any((tmp_path / n).exists() for n in "ab")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size,stage,tied", [(4, 3, "head.weight=emb.weight"), (1, 1, "")])
 def test_to_deepspeed_loaded_by_deepspeed(fsdp2, tmp_path, world_size, stage, tied):

@@ -126,6 +126,9 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     fmt = format_of(path, storage_options)
     view = fmt.training_state  # another format's training state, groups placed (Megatron's)
     if fmt.name != "dcp" and view is None:
+        if fmt.name == "deepspeed":  # (the reader that claims what is left: a folder of no checkpoint is said so)
+            from zckpt.deepspeed.discover import locate
+            locate(path, None, storage_options)
         raise InvalidArgument(f"--to deepspeed reads a PyTorch DCP or Megatron checkpoint, not {fmt.name}", path=path,
                               hint="for a DeepSpeed checkpoint at another size or stage use zckpt reshard")
     if isinstance(buffers, str):
