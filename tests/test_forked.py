@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,57 @@ def test_deepspeed_loads_what_the_forked_copy_wrote(dcp, tmp_path):
 
 def test_this_process_casts_with_a_third_of_the_threads():
     assert [forked.cast_workers(n) for n in (1, 2, 3, 8, 12, 16)] == [1, 2, 2, 2, 4, 5]
+
+
+def test_this_process_grows_to_the_child_s_threads_once_the_child_is_done(tmp_path):
+    """While the child copies, this process writes with ``cast_workers`` threads; once the child has sent its
+    result, the jobs left go to ``workers`` threads (a fresh interpreter: no thread runs beside the fork)."""
+    script = """
+import threading, time
+from zckpt.engine import forked, lanes
+copies, casts = [lanes.Target(0, "a", [])], [lanes.Target(1, "b", [])]
+rounds = []
+def write(targets, pool, step, closed, after_job):
+    if targets is copies:  # the child
+        time.sleep(2)
+        return {(0, 0): (1, 1)}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        names = set()
+        def job():
+            names.add(threading.current_thread().name)
+            time.sleep(0.01)
+        for f in [pool.submit(job) for _ in range(36)]:
+            f.result()
+        rounds.append(len(names))
+        if len(names) == 12:
+            break
+    return {(1, 0): (2, 2)}
+got = forked.write_apart(copies, casts, write, 12, None, None, None, None, None)
+print(rounds[0], rounds[-1], sorted(got.items()), copies[0].crcs)
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    first, last, *rest = got.stdout.strip().split(maxsplit=2)
+    assert (int(first), int(last)) == (forked.cast_workers(12), 12)
+    assert rest == ["[((0, 0), (1, 1)), ((1, 0), (2, 2))] {0: (1, 1)}"]
+
+
+def test_the_growing_pool_runs_cancels_and_fails_as_a_pool_does():
+    seen, gate = [], threading.Event()
+    with forked._Pool(2, 4) as pool:
+        assert pool._max_workers == 4  # (what lanes sizes its jobs in flight by)
+        blocked = [pool.submit(gate.wait) for _ in range(2)]
+        waiting = pool.submit(seen.append, "never")
+        assert waiting.cancel()  # not started: two threads are busy
+        gate.set()
+        wait(blocked)
+        failed = pool.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+        pool.grow(8)  # at most its _max_workers
+        assert len(pool._threads) == 4
+        assert [pool.submit(lambda i=i: i * i).result() for i in range(6)] == [0, 1, 4, 9, 16, 25]
+    assert seen == [] and not any(t.is_alive() for t in pool._threads)
+    pool.grow(4)  # closed: no thread starts
+    assert not any(t.is_alive() for t in pool._threads)

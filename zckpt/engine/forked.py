@@ -28,9 +28,10 @@ import pickle
 import signal
 import struct
 import sys
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from zckpt.errors import StorageError, ZckptError
@@ -38,6 +39,7 @@ from zckpt.errors import StorageError, ZckptError
 log = logging.getLogger(__name__)
 
 FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
+GROW = True  # this process's threads grow to the child's number once the child is done
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
 _HEAD = struct.Struct("<Q")
 
@@ -111,8 +113,10 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
             after_job()
 
     reaped = False
+    own = _Pool(cast_workers(workers), workers)  # (the caller's pool's own threads never start)
+    box.ended = lambda: own.grow(workers) if GROW else None
     try:
-        with ThreadPoolExecutor(cast_workers(workers)) as own:  # (the pool's own threads never start)
+        with own:
             crcs = write(casts, own, progress, closed, mine)
         if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
             check.prepare(_sources(copies + casts))
@@ -151,13 +155,68 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
 
 
 class _Box:
-    """What the reader thread took from the child: progress not yet reported, its result or its error."""
+    """What the reader thread took from the child: progress not yet reported, its result or its error;
+    ``ended()`` is called once the child has sent its last message."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.progress = 0
         self.result = None
         self.error: BaseException | None = None
+        self.ended: Callable[[], None] = lambda: None
+
+
+class _Pool:
+    """The threads writing this process's files: ``first`` of them while the child copies, ``grow(n)`` adds more
+    once it is done (the jobs not yet started go to whichever thread is free). ``_max_workers`` is the most it may
+    grow to, which is what :func:`zckpt.engine.lanes.write_files` sizes its jobs in flight by."""
+
+    def __init__(self, first: int, most: int):
+        self._max_workers = max(first, most)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.grow(first)
+
+    def grow(self, n: int) -> None:
+        with self._lock:
+            while not self._closed and len(self._threads) < min(n, self._max_workers):
+                t = threading.Thread(target=self._work, name=f"zckpt-cast_{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller takes it from the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def __enter__(self) -> "_Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        for _ in threads:
+            self._jobs.put(None)
+        for t in threads:
+            t.join()
 
 
 def _read(fd: int, box: _Box) -> None:
@@ -176,6 +235,7 @@ def _read(fd: int, box: _Box) -> None:
                     box.progress += value
             elif kind == "ok":
                 box.result = value
+                box.ended()
             else:
                 box.error = _rebuilt(value)
 
