@@ -217,3 +217,34 @@ def test_the_growing_pool_runs_cancels_and_fails_as_a_pool_does():
     assert seen == [] and not any(t.is_alive() for t in pool._threads)
     pool.grow(4)  # closed: no thread starts
     assert not any(t.is_alive() for t in pool._threads)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_a_damaged_zip_record_the_input_check_reads_is_one_line_whether_learned_beside_or_after(dcp, tmp_path,
+                                                                                                beside):
+    """The end record of a moment's item (no byte of its tensor, never read at open) flipped: learning the input
+    check's entries fails, on the side thread once the imports are done or while waiting for the child; either way
+    the refusal is the check's one line naming the file, exit 1, and nothing is published."""
+    src = tmp_path / "dcp"
+    shutil.copytree(dcp, src)
+    ckpt = zckpt.open_checkpoint(str(src))
+    md = ckpt.extra["metadata"]
+    key = next(k for k in md.tensors if k.startswith("optim.state.") and k.endswith(".exp_avg_sq")
+               and md.tensors[k].chunks[0].offset > 0)
+    item = md.tensors[key].chunks[-1]
+    flip(str(src / item.file), item.offset + item.length - 22)  # its end-of-directory record's signature
+    script = f"""
+import sys
+from zckpt.engine import forked
+forked.PREPARE_BESIDE = {beside}
+import zckpt.cli
+sys.argv = ["zckpt", "convert", {str(src)!r}, *{ARGS!r}, "-o", {str(tmp_path / "out")!r}, "-vv"]
+zckpt.cli.main()
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "ZCKPT_FORK_COPIES"})
+    assert "written by a forked process" in got.stderr
+    assert got.returncode == 1 and "Traceback" not in got.stderr, got.stderr
+    last = got.stderr.strip().splitlines()[-1]
+    assert item.file in last and "error" in last.lower(), last
+    assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []

@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import signal
 import struct
 import sys
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +39,7 @@ from zckpt.errors import StorageError, ZckptError
 log = logging.getLogger(__name__)
 
 FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
+PREPARE_BESIDE = False  # the input check's entries learned on a side thread once the casts' imports are done
 GROW = True  # this process's threads grow to the child's number once the child is done
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
 _HEAD = struct.Struct("<Q")
@@ -75,6 +76,11 @@ def cast_workers(workers: int) -> int:
     return min(workers, max(2, workers // 3))
 
 
+def copy_workers(workers: int) -> int:
+    """The child's threads: ``workers``."""
+    return workers
+
+
 def write_apart(copies: list, casts: list, write: Callable, workers: int, worker, check,
                 progress: Callable[[int], None] | None, closed: Callable | None,
                 after_job: Callable[[], None] | None) -> dict:
@@ -91,7 +97,7 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(r)
-        _child(w, parent, copies, write, workers, worker, check)
+        _child(w, parent, copies, write, copy_workers(workers), worker, check)
     os.close(w)
     log.debug("  %d file(s) only copied written by a forked process (pid %d) while %d with casts are written here",
               len(copies), pid, len(casts))
@@ -105,7 +111,13 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
         if n and progress:
             progress(n)
 
+    sources: list[threading.Thread] = []
+
     def mine() -> None:  # after each of this process's jobs: the child's progress; its error stops this side too
+        if PREPARE_BESIDE and check is not None and not sources:  # (the casts' imports done: the first job is)
+            sources.append(threading.Thread(target=_learn, args=(check, _sources(copies + casts)), daemon=True,
+                                            name="zckpt-entries"))
+            sources[0].start()
         drain()
         if box.error is not None:
             raise box.error
@@ -118,7 +130,9 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     try:
         with own:
             crcs = write(casts, own, progress, closed, mine)
-        if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
+        if sources:
+            sources[0].join()
+        elif check is not None and reader.is_alive():  # while the child copies: what the input check reads first
             check.prepare(_sources(copies + casts))
         while reader.is_alive():
             reader.join(0.05)
@@ -316,6 +330,14 @@ def _rebuilt(value: tuple) -> BaseException:
     if cls == "KeyboardInterrupt":
         return KeyboardInterrupt()
     return StorageError(f"the forked copy failed: {cls}: {message}", hint="run again with ZCKPT_FORK_COPIES=0")
+
+
+def _learn(check, paths: list[str]) -> None:
+    """``check.prepare(paths)`` on a side thread: what fails here fails again, and is reported, in its finish."""
+    try:
+        check.prepare(paths)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 def _sources(targets: list) -> list[str]:
