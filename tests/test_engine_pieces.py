@@ -36,22 +36,32 @@ def _reference_chunks(segments, dtype, chunk_bytes):
     return out
 
 
-def test_chunks_match_the_sliced_reference():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunks_match_the_sliced_reference(dtype):
+    """Pieces, fills, casts of one or several pieces and literal bytes: long pieces and one-piece casts are cut by
+    arithmetic, the rest by slice_segments; the jobs are the reference's either way."""
     rng = random.Random(5)
+    other = "bfloat16" if dtype == "float32" else "float32"
+    size = {"float32": 4, "bfloat16": 2}
     for _ in range(300):
         segs = []
         for _ in range(rng.randint(1, 6)):
             kind, n = rng.random(), rng.choice([0, 1, 3, 255, 256, 257, 1000, 4096])
-            if kind < 0.6:
-                segs.append(Piece(f"/r{rng.randint(0, 2)}", rng.randint(0, 99) * 4, n, "float32"))
+            if kind < 0.5:
+                segs.append(Piece(f"/r{rng.randint(0, 2)}", rng.randint(0, 99) * size[dtype], n, dtype))
+            elif kind < 0.65:
+                segs.append(Fill(n, dtype))
             elif kind < 0.8:
-                segs.append(Fill(n, "float32"))
+                segs.append(Cast([Piece("/b", size[other] * rng.randint(0, 50), n, other)], other))
             elif kind < 0.9:
-                segs.append(Cast([Piece("/b", 2 * rng.randint(0, 50), n, "bfloat16")], "bfloat16"))
+                cut = rng.randint(0, n)
+                segs.append(Cast([Piece("/c", 0, cut, other), Piece("/d", 8 * rng.randint(0, 9), n - cut, other)],
+                                 other))
             else:
-                segs.append(bytes(4 * (n % 16)))
-        chunk = rng.choice([4, 64, 1024, 4096, 1 << 20])
-        assert list(chunks(segs, "float32", chunk)) == _reference_chunks(segs, "float32", chunk)
+                segs.append(bytes(size[dtype] * (n % 16)))
+        chunk = rng.choice([4, 64, 1024, 4096, 1 << 20] if sum(seg_numel(g, dtype) for g in segs) < 5000 else
+                           [1024, 4096, 1 << 20])
+        assert list(chunks(segs, dtype, chunk)) == _reference_chunks(segs, dtype, chunk)
 
 
 def test_pwrite_pieces_writes_runs_and_leaves_gaps(tmp_path):

@@ -108,6 +108,14 @@ def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterat
             n = seg_numel(seg, dtype)
             if 0 < n <= per and isinstance(seg, Piece):  # a whole (immutable) piece: nothing to slice
                 parts = [seg]
+            elif type(seg) is Piece:  # (the common long piece: its slices by arithmetic, slice_segments' result)
+                at = DTYPE_SIZES[seg.dtype]
+                parts = [Piece(seg.path, seg.offset + s * at, min(per, n - s), seg.dtype) for s in range(0, n, per)]
+            elif type(seg) is Cast and len(seg.pieces) == 1 and type(seg.pieces[0]) is Piece:  # (one long cast)
+                p0 = seg.pieces[0]
+                at = DTYPE_SIZES[p0.dtype]
+                parts = [Cast([Piece(p0.path, p0.offset + s * at, min(per, n - s), p0.dtype)], seg.src_dtype)
+                         for s in range(0, n, per)]
             else:
                 parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
         for part in parts:

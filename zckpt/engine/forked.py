@@ -9,7 +9,10 @@ output files are split in two:
     copies   the files none of whose jobs needs numpy (a DeepSpeed optimizer file: masters and moments as they are)
              -> written by a child forked now, with its own threads: it starts writing at once (no import, no new
                 interpreter: the plan is already in its memory), its headers written by the same ``done``
-    casts    the files with a cast -> written here, after the import, while the child copies
+    casts    the files with a cast -> written here, after the import, while the child copies, with a third of
+             the threads; once the child is done, with as many as it had (:class:`_Pool`): on the lent host
+             (2026-12-06, twelfth session) the cast file went on 0.14-0.23 s after the child's last copy at 4
+             threads, 0.11-0.15 s with them grown
 
 and joined: the child sends its progress, then its files' CRC-32s, the input spans it read (checked here with the
 rest before anything is published, :class:`zckpt.engine.checked.InputCheck`) and its counters; an error in it is
@@ -39,8 +42,6 @@ from zckpt.errors import StorageError, ZckptError
 log = logging.getLogger(__name__)
 
 FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
-PREPARE_BESIDE = False  # the input check's entries learned on a side thread once the casts' imports are done
-GROW = True  # this process's threads grow to the child's number once the child is done
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
 _HEAD = struct.Struct("<Q")
 
@@ -72,13 +73,9 @@ def cast_workers(workers: int) -> int:
     """This process's threads while the child copies with ``workers``: a third of them, at least 2 (1 where the
     user asked for 1). The files it casts are few (a DeepSpeed model-states file: one), each written at one inode's
     rate whatever the threads; on the lent host 4 threads beside the child's 12 gave convert --to deepspeed
-    0.99-1.09 s against 1.01-1.17 s with 12 (docs/benchmarks.md)."""
+    0.99-1.09 s against 1.01-1.17 s with 12, and 6 (the child then slower by as much) no better than 4
+    (docs/benchmarks.md). Once the child is done, the threads grow to ``workers``."""
     return min(workers, max(2, workers // 3))
-
-
-def copy_workers(workers: int) -> int:
-    """The child's threads: ``workers``."""
-    return workers
 
 
 def write_apart(copies: list, casts: list, write: Callable, workers: int, worker, check,
@@ -97,7 +94,7 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.close(r)
-        _child(w, parent, copies, write, copy_workers(workers), worker, check)
+        _child(w, parent, copies, write, workers, worker, check)
     os.close(w)
     log.debug("  %d file(s) only copied written by a forked process (pid %d) while %d with casts are written here",
               len(copies), pid, len(casts))
@@ -111,13 +108,7 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
         if n and progress:
             progress(n)
 
-    sources: list[threading.Thread] = []
-
     def mine() -> None:  # after each of this process's jobs: the child's progress; its error stops this side too
-        if PREPARE_BESIDE and check is not None and not sources:  # (the casts' imports done: the first job is)
-            sources.append(threading.Thread(target=_learn, args=(check, _sources(copies + casts)), daemon=True,
-                                            name="zckpt-entries"))
-            sources[0].start()
         drain()
         if box.error is not None:
             raise box.error
@@ -126,13 +117,11 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
 
     reaped = False
     own = _Pool(cast_workers(workers), workers)  # (the caller's pool's own threads never start)
-    box.ended = lambda: own.grow(workers) if GROW else None
+    box.ended = lambda: own.grow(workers)
     try:
         with own:
             crcs = write(casts, own, progress, closed, mine)
-        if sources:
-            sources[0].join()
-        elif check is not None and reader.is_alive():  # while the child copies: what the input check reads first
+        if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
             check.prepare(_sources(copies + casts))
         while reader.is_alive():
             reader.join(0.05)
@@ -183,7 +172,10 @@ class _Box:
 class _Pool:
     """The threads writing this process's files: ``first`` of them while the child copies, ``grow(n)`` adds more
     once it is done (the jobs not yet started go to whichever thread is free). ``_max_workers`` is the most it may
-    grow to, which is what :func:`zckpt.engine.lanes.write_files` sizes its jobs in flight by."""
+    grow to, which is what :func:`zckpt.engine.lanes.write_files` sizes its jobs in flight by. (A
+    ThreadPoolExecutor cannot grow but through its private fields.) On the lent host the growth took 0.05 s off
+    convert --to deepspeed's writing: 0.930-1.010 s from the fork to the end against 0.986-1.056 without it, five
+    alternated runs each (docs/benchmarks.md, 2026-12-06 twelfth session)."""
 
     def __init__(self, first: int, most: int):
         self._max_workers = max(first, most)
@@ -330,14 +322,6 @@ def _rebuilt(value: tuple) -> BaseException:
     if cls == "KeyboardInterrupt":
         return KeyboardInterrupt()
     return StorageError(f"the forked copy failed: {cls}: {message}", hint="run again with ZCKPT_FORK_COPIES=0")
-
-
-def _learn(check, paths: list[str]) -> None:
-    """``check.prepare(paths)`` on a side thread: what fails here fails again, and is reported, in its finish."""
-    try:
-        check.prepare(paths)
-    except Exception:  # noqa: BLE001 - see the docstring
-        pass
 
 
 def _sources(targets: list) -> list[str]:
