@@ -32,7 +32,7 @@ def main() -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the zckpt program does (zckpt/__main__.py)
-    spill = (json_out or tempfile.mktemp(prefix="zckpt-tl-")) + ".child"
+    spill = (json_out or os.path.join(tempfile.gettempdir(), f"zckpt-tl-{os.getpid()}")) + ".child"
     events: list = []  # (pid, kind, name, start, end)
     jobs: list = []  # (pid, thread, path, start, end, bytes)
     lock = threading.Lock()
