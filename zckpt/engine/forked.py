@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
+BALANCE = True  # this process's threads grow while its files would end after the child's (:class:`_Balance`)
+PREPARE_BESIDE = True  # the input check's entries learned on a side thread once the casts' imports are done
 _HEAD = struct.Struct("<Q")
 
 
@@ -108,19 +110,36 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
         if n and progress:
             progress(n)
 
+    own = _Pool(cast_workers(workers), workers)  # (the caller's pool's own threads never start)
+    box.ended = lambda: own.grow(workers)
+    balance = _Balance(own, _bytes(casts), _bytes(copies), max(own.threads, workers // 2)) if BALANCE else None
+    wrote = [0]
+    beside: list[threading.Thread] = []
+
+    def mine_progress(n: int) -> None:
+        wrote[0] += n
+        if progress:
+            progress(n)
+
     def mine() -> None:  # after each of this process's jobs: the child's progress; its error stops this side too
         drain()
         if box.error is not None:
             raise box.error
+        if not beside and check is not None and PREPARE_BESIDE:  # (the imports are done: a job of ours ended)
+            beside.append(threading.Thread(target=_prepare, args=(check, _sources(copies + casts)),
+                                           name="zckpt-prepare", daemon=True))
+            beside[0].start()
+        if balance is not None and box.result is None:
+            balance.step(time.monotonic(), wrote[0], box.copied, box.at)
         if after_job is not None:
             after_job()
 
     reaped = False
-    own = _Pool(cast_workers(workers), workers)  # (the caller's pool's own threads never start)
-    box.ended = lambda: own.grow(workers)
     try:
         with own:
-            crcs = write(casts, own, progress, closed, mine)
+            crcs = write(casts, own, mine_progress, closed, mine)
+        for t in beside:  # (what it learned is the check's: it ends before the check runs)
+            t.join()
         if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
             check.prepare(_sources(copies + casts))
         while reader.is_alive():
@@ -137,6 +156,8 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
                 pass
             _wait(pid)
             reader.join()
+            for t in beside:
+                t.join()
     if box.error is not None:
         raise box.error
     if box.result is None:
@@ -164,6 +185,8 @@ class _Box:
     def __init__(self):
         self.lock = threading.Lock()
         self.progress = 0
+        self.copied = 0  # the child's bytes written so far, as of its last message
+        self.at = 0.0  # when that message came (time.monotonic)
         self.result = None
         self.error: BaseException | None = None
         self.ended: Callable[[], None] = lambda: None
@@ -184,6 +207,10 @@ class _Pool:
         self._lock = threading.Lock()
         self._closed = False
         self.grow(first)
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
     def grow(self, n: int) -> None:
         with self._lock:
@@ -225,6 +252,65 @@ class _Pool:
             t.join()
 
 
+class _Balance:
+    """While the child copies: this process's threads grow by one, up to ``most``, when its files would end more
+    than ``SLACK`` seconds after the child's at the rates of the last ``SETTLE`` seconds (each side's bytes written
+    against its total; the child's as of its messages). The split at the fork is a guess: on the lent host the
+    cast file ended 0.11-0.15 s after the child's copies at 4 threads of 16, and 0.14-0.17 s before them at 6
+    (the child then slower by as much; docs/benchmarks.md, 2026-12-06 twelfth session); this finds the count in
+    between for the machine and the checkpoint at hand. It only grows (a thread started is not stopped): one at a
+    time, a window apart, so a growth's effect on both sides is seen before the next."""
+
+    SETTLE = 0.1
+    SLACK = 0.02
+
+    def __init__(self, pool: "_Pool", own_total: int, child_total: int, most: int):
+        self.pool, self.own_total, self.child_total, self.most = pool, own_total, child_total, most
+        self.mark: tuple[float, int, int, float] | None = None  # (time, own bytes, child bytes, its message's time)
+        self.grown = 0
+
+    def step(self, now: float, own: int, child: int, child_at: float) -> bool:
+        """This process's bytes ``own`` now, the child's ``child`` as of its message at ``child_at``; True: grown."""
+        if self.own_total <= 0 or self.child_total <= 0:
+            return False
+        if self.mark is None:
+            self.mark = (now, own, child, child_at)
+            return False
+        t0, own0, child0, at0 = self.mark
+        if now - t0 < self.SETTLE or child_at <= at0:
+            return False
+        self.mark = (now, own, child, child_at)
+        own_rate, child_rate = (own - own0) / (now - t0), (child - child0) / (child_at - at0)
+        if own_rate <= 0 or child_rate <= 0 or child >= self.child_total or self.pool.threads >= self.most:
+            return False
+        own_end = now + max(0, self.own_total - own) / own_rate
+        child_end = child_at + (self.child_total - child) / child_rate
+        if own_end <= child_end + self.SLACK:
+            return False
+        self.pool.grow(self.pool.threads + 1)
+        self.grown += 1
+        log.debug("  %d thread(s) here: this side would end %.3f s after the forked copy", self.pool.threads,
+                  own_end - child_end)
+        return True
+
+
+def _bytes(targets: list) -> int:
+    """The bytes of ``targets``' files (created at their size before the fork; 0 where one cannot be read)."""
+    try:
+        return sum(os.path.getsize(t.path) for t in targets)
+    except (OSError, TypeError, ValueError):
+        return 0
+
+
+def _prepare(check, paths: list[str]) -> None:
+    """:meth:`InputCheck.prepare` on a side thread: a file it cannot read is left to the check's finish, which
+    reads it again and refuses it there, on the main thread."""
+    try:
+        check.prepare(paths)
+    except Exception as exc:  # noqa: BLE001 - raised again, in its place, by the check's finish
+        log.debug("  the input check's entries, learned beside the writing: %s", exc)
+
+
 def _read(fd: int, box: _Box) -> None:
     with os.fdopen(fd, "rb") as f:
         while True:
@@ -239,6 +325,8 @@ def _read(fd: int, box: _Box) -> None:
             if kind == "p":
                 with box.lock:
                     box.progress += value
+                    box.copied += value
+                    box.at = time.monotonic()
             elif kind == "ok":
                 box.result = value
                 box.ended()
