@@ -199,6 +199,76 @@ print(rounds[0], rounds[-1], sorted(got.items()), copies[0].crcs)
     assert rest == ["[((0, 0), (1, 1)), ((1, 0), (2, 2))] {0: (1, 1)}"]
 
 
+class _Threads:
+    def __init__(self, n):
+        self.threads = n
+
+    def grow(self, n):
+        self.threads = n
+
+
+def test_the_balance_grows_this_side_only_while_it_would_end_after_the_child():
+    """Rates over windows of SETTLE seconds: this side 100 of 1000 bytes a window, the child 200 of 1000 (its ends
+    9 and 4 windows on): one more thread; in a window of its own, no second growth; at ``most``, none; where it
+    keeps up, none."""
+    pool = _Threads(4)
+    b = forked._Balance(pool, 1000, 1000, 6)
+    w = forked._Balance.SETTLE
+    assert not b.step(1.0, 0, 0, 0.99)  # the first job of this side: the mark
+    assert not b.step(1.0 + w / 2, 50, 100, 1.0 + w / 2)  # (half a window: no rate yet)
+    assert b.step(1.0 + w, 100, 200, 1.0 + w) and pool.threads == 5
+    assert not b.step(1.0 + 1.5 * w, 150, 300, 1.0 + 1.5 * w)
+    assert not b.step(1.0 + 2 * w, 200, 400, 1.0 + 2 * w - 0.06)  # no message of the child since the mark
+    assert b.step(1.0 + 3 * w, 300, 500, 1.0 + 3 * w) and pool.threads == 6
+    assert not b.step(1.0 + 4 * w, 400, 700, 1.0 + 4 * w) and pool.threads == 6  # at most 6
+    even = forked._Balance(_Threads(4), 1000, 1000, 6)
+    assert [even.step(t * w, 100 * t, 100 * t, t * w) for t in range(6)] == [False] * 6  # together: no growth
+    assert even.pool.threads == 4
+    done = forked._Balance(_Threads(4), 1000, 1000, 6)
+    assert [done.step(t * w, 10 * t, min(1000, 1000 * t), t * w) for t in range(4)] == [False] * 4  # child done
+    assert not forked._Balance(_Threads(4), 0, 1000, 6).step(1.0, 0, 0, 1.0)  # sizes unknown: no balance
+
+
+def test_this_side_grows_while_it_lags_the_child_and_no_further_than_half(tmp_path):
+    """A child that writes its file steadily and a side that writes a tenth of its own in that time: while the
+    child runs, this side's pool grows past ``cast_workers`` up to half the workers; after, to all of them."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(bytes(1000))
+    b.write_bytes(bytes(10000))
+    script = f"""
+import os, time
+from zckpt.engine import forked, lanes
+copies, casts = [lanes.Target(0, {str(a)!r}, [])], [lanes.Target(1, {str(b)!r}, [])]
+flag = {str(tmp_path / "child-done")!r}
+seen = []
+def write(targets, pool, step, closed, after_job):
+    if targets is copies:  # the child: 1000 bytes over about 1.5 s
+        for _ in range(50):
+            time.sleep(0.03)
+            step(20)
+        open(flag, "w").close()
+        return {{(0, 0): (1, 1)}}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for f in [pool.submit(time.sleep, 0.01) for _ in range(12)]:
+            f.result()
+            step(1)
+            after_job()
+        n = pool.threads  # (then the flag: a count read before the child's end is seen without it)
+        seen.append((n, os.path.exists(flag)))
+        if pool.threads == 12:
+            break
+    return {{(1, 0): (2, 2)}}
+got = forked.write_apart(copies, casts, write, 12, None, None, None, None, None)
+during = max(n for n, ended in seen if not ended)
+print(forked.cast_workers(12), during, seen[-1][0])
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    first, during, last = map(int, got.stdout.split())
+    assert first < during == 6 and last == 12
+
+
 def test_the_growing_pool_runs_cancels_and_fails_as_a_pool_does():
     seen, gate = [], threading.Event()
     with forked._Pool(2, 4) as pool:

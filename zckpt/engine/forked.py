@@ -10,9 +10,11 @@ output files are split in two:
              -> written by a child forked now, with its own threads: it starts writing at once (no import, no new
                 interpreter: the plan is already in its memory), its headers written by the same ``done``
     casts    the files with a cast -> written here, after the import, while the child copies, with a third of
-             the threads; once the child is done, with as many as it had (:class:`_Pool`): on the lent host
+             the threads, one more at a time while they would end after the child's (:class:`_Balance`, up to
+             half); once the child is done, with as many as it had (:class:`_Pool`): on the lent host
              (2026-12-06, twelfth session) the cast file went on 0.14-0.23 s after the child's last copy at 4
-             threads, 0.11-0.15 s with them grown
+             threads, 0.11-0.15 s with them grown; the input check's entries are learned on a side thread once
+             the import is done (what its finish would read first)
 
 and joined: the child sends its progress, then its files' CRC-32s, the input spans it read (checked here with the
 rest before anything is published, :class:`zckpt.engine.checked.InputCheck`) and its counters; an error in it is
