@@ -27,6 +27,7 @@ meter or a launcher's share: one process, as before. ``ZCKPT_FORK_COPIES=0`` tur
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -46,7 +47,11 @@ log = logging.getLogger(__name__)
 FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
 BALANCE = True  # this process's threads grow while its files would end after the child's (:class:`_Balance`)
+BALANCE_MOST = 1 / 2  # ... up to this share of the threads
 PREPARE_BESIDE = True  # the input check's entries learned on a side thread once the casts' imports are done
+# a process forked before the plan imports numpy and writes the casts (:func:`casts_ahead`); ZCKPT_CASTS_AHEAD=0:
+# the fork after the plan only (:func:`write_apart`)
+CASTS_AHEAD = os.environ.get("ZCKPT_CASTS_AHEAD", "1") != "0"
 _HEAD = struct.Struct("<Q")
 
 
@@ -114,7 +119,8 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
 
     own = _Pool(cast_workers(workers), workers)  # (the caller's pool's own threads never start)
     box.ended = lambda: own.grow(workers)
-    balance = _Balance(own, _bytes(casts), _bytes(copies), max(own.threads, workers // 2)) if BALANCE else None
+    balance = _Balance(own, _bytes(casts), _bytes(copies), max(own.threads, int(workers * BALANCE_MOST))) \
+        if BALANCE else None
     wrote = [0]
     beside: list[threading.Thread] = []
 
@@ -168,16 +174,240 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     got, spans, counters = box.result
     if check is not None:
         check.absorb(spans)
-    stats = getattr(worker, "stats", None)
-    if stats is not None:
-        for name, value in counters.items():  # (seconds ran side by side: the longer; counts add)
-            have = getattr(stats, name)
-            setattr(stats, name, max(have, value) if name.endswith("_seconds") else have + value)
+    _add_counters(worker, counters)
     for t in copies:
         t.crcs = {slot: v for (key, slot), v in got.items() if key == t.key}
         if closed is not None:
             closed(t)
     return {**got, **crcs}
+
+
+# ------------------------------------------------------------------------------------------------ casts ahead
+class _Caster:
+    """A process forked before the checkpoint is read, importing numpy while this one plans; :func:`write_beside`
+    hands it the files with casts. ``to``: the pipe this process writes to it; ``back``: the one it answers on."""
+
+    def __init__(self, pid: int, to: int, back: int):
+        self.pid, self.to, self.back = pid, to, back
+        self.ended = False
+
+    def send(self, kind: str, value) -> None:
+        _sender(self.to)(kind, value)
+
+    def end(self, kill: bool = True) -> int:
+        """Stop it (unless ``kill`` is False: it is ending by itself) and reap it; its exit status."""
+        if self.ended:
+            return 0
+        self.ended = True
+        for fd in (self.to, self.back):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.to = self.back = -1
+        if kill:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return _wait(self.pid)
+
+
+_CASTER: _Caster | None = None
+
+
+def _may_fork() -> bool:
+    from zckpt.engine import mapped, tees
+    from zckpt.io import meters
+    return (FORK_COPIES and hasattr(os, "fork") and sys.platform.startswith("linux") and "numpy" not in sys.modules
+            and "torch" not in sys.modules and threading.active_count() == 1 and not tees.SHARE_READS
+            and not mapped.MAP_WRITES and not meters._METERS)
+
+
+@contextlib.contextmanager
+def casts_ahead(wanted: bool = True):
+    """Around a command whose output will have casts (convert --to deepspeed of bf16 or fp16 weights): a process
+    forked now imports numpy (0.06-0.09 s on the lent 16-core host) while this one reads the checkpoint and plans
+    (about as long), and then writes the files with casts (:func:`write_beside`), this process the files it only
+    copies. Unused (no cast after all, or a plan :func:`split` keeps in one process), it is stopped as soon as
+    that is known, and at the end in any case (an error, Ctrl-C). Nothing where a fork is not taken
+    (:func:`split`'s conditions) or ``CASTS_AHEAD`` is off."""
+    global _CASTER
+    if not (wanted and CASTS_AHEAD and _CASTER is None and _may_fork()):
+        yield
+        return
+    for stream in (sys.stdout, sys.stderr):  # (buffered text is not written twice)
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    to_r, to_w = os.pipe()
+    back_r, back_w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the caster: never returns
+        os.close(to_w)
+        os.close(back_r)
+        _caster(to_r, back_w, parent)
+    os.close(to_r)
+    os.close(back_w)
+    caster = _CASTER = _Caster(pid, to_w, back_r)
+    try:
+        yield
+    finally:
+        _CASTER = None
+        caster.end()
+
+
+def dismiss() -> None:
+    """The warm caster is not needed (this plan keeps its casts here, or has none): stopped now."""
+    global _CASTER
+    if _CASTER is not None:
+        _CASTER.end()
+
+
+def caster() -> _Caster | None:
+    return _CASTER if _CASTER is not None and not _CASTER.ended else None
+
+
+def write_beside(caster_: _Caster, copies: list, casts: list, write: Callable, pool, worker, check,
+                 progress: Callable[[int], None] | None, closed: Callable | None,
+                 after_job: Callable[[], None] | None, done: Callable | None, durable: bool,
+                 lanes: int | None) -> dict:
+    """``casts`` written by the caster forked before the plan (:func:`casts_ahead`), with :func:`cast_workers` of
+    ``pool``'s threads growing to all of them once this process is done; ``copies`` here on ``pool`` (by
+    ``write``, :func:`zckpt.engine.lanes.write_files` on one process's targets). The casts' files are finished
+    here from the CRC-32s it sends: ``done`` (their headers), fsync when ``durable``, ``closed``. Returns both's
+    CRC-32s."""
+    workers = getattr(pool, "_max_workers", 1)
+    spec = [(t.key, t.path, t.jobs, t.size) for t in casts]
+    cfg = {"workers": workers, "first": cast_workers(workers), "lanes": lanes, "check": check is not None,
+           "pure_upcast": getattr(worker, "pure_upcast", False),
+           "storage_options": getattr(worker, "storage_options", None)}
+    box = _Box()
+    reader = threading.Thread(target=_read, args=(caster_.back, box), name="zckpt-forked", daemon=True)
+    caster_.back = -1  # (the reader's now: it closes it at the end)
+    try:
+        caster_.send("jobs", (spec, cfg))
+    except OSError:  # it has died: its status says how, below
+        pass
+    reader.start()
+    log.debug("  %d file(s) with casts written by a forked process (pid %d, forked before the plan) while %d only "
+              "copied are written here", len(casts), caster_.pid, len(copies))
+
+    def drain() -> None:
+        with box.lock:
+            n, box.progress = box.progress, 0
+        if n and progress:
+            progress(n)
+
+    beside: list[threading.Thread] = []
+
+    def mine() -> None:  # after each of this process's jobs: the caster's progress; its error stops this side too
+        drain()
+        if box.error is not None:
+            raise box.error
+        if not beside and check is not None and PREPARE_BESIDE:
+            beside.append(threading.Thread(target=_prepare, args=(check, _sources(copies + casts)),
+                                           name="zckpt-prepare", daemon=True))
+            beside[0].start()
+        if after_job is not None:
+            after_job()
+
+    reaped, status = False, 0
+    try:
+        crcs = write(copies, pool, progress, closed, mine)
+        try:
+            caster_.send("grow", None)  # this side is done: the caster takes all the threads
+        except OSError:
+            pass
+        for t in beside:  # (what it learned is the check's: it ends before the check runs)
+            t.join()
+        if check is not None and reader.is_alive():  # while the caster casts: what the input check reads first
+            check.prepare(_sources(copies + casts))
+        while reader.is_alive():
+            reader.join(0.05)
+            drain()
+        drain()
+        status = caster_.end(kill=False)
+        reaped = True
+    finally:
+        if not reaped:  # this side failed or was interrupted: the caster stops before the scratch folder goes
+            caster_.end()
+            reader.join()
+            for t in beside:
+                t.join()
+    if box.error is not None:
+        raise box.error
+    if box.result is None:
+        raise StorageError(f"the process writing {_names(casts)} ended without a result ({_status(status)})",
+                           hint="run again; if it recurs, set ZCKPT_FORK_COPIES=0 and report it")
+    got, spans, counters = box.result
+    if check is not None:
+        check.absorb(spans)
+    _add_counters(worker, counters)
+    for t in casts:  # its files' headers, from its CRC-32s
+        t.crcs = {slot: v for (key, slot), v in got.items() if key == t.key}
+        fd = os.open(t.path, os.O_WRONLY)
+        try:
+            wrote = done(t, fd) if done is not None else None
+            if wrote and progress:
+                progress(wrote)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if closed is not None:
+            closed(t)
+    return {**got, **crcs}
+
+
+def _add_counters(worker, counters: dict) -> None:
+    stats = getattr(worker, "stats", None)
+    if stats is not None:
+        for name, value in counters.items():  # (seconds ran side by side: the longer; counts add)
+            have = getattr(stats, name)
+            setattr(stats, name, max(have, value) if name.endswith("_seconds") else have + value)
+
+
+def _caster(fd: int, back: int, parent: int) -> None:
+    """The caster's life: numpy imported, then the jobs awaited; none (the pipe closed): it ends."""
+    code = 1
+    side = _Side(_sender(back), parent)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops this process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        from zckpt.encoding import casting
+        casting.warm()
+        f = os.fdopen(fd, "rb")
+        got = _receive(f)
+        if got is None or got[0] != "jobs":
+            code = 0
+            return
+        spec, cfg = got[1]
+        from zckpt.engine import executor, lanes
+        from zckpt.engine.checked import InputCheck
+        targets = [lanes.Target(key, path, jobs, size=size) for key, path, jobs, size in spec]
+        check = InputCheck() if cfg["check"] else None
+        worker = executor.Worker(pure_upcast=cfg["pure_upcast"], storage_options=cfg["storage_options"],
+                                 check=check)
+        pool = _Pool(cfg["first"], cfg["workers"])
+
+        def listen() -> None:  # the parent's "grow" (its side is done); the pipe's end: nothing more
+            while (msg := _receive(f)) is not None:
+                if msg[0] == "grow":
+                    pool.grow(cfg["workers"])
+        threading.Thread(target=listen, name="zckpt-listen", daemon=True).start()
+        with pool:
+            crcs = lanes._write_files(targets, pool, worker, None, cfg["lanes"], False, side.step, None, None,
+                                      side.after_job, False)
+        side.ok(crcs, worker, check)
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent, which reports it
+        side.failed(exc)
+    finally:
+        os._exit(code)
 
 
 class _Box:
@@ -316,14 +546,10 @@ def _prepare(check, paths: list[str]) -> None:
 def _read(fd: int, box: _Box) -> None:
     with os.fdopen(fd, "rb") as f:
         while True:
-            head = f.read(_HEAD.size)
-            if len(head) < _HEAD.size:
+            got = _receive(f)
+            if got is None:
                 return
-            body = f.read(_HEAD.unpack(head)[0])
-            try:
-                kind, value = pickle.loads(body)  # (this process's own child: not a file from anyone)
-            except Exception:  # noqa: BLE001 - a message cut short (the child was killed mid-write)
-                return
+            kind, value = got
             if kind == "p":
                 with box.lock:
                     box.progress += value
@@ -336,15 +562,73 @@ def _read(fd: int, box: _Box) -> None:
                 box.error = _rebuilt(value)
 
 
-def _child(fd: int, parent: int, targets: list, write: Callable, workers: int, worker, check) -> None:
-    code = 1
+def _sender(fd: int) -> Callable[[str, object], None]:
+    """``send(kind, value)``: one message on the pipe ``fd`` (its length, then the pickled pair)."""
 
     def send(kind: str, value) -> None:
         body = pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
         data = memoryview(_HEAD.pack(len(body)) + body)
         while data:
             data = data[os.write(fd, data):]
+    return send
 
+
+def _receive(f) -> tuple | None:
+    """The next message on the pipe file ``f`` (from this program's other process), or None at its end."""
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size:
+        return None
+    body = f.read(_HEAD.unpack(head)[0])
+    try:
+        return pickle.loads(body)  # (this program's own other process: not a file from anyone)
+    except Exception:  # noqa: BLE001 - a message cut short (the sender was killed mid-write)
+        return None
+
+
+class _Side:
+    """What a forked writer (:func:`_child`, :func:`_caster`) does around its jobs: its progress sent every
+    ``_PROGRESS_EVERY`` seconds, and after each job a check that the process that started it is still there (and
+    the tests' faults, ``ZCKPT_TEST_FORKED``: raise, exit, hang)."""
+
+    def __init__(self, send, parent: int):
+        self.send, self.parent = send, parent
+        self.pending, self.last = 0, time.monotonic()
+        self.hook = os.environ.get("ZCKPT_TEST_FORKED")
+
+    def step(self, n: int) -> None:
+        self.pending += n
+        if time.monotonic() - self.last >= _PROGRESS_EVERY:
+            self.send("p", self.pending)
+            self.pending, self.last = 0, time.monotonic()
+
+    def after_job(self) -> None:
+        if os.getppid() != self.parent:  # the parent is gone (killed): nothing will publish this
+            raise StorageError("the zckpt process that started this one has ended")
+        if self.hook == "raise":
+            raise StorageError("injected failure in the forked copy", hint="a test asked for it")
+        if self.hook == "exit":
+            os._exit(17)
+        while self.hook == "hang" and os.getppid() == self.parent:  # (until the parent kills it, or is gone)
+            time.sleep(0.1)
+
+    def ok(self, crcs: dict, worker, check) -> None:
+        self.send("p", self.pending)
+        stats = getattr(worker, "stats", None)
+        counters = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float))} if stats else {}
+        self.send("ok", (crcs, check.export() if check is not None else [], counters))
+
+    def failed(self, exc: BaseException) -> None:
+        for value in (_portable(exc), ("other", type(exc).__name__, None, " ".join(str(exc).split())[:500])):
+            try:
+                self.send("error", value)
+                break
+            except BaseException:  # noqa: BLE001 - not picklable (the plain form then), or the parent is gone
+                continue
+
+
+def _child(fd: int, parent: int, targets: list, write: Callable, workers: int, worker, check) -> None:
+    code = 1
+    side = _Side(_sender(fd), parent)
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops this process
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -353,39 +637,12 @@ def _child(fd: int, parent: int, targets: list, write: Callable, workers: int, w
         from zckpt.engine.executor import FetchStats
         if getattr(worker, "stats", None) is not None:
             worker.stats = FetchStats()
-        pending, last = [0], [time.monotonic()]
-        hook = os.environ.get("ZCKPT_TEST_FORKED")  # the tests' faults: raise, exit, hang
-
-        def step(n: int) -> None:
-            pending[0] += n
-            if time.monotonic() - last[0] >= _PROGRESS_EVERY:
-                send("p", pending[0])
-                pending[0], last[0] = 0, time.monotonic()
-
-        def after_job() -> None:
-            if os.getppid() != parent:  # the parent is gone (killed): nothing will publish this
-                raise StorageError("the zckpt process that started this one has ended")
-            if hook == "raise":
-                raise StorageError("injected failure in the forked copy", hint="a test asked for it")
-            if hook == "exit":
-                os._exit(17)
-            while hook == "hang" and os.getppid() == parent:  # (until the parent kills it, or is gone)
-                time.sleep(0.1)
-
         with ThreadPoolExecutor(workers) as pool:
-            crcs = write(targets, pool, step, None, after_job)
-        send("p", pending[0])
-        stats = getattr(worker, "stats", None)
-        counters = {k: v for k, v in vars(stats).items() if isinstance(v, (int, float))} if stats else {}
-        send("ok", (crcs, check.export() if check is not None else [], counters))
+            crcs = write(targets, pool, side.step, None, side.after_job)
+        side.ok(crcs, worker, check)
         code = 0
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent, which reports it
-        for value in (_portable(exc), ("other", type(exc).__name__, None, " ".join(str(exc).split())[:500])):
-            try:
-                send("error", value)
-                break
-            except BaseException:  # noqa: BLE001 - not picklable (the plain form then), or the parent is gone
-                continue
+        side.failed(exc)
     finally:
         os._exit(code)
 

@@ -122,13 +122,20 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     written by a forked child meanwhile (:mod:`zckpt.engine.forked`): the same jobs, headers and checks."""
     remote = _remote(targets)
     apart = forked.split(targets, worker, remote) if pool is not None else None
-    if apart is not None:  # the files it only copies written by a forked child while this one imports numpy
+    caster = forked.caster()
+    if apart is not None:
 
         def write(part, part_pool, step, part_closed, part_after_job):
             return _write_files(part, part_pool, worker, crc_of, lanes, durable, step, done, part_closed,
                                 part_after_job, remote)
+        if caster is not None:  # the casts written by the process forked before the plan, the copies here
+            return forked.write_beside(caster, *apart, write, pool, worker, getattr(worker, "check", None),
+                                       progress, closed, after_job, done, durable, lanes)
+        # the files it only copies written by a forked child while this one imports numpy
         return forked.write_apart(*apart, write, getattr(pool, "_max_workers", 1), worker,
                                   getattr(worker, "check", None), progress, closed, after_job)
+    if caster is not None:
+        forked.dismiss()
     return _write_files(targets, pool, worker, crc_of, lanes, durable, progress, done, closed, after_job, remote)
 
 
