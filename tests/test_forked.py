@@ -73,10 +73,11 @@ def test_a_damaged_byte_only_the_forked_copy_read_is_refused(dcp, tmp_path):
     assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []
 
 
+@pytest.mark.parametrize("ahead", ["1", "0"])
 @pytest.mark.parametrize("hook, says", [("raise", "injected failure in the forked copy"),
                                         ("exit", "ended without a result (exit status 17)")])
-def test_a_failed_or_dead_forked_copy_is_one_line_and_publishes_nothing(dcp, tmp_path, hook, says):
-    got = _convert(dcp, tmp_path / "out", hook=hook)
+def test_a_failed_or_dead_forked_copy_is_one_line_and_publishes_nothing(dcp, tmp_path, hook, says, ahead):
+    got = _convert(dcp, tmp_path / "out", hook=hook, ahead=ahead)
     assert got.returncode == 1
     lines = got.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in got.stderr, got.stderr
@@ -309,3 +310,52 @@ def test_a_damaged_zip_record_only_the_input_check_reads_is_one_line_and_publish
     last = got.stderr.strip().splitlines()[-1]
     assert item.file in last and "error" in last.lower(), last
     assert not (tmp_path / "out").exists() and _scratch(tmp_path) == []
+
+
+@pytest.mark.parametrize("extra, forks", [([], True), (["--dry-run"], False)])
+def test_the_caster_is_forked_only_for_a_run_with_casts(dcp, tmp_path, extra, forks):
+    """bf16 weights: a process forked before the plan imports numpy; a dry run (nothing cast), or weights kept in
+    fp32 (no cast), forks none."""
+    said = "forked (pid"
+    got = _convert(dcp, tmp_path / "out", extra=["-vv", *extra])
+    assert got.returncode == 0, got.stderr
+    assert (said in got.stderr) == forks
+    args = [a if a != "bf16" else "fp32" for a in ARGS]
+    fp32 = subprocess.run([sys.executable, "-m", "zckpt", "convert", str(dcp), *args, "-o", str(tmp_path / "fp32"),
+                           "-vv"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert fp32.returncode == 0 and said not in fp32.stderr, fp32.stderr
+
+
+def test_an_unused_caster_is_stopped_and_reaped(tmp_path):
+    """Dismissed (the plan keeps its casts here) or left at the end of the command (an error before the writing):
+    the caster is killed and waited for, no process left; a second ``casts_ahead`` inside the first forks none."""
+    script = """
+import os
+from zckpt.engine import forked
+pids = []
+with forked.casts_ahead():
+    c = forked.caster()
+    pids.append(c.pid)
+    with forked.casts_ahead():
+        assert forked.caster() is c  # (one at a time)
+    forked.dismiss()
+    assert forked.caster() is None
+try:
+    with forked.casts_ahead():
+        pids.append(forked.caster().pid)
+        raise KeyError("planning failed")
+except KeyError:
+    pass
+assert forked.caster() is None
+for pid in pids:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        continue
+    raise SystemExit(f"{pid} still there")
+print(len(pids))
+"""
+    got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k not in ("ZCKPT_FORK_COPIES", "ZCKPT_CASTS_AHEAD")})
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["2"]

@@ -253,6 +253,7 @@ def casts_ahead(wanted: bool = True):
     os.close(to_r)
     os.close(back_w)
     caster = _CASTER = _Caster(pid, to_w, back_r)
+    log.debug("  a process forked (pid %d) to import numpy for the casts while the checkpoint is read", pid)
     try:
         yield
     finally:
