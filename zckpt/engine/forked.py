@@ -190,15 +190,46 @@ class _Caster:
     def __init__(self, pid: int, to: int, back: int):
         self.pid, self.to, self.back = pid, to, back
         self.ended = False
+        self.sending = threading.Lock()  # (one message at a time on the pipe)
+        self.sender: threading.Thread | None = None
 
     def send(self, kind: str, value) -> None:
-        _sender(self.to)(kind, value)
+        with self.sending:
+            self._send(kind, value)
+
+    def _send(self, kind: str, value) -> None:
+        try:
+            _sender(self.to)(kind, value)
+        except OSError:  # it has ended: its status (or its error, already sent) says how
+            pass
+
+    def send_beside(self, kind: str, value) -> threading.Thread:
+        """``send`` on a side thread: a message larger than the pipe holds waits for the caster to read it (while
+        it still imports), and this process goes on meanwhile; a later ``send`` waits for it."""
+        self.sending.acquire()
+
+        def run() -> None:
+            try:
+                self._send(kind, value)
+            finally:
+                self.sending.release()
+        t = self.sender = threading.Thread(target=run, name="zckpt-send", daemon=True)
+        t.start()
+        return t
 
     def end(self, kill: bool = True) -> int:
         """Stop it (unless ``kill`` is False: it is ending by itself) and reap it; its exit status."""
         if self.ended:
             return 0
         self.ended = True
+        if kill:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        status = _wait(self.pid)
+        if self.sender is not None:  # (its write ends once the reader is gone; only then is the pipe closed, so
+            self.sender.join()  # that it never writes into a file opened since under the same number)
         for fd in (self.to, self.back):
             if fd >= 0:
                 try:
@@ -206,12 +237,7 @@ class _Caster:
                 except OSError:
                     pass
         self.to = self.back = -1
-        if kill:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return _wait(self.pid)
+        return status
 
 
 _CASTER: _Caster | None = None
@@ -289,10 +315,7 @@ def write_beside(caster_: _Caster, copies: list, casts: list, write: Callable, p
     box = _Box()
     reader = threading.Thread(target=_read, args=(caster_.back, box), name="zckpt-forked", daemon=True)
     caster_.back = -1  # (the reader's now: it closes it at the end)
-    try:
-        caster_.send("jobs", (spec, cfg))
-    except OSError:  # it has died: its status says how, below
-        pass
+    caster_.send_beside("jobs", (spec, cfg))
     reader.start()
     log.debug("  %d file(s) with casts written by a forked process (pid %d, forked before the plan) while %d only "
               "copied are written here", len(casts), caster_.pid, len(copies))
@@ -319,10 +342,7 @@ def write_beside(caster_: _Caster, copies: list, casts: list, write: Callable, p
     reaped, status = False, 0
     try:
         crcs = write(copies, pool, progress, closed, mine)
-        try:
-            caster_.send("grow", None)  # this side is done: the caster takes all the threads
-        except OSError:
-            pass
+        caster_.send("grow", None)  # this side is done: the caster takes all the threads
         for t in beside:  # (what it learned is the check's: it ends before the check runs)
             t.join()
         if check is not None and reader.is_alive():  # while the caster casts: what the input check reads first
