@@ -45,7 +45,7 @@ done
 echo "timelines done at $((SECONDS-S)) s"
 rm -rf $W/pc-src
 python3 benchmarks/bench_copybar.py --workdir $W --layers 26 --hidden 2048 --ffn 8192 --world-size 4 --repeat 3 \
-  --trees head=.,late=.bench/late,old=.bench/old --copies pcopy --jobs convert-ds --variants ";" --json-out $OUT/bar.json > $OUT/bar.log 2>&1
+  --trees ${BAR_TREES:-head=.,late=.bench/late,old=.bench/old} --copies pcopy --jobs convert-ds --variants ";" --json-out $OUT/bar.json > $OUT/bar.log 2>&1
 echo "bar done at $((SECONDS-S)) s"
 python3 benchmarks/results/2026-12-06n-balance-host/summary.py $OUT/tl > $OUT/summary.txt 2>&1
 rm -f $OUT/tl/*.json; tar -czf $OUT/tl.tgz -C $OUT tl && rm -rf $OUT/tl
