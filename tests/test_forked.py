@@ -331,22 +331,22 @@ def test_an_unused_caster_is_stopped_and_reaped(tmp_path):
     the caster is killed and waited for, no process left; a second ``casts_ahead`` inside the first forks none."""
     script = """
 import os
-from zckpt.engine import forked
+from zckpt.engine import caster, lanes
 pids = []
-with forked.casts_ahead():
-    c = forked.caster()
+with caster.casts_ahead(lanes.write_casts):
+    c = caster.caster()
     pids.append(c.pid)
-    with forked.casts_ahead():
-        assert forked.caster() is c  # (one at a time)
-    forked.dismiss()
-    assert forked.caster() is None
+    with caster.casts_ahead(lanes.write_casts):
+        assert caster.caster() is c  # (one at a time)
+    caster.dismiss()
+    assert caster.caster() is None
 try:
-    with forked.casts_ahead():
-        pids.append(forked.caster().pid)
+    with caster.casts_ahead(lanes.write_casts):
+        pids.append(caster.caster().pid)
         raise KeyError("planning failed")
 except KeyError:
     pass
-assert forked.caster() is None
+assert caster.caster() is None
 for pid in pids:
     try:
         os.kill(pid, 0)

@@ -29,7 +29,7 @@ from zckpt.dcp.sidestate import check_no_hidden_ties
 from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config, precision_of  # noqa: F401
 from zckpt.deepspeed.target import ReshardPlan
 from zckpt.deepspeed.writer import plan_reshard
-from zckpt.engine import forked, run
+from zckpt.engine import caster, lanes, run
 from zckpt.errors import InvalidArgument, OptionError
 from zckpt.io import publish
 from zckpt.ops.outputs import ToDeepSpeedResult, check_out
@@ -119,8 +119,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     torchtitan Qwen3 save is written as (its names, fused experts, split qkv state: :mod:`zckpt.dcp.titan_hf`)."""
     t0 = time.perf_counter()
     # bf16 or fp16 weights are cast from the fp32 masters: a process forked now imports numpy for them while this
-    # one reads and plans (engine/forked.casts_ahead; nothing where no fork is taken)
-    with forked.casts_ahead(not dry_run and _down_casts(ds_config, dtype)):
+    # one reads and plans (engine/caster; nothing where no fork is taken)
+    with caster.casts_ahead(lanes.write_casts, not dry_run and _down_casts(ds_config, dtype)):
         return _to_deepspeed(t0, path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run, overwrite,
                              workers, progress, durable, storage_options, groups, native_names, hf_config)
 

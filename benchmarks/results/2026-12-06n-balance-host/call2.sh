@@ -13,11 +13,11 @@ echo "setup done at $((SECONDS-S)) s"; grep -E "^\|" $OUT/w.out | tail -1
 export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONPYCACHEPREFIX=/tmp/pyc
 unset PYTHONDONTWRITEBYTECODE
 for v in old late nobeside; do mkdir -p .bench/$v && rm -rf .bench/$v/zckpt && cp -r zckpt .bench/$v/; done
-F=zckpt/engine/forked.py
-sed -i 's/"ZCKPT_CASTS_AHEAD", "1"/"ZCKPT_CASTS_AHEAD", "0"/; s/^BALANCE = True/BALANCE = False/; s/^PREPARE_BESIDE = True/PREPARE_BESIDE = False/' .bench/old/$F
-sed -i 's/"ZCKPT_CASTS_AHEAD", "1"/"ZCKPT_CASTS_AHEAD", "0"/' .bench/late/$F
+F=zckpt/engine/forked.py; C=zckpt/engine/caster.py
+sed -i 's/^BALANCE = True/BALANCE = False/; s/^PREPARE_BESIDE = True/PREPARE_BESIDE = False/' .bench/old/$F; sed -i 's/"ZCKPT_CASTS_AHEAD", "1"/"ZCKPT_CASTS_AHEAD", "0"/' .bench/old/$C
+sed -i 's/"ZCKPT_CASTS_AHEAD", "1"/"ZCKPT_CASTS_AHEAD", "0"/' .bench/late/$C
 sed -i 's/^PREPARE_BESIDE = True/PREPARE_BESIDE = False/' .bench/nobeside/$F
-grep -H "^BALANCE =\|^PREPARE_BESIDE\|^CASTS_AHEAD" $F .bench/*/$F
+grep -H "^BALANCE =\|^PREPARE_BESIDE" $F .bench/*/$F; grep -H '"ZCKPT_CASTS_AHEAD", "' $C .bench/*/$C
 for d in . .bench/old .bench/late .bench/nobeside; do python3 -m compileall -q $d/zckpt >/dev/null; done
 W=${W:-/tmp/zbench}; mkdir -p $W
 CK=${CK:-$W/z2_bf16_ws4_L26_H2048_V32000_F8192}
