@@ -15,8 +15,10 @@ share under a launcher) goes through :func:`write_files`::
               each tee counts as one of that file's jobs, its CRC part one of that file's
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
-    fork      where some files need numpy for their casts and it is not imported yet, the files that are only
-              copied are written by a forked child meanwhile (zckpt.engine.forked), the rest here after the import
+    fork      where some files need numpy for their casts and it is not imported yet, the files with casts are
+              written by the process forked before the plan to import it (zckpt.engine.caster), the rest here; or,
+              without one, the files that are only copied by a child forked now, the rest here after the import
+              (zckpt.engine.forked)
     finish    a file whose last job (and tee) is done: ``done(target, fd)`` (its headers), fsync when durable,
               closed
 

@@ -31,7 +31,7 @@ from zckpt.deepspeed.target import ReshardPlan
 from zckpt.deepspeed.writer import plan_reshard
 from zckpt.engine import caster, lanes, run
 from zckpt.errors import InvalidArgument, OptionError
-from zckpt.io import publish
+from zckpt.io import publish, storage
 from zckpt.ops.outputs import ToDeepSpeedResult, check_out
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
@@ -120,7 +120,8 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     t0 = time.perf_counter()
     # bf16 or fp16 weights are cast from the fp32 masters: a process forked now imports numpy for them while this
     # one reads and plans (engine/caster; nothing where no fork is taken)
-    with caster.casts_ahead(lanes.write_casts, not dry_run and _down_casts(ds_config, dtype)):
+    ahead = not dry_run and not storage.is_url(str(path)) and _down_casts(ds_config, dtype)
+    with caster.casts_ahead(lanes.write_casts, ahead):
         return _to_deepspeed(t0, path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run, overwrite,
                              workers, progress, durable, storage_options, groups, native_names, hf_config)
 
