@@ -35,7 +35,7 @@ def dcp(tmp_path_factory) -> Path:
     return out
 
 
-def _convert(src: Path, out: Path, fork: str = "1", hook: str | None = None, extra=(), ahead: str = "1", **popen):
+def _convert(src: Path, out: Path, fork: str = "1", hook: str | None = None, extra=(), ahead: str = "0", **popen):
     env = dict(os.environ, ZCKPT_FORK_COPIES=fork, ZCKPT_CASTS_AHEAD=ahead)
     env.pop("ZCKPT_TEST_FORKED", None)
     if hook:
@@ -58,14 +58,16 @@ def test_the_copies_are_forked_and_the_output_is_one_process_s(dcp, tmp_path, ah
     assert zckpt.verify(str(tmp_path / "two"), deep=True).ok
 
 
-def test_a_damaged_byte_only_the_forked_copy_read_is_refused(dcp, tmp_path):
-    """A byte of a moment (only copied, never cast): the child's spans are checked here before publishing."""
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_a_damaged_byte_only_the_forked_copy_read_is_refused(dcp, tmp_path, ahead):
+    """A byte of a moment (only copied, never cast): the child's spans are checked here before publishing (with
+    the caster, this process read it and the caster's spans are checked beside its own)."""
     src = tmp_path / "dcp"
     shutil.copytree(dcp, src)
     record = next(r for r in zckpt.open_checkpoint(str(src)).records if r.kind == "trainable")
     piece = record.exp_avg[0]
     flip(piece.path, piece.offset + 5)
-    got = _convert(src, tmp_path / "out", extra=["-vv"])
+    got = _convert(src, tmp_path / "out", extra=["-vv"], ahead=ahead)
     assert "written by a forked process" in got.stderr
     assert got.returncode == 1
     last = got.stderr.strip().splitlines()[-1]
@@ -91,8 +93,9 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def test_ctrl_c_stops_the_forked_copy_and_removes_everything(dcp, tmp_path):
-    p = _convert(dcp, tmp_path / "out", hook="hang", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_ctrl_c_stops_the_forked_copy_and_removes_everything(dcp, tmp_path, ahead):
+    p = _convert(dcp, tmp_path / "out", hook="hang", ahead=ahead, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline, kids = time.monotonic() + 60, []
     while not kids and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.05)
@@ -317,12 +320,13 @@ def test_the_caster_is_forked_only_for_a_run_with_casts(dcp, tmp_path, extra, fo
     """bf16 weights: a process forked before the plan imports numpy; a dry run (nothing cast), or weights kept in
     fp32 (no cast), forks none."""
     said = "forked (pid"
-    got = _convert(dcp, tmp_path / "out", extra=["-vv", *extra])
+    got = _convert(dcp, tmp_path / "out", extra=["-vv", *extra], ahead="1")
     assert got.returncode == 0, got.stderr
     assert (said in got.stderr) == forks
     args = [a if a != "bf16" else "fp32" for a in ARGS]
     fp32 = subprocess.run([sys.executable, "-m", "zckpt", "convert", str(dcp), *args, "-o", str(tmp_path / "fp32"),
-                           "-vv"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "-vv"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, ZCKPT_CASTS_AHEAD="1"))
     assert fp32.returncode == 0 and said not in fp32.stderr, fp32.stderr
 
 
@@ -355,7 +359,8 @@ for pid in pids:
     raise SystemExit(f"{pid} still there")
 print(len(pids))
 """
+    env = {k: v for k, v in os.environ.items() if k != "ZCKPT_FORK_COPIES"}
     got = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={k: v for k, v in os.environ.items() if k not in ("ZCKPT_FORK_COPIES", "ZCKPT_CASTS_AHEAD")})
+                         env={**env, "ZCKPT_CASTS_AHEAD": "1"})
     assert got.returncode == 0, got.stderr
     assert got.stdout.split() == ["2"]

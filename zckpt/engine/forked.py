@@ -13,8 +13,7 @@ output files are split in two:
              the threads, one more at a time while they would end after the child's (:class:`_Balance`, up to
              half); once the child is done, with as many as it had (:class:`_Pool`): on the lent host
              (2026-12-06, twelfth session) the cast file went on 0.14-0.23 s after the child's last copy at 4
-             threads, 0.11-0.15 s with them grown; the input check's entries are learned on a side thread once
-             the import is done (what its finish would read first)
+             threads, 0.11-0.15 s with them grown
 
 and joined: the child sends its progress, then its files' CRC-32s, the input spans it read (checked here with the
 rest before anything is published, :class:`zckpt.engine.checked.InputCheck`) and its counters; an error in it is
@@ -47,7 +46,6 @@ FORK_COPIES = os.environ.get("ZCKPT_FORK_COPIES", "1") != "0"
 _PROGRESS_EVERY = 0.05  # seconds between the child's progress messages
 BALANCE = True  # this process's threads grow while its files would end after the child's (:class:`_Balance`)
 BALANCE_MOST = 1 / 2  # ... up to this share of the threads
-PREPARE_BESIDE = True  # the input check's entries learned on a side thread once the casts' imports are done
 _HEAD = struct.Struct("<Q")
 
 
@@ -118,8 +116,6 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     balance = _Balance(own, _bytes(casts), _bytes(copies), max(own.threads, int(workers * BALANCE_MOST))) \
         if BALANCE else None
     wrote = [0]
-    beside: list[threading.Thread] = []
-
     def mine_progress(n: int) -> None:
         wrote[0] += n
         if progress:
@@ -129,10 +125,6 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
         drain()
         if box.error is not None:
             raise box.error
-        if not beside and check is not None and PREPARE_BESIDE:  # (the imports are done: a job of ours ended)
-            beside.append(threading.Thread(target=_prepare, args=(check, _sources(copies + casts)),
-                                           name="zckpt-prepare", daemon=True))
-            beside[0].start()
         if balance is not None and box.result is None:
             balance.step(time.monotonic(), wrote[0], box.copied, box.at)
         if after_job is not None:
@@ -142,8 +134,6 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     try:
         with own:
             crcs = write(casts, own, mine_progress, closed, mine)
-        for t in beside:  # (what it learned is the check's: it ends before the check runs)
-            t.join()
         if check is not None and reader.is_alive():  # while the child copies: what the input check reads first
             check.prepare(_sources(copies + casts))
         while reader.is_alive():
@@ -160,8 +150,6 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
                 pass
             _wait(pid)
             reader.join()
-            for t in beside:
-                t.join()
     if box.error is not None:
         raise box.error
     if box.result is None:
@@ -308,15 +296,6 @@ def _bytes(targets: list) -> int:
         return sum(os.path.getsize(t.path) for t in targets)
     except (OSError, TypeError, ValueError):
         return 0
-
-
-def _prepare(check, paths: list[str]) -> None:
-    """:meth:`InputCheck.prepare` on a side thread: a file it cannot read is left to the check's finish, which
-    reads it again and refuses it there, on the main thread."""
-    try:
-        check.prepare(paths)
-    except Exception as exc:  # noqa: BLE001 - raised again, in its place, by the check's finish
-        log.debug("  the input check's entries, learned beside the writing: %s", exc)
 
 
 def _read(fd: int, box: _Box) -> None:
