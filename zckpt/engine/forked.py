@@ -255,7 +255,10 @@ class _Balance:
     cast file ended 0.11-0.15 s after the child's copies at 4 threads of 16, and 0.14-0.17 s before them at 6
     (the child then slower by as much; docs/benchmarks.md, 2026-12-06 twelfth session); this finds the count in
     between for the machine and the checkpoint at hand. It only grows (a thread started is not stopped): one at a
-    time, a window apart, so a growth's effect on both sides is seen before the next."""
+    time, a window apart, so a growth's effect on both sides is seen before the next. On the lent host (H200 kind,
+    thirteenth session; six alternated runs each) the fork to the end took 0.875 s on average against 0.902
+    without it; a thread more here costs the child more than it gives this side (at 6 threads here the child
+    copied 12-13 GB/s against 17-18 at 4), so the gain is the tail it removes, not a faster machine."""
 
     SETTLE = 0.1
     SLACK = 0.02
