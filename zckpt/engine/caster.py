@@ -110,14 +110,6 @@ class _Caster:
 _CASTER: _Caster | None = None
 
 
-def _may_fork() -> bool:
-    from zckpt.engine import mapped, tees
-    from zckpt.io import meters
-    return (forked.FORK_COPIES and hasattr(os, "fork") and sys.platform.startswith("linux")
-            and "numpy" not in sys.modules and "torch" not in sys.modules and threading.active_count() == 1 and not tees.SHARE_READS
-            and not mapped.MAP_WRITES and not meters._METERS)
-
-
 @contextlib.contextmanager
 def casts_ahead(write: Callable, wanted: bool = True):
     """Around a command whose output will have casts (convert --to deepspeed of bf16 or fp16 weights): a process
@@ -128,7 +120,7 @@ def casts_ahead(write: Callable, wanted: bool = True):
     taken (``split``'s conditions) or ``CASTS_AHEAD`` is off. ``write(spec, cfg, pool, worker, step, after_job)``:
     what the caster runs on the jobs it is sent (:func:`zckpt.engine.lanes.write_casts`)."""
     global _CASTER
-    if not (wanted and CASTS_AHEAD and _CASTER is None and _may_fork()):
+    if not (wanted and CASTS_AHEAD and _CASTER is None and forked.may_fork()):
         yield
         return
     for stream in (sys.stdout, sys.stderr):  # (buffered text is not written twice)

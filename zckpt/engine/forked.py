@@ -49,17 +49,19 @@ BALANCE_MOST = 1 / 2  # ... up to this share of the threads
 _HEAD = struct.Struct("<Q")
 
 
-def split(targets: list, worker, remote: bool) -> tuple[list, list] | None:
-    """``(copies, casts)``: the targets to write in a forked child and here, or None to write them all here."""
+def may_fork() -> bool:
+    """Whether this process may fork a writer now: ``ZCKPT_FORK_COPIES`` not 0, Linux, no thread running (a fork
+    then may deadlock), numpy and torch not imported (nothing to hide), no tees, maps or read meter."""
     from zckpt.engine import mapped, tees
     from zckpt.io import meters
-    if not FORK_COPIES or remote or not hasattr(os, "fork") or not sys.platform.startswith("linux"):
-        return None
-    if "numpy" in sys.modules or "torch" in sys.modules or threading.active_count() != 1:
-        return None
-    if not hasattr(worker, "cast_needs"):  # (a test's stand-in worker)
-        return None
-    if tees.SHARE_READS or mapped.MAP_WRITES or meters._METERS:
+    return (FORK_COPIES and hasattr(os, "fork") and sys.platform.startswith("linux") and "numpy" not in sys.modules
+            and "torch" not in sys.modules and threading.active_count() == 1 and not tees.SHARE_READS
+            and not mapped.MAP_WRITES and not meters._METERS)
+
+
+def split(targets: list, worker, remote: bool) -> tuple[list, list] | None:
+    """``(copies, casts)``: the targets to write in a forked child and here, or None to write them all here."""
+    if remote or not may_fork() or not hasattr(worker, "cast_needs"):  # (no cast_needs: a test's stand-in)
         return None
     copies, casts = [], []
     for t in targets:
@@ -116,6 +118,7 @@ def write_apart(copies: list, casts: list, write: Callable, workers: int, worker
     balance = _Balance(own, _bytes(casts), _bytes(copies), max(own.threads, int(workers * BALANCE_MOST))) \
         if BALANCE else None
     wrote = [0]
+
     def mine_progress(n: int) -> None:
         wrote[0] += n
         if progress:
@@ -266,7 +269,6 @@ class _Balance:
     def __init__(self, pool: "_Pool", own_total: int, child_total: int, most: int):
         self.pool, self.own_total, self.child_total, self.most = pool, own_total, child_total, most
         self.mark: tuple[float, int, int, float] | None = None  # (time, own bytes, child bytes, its message's time)
-        self.grown = 0
 
     def step(self, now: float, own: int, child: int, child_at: float) -> bool:
         """This process's bytes ``own`` now, the child's ``child`` as of its message at ``child_at``; True: grown."""
@@ -287,7 +289,6 @@ class _Balance:
         if own_end <= child_end + self.SLACK:
             return False
         self.pool.grow(self.pool.threads + 1)
-        self.grown += 1
         log.debug("  %d thread(s) here: this side would end %.3f s after the forked copy", self.pool.threads,
                   own_end - child_end)
         return True
