@@ -260,15 +260,6 @@ def prepare(pairs, bf16_bytes: int = 0) -> None:
         choose_bf16(bf16_bytes)
 
 
-def warm() -> None:
-    """Import numpy now, and ml_dtypes where it is quick to import (:func:`ml_pays` of no bytes): what
-    :func:`prepare` would import first, done by a process forked to cast (:func:`zckpt.engine.forked.casts_ahead`)
-    while its parent reads the checkpoint and plans. Decides nothing: :func:`prepare` still weighs the bytes."""
-    import numpy  # noqa: F401
-    if ml_pays(0):
-        _ml_bfloat16()
-
-
 #: fp32 bytes a job's slow down-casts (fp32 -> fp16 always; fp32 -> bf16 only without ml_dtypes) must read before
 #: importing torch for its one-pass kernel pays: the import costs about 1.5 s of CPU and 400 MiB. Lent 16-core host,
 #: 8 threads (docs/benchmarks.md, issue 49): a 4.28 GB merge to bf16 into 5 files took 1.03 s with numpy's cast,

@@ -345,7 +345,7 @@ def _receive(f) -> tuple | None:
 
 
 class _Side:
-    """What a forked writer (:func:`_child`, :func:`_caster`) does around its jobs: its progress sent every
+    """What the forked child (:func:`_child`) does around its jobs: its progress sent every
     ``_PROGRESS_EVERY`` seconds, and after each job a check that the process that started it is still there (and
     the tests' faults, ``ZCKPT_TEST_FORKED``: raise, exit, hang)."""
 

@@ -15,10 +15,8 @@ share under a launcher) goes through :func:`write_files`::
               each tee counts as one of that file's jobs, its CRC part one of that file's
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
-    fork      where some files need numpy for their casts and it is not imported yet, the files with casts are
-              written by the process forked before the plan to import it (zckpt.engine.caster), the rest here; or,
-              without one, the files that are only copied by a child forked now, the rest here after the import
-              (zckpt.engine.forked)
+    fork      where some files need numpy for their casts and it is not imported yet, the files that are only
+              copied are written by a forked child meanwhile (zckpt.engine.forked), the rest here after the import
     finish    a file whose last job (and tee) is done: ``done(target, fd)`` (its headers), fsync when durable,
               closed
 
@@ -38,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import caster, executor, forked, mapped, tees
+from zckpt.engine import executor, forked, mapped, tees
 from zckpt.io import allocation
 from zckpt.io.hashing import crc32_combine
 
@@ -124,29 +122,14 @@ def write_files(targets: list[Target], pool, worker: executor.Worker, crc_of=Non
     written by a forked child meanwhile (:mod:`zckpt.engine.forked`): the same jobs, headers and checks."""
     remote = _remote(targets)
     apart = forked.split(targets, worker, remote) if pool is not None else None
-    ahead = caster.caster()
-    if apart is not None:
+    if apart is not None:  # the files it only copies written by a forked child while this one imports numpy
 
         def write(part, part_pool, step, part_closed, part_after_job):
             return _write_files(part, part_pool, worker, crc_of, lanes, durable, step, done, part_closed,
                                 part_after_job, remote)
-        if ahead is not None:  # the casts written by the process forked before the plan, the copies here
-            return caster.write_beside(ahead, *apart, write, pool, worker, getattr(worker, "check", None),
-                                       progress, closed, after_job, done, durable, lanes)
-        # the files it only copies written by a forked child while this one imports numpy
         return forked.write_apart(*apart, write, getattr(pool, "_max_workers", 1), worker,
                                   getattr(worker, "check", None), progress, closed, after_job)
-    if ahead is not None:
-        caster.dismiss()
     return _write_files(targets, pool, worker, crc_of, lanes, durable, progress, done, closed, after_job, remote)
-
-
-def write_casts(spec: list, cfg: dict, pool, worker, step, after_job) -> dict[tuple[int, int], tuple[int, int]]:
-    """In the caster (:func:`zckpt.engine.caster.casts_ahead`): the files ``spec`` ((key, path, jobs, size) each)
-    written on ``pool`` by ``worker``, with no headers (the process that sent them writes those from the CRC-32s
-    returned)."""
-    targets = [Target(key, path, jobs, size=size) for key, path, jobs, size in spec]
-    return _write_files(targets, pool, worker, None, cfg["lanes"], False, step, None, None, after_job, False)
 
 
 def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None, durable: bool, progress, done,

@@ -26,12 +26,12 @@ from typing import Callable
 from zckpt.dcp import titan_hf
 from zckpt.dcp.reader import check_stateless_named, open_dcp
 from zckpt.dcp.sidestate import check_no_hidden_ties
-from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config, precision_of  # noqa: F401
+from zckpt.deepspeed.from_state import bf16_optimizer, deepspeed_source, load_config  # noqa: F401 - load_config too
 from zckpt.deepspeed.target import ReshardPlan
 from zckpt.deepspeed.writer import plan_reshard
-from zckpt.engine import caster, lanes, run
+from zckpt.engine import run
 from zckpt.errors import InvalidArgument, OptionError
-from zckpt.io import publish, storage
+from zckpt.io import publish
 from zckpt.ops.outputs import ToDeepSpeedResult, check_out
 from zckpt.state import checksums
 from zckpt.state.model import Checkpoint
@@ -118,25 +118,6 @@ def to_deepspeed(path: str, out: str | None, world_size: int, stage: int, ds_con
     folder, ``latest`` and the marker last, rename). ``hf_config``: the ``config.json`` of the transformers class a
     torchtitan Qwen3 save is written as (its names, fused experts, split qkv state: :mod:`zckpt.dcp.titan_hf`)."""
     t0 = time.perf_counter()
-    # bf16 or fp16 weights are cast from the fp32 masters: a process forked now imports numpy for them while this
-    # one reads and plans (engine/caster; nothing where no fork is taken)
-    ahead = not dry_run and not storage.is_url(str(path)) and _down_casts(ds_config, dtype)
-    with caster.casts_ahead(lanes.write_casts, ahead):
-        return _to_deepspeed(t0, path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run, overwrite,
-                             workers, progress, durable, storage_options, groups, native_names, hf_config)
-
-
-def _down_casts(ds_config, dtype) -> bool:
-    """Whether the DeepSpeed job's weights are bf16 or fp16 (cast from the fp32 masters); False where the config
-    cannot be read (its error is raised in its place)."""
-    try:
-        return precision_of(load_config(ds_config, dtype)[0]) in ("bf16", "fp16")
-    except Exception:  # noqa: BLE001 - refused below, in order, by the command itself
-        return False
-
-
-def _to_deepspeed(t0, path, out, world_size, stage, ds_config, buffers, tied, dtype, dry_run, overwrite, workers,
-                  progress, durable, storage_options, groups, native_names, hf_config) -> ToDeepSpeedResult:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise InvalidArgument(f"--world-size must be a positive integer, got {world_size!r}",
                               hint="pass --world-size N: the number of ranks the DeepSpeed job runs on")
