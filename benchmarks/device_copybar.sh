@@ -18,7 +18,7 @@
 # and PYTHONDONTWRITEBYTECODE=1 here; its first run writes it). PROFILE=0: no profiles. PYC=1: every run with the
 # bytecode cache (/tmp/pyc). MOE=0: the cold step without the MoE checkpoint. COPIES (pcopy,cfr,cp): which copies the
 # warm step runs beside zckpt (COPIES=pcopy saves a third of a visit's time).
-# .whl/: cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
+# .whl/ (made by benchmarks/device_wheels.sh): cp312 wheels of deepspeed 0.19.8 (py3-none-any) and what the host lacks (isal, hjson, pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions); ml_dtypes as pip serves it (0.7.0 on
 # 2026-12-05: the runs use it, not the image's; host.log gives both versions and their import times). TREES (default
 # before=.bench/before,fix=.bench/fix): `git archive OLD zckpt | tar -x -C .bench/before`, and the same with the
