@@ -13,6 +13,8 @@ share under a launcher) goes through :func:`write_files`::
               in the order dealt; each (file, slot)'s CRC-32 parts combined in file order when the file is finished
     tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads, opt-in):
               each tee counts as one of that file's jobs, its CRC part one of that file's
+    hints     with ZCKPT_READ_HINTS=1, each job's local input ranges advised (WILLNEED) as it is queued
+              (zckpt.engine.readahead): the kernel reads ahead of the threads when the page cache is cold
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
     fork      where some files need numpy for their casts and it is not imported yet, the files that are only
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from zckpt.engine import executor, forked, mapped, tees
+from zckpt.engine import executor, forked, mapped, readahead, tees
 from zckpt.io import allocation
 from zckpt.io.hashing import crc32_combine
 
@@ -243,7 +245,11 @@ def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None,
             if not t.left:
                 finish(t)
         if pool is not None and not remote:
-            _run_ordered(pool, run, _deal(targets, lanes), took, ahead=4 * workers)
+            fd_of_source = getattr(getattr(worker, "reader", None), "fd", None)
+            dealt = _deal(targets, lanes)
+            if fd_of_source is not None:  # the kernel reads each job's inputs as it is queued (page cache cold)
+                dealt = readahead.hinted(dealt, lambda it: it[1][2], fd_of_source)
+            _run_ordered(pool, run, dealt, took, ahead=4 * workers)
         else:  # one file at a time; remote ranges fetched ahead (run_jobs' windows)
             for t in targets:
                 if t.jobs:

@@ -1,8 +1,10 @@
-"""Sixteenth session, call 4: is the cold merges' gap the read's size and depth? With the page cache dropped before
-each: a read of the rank optimizer files (all their bytes) by T threads in R-byte ranges dealt round robin over the
-files, for (T, R) in (16, 64 MiB) (the bar's read), (12, 4 MiB) (zckpt's default: 12 writers, 4 MiB jobs),
-(16, 4 MiB), (24, 4 MiB), (32, 4 MiB); then the cold jobs at --workers 12 (the default), 16, 24, 32. ROUNDS rounds,
-each in its own order. Run from the repo root on the host after device_copybar.sh made the checkpoint:
+"""Sixteenth session: is the cold merges' gap the read's size and depth, and do read-ahead hints close it? With the
+page cache dropped before each: a read of the rank optimizer files (all their bytes) by T threads in R-byte ranges
+dealt round robin over the files, for (T, R) in READS (default (16, 64 MiB), the bar's read, and (12, 4 MiB),
+zckpt's default of 12 writers and 4 MiB jobs); then each job of JOBS cold in each setting of SETTINGS
+(``name=ENV=VALUE+...|--arg value``; default: ZCKPT_READ_HINTS=0 against 1). ROUNDS rounds, each starting one
+setting further on. WARM=1: no reads, and the jobs with the page cache warm (each output removed and synced first). Run from the repo root on the host after device_copybar.sh made the checkpoint (and its DCP,
+for convert-ds):
   PYTHONPATH=/tmp/site:. python3 benchmarks/results/2026-12-07-bar-host/probe_cold.py CK OUT.json"""
 import json
 import os
@@ -44,30 +46,52 @@ def main():
     out = ck.parent / "probe-out"
     env = env_for(ROOT)
     res = {"optim_files": [str(p) for p in optim], "reads": [], "jobs": []}
-    reads = [(16, 64 << 20), (12, 4 << 20), (16, 4 << 20), (24, 4 << 20), (32, 4 << 20)]
+    reads = [tuple(int(x) << (20 if k else 0) for k, x in enumerate(r.split("x")))
+             for r in os.environ.get("READS", "16x64,12x4").split(",") if r]
+    settings = []
+    for item in os.environ.get("SETTINGS", "nohints=ZCKPT_READ_HINTS=0;hints=ZCKPT_READ_HINTS=1").split(";"):
+        name, _, rest = item.partition("=")
+        envs, _, args = rest.partition("|")
+        settings.append((name, dict(e.split("=", 1) for e in envs.split("+") if e), args.split()))
+    warm = os.environ.get("WARM") == "1"  # WARM=1: no reads, the jobs with the page cache warm
+    if warm:
+        reads = []
+        for p in files_of(ck / tag) + (files_of(ck.parent / (ck.name + "-dcp")) if (ck.parent / (ck.name + "-dcp")).exists() else []):
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
     for r in range(rounds):
-        for t, rng in reads[r % len(reads):] + reads[:r % len(reads)]:
+        for t, rng in reads[r % max(1, len(reads)):] + reads[:r % max(1, len(reads))]:
             drop_caches()
             dt, got = read(optim, t, rng)
             res["reads"].append({"round": r, "threads": t, "range": rng, "s": dt, "bytes": got})
             print(f"round {r} read {t} threads x {rng >> 20} MiB: {got / 1e9:.2f} GB in {dt:.2f} s "
                   f"({got / dt / 1e9:.2f} GB/s)", flush=True)
             out_json.write_text(json.dumps(res, indent=1))
+    dcp = ck.parent / (ck.name + "-dcp")
     for r in range(rounds):
         for job in os.environ.get("JOBS", "merge-bf16,merge-fp32-1GB,convert-dcp").split(","):
-            ws = [12, 16, 24, 32]
-            for w in ws[r % 4:] + ws[:r % 4]:
+            for name, extra_env, args in settings[r % len(settings):] + settings[:r % len(settings)]:
                 rm(out)
-                drop_caches()
+                if warm:  # the sources stay in the page cache (read before the first round)
+                    os.sync()
+                else:
+                    drop_caches()
+                run_env = dict(env, **extra_env)
                 subprocess.run([sys.executable, "-c", "import zckpt.cli, zckpt.ops.merge, zckpt.ops.convert, numpy, "
-                                "isal.isal_zlib, ml_dtypes"], env=env, check=True)
-                x = run_job([str(a) for a in JOBS[job](ck, None)] + ["-o", str(out), "--workers", str(w)], env)
-                x.update(round=r, job=job, workers=w)
+                                "isal.isal_zlib, ml_dtypes"], env=run_env, check=True)
+                x = run_job([str(a) for a in JOBS[job](ck, dcp)] + ["-o", str(out), *args], run_env)
+                x.update(round=r, job=job, setting=name)
                 res["jobs"].append(x)
-                print(f"round {r} {job} --workers {w}: zckpt {x['zckpt_s']:.2f} s, read "
+                print(f"round {r} {job} {name}: zckpt {x['zckpt_s']:.2f} s, read "
                       f"{x['disk_read_bytes'] / 1e9:.2f} GB ({x['disk_read_bytes'] / x['write_s'] / 1e9:.2f} GB/s "
                       f"over its writing)", flush=True)
                 out_json.write_text(json.dumps(res, indent=1))
+    by: dict = {}
+    for x in res["jobs"]:
+        by.setdefault((x["job"], x["setting"]), []).append(x["zckpt_s"])
+    for (job, name), v in by.items():
+        print(f"| {job} | {name} | {min(v):.2f} | {sorted(v)[len(v) // 2]:.2f} | {', '.join(f'{t:.2f}' for t in v)} |")
     rm(out)
 
 
