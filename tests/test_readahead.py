@@ -1,6 +1,6 @@
 """Read-ahead hints (zckpt.engine.readahead): each job's local input ranges, casts included, merged where they
 touch, advised WILLNEED once as the job is queued; URLs, fills and literal bytes left out; a file that cannot be
-opened skipped (the job's own read reports it); off unless ZCKPT_READ_HINTS=1; and the outputs of merge, reshard
+opened skipped (the job's own read reports it); on unless ZCKPT_READ_HINTS=0; and the outputs of merge, reshard
 and convert the same, byte for byte, with the hints as without."""
 
 from __future__ import annotations
@@ -58,15 +58,17 @@ def test_hints_are_given_once_per_job_before_it_is_queued(monkeypatch, tmp_path)
     assert calls == [(3, 0, 4, os.POSIX_FADV_WILLNEED), (4, 8, 8, os.POSIX_FADV_WILLNEED)]
 
 
-@pytest.mark.parametrize("value", [None, "0", "yes"])
-def test_off_unless_asked(monkeypatch, value):
+@pytest.mark.parametrize("value", [None, "1", "0"])
+def test_on_unless_turned_off(monkeypatch, value):
     if value is None:
         monkeypatch.delenv("ZCKPT_READ_HINTS", raising=False)
     else:
         monkeypatch.setenv("ZCKPT_READ_HINTS", value)
-    monkeypatch.setattr(readahead, "_ADVISE", lambda *a: pytest.fail("advised while off"))
+    calls = []
+    monkeypatch.setattr(readahead, "_ADVISE", lambda *a: calls.append(a))
     items = [[Piece("/a", 0, 4, "uint8")]]
     assert list(readahead.hinted(items, lambda it: it, lambda p: 3)) == items
+    assert len(calls) == (0 if value == "0" else 1)
 
 
 def _files(root: Path) -> dict[str, object]:

@@ -13,8 +13,8 @@ share under a launcher) goes through :func:`write_files`::
               in the order dealt; each (file, slot)'s CRC-32 parts combined in file order when the file is finished
     tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads, opt-in):
               each tee counts as one of that file's jobs, its CRC part one of that file's
-    hints     with ZCKPT_READ_HINTS=1, each job's local input ranges advised (WILLNEED) as it is queued
-              (zckpt.engine.readahead): the kernel reads ahead of the threads when the page cache is cold
+    hints     each job's local input ranges advised (WILLNEED) as it is queued (zckpt.engine.readahead): the
+              kernel reads ahead of the threads when the page cache is cold; ZCKPT_READ_HINTS=0 turns it off
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
     fork      where some files need numpy for their casts and it is not imported yet, the files that are only
