@@ -6,7 +6,8 @@ The pool's threads read their jobs' bytes with ``pread`` into their buffers, eac
 jobs in flight (``lanes``: up to four per thread) are known well ahead. A hint is only a hint: pages already in
 the page cache cost a lookup (about 50 us per 4 MiB on the 2-core box, in the thread that deals the jobs), a
 failure to open or advise is ignored (the job's own read reports it), and nothing read this way skips the job's
-CRC check (the bytes are still read, and checked, by the job). Remote pieces are fetched ahead by :func:`zckpt.engine.executor.run_jobs` instead.
+CRC check (the bytes are still read, and checked, by the job). Remote pieces are fetched ahead by
+:func:`zckpt.engine.executor.run_jobs` instead.
 
 On the lent 16-core host (docs/benchmarks.md, issue 49, sixteenth session), cold, median of five runs each: merge
 bf16 1.85 s against 2.02 without, merge fp32 1.80 against 1.84, convert --to dcp 5.18 against 5.33 (its best run
