@@ -36,7 +36,7 @@ def test_local_ranges_merge_touching_pieces_per_file_casts_included():
     assert readahead.local_ranges([Fill(3, "uint8"), b"x"]) == []
 
 
-def test_hints_are_given_once_per_job_before_it_is_queued(monkeypatch, tmp_path):
+def test_hints_are_given_once_per_job_before_it_is_queued(monkeypatch):
     monkeypatch.setenv("ZCKPT_READ_HINTS", "1")
     calls = []
     monkeypatch.setattr(readahead, "_ADVISE", lambda fd, off, n, advice: calls.append((fd, off, n, advice)))

@@ -482,15 +482,20 @@ class RangeCache:
         return True
 
 
+def input_pieces(parts: list) -> Iterator[Piece]:
+    """Every input piece among a job's parts, inside casts too, in the order they are read."""
+    for p in parts:
+        if isinstance(p, Piece):
+            yield p
+        elif isinstance(p, Cast):
+            yield from p.pieces
+
+
 def remote_ranges(parts: list) -> Iterator[tuple[str, int, int]]:
     """(path, offset, nbytes) of every input range behind a URL among a job's parts (inside casts too)."""
-    for p in parts:
-        if isinstance(p, Piece) and storage.is_url(p.path):
+    for p in input_pieces(parts):
+        if storage.is_url(p.path):
             yield p.path, p.offset, p.nbytes
-        elif isinstance(p, Cast):
-            for q in p.pieces:
-                if storage.is_url(q.path):
-                    yield q.path, q.offset, q.nbytes
 
 
 def plan_requests(ranges: Iterable[tuple[str, int, int]], max_request: int = MAX_REQUEST_BYTES,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, Iterator
 
-from zckpt.engine.segments import Cast, Piece
+from zckpt.engine.executor import input_pieces
 from zckpt.io import storage
 
 _ADVISE = getattr(os, "posix_fadvise", None)
@@ -36,25 +36,16 @@ def local_ranges(parts: list) -> list[tuple[str, int, int]]:
     overlap merged, in the order first read."""
     out: list[list] = []
     last: dict[str, list] = {}
-
-    def add(p: Piece) -> None:
+    for p in input_pieces(parts):
         if storage.is_url(p.path):
-            return
-        n = p.nbytes
+            continue
         r = last.get(p.path)
         if r is not None and r[1] <= p.offset <= r[1] + r[2]:
-            r[2] = max(r[2], p.offset + n - r[1])
+            r[2] = max(r[2], p.offset + p.nbytes - r[1])
         else:
-            r = [p.path, p.offset, n]
+            r = [p.path, p.offset, p.nbytes]
             last[p.path] = r
             out.append(r)
-
-    for p in parts:
-        if isinstance(p, Piece):
-            add(p)
-        elif isinstance(p, Cast):
-            for q in p.pieces:
-                add(q)
     return [tuple(r) for r in out]
 
 
