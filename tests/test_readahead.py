@@ -5,6 +5,7 @@ and convert the same, byte for byte, with the hints as without."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -72,11 +73,13 @@ def test_on_unless_turned_off(monkeypatch, value):
 
 
 def _files(root: Path) -> dict[str, object]:
-    """Every file's bytes; a torch zip's entries instead, less its ``serialization_id``, and DCP's ``.metadata``
-    less its ``save_id`` (both random in each save, as torch's own)."""
+    """Every file's bytes; a torch zip's entries instead, less its ``serialization_id``, DCP's ``.metadata`` less
+    its ``save_id`` (both random in each save, as torch's own), and the output marker less its ``created`` time."""
     out: dict[str, object] = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and zipfile.is_zipfile(p):
+        if p.name == ".zckpt.json":
+            out[p.name] = {k: v for k, v in json.loads(p.read_text()).items() if k != "created"}
+        elif p.is_file() and zipfile.is_zipfile(p):
             with zipfile.ZipFile(p) as z:
                 out[str(p.relative_to(root))] = {n: z.read(n) for n in z.namelist()
                                                  if not n.endswith("/serialization_id")}
