@@ -212,28 +212,6 @@ def test_slow_downcast_bytes(monkeypatch):
     assert casting.slow_downcast_bytes(casts) == 440
 
 
-def test_torch_decided_weighs_only_where_torch_could_pay(monkeypatch):
-    """A merge decides whether torch casts before its jobs start: yes where torch is imported, no without
-    importing or weighing anything where its down-casts read under TORCH_CAST_FROM (numpy and ml_dtypes are then
-    imported as the jobs start, after the first jobs' reads are advised), otherwise torch_pays weighs them."""
-    import sys
-    import types
-    from types import SimpleNamespace as T
-    from zckpt.encoding import casting
-    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or types.ModuleType("torch"))
-    assert casting.torch_decided([]) is True
-    monkeypatch.delitem(sys.modules, "torch")
-    weighed = []
-    monkeypatch.setattr(casting, "slow_downcast_bytes", lambda casts: weighed.append(casts) or 123)
-    monkeypatch.setattr(casting, "torch_pays", lambda n: n == 123)
-    under = [T(numel=casting.TORCH_CAST_FROM // 8, src_dtype="float32", dtype="bfloat16"),
-             T(numel=casting.TORCH_CAST_FROM // 8 - 1, src_dtype="float32", dtype="float16"),
-             T(numel=casting.TORCH_CAST_FROM, src_dtype="bfloat16", dtype="float32")]  # (an up-cast: not weighed)
-    assert casting.torch_decided(under) is False and weighed == []
-    at = under[:1] + [T(numel=casting.TORCH_CAST_FROM // 8, src_dtype="float32", dtype="float16")]
-    assert casting.torch_decided(at) is True and weighed == [at]
-
-
 def test_ml_dtypes_imported_only_where_it_pays(monkeypatch, tmp_path):
     """ml_dtypes imported already: used, at no cost; not installed: never; installed: used where it imports
     quickly (before ``ML_SLOW_IMPORT``, or under numpy ``NUMPY_QUICK`` or later), else only for casts of

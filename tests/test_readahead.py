@@ -118,22 +118,3 @@ def test_outputs_are_the_same_with_hints(monkeypatch, tmp_path):
             assert (len(advised) > before) == (hints == "1"), (name, hints)
         assert outs["0"] == outs["1"] and outs["0"], name
     assert any("optim_states" in str(p) for p in advised)
-
-
-def test_the_first_jobs_are_advised_before_the_casts_imports(monkeypatch, tmp_path):
-    """The disk reads the first jobs' inputs while numpy and ml_dtypes are imported: a merge to bf16 advises the
-    jobs it queues first before the worker prepares its casts, and the rest as they are queued."""
-    from zckpt.engine import executor
-    monkeypatch.setenv("ZCKPT_READ_HINTS", "1")
-    monkeypatch.setenv("ZCKPT_FORK_COPIES", "0")
-    advised, at_prepare = [], []
-    monkeypatch.setattr(readahead, "_ADVISE", lambda *a: advised.append(a))
-    real = executor.Worker.prepare
-
-    def prepare(self, jobs):
-        at_prepare.append(len(advised))
-        return real(self, jobs)
-
-    monkeypatch.setattr(executor.Worker, "prepare", prepare)
-    zckpt.merge(FIXTURES / "z2_bf16_ws2", tmp_path / "m", dtype="bf16", workers=1, max_shard_size="64KB")
-    assert len(at_prepare) == 1 and 0 < at_prepare[0] < len(advised), (at_prepare, len(advised))

@@ -282,19 +282,6 @@ def slow_downcast_bytes(casts) -> int:
     return fp16 + (bf16 if bf16 and not fast_bf16(bf16) else 0)  # (ml_dtypes only looked up for bf16)
 
 
-def torch_decided(casts) -> bool:
-    """:func:`torch_pays` for ``casts`` (as :func:`slow_downcast_bytes` takes them), without importing numpy or
-    ml_dtypes where torch cannot pay (imported already: yes; all their down-casts under :data:`TORCH_CAST_FROM`: no,
-    and what they need is imported by :func:`prepare` as the jobs start, after the first jobs' reads are advised:
-    zckpt.engine.lanes); otherwise weighed as :func:`torch_pays` does (ml_dtypes' choice decided then)."""
-    if "torch" in sys.modules:
-        return True
-    if sum(t.numel * 4 for t in casts if t.src_dtype == "float32" and t.dtype in ("bfloat16", "float16")) \
-            < TORCH_CAST_FROM:
-        return False
-    return torch_pays(slow_downcast_bytes(casts))
-
-
 def torch_pays(downcast_bytes: int) -> bool:
     """Whether a job whose slow down-casts (:func:`slow_downcast_bytes`) read ``downcast_bytes`` of fp32 should cast
     with torch's kernel: torch imported already (a trainer process), or installed and the job at least

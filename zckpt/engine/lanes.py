@@ -13,9 +13,8 @@ share under a launcher) goes through :func:`write_files`::
               in the order dealt; each (file, slot)'s CRC-32 parts combined in file order when the file is finished
     tees      a cast job that also writes its source bytes into other files (zckpt.engine.tees.share_reads, opt-in):
               each tee counts as one of that file's jobs, its CRC part one of that file's
-    hints     each job's local input ranges advised (WILLNEED) as it is queued (zckpt.engine.readahead), the
-              first ``ahead`` jobs' before the casts' imports: the kernel reads ahead of the threads when the page
-              cache is cold; ZCKPT_READ_HINTS=0 turns it off
+    hints     each job's local input ranges advised (WILLNEED) as it is queued (zckpt.engine.readahead): the
+              kernel reads ahead of the threads when the page cache is cold; ZCKPT_READ_HINTS=0 turns it off
     maps      with ZCKPT_MAP_WRITES=1, a job is read or cast straight into a shared map of its file
               (zckpt.engine.mapped), where the file allows it; otherwise written by ``Worker.write``
     fork      where some files need numpy for their casts and it is not imported yet, the files that are only
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import itertools
 import os
 import threading
 import time
@@ -143,15 +141,6 @@ def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None,
     opening = threading.Lock()  # guards every target's fd, users and the abort flag
     aborted = [False]
     syncing: list = []
-    ahead = 4 * workers
-    dealt, primed = None, []
-    if pool is not None and not remote:
-        dealt = _deal(targets, lanes)
-        fd_of_source = getattr(getattr(worker, "reader", None), "fd", None)
-        if fd_of_source is not None:  # the kernel reads each job's inputs as it is queued (page cache cold)
-            dealt = readahead.hinted(dealt, lambda it: it[1][2], fd_of_source)
-            # the first jobs' inputs advised before the casts' imports: the disk reads them meanwhile
-            primed = list(itertools.islice(dealt, ahead))
     importing = time.perf_counter()
     worker.prepare((parts, dtype) for t in targets for _, _, parts, dtype in t.jobs)  # the casts' imports, first
     began = time.perf_counter()
@@ -255,8 +244,12 @@ def _write_files(targets: list[Target], pool, worker, crc_of, lanes: int | None,
         for t in targets:  # files without a job of this process's: created (or opened) and finished first
             if not t.left:
                 finish(t)
-        if dealt is not None:
-            _run_ordered(pool, run, itertools.chain(primed, dealt), took, ahead=ahead)
+        if pool is not None and not remote:
+            fd_of_source = getattr(getattr(worker, "reader", None), "fd", None)
+            dealt = _deal(targets, lanes)
+            if fd_of_source is not None:  # the kernel reads each job's inputs as it is queued (page cache cold)
+                dealt = readahead.hinted(dealt, lambda it: it[1][2], fd_of_source)
+            _run_ordered(pool, run, dealt, took, ahead=4 * workers)
         else:  # one file at a time; remote ranges fetched ahead (run_jobs' windows)
             for t in targets:
                 if t.jobs:

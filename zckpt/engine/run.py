@@ -83,8 +83,8 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     worker, maps = executor.Worker(pure_upcast=pure, storage_options=storage_options, check=check), \
         torchzip.SourceMaps()
     began = time.perf_counter()
-    worker.use_torch = casting.torch_decided(casts)  # torch's one-pass kernel
-    worker.stats.imports_seconds += time.perf_counter() - began  # (numpy and ml_dtypes here only for large casts)
+    worker.use_torch = casting.torch_pays(casting.slow_downcast_bytes(casts))  # torch's one-pass kernel
+    worker.stats.imports_seconds += time.perf_counter() - began  # (ml_dtypes and numpy imported here for bf16)
     try:
         with publish.Publisher(out, "merge", source.root if source else None, durable,
                                storage_options=out_opts) as pub:
