@@ -742,6 +742,45 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path, delay):
     assert not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]  # no scratch left behind
 
 
+_FINALIZER_CODE = r"""
+import sys
+import zckpt.ops.merge as merge
+
+
+class Late:
+    def __del__(self):
+        raise KeyboardInterrupt  # what the CLI's SIGINT handler raises, landing in a finalizer
+
+
+real = merge.plan_merge
+
+
+def plan_merge(*args, **kwargs):
+    late = Late()
+    del late  # Python prints "Exception ignored" and drops it, unless zckpt sends the signal again
+    return real(*args, **kwargs)
+
+
+merge.plan_merge = plan_merge
+sys.argv = ["zckpt", *sys.argv[1:]]
+from zckpt.__main__ import run
+run()
+"""
+
+
+def test_ctrl_c_landing_in_a_finalizer_still_interrupts(tmp_path):
+    """A Ctrl-C whose KeyboardInterrupt is raised inside a finalizer or weakref callback (in CI: the import
+    system's module-lock callback, while merge imported a reader) is not printed as "Exception ignored" with a
+    traceback and then lost (the merge went on and exited 0): it interrupts the command, one line, exit 130."""
+    from tests.conftest import FIXTURES
+    out = tmp_path / "m"
+    proc = subprocess.run([sys.executable, "-c", _FINALIZER_CODE, "merge",
+                           str(checkpoint_path(FIXTURES / "trainer")), "-o", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ, ZCKPT_DEBUG=""))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "zckpt: interrupted\n")
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if "zckpt-tmp" in p.name]
+
+
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2, 0.5, 1.5])
 def test_sigterm_is_answered_as_ctrl_c(tmp_path, delay):
     """kill (a job scheduler's SIGTERM) during reshard: one line, exit 130 and the scratch folder removed, as for

@@ -9,7 +9,8 @@ The moments, and who answers:
 - imports (``zckpt.__main__.run`` before the CLI is loaded): a handler that prints the line and exits at once,
   since nothing has started that needs cleaning up;
 - the command (:func:`begin`): SIGINT raises ``KeyboardInterrupt`` so that the library removes its scratch files;
-  the group's ``main`` reports it (``_interrupted`` in ``cli/__init__.py``);
+  the group's ``main`` reports it (``_interrupted`` in ``cli/__init__.py``). One that lands in a finalizer or a
+  weakref callback, where Python would print a traceback and drop it, is sent again (:func:`_redelivering`);
 - the library published the result but had not returned yet: the output's commit marker, written by this run, says
   it is complete (:func:`published_output`);
 - the result is published (:func:`published`, called by each command as soon as the library call returns): Ctrl-C
@@ -19,6 +20,7 @@ The moments, and who answers:
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
@@ -47,13 +49,39 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _redelivering(hook):
+    """``sys.unraisablehook`` while a command runs. A ``KeyboardInterrupt`` raised by the handlers above inside a
+    finalizer or a weakref callback (the import system's module locks, a file closed by the collector) is one
+    Python prints as "Exception ignored ..." with a traceback, and then drops: it is raised again instead, in the
+    main thread's next step (``_thread.interrupt_main``: SIGINT's handler, which SIGTERM's answer equals), so that
+    it interrupts the command like any other. Anything else goes to ``hook``."""
+    def redeliver(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            gate = threading.Lock()
+            gate.acquire()
+
+            def interrupt():  # from another thread, once this hook has let go: raised in it, it would be dropped
+                with gate:
+                    _thread.interrupt_main()
+            try:
+                threading.Thread(target=interrupt, name="zckpt-interrupt", daemon=True).start()
+            except RuntimeError:  # (the interpreter is shutting down: nothing left to interrupt)
+                pass
+            gate.release()
+            return
+        hook(unraisable)
+    redeliver.previous = hook
+    return redeliver
+
+
 def begin():
-    """While the command runs, Ctrl-C or SIGTERM raises ``KeyboardInterrupt`` (cleanup runs); returns the handlers
-    to put back."""
+    """While the command runs, Ctrl-C or SIGTERM raises ``KeyboardInterrupt`` (cleanup runs), also where it lands
+    in a finalizer (:func:`_redelivering`); returns the handlers to put back."""
     if not _main_thread():
         return None
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _raise_interrupt)
+    sys.unraisablehook = _redelivering(sys.unraisablehook)
     return previous
 
 
@@ -100,6 +128,8 @@ def end(previous, ctx: click.Context | None, code: int) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if ENTRY_POINT else (handler if handler is not None else
                                                                        signal.SIG_DFL))
+        if hasattr(sys.unraisablehook, "previous"):
+            sys.unraisablehook = sys.unraisablehook.previous
     if ENTRY_POINT and code == 130:
         # interrupted, cleanup done, the line said: leave now, so that nothing in the interpreter's shutdown (worker
         # threads still being joined) can turn the exit status into death by signal
