@@ -10,7 +10,7 @@ The moments, and who answers:
   since nothing has started that needs cleaning up;
 - the command (:func:`begin`): SIGINT raises ``KeyboardInterrupt`` so that the library removes its scratch files;
   the group's ``main`` reports it (``_interrupted`` in ``cli/__init__.py``). One that lands in a finalizer or a
-  weakref callback, where Python would print a traceback and drop it, is sent again (:func:`_redelivering`);
+  weakref callback, where Python would print a traceback and drop it, is raised again (:func:`_redelivering`);
 - the library published the result but had not returned yet: the output's commit marker, written by this run, says
   it is complete (:func:`published_output`);
 - the result is published (:func:`published`, called by each command as soon as the library call returns): Ctrl-C
