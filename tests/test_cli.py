@@ -757,7 +757,7 @@ real = merge.plan_merge
 
 def plan_merge(*args, **kwargs):
     late = Late()
-    del late  # Python prints "Exception ignored" and drops it, unless zckpt sends the signal again
+    del late  # Python prints "Exception ignored" and drops it, unless zckpt raises it again
     return real(*args, **kwargs)
 
 
