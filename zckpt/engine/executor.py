@@ -132,6 +132,20 @@ def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterat
 
 # ---------------------------------------------------------------------------------------------- worker
 
+# Experimental (issue 49, off unless ZCKPT_OUT_PREFILL=1): before a job's pwrite, its output range is put in the page
+# cache (posix_fadvise WILLNEED: fallocated blocks read back as zeros), outside the file's inode lock, so that the
+# write under the lock only copies. Measured in benchmarks/probe_writepath.py and timeline_merge.py.
+OUT_PREFILL = os.environ.get("ZCKPT_OUT_PREFILL", "0") == "1" and hasattr(os, "posix_fadvise")
+
+
+def prefill(fd: int, offset: int, n: int) -> None:
+    if OUT_PREFILL and n > 0:
+        try:
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     data = memoryview(data)
     done = 0
@@ -307,6 +321,7 @@ class Worker:
                     crc = crc32(v, crc)
             return crc, pos - offset
         data = self.render(parts, dtype)
+        prefill(fd, offset, data.nbytes)
         with slots:
             pwrite_all(fd, data, offset)
         return (crc32(data) if want_crc else 0), data.nbytes
@@ -330,6 +345,7 @@ class Worker:
                 self.check.add_crc(p.path, p.offset, n, c)
             crc = crc32_combine(crc, c, n) if want_crc else 0
             pos += n
+        prefill(fd, offset, total)
         with slots:
             pwrite_all(fd, view[:total], offset)
         return crc, total

@@ -4,7 +4,8 @@
 # 2. benchmarks/probe_writepath.py on each: pread + pwrite (64 MiB, 4 MiB ranges), the output's pages put in the page
 #    cache first (WILLNEED), pwrite from a map of the source, no fallocate; 16 threads;
 # 3. benchmarks/timeline_merge.py: merge fp32's timeline (its fixed costs step by step) beside pcopy and pcopy4,
-#    variants base, --workers 16, ZCKPT_FALLOCATE=0.
+#    variants base, ZCKPT_OUT_PREFILL=1 (the output's pages put in the page cache before each pwrite), --workers 16,
+#    ZCKPT_FALLOCATE=0; then merge bf16's, base and ZCKPT_OUT_PREFILL=1.
 #   OUT=$OUT bash benchmarks/results/2026-12-07-eighteenth/call1.sh   (carry .whl)
 set -u
 S=$SECONDS
@@ -25,6 +26,10 @@ echo "probe fp32 done at $((SECONDS-S)) s"
 python3 benchmarks/probe_writepath.py /tmp/zbench/src-bf16 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-3} 2>&1 | tee $OUT/probe-bf16.log
 echo "probe bf16 done at $((SECONDS-S)) s"
 python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_ROUNDS:-4} \
-  --variants "base:;w16:|--workers 16;nofa:ZCKPT_FALLOCATE=0" --copies pcopy,pcopy4 -- --max-shard-size 1GB 2>&1 \
-  | tee $OUT/timeline.log | grep -v "^  marks"
+  --variants "base:;prefill:ZCKPT_OUT_PREFILL=1;w16:|--workers 16;nofa:ZCKPT_FALLOCATE=0" --copies pcopy,pcopy4 \
+  -- --max-shard-size 1GB 2>&1 | tee $OUT/timeline.log | grep -v "^  marks"
+echo "timeline fp32 done at $((SECONDS-S)) s"
+python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_ROUNDS:-4} \
+  --variants "base:;prefill:ZCKPT_OUT_PREFILL=1" --copies pcopy -- --dtype bf16 2>&1 \
+  | tee $OUT/timeline-bf16.log | grep -v "^  marks"
 echo "done at $((SECONDS-S)) s"
