@@ -19,7 +19,7 @@ ck=/tmp/zbench/z2_bf16_ws4_L26_H2048_V32000_F8192
 for d in fp32 bf16; do
   [ -d /tmp/zbench/src-$d ] || python3 -m zckpt merge $ck --dtype $d $([ $d = fp32 ] && echo --max-shard-size 1GB) -o /tmp/zbench/src-$d -q
 done
-ls -la /tmp/zbench/src-fp32 /tmp/zbench/src-bf16
+ls -la /tmp/zbench/src-fp32 /tmp/zbench/src-bf16; grep . /sys/block/*/queue/read_ahead_kb /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null
 echo "sources ready at $((SECONDS-S)) s"
 python3 benchmarks/probe_writepath.py /tmp/zbench/src-fp32 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-3} 2>&1 | tee $OUT/probe-fp32.log
 echo "probe fp32 done at $((SECONDS-S)) s"
