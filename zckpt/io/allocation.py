@@ -20,8 +20,8 @@ _libc = None
 def _fallocate_fn():
     """(ctypes, libc's fallocate, libc's fstatfs), or False (not Linux, ZCKPT_FALLOCATE=0, no such functions)."""
     global _libc
-    if _libc is None:
-        _libc = False
+    if _libc is None:  # (set once, whole: files created side by side may ask at the same time)
+        found = False
         if sys.platform.startswith("linux") and os.environ.get("ZCKPT_FALLOCATE", "1") != "0":
             try:
                 import ctypes
@@ -29,10 +29,16 @@ def _fallocate_fn():
                 fn, fstatfs = lib.fallocate, lib.fstatfs
                 fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
                 fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
-                _libc = (ctypes, fn, fstatfs)
+                found = (ctypes, fn, fstatfs)
             except (OSError, AttributeError):
-                _libc = False
+                found = False
+        _libc = found
     return _libc
+
+
+def prepare() -> None:
+    """Load what :func:`allocate` calls (ctypes, libc's functions) now, in this thread."""
+    _fallocate_fn()
 
 
 def fs_type(fd: int) -> int | None:
