@@ -25,13 +25,13 @@ ls -la /tmp/zbench/src-fp32 /tmp/zbench/src-bf16; grep . /sys/block/*/queue/read
 echo "sources ready at $((SECONDS-S)) s"
 python3 benchmarks/probe_writepath.py /tmp/zbench/src-fp32 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-3} --methods pcopy,pcopy4,hint,srcmap,nofalloc 2>&1 | tee $OUT/probe-fp32.log
 echo "probe fp32 done at $((SECONDS-S)) s"
-python3 benchmarks/probe_writepath.py /tmp/zbench/src-bf16 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-3} --methods pcopy,pcopy4,hint,srcmap,nofalloc 2>&1 | tee $OUT/probe-bf16.log
+[ "${PROBE_BF16:-1}" = 0 ] || python3 benchmarks/probe_writepath.py /tmp/zbench/src-bf16 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-3} --methods pcopy,pcopy4,hint,srcmap,nofalloc 2>&1 | tee $OUT/probe-bf16.log
 echo "probe bf16 done at $((SECONDS-S)) s"
 python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_ROUNDS:-4} \
   --variants "base:PYTHONPATH=/tmp/site:$PWD/.bench/before;sbs:;prefill:ZCKPT_OUT_PREFILL=1;nofa:ZCKPT_FALLOCATE=0" --copies pcopy,pcopy4 \
   -- --max-shard-size 1GB 2>&1 | tee $OUT/timeline.log | grep -v "^  marks"
 echo "timeline fp32 done at $((SECONDS-S)) s"
-python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_ROUNDS:-4} \
+python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_BF16_ROUNDS:-4} \
   --variants "base:;prefill:ZCKPT_OUT_PREFILL=1" --copies pcopy -- --dtype bf16 2>&1 \
   | tee $OUT/timeline-bf16.log | grep -v "^  marks"
 echo "done at $((SECONDS-S)) s"
