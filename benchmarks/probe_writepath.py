@@ -14,6 +14,8 @@ files, by several methods, alternated round by round (``sync`` before each, the 
                (madvise MADV_POPULATE_READ, outside the lock), 4 MiB ranges
     nofalloc   pcopy4 into files only truncated to size (delayed allocation)
     nofhint    nofalloc + hint
+    pcopyN[-tT][-crc]   pread + pwrite over N MiB ranges (pcopy1, pcopy2, ...), on T threads instead of --threads,
+               with the CRC-32 of each range read (isal, as zckpt checks its inputs) before its pwrite
 
 Every copy is compared with its source (size and sha256 of the first run of each method). Prints each run and a
 table of best and median seconds per method.
@@ -45,10 +47,29 @@ def interleaved(sizes, rng):
     return [lst[k] for k in range(max(map(len, per), default=0)) for lst in per if k < len(lst)]
 
 
+def spec(method: str, threads: int) -> tuple[str, int, int, bool]:
+    """(base method, range bytes, threads, crc) of a method name."""
+    base, *flags = method.split("-")
+    rng = 4 << 20
+    if base == "pcopy":
+        rng = 64 << 20
+    elif base.startswith("pcopy") and base[5:].isdigit():
+        base, rng = "pcopy", int(base[5:]) << 20
+    for f in flags:
+        if f.startswith("t") and f[1:].isdigit():
+            threads = int(f[1:])
+        elif f != "crc":
+            raise SystemExit(f"unknown method {method}")
+    return base, rng, threads, "crc" in flags
+
+
 def copy(src: Path, dst: Path, threads: int, method: str) -> float:
     files = files_of(src)
     sizes = [p.stat().st_size for p in files]
-    rng = 64 << 20 if method == "pcopy" else 4 << 20
+    method, rng, threads, want_crc = spec(method, threads)
+    if want_crc:
+        from isal import isal_zlib
+        crc32 = isal_zlib.crc32
     bufs = [bytearray(rng) for _ in range(threads)]
     t0 = time.perf_counter()
     rfds = [os.open(p, os.O_RDONLY) for p in files]
@@ -86,6 +107,8 @@ def copy(src: Path, dst: Path, threads: int, method: str) -> float:
             else:
                 got = os.preadv(rfds[i], [view[:n]], off)
                 data = view[:got]
+                if want_crc:
+                    crc32(data)
             moved += os.pwrite(wfds[i], data, off)
             if method == "srcmap":
                 data.release()

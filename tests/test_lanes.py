@@ -349,32 +349,3 @@ def test_dealt_in_turn_mixes_long_runs_in_proportion_keeping_each_groups_order()
     same = [("a", 1), ("a", 2)]
     assert executor.dealt_in_turn(same, lambda it: it[0]) is same
 
-
-
-def test_large_files_are_allocated_side_by_side_and_a_failure_is_raised(tmp_path, monkeypatch):
-    """run.create_files: every file at its size; the large ones on threads of their own (side by side), which are
-    gone when it returns; the first failure in file order is raised, after every creation has ended."""
-    from zckpt.engine import run
-    monkeypatch.setattr(run, "CREATE_SIDE_BY_SIDE", 1 << 16)
-    files = [(str(tmp_path / f"f{k}"), n) for k, n in enumerate((10, 1 << 20, 0, 3 << 16, 1 << 16, 5))]
-    threads, real = [], lanes.create
-
-    def create(path, size):
-        threads.append(threading.current_thread().name)
-        real(path, size)
-    monkeypatch.setattr(lanes, "create", create)
-    run.create_files(files)
-    assert [os.path.getsize(p) for p, _ in files] == [n for _, n in files]
-    assert sum(t.startswith("zckpt-create") for t in threads) == 3  # the three of 64 KiB and more
-    assert not [t for t in threading.enumerate() if t.name.startswith("zckpt-create")]
-
-    def full(path, size):
-        real(path, 0)
-        if path.endswith(("f3", "f4")):
-            time.sleep(0.05 if path.endswith("f3") else 0)
-            raise OSError(28, f"No space left on device ({os.path.basename(path)})")
-    monkeypatch.setattr(lanes, "create", full)
-    with pytest.raises(OSError, match=r"\(f3\)"):
-        run.create_files([(str(tmp_path / f"g{k}"), n) for k, n in enumerate((1 << 20,) * 5)][:3]
-                         + [(str(tmp_path / "f3"), 1 << 20), (str(tmp_path / "f4"), 1 << 20)])
-    assert not [t for t in threading.enumerate() if t.name.startswith("zckpt-create")]

@@ -45,7 +45,7 @@ def env_int(name: str, default: int) -> int:
         return default
 
 
-CHUNK_BYTES = 4 << 20  # per job; bounds memory at about 3 buffers of this per worker thread
+CHUNK_BYTES = env_int("ZCKPT_CHUNK_KIB", 4096) << 10  # per job (4 MiB); memory: ~3 buffers of it per thread
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) take one of WRITE_STREAMS slots: the
 # most threads, of all processes together, writing into one file at a time. On the lent 16-core host's ext4 (Linux
 # 6.18) one file takes about 3.5-4 GB/s whatever the number of writers, but 8 of them beat 1 (single-process
@@ -131,20 +131,6 @@ def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterat
 
 
 # ---------------------------------------------------------------------------------------------- worker
-
-# Experimental (issue 49, off unless ZCKPT_OUT_PREFILL=1): before a job's pwrite, its output range is put in the page
-# cache (posix_fadvise WILLNEED: fallocated blocks read back as zeros), outside the file's inode lock, so that the
-# write under the lock only copies. Measured in benchmarks/probe_writepath.py and timeline_merge.py.
-OUT_PREFILL = os.environ.get("ZCKPT_OUT_PREFILL", "0") == "1" and hasattr(os, "posix_fadvise")
-
-
-def prefill(fd: int, offset: int, n: int) -> None:
-    if OUT_PREFILL and n > 0:
-        try:
-            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-
 
 def pwrite_all(fd: int, data, offset: int) -> None:
     data = memoryview(data)
@@ -321,7 +307,6 @@ class Worker:
                     crc = crc32(v, crc)
             return crc, pos - offset
         data = self.render(parts, dtype)
-        prefill(fd, offset, data.nbytes)
         with slots:
             pwrite_all(fd, data, offset)
         return (crc32(data) if want_crc else 0), data.nbytes
@@ -345,7 +330,6 @@ class Worker:
                 self.check.add_crc(p.path, p.offset, n, c)
             crc = crc32_combine(crc, c, n) if want_crc else 0
             pos += n
-        prefill(fd, offset, total)
         with slots:
             pwrite_all(fd, view[:total], offset)
         return crc, total

@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from zckpt.encoding import casting
@@ -106,34 +106,6 @@ def run_merge(plan, out: str, workers: int | None = None, overwrite: bool = Fals
     return worker.stats.to_json()
 
 
-CREATE_SIDE_BY_SIDE = 64 << 20  # files of at least this size are allocated several at once (create_files)
-
-
-def create_files(files: list[tuple[str, int]]) -> None:
-    """Each ``(path, size)`` created at its final size (:func:`zckpt.engine.lanes.create`), before a byte is
-    written. Allocating takes time by the size (ext4: 1-3 ms a GB on the 2-core box), so the large files are
-    allocated several at once, on a few threads that are gone before the writing starts (a forked writer finds
-    none); the small ones one by one first."""
-    large = [(p, n) for p, n in files if n >= CREATE_SIDE_BY_SIDE]
-    for path, size in files:
-        if size < CREATE_SIDE_BY_SIDE or len(large) < 2:
-            executor.test_delay()
-            _lanes.create(path, size)
-    if len(large) < 2:
-        return
-    allocation.prepare()  # (ctypes imported once, here)
-    with ThreadPoolExecutor(min(8, len(large)), thread_name_prefix="zckpt-create") as pool:
-        futures = []
-        try:
-            for path, size in large:
-                executor.test_delay()
-                futures.append(pool.submit(_lanes.create, path, size))
-        finally:
-            wait(futures)  # (none left running when an interrupt unwinds)
-        for f in futures:
-            f.result()  # the first failure, in file order (a full disk: OSError ENOSPC)
-
-
 def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: torchzip.SourceMaps, step,
                 durable: bool, storage_options: dict | None = None, check: InputCheck | None = None,
                 lanes: int | None = None) -> None:
@@ -146,10 +118,13 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
     works = [w if w.src is None else works_.copy_work(
         w.relpath, w.src, w.size, executor.CHUNK_BYTES, check.directory(w.src) if check is not None else ())
         for w in works]
-    targets = [_lanes.Target(fi, pub.path(w.relpath), list(w.jobs), size=w.size if pub.remote else None)
-               for fi, w in enumerate(works)]
-    if not pub.remote:
-        create_files([(t.path, w.size) for t, w in zip(targets, works)])
+    targets = []
+    for fi, w in enumerate(works):
+        path = pub.path(w.relpath)
+        if not pub.remote:
+            executor.test_delay()
+            _lanes.create(path, w.size)
+        targets.append(_lanes.Target(fi, path, list(w.jobs), size=w.size if pub.remote else None))
     if not pub.remote and tees.SHARE_READS:  # a cast job also writes the bytes a copy would read (engine/tees)
         shared = tees.share_reads(targets)
         worker.stats.read_once += shared

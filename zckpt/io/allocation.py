@@ -20,7 +20,7 @@ _libc = None
 def _fallocate_fn():
     """(ctypes, libc's fallocate, libc's fstatfs), or False (not Linux, ZCKPT_FALLOCATE=0, no such functions)."""
     global _libc
-    if _libc is None:  # (set once, whole: files created side by side may ask at the same time)
+    if _libc is None:  # (set once, whole: never False while another thread is still looking)
         found = False
         if sys.platform.startswith("linux") and os.environ.get("ZCKPT_FALLOCATE", "1") != "0":
             try:
@@ -34,11 +34,6 @@ def _fallocate_fn():
                 found = False
         _libc = found
     return _libc
-
-
-def prepare() -> None:
-    """Load what :func:`allocate` calls (ctypes, libc's functions) now, in this thread."""
-    _fallocate_fn()
 
 
 def fs_type(fd: int) -> int | None:
