@@ -349,3 +349,43 @@ def test_dealt_in_turn_mixes_long_runs_in_proportion_keeping_each_groups_order()
     same = [("a", 1), ("a", 2)]
     assert executor.dealt_in_turn(same, lambda it: it[0]) is same
 
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped"])
+def test_the_input_check_combines_tiling_and_overlapping_spans_alike(tmp_path, flip):
+    """checked.InputCheck: an entry read end to end in pieces (the common case, chained directly), read with
+    overlaps and gaps (the cheapest cut, gaps read from the file), or read across its end: each gives the entry's
+    own CRC-32, and a flipped byte is refused whichever way it was read."""
+    import random
+    from zckpt.engine.checked import InputCheck
+    from zckpt.encoding.zipentries import ZipEntry
+    from zckpt.errors import CorruptFile
+    rng = random.Random(7)
+    data = bytearray(rng.randbytes(300_000))
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    entry = ZipEntry("a/data/0", 0, 100, 200_000, zlib.crc32(data[100:200_100]))
+    if flip:  # the file as read is damaged: its recorded CRC no longer holds
+        data[150_000] ^= 1
+        path.write_bytes(data)
+
+    def spans(cuts, overlap=0, gaps=()):
+        out = []
+        for a, b in zip(cuts, cuts[1:]):
+            a = max(100, a - overlap)
+            if a not in gaps:
+                out.append((str(path), a, b - a, zlib.crc32(data[a:b])))
+        return out
+
+    cuts = sorted({100, 200_100, *rng.sample(range(101, 200_100), 40)})
+    for case in (spans(cuts), spans(cuts, overlap=999), spans(cuts, gaps={cuts[3], cuts[17]})):
+        check = InputCheck(entries_of=lambda p: [entry])
+        rng.shuffle(case)
+        for s in case:
+            check.add_crc(*s)
+        if flip:
+            with pytest.raises(CorruptFile, match="data/0"):
+                check.finish()
+        else:
+            check.finish()
+            assert check.checked == 1

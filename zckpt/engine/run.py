@@ -142,9 +142,12 @@ def write_works(works: list, pub, workers: int, worker: executor.Worker, maps: t
         pub.done(works[t.key].relpath)  # URL outputs: uploaded now
         log.debug("  wrote %s (%s)", works[t.key].relpath, format_size(works[t.key].size))
 
-    with ThreadPoolExecutor(workers) as pool:
+    pool = ThreadPoolExecutor(workers)
+    try:
         _lanes.write_files(targets, pool, worker, maps.crc, lanes=lanes, durable=durable, progress=step, done=done,
                            closed=closed)
+    finally:
+        _lanes.stop_pool(pool)
 
 
 def run_reshard(plan, out: str, workers: int | None = None, overwrite: bool = False,
