@@ -18,9 +18,9 @@ ck=/tmp/zbench/z2_bf16_ws4_L26_H2048_V32000_F8192
 [ -d /tmp/zbench/src-fp32 ] || python3 -m zckpt merge $ck --dtype fp32 --max-shard-size 1GB -o /tmp/zbench/src-fp32 -q
 echo "source ready at $((SECONDS-S)) s"
 python3 benchmarks/probe_writepath.py /tmp/zbench/src-fp32 --work /tmp/zbench/wp --rounds ${PROBE_ROUNDS:-2} \
-  --methods pcopy,pcopy4,pcopy4-t12,pcopy4-crc,pcopy4-t12-crc,pcopy2,pcopy1 2>&1 | tee $OUT/probe-fp32.log
+  --methods ${METHODS:-pcopy,pcopy4,pcopy4-t12,pcopy4-crc,pcopy4-t12-crc,pcopy2,pcopy1} 2>&1 | tee $OUT/probe-fp32.log
 echo "probe done at $((SECONDS-S)) s"
 python3 benchmarks/timeline_merge.py bench --ck $ck --work /tmp/zbench/tl --rounds ${TL_ROUNDS:-3} \
-  --variants "before:PYTHONPATH=/tmp/site:$PWD/.bench/before;now:;w16:|--workers 16;chunk2:ZCKPT_CHUNK_KIB=2048;chunk2w16:ZCKPT_CHUNK_KIB=2048|--workers 16" \
+  --variants "${TL_VARIANTS:-before:PYTHONPATH=/tmp/site:$PWD/.bench/before;now:;w16:|--workers 16;chunk2:ZCKPT_CHUNK_KIB=2048;chunk2w16:ZCKPT_CHUNK_KIB=2048|--workers 16}" \
   --copies pcopy,pcopy4 -- --max-shard-size 1GB 2>&1 | tee $OUT/timeline.log | grep -v "^  marks"
 echo "done at $((SECONDS-S)) s"
