@@ -389,3 +389,16 @@ def test_the_input_check_combines_tiling_and_overlapping_spans_alike(tmp_path, f
         else:
             check.finish()
             assert check.checked == 1
+
+
+def test_stop_pool_runs_what_is_queued_and_leaves_no_thread():
+    """lanes.stop_pool: the pool's threads, all woken at once, finish the work still queued and are gone."""
+    pool = ThreadPoolExecutor(6, thread_name_prefix="zckpt-stoptest")
+    gate, done = threading.Event(), []
+    futures = [pool.submit(lambda k=k: (gate.wait(5), done.append(k))) for k in range(20)]
+    threading.Timer(0.2, gate.set).start()  # (14 jobs still queued behind the 6 running when it stops)
+    lanes.stop_pool(pool)
+    assert sorted(done) == list(range(20)) and all(f.done() for f in futures)
+    assert not [t for t in threading.enumerate() if t.name.startswith("zckpt-stoptest")]
+    with pytest.raises(RuntimeError):
+        pool.submit(print)
