@@ -31,20 +31,15 @@ import mmap
 import os
 import shutil
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_copybar import files_of, interleaved  # noqa: E402  (the baseline's own file order and deal)
+
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-
-
-def files_of(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
-
-
-def interleaved(sizes, rng):
-    per = [[(i, off, min(rng, n - off)) for off in range(0, n, rng)] for i, n in enumerate(sizes)]
-    return [lst[k] for k in range(max(map(len, per), default=0)) for lst in per if k < len(lst)]
 
 
 def spec(method: str, threads: int) -> tuple[str, int, int, bool]:

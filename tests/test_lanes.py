@@ -350,12 +350,11 @@ def test_dealt_in_turn_mixes_long_runs_in_proportion_keeping_each_groups_order()
     assert executor.dealt_in_turn(same, lambda it: it[0]) is same
 
 
-
 @pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped"])
 def test_the_input_check_combines_tiling_and_overlapping_spans_alike(tmp_path, flip):
     """checked.InputCheck: an entry read end to end in pieces (the common case, chained directly), read with
-    overlaps and gaps (the cheapest cut, gaps read from the file), or read across its end: each gives the entry's
-    own CRC-32, and a flipped byte is refused whichever way it was read."""
+    overlaps or with gaps (the cheapest cut, the gaps read from the file): each gives the entry's own CRC-32, and a
+    flipped byte is refused whichever way it was read."""
     import random
     from zckpt.engine.checked import InputCheck
     from zckpt.encoding.zipentries import ZipEntry
