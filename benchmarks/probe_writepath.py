@@ -14,8 +14,10 @@ files, by several methods, alternated round by round (``sync`` before each, the 
                (madvise MADV_POPULATE_READ, outside the lock), 4 MiB ranges
     nofalloc   pcopy4 into files only truncated to size (delayed allocation)
     nofhint    nofalloc + hint
-    pcopyN[-tT][-crc]   pread + pwrite over N MiB ranges (pcopy1, pcopy2, ...), on T threads instead of --threads,
-               with the CRC-32 of each range read (isal, as zckpt checks its inputs) before its pwrite
+    pcopyN[-tT][-crc][-u]   pread + pwrite over N MiB ranges (pcopy1, pcopy2, ...), on T threads instead of
+               --threads, with the CRC-32 of each range read (isal, as zckpt checks its inputs) before its pwrite,
+               with every range boundary off the page grid (-u: the ranges start after a first one of 14064 bytes,
+               as a safetensors file's tensors start after its header; zckpt's jobs are cut per tensor)
 
 Every copy is compared with its source (size and sha256 of the first run of each method). Prints each run and a
 table of best and median seconds per method.
@@ -42,8 +44,11 @@ from bench_copybar import files_of, interleaved  # noqa: E402  (the baseline's o
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
-def spec(method: str, threads: int) -> tuple[str, int, int, bool]:
-    """(base method, range bytes, threads, crc) of a method name."""
+UNALIGNED = 14064  # the header of merge fp32's first shard (8 + its JSON): no tensor of it starts on a page
+
+
+def spec(method: str, threads: int) -> tuple[str, int, int, bool, bool]:
+    """(base method, range bytes, threads, crc, unaligned) of a method name."""
     base, *flags = method.split("-")
     rng = 4 << 20
     if base == "pcopy":
@@ -53,15 +58,25 @@ def spec(method: str, threads: int) -> tuple[str, int, int, bool]:
     for f in flags:
         if f.startswith("t") and f[1:].isdigit():
             threads = int(f[1:])
-        elif f != "crc":
+        elif f not in ("crc", "u"):
             raise SystemExit(f"unknown method {method}")
-    return base, rng, threads, "crc" in flags
+    return base, rng, threads, "crc" in flags, "u" in flags
+
+
+def ranges(sizes: list[int], rng: int, shift: int) -> list[tuple[int, int, int]]:
+    """bench_copybar's deal of ``rng`` ranges; with ``shift``, each file's ranges start after a first one of
+    ``shift`` bytes (every later boundary off the page grid), dealt round robin as well."""
+    if not shift:
+        return interleaved(sizes, rng)
+    per = [[(i, 0, min(shift, n))] + [(i, off, min(rng, n - off)) for off in range(shift, n, rng)] if n else []
+           for i, n in enumerate(sizes)]
+    return [lst[k] for k in range(max(map(len, per), default=0)) for lst in per if k < len(lst)]
 
 
 def copy(src: Path, dst: Path, threads: int, method: str) -> float:
     files = files_of(src)
     sizes = [p.stat().st_size for p in files]
-    method, rng, threads, want_crc = spec(method, threads)
+    method, rng, threads, want_crc, unaligned = spec(method, threads)
     if want_crc:
         from isal import isal_zlib
         crc32 = isal_zlib.crc32
@@ -84,7 +99,7 @@ def copy(src: Path, dst: Path, threads: int, method: str) -> float:
             else:
                 os.posix_fallocate(fd, 0, n)
         wfds.append(fd)
-    jobs = interleaved(sizes, rng)
+    jobs = ranges(sizes, rng, UNALIGNED if unaligned else 0)
     hint = method in ("hint", "nofhint")
 
     def worker(k: int) -> int:

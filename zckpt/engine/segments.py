@@ -126,3 +126,47 @@ def coalesce(segs: list) -> list:
 def source_segments(pieces: list[Piece], src_dtype: str, dtype: str) -> list:
     """The segments of a tensor stored as ``pieces`` of ``src_dtype`` and written as ``dtype``."""
     return list(pieces) if src_dtype == dtype else [Cast(list(pieces), src_dtype)]
+
+
+def cut(segments: list, dtype: str, chunk_bytes: int, start: int = 0):
+    """Jobs ``(byte offset in the tensor, parts)`` of one output tensor's segments, of at most ``chunk_bytes``
+    (``chunk_bytes // max(itemsize, 4)`` elements: a cast job reads up to 4 bytes an element), cut where the
+    output file's offset ``start`` + offset is a multiple of a job's bytes. A tensor starting at ``start`` thus
+    starts with a shorter job, and the jobs of a file's tensors meet on one grid whatever their offsets: pages
+    written by two jobs only where a tensor ends, and the jobs a file's writer joins (``zckpt.engine.works``)
+    fill windows of that grid. A literal ``bytes`` segment is never cut (the next cut after it is)."""
+    size = DTYPE_SIZES[dtype]
+    per = max(1, chunk_bytes // max(size, 4))
+    nxt = ((-start) % (per * size)) // size or per  # elements to the first cut
+    pos, cur, cur_start = 0, [], 0
+    for seg in segments:
+        n = seg_numel(seg, dtype)
+        if isinstance(seg, (bytes, bytearray)):
+            cur.append(seg)
+            pos += n
+            if pos >= nxt:
+                yield cur_start * size, cur
+                cur, cur_start = [], pos
+                nxt += (pos - nxt) // per * per + per
+            continue
+        s = 0
+        while s < n:
+            k = min(n - s, nxt - pos)
+            if s == 0 and k == n:
+                part = seg
+            elif type(seg) is Piece:  # (the common long piece: its slices by arithmetic)
+                part = Piece(seg.path, seg.offset + s * DTYPE_SIZES[seg.dtype], k, seg.dtype)
+            elif type(seg) is Cast and len(seg.pieces) == 1 and type(seg.pieces[0]) is Piece:  # (one long cast)
+                p0 = seg.pieces[0]
+                part = Cast([Piece(p0.path, p0.offset + s * DTYPE_SIZES[p0.dtype], k, p0.dtype)], seg.src_dtype)
+            else:
+                part = slice_segments([seg], s, k)[0]
+            cur.append(part)
+            pos += k
+            s += k
+            if pos == nxt:
+                yield cur_start * size, cur
+                cur, cur_start = [], pos
+                nxt += per
+    if cur:
+        yield cur_start * size, cur
