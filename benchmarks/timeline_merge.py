@@ -164,7 +164,7 @@ def bench(argv: list[str]) -> int:
             creates = sum(e - s for n, v in marks.items() if n.endswith(".create") for s, e in v)
             print(f"round {r} {name}: seconds {doc['seconds']:.4f} plan {doc['plan_seconds']} write "
                   f"{doc['write_seconds']} first job {doc['first_job_ms']} ms last job {doc['last_job_ms']} ms "
-                  f"end {doc['wall_ms']} ms | creates {creates:.1f} | {brief}", flush=True)
+                  f"end {doc['wall_ms']} ms jobs {doc['jobs']} | creates {creates:.1f} | {brief}", flush=True)
             print("  marks " + json.dumps(doc["marks"]), flush=True)
             do_copies()
             print("  copies " + " ".join(f"{c} {v[-1]:.4f}" for c, v in copies.items()), flush=True)
