@@ -18,6 +18,10 @@ files, by several methods, alternated round by round (``sync`` before each, the 
                --threads, with the CRC-32 of each range read (isal, as zckpt checks its inputs) before its pwrite,
                with every range boundary off the page grid (-u: the ranges start after a first one of 14064 bytes,
                as a safetensors file's tensors start after its header; zckpt's jobs are cut per tensor)
+    ...-pool   each range a job of its own, submitted to a pool by the main thread and its result taken there in
+               order, at most 4 x threads in flight (how zckpt's lanes hand out jobs), the buffer per thread
+    ...-rh     the main thread advises each range of the source (WILLNEED) before handing it out (zckpt's read
+               hints, engine/readahead.py)
 
 Every copy is compared with its source (size and sha256 of the first run of each method). Prints each run and a
 table of best and median seconds per method.
@@ -34,7 +38,9 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,7 +54,7 @@ UNALIGNED = 14064  # the header of merge fp32's first shard (8 + its JSON): no t
 
 
 def spec(method: str, threads: int) -> tuple[str, int, int, bool, bool]:
-    """(base method, range bytes, threads, crc, unaligned) of a method name."""
+    """(base method, range bytes, threads, crc, unaligned) of a method name (``flags_of`` gives the rest)."""
     base, *flags = method.split("-")
     rng = 4 << 20
     if base == "pcopy":
@@ -58,7 +64,7 @@ def spec(method: str, threads: int) -> tuple[str, int, int, bool, bool]:
     for f in flags:
         if f.startswith("t") and f[1:].isdigit():
             threads = int(f[1:])
-        elif f not in ("crc", "u"):
+        elif f not in ("crc", "u", "pool", "rh"):
             raise SystemExit(f"unknown method {method}")
     return base, rng, threads, "crc" in flags, "u" in flags
 
@@ -76,6 +82,7 @@ def ranges(sizes: list[int], rng: int, shift: int) -> list[tuple[int, int, int]]
 def copy(src: Path, dst: Path, threads: int, method: str) -> float:
     files = files_of(src)
     sizes = [p.stat().st_size for p in files]
+    flags = set(method.split("-")[1:])
     method, rng, threads, want_crc, unaligned = spec(method, threads)
     if want_crc:
         from isal import isal_zlib
@@ -124,8 +131,32 @@ def copy(src: Path, dst: Path, threads: int, method: str) -> float:
                 data.release()
         return moved
 
+    local = threading.local()
+
+    def one(j: int) -> int:  # ``-pool``: one range as a job of its own
+        view = getattr(local, "view", None)
+        if view is None:
+            view = local.view = memoryview(bytearray(rng))
+        i, off, n = jobs[j]
+        got = os.preadv(rfds[i], [view[:n]], off)
+        if want_crc:
+            crc32(view[:got])
+        return os.pwrite(wfds[i], view[:got], off)
+
     with ThreadPoolExecutor(threads) as pool:
-        moved = sum(pool.map(worker, range(threads)))
+        if "pool" not in flags:
+            moved = sum(pool.map(worker, range(threads)))
+        else:
+            moved, pending = 0, deque()
+            for j in range(len(jobs)):
+                if "rh" in flags:
+                    i, off, n = jobs[j]
+                    os.posix_fadvise(rfds[i], off, n, os.POSIX_FADV_WILLNEED)
+                pending.append(pool.submit(one, j))
+                while len(pending) >= 4 * threads or (pending and pending[0].done()):
+                    moved += pending.popleft().result()
+            while pending:
+                moved += pending.popleft().result()
     for fd in rfds + wfds:
         os.close(fd)
     dt = time.perf_counter() - t0

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 from zckpt.io import storage
 from zckpt.engine.checked import InputCheck
-from zckpt.engine.segments import Cast, Fill, Piece, cut, seg_numel
+from zckpt.engine.segments import Cast, Fill, Piece, seg_numel, slice_segments
 from zckpt.encoding.safeload import DTYPE_SIZES
 from zckpt.io.hashing import crc32, crc32_combine
 
@@ -46,8 +46,6 @@ def env_int(name: str, default: int) -> int:
 
 
 CHUNK_BYTES = env_int("ZCKPT_CHUNK_KIB", 4096) << 10  # per job (4 MiB); memory: ~3 buffers of it per thread
-# Jobs cut on the output file's grid of CHUNK_BYTES (segments.cut), not from each tensor's first byte.
-ALIGN_JOBS = os.environ.get("ZCKPT_ALIGN_JOBS", "1") != "0"
 # Writes into one output file (in-kernel copies and pwrites of cast chunks) take one of WRITE_STREAMS slots: the
 # most threads, of all processes together, writing into one file at a time. On the lent 16-core host's ext4 (Linux
 # 6.18) one file takes about 3.5-4 GB/s whatever the number of writers, but 8 of them beat 1 (single-process
@@ -97,10 +95,39 @@ def zeros_crc(n: int, crc: int = 0) -> int:
 
 # ---------------------------------------------------------------------------------------------- chunker
 
-def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES, start: int = 0) -> Iterator[tuple[int, list]]:
-    """Split one output tensor's segments into jobs of at most ``chunk_bytes``: (byte offset in the tensor, parts),
-    cut on the file's grid from ``start``, the tensor's offset in it (:func:`zckpt.engine.segments.cut`)."""
-    return cut(segments, dtype, chunk_bytes, start if ALIGN_JOBS else 0)
+def chunks(segments: list, dtype: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, list]]:
+    """Split one output tensor's segments into jobs of at most ``chunk_bytes``: (byte offset in the tensor, parts)."""
+    size = DTYPE_SIZES[dtype]
+    per = max(1, chunk_bytes // max(size, 4))
+    pos = 0
+    cur, cur_n, cur_start = [], 0, 0
+    for seg in segments:
+        if isinstance(seg, (bytes, bytearray)):
+            parts = [seg]
+        else:
+            n = seg_numel(seg, dtype)
+            if 0 < n <= per and isinstance(seg, Piece):  # a whole (immutable) piece: nothing to slice
+                parts = [seg]
+            elif type(seg) is Piece:  # (the common long piece: its slices by arithmetic, slice_segments' result)
+                at = DTYPE_SIZES[seg.dtype]
+                parts = [Piece(seg.path, seg.offset + s * at, min(per, n - s), seg.dtype) for s in range(0, n, per)]
+            elif type(seg) is Cast and len(seg.pieces) == 1 and type(seg.pieces[0]) is Piece:  # (one long cast)
+                p0 = seg.pieces[0]
+                at = DTYPE_SIZES[p0.dtype]
+                parts = [Cast([Piece(p0.path, p0.offset + s * at, min(per, n - s), p0.dtype)], seg.src_dtype)
+                         for s in range(0, n, per)]
+            else:
+                parts = [p for s in range(0, n, per) for p in slice_segments([seg], s, min(per, n - s))] if n else []
+        for part in parts:
+            pn = seg_numel(part, dtype)
+            if cur and cur_n + pn > per:
+                yield cur_start, cur
+                cur, cur_n, cur_start = [], 0, pos
+            cur.append(part)
+            cur_n += pn
+            pos += pn * size
+    if cur:
+        yield cur_start, cur
 
 
 # ---------------------------------------------------------------------------------------------- worker

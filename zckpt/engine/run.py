@@ -54,8 +54,7 @@ def stepper(total: int, progress: Callable[[int, int], None] | None) -> Callable
 def shard_jobs(shard) -> Iterator[tuple[int, list, str]]:
     """(byte offset in the file, parts, dtype) of every chunk of a safetensors shard's tensors."""
     for t in shard.tensors:
-        for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype,
-                                            start=t.offset):
+        for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype):
             yield t.offset + start, parts, t.dtype
 
 

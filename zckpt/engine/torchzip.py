@@ -439,12 +439,10 @@ class SourceMaps:
         self._mapped.close()
 
 
-def archive_jobs(archive: Archive, maps: "SourceMaps", chunk_bytes: int = CHUNK_BYTES,
-                 base: int = 0) -> tuple[list, dict]:
+def archive_jobs(archive: Archive, maps: "SourceMaps", chunk_bytes: int = CHUNK_BYTES) -> tuple[list, dict]:
     """``(jobs, known)`` of a planned archive: jobs ``(entry index, file offset, parts, dtype)`` of every tensor
     entry's chunks in file order; ``known``: entry index -> CRC, for tensors made of whole input entries (their CRC
-    comes from the inputs' central directories, nothing to compute). ``base``: the archive's offset in its file
-    (the jobs are cut on the file's grid)."""
+    comes from the inputs' central directories, nothing to compute)."""
     fast = hasattr(os, "copy_file_range")
     jobs, known = [], {}
     for idx, e in enumerate(archive.entries):
@@ -453,7 +451,7 @@ def archive_jobs(archive: Archive, maps: "SourceMaps", chunk_bytes: int = CHUNK_
             crc = maps.tensor_crc(e.data) if fast else None
             if crc is not None:
                 known[idx] = crc
-            for start, parts in chunks(e.data.segments, e.data.dtype, chunk_bytes, base + e.data_offset):
+            for start, parts in chunks(e.data.segments, e.data.dtype, chunk_bytes):
                 jobs.append((idx, e.data_offset + start, parts, e.data.dtype))
     return jobs, known
 

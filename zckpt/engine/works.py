@@ -81,32 +81,10 @@ def chunk_size(total: int, world: int) -> int:
 def safetensors_work(shard, chunk: int) -> FileWork:
     """A merge shard (``zckpt.hf.writer.ShardPlan``) in safetensors: its header, then tensor chunks."""
     from zckpt.engine.segments import source_segments
-    jobs = joined([(-1, t.offset + start, parts, t.dtype) for t in shard.tensors
-                   for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype,
-                                                       chunk, t.offset)], chunk)
+    jobs = [(-1, t.offset + start, parts, t.dtype) for t in shard.tensors
+            for start, parts in executor.chunks(source_segments(t.pieces, t.src_dtype, t.dtype), t.dtype, chunk)]
     header = shard.header
     return FileWork(shard.filename, shard.size, jobs, lambda crcs: [(0, header)])
-
-
-def joined(jobs: list, chunk: int) -> list:
-    """``jobs`` (in file order) with each job that starts where the one before it ends, off the grid its tensor
-    was cut on (:func:`zckpt.engine.segments.cut`), of the same dtype and CRC slot, joined to that one: the small
-    tensors of a window and the heads and tails of large ones make one job, one read and one write."""
-    if not executor.ALIGN_JOBS:
-        return jobs
-    out: list = []
-    end = -1
-    for job in jobs:
-        slot, off, parts, dtype = job
-        grid = max(1, chunk // max(DTYPE_SIZES[dtype], 4)) * DTYPE_SIZES[dtype]
-        n = job_bytes(parts, dtype)
-        last = out[-1] if out else None
-        if last is not None and off == end and off % grid and last[0] == slot and last[3] == dtype:
-            out[-1] = (slot, last[1], last[2] + parts, dtype)
-        else:
-            out.append(job)
-        end = off + n
-    return out
 
 
 def archive_work(relpath: str, archive: torchzip.Archive, maps: torchzip.SourceMaps, chunk: int) -> FileWork:
@@ -119,7 +97,7 @@ def placed_work(relpath: str, size: int, placed: list, maps: torchzip.SourceMaps
     ``.distcp`` file). Every zip entry of the file is one CRC slot."""
     jobs, parts_meta, first = [], [], 0
     for archive, base in placed:
-        ajobs, known = torchzip.archive_jobs(archive, maps, chunk, base)
+        ajobs, known = torchzip.archive_jobs(archive, maps, chunk)
         jobs += [(-1 if idx in known else first + idx, base + off, parts, dtype) for idx, off, parts, dtype in ajobs]
         parts_meta.append((archive, base, first, known))
         first += len(archive.entries)
