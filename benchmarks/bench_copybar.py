@@ -21,9 +21,12 @@ below starts with nothing dirty, as the job did), then three copies of its outpu
 * ``cfr``: the same ranges through ``copy_file_range`` (in the kernel, no user-space buffer);
 * ``cp -r``.
 
-For a down-casting merge (merge-bf16) also ``rwcopy``: the same threads read twice the output's bytes (64 MiB
-ranges of the source's optimizer files: what the fp32 masters are) and write the output's bytes (the second half of
-each 128 MiB read written as the 64 MiB range): a copy that reads what the job reads and writes what it writes.
+For the merges also ``rwcopy``: the same threads read the bytes the job reads (64 MiB ranges of the source's
+optimizer files, where the fp32 masters are: twice the output's bytes for merge-bf16, the output's bytes for
+merge-fp32-1GB) and write the output's bytes (the last 64 MiB of each range's reads written as the range): a copy
+that reads what the job reads, from the files it reads them from, and writes what it writes. (A copy of the output
+reads files zckpt has just written; the masters' files are in the page cache as DeepSpeed left them, which on the
+2-core box read a third slower: benchmarks/probe_pagecache.py, docs/benchmarks.md, issue 49, nineteenth session.)
 
 **Cold** (``--cold``: after ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``, refused and said so when that is
 not allowed; then the interpreter, zckpt and what its jobs import (numpy, ml_dtypes, isal) imported once, so that
@@ -66,6 +69,8 @@ JOBS = {
     "convert-ds": lambda ck, dcp: ["convert", dcp, "--to", "deepspeed", "-w", "4", "--stage", "2", "--dtype", "bf16",
                                    "--buffers", "scale,idx"],
 }
+# rwcopy: the output bytes read per output byte, for the jobs that read the fp32 masters
+READ_FACTOR = {"merge-bf16": 2, "merge-fp32-1GB": 1}
 
 
 def files_of(folder: Path) -> list[Path]:
@@ -315,11 +320,12 @@ def main(argv=None) -> int:
                         rm(copy)
                         sync()
                         c[name] = fn()
-                    if job == "merge-bf16":
+                    factor = READ_FACTOR.get(job)
+                    if factor:
                         rm(copy)
                         sync()
                         optim = [p for p in srcs if "optim_states" in p.name]
-                        c["rwcopy"] = parallel_copy(out, copy, args.threads, read_from=optim, read_factor=2)
+                        c["rwcopy"] = parallel_copy(out, copy, args.threads, read_from=optim, read_factor=factor)
                     rm(copy)
                     sync()
                     r["copies"] = c
