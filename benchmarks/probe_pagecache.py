@@ -5,6 +5,15 @@ reads files zckpt has just written with 4 MiB writes).
 
     python benchmarks/probe_pagecache.py FILE [FILE ...] --work DIR [--rounds 4]   # those files and their copies
     python benchmarks/probe_pagecache.py --torch-save --work DIR                    # a file torch.save wrote (512 MiB)
+    python benchmarks/probe_pagecache.py FILE --loads [--threads 12] [--rounds 2]   # how the page cache was filled
+
+``--loads``: FILE's pages dropped (``POSIX_FADV_DONTNEED``: clean pages, no root needed), then brought back by one
+method, then FILE read three times by one thread, per method and round: ``pread1`` (one thread, 4 MiB reads in
+order), ``preadN`` (N threads, 4 MiB ranges dealt in turn, one shared descriptor: how zckpt's jobs read),
+``willneed`` (``POSIX_FADV_WILLNEED`` of each 4 MiB range, then read: zckpt's read hints), ``mapN`` and ``hugeN``
+(N threads populating 4 MiB ranges of a read-only map, ``MADV_POPULATE_READ``; ``huge``: the map advised
+``MADV_HUGEPAGE`` first). The kernel fills the cache from reads it finds random (and from WILLNEED) in 4 KiB pages,
+from a sequential reader in large folios, and a copy out of small pages is slower.
 
 Each round reads every file in 4 MiB ``preadv`` calls (warm: the files are read once before the first round only by
 being written or copied) and prints GB/s per file: ``file/copy``. The copies are removed at the end.
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -42,13 +52,76 @@ def copy_big(src: Path, dst: Path, block: int = 64 << 20) -> None:
         os.close(fo)
 
 
+def _drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _load(path: Path, method: str, threads: int, rng: int = 4 << 20) -> float:
+    """Seconds to bring ``path``'s pages into the page cache by ``method`` (see ``--loads``)."""
+    import mmap
+    fd = os.open(path, os.O_RDONLY)
+    n = os.fstat(fd).st_size
+    offs = list(range(0, n, rng))
+    mm = None
+    if method.startswith(("map", "huge")):
+        mm = mmap.mmap(fd, n, prot=mmap.PROT_READ)
+        if method.startswith("huge"):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    populate = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+    def work(k: int) -> None:
+        buf = memoryview(bytearray(rng))
+        for j in range(k, len(offs), threads):
+            if mm is not None:
+                mm.madvise(populate, offs[j], min(rng, n - offs[j]))
+            elif method == "willneed":
+                os.posix_fadvise(fd, offs[j], rng, os.POSIX_FADV_WILLNEED)
+                os.preadv(fd, [buf], offs[j])
+            else:
+                os.preadv(fd, [buf], offs[j])
+
+    t = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(work, range(threads)))
+        return time.perf_counter() - t
+    finally:
+        if mm is not None:
+            mm.close()
+        os.close(fd)
+
+
+def loads(path: Path, threads: int, rounds: int) -> None:
+    methods = ["pread1", f"pread{threads}", "willneed", f"map{threads}", f"huge{threads}"]
+    for r in range(rounds):
+        for m in methods:
+            _drop(path)
+            k = 1 if m == "pread1" else threads
+            dt = _load(path, m, k)
+            rates = " ".join(f"{read_rate(path):.1f}" for _ in range(3))
+            print(f"round {r} {m}: filled at {path.stat().st_size / dt / 1e9:.2f} GB/s; then read at {rates} GB/s",
+                  flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="*")
-    ap.add_argument("--work", required=True)
+    ap.add_argument("--work", default=None, help="where the copies go (not with --loads)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--torch-save", action="store_true", help="a file of 8 x 64 MiB tensors written by torch.save")
+    ap.add_argument("--loads", action="store_true", help="how the way the page cache is filled changes later reads")
+    ap.add_argument("--threads", type=int, default=12)
     a = ap.parse_args()
+    if a.loads:
+        for f in a.files:
+            loads(Path(f), a.threads, a.rounds)
+        return 0
+    if a.work is None:
+        ap.error("--work is needed (the copies go there)")
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     files = [Path(f) for f in a.files]
