@@ -54,7 +54,8 @@ UNALIGNED = 14064  # the header of merge fp32's first shard (8 + its JSON): no t
 
 
 def spec(method: str, threads: int) -> tuple[str, int, int, bool, bool]:
-    """(base method, range bytes, threads, crc, unaligned) of a method name (``flags_of`` gives the rest)."""
+    """(base method, range bytes, threads, crc, unaligned) of a method name (:func:`copy` reads ``pool`` and ``rh``
+    itself); a flag that would go unused is refused."""
     base, *flags = method.split("-")
     rng = 4 << 20
     if base == "pcopy":
@@ -66,6 +67,8 @@ def spec(method: str, threads: int) -> tuple[str, int, int, bool, bool]:
             threads = int(f[1:])
         elif f not in ("crc", "u", "pool", "rh"):
             raise SystemExit(f"unknown method {method}")
+    if "rh" in flags and "pool" not in flags or "pool" in flags and base != "pcopy":
+        raise SystemExit(f"{method}: -rh goes with -pool, and -pool with pcopyN only")
     return base, rng, threads, "crc" in flags, "u" in flags
 
 
@@ -191,6 +194,8 @@ def main() -> int:
     src, work = Path(a.src), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     methods = a.methods.split(",")
+    for m in methods:  # every name checked before the first copy
+        spec(m, a.threads)
     want = sha(src)
     total = sum(p.stat().st_size for p in files_of(src))
     got: dict = {m: [] for m in methods}
