@@ -117,11 +117,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=12)
     a = ap.parse_args()
     if a.loads:
+        if not a.files or a.torch_save or a.work:
+            ap.error("--loads takes FILE ... only (no --torch-save, no --work)")
         for f in a.files:
             loads(Path(f), a.threads, a.rounds)
         return 0
-    if a.work is None:
-        ap.error("--work is needed (the copies go there)")
+    if a.work is None or not (a.files or a.torch_save):
+        ap.error("FILE ... or --torch-save, and --work (the copies go there)")
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     files = [Path(f) for f in a.files]
