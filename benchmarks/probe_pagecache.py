@@ -12,11 +12,12 @@ method, then FILE read three times by one thread, per method and round: ``pread1
 order), ``preadN`` (N threads, 4 MiB ranges dealt in turn, one shared descriptor: how zckpt's jobs read),
 ``willneed`` (``POSIX_FADV_WILLNEED`` of each 4 MiB range, then read: zckpt's read hints), ``mapN`` and ``hugeN``
 (N threads populating 4 MiB ranges of a read-only map, ``MADV_POPULATE_READ``; ``huge``: the map advised
-``MADV_HUGEPAGE`` first). The kernel fills the cache from reads it finds random (and from WILLNEED) in 4 KiB pages,
-from a sequential reader in large folios, and a copy out of small pages is slower.
+``MADV_HUGEPAGE`` first). As we read Linux's ``mm/readahead.c``, the kernel fills the cache in 4 KiB pages for
+reads it finds random and for WILLNEED, in large folios for a sequential reader; a copy out of small pages is slower.
 
-Each round reads every file in 4 MiB ``preadv`` calls (warm: the files are read once before the first round only by
-being written or copied) and prints GB/s per file: ``file/copy``. The copies are removed at the end.
+Otherwise each FILE (or the ``torch.save`` file) is first copied into ``--work`` with 64 MiB writes, then each round
+reads every file and its copy in 4 MiB ``preadv`` calls, warm, and prints GB/s per file as ``file/copy``. The copies
+are removed at the end.
 """
 
 from __future__ import annotations
