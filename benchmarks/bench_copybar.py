@@ -21,9 +21,10 @@ below starts with nothing dirty, as the job did), then three copies of its outpu
 * ``cfr``: the same ranges through ``copy_file_range`` (in the kernel, no user-space buffer);
 * ``cp -r``.
 
-For the merges also ``rwcopy``: the same threads read the bytes the job reads (64 MiB ranges of the source's
-optimizer files, where the fp32 masters are: twice the output's bytes for merge-bf16, the output's bytes for
-merge-fp32-1GB) and write the output's bytes (the last 64 MiB of each range's reads written as the range): a copy
+For the merges also ``rwcopy``: the same threads read the bytes the job reads (64 MiB ranges of the fp32 masters'
+storages in the source's optimizer files, found by zckpt's reader: twice the output's bytes for merge-bf16, the
+output's bytes for merge-fp32-1GB; until the twentieth session the first such bytes of the whole files, the first
+moments) and write the output's bytes (the last 64 MiB of each range's reads written as the range): a copy
 that reads what the job reads, from the files it reads them from, and writes what it writes. (A copy of the output
 reads files zckpt has just written; the masters' files are in the page cache as DeepSpeed left them, which on the
 2-core box read a third slower: benchmarks/probe_pagecache.py, docs/benchmarks.md, issue 49, nineteenth session.)
@@ -103,19 +104,34 @@ def interleaved(sizes: list[int], rng: int = RANGE) -> list[tuple[int, int, int]
     return [lst[k] for k in range(max(map(len, per), default=0)) for lst in per if k < len(lst)]
 
 
+def masters_regions(optim: list[Path]) -> list[tuple[Path, int, int]]:
+    """(file, offset, bytes) of the fp32 masters' storages in DeepSpeed ZeRO-1/2 optimizer files (what a merge reads),
+    found by zckpt's own reader of .pt files (no code executed)."""
+    from zckpt.encoding import safeload
+    out = []
+    for p in optim:
+        groups = safeload.load(str(p))["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        out += [(p, t.storage.offset, t.storage.nbytes) for t in groups]
+    return out
+
+
 def parallel_copy(src: Path, dst: Path, threads: int, kernel: bool = False,
-                  read_from: list[Path] | None = None, read_factor: int = 1) -> float:
+                  read_from: list | None = None, read_factor: int = 1) -> float:
     """Seconds to copy every file of ``src`` into ``dst`` (sub-folders too) with ``threads`` threads: 64 MiB ranges
     dealt round robin over the files, the files created at their size first (fallocate). ``kernel``: through
-    copy_file_range. ``read_from`` / ``read_factor``: read ``read_factor`` x each range's bytes from these files
-    (their ranges round robin) instead of the source file, and write the range (a down-cast's reads and writes)."""
+    copy_file_range. ``read_from`` / ``read_factor``: read ``read_factor`` x each range's bytes from these files, or
+    from these (file, offset, bytes) regions (their 64 MiB ranges round robin), instead of the source file, and
+    write the range (a down-cast's reads and writes)."""
     files = files_of(src)
     sizes = [p.stat().st_size for p in files]
     bufs = [bytearray(RANGE * read_factor) for _ in range(threads)]  # allocated and touched before the clock
     reads = []
     if read_from:
-        rsizes = [p.stat().st_size for p in read_from]
-        reads = interleaved(rsizes)
+        regions = [r if isinstance(r, tuple) else (r, 0, r.stat().st_size) for r in read_from]
+        read_from = sorted({r[0] for r in regions})
+        index = {p: i for i, p in enumerate(read_from)}
+        reads = [(index[regions[fi][0]], regions[fi][1] + off, n)
+                 for fi, off, n in interleaved([r[2] for r in regions])]
     t0 = time.perf_counter()
     rfds = [os.open(p, os.O_RDONLY) for p in files]
     wfds = []
@@ -294,6 +310,7 @@ def main(argv=None) -> int:
                 while f.read(RANGE):
                     pass
         rec: dict = {"cmd": "zckpt " + " ".join(cmd), "runs": {}}
+        masters = masters_regions([p for p in srcs if "optim_states" in p.name]) if job in READ_FACTOR else []
         for rep in range(args.repeat):
             # each round starts one tree further on: an A/A control (one tree twice) ran merge bf16 ~4% faster in
             # the second place of every round (docs/benchmarks.md, issue 49, eighth session)
@@ -324,8 +341,7 @@ def main(argv=None) -> int:
                     if factor:
                         rm(copy)
                         sync()
-                        optim = [p for p in srcs if "optim_states" in p.name]
-                        c["rwcopy"] = parallel_copy(out, copy, args.threads, read_from=optim, read_factor=factor)
+                        c["rwcopy"] = parallel_copy(out, copy, args.threads, read_from=masters, read_factor=factor)
                     rm(copy)
                     sync()
                     r["copies"] = c

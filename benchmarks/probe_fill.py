@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""Does the way the source's pages came into the page cache change a warm job's time, and its copies' (issue 49)?
+
+The masters' files of a DeepSpeed checkpoint are in the page cache as DeepSpeed wrote them, or as the last job that
+read them cold filled it; on the 2-core box a file filled by many threads' reads or by ``POSIX_FADV_WILLNEED`` reads
+back at half the rate of one filled by one thread reading in order (``benchmarks/probe_pagecache.py --loads``). This
+probe brings the source files of each job back by one FILL at a time, then runs each job warm beside a copy of its
+output (``pcopy``) and a copy that reads what it reads (``rwcopy``, merges only), as ``bench_copybar.py`` does.
+
+FILLs, in the order given (``written`` must come first: nothing is dropped before it):
+
+* ``written``: nothing dropped: the files as the cache holds them now (as DeepSpeed wrote them, on a fresh host);
+* ``seq1``: the source files' pages dropped, then each file read by one thread, 4 MiB reads in order (``cat``);
+* ``pread16``: dropped, then read by ``--threads`` threads, 64 MiB ranges round robin over the files (the cold bar's
+  read in ``bench_copybar.py``);
+* ``zcold``: dropped, then the first job of ``--jobs`` run cold (its seconds and disk bytes are a cold figure);
+* ``zcold-nohints``: the same with ``ZCKPT_READ_HINTS=0``.
+
+Pages are dropped with ``POSIX_FADV_DONTNEED`` on each source file after ``sync`` (clean pages: no root needed, the
+interpreter's files stay cached); ``fincore`` (util-linux), where installed, prints how much stayed resident.
+After each fill: one thread's read rate of the first optimizer file's masters (4 MiB reads), then ``--repeat`` rounds
+of each job, ``pcopy`` and ``rwcopy`` (it reads the masters' storages, as ``bench_copybar.py``'s does); the table
+gives medians. After ``zcold``, the pages the job did not read are read in order by one thread (resident pages stay
+as the job left them), so that every fill leaves the whole source resident.
+
+    python benchmarks/probe_fill.py --ckpt CK --jobs merge-fp32-1GB,merge-bf16 --fills written,seq1,zcold --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_copybar import (JOBS, READ_FACTOR, ROOT, env_for, masters_regions,  # noqa: E402
+                                      parallel_copy, parallel_read, rm, run_job, source_files)
+
+FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints")
+
+
+def drop(files: list[Path]) -> None:
+    os.sync()
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(files: list[Path]) -> str:
+    if not shutil.which("fincore"):
+        return "fincore not installed"
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES,SIZE", *map(str, files)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return f"fincore failed: {out.stderr.strip()[:200]}"
+    res = size = 0
+    for line in out.stdout.split("\n"):
+        if line.split():
+            r, s = line.split()
+            res, size = res + int(r), size + int(s)
+    return f"{res / max(size, 1):.1%} of {size / 1e9:.2f} GB resident"
+
+
+def region_rate(path: Path, start: int, nbytes: int, rng: int = 4 << 20) -> float:
+    """GB/s of one thread reading ``nbytes`` of ``path`` from ``start`` in ``rng`` reads."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = memoryview(bytearray(rng))
+        t = time.perf_counter()
+        for off in range(start, start + nbytes, rng):
+            os.preadv(fd, [buf[:min(rng, start + nbytes - off)]], off)
+        return nbytes / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+
+
+def seq1(files: list[Path], rng: int = 4 << 20) -> None:
+    buf = memoryview(bytearray(rng))
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            off = 0
+            while (got := os.preadv(fd, [buf], off)) > 0:
+                off += got
+        finally:
+            os.close(fd)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--jobs", default="merge-fp32-1GB")
+    ap.add_argument("--fills", default="written,seq1,zcold")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--workdir", default=None, help="where outputs and copies go (default: beside --ckpt)")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args(argv)
+    ck = Path(a.ckpt).resolve()
+    jobs, fills = a.jobs.split(","), a.fills.split(",")
+    bad = [j for j in jobs if j not in JOBS or j == "convert-ds"] + [f for f in fills if f not in FILLS]
+    if bad:
+        ap.error(f"unknown or unsupported: {', '.join(bad)} (jobs: {', '.join(j for j in JOBS if j != 'convert-ds')};"
+                 f" fills: {', '.join(FILLS)})")
+    if "written" in fills[1:]:
+        ap.error("'written' can only be the first fill: every other one drops the files first")
+    if not (ck / "latest").is_file():
+        ap.error(f"{ck}: no 'latest' file (a DeepSpeed checkpoint folder is expected)")
+    work = Path(a.workdir).resolve() if a.workdir else ck.parent
+    out, copy = work / "pf-out", work / "pf-copy"
+    srcs = sorted({p for j in jobs for p in source_files(j, ck, ck)})
+    optim = [p for p in srcs if "optim_states" in p.name]
+    masters = masters_regions(optim)
+    env = env_for(ROOT)
+    res: dict = {"checkpoint": str(ck), "threads": a.threads, "fills": {}}
+    save = (lambda: Path(a.json_out).write_text(json.dumps(res, indent=1))) if a.json_out else (lambda: None)
+    drop(srcs)
+    rs, rb = parallel_read(srcs, a.threads)
+    res["cold_read"] = {"s": rs, "bytes": rb}
+    print(f"cold {a.threads}-thread read of the source: {rb / 1e9:.2f} GB in {rs:.2f} s ({rb / rs / 1e9:.2f} GB/s)",
+          flush=True)
+    for fill in fills:
+        rec: dict = {"jobs": {}}
+        if fill != "written":
+            drop(srcs)
+            rec["after_drop"] = resident(srcs)
+            t = time.perf_counter()
+            if fill == "seq1":
+                seq1(srcs)
+            elif fill == "pread16":
+                parallel_read(srcs, a.threads)
+            else:
+                rm(out)
+                extra = {"ZCKPT_READ_HINTS": "0"} if fill == "zcold-nohints" else {}
+                r = run_job([str(x) for x in JOBS[jobs[0]](ck, ck)] + ["-o", str(out)], env_for(ROOT, extra))
+                rec["cold_job"] = {k: r[k] for k in ("zckpt_s", "wall_s", "disk_read_bytes")}
+                rm(out)
+                seq1(srcs)  # what the job did not read back (resident pages stay as the job left them)
+            rec["fill_s"] = time.perf_counter() - t
+        rec["resident"] = resident(srcs)
+        rec["optim0_read_gbs"] = [region_rate(*masters[0]) for _ in range(3)] if masters else []
+        print(f"== fill {fill}: {rec.get('fill_s', 0):.2f} s; {rec['resident']} (after the drop: "
+              f"{rec.get('after_drop', '-')}); cold job {rec.get('cold_job', '-')}; one thread reads "
+              f"the masters of {optim[0].name if optim else '-'} at {' '.join(f'{v:.1f}' for v in rec['optim0_read_gbs'])} GB/s",
+              flush=True)
+        for job in jobs:
+            cmd = [str(x) for x in JOBS[job](ck, ck)] + ["-o", str(out)]
+            runs = []
+            for rep in range(a.repeat):
+                rm(out)
+                os.sync()
+                r = run_job(cmd, env)
+                os.sync()
+                c = {}
+                rm(copy)
+                os.sync()
+                c["pcopy"] = parallel_copy(out, copy, a.threads)
+                if job in READ_FACTOR:
+                    rm(copy)
+                    os.sync()
+                    c["rwcopy"] = parallel_copy(out, copy, a.threads, read_from=masters, read_factor=READ_FACTOR[job])
+                rm(copy)
+                runs.append({"zckpt_s": r["zckpt_s"], "write_s": r["write_s"], **c})
+                print(f"  {job} run {rep}: zckpt {r['zckpt_s']:.3f} s (write {r['write_s']}) "
+                      + " ".join(f"{k} {v:.3f} s" for k, v in c.items()), flush=True)
+            rec["jobs"][job] = runs
+        res["fills"][fill] = rec
+        save()
+    rm(out)
+    print()
+    print("| fill | fill s | cold job s | masters of one file, one thread GB/s | job | zckpt median | pcopy median | "
+          "rwcopy median | zckpt / pcopy | zckpt / rwcopy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for fill, rec in res["fills"].items():
+        for job, runs in rec["jobs"].items():
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "write_s"}
+            rw = med.get("rwcopy")
+            cj = rec.get("cold_job", {}).get("zckpt_s")
+            ratio = f"{med['zckpt_s'] / rw:.2f}" if rw else "-"
+            print(f"| {fill} | {rec.get('fill_s', 0):.2f} | {f'{cj:.2f}' if cj else '-'} | "
+                  f"{statistics.median(rec['optim0_read_gbs']) if rec['optim0_read_gbs'] else 0:.1f} | {job} | "
+                  f"{med['zckpt_s']:.3f} | {med['pcopy']:.3f} | {f'{rw:.3f}' if rw else '-'} | "
+                  f"{med['zckpt_s'] / med['pcopy']:.2f} | {ratio} |")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
