@@ -10,7 +10,9 @@ reads files zckpt has just written with 4 MiB writes).
 ``--loads``: FILE's pages dropped (``POSIX_FADV_DONTNEED``: clean pages, no root needed), then brought back by one
 method, then FILE read three times by one thread, per method and round: ``pread1`` (one thread, 4 MiB reads in
 order), ``preadN`` (N threads, 4 MiB ranges dealt in turn, one shared descriptor: how zckpt's jobs read),
-``willneed`` (``POSIX_FADV_WILLNEED`` of each 4 MiB range, then read: zckpt's read hints), ``mapN`` and ``hugeN``
+``ownN`` (the same ranges, each thread its own descriptor), ``runN`` (each thread its own descriptor and a
+contiguous Nth of the file, in order), ``willneed`` (``POSIX_FADV_WILLNEED`` of each 4 MiB range, then read: zckpt's
+read hints), ``mapN`` and ``hugeN``
 (N threads populating 4 MiB ranges of a read-only map, ``MADV_POPULATE_READ``; ``huge``: the map advised
 ``MADV_HUGEPAGE`` first). As we read Linux's ``mm/readahead.c``, the kernel fills the cache in 4 KiB pages for
 reads it finds random and for WILLNEED, in large folios for a sequential reader; a copy out of small pages is slower.
@@ -76,6 +78,16 @@ def _load(path: Path, method: str, threads: int, rng: int = 4 << 20) -> float:
 
     def work(k: int) -> None:
         buf = memoryview(bytearray(rng))
+        if method.startswith(("own", "run")):  # each thread its own descriptor (its own read-ahead state)
+            per = -(-len(offs) // threads)
+            mine = offs[k * per:(k + 1) * per] if method.startswith("run") else offs[k::threads]
+            tfd = os.open(path, os.O_RDONLY)
+            try:
+                for off in mine:
+                    os.preadv(tfd, [buf], off)
+            finally:
+                os.close(tfd)
+            return
         for j in range(k, len(offs), threads):
             if mm is not None:
                 mm.madvise(populate, offs[j], min(rng, n - offs[j]))
@@ -97,7 +109,8 @@ def _load(path: Path, method: str, threads: int, rng: int = 4 << 20) -> float:
 
 
 def loads(path: Path, threads: int, rounds: int) -> None:
-    methods = ["pread1", f"pread{threads}", "willneed", f"map{threads}", f"huge{threads}"]
+    methods = ["pread1", f"pread{threads}", f"own{threads}", f"run{threads}", "willneed", f"map{threads}",
+               f"huge{threads}"]
     for r in range(rounds):
         for m in methods:
             _drop(path)

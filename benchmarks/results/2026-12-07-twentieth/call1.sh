@@ -1,7 +1,7 @@
 # Twentieth session, call 1: does the way the masters' files came into the page cache change the warm jobs' times?
 # 1. the 1.05B ZeRO-2 checkpoint made by DeepSpeed (device_copybar.sh warm, no runs);
 # 2. probe_pagecache.py: one thread's reads of the optimizer files as DeepSpeed left them, against copies of them
-#    written with 64 MiB writes;
+#    written with 64 MiB writes; then how one of them reads after each way of filling it (--loads, 16 threads);
 # 3. probe_fill.py: merge fp32 (1 GB shards) and merge bf16 warm, beside pcopy and rwcopy, after each fill of the
 #    source (as written, one thread in order, zckpt cold with and without read hints, 16 threads' 64 MiB reads).
 #   OUT=$OUT bash benchmarks/results/2026-12-07-twentieth/call1.sh   (carry .whl)
@@ -14,6 +14,8 @@ export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 PYTHONPYC
 unset PYTHONDONTWRITEBYTECODE
 ck=/tmp/zbench/z2_bf16_ws4_L26_H2048_V32000_F8192
 python3 benchmarks/probe_pagecache.py $ck/global_step*/*optim_states.pt --work /tmp/zbench/ppc --rounds 2 2>&1 | tee $OUT/pagecache.log
+o0=$(ls $ck/global_step*/*optim_states.pt | head -1)
+python3 benchmarks/probe_pagecache.py $o0 --loads --threads 16 --rounds 1 2>&1 | tee $OUT/loads.log
 echo "probe_pagecache done at $((SECONDS-S)) s"
 timeout $(( ${LIMIT:-570} - (SECONDS-S) )) python3 benchmarks/probe_fill.py --ckpt $ck --workdir /tmp/zbench \
   --jobs merge-fp32-1GB,merge-bf16 --fills ${FILLS:-written,seq1,zcold,zcold-nohints,pread16} --repeat ${FILL_REPEAT:-3} \
