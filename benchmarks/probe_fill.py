@@ -14,7 +14,11 @@ FILLs, in the order given (``written`` must come first: nothing is dropped befor
 * ``pread16``: dropped, then read by ``--threads`` threads, 64 MiB ranges round robin over the files (the cold bar's
   read in ``bench_copybar.py``);
 * ``zcold``: dropped, then the first job of ``--jobs`` run cold (its seconds and disk bytes are a cold figure);
-* ``zcold-nohints``: the same with ``ZCKPT_READ_HINTS=0``.
+* ``zcold-nohints``: the same with ``ZCKPT_READ_HINTS=0``; ``zcold-ahead``: with ``ZCKPT_READ_HINTS=read``.
+
+``--cold-ab 1,0,read --cold-rounds 3``: first (after ``written``), rounds of each job of ``--jobs`` run cold with each
+``ZCKPT_READ_HINTS`` value in turn (the source dropped before each), each run's seconds and the masters' read rate
+after it (one thread); then, with or without them, a ``--threads`` read of the whole source, cold (the disk's rate).
 
 Pages are dropped with ``POSIX_FADV_DONTNEED`` on each source file after ``sync`` (clean pages: no root needed, the
 interpreter's files stay cached); ``fincore`` (util-linux), where installed, prints how much stayed resident.
@@ -42,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_copybar import (JOBS, READ_FACTOR, ROOT, env_for, masters_regions,  # noqa: E402
                                       parallel_copy, parallel_read, rm, run_job, source_files)
 
-FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints")
+FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints", "zcold-ahead")
+HINTS = {"zcold": {}, "zcold-nohints": {"ZCKPT_READ_HINTS": "0"}, "zcold-ahead": {"ZCKPT_READ_HINTS": "read"}}
 
 
 def drop(files: list[Path]) -> None:
@@ -101,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fills", default="written,seq1,zcold")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--cold-ab", default="", help="ZCKPT_READ_HINTS values run cold in turn, before the fills")
+    ap.add_argument("--cold-rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where outputs and copies go (default: beside --ckpt)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
@@ -122,11 +129,37 @@ def main(argv=None) -> int:
     env = env_for(ROOT)
     res: dict = {"checkpoint": str(ck), "threads": a.threads, "fills": {}}
     save = (lambda: Path(a.json_out).write_text(json.dumps(res, indent=1))) if a.json_out else (lambda: None)
-    drop(srcs)
-    rs, rb = parallel_read(srcs, a.threads)
-    res["cold_read"] = {"s": rs, "bytes": rb}
-    print(f"cold {a.threads}-thread read of the source: {rb / 1e9:.2f} GB in {rs:.2f} s ({rb / rs / 1e9:.2f} GB/s)",
-          flush=True)
+    def masters_rate() -> float:
+        return sum(m[2] for m in masters) / sum(m[2] / region_rate(*m) for m in masters) if masters else 0.0
+
+    cold_ab = [v for v in a.cold_ab.split(",") if v]
+    res["cold_ab"] = []
+
+    def run_cold_ab() -> None:
+        for rnd in range(a.cold_rounds if cold_ab else 0):
+            for job in jobs:
+                order = cold_ab[rnd % len(cold_ab):] + cold_ab[:rnd % len(cold_ab)]
+                for v in order:
+                    rm(out)
+                    drop(srcs)
+                    r = run_job([str(x) for x in JOBS[job](ck, ck)] + ["-o", str(out)],
+                                env_for(ROOT, {"ZCKPT_READ_HINTS": v}))
+                    after = masters_rate()
+                    res["cold_ab"].append({"round": rnd, "job": job, "hints": v, "zckpt_s": r["zckpt_s"],
+                                           "disk_read_bytes": r["disk_read_bytes"], "masters_after_gbs": after})
+                    print(f"cold {job} ZCKPT_READ_HINTS={v}: zckpt {r['zckpt_s']:.3f} s, read from disk "
+                          f"{r['disk_read_bytes'] / 1e9:.2f} GB; then one thread reads the masters at {after:.1f} "
+                          f"GB/s", flush=True)
+            save()
+        rm(out)
+        drop(srcs)
+        rs, rb = parallel_read(srcs, a.threads)
+        res["cold_read"] = {"s": rs, "bytes": rb}
+        print(f"cold {a.threads}-thread read of the source: {rb / 1e9:.2f} GB in {rs:.2f} s "
+              f"({rb / rs / 1e9:.2f} GB/s)", flush=True)
+
+    if fills[0] != "written":  # the cold runs first; otherwise after the files are measured as they were
+        run_cold_ab()
     for fill in fills:
         rec: dict = {"jobs": {}}
         if fill != "written":
@@ -139,8 +172,7 @@ def main(argv=None) -> int:
                 parallel_read(srcs, a.threads)
             else:
                 rm(out)
-                extra = {"ZCKPT_READ_HINTS": "0"} if fill == "zcold-nohints" else {}
-                r = run_job([str(x) for x in JOBS[jobs[0]](ck, ck)] + ["-o", str(out)], env_for(ROOT, extra))
+                r = run_job([str(x) for x in JOBS[jobs[0]](ck, ck)] + ["-o", str(out)], env_for(ROOT, HINTS[fill]))
                 rec["cold_job"] = {k: r[k] for k in ("zckpt_s", "wall_s", "disk_read_bytes")}
                 rm(out)
                 seq1(srcs)  # what the job did not read back (resident pages stay as the job left them)
@@ -174,8 +206,17 @@ def main(argv=None) -> int:
             rec["jobs"][job] = runs
         res["fills"][fill] = rec
         save()
+        if fill == "written":
+            run_cold_ab()
     rm(out)
     print()
+    for job in jobs:
+        for v in cold_ab:
+            got = [c for c in res["cold_ab"] if c["job"] == job and c["hints"] == v]
+            if got:
+                runs = ", ".join("%.3f" % c["zckpt_s"] for c in got)
+                print(f"cold {job} ZCKPT_READ_HINTS={v}: median {statistics.median(c['zckpt_s'] for c in got):.3f} s"
+                      f" ({runs}), masters after {statistics.median(c['masters_after_gbs'] for c in got):.1f} GB/s")
     print("| fill | fill s | cold job s | masters of one file, one thread GB/s | job | zckpt median | pcopy median | "
           "rwcopy median | zckpt / pcopy | zckpt / rwcopy |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -3,7 +3,8 @@
 # 2. probe_pagecache.py: one thread's reads of the optimizer files as DeepSpeed left them, against copies of them
 #    written with 64 MiB writes; then how one of them reads after each way of filling it (--loads, 16 threads);
 # 3. probe_fill.py: merge fp32 (1 GB shards) and merge bf16 warm, beside pcopy and rwcopy, after each fill of the
-#    source (as written, one thread in order, zckpt cold with and without read hints, 16 threads' 64 MiB reads).
+#    source (as written; zckpt cold with read hints; with ZCKPT_READ_HINTS=read; one thread in order); after
+#    'written', both merges cold with ZCKPT_READ_HINTS=1, 0 and read in turn (3 rounds).
 #   OUT=$OUT bash benchmarks/results/2026-12-07-twentieth/call1.sh   (carry .whl)
 set -u
 S=$SECONDS
@@ -18,6 +19,7 @@ o0=$(ls $ck/global_step*/*optim_states.pt | head -1)
 python3 benchmarks/probe_pagecache.py $o0 --loads --threads 16 --rounds 1 2>&1 | tee $OUT/loads.log
 echo "probe_pagecache done at $((SECONDS-S)) s"
 timeout $(( ${LIMIT:-570} - (SECONDS-S) )) python3 benchmarks/probe_fill.py --ckpt $ck --workdir /tmp/zbench \
-  --jobs merge-fp32-1GB,merge-bf16 --fills ${FILLS:-written,seq1,zcold,zcold-nohints,pread16} --repeat ${FILL_REPEAT:-3} \
+  --jobs merge-fp32-1GB,merge-bf16 --fills ${FILLS:-written,zcold,zcold-ahead,seq1} --repeat ${FILL_REPEAT:-2} \
+  --cold-ab ${COLD_AB:-1,0,read} --cold-rounds ${COLD_ROUNDS:-3} \
   --json-out $OUT/fill.json 2>&1 | tee $OUT/fill.log
 echo "done at $((SECONDS-S)) s"
