@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
     ck = Path(a.ckpt).resolve()
-    jobs, fills = a.jobs.split(","), a.fills.split(",")
+    jobs, fills = a.jobs.split(","), [f for f in a.fills.split(",") if f]
     bad = [j for j in jobs if j not in JOBS or j == "convert-ds"] + [f for f in fills if f not in FILLS]
     if bad:
         ap.error(f"unknown or unsupported: {', '.join(bad)} (jobs: {', '.join(j for j in JOBS if j != 'convert-ds')};"
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
         print(f"cold {a.threads}-thread read of the source: {rb / 1e9:.2f} GB in {rs:.2f} s "
               f"({rb / rs / 1e9:.2f} GB/s)", flush=True)
 
-    if fills[0] != "written":  # the cold runs first; otherwise after the files are measured as they were
+    if fills[:1] != ["written"]:  # the cold runs first; otherwise after the files are measured as they were
         run_cold_ab()
     for fill in fills:
         rec: dict = {"jobs": {}}
