@@ -14,9 +14,11 @@ FILLs, in the order given (``written`` must come first: nothing is dropped befor
 * ``pread16``: dropped, then read by ``--threads`` threads, 64 MiB ranges round robin over the files (the cold bar's
   read in ``bench_copybar.py``);
 * ``zcold``: dropped, then the first job of ``--jobs`` run cold (its seconds and disk bytes are a cold figure);
-* ``zcold-nohints``: the same with ``ZCKPT_READ_HINTS=0``; ``zcold-ahead``: with ``ZCKPT_READ_HINTS=read``.
+* ``zcold-nohints``: the same with ``ZCKPT_READ_HINTS=0``. (``zcold-ahead``, with the twentieth session's
+  ``ZCKPT_READ_HINTS=read``, side threads reading each job's uncached inputs ahead in order, went with it: no gain
+  on the lent host, docs/benchmarks.md.)
 
-``--cold-ab 1,0,read --cold-rounds 3``: first (after ``written``), rounds of each job of ``--jobs`` run cold with each
+``--cold-ab 1,0 --cold-rounds 3``: first (after ``written``), rounds of each job of ``--jobs`` run cold with each
 ``ZCKPT_READ_HINTS`` value in turn (the source dropped before each), each run's seconds and the masters' read rate
 after it (one thread); then, with or without them, a ``--threads`` read of the whole source, cold (the disk's rate).
 
@@ -28,6 +30,7 @@ gives medians. After ``zcold``, the pages the job did not read are read in order
 as the job left them), so that every fill leaves the whole source resident.
 
     python benchmarks/probe_fill.py --ckpt CK --jobs merge-fp32-1GB,merge-bf16 --fills written,seq1,zcold --repeat 3
+    python benchmarks/probe_fill.py --ckpt CK --jobs merge-fp32-1GB,merge-bf16 --fills '' --cold-ab 1,0   # cold only
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_copybar import (JOBS, READ_FACTOR, ROOT, env_for, masters_regions,  # noqa: E402
                                       parallel_copy, parallel_read, rm, run_job, source_files)
 
-FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints", "zcold-ahead")
-HINTS = {"zcold": {}, "zcold-nohints": {"ZCKPT_READ_HINTS": "0"}, "zcold-ahead": {"ZCKPT_READ_HINTS": "read"}}
+FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints")
+HINTS = {"zcold": {}, "zcold-nohints": {"ZCKPT_READ_HINTS": "0"}}
 
 
 def drop(files: list[Path]) -> None:

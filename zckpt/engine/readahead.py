@@ -31,91 +31,6 @@ def enabled() -> bool:
     return _ADVISE is not None and _WILLNEED is not None and os.environ.get("ZCKPT_READ_HINTS", "1") != "0"
 
 
-class _Cachestat:
-    """``cachestat(2)`` (Linux 6.5+): how many pages of a file's range are in the page cache, without reading them."""
-
-    def __init__(self):
-        import ctypes
-        self.ct = ctypes
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.rng = (ctypes.c_uint64 * 2)()
-        self.out = (ctypes.c_uint64 * 5)()
-
-    def cached(self, fd: int, off: int, n: int) -> int:
-        self.rng[0], self.rng[1] = off, n
-        if self.libc.syscall(451, fd, self.rng, self.out, 0) != 0:
-            raise OSError(self.ct.get_errno(), "cachestat")
-        return self.out[0] * 4096
-
-
-class _ReadAhead:
-    """ZCKPT_READ_HINTS=read (an experiment, issue 49): each job's local input ranges not yet in the page cache are
-    read ahead by side threads, each (source file, output file) through its own descriptor and in the order dealt, so
-    that the kernel sees sequential readers (large folios, its own read-ahead) rather than the pool's interleaved
-    reads; the jobs read (and check) their bytes as before."""
-
-    def __init__(self, threads: int = 8, block: int = 4 << 20):
-        import threading
-        from collections import deque
-        from concurrent.futures import ThreadPoolExecutor
-        self.stat = _Cachestat()
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zckpt-ahead")
-        self.lock = threading.Lock()
-        self.queues: dict = {}
-        self.busy: set = set()
-        self.fds: dict = {}
-        self.block = block
-        self.local = threading.local()
-        self.deque = deque
-        self.stopped = False
-
-    def add(self, key, path: str, off: int, n: int) -> None:
-        with self.lock:
-            q = self.queues.setdefault(key, self.deque())
-            q.append((path, off, n))
-            if key in self.busy:
-                return
-            self.busy.add(key)
-        self.pool.submit(self._drain, key)
-
-    def _drain(self, key) -> None:
-        buf = getattr(self.local, "buf", None)
-        if buf is None:
-            buf = self.local.buf = memoryview(bytearray(self.block))
-        while True:
-            with self.lock:
-                q = self.queues[key]
-                if not q or self.stopped:
-                    self.busy.discard(key)
-                    return
-                path, off, n = q.popleft()
-            try:
-                fd = self.fds.get(key)
-                if fd is None:
-                    fd = self.fds[key] = os.open(path, os.O_RDONLY)
-                st = self.stat.cached(fd, off, n)
-                if st >= n - 4096:
-                    continue
-                end = off + n
-                while off < end:
-                    got = os.preadv(fd, [buf[:min(self.block, end - off)]], off)
-                    if got <= 0:
-                        break
-                    off += got
-            except OSError:  # the job's own read reports it
-                continue
-
-    def close(self) -> None:
-        with self.lock:
-            self.stopped = True
-        self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def local_ranges(parts: list) -> list[tuple[str, int, int]]:
     """(path, offset, nbytes) of a job's local input ranges (inside casts too), ranges of one file that touch or
     overlap merged, in the order first read."""
@@ -140,21 +55,6 @@ def hinted(items: Iterable, parts_of: Callable, fd_of: Callable[[str], int]) -> 
     if not enabled():
         yield from items
         return
-    if os.environ.get("ZCKPT_READ_HINTS") == "read":
-        try:
-            ahead = _ReadAhead()
-        except (OSError, AttributeError):
-            ahead = None
-        if ahead is not None:
-            try:
-                for item in items:
-                    for path, off, n in local_ranges(parts_of(item)):
-                        if n > 0:
-                            ahead.add((path, id(item[0]) if isinstance(item, tuple) else 0), path, off, n)
-                    yield item
-            finally:
-                ahead.close()
-            return
     failed: set[str] = set()
     for item in items:
         for path, off, n in local_ranges(parts_of(item)):

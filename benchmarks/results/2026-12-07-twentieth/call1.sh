@@ -6,6 +6,8 @@
 #    source (as written; zckpt cold with read hints; with ZCKPT_READ_HINTS=read; one thread in order); after
 #    'written', both merges cold with ZCKPT_READ_HINTS=1, 0 and read in turn (3 rounds).
 #   OUT=$OUT bash benchmarks/results/2026-12-07-twentieth/call1.sh   (carry .whl)
+# ZCKPT_READ_HINTS=read (and the fill zcold-ahead) was an experiment in zckpt/engine/readahead.py at 30bbd79, reverted
+# after this call (no gain); at later commits run it with FILLS=written,zcold,seq1 COLD_AB=1,0.
 set -u
 S=$SECONDS
 export PYC=1

@@ -1,19 +1,12 @@
-# Twentieth session, call 2 (if call 1 finds ZCKPT_READ_HINTS=read worth it): every job cold with the read hints
-# (1) and with side threads reading ahead (read), alternated, COLD_ROUNDS rounds; then every job warm beside a
-# 16-thread copy of its output, with the variant read.
+# Twentieth session, calls 2 and 3 (the same warm machine as call 1, its checkpoint): every job warm beside a
+# 16-thread copy of its output, best of 3, then every job cold beside a 16-thread read of its source. Call 2 wrote
+# under $OUT/w and $OUT/c (its warm.json and warm.log did not come back: their table is in call2/output_tail.txt);
+# call 3 under /tmp, copied into $OUT.
 #   OUT=$OUT bash benchmarks/results/2026-12-07-twentieth/call2.sh   (carry .whl)
-set -u
-S=$SECONDS
-export PYC=1
-JOBS=merge-fp32-1GB REPEAT=0 PROFILE=0 COPIES=pcopy VARIANTS=";" TREES=head=. bash benchmarks/device_copybar.sh $OUT/w0 warm > $OUT/w0.out 2>&1
-echo "checkpoint ready at $((SECONDS-S)) s"
-ck=/tmp/zbench/z2_bf16_ws4_L26_H2048_V32000_F8192
-(export PYTHONPATH=/tmp/site:$PWD DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pyc
- unset PYTHONDONTWRITEBYTECODE
- python3 benchmarks/probe_fill.py --ckpt $ck --workdir /tmp/zbench --fills "" --jobs ${COLD_JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp} \
-   --cold-ab ${COLD_AB:-1,read} --cold-rounds ${COLD_ROUNDS:-3} --json-out $OUT/cold.json 2>&1 | tee $OUT/cold.log)
-echo "cold done at $((SECONDS-S)) s"
-timeout $(( ${LIMIT:-570} - (SECONDS-S) )) env REPEAT=${REPEAT:-3} PROFILE=0 COPIES=pcopy VARIANTS="read:ZCKPT_READ_HINTS=read" TREES=head=. \
-  bash benchmarks/device_copybar.sh $OUT/w warm > $OUT/w.out 2>&1
-grep -E "^\\|" $OUT/w/warm.log | tail -30
-echo "done at $((SECONDS-S)) s"
+S=$SECONDS; export PYC=1
+REPEAT=3 PROFILE=0 COPIES=pcopy VARIANTS=";" TREES=head=. timeout 400 bash benchmarks/device_copybar.sh /tmp/w3 warm > $OUT/w.out 2>&1
+cp /tmp/w3/warm.log /tmp/w3/warm.json /tmp/w3/host.log $OUT/
+grep -E "^\|" $OUT/warm.log | tail -12; echo "warm done at $((SECONDS-S)) s"
+MOE=0 TREES=head=. timeout $((540-(SECONDS-S))) bash benchmarks/device_copybar.sh /tmp/c3 cold > $OUT/c.out 2>&1
+cp /tmp/c3/cold.log /tmp/c3/cold.json $OUT/
+grep -E "cold" $OUT/cold.log | tail -8; echo "done at $((SECONDS-S)) s"
