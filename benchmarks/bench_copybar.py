@@ -27,7 +27,8 @@ output's bytes for merge-fp32-1GB; until the twentieth session the first such by
 moments) and write the output's bytes (the last 64 MiB of each range's reads written as the range): a copy
 that reads what the job reads, from the files it reads them from, and writes what it writes. (A copy of the output
 reads files zckpt has just written; the masters' files are in the page cache as DeepSpeed left them, which on the
-2-core box read a third slower: benchmarks/probe_pagecache.py, docs/benchmarks.md, issue 49, nineteenth session.)
+2-core box read a third slower, and on the lent host as fast: benchmarks/probe_pagecache.py, docs/benchmarks.md,
+issue 49, nineteenth and twentieth sessions.)
 
 **Cold** (``--cold``: after ``sync`` and ``echo 3 > /proc/sys/vm/drop_caches``, refused and said so when that is
 not allowed; then the interpreter, zckpt and what its jobs import (numpy, ml_dtypes, isal) imported once, so that
@@ -108,11 +109,13 @@ def interleaved(sizes: list[int], rng: int = RANGE) -> list[tuple[int, int, int]
 
 def masters_regions(optim: list[Path]) -> list[tuple[Path, int, int]]:
     """(file, offset, bytes) of the fp32 masters' storages in DeepSpeed ZeRO-1/2 optimizer files (what a merge reads),
-    found by zckpt's own reader of .pt files (no code executed)."""
+    found by zckpt's own reader of .pt files (no code executed); none where a file has no such masters."""
     from zckpt.encoding import safeload
     out = []
     for p in optim:
-        groups = safeload.load(str(p))["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        groups = safeload.load(str(p)).get("optimizer_state_dict", {}).get("single_partition_of_fp32_groups")
+        if not groups:  # not a ZeRO-1/2 file: no rwcopy (rather than a copy of other bytes under its name)
+            return []
         out += [(p, t.storage.offset, t.storage.nbytes) for t in groups]
     return out
 
@@ -341,7 +344,9 @@ def main(argv=None) -> int:
                         sync()
                         c[name] = fn()
                     factor = READ_FACTOR.get(job)
-                    if factor:
+                    if factor and not masters:
+                        print(f"  {job}: no ZeRO-1/2 fp32 masters found in the optimizer files: no rwcopy", flush=True)
+                    if factor and masters:
                         rm(copy)
                         sync()
                         c["rwcopy"] = parallel_copy(out, copy, args.threads, read_from=masters, read_factor=factor)
@@ -427,7 +432,8 @@ def main(argv=None) -> int:
         row = f"| {job} cold | zckpt {r['zckpt_s']:.2f}s | read what it reads {r['read_what_it_reads_s']:.2f}s | " \
               f"{ratios[-1]:.2f}x |"
         if len(runs) > 1:
-            row += f" {len(runs)} runs: median {statistics.median(ratios):.2f}x ({', '.join(f'{v:.2f}' for v in ratios)})"
+            each = ", ".join(f"{v:.2f}" for v in ratios)
+            row += f" {len(runs)} runs: median {statistics.median(ratios):.2f}x ({each})"
         print(row)
     save()
     return 0

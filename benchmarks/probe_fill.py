@@ -5,7 +5,9 @@ The masters' files of a DeepSpeed checkpoint are in the page cache as DeepSpeed 
 read them cold filled it; on the 2-core box a file filled by many threads' reads or by ``POSIX_FADV_WILLNEED`` reads
 back at half the rate of one filled by one thread reading in order (``benchmarks/probe_pagecache.py --loads``). This
 probe brings the source files of each job back by one FILL at a time, then runs each job warm beside a copy of its
-output (``pcopy``) and a copy that reads what it reads (``rwcopy``, merges only), as ``bench_copybar.py`` does.
+output (``pcopy``) and a copy that reads what it reads (``rwcopy``, merges only), as ``bench_copybar.py`` does. On
+the lent 16-core host the fills changed neither the files' read rate nor the merges (docs/benchmarks.md, issue 49,
+twentieth session).
 
 FILLs, in the order given (``written`` must come first: nothing is dropped before it):
 
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fills", default="written,seq1,zcold")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
-    ap.add_argument("--cold-ab", default="", help="ZCKPT_READ_HINTS values run cold in turn, before the fills")
+    ap.add_argument("--cold-ab", default="", help="ZCKPT_READ_HINTS values run cold in turn (after 'written')")
     ap.add_argument("--cold-rounds", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="where outputs and copies go (default: beside --ckpt)")
     ap.add_argument("--json-out", default=None)
@@ -132,6 +134,7 @@ def main(argv=None) -> int:
     env = env_for(ROOT)
     res: dict = {"checkpoint": str(ck), "threads": a.threads, "fills": {}}
     save = (lambda: Path(a.json_out).write_text(json.dumps(res, indent=1))) if a.json_out else (lambda: None)
+
     def masters_rate() -> float:
         return sum(m[2] for m in masters) / sum(m[2] / region_rate(*m) for m in masters) if masters else 0.0
 
@@ -184,7 +187,8 @@ def main(argv=None) -> int:
         rec["optim0_read_gbs"] = [region_rate(*masters[0]) for _ in range(3)] if masters else []
         print(f"== fill {fill}: {rec.get('fill_s', 0):.2f} s; {rec['resident']} (after the drop: "
               f"{rec.get('after_drop', '-')}); cold job {rec.get('cold_job', '-')}; one thread reads "
-              f"the masters of {optim[0].name if optim else '-'} at {' '.join(f'{v:.1f}' for v in rec['optim0_read_gbs'])} GB/s",
+              f"the masters of {optim[0].name if optim else '-'} at "
+              f"{' '.join(f'{v:.1f}' for v in rec['optim0_read_gbs'])} GB/s",
               flush=True)
         for job in jobs:
             cmd = [str(x) for x in JOBS[job](ck, ck)] + ["-o", str(out)]
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
                 rm(copy)
                 os.sync()
                 c["pcopy"] = parallel_copy(out, copy, a.threads)
-                if job in READ_FACTOR:
+                if job in READ_FACTOR and masters:  # (none: not a ZeRO-1/2 checkpoint, no rwcopy)
                     rm(copy)
                     os.sync()
                     c["rwcopy"] = parallel_copy(out, copy, a.threads, read_from=masters, read_factor=READ_FACTOR[job])
