@@ -273,7 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--cold-tree", default=None, help="the tree run cold (default: the last of --trees)")
     ap.add_argument("--cold-jobs", default=None, help="the jobs run cold (default: --jobs)")
-    ap.add_argument("--cold-rounds", type=int, default=1, help="rounds of the cold jobs (each run with its own read)")
+    ap.add_argument("--cold-rounds", type=int, default=None,
+                    help="rounds of the cold jobs, each run with its own read (default 1; with --cold)")
     ap.add_argument("--no-copies", action="store_true", help="zckpt only (no pcopy / cfr / cp -r)")
     ap.add_argument("--copies", default="pcopy,cfr,cp", help="which copies run beside zckpt (pcopy, cfr, cp)")
     ap.add_argument("--variants", default="")
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", default=None, help="name=DIR,...: the trees whose zckpt runs (default: this one)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
+    if args.cold_rounds is not None and (not args.cold or args.cold_rounds < 1):
+        ap.error("--cold-rounds: at least 1, and only with --cold")
+    args.cold_rounds = args.cold_rounds or 1
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     if args.ckpt:

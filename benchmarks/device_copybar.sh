@@ -3,8 +3,8 @@
 #   bash benchmarks/device_copybar.sh OUTDIR warm    # the 1.05B ZeRO-2 checkpoint (made by DeepSpeed if missing),
 #        every job beside a 16-thread copy of its output, cp -r and copy_file_range, best of REPEAT, each tree of
 #        TREES; the --workers 16 variant; then benchmarks/profile_lanes.py of each job in each tree
-#   bash benchmarks/device_copybar.sh OUTDIR cold    # each job (COLD_ROUNDS times) with the page cache dropped, beside a 16-thread
-#        read of its source; then the ~1B native-MoE checkpoint (DeepSpeed, ep 2, 4 ranks) and
+#   bash benchmarks/device_copybar.sh OUTDIR cold    # each job (COLD_ROUNDS times, default once) with the page cache
+#        dropped, beside a 16-thread read of its source; then the ~1B native-MoE checkpoint (DeepSpeed, ep 2, 4 ranks) and
 #        zckpt reshard --ep 4 -w 8 beside a copy of its output, peak RSS (benchmarks/bench_moe_ep.py)
 #   bash benchmarks/device_copybar.sh OUTDIR meta    # issue 49 item 1: zckpt info of a DCP folder and of a
 #        Megatron-Core save of META_CHUNKS chunks (default 100000,1000000) against pickle.load of each .metadata
@@ -105,8 +105,8 @@ case $step in meta)
   python3 benchmarks/bench_metadata.py --chunks '' --ds-world-sizes '' --info-chunks "$chunks" --info-files 64 \
     $mcore --json-out "$out/meta.json" 2>&1 | grep --line-buffered -v -E "UserWarning|warnings.warn" | tee "$out/meta.log" ;; esac
 case $step in cold)
-  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} --cold-rounds ${COLD_ROUNDS:-1} \
-    --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --json-out "$out/cold.json" 2>&1 \
+  python3 benchmarks/bench_copybar.py --workdir "$work" "${dims[@]}" --repeat 0 --trees "$trees" ${COLD---cold} \
+    ${COLD_ROUNDS:+--cold-rounds $COLD_ROUNDS} --jobs ${JOBS:-merge-fp32-1GB,merge-bf16,reshard-ws8,convert-dcp,convert-ds} --json-out "$out/cold.json" 2>&1 \
     | tee "$out/cold.log"
   rm -rf "$work"/*-dcp "$work/cb-out" "$work/cb-copy"
   df -h /tmp | tail -1 | tee -a "$out/host.log"

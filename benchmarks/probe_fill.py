@@ -50,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_copybar import (JOBS, READ_FACTOR, ROOT, env_for, masters_regions,  # noqa: E402
                                       parallel_copy, parallel_read, rm, run_job, source_files)
+from benchmarks.probe_pagecache import drop_pages, fill as fill_pages, read_rate  # noqa: E402
 
 FILLS = ("written", "seq1", "pread16", "zcold", "zcold-nohints")
 HINTS = {"zcold": {}, "zcold-nohints": {"ZCKPT_READ_HINTS": "0"}}
@@ -58,11 +59,7 @@ HINTS = {"zcold": {}, "zcold-nohints": {"ZCKPT_READ_HINTS": "0"}}
 def drop(files: list[Path]) -> None:
     os.sync()
     for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_pages(p)
 
 
 def resident(files: list[Path]) -> str:
@@ -79,29 +76,9 @@ def resident(files: list[Path]) -> str:
     return f"{res / max(size, 1):.1%} of {size / 1e9:.2f} GB resident"
 
 
-def region_rate(path: Path, start: int, nbytes: int, rng: int = 4 << 20) -> float:
-    """GB/s of one thread reading ``nbytes`` of ``path`` from ``start`` in ``rng`` reads."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = memoryview(bytearray(rng))
-        t = time.perf_counter()
-        for off in range(start, start + nbytes, rng):
-            os.preadv(fd, [buf[:min(rng, start + nbytes - off)]], off)
-        return nbytes / (time.perf_counter() - t) / 1e9
-    finally:
-        os.close(fd)
-
-
-def seq1(files: list[Path], rng: int = 4 << 20) -> None:
-    buf = memoryview(bytearray(rng))
+def seq1(files: list[Path]) -> None:
     for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            off = 0
-            while (got := os.preadv(fd, [buf], off)) > 0:
-                off += got
-        finally:
-            os.close(fd)
+        fill_pages(p, "pread1", 1)
 
 
 def main(argv=None) -> int:
@@ -112,7 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--cold-ab", default="", help="ZCKPT_READ_HINTS values run cold in turn (after 'written')")
-    ap.add_argument("--cold-rounds", type=int, default=3)
+    ap.add_argument("--cold-rounds", type=int, default=None, help="rounds of --cold-ab (default 3)")
     ap.add_argument("--workdir", default=None, help="where outputs and copies go (default: beside --ckpt)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args(argv)
@@ -122,6 +99,11 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown or unsupported: {', '.join(bad)} (jobs: {', '.join(j for j in JOBS if j != 'convert-ds')};"
                  f" fills: {', '.join(FILLS)})")
+    if a.repeat < 1:
+        ap.error("--repeat: at least 1 (the table gives medians of the runs)")
+    if a.cold_rounds is not None and (not a.cold_ab or a.cold_rounds < 1):
+        ap.error("--cold-rounds is the number (at least 1) of rounds of --cold-ab: give the ZCKPT_READ_HINTS values too")
+    a.cold_rounds = 3 if a.cold_rounds is None else a.cold_rounds
     if "written" in fills[1:]:
         ap.error("'written' can only be the first fill: every other one drops the files first")
     if not (ck / "latest").is_file():
@@ -136,7 +118,10 @@ def main(argv=None) -> int:
     save = (lambda: Path(a.json_out).write_text(json.dumps(res, indent=1))) if a.json_out else (lambda: None)
 
     def masters_rate() -> float:
-        return sum(m[2] for m in masters) / sum(m[2] / region_rate(*m) for m in masters) if masters else 0.0
+        """One thread's GB/s over every master region (0 where there are none)."""
+        if not masters:
+            return 0.0
+        return sum(m[2] for m in masters) / sum(m[2] / read_rate(m[0], start=m[1], nbytes=m[2]) for m in masters)
 
     cold_ab = [v for v in a.cold_ab.split(",") if v]
     res["cold_ab"] = []
@@ -184,7 +169,8 @@ def main(argv=None) -> int:
                 seq1(srcs)  # what the job did not read back (resident pages stay as the job left them)
             rec["fill_s"] = time.perf_counter() - t
         rec["resident"] = resident(srcs)
-        rec["optim0_read_gbs"] = [region_rate(*masters[0]) for _ in range(3)] if masters else []
+        m0 = masters[0] if masters else None
+        rec["optim0_read_gbs"] = [read_rate(m0[0], start=m0[1], nbytes=m0[2]) for _ in range(3)] if m0 else []
         print(f"== fill {fill}: {rec.get('fill_s', 0):.2f} s; {rec['resident']} (after the drop: "
               f"{rec.get('after_drop', '-')}); cold job {rec.get('cold_job', '-')}; one thread reads "
               f"the masters of {optim[0].name if optim else '-'} at "

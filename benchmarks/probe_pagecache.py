@@ -12,10 +12,11 @@ method, then FILE read three times by one thread, per method and round: ``pread1
 order), ``preadN`` (N threads, 4 MiB ranges dealt in turn, one shared descriptor: how zckpt's jobs read),
 ``ownN`` (the same ranges, each thread its own descriptor), ``runN`` (each thread its own descriptor and a
 contiguous Nth of the file, in order), ``willneed`` (``POSIX_FADV_WILLNEED`` of each 4 MiB range, then read: zckpt's
-read hints), ``mapN`` and ``hugeN``
-(N threads populating 4 MiB ranges of a read-only map, ``MADV_POPULATE_READ``; ``huge``: the map advised
-``MADV_HUGEPAGE`` first). As we read Linux's ``mm/readahead.c``, the kernel fills the cache in 4 KiB pages for
-reads it finds random and for WILLNEED, in large folios for a sequential reader; a copy out of small pages is slower.
+read hints), ``mapN`` and ``hugeN`` (N threads populating 4 MiB ranges of a read-only map, ``MADV_POPULATE_READ``;
+``huge``: the map advised ``MADV_HUGEPAGE`` first). As we read Linux's ``mm/readahead.c``, the kernel fills the cache
+in 4 KiB pages for reads it finds random and for WILLNEED, in large folios for a sequential reader; a copy out of
+small pages is slower. (On the lent 16-core host the fills differed by a few percent only: docs/benchmarks.md, issue
+49, twentieth session.)
 
 Otherwise each FILE (or the ``torch.save`` file) is first copied into ``--work`` with 64 MiB writes, then each round
 reads every file and its copy in 4 MiB ``preadv`` calls, warm, and prints GB/s per file as ``file/copy``. The copies
@@ -31,15 +32,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def read_rate(path: Path, rng: int = 4 << 20) -> float:
+def read_rate(path: Path, rng: int = 4 << 20, start: int = 0, nbytes: int | None = None) -> float:
+    """GB/s of one thread reading ``path`` (or ``nbytes`` of it from ``start``) in ``rng`` reads."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        n = os.fstat(fd).st_size
+        end = os.fstat(fd).st_size if nbytes is None else start + nbytes
         buf = memoryview(bytearray(rng))
         t = time.perf_counter()
-        for off in range(0, n, rng):
-            os.preadv(fd, [buf], off)
-        return n / (time.perf_counter() - t) / 1e9
+        for off in range(start, end, rng):
+            os.preadv(fd, [buf[:min(rng, end - off)]], off)
+        return (end - start) / (time.perf_counter() - t) / 1e9
     finally:
         os.close(fd)
 
@@ -55,7 +57,7 @@ def copy_big(src: Path, dst: Path, block: int = 64 << 20) -> None:
         os.close(fo)
 
 
-def _drop(path: Path) -> None:
+def drop_pages(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -63,7 +65,7 @@ def _drop(path: Path) -> None:
         os.close(fd)
 
 
-def _load(path: Path, method: str, threads: int, rng: int = 4 << 20) -> float:
+def fill(path: Path, method: str, threads: int, rng: int = 4 << 20) -> float:
     """Seconds to bring ``path``'s pages into the page cache by ``method`` (see ``--loads``)."""
     import mmap
     fd = os.open(path, os.O_RDONLY)
@@ -113,9 +115,9 @@ def loads(path: Path, threads: int, rounds: int) -> None:
                f"huge{threads}"]
     for r in range(rounds):
         for m in methods:
-            _drop(path)
+            drop_pages(path)
             k = 1 if m == "pread1" else threads
-            dt = _load(path, m, k)
+            dt = fill(path, m, k)
             rates = " ".join(f"{read_rate(path):.1f}" for _ in range(3))
             print(f"round {r} {m}: filled at {path.stat().st_size / dt / 1e9:.2f} GB/s; then read at {rates} GB/s",
                   flush=True)
